@@ -1,0 +1,171 @@
+//! Errors: [`Error`] for calls that fail at once, [`OpError`] for operations that fail later
+//! (delivered in a [`Completion`](crate::Completion)).
+
+use crate::types::{LocalKey, PeerId, RemoteKey};
+use std::sync::Arc;
+
+/// Why an operation failed, as reported in its completion (cheap to clone).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum OpError {
+    /// The target knows no region with this key (never registered, or deregistered).
+    #[error("remote key {0:?} is not valid at the target")]
+    RemoteKeyInvalid(RemoteKey),
+    /// The range falls outside the region.
+    #[error("range {offset}+{len} is outside the region of {region_len} bytes")]
+    OutOfBounds {
+        /// Requested offset.
+        offset: u64,
+        /// Requested length.
+        len: u64,
+        /// Length of the region.
+        region_len: u64,
+    },
+    /// The region was not registered with the access this operation needs.
+    #[error("the region does not allow this access")]
+    PermissionDenied,
+    /// The local key names no registered region.
+    #[error("local key {0:?} is not registered")]
+    LocalKeyInvalid(LocalKey),
+    /// The peer was removed while the operation was pending.
+    #[error("{0} was removed")]
+    PeerRemoved(PeerId),
+    /// The peer does not answer or its connection broke.
+    #[error("{peer} is unreachable: {reason}")]
+    PeerUnreachable {
+        /// The peer.
+        peer: PeerId,
+        /// What was observed.
+        reason: String,
+    },
+    /// The operation did not complete in time.
+    #[error("timed out")]
+    TimedOut,
+    /// A received message was longer than the posted receive buffer.
+    #[error("message of {len} bytes does not fit the {capacity}-byte receive buffer")]
+    Truncated {
+        /// Length of the message.
+        len: u64,
+        /// Size of the posted buffer.
+        capacity: u64,
+    },
+    /// The operation was cancelled (transport shut down, receive withdrawn).
+    #[error("cancelled")]
+    Cancelled,
+    /// The peer reported an error that has no variant here.
+    #[error("remote error: {0}")]
+    Remote(String),
+    /// A failure inside the transport, with its cause.
+    #[error("transport error: {0}")]
+    Transport(String),
+}
+
+impl OpError {
+    /// Whether retrying the same operation later may succeed (peer trouble, time-outs).
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            OpError::PeerUnreachable { .. } | OpError::TimedOut | OpError::Cancelled
+        )
+    }
+}
+
+/// Errors of calls into a transport or the engine that fail at once.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The peer address could not be parsed or belongs to another transport.
+    #[error("invalid peer address: {0}")]
+    InvalidAddress(String),
+    /// The peer is not (or no longer) known.
+    #[error("unknown peer {0}")]
+    UnknownPeer(PeerId),
+    /// An argument is out of range (length, offset, count).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// An operation was posted that could fail only one way; kept as a typed cause.
+    #[error(transparent)]
+    Op(#[from] OpError),
+    /// A memory region could not be used.
+    #[error("memory error: {0}")]
+    Memory(#[from] MemoryError),
+    /// An operating system call failed.
+    #[error("{call} failed")]
+    Io {
+        /// The call that failed.
+        call: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The backend failed in its own way (provider error and its text).
+    #[error("{call} failed: {message}")]
+    Backend {
+        /// The call that failed.
+        call: &'static str,
+        /// The provider's description.
+        message: String,
+        /// The provider's error, where it has one.
+        #[source]
+        source: Option<Arc<dyn std::error::Error + Send + Sync>>,
+    },
+    /// A wait ran out of time.
+    #[error("timed out after {0:?} waiting for {1}")]
+    TimedOut(std::time::Duration, &'static str),
+    /// The engine's worker is gone (shut down or panicked).
+    #[error("the engine worker has stopped")]
+    EngineStopped,
+    /// The feature is not supported by this backend.
+    #[error("not supported: {0}")]
+    Unsupported(String),
+}
+
+impl Error {
+    /// Shorthand for an [`Error::Io`].
+    pub fn io(call: &'static str, source: std::io::Error) -> Error {
+        Error::Io { call, source }
+    }
+
+    /// Whether retrying later may succeed.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Error::Op(e) => e.is_retryable(),
+            Error::TimedOut(..) => true,
+            Error::Io { source, .. } => matches!(
+                source.kind(),
+                std::io::ErrorKind::WouldBlock
+                    | std::io::ErrorKind::Interrupted
+                    | std::io::ErrorKind::TimedOut
+            ),
+            _ => false,
+        }
+    }
+}
+
+/// Errors of the memory layer (allocation, copies, device access).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum MemoryError {
+    /// The range falls outside the buffer.
+    #[error("range {offset}+{len} is outside the {size}-byte buffer")]
+    OutOfBounds {
+        /// Requested offset.
+        offset: u64,
+        /// Requested length.
+        len: u64,
+        /// Size of the buffer.
+        size: u64,
+    },
+    /// Allocation failed.
+    #[error("cannot allocate {0} bytes")]
+    Alloc(u64),
+    /// A device call failed.
+    #[error("device error: {0}")]
+    Device(String),
+    /// The memory cannot be used this way (e.g. device memory with no copy path).
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+}
+
+/// Result alias for fallible calls.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,41 @@
+//! # fabric-core
+//!
+//! The centre of `xfer`: identifier and descriptor types, the memory layer's
+//! [`MemoryRegion`] trait, the small [`Transport`] trait every backend implements,
+//! transfer planning ([`plan`]) and the transfer [`engine`].
+//!
+//! This crate has no sockets, no FFI and no CUDA. Backends live in their own crates
+//! (`transport-tcp`, `transport-efa`), and every backend runs the same conformance suite
+//! ([`testing`], feature `testing`).
+//!
+//! ```
+//! use fabric_core::{plan::{plan_transfer, Segment}, LocalKey, RemoteKey, RemoteRegion};
+//! let remote = RemoteRegion { addr: 0, len: 1 << 20, key: RemoteKey(7) };
+//! // Two pages adjacent on both sides merge into one write; a third stays apart.
+//! let segs = [
+//!     Segment { src: LocalKey(1), src_offset: 0, dst: remote, dst_offset: 4096, len: 4096 },
+//!     Segment { src: LocalKey(1), src_offset: 4096, dst: remote, dst_offset: 8192, len: 4096 },
+//!     Segment { src: LocalKey(1), src_offset: 65536, dst: remote, dst_offset: 0, len: 4096 },
+//! ];
+//! let plan = plan_transfer(&segs, 1 << 20).unwrap();
+//! assert_eq!(plan.writes.len(), 2);
+//! assert_eq!(plan.bytes, 3 * 4096);
+//! ```
+#![warn(missing_docs)]
+
+pub mod engine;
+pub mod error;
+pub mod memory;
+pub mod plan;
+#[cfg(feature = "testing")]
+pub mod testing;
+pub mod transport;
+pub mod types;
+
+pub use error::{Error, MemoryError, OpError, Result};
+pub use memory::{HostBuffer, MemoryLocation, MemoryRegion, SubRegion};
+pub use transport::{Completion, OpKind, PostOutcome, Transport, TransportLimits};
+pub use types::{
+    Access, LocalKey, LocalSlice, PeerId, Registration, RemoteKey, RemoteRegion, RemoteSlice,
+    WorkRequestId,
+};

@@ -1,0 +1,240 @@
+//! Transfer planning: pure functions from a list of segments to the writes to post.
+//!
+//! Planning coalesces neighbouring segments that are adjacent on both sides, splits what
+//! exceeds the transport's largest message, and shards the writes over rails by bytes.
+
+use crate::error::{Error, Result};
+use crate::memory::check_range;
+use crate::types::{LocalKey, LocalSlice, RemoteRegion, RemoteSlice};
+
+/// One piece of a transfer: `len` bytes from a local region to a remote one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Segment {
+    /// Local registered region.
+    pub src: LocalKey,
+    /// Offset in the local region.
+    pub src_offset: u64,
+    /// The peer's region.
+    pub dst: RemoteRegion,
+    /// Offset in the peer's region.
+    pub dst_offset: u64,
+    /// Bytes to move.
+    pub len: u64,
+}
+
+/// One write of a plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlannedWrite {
+    /// Source bytes.
+    pub src: LocalSlice,
+    /// Destination bytes.
+    pub dst: RemoteSlice,
+}
+
+/// The writes that carry one transfer.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TransferPlan {
+    /// Writes in posting order.
+    pub writes: Vec<PlannedWrite>,
+    /// Total bytes.
+    pub bytes: u64,
+}
+
+/// Plans `segments` for a transport whose largest write is `max_msg_size` bytes.
+///
+/// - zero-length segments are dropped;
+/// - a segment whose destination range leaves its remote region is an error (nothing is
+///   planned), as is one whose destination overlaps another segment's;
+/// - consecutive segments adjacent on both sides (same regions) are merged;
+/// - writes longer than `max_msg_size` are split.
+pub fn plan_transfer(segments: &[Segment], max_msg_size: u64) -> Result<TransferPlan> {
+    if max_msg_size == 0 {
+        return Err(Error::InvalidArgument("max_msg_size is 0".into()));
+    }
+    check_destinations(segments)?;
+    let mut merged: Vec<Segment> = Vec::with_capacity(segments.len());
+    for s in segments.iter().filter(|s| s.len > 0) {
+        if let Some(last) = merged.last_mut()
+            && last.src == s.src
+            && last.dst == s.dst
+            && last.src_offset + last.len == s.src_offset
+            && last.dst_offset + last.len == s.dst_offset
+        {
+            last.len += s.len;
+            continue;
+        }
+        merged.push(*s);
+    }
+    let mut plan = TransferPlan::default();
+    for s in merged {
+        let mut done = 0;
+        while done < s.len {
+            let n = (s.len - done).min(max_msg_size);
+            plan.writes.push(PlannedWrite {
+                src: LocalSlice {
+                    key: s.src,
+                    offset: s.src_offset + done,
+                    len: n,
+                },
+                dst: RemoteSlice {
+                    region: s.dst,
+                    offset: s.dst_offset + done,
+                    len: n,
+                },
+            });
+            done += n;
+        }
+        plan.bytes += s.len;
+    }
+    Ok(plan)
+}
+
+/// Rejects destination ranges outside their region, overflowing ranges, and overlaps.
+fn check_destinations(segments: &[Segment]) -> Result<()> {
+    let mut ranges: Vec<(u64, u64, u64, u64)> = Vec::with_capacity(segments.len());
+    for (i, s) in segments.iter().enumerate() {
+        check_range(s.dst_offset, s.len, s.dst.len).map_err(|_| {
+            Error::InvalidArgument(format!(
+                "segment {i}: destination {}+{} is outside the remote region of {} bytes",
+                s.dst_offset, s.len, s.dst.len
+            ))
+        })?;
+        s.src_offset.checked_add(s.len).ok_or_else(|| {
+            Error::InvalidArgument(format!("segment {i}: source range overflows"))
+        })?;
+        if s.len > 0 {
+            ranges.push((s.dst.key.0, s.dst.addr, s.dst_offset, i as u64));
+        }
+    }
+    ranges.sort_unstable();
+    for w in ranges.windows(2) {
+        let (a, b) = (&segments[w[0].3 as usize], &segments[w[1].3 as usize]);
+        if (w[0].0, w[0].1) == (w[1].0, w[1].1) && a.dst_offset + a.len > b.dst_offset {
+            return Err(Error::InvalidArgument(format!(
+                "segments {} and {} overlap at the destination ({}+{} and {}+{})",
+                w[0].3, w[1].3, a.dst_offset, a.len, b.dst_offset, b.len
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Splits `writes` over `rails` rails so that each rail carries about the same bytes.
+/// Writes stay whole (each is one contiguous operation); returns one list per rail.
+pub fn shard_by_bytes(writes: &[PlannedWrite], rails: usize) -> Vec<Vec<PlannedWrite>> {
+    let rails = rails.max(1);
+    let mut out: Vec<Vec<PlannedWrite>> = vec![Vec::new(); rails];
+    let mut load = vec![0u64; rails];
+    for w in writes {
+        // Greedy: the least-loaded rail (ties to the lowest index) takes the next write.
+        let (r, _) = load
+            .iter()
+            .enumerate()
+            .min_by_key(|&(i, &b)| (b, i))
+            .expect("rails >= 1");
+        out[r].push(*w);
+        load[r] += w.dst.len.max(1);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::RemoteKey;
+    use proptest::prelude::*;
+
+    fn region(key: u64, len: u64) -> RemoteRegion {
+        RemoteRegion {
+            addr: 0,
+            len,
+            key: RemoteKey(key),
+        }
+    }
+
+    fn seg(src: u64, dst: u64, len: u64) -> Segment {
+        Segment {
+            src: LocalKey(1),
+            src_offset: src,
+            dst: region(9, 1 << 20),
+            dst_offset: dst,
+            len,
+        }
+    }
+
+    #[test]
+    fn adjacent_segments_merge_and_big_ones_split() {
+        let p = plan_transfer(&[seg(0, 100, 10), seg(10, 110, 10), seg(50, 0, 25)], 16).unwrap();
+        let lens: Vec<u64> = p.writes.iter().map(|w| w.src.len).collect();
+        assert_eq!(lens, vec![16, 4, 16, 9]);
+        assert_eq!(p.writes[1].dst.offset, 116);
+        assert_eq!(p.bytes, 45);
+    }
+
+    #[test]
+    fn out_of_region_and_overlap_are_rejected() {
+        let e = plan_transfer(&[seg(0, (1 << 20) - 5, 10)], 64).unwrap_err();
+        assert!(e.to_string().contains("outside the remote region"), "{e}");
+        let e = plan_transfer(&[seg(0, 0, 10), seg(100, 5, 10)], 64).unwrap_err();
+        assert!(e.to_string().contains("overlap"), "{e}");
+        let e = plan_transfer(&[seg(u64::MAX - 1, 0, 10)], 64).unwrap_err();
+        assert!(e.to_string().contains("overflows"), "{e}");
+        assert!(plan_transfer(&[seg(0, u64::MAX, 2)], 64).is_err());
+    }
+
+    #[test]
+    fn zero_length_segments_vanish() {
+        let p = plan_transfer(&[seg(0, 0, 0), seg(0, 0, 0)], 64).unwrap();
+        assert!(p.writes.is_empty());
+        assert_eq!(p.bytes, 0);
+    }
+
+    #[test]
+    fn sharding_balances_bytes() {
+        let p = plan_transfer(&[seg(0, 0, 1000)], 100).unwrap();
+        let shards = shard_by_bytes(&p.writes, 3);
+        let bytes: Vec<u64> = shards
+            .iter()
+            .map(|s| s.iter().map(|w| w.dst.len).sum())
+            .collect();
+        assert_eq!(bytes.iter().sum::<u64>(), 1000);
+        assert!(bytes.iter().max().unwrap() - bytes.iter().min().unwrap() <= 100);
+    }
+
+    proptest! {
+        /// Every requested byte is covered exactly once, and lands at the right offset.
+        #[test]
+        fn plan_covers_every_byte_once(
+            pages in proptest::collection::vec((0u64..64, 1u64..300), 0..40),
+            max in 1u64..500,
+            rails in 1usize..5,
+        ) {
+            // Distinct destination pages of 512 bytes; source pages shuffled by index.
+            let mut used = std::collections::HashSet::new();
+            let segs: Vec<Segment> = pages.iter().enumerate()
+                .filter(|(_, (p, _))| used.insert(*p))
+                .map(|(i, &(p, len))| seg(i as u64 * 512, p * 512, len))
+                .collect();
+            let plan = plan_transfer(&segs, max).unwrap();
+            let mut covered = std::collections::HashMap::new();
+            for w in &plan.writes {
+                prop_assert!(w.src.len <= max && w.src.len > 0);
+                prop_assert_eq!(w.src.len, w.dst.len);
+                for b in 0..w.dst.len {
+                    let dst = w.dst.offset + b;
+                    prop_assert!(covered.insert(dst, w.src.offset + b).is_none(), "byte {} twice", dst);
+                }
+            }
+            let want: u64 = segs.iter().map(|s| s.len).sum();
+            prop_assert_eq!(covered.len() as u64, want);
+            prop_assert_eq!(plan.bytes, want);
+            for s in &segs {
+                for b in 0..s.len {
+                    prop_assert_eq!(covered[&(s.dst_offset + b)], s.src_offset + b);
+                }
+            }
+            let shards = shard_by_bytes(&plan.writes, rails);
+            prop_assert_eq!(shards.iter().map(Vec::len).sum::<usize>(), plan.writes.len());
+        }
+    }
+}

@@ -1,0 +1,669 @@
+//! The backend conformance suite (feature `testing`).
+//!
+//! Every backend runs the same cases through [`conformance_suite!`](crate::conformance_suite):
+//!
+//! ```ignore
+//! fabric_core::conformance_suite!(|| MyTransport::new().unwrap(), fabric_core::testing::SuiteOptions::default());
+//! ```
+//!
+//! Two transports are driven step by step from one thread (no sleeps): each step polls both.
+#![allow(missing_docs)]
+#![allow(clippy::missing_panics_doc)]
+
+use crate::memory::{HostBuffer, SubRegion};
+use crate::transport::{Completion, OpKind, PostOutcome, Transport};
+use crate::types::{Access, LocalSlice, PeerId, Registration, RemoteSlice, WorkRequestId};
+use crate::{Error, OpError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How strict the suite is with a backend.
+#[derive(Clone, Copy, Debug)]
+pub struct SuiteOptions {
+    /// The backend reports the exact cause of remote failures (key, bounds, permission).
+    /// Providers that only say "remote access error" set this to false; the case still
+    /// requires an error completion and untouched memory.
+    pub exact_remote_errors: bool,
+    /// The backend can deliver a SEND that arrived before its receive was posted.
+    pub buffers_unexpected_sends: bool,
+    /// The backend enforces the REMOTE_WRITE permission (some software providers do not).
+    pub enforces_permissions: bool,
+    /// How long any one wait may take.
+    pub timeout: Duration,
+    /// Operations in flight for the "many" case.
+    pub many: usize,
+}
+
+impl Default for SuiteOptions {
+    fn default() -> Self {
+        SuiteOptions {
+            exact_remote_errors: true,
+            buffers_unexpected_sends: true,
+            enforces_permissions: true,
+            timeout: Duration::from_secs(20),
+            many: 5000,
+        }
+    }
+}
+
+/// Two connected transports driven from one thread.
+pub struct Pair<T: Transport> {
+    pub a: T,
+    pub b: T,
+    /// `b` as known to `a`.
+    pub b_at_a: PeerId,
+    /// Completions seen so far on each side, not yet taken.
+    pub done_a: Vec<Completion>,
+    pub done_b: Vec<Completion>,
+    pub opts: SuiteOptions,
+}
+
+/// A registered host buffer with canary bytes on both sides of the registered window.
+pub struct Canaried {
+    pub buf: Arc<HostBuffer>,
+    pub reg: Registration,
+    pub len: u64,
+}
+
+pub const CANARY: u8 = 0xCA;
+const GUARD: u64 = 4096;
+
+impl Canaried {
+    pub fn new<T: Transport>(t: &mut T, len: u64, access: Access, fill: u8) -> Canaried {
+        let buf = HostBuffer::new_shared((len + 2 * GUARD) as usize).unwrap();
+        buf.fill(0, len + 2 * GUARD, CANARY).unwrap();
+        buf.fill(GUARD, len, fill).unwrap();
+        let sub = SubRegion::new(buf.clone(), GUARD, len).unwrap();
+        let reg = t.register(Arc::new(sub), access).expect("register");
+        Canaried { buf, reg, len }
+    }
+    pub fn read(&self, offset: u64, len: usize) -> Vec<u8> {
+        self.buf.to_vec(GUARD + offset, len).unwrap()
+    }
+    pub fn write(&self, offset: u64, data: &[u8]) {
+        self.buf.write(GUARD + offset, data).unwrap()
+    }
+    pub fn assert_canaries(&self) {
+        let before = self.buf.to_vec(0, GUARD as usize).unwrap();
+        let after = self.buf.to_vec(GUARD + self.len, GUARD as usize).unwrap();
+        assert!(
+            before.iter().all(|&b| b == CANARY),
+            "bytes before the region changed"
+        );
+        assert!(
+            after.iter().all(|&b| b == CANARY),
+            "bytes after the region changed"
+        );
+    }
+    pub fn local(&self, offset: u64, len: u64) -> LocalSlice {
+        LocalSlice {
+            key: self.reg.local,
+            offset,
+            len,
+        }
+    }
+    pub fn remote(&self, offset: u64, len: u64) -> RemoteSlice {
+        RemoteSlice {
+            region: self.reg.remote,
+            offset,
+            len,
+        }
+    }
+}
+
+/// A deterministic byte pattern.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+impl<T: Transport> Pair<T> {
+    pub fn new(make: &dyn Fn() -> T, opts: SuiteOptions) -> Pair<T> {
+        let mut a = make();
+        let b = make();
+        let b_at_a = a.add_peer(&b.address()).expect("add_peer");
+        Pair {
+            a,
+            b,
+            b_at_a,
+            done_a: Vec::new(),
+            done_b: Vec::new(),
+            opts,
+        }
+    }
+
+    /// Polls both sides once.
+    pub fn step(&mut self) {
+        self.a.poll(&mut self.done_a).expect("poll a");
+        self.b.poll(&mut self.done_b).expect("poll b");
+    }
+
+    /// Polls until `cond` holds; panics after the suite's timeout.
+    pub fn until(&mut self, what: &str, mut cond: impl FnMut(&Self) -> bool) {
+        let deadline = Instant::now() + self.opts.timeout;
+        while !cond(self) {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            self.step();
+        }
+    }
+
+    /// Waits until side a has `n` completions, then takes them.
+    pub fn take_a(&mut self, n: usize, what: &str) -> Vec<Completion> {
+        self.until(what, |p| p.done_a.len() >= n);
+        self.done_a.drain(..n).collect()
+    }
+
+    /// Waits until side b has `n` completions, then takes them.
+    pub fn take_b(&mut self, n: usize, what: &str) -> Vec<Completion> {
+        self.until(what, |p| p.done_b.len() >= n);
+        self.done_b.drain(..n).collect()
+    }
+
+    /// Posts on side a, retrying (after polling both sides) while the transport has no room.
+    pub fn post_a(&mut self, mut f: impl FnMut(&mut T) -> crate::Result<PostOutcome>) {
+        let deadline = Instant::now() + self.opts.timeout;
+        loop {
+            match f(&mut self.a).expect("post on a") {
+                PostOutcome::Posted => return,
+                PostOutcome::NoRoom => {
+                    assert!(Instant::now() < deadline, "no room for too long");
+                    self.step();
+                }
+            }
+        }
+    }
+
+    /// Posts on side b, retrying while the transport has no room.
+    pub fn post_b(&mut self, mut f: impl FnMut(&mut T) -> crate::Result<PostOutcome>) {
+        let deadline = Instant::now() + self.opts.timeout;
+        loop {
+            match f(&mut self.b).expect("post on b") {
+                PostOutcome::Posted => return,
+                PostOutcome::NoRoom => {
+                    assert!(Instant::now() < deadline, "no room for too long");
+                    self.step();
+                }
+            }
+        }
+    }
+
+    /// Writes `src` into `dst` from a to b and returns a's completion.
+    pub fn write_once(
+        &mut self,
+        src: LocalSlice,
+        dst: RemoteSlice,
+        imm: Option<u32>,
+    ) -> Completion {
+        let peer = self.b_at_a;
+        self.post_a(|t| t.post_write(peer, WorkRequestId(77), src, dst, imm));
+        let c = self.take_a(1, "write completion").remove(0);
+        assert_eq!(c.wr_id, WorkRequestId(77));
+        assert_eq!(c.op, OpKind::Write);
+        c
+    }
+}
+
+fn wr(i: usize) -> WorkRequestId {
+    WorkRequestId(1000 + i as u64)
+}
+
+/// SEND/RECV: lengths, contents, immediate data and order per peer.
+pub fn send_recv_order_and_lengths<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
+    let mut p = Pair::new(make, opts);
+    let src = Canaried::new(&mut p.a, 4096, Access::NONE, 0);
+    let dst = Canaried::new(&mut p.b, 8 * 256, Access::LOCAL_WRITE, 0);
+    let lens = [0u64, 1, 50, 256, 77, 200, 3, 255];
+    for i in 0..lens.len() {
+        p.post_b(|t| t.post_recv(wr(i), dst.local(i as u64 * 256, 256)));
+    }
+    for (i, &len) in lens.iter().enumerate() {
+        src.write(i as u64 * 300, &pattern(i as u64, len as usize));
+        let peer = p.b_at_a;
+        let imm = (i % 2 == 0).then_some(0xABC0_0000 + i as u32);
+        p.post_a(|t| t.post_send(peer, wr(i), src.local(i as u64 * 300, len), imm));
+    }
+    let sends = p.take_a(lens.len(), "send completions");
+    let mut send_ids: Vec<_> = sends.iter().map(|c| c.wr_id).collect();
+    send_ids.sort();
+    assert_eq!(send_ids, (0..lens.len()).map(wr).collect::<Vec<_>>());
+    assert!(
+        sends
+            .iter()
+            .all(|c| c.op == OpKind::Send && c.result.is_ok()),
+        "{sends:?}"
+    );
+    let recvs = p.take_b(lens.len(), "recv completions");
+    for (i, c) in recvs.iter().enumerate() {
+        assert_eq!(c.op, OpKind::Recv);
+        assert_eq!(c.wr_id, wr(i), "receives complete in posting order");
+        assert_eq!(c.result, Ok(lens[i]), "length of message {i}");
+        assert_eq!(
+            c.imm,
+            (i % 2 == 0).then_some(0xABC0_0000 + i as u32),
+            "imm of message {i}"
+        );
+        assert_eq!(
+            dst.read(i as u64 * 256, lens[i] as usize),
+            pattern(i as u64, lens[i] as usize)
+        );
+    }
+    dst.assert_canaries();
+}
+
+/// A SEND that arrives before any receive is posted is delivered once one is.
+pub fn send_before_recv_is_posted<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
+    if !opts.buffers_unexpected_sends {
+        eprintln!("skipped: this backend does not buffer unexpected sends (SuiteOptions)");
+        return;
+    }
+    let mut p = Pair::new(make, opts);
+    let src = Canaried::new(&mut p.a, 1024, Access::NONE, 0);
+    let dst = Canaried::new(&mut p.b, 1024, Access::LOCAL_WRITE, 0);
+    src.write(0, &pattern(5, 1000));
+    let peer = p.b_at_a;
+    p.post_a(|t| t.post_send(peer, wr(0), src.local(0, 1000), Some(9)));
+    for _ in 0..2000 {
+        p.step();
+    }
+    assert!(
+        p.done_b.is_empty(),
+        "no receive is posted, yet b completed {:?}",
+        p.done_b
+    );
+    p.post_b(|t| t.post_recv(wr(1), dst.local(0, 1024)));
+    let r = p.take_b(1, "late receive").remove(0);
+    assert_eq!(r.result, Ok(1000));
+    assert_eq!(r.imm, Some(9));
+    assert_eq!(dst.read(0, 1000), pattern(5, 1000));
+    let s = p.take_a(1, "send completion").remove(0);
+    assert!(s.result.is_ok(), "{s:?}");
+}
+
+/// A message longer than the posted buffer fails the receive with `Truncated`, without
+/// writing past the buffer.
+pub fn recv_too_small_is_truncated<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
+    let mut p = Pair::new(make, opts);
+    let src = Canaried::new(&mut p.a, 1024, Access::NONE, 0x11);
+    let dst = Canaried::new(&mut p.b, 100, Access::LOCAL_WRITE, 0);
+    p.post_b(|t| t.post_recv(wr(0), dst.local(0, 100)));
+    let peer = p.b_at_a;
+    p.post_a(|t| t.post_send(peer, wr(0), src.local(0, 1000), None));
+    let r = p.take_b(1, "truncated receive").remove(0);
+    assert!(
+        r.result.is_err(),
+        "a 1000-byte message fit a 100-byte buffer: {r:?}"
+    );
+    if opts.exact_remote_errors {
+        assert_eq!(
+            r.result,
+            Err(OpError::Truncated {
+                len: 1000,
+                capacity: 100
+            })
+        );
+    }
+    dst.assert_canaries();
+    let _ = p.take_a(1, "send completion");
+}
+
+/// WRITE without immediate data: bytes land, the target sees no completion.
+pub fn write_without_imm<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
+    let mut p = Pair::new(make, opts);
+    let src = Canaried::new(&mut p.a, 64 * 1024, Access::NONE, 0);
+    let dst = Canaried::new(&mut p.b, 64 * 1024, Access::REMOTE_WRITE, 0);
+    let data = pattern(42, 64 * 1024);
+    src.write(0, &data);
+    for (i, (off, len)) in [(0u64, 4096u64), (10_000, 1), (30_000, 30_000)]
+        .into_iter()
+        .enumerate()
+    {
+        let c = p.write_once(src.local(off, len), dst.remote(off, len), None);
+        assert_eq!(c.result, Ok(len), "write {i}");
+        assert_eq!(
+            dst.read(off, len as usize),
+            data[off as usize..(off + len) as usize]
+        );
+    }
+    assert_eq!(
+        dst.read(4096, 100),
+        vec![0; 100],
+        "bytes between writes untouched"
+    );
+    for _ in 0..100 {
+        p.step();
+    }
+    assert!(
+        p.done_b.is_empty(),
+        "writes without imm must not complete at the target"
+    );
+    dst.assert_canaries();
+}
+
+/// WRITE with immediate data: the target's completion carries it, after the bytes landed.
+pub fn write_with_imm<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
+    let mut p = Pair::new(make, opts);
+    let src = Canaried::new(&mut p.a, 1 << 20, Access::NONE, 0);
+    let dst = Canaried::new(&mut p.b, 1 << 20, Access::REMOTE_WRITE, 0);
+    let data = pattern(7, 1 << 20);
+    src.write(0, &data);
+    let peer = p.b_at_a;
+    p.post_a(|t| {
+        t.post_write(
+            peer,
+            wr(0),
+            src.local(0, 1 << 20),
+            dst.remote(0, 1 << 20),
+            Some(0xDEAD_BEEF),
+        )
+    });
+    let r = p.take_b(1, "remote write completion").remove(0);
+    assert_eq!(r.op, OpKind::RemoteWrite);
+    assert_eq!(r.imm, Some(0xDEAD_BEEF));
+    assert!(r.result.is_ok(), "{r:?}");
+    assert!(
+        dst.read(0, 1 << 20) == data,
+        "bytes had not landed when the imm arrived"
+    );
+    let c = p.take_a(1, "write completion").remove(0);
+    assert_eq!(c.result, Ok(1 << 20));
+    dst.assert_canaries();
+}
+
+fn assert_remote_error(c: &Completion, exact: bool, want: impl Fn(&OpError) -> bool, what: &str) {
+    match &c.result {
+        Ok(_) => panic!("{what}: the write succeeded"),
+        Err(e) if exact => assert!(want(e), "{what}: wrong error {e:?}"),
+        Err(_) => {}
+    }
+}
+
+/// A wrong remote key fails the write at the initiator; the target is untouched.
+pub fn bad_remote_key_fails<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
+    let mut p = Pair::new(make, opts);
+    let src = Canaried::new(&mut p.a, 4096, Access::NONE, 0x55);
+    let dst = Canaried::new(&mut p.b, 4096, Access::REMOTE_WRITE, 0);
+    let mut bad = dst.remote(0, 4096);
+    bad.region.key.0 ^= 0x5A5A_0000_0001;
+    let c = p.write_once(src.local(0, 4096), bad, Some(1));
+    assert_remote_error(
+        &c,
+        opts.exact_remote_errors,
+        |e| matches!(e, OpError::RemoteKeyInvalid(_)),
+        "bad key",
+    );
+    assert_eq!(dst.read(0, 4096), vec![0; 4096]);
+    dst.assert_canaries();
+    // The connection still works afterwards.
+    let c = p.write_once(src.local(0, 4096), dst.remote(0, 4096), None);
+    assert_eq!(c.result, Ok(4096));
+    assert_eq!(dst.read(0, 4096), vec![0x55; 4096]);
+    assert!(
+        p.done_b.iter().all(|c| c.op != OpKind::RemoteWrite),
+        "failed write delivered imm"
+    );
+}
+
+/// A write past the end of the region fails; nothing outside (or inside) changes.
+pub fn out_of_bounds_write_fails<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
+    let mut p = Pair::new(make, opts);
+    let src = Canaried::new(&mut p.a, 8192, Access::NONE, 0x66);
+    let dst = Canaried::new(&mut p.b, 4096, Access::REMOTE_WRITE, 0);
+    let mut oob = dst.remote(4000, 200);
+    oob.len = 200;
+    let c = p.write_once(src.local(0, 200), oob, None);
+    assert_remote_error(
+        &c,
+        opts.exact_remote_errors,
+        |e| matches!(e, OpError::OutOfBounds { .. }),
+        "oob",
+    );
+    let mut huge = dst.remote(u64::MAX - 10, 100);
+    huge.len = 100;
+    let c = p.write_once(src.local(0, 100), huge, None);
+    assert_remote_error(
+        &c,
+        opts.exact_remote_errors,
+        |e| matches!(e, OpError::OutOfBounds { .. }),
+        "overflowing offset",
+    );
+    assert_eq!(dst.read(0, 4096), vec![0; 4096]);
+    dst.assert_canaries();
+}
+
+/// A write into a region registered without REMOTE_WRITE fails.
+pub fn write_without_permission_fails<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
+    if !opts.enforces_permissions {
+        eprintln!("skipped: this backend does not enforce remote-write permission (SuiteOptions)");
+        return;
+    }
+    let mut p = Pair::new(make, opts);
+    let src = Canaried::new(&mut p.a, 4096, Access::NONE, 0x77);
+    let dst = Canaried::new(&mut p.b, 4096, Access::LOCAL_WRITE, 0);
+    let c = p.write_once(src.local(0, 4096), dst.remote(0, 4096), None);
+    assert_remote_error(
+        &c,
+        opts.exact_remote_errors,
+        |e| matches!(e, OpError::PermissionDenied),
+        "permission",
+    );
+    assert_eq!(dst.read(0, 4096), vec![0; 4096]);
+    dst.assert_canaries();
+}
+
+/// A write with the key of a deregistered region fails.
+pub fn write_after_deregister_fails<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
+    let mut p = Pair::new(make, opts);
+    let src = Canaried::new(&mut p.a, 4096, Access::NONE, 0x77);
+    let dst = Canaried::new(&mut p.b, 4096, Access::REMOTE_WRITE, 0);
+    let c = p.write_once(src.local(0, 16), dst.remote(0, 16), None);
+    assert_eq!(c.result, Ok(16));
+    p.b.deregister(dst.reg.local).expect("deregister");
+    let c = p.write_once(src.local(0, 4096), dst.remote(0, 4096), None);
+    assert_remote_error(
+        &c,
+        opts.exact_remote_errors,
+        |e| matches!(e, OpError::RemoteKeyInvalid(_)),
+        "stale key",
+    );
+    assert_eq!(dst.read(16, 4080), vec![0; 4080]);
+    dst.assert_canaries();
+    assert!(
+        p.b.deregister(dst.reg.local).is_err(),
+        "double deregistration must fail"
+    );
+}
+
+/// Local mistakes fail the post call itself, with nothing posted.
+pub fn local_errors_fail_at_post<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
+    let mut p = Pair::new(make, opts);
+    let src = Canaried::new(&mut p.a, 4096, Access::NONE, 0);
+    let dst = Canaried::new(&mut p.b, 4096, Access::REMOTE_WRITE, 0);
+    let peer = p.b_at_a;
+    let mut bogus = src.local(0, 16);
+    bogus.key.0 += 1000;
+    assert!(
+        p.a.post_write(peer, wr(0), bogus, dst.remote(0, 16), None)
+            .is_err(),
+        "unknown local key"
+    );
+    assert!(
+        p.a.post_write(peer, wr(0), src.local(4090, 16), dst.remote(0, 16), None)
+            .is_err(),
+        "local oob"
+    );
+    assert!(
+        p.a.post_write(peer, wr(0), src.local(0, 16), dst.remote(0, 32), None)
+            .is_err(),
+        "length mismatch"
+    );
+    assert!(
+        p.a.post_send(PeerId(999_999), wr(0), src.local(0, 16), None)
+            .is_err(),
+        "unknown peer"
+    );
+    assert!(
+        p.a.post_recv(wr(0), src.local(0, 16)).is_err(),
+        "receive into a region without LOCAL_WRITE"
+    );
+    assert!(
+        matches!(
+            p.a.add_peer(b"\xff\x00garbage"),
+            Err(Error::InvalidAddress(_))
+        ),
+        "malformed address"
+    );
+    for _ in 0..100 {
+        p.step();
+    }
+    assert!(
+        p.done_a.is_empty(),
+        "rejected posts must not complete: {:?}",
+        p.done_a
+    );
+}
+
+/// Removing a peer with operations in flight completes every one of them (success or
+/// `PeerRemoved`), and later posts to it fail.
+pub fn remove_peer_with_ops_in_flight<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
+    let mut p = Pair::new(make, opts);
+    let n = 64;
+    let src = Canaried::new(&mut p.a, 64 * 1024, Access::NONE, 0x42);
+    let dst = Canaried::new(&mut p.b, 64 * 1024 * n, Access::REMOTE_WRITE, 0);
+    let peer = p.b_at_a;
+    let mut posted = 0;
+    for i in 0..n as usize {
+        match p.a.post_write(
+            peer,
+            wr(i),
+            src.local(0, 65536),
+            dst.remote(i as u64 * 65536, 65536),
+            None,
+        ) {
+            Ok(PostOutcome::Posted) => posted += 1,
+            Ok(PostOutcome::NoRoom) => break,
+            Err(e) => panic!("post {i}: {e}"),
+        }
+    }
+    assert!(posted > 0);
+    p.a.remove_peer(peer).expect("remove_peer");
+    let done = p.take_a(posted, "completions of all posted writes");
+    for c in &done {
+        match &c.result {
+            Ok(_) | Err(OpError::PeerRemoved(_)) => {}
+            Err(e) => panic!("unexpected error after removal: {e:?}"),
+        }
+    }
+    let mut ids: Vec<_> = done.iter().map(|c| c.wr_id).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), posted, "every write completes exactly once");
+    assert!(
+        p.a.post_write(peer, wr(0), src.local(0, 1), dst.remote(0, 1), None)
+            .is_err()
+    );
+    assert!(p.a.remove_peer(peer).is_err(), "removing twice must fail");
+    // The same address can be added again and works.
+    let again = p.a.add_peer(&p.b.address()).expect("re-add");
+    p.b_at_a = again;
+    let c = p.write_once(src.local(0, 100), dst.remote(0, 100), None);
+    assert_eq!(c.result, Ok(100));
+    dst.assert_canaries();
+}
+
+/// Thousands of operations in flight, all complete and land.
+pub fn many_operations_in_flight<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
+    let mut p = Pair::new(make, opts);
+    let n = opts.many;
+    let page = 1024u64;
+    let src = Canaried::new(&mut p.a, page * n as u64, Access::NONE, 0);
+    let dst = Canaried::new(&mut p.b, page * n as u64, Access::REMOTE_WRITE, 0);
+    let data = pattern(99, (page * n as u64) as usize);
+    src.write(0, &data);
+    let peer = p.b_at_a;
+    let mut done = Vec::new();
+    for i in 0..n {
+        // Reverse order on the target, so that nothing is accidentally contiguous.
+        let j = (n - 1 - i) as u64;
+        let imm = (i == n - 1).then_some(5u32);
+        p.post_a(|t| {
+            t.post_write(
+                peer,
+                wr(i),
+                src.local(j * page, page),
+                dst.remote(j * page, page),
+                imm,
+            )
+        });
+        done.append(&mut p.done_a);
+    }
+    let rest = n - done.len();
+    done.extend(p.take_a(rest, "all write completions"));
+    assert!(
+        done.iter().all(|c| c.result == Ok(page)),
+        "all writes succeed"
+    );
+    let mut ids: Vec<_> = done.iter().map(|c| c.wr_id.0).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), n);
+    let r = p.take_b(1, "imm of the last write").remove(0);
+    assert_eq!(r.imm, Some(5));
+    assert!(dst.read(0, data.len()) == data, "target bytes differ");
+    dst.assert_canaries();
+}
+
+/// Zero-length writes and sends work, and so does a large write.
+pub fn zero_and_large_segments<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
+    let mut p = Pair::new(make, opts);
+    let big = p.a.limits().max_msg_size.min(16 << 20);
+    let src = Canaried::new(&mut p.a, big, Access::NONE, 0);
+    let dst = Canaried::new(&mut p.b, big, Access::REMOTE_WRITE | Access::LOCAL_WRITE, 0);
+    let data = pattern(3, big as usize);
+    src.write(0, &data);
+    let c = p.write_once(src.local(0, 0), dst.remote(0, 0), Some(11));
+    assert_eq!(c.result, Ok(0));
+    let r = p.take_b(1, "zero-length write's imm").remove(0);
+    assert_eq!((r.op, r.imm), (OpKind::RemoteWrite, Some(11)));
+    let c = p.write_once(src.local(0, big), dst.remote(0, big), None);
+    assert_eq!(c.result, Ok(big));
+    assert!(
+        dst.read(0, big as usize) == data,
+        "large write landed wrong"
+    );
+    p.post_b(|t| t.post_recv(wr(1), dst.local(0, 16)));
+    let peer = p.b_at_a;
+    p.post_a(|t| t.post_send(peer, wr(2), src.local(0, 0), None));
+    let r = p.take_b(1, "zero-length receive").remove(0);
+    assert_eq!(r.result, Ok(0));
+    dst.assert_canaries();
+}
+
+/// Generates one `#[test]` per conformance case for a backend.
+///
+/// `$make` is an expression of type `impl Fn() -> T`; `$opts` a [`SuiteOptions`].
+#[macro_export]
+macro_rules! conformance_suite {
+    ($make:expr, $opts:expr) => {
+        $crate::conformance_suite!(@cases $make, $opts;
+            send_recv_order_and_lengths, send_before_recv_is_posted, recv_too_small_is_truncated,
+            write_without_imm, write_with_imm, bad_remote_key_fails, out_of_bounds_write_fails,
+            write_without_permission_fails, write_after_deregister_fails, local_errors_fail_at_post,
+            remove_peer_with_ops_in_flight, many_operations_in_flight, zero_and_large_segments);
+    };
+    (@cases $make:expr, $opts:expr; $($case:ident),*) => {
+        $(
+            #[test]
+            fn $case() {
+                let make = $make;
+                $crate::testing::$case(&make, $opts);
+            }
+        )*
+    };
+}

@@ -1,0 +1,131 @@
+//! The [`Transport`] trait: register memory, post operations, poll completions.
+
+use crate::error::{OpError, Result};
+use crate::memory::MemoryRegion;
+use crate::types::{
+    Access, LocalKey, LocalSlice, PeerId, Registration, RemoteSlice, WorkRequestId,
+};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// What a post call did. "No room now" is expected, never an error: poll, then post again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[must_use]
+pub enum PostOutcome {
+    /// The operation was accepted; a completion will follow.
+    Posted,
+    /// The transport's queues are full; nothing was taken. Poll, then retry.
+    NoRoom,
+}
+
+/// The kind of operation a completion reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum OpKind {
+    /// A local SEND finished (delivered into a posted receive at the peer).
+    Send,
+    /// A local receive was filled.
+    Recv,
+    /// A local WRITE was placed in the peer's memory.
+    Write,
+    /// A peer's WRITE with immediate data landed in our memory (no local work request:
+    /// `wr_id` is [`WorkRequestId(0)`](WorkRequestId)).
+    RemoteWrite,
+}
+
+/// One finished operation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Completion {
+    /// The work-request id given at post time (0 for [`OpKind::RemoteWrite`]).
+    pub wr_id: WorkRequestId,
+    /// What finished.
+    pub op: OpKind,
+    /// Bytes moved on success, or why it failed.
+    pub result: std::result::Result<u64, OpError>,
+    /// The peer involved, where known (the sender of a received message or remote write).
+    pub peer: Option<PeerId>,
+    /// Immediate data carried by the message or write, if any.
+    pub imm: Option<u32>,
+}
+
+impl Completion {
+    /// Whether it succeeded.
+    pub fn is_ok(&self) -> bool {
+        self.result.is_ok()
+    }
+}
+
+/// What a backend can do, for the planner and the engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TransportLimits {
+    /// Largest single message or write, in bytes.
+    pub max_msg_size: u64,
+    /// Operations the transport accepts before it answers [`PostOutcome::NoRoom`] (a hint).
+    pub max_outstanding: usize,
+    /// Whether immediate data is supported on writes.
+    pub write_imm: bool,
+}
+
+/// A reliable, connectionless-looking transport with RDMA semantics.
+///
+/// Call order: create (in the thread that will poll it), [`register`](Transport::register)
+/// memory, [`add_peer`](Transport::add_peer) with an address obtained out of band, post
+/// operations, and [`poll`](Transport::poll) until their completions arrive. Every post
+/// returns at once. The transport makes progress only inside `poll` (and `wait`), so a
+/// target must keep polling for peers' writes to land.
+pub trait Transport: Send + 'static {
+    /// A short name of the backend ("tcp", "efa", "mem").
+    fn name(&self) -> &'static str;
+
+    /// The address peers pass to [`add_peer`](Transport::add_peer).
+    fn address(&self) -> Vec<u8>;
+
+    /// Limits of this backend.
+    fn limits(&self) -> TransportLimits;
+
+    /// Adds a peer by address. Connection set-up may continue inside `poll`.
+    fn add_peer(&mut self, address: &[u8]) -> Result<PeerId>;
+
+    /// Removes a peer: its pending operations complete with [`OpError::PeerRemoved`].
+    fn remove_peer(&mut self, peer: PeerId) -> Result<()>;
+
+    /// Registers memory. The transport keeps `mem` alive until it is deregistered and
+    /// no operation uses it any more.
+    fn register(&mut self, mem: Arc<dyn MemoryRegion>, access: Access) -> Result<Registration>;
+
+    /// Deregisters memory: peers' later accesses with its key fail.
+    fn deregister(&mut self, key: LocalKey) -> Result<()>;
+
+    /// Sends `src` to a receive the peer has posted (or will post).
+    fn post_send(
+        &mut self,
+        peer: PeerId,
+        wr_id: WorkRequestId,
+        src: LocalSlice,
+        imm: Option<u32>,
+    ) -> Result<PostOutcome>;
+
+    /// Posts a receive buffer for a SEND from any peer.
+    fn post_recv(&mut self, wr_id: WorkRequestId, dst: LocalSlice) -> Result<PostOutcome>;
+
+    /// Writes `src` into the peer's memory at `dst`, optionally with immediate data that the
+    /// peer receives as an [`OpKind::RemoteWrite`] completion once the bytes have landed.
+    /// `src.len` must equal `dst.len`.
+    fn post_write(
+        &mut self,
+        peer: PeerId,
+        wr_id: WorkRequestId,
+        src: LocalSlice,
+        dst: RemoteSlice,
+        imm: Option<u32>,
+    ) -> Result<PostOutcome>;
+
+    /// Drives progress and appends finished operations to `out`; returns how many.
+    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize>;
+
+    /// Blocks until `poll` may make progress, or `timeout` passes. The default sleeps
+    /// briefly; backends with a waitable source (sockets) block on it.
+    fn wait(&mut self, timeout: Duration) -> Result<()> {
+        std::thread::sleep(timeout.min(Duration::from_micros(50)));
+        Ok(())
+    }
+}

@@ -1,0 +1,136 @@
+//! Small identifier and descriptor types shared by every layer.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// A peer known to one transport (or engine). Assigned locally; meaningless elsewhere.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct PeerId(pub u64);
+
+impl fmt::Display for PeerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "peer#{}", self.0)
+    }
+}
+
+/// The caller's tag for one posted operation; returned in its completion.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct WorkRequestId(pub u64);
+
+/// The key a peer presents to write into a registered region.
+///
+/// Backends choose how keys are made: the TCP backend draws them at random (64 bits),
+/// libfabric providers may assign them.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RemoteKey(pub u64);
+
+impl fmt::Debug for RemoteKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "RemoteKey({:#018x})", self.0)
+    }
+}
+
+/// The local handle of a registered region, valid on the transport that registered it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct LocalKey(pub u64);
+
+/// What a registration allows. Combine with `|`.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub struct Access(u8);
+
+impl Access {
+    /// No access beyond being the source of local operations (SEND, WRITE source).
+    pub const NONE: Access = Access(0);
+    /// The region may be the target of local receives.
+    pub const LOCAL_WRITE: Access = Access(1);
+    /// Peers may WRITE into the region.
+    pub const REMOTE_WRITE: Access = Access(2);
+    /// Peers may READ from the region.
+    pub const REMOTE_READ: Access = Access(4);
+    /// Everything.
+    pub const ALL: Access = Access(7);
+
+    /// Whether every bit of `other` is set in `self`.
+    pub fn contains(self, other: Access) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// The raw bits.
+    pub fn bits(self) -> u8 {
+        self.0
+    }
+
+    /// Builds an access set from raw bits; unknown bits are dropped.
+    pub fn from_bits_truncate(bits: u8) -> Access {
+        Access(bits & Self::ALL.0)
+    }
+}
+
+impl std::ops::BitOr for Access {
+    type Output = Access;
+    fn bitor(self, rhs: Access) -> Access {
+        Access(self.0 | rhs.0)
+    }
+}
+
+impl fmt::Debug for Access {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut parts = Vec::new();
+        if self.contains(Access::LOCAL_WRITE) {
+            parts.push("LOCAL_WRITE");
+        }
+        if self.contains(Access::REMOTE_WRITE) {
+            parts.push("REMOTE_WRITE");
+        }
+        if self.contains(Access::REMOTE_READ) {
+            parts.push("REMOTE_READ");
+        }
+        if parts.is_empty() {
+            parts.push("NONE");
+        }
+        write!(f, "Access({})", parts.join(" | "))
+    }
+}
+
+/// What a peer needs to WRITE into a registered region: ship it out of band (it is serde).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RemoteRegion {
+    /// Base address on the wire: the virtual address for providers that address memory
+    /// virtually, 0 for offset-addressed backends. Transports add offsets to it.
+    pub addr: u64,
+    /// Length of the region in bytes.
+    pub len: u64,
+    /// The key that authorises access.
+    pub key: RemoteKey,
+}
+
+/// The result of a registration: the local handle and the descriptor for peers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Registration {
+    /// Local handle, for posting operations on this transport.
+    pub local: LocalKey,
+    /// Descriptor to hand to peers.
+    pub remote: RemoteRegion,
+}
+
+/// A byte range of a locally registered region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LocalSlice {
+    /// The registered region.
+    pub key: LocalKey,
+    /// Offset into the region.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// A byte range of a peer's registered region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RemoteSlice {
+    /// The peer's region, as it was shipped.
+    pub region: RemoteRegion,
+    /// Offset into the region.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
