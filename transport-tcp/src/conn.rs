@@ -1,0 +1,629 @@
+//! One TCP connection ("rail"): an outgoing frame queue flushed with vectored writes, and an
+//! incoming state machine that validates each request before it touches memory.
+
+use crate::frame::{self, HEADER_LEN, Header, Op};
+use crate::io::{host_slice, host_slice_mut};
+use fabric_core::{
+    Access, Completion, MemoryRegion, OpError, OpKind, PeerId, RemoteKey, WorkRequestId,
+};
+use std::collections::{HashMap, VecDeque};
+use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::net::TcpStream;
+use std::sync::Arc;
+
+/// Size of the read-ahead buffer of each connection.
+const RBUF: usize = 512 * 1024;
+/// Payloads at least this long are read straight into their destination.
+const DIRECT_MIN: u64 = 8 * 1024;
+/// Most iovecs handed to one writev.
+const MAX_IOV: usize = 512;
+/// Largest HELLO payload.
+const MAX_HELLO: u64 = 4096;
+
+/// A registered region as the target sees it.
+pub(crate) struct TargetRegion {
+    pub mem: Arc<dyn MemoryRegion>,
+    pub access: Access,
+}
+
+/// A posted receive.
+pub(crate) struct PostedRecv {
+    pub wr_id: WorkRequestId,
+    pub mem: Arc<dyn MemoryRegion>,
+    pub offset: u64,
+    pub cap: u64,
+}
+
+/// A SEND that arrived before a receive was posted.
+pub(crate) struct Unexpected {
+    pub peer: PeerId,
+    pub imm: Option<u32>,
+    pub data: Vec<u8>,
+}
+
+/// State shared by all connections of a transport, that incoming frames act on.
+pub(crate) struct Shared {
+    pub targets: HashMap<u64, TargetRegion>,
+    pub recvs: VecDeque<PostedRecv>,
+    pub unexpected: VecDeque<Unexpected>,
+    pub unexpected_bytes: usize,
+    pub max_unexpected_bytes: usize,
+    pub max_unexpected_count: usize,
+    pub max_msg_size: u64,
+    pub completions: Vec<Completion>,
+}
+
+impl Shared {
+    /// Places `data` into a posted receive and reports it.
+    pub fn deliver(&mut self, r: PostedRecv, peer: PeerId, imm: Option<u32>, data: &[u8]) {
+        let result = if data.len() as u64 > r.cap {
+            Err(OpError::Truncated {
+                len: data.len() as u64,
+                capacity: r.cap,
+            })
+        } else {
+            r.mem
+                .write_from_host(r.offset, data)
+                .map(|_| data.len() as u64)
+                .map_err(|e| OpError::Transport(e.to_string()))
+        };
+        self.completions.push(Completion {
+            wr_id: r.wr_id,
+            op: OpKind::Recv,
+            result,
+            peer: Some(peer),
+            imm,
+        });
+    }
+}
+
+/// What an outgoing frame carries after its header.
+pub(crate) enum Payload {
+    None,
+    /// Bytes of a registered host region (zero copy).
+    Region {
+        mem: Arc<dyn MemoryRegion>,
+        offset: u64,
+        len: usize,
+    },
+    /// Bytes copied out (device memory, HELLO).
+    Owned(Vec<u8>),
+}
+
+impl Payload {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Payload::None => &[],
+            // The range was checked at post time; an empty slice can only mean a bug.
+            Payload::Region { mem, offset, len } => {
+                host_slice(&**mem, *offset, *len).unwrap_or(&[])
+            }
+            Payload::Owned(v) => v,
+        }
+    }
+}
+
+pub(crate) struct OutFrame {
+    pub hdr: [u8; HEADER_LEN],
+    pub payload: Payload,
+    /// Bytes of header + payload already written.
+    pub written: usize,
+}
+
+/// A request waiting for its response.
+pub(crate) struct Inflight {
+    pub wr_id: WorkRequestId,
+    pub op: OpKind,
+    pub len: u64,
+}
+
+/// Where incoming payload bytes go.
+enum Dest {
+    Region {
+        mem: Arc<dyn MemoryRegion>,
+        offset: u64,
+    },
+    Buffer(Vec<u8>),
+    Discard,
+}
+
+/// What to do when a payload is complete.
+enum Finish {
+    Write {
+        imm: Option<u32>,
+        len: u64,
+    },
+    Recv {
+        wr_id: WorkRequestId,
+        imm: Option<u32>,
+        len: u64,
+    },
+    Unexpected {
+        imm: Option<u32>,
+    },
+    Hello,
+    /// Payload of a failed request, thrown away; the NACK is already queued.
+    Dropped,
+}
+
+enum ReadState {
+    Header,
+    Payload {
+        dest: Dest,
+        remaining: u64,
+        finish: Finish,
+    },
+    /// A SEND whose payload waits for a receive (or room in the early-arrival queue).
+    SendWaiting(Header),
+}
+
+/// Outcome of reading a connection.
+pub(crate) enum ReadOutcome {
+    /// Keep going.
+    Open,
+    /// A HELLO arrived: rail and the sender's address.
+    Hello {
+        rail: u32,
+        instance: u64,
+        address: Vec<u8>,
+    },
+}
+
+pub(crate) struct Conn {
+    pub stream: TcpStream,
+    pub peer: PeerId,
+    pub out: VecDeque<OutFrame>,
+    pub out_bytes: usize,
+    pub inflight: VecDeque<Inflight>,
+    pending_acks: u64,
+    rbuf: Box<[u8]>,
+    rpos: usize,
+    rlen: usize,
+    rstate: ReadState,
+    /// An accepted connection until its HELLO arrives.
+    pub awaiting_hello: bool,
+    hello: Option<(u32, u64, Vec<u8>)>,
+}
+
+impl Conn {
+    pub fn new(stream: TcpStream, peer: PeerId, awaiting_hello: bool) -> Conn {
+        Conn {
+            stream,
+            peer,
+            out: VecDeque::new(),
+            out_bytes: 0,
+            inflight: VecDeque::new(),
+            pending_acks: 0,
+            rbuf: vec![0u8; RBUF].into_boxed_slice(),
+            rpos: 0,
+            rlen: 0,
+            rstate: ReadState::Header,
+            awaiting_hello,
+            hello: None,
+        }
+    }
+
+    pub fn queue(&mut self, hdr: Header, payload: Payload) {
+        let len = HEADER_LEN
+            + match &payload {
+                Payload::None => 0,
+                Payload::Region { len, .. } => *len,
+                Payload::Owned(v) => v.len(),
+            };
+        self.out_bytes += len;
+        self.out.push_back(OutFrame {
+            hdr: hdr.encode(),
+            payload,
+            written: 0,
+        });
+    }
+
+    /// Whether the reader is held back until a receive is posted.
+    pub fn waits_for_recv(&self) -> bool {
+        matches!(self.rstate, ReadState::SendWaiting(_))
+    }
+
+    /// Writes as much of the queue as the socket takes. `Err` = connection broken.
+    pub fn flush(&mut self) -> Result<(), String> {
+        self.flush_acks();
+        while !self.out.is_empty() {
+            let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(MAX_IOV);
+            for f in self.out.iter() {
+                if iov.len() + 2 > MAX_IOV {
+                    break;
+                }
+                let body = f.payload.bytes();
+                if f.written < HEADER_LEN {
+                    iov.push(IoSlice::new(&f.hdr[f.written..]));
+                    if !body.is_empty() {
+                        iov.push(IoSlice::new(body));
+                    }
+                } else if f.written - HEADER_LEN < body.len() {
+                    iov.push(IoSlice::new(&body[f.written - HEADER_LEN..]));
+                }
+            }
+            let n = match self.stream.write_vectored(&iov) {
+                Ok(0) => return Err("connection closed while writing".into()),
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(format!("write failed: {e}")),
+            };
+            drop(iov);
+            self.advance(n);
+        }
+        Ok(())
+    }
+
+    fn advance(&mut self, mut n: usize) {
+        self.out_bytes -= n;
+        while n > 0 {
+            let f = self
+                .out
+                .front_mut()
+                .expect("written bytes belong to queued frames");
+            let total = HEADER_LEN + f.payload.bytes().len();
+            let take = (total - f.written).min(n);
+            f.written += take;
+            n -= take;
+            if f.written == total {
+                self.out.pop_front();
+            }
+        }
+    }
+
+    fn flush_acks(&mut self) {
+        if self.pending_acks > 0 {
+            let n = std::mem::take(&mut self.pending_acks);
+            self.queue(Header::new(Op::Ack, n), Payload::None);
+        }
+    }
+
+    fn nack(&mut self, err: &OpError, wr_id: u64) {
+        self.flush_acks();
+        self.queue(frame::nack_for(err, wr_id), Payload::None);
+    }
+
+    /// Reads what the socket has (up to `budget` bytes) and acts on complete frames.
+    pub fn read(&mut self, shared: &mut Shared, budget: usize) -> Result<ReadOutcome, String> {
+        let mut read = 0usize;
+        loop {
+            self.process(shared)?;
+            if let Some((rail, instance, address)) = self.hello.take() {
+                return Ok(ReadOutcome::Hello {
+                    rail,
+                    instance,
+                    address,
+                });
+            }
+            if self.waits_for_recv() || read >= budget {
+                return Ok(ReadOutcome::Open);
+            }
+            // Everything buffered was consumed except a partial header (or nothing).
+            if self.rpos > 0 {
+                self.rbuf.copy_within(self.rpos..self.rlen, 0);
+                self.rlen -= self.rpos;
+                self.rpos = 0;
+            }
+            let res = match &mut self.rstate {
+                ReadState::Payload {
+                    dest: Dest::Region { mem, offset },
+                    remaining,
+                    ..
+                } if *remaining >= DIRECT_MIN && self.rlen == 0 => {
+                    match host_slice_mut(&**mem, *offset, *remaining as usize) {
+                        Some(direct) => {
+                            let direct_len = direct.len();
+                            let tail = &mut self.rbuf[..];
+                            let mut iov = [IoSliceMut::new(direct), IoSliceMut::new(tail)];
+                            match self.stream.read_vectored(&mut iov) {
+                                Ok(n) => {
+                                    let d = n.min(direct_len);
+                                    *offset += d as u64;
+                                    *remaining -= d as u64;
+                                    self.rlen += n - d;
+                                    Ok(n)
+                                }
+                                Err(e) => Err(e),
+                            }
+                        }
+                        None => self
+                            .stream
+                            .read(&mut self.rbuf[self.rlen..])
+                            .inspect(|&n| self.rlen += n),
+                    }
+                }
+                _ => self
+                    .stream
+                    .read(&mut self.rbuf[self.rlen..])
+                    .inspect(|&n| self.rlen += n),
+            };
+            match res {
+                Ok(0) => return Err("peer closed the connection".into()),
+                Ok(n) => read += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    return Ok(ReadOutcome::Open);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(format!("read failed: {e}")),
+            }
+        }
+    }
+
+    /// Acts on buffered bytes until a frame is incomplete.
+    fn process(&mut self, shared: &mut Shared) -> Result<(), String> {
+        loop {
+            match &mut self.rstate {
+                ReadState::Header => {
+                    if self.rlen - self.rpos < HEADER_LEN {
+                        return Ok(());
+                    }
+                    let raw: &[u8; HEADER_LEN] = self.rbuf[self.rpos..self.rpos + HEADER_LEN]
+                        .try_into()
+                        .expect("header length");
+                    let h = Header::decode(raw).map_err(|e| format!("malformed frame: {e}"))?;
+                    self.rpos += HEADER_LEN;
+                    self.on_header(h, shared)?;
+                }
+                ReadState::SendWaiting(h) => {
+                    let h = *h;
+                    if !self.start_send(h, shared) {
+                        return Ok(());
+                    }
+                }
+                ReadState::Payload {
+                    dest, remaining, ..
+                } => {
+                    if *remaining > 0 {
+                        let avail = self.rlen - self.rpos;
+                        if avail == 0 {
+                            return Ok(());
+                        }
+                        let take = (*remaining).min(avail as u64) as usize;
+                        let src = &self.rbuf[self.rpos..self.rpos + take];
+                        match dest {
+                            Dest::Region { mem, offset } => {
+                                if let Some(dst) = host_slice_mut(&**mem, *offset, take) {
+                                    dst.copy_from_slice(src);
+                                } else if let Err(e) = mem.write_from_host(*offset, src) {
+                                    return Err(format!("cannot place payload: {e}"));
+                                }
+                                *offset += take as u64;
+                            }
+                            Dest::Buffer(v) => v.extend_from_slice(src),
+                            Dest::Discard => {}
+                        }
+                        self.rpos += take;
+                        *remaining -= take as u64;
+                    }
+                    if *remaining == 0 {
+                        let ReadState::Payload { dest, finish, .. } =
+                            std::mem::replace(&mut self.rstate, ReadState::Header)
+                        else {
+                            unreachable!("matched Payload above")
+                        };
+                        self.finish(dest, finish, shared)?;
+                    }
+                }
+            }
+        }
+    }
+
+    fn on_header(&mut self, h: Header, shared: &mut Shared) -> Result<(), String> {
+        if self.awaiting_hello && h.op != Op::Hello {
+            return Err(format!("{:?} frame before HELLO", h.op));
+        }
+        match h.op {
+            Op::Hello => {
+                if !self.awaiting_hello {
+                    return Err("unexpected HELLO".into());
+                }
+                if h.len > MAX_HELLO || h.len < 12 {
+                    return Err(format!("HELLO of {} bytes", h.len));
+                }
+                self.rstate = ReadState::Payload {
+                    dest: Dest::Buffer(Vec::with_capacity(h.len as usize)),
+                    remaining: h.len,
+                    finish: Finish::Hello,
+                };
+            }
+            Op::Write => {
+                if h.len > shared.max_msg_size {
+                    return Err(format!(
+                        "WRITE of {} bytes exceeds the {}-byte limit",
+                        h.len, shared.max_msg_size
+                    ));
+                }
+                match validate_write(&h, shared) {
+                    Ok(mem) => {
+                        self.rstate = ReadState::Payload {
+                            dest: Dest::Region {
+                                mem,
+                                offset: h.offset,
+                            },
+                            remaining: h.len,
+                            finish: Finish::Write {
+                                imm: h.imm(),
+                                len: h.len,
+                            },
+                        };
+                    }
+                    Err(e) => {
+                        tracing::debug!(peer = %self.peer, error = %e, "rejected WRITE");
+                        self.nack(&e, h.wr_id);
+                        self.rstate = ReadState::Payload {
+                            dest: Dest::Discard,
+                            remaining: h.len,
+                            finish: Finish::Dropped,
+                        };
+                    }
+                }
+            }
+            Op::Send => {
+                if h.len > shared.max_msg_size {
+                    return Err(format!(
+                        "SEND of {} bytes exceeds the {}-byte limit",
+                        h.len, shared.max_msg_size
+                    ));
+                }
+                self.rstate = ReadState::SendWaiting(h);
+            }
+            Op::Ack => {
+                if h.len > self.inflight.len() as u64 {
+                    return Err(format!(
+                        "ACK for {} requests, {} outstanding",
+                        h.len,
+                        self.inflight.len()
+                    ));
+                }
+                for _ in 0..h.len {
+                    let op = self.inflight.pop_front().expect("checked above");
+                    shared.completions.push(Completion {
+                        wr_id: op.wr_id,
+                        op: op.op,
+                        result: Ok(op.len),
+                        peer: Some(self.peer),
+                        imm: None,
+                    });
+                }
+            }
+            Op::Nack => {
+                let op = self
+                    .inflight
+                    .pop_front()
+                    .ok_or("NACK with no request outstanding")?;
+                shared.completions.push(Completion {
+                    wr_id: op.wr_id,
+                    op: op.op,
+                    result: Err(frame::error_of_nack(&h)),
+                    peer: Some(self.peer),
+                    imm: None,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts receiving a SEND's payload; false if it must wait for a receive.
+    fn start_send(&mut self, h: Header, shared: &mut Shared) -> bool {
+        let imm = h.imm();
+        if let Some(r) = shared.recvs.pop_front() {
+            if h.len > r.cap {
+                let err = OpError::Truncated {
+                    len: h.len,
+                    capacity: r.cap,
+                };
+                shared.completions.push(Completion {
+                    wr_id: r.wr_id,
+                    op: OpKind::Recv,
+                    result: Err(err.clone()),
+                    peer: Some(self.peer),
+                    imm,
+                });
+                self.nack(&err, h.wr_id);
+                self.rstate = ReadState::Payload {
+                    dest: Dest::Discard,
+                    remaining: h.len,
+                    finish: Finish::Dropped,
+                };
+            } else {
+                self.rstate = ReadState::Payload {
+                    dest: Dest::Region {
+                        mem: r.mem,
+                        offset: r.offset,
+                    },
+                    remaining: h.len,
+                    finish: Finish::Recv {
+                        wr_id: r.wr_id,
+                        imm,
+                        len: h.len,
+                    },
+                };
+            }
+            return true;
+        }
+        let fits = shared.unexpected.len() < shared.max_unexpected_count
+            && shared.unexpected_bytes + h.len as usize <= shared.max_unexpected_bytes;
+        if !fits {
+            self.rstate = ReadState::SendWaiting(h);
+            return false;
+        }
+        shared.unexpected_bytes += h.len as usize;
+        self.rstate = ReadState::Payload {
+            dest: Dest::Buffer(Vec::with_capacity(h.len as usize)),
+            remaining: h.len,
+            finish: Finish::Unexpected { imm },
+        };
+        true
+    }
+
+    fn finish(&mut self, dest: Dest, finish: Finish, shared: &mut Shared) -> Result<(), String> {
+        match finish {
+            Finish::Write { imm, len } => {
+                self.pending_acks += 1;
+                if let Some(imm) = imm {
+                    shared.completions.push(Completion {
+                        wr_id: WorkRequestId(0),
+                        op: OpKind::RemoteWrite,
+                        result: Ok(len),
+                        peer: Some(self.peer),
+                        imm: Some(imm),
+                    });
+                }
+            }
+            Finish::Recv { wr_id, imm, len } => {
+                self.pending_acks += 1;
+                shared.completions.push(Completion {
+                    wr_id,
+                    op: OpKind::Recv,
+                    result: Ok(len),
+                    peer: Some(self.peer),
+                    imm,
+                });
+            }
+            Finish::Unexpected { imm } => {
+                self.pending_acks += 1;
+                let Dest::Buffer(data) = dest else {
+                    unreachable!("unexpected SENDs go to a buffer")
+                };
+                shared.unexpected.push_back(Unexpected {
+                    peer: self.peer,
+                    imm,
+                    data,
+                });
+            }
+            Finish::Hello => {
+                let Dest::Buffer(data) = dest else {
+                    unreachable!("HELLO goes to a buffer")
+                };
+                let rail = u32::from_le_bytes(data[0..4].try_into().expect("len >= 12 checked"));
+                let instance =
+                    u64::from_le_bytes(data[4..12].try_into().expect("len >= 12 checked"));
+                self.awaiting_hello = false;
+                self.hello = Some((rail, instance, data[12..].to_vec()));
+            }
+            Finish::Dropped => {}
+        }
+        Ok(())
+    }
+}
+
+/// Checks a WRITE against the target's registrations before any byte is placed.
+fn validate_write(h: &Header, shared: &Shared) -> Result<Arc<dyn MemoryRegion>, OpError> {
+    let t = shared
+        .targets
+        .get(&h.key)
+        .ok_or(OpError::RemoteKeyInvalid(RemoteKey(h.key)))?;
+    if !t.access.contains(Access::REMOTE_WRITE) {
+        return Err(OpError::PermissionDenied);
+    }
+    let region_len = t.mem.len() as u64;
+    match h.offset.checked_add(h.len) {
+        Some(end) if end <= region_len => Ok(t.mem.clone()),
+        _ => Err(OpError::OutOfBounds {
+            offset: h.offset,
+            len: h.len,
+            region_len,
+        }),
+    }
+}

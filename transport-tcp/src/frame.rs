@@ -1,0 +1,236 @@
+//! The wire format: a fixed 40-byte little-endian header, then `len` payload bytes for
+//! WRITE and SEND (and HELLO).
+//!
+//! ```text
+//! 0      1       2      3      4        8        16      24       32      40
+//! | op   | flags | code | rsvd | imm u32 | wr u64 | key u64| off u64 | len u64|
+//! ```
+//! Responses are cumulative: the target handles a connection's requests in order, so an
+//! `ACK` with `len = n` completes the next `n` outstanding requests, and a `NACK` fails the
+//! next one with `code`.
+
+use fabric_core::{OpError, RemoteKey};
+
+/// Header size in bytes.
+pub const HEADER_LEN: usize = 40;
+
+/// Frame kinds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Op {
+    /// First frame on a connection: payload = rail (u32 LE) + the sender's address.
+    Hello = 1,
+    /// One-sided write into a registered region.
+    Write = 2,
+    /// Message for a posted receive.
+    Send = 3,
+    /// `len` requests succeeded.
+    Ack = 4,
+    /// The next request failed with `code`.
+    Nack = 5,
+}
+
+impl Op {
+    fn from_u8(v: u8) -> Option<Op> {
+        Some(match v {
+            1 => Op::Hello,
+            2 => Op::Write,
+            3 => Op::Send,
+            4 => Op::Ack,
+            5 => Op::Nack,
+            _ => return None,
+        })
+    }
+}
+
+/// The header carries immediate data.
+pub const FLAG_IMM: u8 = 1;
+
+/// A decoded header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    /// Frame kind.
+    pub op: Op,
+    /// Flags (`FLAG_IMM`).
+    pub flags: u8,
+    /// Error code of a NACK.
+    pub code: u8,
+    /// Immediate data.
+    pub imm: u32,
+    /// The initiator's work-request id (diagnostics only).
+    pub wr_id: u64,
+    /// Remote key (WRITE) or detail (NACK).
+    pub key: u64,
+    /// Remote offset (WRITE) or detail (NACK).
+    pub offset: u64,
+    /// Payload length (WRITE, SEND, HELLO), count (ACK), or detail (NACK).
+    pub len: u64,
+}
+
+impl Header {
+    /// A header with only `op` and `len` set.
+    pub fn new(op: Op, len: u64) -> Header {
+        Header {
+            op,
+            flags: 0,
+            code: 0,
+            imm: 0,
+            wr_id: 0,
+            key: 0,
+            offset: 0,
+            len,
+        }
+    }
+
+    /// Immediate data, if flagged.
+    pub fn imm(&self) -> Option<u32> {
+        (self.flags & FLAG_IMM != 0).then_some(self.imm)
+    }
+
+    /// Encodes into 40 bytes.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0] = self.op as u8;
+        b[1] = self.flags;
+        b[2] = self.code;
+        b[4..8].copy_from_slice(&self.imm.to_le_bytes());
+        b[8..16].copy_from_slice(&self.wr_id.to_le_bytes());
+        b[16..24].copy_from_slice(&self.key.to_le_bytes());
+        b[24..32].copy_from_slice(&self.offset.to_le_bytes());
+        b[32..40].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// Decodes 40 bytes; `Err` names what is malformed.
+    pub fn decode(b: &[u8; HEADER_LEN]) -> Result<Header, String> {
+        let op = Op::from_u8(b[0]).ok_or_else(|| format!("unknown frame op {}", b[0]))?;
+        if b[1] & !FLAG_IMM != 0 {
+            return Err(format!("unknown flags {:#x}", b[1]));
+        }
+        if b[3] != 0 {
+            return Err("reserved byte is not zero".into());
+        }
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        Ok(Header {
+            op,
+            flags: b[1],
+            code: b[2],
+            imm: u32::from_le_bytes(b[4..8].try_into().expect("4 bytes")),
+            wr_id: u64_at(8),
+            key: u64_at(16),
+            offset: u64_at(24),
+            len: u64_at(32),
+        })
+    }
+}
+
+/// NACK codes.
+pub mod code {
+    /// Unknown or stale remote key (`key` = the key).
+    pub const KEY: u8 = 1;
+    /// Out of bounds (`offset`, `len` as requested; `key` = region length).
+    pub const BOUNDS: u8 = 2;
+    /// Region lacks REMOTE_WRITE.
+    pub const PERMISSION: u8 = 3;
+    /// Message longer than the receive buffer (`len`, `offset` = capacity).
+    pub const TRUNCATED: u8 = 4;
+    /// The target could not place the bytes (device copy failed).
+    pub const INTERNAL: u8 = 5;
+}
+
+/// The NACK header that reports `err` for request `wr_id`.
+pub fn nack_for(err: &OpError, wr_id: u64) -> Header {
+    let mut h = Header::new(Op::Nack, 0);
+    h.wr_id = wr_id;
+    match *err {
+        OpError::RemoteKeyInvalid(k) => {
+            h.code = code::KEY;
+            h.key = k.0;
+        }
+        OpError::OutOfBounds {
+            offset,
+            len,
+            region_len,
+        } => {
+            h.code = code::BOUNDS;
+            h.offset = offset;
+            h.len = len;
+            h.key = region_len;
+        }
+        OpError::PermissionDenied => h.code = code::PERMISSION,
+        OpError::Truncated { len, capacity } => {
+            h.code = code::TRUNCATED;
+            h.len = len;
+            h.offset = capacity;
+        }
+        _ => h.code = code::INTERNAL,
+    }
+    h
+}
+
+/// The error a received NACK stands for.
+pub fn error_of_nack(h: &Header) -> OpError {
+    match h.code {
+        code::KEY => OpError::RemoteKeyInvalid(RemoteKey(h.key)),
+        code::BOUNDS => OpError::OutOfBounds {
+            offset: h.offset,
+            len: h.len,
+            region_len: h.key,
+        },
+        code::PERMISSION => OpError::PermissionDenied,
+        code::TRUNCATED => OpError::Truncated {
+            len: h.len,
+            capacity: h.offset,
+        },
+        c => OpError::Remote(format!("target failed to place the data (code {c})")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_round_trip() {
+        let mut h = Header::new(Op::Write, 65536);
+        h.flags = FLAG_IMM;
+        h.imm = 0xDEAD_BEEF;
+        h.wr_id = 7;
+        h.key = u64::MAX;
+        h.offset = 1 << 40;
+        assert_eq!(Header::decode(&h.encode()), Ok(h));
+        assert_eq!(h.imm(), Some(0xDEAD_BEEF));
+    }
+
+    #[test]
+    fn malformed_headers_are_rejected() {
+        let mut b = Header::new(Op::Ack, 1).encode();
+        b[0] = 99;
+        assert!(Header::decode(&b).unwrap_err().contains("unknown frame op"));
+        let mut b = Header::new(Op::Ack, 1).encode();
+        b[1] = 0x80;
+        assert!(Header::decode(&b).is_err());
+        let mut b = Header::new(Op::Ack, 1).encode();
+        b[3] = 1;
+        assert!(Header::decode(&b).is_err());
+    }
+
+    #[test]
+    fn nack_round_trip() {
+        for e in [
+            OpError::RemoteKeyInvalid(RemoteKey(5)),
+            OpError::OutOfBounds {
+                offset: 1,
+                len: 2,
+                region_len: 3,
+            },
+            OpError::PermissionDenied,
+            OpError::Truncated {
+                len: 10,
+                capacity: 5,
+            },
+        ] {
+            assert_eq!(error_of_nack(&nack_for(&e, 1)), e);
+        }
+    }
+}

@@ -1,0 +1,46 @@
+//! The few places where this crate turns registered memory into byte slices.
+//!
+//! A registered region is shared with the network by design (RDMA semantics): peers' writes
+//! land in it while the application may hold other parts of it. The `MemoryRegion` contract
+//! makes its bytes valid for reads and writes from any thread for as long as the region
+//! lives; callers here hold an `Arc` of the region for at least as long as the slice.
+
+use fabric_core::memory::{MemoryRegion, check_range};
+
+/// The host bytes `offset..offset+len` of `region`, or `None` for memory the CPU cannot
+/// address or a range outside the region.
+pub fn host_slice(region: &dyn MemoryRegion, offset: u64, len: usize) -> Option<&[u8]> {
+    check_range(offset, len as u64, region.len() as u64).ok()?;
+    let base = region.host_ptr()?;
+    // SAFETY: the range lies inside the region (checked above), whose bytes the
+    // MemoryRegion contract keeps valid while `region` is borrowed.
+    Some(unsafe { std::slice::from_raw_parts(base.as_ptr().add(offset as usize), len) })
+}
+
+/// Mutable host bytes of `region`, as [`host_slice`].
+///
+/// The slice aliases memory that other threads may read (RDMA semantics): the engine only
+/// reports a range as written after this slice is gone.
+#[allow(clippy::mut_from_ref)]
+pub fn host_slice_mut(region: &dyn MemoryRegion, offset: u64, len: usize) -> Option<&mut [u8]> {
+    check_range(offset, len as u64, region.len() as u64).ok()?;
+    let base = region.host_ptr()?;
+    // SAFETY: the range lies inside the region (checked above); the contract makes it valid
+    // for writes from any thread while `region` lives. No other slice of this transport
+    // covers the range at the same time: one connection places one frame at a time.
+    Some(unsafe { std::slice::from_raw_parts_mut(base.as_ptr().add(offset as usize), len) })
+}
+
+/// Waits for readiness on `fds` for at most `timeout_ms` (poll(2)).
+pub fn poll_fds(fds: &mut [libc::pollfd], timeout_ms: i32) -> std::io::Result<usize> {
+    // SAFETY: fds is a valid, exclusively borrowed array of pollfd of the given length.
+    let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
+    if r < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.kind() == std::io::ErrorKind::Interrupted {
+            return Ok(0);
+        }
+        return Err(e);
+    }
+    Ok(r as usize)
+}
