@@ -1,23 +1,34 @@
 //! Machine topology for xfer: hwloc discovery turned into plain data (NUMA
 //! nodes and their cores, NVIDIA GPUs, NICs, and the PCIe switch each device
-//! sits under).
+//! sits under), and a placement plan that gives every engine worker its
+//! GPU, its NICs, a core to pin to and a NUMA node for its buffers.
 //!
-//! Saved hwloc XML topologies load anywhere, so a p5.48xlarge can be
-//! examined on a laptop. No hwloc type appears in the API.
+//! Saved hwloc XML topologies load anywhere, so the plan for a p5.48xlarge
+//! can be checked on a laptop. No hwloc type appears in the API.
 //!
 //! ```
-//! use topology::Topology;
+//! use topology::{Topology, pin_current_thread, render_table};
 //!
 //! # fn main() -> Result<(), topology::TopologyError> {
 //! let machine = Topology::discover()?;
-//! assert!(!machine.numa_nodes.is_empty());
+//! let plan = machine.plan();
+//! println!("{}", render_table(&machine, &plan));
 //!
-//! // Another machine's layout, from `lstopo f.xml`:
+//! // A worker thread pins itself before it opens its transports.
+//! let worker = &plan.workers[0];
+//! std::thread::spawn({
+//!     let core = worker.core;
+//!     move || pin_current_thread(core)
+//! })
+//! .join()
+//! .expect("worker panicked")?;
+//!
+//! // Another machine's layout, from `xfer topo --export` or `lstopo f.xml`:
 //! let p5 = Topology::from_xml_file(concat!(
 //!     env!("CARGO_MANIFEST_DIR"),
 //!     "/tests/fixtures/p5.48xlarge.xml"
 //! ))?;
-//! assert_eq!(p5.gpus.len(), 8);
+//! assert_eq!(p5.plan().workers.len(), 8);
 //! # Ok(())
 //! # }
 //! ```
@@ -28,12 +39,17 @@
 //! to CUDA devices by PCI address ([`Topology::gpu_by_pci`]).
 #![warn(missing_docs)]
 
+mod affinity;
 mod discover;
 mod error;
 mod model;
+mod plan;
+mod render;
 
+pub use affinity::{pin_current_thread, prefer_memory_node};
 pub use error::{HwlocError, TopologyError};
 pub use model::{
-    Gpu, GpuIndex, Nic, NicIndex, NicKind, NumaNode, PciAddress, SwitchId, Topology,
-    TopologySource,
+    Gpu, GpuIndex, Nic, NicIndex, NicKind, NumaNode, PciAddress, SwitchId, Topology, TopologySource,
 };
+pub use plan::{NicAffinity, PlacementPlan, WorkerPlacement};
+pub use render::render_table;
