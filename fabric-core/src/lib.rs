@@ -25,6 +25,7 @@
 
 pub mod engine;
 pub mod error;
+pub mod mem;
 pub mod memory;
 pub mod plan;
 #[cfg(feature = "testing")]

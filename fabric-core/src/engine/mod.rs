@@ -1,1 +1,451 @@
-//! The transfer engine (see mod docs).
+//! The transfer engine: a worker thread that owns one transport and turns transfers into
+//! batched posts, deferred re-posts and one completion per transfer.
+//!
+//! The application talks to the worker over channels: [`Engine`] is a cheap handle.
+//! A transfer is planned in the submitting thread (so bad segments fail at once),
+//! queued in the worker's application-level queue, posted in batches of
+//! [`EngineConfig::batch`], and what the transport refused ("no room") is posted again
+//! after the next poll. Every wait has a timeout.
+//!
+//! ```
+//! use fabric_core::engine::{Engine, EngineConfig, Transfer};
+//! use fabric_core::plan::Segment;
+//! use fabric_core::{Access, HostBuffer};
+//! use std::time::Duration;
+//! # fn main() -> fabric_core::Result<()> {
+//! // `mem` is a loopback transport for tests; real code passes TcpTransport::new or similar.
+//! let a = Engine::spawn(|| Ok(fabric_core::mem::MemTransport::new()), EngineConfig::default())?;
+//! let b = Engine::spawn(|| Ok(fabric_core::mem::MemTransport::new()), EngineConfig::default())?;
+//! let src = HostBuffer::new_shared(8192)?;
+//! src.fill(0, 8192, 1)?;
+//! let dst = HostBuffer::new_shared(8192)?;
+//! let s = a.register(src, Access::NONE)?;
+//! let d = b.register(dst.clone(), Access::REMOTE_WRITE)?;
+//! let peer = a.add_peer(&b.address())?;
+//! let t = Transfer::new(peer)
+//!     .segment(Segment { src: s.local, src_offset: 0, dst: d.remote, dst_offset: 4096, len: 4096 })
+//!     .imm(42);
+//! let stats = a.submit(t)?.wait(Duration::from_secs(5))?;
+//! assert_eq!(stats.bytes, 4096);
+//! assert_eq!(b.next_event(Duration::from_secs(5))?.imm(), Some(42));
+//! assert_eq!(dst.to_vec(4096, 4096)?, vec![1; 4096]);
+//! # Ok(()) }
+//! ```
+
+mod handle;
+mod worker;
+
+pub use handle::{Received, RecvHandle, TransferHandle, TransferResult, TransferStats};
+
+use crate::error::{Error, OpError, Result};
+use crate::memory::{MemoryRegion, check_range};
+use crate::plan::{Segment, plan_transfer};
+use crate::transport::{Transport, TransportLimits};
+use crate::types::{Access, LocalKey, LocalSlice, PeerId, Registration};
+use crossbeam_channel::{Receiver, Sender};
+use handle::Slot;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use worker::{Command, Job};
+
+/// Settings of an [`Engine`].
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Operations posted before the worker polls the transport again.
+    pub batch: usize,
+    /// Commands that may wait in the channel before submitters block (back-pressure).
+    pub queue_depth: usize,
+    /// How long an idle worker blocks in the transport's `wait` before checking commands.
+    pub idle_wait: Duration,
+    /// Limit for control calls (add_peer, register, ...) and for a full command queue.
+    pub control_timeout: Duration,
+    /// Name of the worker thread.
+    pub name: String,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            batch: 64,
+            queue_depth: 4096,
+            idle_wait: Duration::from_micros(200),
+            control_timeout: Duration::from_secs(10),
+            name: "xfer-worker".into(),
+        }
+    }
+}
+
+/// A transfer: segments from local regions to one peer's regions, optionally with
+/// immediate data delivered to the peer once every byte has landed.
+#[derive(Clone, Debug)]
+pub struct Transfer {
+    /// The destination peer.
+    pub peer: PeerId,
+    /// What to move.
+    pub segments: Vec<Segment>,
+    /// Immediate data for the target, sent after all other writes are placed.
+    pub imm: Option<u32>,
+    /// Fail with `TimedOut` if not finished by then.
+    pub timeout: Option<Duration>,
+}
+
+impl Transfer {
+    /// An empty transfer to `peer`.
+    pub fn new(peer: PeerId) -> Transfer {
+        Transfer {
+            peer,
+            segments: Vec::new(),
+            imm: None,
+            timeout: None,
+        }
+    }
+    /// Adds a segment.
+    pub fn segment(mut self, s: Segment) -> Transfer {
+        self.segments.push(s);
+        self
+    }
+    /// Sets the immediate data.
+    pub fn imm(mut self, imm: u32) -> Transfer {
+        self.imm = Some(imm);
+        self
+    }
+    /// Sets a deadline relative to submission.
+    pub fn timeout(mut self, t: Duration) -> Transfer {
+        self.timeout = Some(t);
+        self
+    }
+}
+
+/// Something that happened at this end without a local request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Event {
+    /// A peer's transfer with immediate data has landed in our memory.
+    Imm {
+        /// The sender, where the backend knows it.
+        peer: Option<PeerId>,
+        /// The immediate value.
+        imm: u32,
+    },
+}
+
+impl Event {
+    /// The immediate value, for `Imm` events.
+    pub fn imm(&self) -> Option<u32> {
+        match self {
+            Event::Imm { imm, .. } => Some(*imm),
+        }
+    }
+}
+
+/// Counters of one engine, readable at any time.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Bytes of successful operations.
+    pub bytes: AtomicU64,
+    /// Operations posted.
+    pub ops: AtomicU64,
+    /// Posts refused for lack of room and retried later.
+    pub reposts: AtomicU64,
+    /// Operations that failed.
+    pub errors: AtomicU64,
+    /// Transfers finished (either way).
+    pub transfers: AtomicU64,
+}
+
+/// A snapshot of [`Counters`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CounterSnapshot {
+    /// See [`Counters::bytes`].
+    pub bytes: u64,
+    /// See [`Counters::ops`].
+    pub ops: u64,
+    /// See [`Counters::reposts`].
+    pub reposts: u64,
+    /// See [`Counters::errors`].
+    pub errors: u64,
+    /// See [`Counters::transfers`].
+    pub transfers: u64,
+}
+
+impl Counters {
+    /// Reads all counters.
+    pub fn snapshot(&self) -> CounterSnapshot {
+        CounterSnapshot {
+            bytes: self.bytes.load(Ordering::Relaxed),
+            ops: self.ops.load(Ordering::Relaxed),
+            reposts: self.reposts.load(Ordering::Relaxed),
+            errors: self.errors.load(Ordering::Relaxed),
+            transfers: self.transfers.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// A handle to a worker thread that owns one transport.
+pub struct Engine {
+    tx: Sender<Command>,
+    events: Receiver<Event>,
+    thread: Option<JoinHandle<()>>,
+    address: Vec<u8>,
+    backend: &'static str,
+    limits: TransportLimits,
+    regions: Mutex<HashMap<LocalKey, u64>>,
+    counters: Arc<Counters>,
+    cfg: EngineConfig,
+}
+
+impl Engine {
+    /// Starts a worker thread, creates the transport there with `make` (so that a `make`
+    /// that pins the thread first gets its queues allocated on the right NUMA node), and
+    /// returns once it is ready, or with `make`'s error.
+    pub fn spawn<T, F>(make: F, cfg: EngineConfig) -> Result<Engine>
+    where
+        T: Transport,
+        F: FnOnce() -> Result<T> + Send + 'static,
+    {
+        let (tx, rx) = crossbeam_channel::bounded(cfg.queue_depth.max(1));
+        let (ev_tx, events) = crossbeam_channel::unbounded();
+        let (ready_tx, ready_rx) = crossbeam_channel::bounded(1);
+        let counters = Arc::new(Counters::default());
+        let c2 = counters.clone();
+        let wcfg = cfg.clone();
+        let thread = std::thread::Builder::new()
+            .name(cfg.name.clone())
+            .spawn(move || {
+                let t = match make() {
+                    Ok(t) => t,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let _ = ready_tx.send(Ok((t.address(), t.name(), t.limits())));
+                worker::Worker::new(t, rx, ev_tx, c2, wcfg).run();
+            })
+            .map_err(|e| Error::io("spawn worker thread", e))?;
+        let (address, backend, limits) = match ready_rx.recv_timeout(cfg.control_timeout) {
+            Ok(r) => r?,
+            Err(_) => {
+                return Err(Error::TimedOut(
+                    cfg.control_timeout,
+                    "the transport to start",
+                ));
+            }
+        };
+        Ok(Engine {
+            tx,
+            events,
+            thread: Some(thread),
+            address,
+            backend,
+            limits,
+            regions: Mutex::new(HashMap::new()),
+            counters,
+            cfg,
+        })
+    }
+
+    /// The transport's address, for peers.
+    pub fn address(&self) -> Vec<u8> {
+        self.address.clone()
+    }
+
+    /// The backend's name.
+    pub fn backend(&self) -> &'static str {
+        self.backend
+    }
+
+    /// The backend's limits.
+    pub fn limits(&self) -> TransportLimits {
+        self.limits
+    }
+
+    /// Live counters.
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    fn send_cmd(&self, cmd: Command) -> Result<()> {
+        self.tx
+            .send_timeout(cmd, self.cfg.control_timeout)
+            .map_err(|e| match e {
+                crossbeam_channel::SendTimeoutError::Timeout(_) => {
+                    Error::TimedOut(self.cfg.control_timeout, "room in the engine's queue")
+                }
+                crossbeam_channel::SendTimeoutError::Disconnected(_) => Error::EngineStopped,
+            })
+    }
+
+    fn call<R>(
+        &self,
+        make: impl FnOnce(Sender<Result<R>>) -> Command,
+        what: &'static str,
+    ) -> Result<R> {
+        let (rtx, rrx) = crossbeam_channel::bounded(1);
+        self.send_cmd(make(rtx))?;
+        match rrx.recv_timeout(self.cfg.control_timeout) {
+            Ok(r) => r,
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                Err(Error::TimedOut(self.cfg.control_timeout, what))
+            }
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Err(Error::EngineStopped),
+        }
+    }
+
+    /// Adds a peer by its transport address.
+    pub fn add_peer(&self, address: &[u8]) -> Result<PeerId> {
+        let a = address.to_vec();
+        self.call(|r| Command::AddPeer(a, r), "add_peer")
+    }
+
+    /// Removes a peer; its pending transfers fail with `PeerRemoved`.
+    pub fn remove_peer(&self, peer: PeerId) -> Result<()> {
+        self.call(|r| Command::RemovePeer(peer, r), "remove_peer")
+    }
+
+    /// Registers memory with the transport.
+    pub fn register(&self, mem: Arc<dyn MemoryRegion>, access: Access) -> Result<Registration> {
+        let len = mem.len() as u64;
+        let reg = self.call(|r| Command::Register(mem, access, r), "register")?;
+        self.lock_regions().insert(reg.local, len);
+        Ok(reg)
+    }
+
+    /// Deregisters memory.
+    pub fn deregister(&self, key: LocalKey) -> Result<()> {
+        self.call(|r| Command::Deregister(key, r), "deregister")?;
+        self.lock_regions().remove(&key);
+        Ok(())
+    }
+
+    fn lock_regions(&self) -> std::sync::MutexGuard<'_, HashMap<LocalKey, u64>> {
+        self.regions.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn check_local(&self, key: LocalKey, offset: u64, len: u64, what: &str) -> Result<()> {
+        let regions = self.lock_regions();
+        let size = *regions
+            .get(&key)
+            .ok_or(Error::Op(OpError::LocalKeyInvalid(key)))?;
+        check_range(offset, len, size).map_err(|_| {
+            Error::InvalidArgument(format!(
+                "{what}: local range {offset}+{len} is outside the {size}-byte region"
+            ))
+        })
+    }
+
+    fn job(&self, t: Transfer, slot: Arc<Slot<TransferResult>>) -> Result<Job> {
+        for (i, s) in t.segments.iter().enumerate() {
+            self.check_local(s.src, s.src_offset, s.len, &format!("segment {i}"))?;
+        }
+        let plan = plan_transfer(&t.segments, self.limits.max_msg_size)?;
+        let imm = match (t.imm, t.segments.first()) {
+            (None, _) => None,
+            (Some(_), None) => {
+                return Err(Error::InvalidArgument(
+                    "immediate data needs at least one segment (its region carries it)".into(),
+                ));
+            }
+            (Some(v), Some(first)) => Some((v, *first)),
+        };
+        Ok(Job {
+            peer: t.peer,
+            plan,
+            imm,
+            slot,
+            deadline: t.timeout.map(|d| Instant::now() + d),
+        })
+    }
+
+    /// Submits a transfer. Bad segments (out of the remote region, overlapping
+    /// destinations, unknown local region) fail here, before anything moves.
+    pub fn submit(&self, t: Transfer) -> Result<TransferHandle> {
+        let slot = Slot::new();
+        let job = self.job(t, slot.clone())?;
+        self.send_cmd(Command::Transfer(job))?;
+        Ok(TransferHandle { slot })
+    }
+
+    /// Submits a transfer and calls `done` on the worker thread when it finishes.
+    /// Keep `done` short: the worker runs nothing else meanwhile.
+    pub fn submit_with_callback(
+        &self,
+        t: Transfer,
+        done: impl FnOnce(TransferResult) + Send + 'static,
+    ) -> Result<()> {
+        let slot = Slot::with_callback(Box::new(done));
+        let job = self.job(t, slot)?;
+        self.send_cmd(Command::Transfer(job))
+    }
+
+    /// Sends `src` to a receive the peer posted.
+    pub fn send(&self, peer: PeerId, src: LocalSlice, imm: Option<u32>) -> Result<TransferHandle> {
+        self.check_local(src.key, src.offset, src.len, "send")?;
+        let slot = Slot::new();
+        self.send_cmd(Command::Send {
+            peer,
+            src,
+            imm,
+            slot: slot.clone(),
+        })?;
+        Ok(TransferHandle { slot })
+    }
+
+    /// Posts a receive buffer for one message from any peer.
+    pub fn post_recv(&self, dst: LocalSlice) -> Result<RecvHandle> {
+        self.check_local(dst.key, dst.offset, dst.len, "receive")?;
+        let slot = Slot::new();
+        self.send_cmd(Command::Recv {
+            dst,
+            slot: slot.clone(),
+        })?;
+        Ok(RecvHandle { slot })
+    }
+
+    /// The next event, waiting at most `timeout`.
+    pub fn next_event(&self, timeout: Duration) -> Result<Event> {
+        self.events.recv_timeout(timeout).map_err(|e| match e {
+            crossbeam_channel::RecvTimeoutError::Timeout => Error::TimedOut(timeout, "an event"),
+            crossbeam_channel::RecvTimeoutError::Disconnected => Error::EngineStopped,
+        })
+    }
+
+    /// The event receiver, for `select!` or draining; events queue until taken.
+    pub fn events(&self) -> &Receiver<Event> {
+        &self.events
+    }
+
+    /// Stops the worker: pending transfers fail with `Cancelled`. Also done on drop.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        let _ = self
+            .tx
+            .send_timeout(Command::Shutdown, self.cfg.control_timeout);
+        if let Some(t) = self.thread.take()
+            && t.join().is_err()
+        {
+            tracing::error!("engine worker panicked");
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("backend", &self.backend)
+            .field("address", &String::from_utf8_lossy(&self.address))
+            .finish()
+    }
+}

@@ -1,0 +1,161 @@
+//! Waitable results: [`TransferHandle`] (blocking wait with timeout, or `.await`) and the
+//! slot the worker fills.
+
+use crate::error::{Error, OpError};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Condvar, Mutex};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+/// What a finished transfer reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct TransferStats {
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Operations posted for it.
+    pub ops: u64,
+}
+
+/// What a finished receive reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Received {
+    /// The sender, where the backend knows it.
+    pub peer: Option<crate::PeerId>,
+    /// Bytes received.
+    pub len: u64,
+    /// Immediate data sent with the message.
+    pub imm: Option<u32>,
+}
+
+/// The outcome of a transfer: its figures, or the first error of any of its operations.
+pub type TransferResult = Result<TransferStats, OpError>;
+
+struct SlotState<T> {
+    value: Option<T>,
+    waker: Option<Waker>,
+    callback: Option<Box<dyn FnOnce(T) + Send>>,
+}
+
+/// A one-shot cell the worker completes and the application waits on.
+pub(crate) struct Slot<T> {
+    state: Mutex<SlotState<T>>,
+    ready: Condvar,
+}
+
+impl<T: Clone + Send + 'static> Slot<T> {
+    pub fn new() -> Arc<Slot<T>> {
+        Arc::new(Slot {
+            state: Mutex::new(SlotState {
+                value: None,
+                waker: None,
+                callback: None,
+            }),
+            ready: Condvar::new(),
+        })
+    }
+
+    pub fn with_callback(f: Box<dyn FnOnce(T) + Send>) -> Arc<Slot<T>> {
+        let s = Self::new();
+        s.lock().callback = Some(f);
+        s
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, SlotState<T>> {
+        // A poisoned lock means a callback panicked; the state itself is still coherent.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Completes the slot (once; later calls are ignored).
+    pub fn complete(&self, v: T) {
+        let mut st = self.lock();
+        if st.value.is_some() {
+            return;
+        }
+        if let Some(cb) = st.callback.take() {
+            drop(st);
+            cb(v.clone());
+            st = self.lock();
+        }
+        st.value = Some(v);
+        if let Some(w) = st.waker.take() {
+            w.wake();
+        }
+        self.ready.notify_all();
+    }
+
+    fn wait(&self, timeout: Duration) -> Option<T> {
+        let st = self.lock();
+        let (st, _) = self
+            .ready
+            .wait_timeout_while(st, timeout, |s| s.value.is_none())
+            .unwrap_or_else(|p| p.into_inner());
+        st.value.clone()
+    }
+
+    fn try_get(&self, waker: Option<&Waker>) -> Option<T> {
+        let mut st = self.lock();
+        if st.value.is_none()
+            && let Some(w) = waker
+        {
+            st.waker = Some(w.clone());
+        }
+        st.value.clone()
+    }
+}
+
+/// A submitted transfer (or SEND). Wait with a timeout, poll it, or `.await` it from any
+/// async runtime.
+pub struct TransferHandle {
+    pub(crate) slot: Arc<Slot<TransferResult>>,
+}
+
+impl TransferHandle {
+    /// Blocks until the transfer finishes, at most `timeout`.
+    pub fn wait(&self, timeout: Duration) -> Result<TransferStats, Error> {
+        match self.slot.wait(timeout) {
+            Some(r) => r.map_err(Error::Op),
+            None => Err(Error::TimedOut(timeout, "a transfer")),
+        }
+    }
+
+    /// The result, if the transfer has finished.
+    pub fn try_result(&self) -> Option<TransferResult> {
+        self.slot.try_get(None)
+    }
+}
+
+impl Future for TransferHandle {
+    type Output = TransferResult;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<TransferResult> {
+        match self.slot.try_get(Some(cx.waker())) {
+            Some(v) => Poll::Ready(v),
+            None => Poll::Pending,
+        }
+    }
+}
+
+/// A posted receive. Wait with a timeout, or `.await` it.
+pub struct RecvHandle {
+    pub(crate) slot: Arc<Slot<Result<Received, OpError>>>,
+}
+
+impl RecvHandle {
+    /// Blocks until a message arrives, at most `timeout`.
+    pub fn wait(&self, timeout: Duration) -> Result<Received, Error> {
+        match self.slot.wait(timeout) {
+            Some(r) => r.map_err(Error::Op),
+            None => Err(Error::TimedOut(timeout, "a message")),
+        }
+    }
+}
+
+impl Future for RecvHandle {
+    type Output = Result<Received, OpError>;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.slot.try_get(Some(cx.waker())) {
+            Some(v) => Poll::Ready(v),
+            None => Poll::Pending,
+        }
+    }
+}

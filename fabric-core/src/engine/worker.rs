@@ -1,0 +1,474 @@
+//! The worker loop: commands in, batched posts, deferred re-posts, polled completions out.
+
+use super::handle::{Received, Slot, TransferResult, TransferStats};
+use super::{Counters, EngineConfig, Event};
+use crate::error::{Error, OpError, Result};
+use crate::memory::MemoryRegion;
+use crate::plan::{PlannedWrite, Segment, TransferPlan};
+use crate::transport::{Completion, OpKind, PostOutcome, Transport};
+use crate::types::{
+    Access, LocalKey, LocalSlice, PeerId, Registration, RemoteSlice, WorkRequestId,
+};
+use crossbeam_channel::{Receiver, Sender, TryRecvError};
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+/// A planned transfer on its way to the worker.
+pub(crate) struct Job {
+    pub peer: PeerId,
+    pub plan: TransferPlan,
+    /// Immediate value and the segment whose region carries it.
+    pub imm: Option<(u32, Segment)>,
+    pub slot: Arc<Slot<TransferResult>>,
+    pub deadline: Option<Instant>,
+}
+
+pub(crate) enum Command {
+    AddPeer(Vec<u8>, Sender<Result<PeerId>>),
+    RemovePeer(PeerId, Sender<Result<()>>),
+    Register(Arc<dyn MemoryRegion>, Access, Sender<Result<Registration>>),
+    Deregister(LocalKey, Sender<Result<()>>),
+    Transfer(Job),
+    Send {
+        peer: PeerId,
+        src: LocalSlice,
+        imm: Option<u32>,
+        slot: Arc<Slot<TransferResult>>,
+    },
+    Recv {
+        dst: LocalSlice,
+        slot: Arc<Slot<Result<Received, OpError>>>,
+    },
+    Shutdown,
+}
+
+/// One queued operation of a transfer.
+#[derive(Clone, Copy)]
+enum QueuedOp {
+    Write(PlannedWrite, Option<u32>),
+    Send(LocalSlice, Option<u32>),
+}
+
+#[derive(Clone, Copy)]
+struct Queued {
+    slot: u32,
+    generation: u32,
+    op: QueuedOp,
+}
+
+struct Active {
+    generation: u32,
+    peer: PeerId,
+    slot: Arc<Slot<TransferResult>>,
+    /// Operations queued or posted and not yet completed.
+    remaining: u64,
+    error: Option<OpError>,
+    stats: TransferStats,
+    /// The zero-length write that carries the immediate data, sent once all else landed.
+    final_imm: Option<(PlannedWrite, u32)>,
+    deadline: Option<Instant>,
+}
+
+/// Work-request ids: bit 63 marks receives; otherwise generation << 32 | slot.
+const RECV_BIT: u64 = 1 << 63;
+
+pub(crate) struct Worker<T: Transport> {
+    t: T,
+    rx: Receiver<Command>,
+    events: Sender<Event>,
+    counters: Arc<Counters>,
+    cfg: EngineConfig,
+    slots: Vec<Option<Active>>,
+    generations: Vec<u32>,
+    free: Vec<u32>,
+    queue: VecDeque<Queued>,
+    recvs: HashMap<u64, Arc<Slot<Result<Received, OpError>>>>,
+    next_recv: u64,
+    completions: Vec<Completion>,
+    deadlines: usize,
+    next_deadline_scan: Instant,
+}
+
+fn wr_of(slot: u32, generation: u32) -> WorkRequestId {
+    WorkRequestId(((generation as u64 & 0x7fff_ffff) << 32) | slot as u64)
+}
+
+fn op_error(e: Error) -> OpError {
+    match e {
+        Error::Op(op) => op,
+        Error::UnknownPeer(p) => OpError::PeerRemoved(p),
+        other => OpError::Transport(other.to_string()),
+    }
+}
+
+impl<T: Transport> Worker<T> {
+    pub fn new(
+        t: T,
+        rx: Receiver<Command>,
+        events: Sender<Event>,
+        counters: Arc<Counters>,
+        cfg: EngineConfig,
+    ) -> Self {
+        Worker {
+            t,
+            rx,
+            events,
+            counters,
+            cfg,
+            slots: Vec::new(),
+            generations: Vec::new(),
+            free: Vec::new(),
+            queue: VecDeque::new(),
+            recvs: HashMap::new(),
+            next_recv: 0,
+            completions: Vec::with_capacity(1024),
+            deadlines: 0,
+            next_deadline_scan: Instant::now(),
+        }
+    }
+
+    pub fn run(mut self) {
+        loop {
+            let mut progressed = false;
+            for _ in 0..1024 {
+                match self.rx.try_recv() {
+                    Ok(Command::Shutdown) | Err(TryRecvError::Disconnected) => {
+                        self.shutdown();
+                        return;
+                    }
+                    Ok(cmd) => {
+                        self.command(cmd);
+                        progressed = true;
+                    }
+                    Err(TryRecvError::Empty) => break,
+                }
+            }
+            progressed |= self.post_batch() > 0;
+            progressed |= self.poll() > 0;
+            if self.deadlines > 0 && Instant::now() >= self.next_deadline_scan {
+                self.expire();
+            }
+            if !progressed {
+                let wait = if self.queue.is_empty() {
+                    self.cfg.idle_wait
+                } else {
+                    Duration::ZERO
+                };
+                if let Err(e) = self.t.wait(wait) {
+                    tracing::warn!(error = %e, "transport wait failed");
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
+    }
+
+    fn command(&mut self, cmd: Command) {
+        match cmd {
+            Command::AddPeer(a, r) => {
+                let _ = r.send(self.t.add_peer(&a));
+            }
+            Command::RemovePeer(p, r) => {
+                let res = self.t.remove_peer(p);
+                // Operations that were queued but not posted fail too.
+                let _ = r.send(res);
+            }
+            Command::Register(m, a, r) => {
+                let _ = r.send(self.t.register(m, a));
+            }
+            Command::Deregister(k, r) => {
+                let _ = r.send(self.t.deregister(k));
+            }
+            Command::Transfer(job) => self.start_transfer(job),
+            Command::Send {
+                peer,
+                src,
+                imm,
+                slot,
+            } => {
+                let (idx, generation) = self.alloc(Active {
+                    generation: 0,
+                    peer,
+                    slot,
+                    remaining: 1,
+                    error: None,
+                    stats: TransferStats::default(),
+                    final_imm: None,
+                    deadline: None,
+                });
+                self.queue.push_back(Queued {
+                    slot: idx,
+                    generation,
+                    op: QueuedOp::Send(src, imm),
+                });
+            }
+            Command::Recv { dst, slot } => {
+                let id = RECV_BIT | self.next_recv;
+                self.next_recv += 1;
+                match self.t.post_recv(WorkRequestId(id), dst) {
+                    Ok(PostOutcome::Posted) => {
+                        self.recvs.insert(id, slot);
+                    }
+                    Ok(PostOutcome::NoRoom) => slot.complete(Err(OpError::Transport(
+                        "no room for another receive".into(),
+                    ))),
+                    Err(e) => slot.complete(Err(op_error(e))),
+                }
+            }
+            Command::Shutdown => {}
+        }
+    }
+
+    fn alloc(&mut self, mut a: Active) -> (u32, u32) {
+        let idx = match self.free.pop() {
+            Some(i) => i,
+            None => {
+                self.slots.push(None);
+                self.generations.push(0);
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let generation = self.generations[idx as usize];
+        a.generation = generation;
+        if a.deadline.is_some() {
+            self.deadlines += 1;
+        }
+        self.slots[idx as usize] = Some(a);
+        (idx, generation)
+    }
+
+    fn start_transfer(&mut self, job: Job) {
+        let final_imm = job.imm.map(|(v, s)| {
+            let w = PlannedWrite {
+                src: LocalSlice {
+                    key: s.src,
+                    offset: s.src_offset,
+                    len: 0,
+                },
+                dst: RemoteSlice {
+                    region: s.dst,
+                    offset: s.dst_offset,
+                    len: 0,
+                },
+            };
+            (w, v)
+        });
+        let n = job.plan.writes.len() as u64;
+        if n == 0 && final_imm.is_none() {
+            self.counters.transfers.fetch_add(1, Ordering::Relaxed);
+            job.slot.complete(Ok(TransferStats::default()));
+            return;
+        }
+        let (idx, generation) = self.alloc(Active {
+            generation: 0,
+            peer: job.peer,
+            slot: job.slot,
+            remaining: n,
+            error: None,
+            stats: TransferStats {
+                bytes: job.plan.bytes,
+                ops: 0,
+            },
+            final_imm,
+            deadline: job.deadline,
+        });
+        for w in job.plan.writes {
+            self.queue.push_back(Queued {
+                slot: idx,
+                generation,
+                op: QueuedOp::Write(w, None),
+            });
+        }
+        if n == 0 {
+            self.release_imm(idx);
+        }
+    }
+
+    /// Queues the immediate-data write of a transfer whose other writes all landed.
+    fn release_imm(&mut self, idx: u32) {
+        let Some(a) = self.slots[idx as usize].as_mut() else {
+            return;
+        };
+        if let Some((w, v)) = a.final_imm.take() {
+            a.remaining += 1;
+            let generation = a.generation;
+            self.queue.push_back(Queued {
+                slot: idx,
+                generation,
+                op: QueuedOp::Write(w, Some(v)),
+            });
+        }
+    }
+
+    fn active(&mut self, idx: u32, generation: u32) -> Option<&mut Active> {
+        self.slots
+            .get_mut(idx as usize)?
+            .as_mut()
+            .filter(|a| a.generation == generation)
+    }
+
+    /// One operation of a transfer is done (or dropped).
+    fn op_done(&mut self, idx: u32, generation: u32, res: std::result::Result<(), OpError>) {
+        let Some(a) = self.active(idx, generation) else {
+            return;
+        };
+        a.remaining -= 1;
+        if let Err(e) = res
+            && a.error.is_none()
+        {
+            a.error = Some(e);
+        }
+        if a.remaining > 0 {
+            return;
+        }
+        if a.error.is_none() && a.final_imm.is_some() {
+            self.release_imm(idx);
+            return;
+        }
+        self.finish(idx);
+    }
+
+    fn finish(&mut self, idx: u32) {
+        let Some(a) = self.slots[idx as usize].take() else {
+            return;
+        };
+        self.generations[idx as usize] =
+            self.generations[idx as usize].wrapping_add(1) & 0x7fff_ffff;
+        self.free.push(idx);
+        if a.deadline.is_some() {
+            self.deadlines -= 1;
+        }
+        self.counters.transfers.fetch_add(1, Ordering::Relaxed);
+        a.slot.complete(match a.error {
+            None => Ok(a.stats),
+            Some(e) => Err(e),
+        });
+    }
+
+    fn post_batch(&mut self) -> usize {
+        let mut posted = 0;
+        while posted < self.cfg.batch {
+            let Some(q) = self.queue.pop_front() else {
+                break;
+            };
+            let (peer, failed) = match self.active(q.slot, q.generation) {
+                None => continue, // the transfer already ended (time-out)
+                Some(a) => (a.peer, a.error.is_some()),
+            };
+            if failed {
+                self.op_done(q.slot, q.generation, Ok(()));
+                continue;
+            }
+            let wr = wr_of(q.slot, q.generation);
+            let r = match q.op {
+                QueuedOp::Write(w, imm) => self.t.post_write(peer, wr, w.src, w.dst, imm),
+                QueuedOp::Send(src, imm) => self.t.post_send(peer, wr, src, imm),
+            };
+            match r {
+                Ok(PostOutcome::Posted) => {
+                    posted += 1;
+                    if let Some(a) = self.active(q.slot, q.generation) {
+                        a.stats.ops += 1;
+                    }
+                }
+                Ok(PostOutcome::NoRoom) => {
+                    // Deferred posting: retried after the next poll.
+                    self.counters.reposts.fetch_add(1, Ordering::Relaxed);
+                    self.queue.push_front(q);
+                    break;
+                }
+                Err(e) => {
+                    self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                    self.op_done(q.slot, q.generation, Err(op_error(e)));
+                }
+            }
+        }
+        self.counters
+            .ops
+            .fetch_add(posted as u64, Ordering::Relaxed);
+        posted
+    }
+
+    fn poll(&mut self) -> usize {
+        let mut comps = std::mem::take(&mut self.completions);
+        if let Err(e) = self.t.poll(&mut comps) {
+            tracing::warn!(error = %e, "transport poll failed");
+        }
+        let n = comps.len();
+        for c in comps.drain(..) {
+            self.completion(c);
+        }
+        self.completions = comps;
+        n
+    }
+
+    fn completion(&mut self, c: Completion) {
+        match c.op {
+            OpKind::RemoteWrite => {
+                if let Some(imm) = c.imm {
+                    let _ = self.events.send(Event::Imm { peer: c.peer, imm });
+                }
+            }
+            OpKind::Recv => {
+                if let Some(slot) = self.recvs.remove(&c.wr_id.0) {
+                    slot.complete(c.result.map(|len| Received {
+                        peer: c.peer,
+                        len,
+                        imm: c.imm,
+                    }));
+                }
+            }
+            OpKind::Write | OpKind::Send => {
+                let (idx, generation) = (
+                    (c.wr_id.0 & 0xffff_ffff) as u32,
+                    ((c.wr_id.0 >> 32) & 0x7fff_ffff) as u32,
+                );
+                let sent = *c.result.as_ref().unwrap_or(&0);
+                let res = match c.result {
+                    Ok(b) => {
+                        self.counters.bytes.fetch_add(b, Ordering::Relaxed);
+                        Ok(())
+                    }
+                    Err(e) => {
+                        self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                        Err(e)
+                    }
+                };
+                if c.op == OpKind::Send
+                    && let Some(a) = self.active(idx, generation)
+                {
+                    a.stats.bytes += sent;
+                }
+                self.op_done(idx, generation, res);
+            }
+        }
+    }
+
+    fn expire(&mut self) {
+        let now = Instant::now();
+        self.next_deadline_scan = now + Duration::from_millis(1);
+        for idx in 0..self.slots.len() {
+            let expired =
+                matches!(&self.slots[idx], Some(a) if a.deadline.is_some_and(|d| d <= now));
+            if expired {
+                if let Some(a) = self.slots[idx].as_mut() {
+                    a.error.get_or_insert(OpError::TimedOut);
+                }
+                self.finish(idx as u32);
+            }
+        }
+    }
+
+    fn shutdown(&mut self) {
+        for idx in 0..self.slots.len() {
+            if let Some(a) = self.slots[idx].as_mut() {
+                a.error.get_or_insert(OpError::Cancelled);
+                self.finish(idx as u32);
+            }
+        }
+        for (_, s) in self.recvs.drain() {
+            s.complete(Err(OpError::Cancelled));
+        }
+    }
+}

@@ -1,0 +1,5 @@
+//! The conformance suite on the in-memory transport.
+use fabric_core::mem::MemTransport;
+use fabric_core::testing::SuiteOptions;
+
+fabric_core::conformance_suite!(MemTransport::new, SuiteOptions::default());
