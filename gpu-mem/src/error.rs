@@ -1,0 +1,306 @@
+//! [`GpuMemError`], the one error type of this crate, and [`CudaError`], the driver's own
+//! code and text carried as its source.
+//!
+//! Every driver return code goes through [`check`], which turns it into a `Result`.
+
+use cudarc::driver::result::DriverError;
+use cudarc::driver::sys;
+use fabric_core::MemoryError;
+
+/// An error code returned by the CUDA driver, with its name and description.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{name} ({code}): {description}")]
+pub struct CudaError {
+    code: u32,
+    name: String,
+    description: String,
+}
+
+impl CudaError {
+    /// The raw `CUresult` value.
+    pub fn code(&self) -> u32 {
+        self.code
+    }
+
+    /// The driver's name for the error, e.g. `CUDA_ERROR_OUT_OF_MEMORY`.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The driver's description of the error.
+    pub fn description(&self) -> &str {
+        &self.description
+    }
+
+    /// Whether the device (or host, for pinned memory) ran out of memory.
+    pub fn is_out_of_memory(&self) -> bool {
+        self.code == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY as u32
+    }
+
+    /// Whether the driver says the call is not supported on this device or system.
+    pub fn is_not_supported(&self) -> bool {
+        self.code == sys::CUresult::CUDA_ERROR_NOT_SUPPORTED as u32
+            || self.code == sys::CUresult::CUDA_ERROR_NOT_PERMITTED as u32
+    }
+
+    /// `CUDA_ERROR_OUT_OF_MEMORY`, for allocations that fail before reaching the driver.
+    pub(crate) fn out_of_memory() -> CudaError {
+        CudaError::from_driver(DriverError(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY))
+    }
+
+    pub(crate) fn from_driver(e: DriverError) -> CudaError {
+        let name = e
+            .error_name()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|_| format!("{:?}", e.0));
+        let description = e
+            .error_string()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|_| "no description".to_owned());
+        CudaError {
+            code: e.0 as u32,
+            name,
+            description,
+        }
+    }
+}
+
+/// Direction of a copy, for error messages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CopyDirection {
+    /// Host memory to device memory.
+    HostToDevice,
+    /// Device memory to host memory.
+    DeviceToHost,
+    /// Device memory to device memory.
+    DeviceToDevice,
+}
+
+impl std::fmt::Display for CopyDirection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CopyDirection::HostToDevice => "host-to-device",
+            CopyDirection::DeviceToHost => "device-to-host",
+            CopyDirection::DeviceToDevice => "device-to-device",
+        })
+    }
+}
+
+/// Errors of the CUDA memory layer.
+///
+/// Each driver call that can fail has its variant (or, for queries, a `call` name), with the
+/// driver's [`CudaError`] as its source.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum GpuMemError {
+    /// The CUDA driver library was found but `cuInit` failed.
+    #[error("cuInit failed")]
+    Init(#[source] CudaError),
+    /// No CUDA driver library is installed on this machine.
+    ///
+    /// [`Cuda::probe`](crate::Cuda::probe) reports this as `Ok(None)`; only the
+    /// conveniences that need a driver return it as an error.
+    #[error("no CUDA driver on this machine")]
+    NoDriver,
+    /// The device ordinal is not below the number of devices.
+    #[error("CUDA device {ordinal} does not exist (this machine has {count})")]
+    NoSuchDevice {
+        /// The ordinal asked for.
+        ordinal: u32,
+        /// How many devices the driver reports.
+        count: u32,
+    },
+    /// A zero-byte allocation was asked for.
+    #[error("cannot allocate zero bytes")]
+    ZeroSize,
+    /// A range falls outside a buffer.
+    #[error("range {offset}+{len} is outside the {size}-byte buffer")]
+    OutOfBounds {
+        /// Requested offset.
+        offset: u64,
+        /// Requested length.
+        len: u64,
+        /// Size of the buffer.
+        size: u64,
+    },
+    /// A region passed to a copy is not the kind of memory the copy needs (for example host
+    /// memory where device memory of the stream's device is expected).
+    #[error("wrong memory for this copy: {0}")]
+    WrongMemory(String),
+    /// Binding the device's context to the calling thread failed.
+    #[error("cannot make the context of CUDA device {device} current")]
+    Context {
+        /// The device ordinal.
+        device: u32,
+        /// The driver's error.
+        #[source]
+        source: CudaError,
+    },
+    /// `cuMemAlloc` failed.
+    #[error("cuMemAlloc of {len} bytes on CUDA device {device} failed")]
+    DeviceAlloc {
+        /// The device ordinal.
+        device: u32,
+        /// Bytes asked for.
+        len: u64,
+        /// The driver's error.
+        #[source]
+        source: CudaError,
+    },
+    /// `cuMemHostAlloc` failed.
+    #[error("cuMemHostAlloc of {len} pinned bytes failed")]
+    HostAlloc {
+        /// Bytes asked for.
+        len: u64,
+        /// The driver's error.
+        #[source]
+        source: CudaError,
+    },
+    /// A memory copy failed (synchronous or asynchronous).
+    #[error("{direction} copy of {len} bytes failed")]
+    Copy {
+        /// Which way the copy went.
+        direction: CopyDirection,
+        /// Bytes to copy.
+        len: u64,
+        /// The driver's error.
+        #[source]
+        source: CudaError,
+    },
+    /// `cuMemsetD8` failed.
+    #[error("memset of {len} bytes failed")]
+    Memset {
+        /// Bytes to set.
+        len: u64,
+        /// The driver's error.
+        #[source]
+        source: CudaError,
+    },
+    /// The device, driver or system cannot export device memory as a dmabuf.
+    #[error("dmabuf export is not supported: {0}")]
+    DmabufUnsupported(String),
+    /// `cuMemGetHandleForAddressRange` failed.
+    #[error("cuMemGetHandleForAddressRange (dmabuf) of {len} bytes failed")]
+    DmabufExport {
+        /// Bytes asked for.
+        len: u64,
+        /// The driver's error.
+        #[source]
+        source: CudaError,
+    },
+    /// Another driver call failed (device queries, streams, events, synchronisation).
+    #[error("{call} failed")]
+    Driver {
+        /// The driver function that failed.
+        call: &'static str,
+        /// The driver's error.
+        #[source]
+        source: CudaError,
+    },
+}
+
+impl GpuMemError {
+    /// The driver's error behind this one, if a driver call failed.
+    pub fn cuda_error(&self) -> Option<&CudaError> {
+        match self {
+            GpuMemError::Init(source)
+            | GpuMemError::Context { source, .. }
+            | GpuMemError::DeviceAlloc { source, .. }
+            | GpuMemError::HostAlloc { source, .. }
+            | GpuMemError::Copy { source, .. }
+            | GpuMemError::Memset { source, .. }
+            | GpuMemError::DmabufExport { source, .. }
+            | GpuMemError::Driver { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+
+    /// Whether an allocation failed for lack of memory (retrying after freeing may help).
+    pub fn is_out_of_memory(&self) -> bool {
+        self.cuda_error().is_some_and(CudaError::is_out_of_memory)
+    }
+}
+
+/// Turns a driver return code into a `Result`, naming the error with `wrap`.
+pub(crate) fn check(
+    code: sys::CUresult,
+    wrap: impl FnOnce(CudaError) -> GpuMemError,
+) -> Result<(), GpuMemError> {
+    code.result().map_err(|e| wrap(CudaError::from_driver(e)))
+}
+
+/// Shorthand for [`check`] with a [`GpuMemError::Driver`] naming `call`.
+pub(crate) fn check_call(code: sys::CUresult, call: &'static str) -> Result<(), GpuMemError> {
+    check(code, |source| GpuMemError::Driver { call, source })
+}
+
+impl From<GpuMemError> for MemoryError {
+    fn from(e: GpuMemError) -> MemoryError {
+        match e {
+            GpuMemError::OutOfBounds { offset, len, size } => {
+                MemoryError::OutOfBounds { offset, len, size }
+            }
+            GpuMemError::DeviceAlloc { len, .. } | GpuMemError::HostAlloc { len, .. } => {
+                MemoryError::Alloc(len)
+            }
+            GpuMemError::ZeroSize => MemoryError::Alloc(0),
+            GpuMemError::DmabufUnsupported(_) | GpuMemError::WrongMemory(_) => {
+                MemoryError::Unsupported(e.to_string())
+            }
+            other => MemoryError::Device(match other.cuda_error() {
+                Some(cause) => format!("{other}: {cause}"),
+                None => other.to_string(),
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_map_onto_memory_errors_without_a_driver() {
+        let oob = GpuMemError::OutOfBounds {
+            offset: 5,
+            len: 10,
+            size: 12,
+        };
+        assert_eq!(
+            MemoryError::from(oob.clone()),
+            MemoryError::OutOfBounds {
+                offset: 5,
+                len: 10,
+                size: 12
+            }
+        );
+        assert_eq!(oob.to_string(), "range 5+10 is outside the 12-byte buffer");
+        assert_eq!(
+            MemoryError::from(GpuMemError::ZeroSize),
+            MemoryError::Alloc(0)
+        );
+        assert!(matches!(
+            MemoryError::from(GpuMemError::WrongMemory("x".into())),
+            MemoryError::Unsupported(_)
+        ));
+        assert!(matches!(
+            MemoryError::from(GpuMemError::NoSuchDevice {
+                ordinal: 3,
+                count: 1
+            }),
+            MemoryError::Device(_)
+        ));
+        assert!(GpuMemError::NoDriver.cuda_error().is_none());
+        assert!(!GpuMemError::ZeroSize.is_out_of_memory());
+    }
+
+    #[test]
+    fn copy_directions_read_well() {
+        assert_eq!(CopyDirection::HostToDevice.to_string(), "host-to-device");
+        assert_eq!(CopyDirection::DeviceToHost.to_string(), "device-to-host");
+        assert_eq!(
+            CopyDirection::DeviceToDevice.to_string(),
+            "device-to-device"
+        );
+    }
+}

@@ -1,0 +1,496 @@
+//! CUDA tests. They compile everywhere; where the machine has no CUDA driver each one prints
+//! `skipped: no CUDA driver on this machine` and returns, except the probe test, which checks
+//! that the absence of CUDA is reported as a value and not a panic.
+//!
+//! On a GPU machine run them one at a time: `cargo test -p gpu-mem -- --test-threads=1`.
+
+use fabric_core::memory::SubRegion;
+use fabric_core::{MemoryError, MemoryLocation, MemoryRegion};
+use gpu_mem::{Cuda, DeviceBuffer, GpuMemError, PinnedHostBuffer};
+use std::sync::Arc;
+
+const MIB: usize = 1 << 20;
+
+/// The driver, or `None` after printing why the test is skipped.
+fn cuda() -> Option<Cuda> {
+    match Cuda::probe() {
+        Ok(Some(cuda)) => Some(cuda),
+        Ok(None) if !gpu_mem::driver_present() => {
+            println!("skipped: no CUDA driver on this machine");
+            None
+        }
+        Ok(None) => {
+            println!("skipped: a CUDA driver but no CUDA device on this machine");
+            None
+        }
+        Err(e) => panic!("a CUDA driver is installed but unusable: {e} ({e:?})"),
+    }
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 12) as u8)
+        .collect()
+}
+
+#[test]
+fn probe_reports_absence_as_a_value() {
+    let probe = Cuda::probe();
+    if !gpu_mem::driver_present() {
+        assert!(
+            matches!(probe, Ok(None)),
+            "no libcuda here, yet probe said {probe:?}"
+        );
+        assert_eq!(gpu_mem::devices(), Ok(Vec::new()));
+        println!("no CUDA driver on this machine: probe returned Ok(None)");
+        return;
+    }
+    match probe {
+        Ok(Some(cuda)) => {
+            let n = cuda.device_count().unwrap();
+            assert!(n > 0);
+            println!(
+                "CUDA driver {} with {n} device(s)",
+                cuda.driver_version().unwrap()
+            );
+        }
+        Ok(None) => println!("CUDA driver present but no device"),
+        Err(e) => panic!("probe failed: {e:?}"),
+    }
+}
+
+#[test]
+fn devices_are_described() {
+    let Some(cuda) = cuda() else { return };
+    let infos = cuda.devices().unwrap();
+    assert_eq!(infos.len() as u32, cuda.device_count().unwrap());
+    assert_eq!(gpu_mem::devices().unwrap(), infos);
+    for (i, info) in infos.iter().enumerate() {
+        println!("{info:?}");
+        assert_eq!(info.ordinal, i as u32);
+        assert!(!info.name.is_empty());
+        assert!(info.total_memory > 0);
+        assert!(info.driver_version.major >= 11);
+        assert!(info.compute_capability.0 >= 3);
+        // dddd:bb:dd.f, lower-case hex.
+        let id = &info.pci_bus_id;
+        assert_eq!(id.len(), 12, "{id}");
+        assert_eq!(&id[4..5], ":");
+        assert_eq!(&id[7..8], ":");
+        assert_eq!(&id[10..11], ".");
+        assert!(
+            id.chars().all(|c| c.is_ascii_digit()
+                || (c.is_ascii_hexdigit() && c.is_ascii_lowercase())
+                || ":.".contains(c)),
+            "{id}"
+        );
+        let dev = cuda.device(info.ordinal).unwrap();
+        assert_eq!(dev.info().unwrap(), *info);
+    }
+}
+
+#[test]
+fn bad_device_index_is_an_error() {
+    let Some(cuda) = cuda() else { return };
+    let count = cuda.device_count().unwrap();
+    for ordinal in [count, count + 7, u32::MAX] {
+        let err = cuda.device(ordinal).unwrap_err();
+        assert_eq!(err, GpuMemError::NoSuchDevice { ordinal, count });
+        assert!(err.to_string().contains("does not exist"), "{err}");
+        assert!(matches!(
+            cuda.device_info(ordinal),
+            Err(GpuMemError::NoSuchDevice { .. })
+        ));
+    }
+}
+
+#[test]
+fn zero_and_impossible_allocations_are_errors() {
+    let Some(cuda) = cuda() else { return };
+    let gpu = cuda.device(0).unwrap();
+    assert_eq!(gpu.alloc(0).unwrap_err(), GpuMemError::ZeroSize);
+    assert_eq!(gpu.alloc_pinned(0).unwrap_err(), GpuMemError::ZeroSize);
+    assert_eq!(
+        PinnedHostBuffer::new(&gpu, 0).unwrap_err(),
+        GpuMemError::ZeroSize
+    );
+    // 1 PiB: more than any GPU has.
+    let err = DeviceBuffer::new(&gpu, 1 << 50).unwrap_err();
+    assert!(
+        matches!(err, GpuMemError::DeviceAlloc { .. }) && err.is_out_of_memory(),
+        "{err:?}"
+    );
+    println!("1 PiB allocation: {err}: {}", err.cuda_error().unwrap());
+    let err = DeviceBuffer::new(&gpu, usize::MAX).unwrap_err();
+    assert!(matches!(err, GpuMemError::DeviceAlloc { .. }), "{err:?}");
+    // The device still works afterwards.
+    let b = gpu.alloc(4096).unwrap();
+    b.fill(0, 4096, 1).unwrap();
+    assert_eq!(b.to_vec(4095, 1).unwrap(), vec![1]);
+}
+
+#[test]
+fn device_buffer_round_trips() {
+    let Some(cuda) = cuda() else { return };
+    let gpu = cuda.device(0).unwrap();
+    let len = 4 * MIB + 123;
+    let buf = gpu.alloc(len).unwrap();
+    assert_eq!(buf.len(), len);
+    assert_eq!(buf.device().ordinal(), 0);
+    let data = pattern(len, 7);
+    buf.copy_from_host(0, &data).unwrap();
+    assert_eq!(buf.to_vec(0, len).unwrap(), data);
+
+    // Partial writes and reads at odd offsets.
+    buf.copy_from_host(1001, &[9; 77]).unwrap();
+    let mut out = vec![0u8; 100];
+    buf.copy_to_host(990, &mut out).unwrap();
+    assert_eq!(&out[..11], &data[990..1001]);
+    assert_eq!(&out[11..88], &[9; 77][..]);
+    assert_eq!(&out[88..], &data[1078..1090]);
+
+    // Fill.
+    buf.fill(MIB as u64, MIB as u64, 0x5a).unwrap();
+    let v = buf.to_vec(MIB as u64 - 1, MIB + 2).unwrap();
+    assert_eq!(v[0], data[MIB - 1]);
+    assert!(v[1..=MIB].iter().all(|&b| b == 0x5a));
+    assert_eq!(v[MIB + 1], data[2 * MIB]);
+
+    // Zeroed allocation and device-to-device copy.
+    let other = gpu.alloc_zeroed(2 * MIB).unwrap();
+    assert!(other.to_vec(0, 2 * MIB).unwrap().iter().all(|&b| b == 0));
+    other
+        .copy_from_device(4096, &buf, 3 * MIB as u64, MIB as u64)
+        .unwrap();
+    assert_eq!(other.to_vec(4096, MIB).unwrap(), &data[3 * MIB..4 * MIB]);
+    assert_eq!(other.to_vec(0, 4096).unwrap(), vec![0; 4096]);
+}
+
+#[test]
+fn device_buffer_bounds_are_checked() {
+    let Some(cuda) = cuda() else { return };
+    let gpu = cuda.device(0).unwrap();
+    let buf = gpu.alloc(10_000).unwrap();
+    let oob = |r: Result<_, GpuMemError>| matches!(r, Err(GpuMemError::OutOfBounds { .. }));
+    assert!(oob(buf.copy_from_host(9_991, &[0; 10])));
+    assert!(oob(buf.copy_from_host(u64::MAX, &[0; 2])));
+    assert!(oob(buf.copy_to_host(9_999, &mut [0; 2])));
+    assert!(oob(buf.to_vec(10_001, 0).map(|_| ())));
+    assert!(oob(buf.fill(5_000, 5_001, 0)));
+    assert!(oob(buf.fill(u64::MAX, 2, 0)));
+    let small = gpu.alloc(100).unwrap();
+    assert!(oob(buf.copy_from_device(0, &small, 50, 51)));
+    assert!(oob(small.copy_from_device(0, &buf, 0, 101)));
+    assert!(oob(buf.export_dmabuf_range(9_000, 1_001).map(|_| ())));
+    // Empty ranges at the very end are fine.
+    buf.copy_from_host(10_000, &[]).unwrap();
+    assert_eq!(buf.to_vec(10_000, 0).unwrap(), Vec::<u8>::new());
+    buf.fill(10_000, 0, 1).unwrap();
+    // The last byte is reachable.
+    buf.copy_from_host(9_999, &[42]).unwrap();
+    assert_eq!(buf.to_vec(9_999, 1).unwrap(), vec![42]);
+}
+
+#[test]
+fn pinned_buffer_round_trips() {
+    let Some(cuda) = cuda() else { return };
+    let gpu = cuda.device(0).unwrap();
+    let len = 3 * MIB + 5;
+    let pinned = gpu.alloc_pinned(len).unwrap();
+    assert_eq!(pinned.len(), len);
+    assert!(pinned.to_vec(0, len).unwrap().iter().all(|&b| b == 0));
+    let data = pattern(len, 3);
+    pinned.write(0, &data).unwrap();
+    assert_eq!(pinned.to_vec(0, len).unwrap(), data);
+    pinned.fill(10, 10, 0xee).unwrap();
+    assert_eq!(pinned.to_vec(9, 12).unwrap()[1..11], [0xee; 10]);
+    assert!(matches!(
+        pinned.write(len as u64 - 1, &[1, 2]),
+        Err(GpuMemError::OutOfBounds { .. })
+    ));
+    assert!(matches!(
+        pinned.read(u64::MAX, &mut [0]),
+        Err(GpuMemError::OutOfBounds { .. })
+    ));
+    assert!(pinned.fill(len as u64, 1, 0).is_err());
+
+    // As a MemoryRegion: host memory with a host pointer.
+    let region: Arc<dyn MemoryRegion> = Arc::new(pinned);
+    assert_eq!(region.location(), MemoryLocation::Host);
+    let p = region.host_ptr().unwrap();
+    assert_eq!(region.device_addr(), p.as_ptr() as u64);
+    region.write_from_host(100, &[1, 2, 3]).unwrap();
+    let mut back = [0u8; 3];
+    region.read_to_host(100, &mut back).unwrap();
+    assert_eq!(back, [1, 2, 3]);
+    assert!(matches!(
+        region.read_to_host(len as u64 - 2, &mut back),
+        Err(MemoryError::OutOfBounds { .. })
+    ));
+
+    // The whole buffer as a slice, while nothing writes it.
+    let pinned = gpu.alloc_pinned(4096).unwrap();
+    pinned.fill(0, 4096, 3).unwrap();
+    // SAFETY: no copy or transfer writes `pinned` while the slice lives.
+    let slice = unsafe { pinned.as_slice() };
+    assert_eq!(slice, &[3; 4096][..]);
+}
+
+#[test]
+fn async_copies_with_events() {
+    let Some(cuda) = cuda() else { return };
+    let gpu = cuda.device(0).unwrap();
+    let len = 8 * MIB;
+    let chunk = MIB as u64;
+    let src = Arc::new(gpu.alloc_pinned(len).unwrap());
+    let data = pattern(len, 11);
+    src.write(0, &data).unwrap();
+    let dev = Arc::new(gpu.alloc(len).unwrap());
+    let dst = Arc::new(gpu.alloc_pinned(len).unwrap());
+
+    let mut up = gpu.copy_stream().unwrap();
+    let mut down = gpu.copy_stream().unwrap();
+    let mut events = Vec::new();
+    for i in 0..(len as u64 / chunk) {
+        up.copy_h2d_async(&src, i * chunk, &dev, i * chunk, chunk)
+            .unwrap();
+        events.push(up.record_event().unwrap());
+    }
+    // The stream holds one clone per copy it has not yet seen complete.
+    assert!(up.copies_in_flight() <= 8);
+    assert_eq!(Arc::strong_count(&src), 1 + up.copies_in_flight());
+    // Pipeline: each chunk goes back down as soon as its upload is done.
+    for (i, ev) in events.iter().enumerate() {
+        ev.synchronize().unwrap();
+        assert!(ev.query().unwrap());
+        let off = i as u64 * chunk;
+        down.copy_d2h_async(&dev, off, &dst, off, chunk).unwrap();
+    }
+    let last = down.record_event().unwrap();
+    last.synchronize().unwrap();
+    assert!(last.query().unwrap());
+    assert_eq!(dst.to_vec(0, len).unwrap(), data);
+
+    // Once the stream has seen everything complete it lets go of the buffers.
+    assert_eq!(down.release_completed().unwrap(), 0);
+    assert_eq!(up.release_completed().unwrap(), 0);
+    drop(events);
+    up.synchronize().unwrap();
+    down.synchronize().unwrap();
+    assert_eq!(Arc::strong_count(&src), 1);
+    assert_eq!(Arc::strong_count(&dev), 1);
+    assert_eq!(Arc::strong_count(&dst), 1);
+
+    // Events are reused; many rounds stay correct.
+    for round in 0..20u8 {
+        src.fill(0, chunk, round).unwrap();
+        up.copy_h2d_async(&src, 0, &dev, round as u64 * 4096, 4096)
+            .unwrap();
+        let e = up.record_event().unwrap();
+        while !e.query().unwrap() {
+            std::hint::spin_loop();
+        }
+        assert_eq!(
+            dev.to_vec(round as u64 * 4096, 4096).unwrap(),
+            vec![round; 4096]
+        );
+    }
+    assert_eq!(up.release_completed().unwrap(), 0);
+}
+
+#[test]
+fn async_copy_checks_its_arguments() {
+    let Some(cuda) = cuda() else { return };
+    let gpu = cuda.device(0).unwrap();
+    let dev = Arc::new(gpu.alloc_zeroed(MIB).unwrap());
+    let pinned = Arc::new(gpu.alloc_pinned(MIB).unwrap());
+    let mut s = gpu.copy_stream().unwrap();
+    let m = MIB as u64;
+    // Out of range on either side.
+    assert!(matches!(
+        s.copy_d2h_async(&dev, 1, &pinned, 0, m),
+        Err(GpuMemError::OutOfBounds { .. })
+    ));
+    assert!(matches!(
+        s.copy_h2d_async(&pinned, 0, &dev, u64::MAX, 2),
+        Err(GpuMemError::OutOfBounds { .. })
+    ));
+    // Host memory where device memory is expected, and the other way round.
+    assert!(matches!(
+        s.copy_d2h_async(&pinned, 0, &pinned, 0, 16),
+        Err(GpuMemError::WrongMemory(_))
+    ));
+    assert!(matches!(
+        s.copy_h2d_async(&dev, 0, &dev, 0, 16),
+        Err(GpuMemError::WrongMemory(_))
+    ));
+    // Nothing was queued by the failed calls.
+    assert_eq!(s.copies_in_flight(), 0);
+    assert_eq!(Arc::strong_count(&dev), 1);
+    // Zero-length copies are fine and queue nothing.
+    s.copy_d2h_async(&dev, m, &pinned, m, 0).unwrap();
+    assert_eq!(s.copies_in_flight(), 0);
+
+    // Windows onto regions (trait objects) work too, and pageable host memory.
+    let window: Arc<dyn MemoryRegion> = Arc::new(SubRegion::new(dev.clone(), 4096, 8192).unwrap());
+    let host: Arc<dyn MemoryRegion> = fabric_core::HostBuffer::new_shared(8192).unwrap();
+    host.write_from_host(0, &[7; 8192]).unwrap();
+    s.copy_h2d_async(&host, 0, &window, 0, 8192).unwrap();
+    assert!(matches!(
+        s.copy_h2d_async(&host, 0, &window, 1, 8192),
+        Err(GpuMemError::OutOfBounds { .. })
+    ));
+    s.synchronize().unwrap();
+    assert_eq!(dev.to_vec(4096, 8192).unwrap(), vec![7; 8192]);
+    // Bytes around the window are untouched.
+    assert_eq!(dev.to_vec(4095, 1).unwrap(), vec![0]);
+    assert_eq!(dev.to_vec(4096 + 8192, 1).unwrap(), vec![0]);
+}
+
+#[test]
+fn buffers_outlive_copies_in_flight() {
+    let Some(cuda) = cuda() else { return };
+    let gpu = cuda.device(0).unwrap();
+    let len = 64 * MIB;
+    let mut s = gpu.copy_stream().unwrap();
+    {
+        let dev = Arc::new(gpu.alloc(len).unwrap());
+        let pinned = Arc::new(gpu.alloc_pinned(len).unwrap());
+        for _ in 0..4 {
+            s.copy_d2h_async(&dev, 0, &pinned, 0, len as u64).unwrap();
+            s.copy_h2d_async(&pinned, 0, &dev, 0, len as u64).unwrap();
+        }
+        assert_eq!(s.copies_in_flight(), 8);
+        // Our handles go away here; the stream's clones keep the memory alive.
+    }
+    drop(s); // waits for the copies, then frees the buffers
+    let mut s = gpu.copy_stream().unwrap();
+    let dev = Arc::new(gpu.alloc(MIB).unwrap());
+    let pinned = Arc::new(gpu.alloc_pinned(MIB).unwrap());
+    s.copy_d2h_async(&dev, 0, &pinned, 0, MIB as u64).unwrap();
+    let e = s.record_event().unwrap();
+    drop(s); // an event may outlive its stream
+    e.synchronize().unwrap();
+    assert_eq!(Arc::strong_count(&dev), 1);
+}
+
+#[test]
+fn dmabuf_export_gives_an_fd_or_says_unsupported() {
+    let Some(cuda) = cuda() else { return };
+    let gpu = cuda.device(0).unwrap();
+    let buf = gpu.alloc(4 * MIB + 100).unwrap();
+    println!(
+        "dmabuf supported per device attribute: {}",
+        gpu.dmabuf_supported().unwrap()
+    );
+    match buf.export_dmabuf_range(4096 + 10, MIB as u64) {
+        Ok(export) => {
+            use std::os::fd::AsRawFd;
+            let fd = export.fd().as_raw_fd();
+            assert!(fd >= 0);
+            assert_eq!(export.len(), MIB as u64);
+            // The range's first byte sits at the same offset inside its page.
+            assert_eq!(
+                export.offset() % 4096,
+                (buf.device_addr() + 4096 + 10) % 4096
+            );
+            // SAFETY: fstat on an fd we own, into a zeroed stat buffer.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: fd is open (owned by export) and st is a valid out-pointer.
+            assert_eq!(unsafe { libc::fstat(fd, &mut st) }, 0);
+            println!(
+                "dmabuf export: fd {fd}, offset {}, size {}",
+                export.offset(),
+                st.st_size
+            );
+            // The whole-buffer export backs MemoryRegion::dmabuf and is cached.
+            let h = buf.dmabuf_handle().unwrap();
+            assert_eq!(buf.dmabuf(), Some(h));
+            assert_eq!(buf.dmabuf_handle().unwrap(), h);
+            assert_eq!(h.offset, buf.device_addr() % 4096);
+            let owned = export.into_fd();
+            drop(owned);
+        }
+        Err(GpuMemError::DmabufUnsupported(why)) => {
+            println!("dmabuf export unsupported here: {why}");
+            assert!(buf.dmabuf().is_none());
+            assert!(matches!(
+                buf.dmabuf_handle(),
+                Err(GpuMemError::DmabufUnsupported(_)) | Err(GpuMemError::DmabufExport { .. })
+            ));
+        }
+        Err(e) => panic!(
+            "dmabuf export failed without saying unsupported: {e}: {:?}",
+            e.cuda_error()
+        ),
+    }
+    assert!(matches!(
+        buf.export_dmabuf_range(0, 0),
+        Err(GpuMemError::ZeroSize)
+    ));
+}
+
+#[test]
+fn device_buffer_is_a_memory_region() {
+    let Some(cuda) = cuda() else { return };
+    let gpu = cuda.device(0).unwrap();
+    let buf = Arc::new(gpu.alloc(2 * MIB).unwrap());
+    let region: Arc<dyn MemoryRegion> = buf.clone();
+    assert_eq!(region.len(), 2 * MIB);
+    assert_eq!(region.location(), MemoryLocation::Cuda { device: 0 });
+    assert!(region.host_ptr().is_none());
+    assert_eq!(region.device_addr(), buf.device_addr());
+    let data = pattern(2 * MIB, 5);
+    region.write_from_host(0, &data).unwrap();
+    let mut back = vec![0u8; 2 * MIB];
+    region.read_to_host(0, &mut back).unwrap();
+    assert_eq!(back, data);
+    assert_eq!(buf.to_vec(0, 2 * MIB).unwrap(), data);
+    assert!(matches!(
+        region.write_from_host(2 * MIB as u64 - 1, &[0, 0]),
+        Err(MemoryError::OutOfBounds { .. })
+    ));
+    assert!(matches!(
+        region.read_to_host(u64::MAX, &mut [0]),
+        Err(MemoryError::OutOfBounds { .. })
+    ));
+    // A window onto it, as a transport registers part of a buffer.
+    let sub = SubRegion::new(region.clone(), MIB as u64, 4096).unwrap();
+    assert_eq!(sub.location(), MemoryLocation::Cuda { device: 0 });
+    assert_eq!(sub.device_addr(), buf.device_addr() + MIB as u64);
+    let mut page = vec![0u8; 4096];
+    sub.read_to_host(0, &mut page).unwrap();
+    assert_eq!(page, &data[MIB..MIB + 4096]);
+    assert!(sub.write_from_host(1, &page).is_err());
+}
+
+#[test]
+fn buffers_work_from_other_threads() {
+    let Some(cuda) = cuda() else { return };
+    let gpu = cuda.device(0).unwrap();
+    let buf = Arc::new(gpu.alloc(8 * MIB).unwrap());
+    let pinned = Arc::new(gpu.alloc_pinned(8 * MIB).unwrap());
+    let threads: Vec<_> = (0..8u8)
+        .map(|t| {
+            let buf = buf.clone();
+            let pinned = pinned.clone();
+            let gpu = gpu.clone();
+            std::thread::spawn(move || {
+                // A fresh thread has no current context: every call must bind it.
+                let off = t as u64 * MIB as u64;
+                let region: &dyn MemoryRegion = &*buf;
+                region.write_from_host(off, &vec![t; MIB]).unwrap();
+                let mut s = gpu.copy_stream().unwrap();
+                s.copy_d2h_async(&buf, off, &pinned, off, MIB as u64)
+                    .unwrap();
+                s.record_event().unwrap().synchronize().unwrap();
+                pinned.to_vec(off, MIB).unwrap() == vec![t; MIB]
+            })
+        })
+        .collect();
+    for t in threads {
+        assert!(t.join().unwrap());
+    }
+    // Dropped on another thread too.
+    std::thread::spawn(move || drop(buf)).join().unwrap();
+}
