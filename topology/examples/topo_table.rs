@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! cargo run -p topology --example topo_table [-- [FILE.xml] [--json]]
+//! cargo run -p topology --example topo_table -- --export THIS-MACHINE.xml
 //! ```
 
 use topology::{Topology, render_table};
@@ -10,11 +11,17 @@ use topology::{Topology, render_table};
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut json = false;
     let mut file = None;
-    for argument in std::env::args().skip(1) {
-        if argument == "--json" {
-            json = true;
-        } else {
-            file = Some(argument);
+    let mut arguments = std::env::args().skip(1);
+    while let Some(argument) = arguments.next() {
+        match argument.as_str() {
+            "--json" => json = true,
+            "--export" => {
+                let path = arguments.next().ok_or("--export needs a file name")?;
+                Topology::export_xml(&path)?;
+                println!("wrote {path}");
+                return Ok(());
+            }
+            _ => file = Some(argument),
         }
     }
     let topology = match file {

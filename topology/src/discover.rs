@@ -55,6 +55,18 @@ impl Topology {
     /// Loads a topology saved as hwloc XML (by [`Topology::export_xml`],
     /// `lstopo file.xml` or `hwloc-gather-topology`) on any machine.
     ///
+    /// Treat the XML as trusted input, as hwloc does. Unreadable files,
+    /// text that is not XML or not a topology, truncated files and XML of a
+    /// newer hwloc major version are errors. But hwloc checks the
+    /// *consistency* of a well-formed topology only loosely: a hand-edited
+    /// file whose PU cpusets contradict their parents makes debug builds
+    /// abort (hwlocality runs hwloc's assert-based `hwloc_topology_check`
+    /// after every load when `debug_assertions` are on; release builds load
+    /// it), and some crafted trees (a NUMA node inside a PU) crash hwloc
+    /// 2.9's importer itself, `lstopo --input` included. Files written by
+    /// hwloc or by `examples/gen_fixtures.rs` are consistent. libxml2 prints
+    /// its parse errors to stderr.
+    ///
     /// # Errors
     /// [`TopologyError::ReadXmlFile`] when the file cannot be read,
     /// [`TopologyError::UnsupportedXmlVersion`] for XML of a newer hwloc
@@ -71,7 +83,8 @@ impl Topology {
         Ok(extract(&hwloc, TopologySource::XmlFile(path.to_owned())))
     }
 
-    /// Loads a topology from hwloc XML held in memory.
+    /// Loads a topology from hwloc XML held in memory. The same caveats as
+    /// [`Topology::from_xml_file`] apply.
     ///
     /// # Errors
     /// [`TopologyError::UnsupportedXmlVersion`] for XML of a newer hwloc

@@ -263,3 +263,31 @@ fn table_shows_every_worker() {
             .any(|line| line.contains("host") && line.contains("wlp2s0"))
     );
 }
+
+#[test]
+fn captured_h200_vm_export_replays() {
+    // A real export (hwloc 2.10) from the single-H200 VM, read by this hwloc.
+    let topo = load("h200-vm.captured.xml");
+    assert_eq!(topo.numa_nodes.len(), 1);
+    assert_eq!(topo.numa_nodes[0].cores, (0..16).collect::<Vec<_>>());
+    assert_eq!(topo.gpus.len(), 1);
+    let gpu = &topo.gpus[0];
+    assert_eq!((gpu.vendor_id, gpu.device_id), (0x10de, 0x2335));
+    assert_eq!(gpu.pci, "0000:00:06.0".parse::<PciAddress>().unwrap());
+    assert_eq!(gpu.numa_node, Some(0));
+    // Flat virtual PCI: everything hangs off the host bridge, no switch.
+    assert_eq!(gpu.switch, None);
+    assert_eq!(topo.nics.len(), 1);
+    assert_eq!(topo.nics[0].name, "eth0");
+    assert_eq!(topo.nics[0].kind, NicKind::Ethernet);
+
+    let plan = topo.plan();
+    assert!(!plan.host_only);
+    let [worker] = plan.workers.as_slice() else {
+        panic!("one worker expected: {plan:?}");
+    };
+    assert_eq!(worker.gpu, Some(GpuIndex(0)));
+    assert_eq!(worker.nics, vec![NicIndex(0)]);
+    assert_eq!(worker.nic_affinity, NicAffinity::SameNuma);
+    assert_eq!((worker.core, worker.numa_node), (1, 0));
+}
