@@ -1,1 +1,524 @@
-fn main() {}
+//! `xfer`: move scattered memory to a remote node and print Gbps.
+//!
+//! - `xfer demo`: both ends in one process over loopback, no setup;
+//! - `xfer serve`: register memory and wait for peers;
+//! - `xfer bench --peer xfer://HOST:PORT`: write random pages into a server's memory;
+//! - `xfer info`: what this machine offers.
+
+mod baseline;
+mod control;
+mod pattern;
+mod progress;
+mod size;
+mod workload;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use fabric_core::engine::{Engine, EngineConfig};
+use fabric_core::mem::MemTransport;
+use fabric_core::{Access, Error, HostBuffer};
+use serde::Serialize;
+use std::net::{SocketAddr, TcpListener};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+use transport_tcp::{TcpConfig, TcpTransport};
+use workload::Workload;
+
+#[derive(Parser)]
+#[command(
+    name = "xfer",
+    version,
+    about = "Move scattered memory between machines at line rate"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Register a region and serve peers that write into it (until stopped).
+    Serve(ServeArgs),
+    /// Write random pages into a served region and report the throughput.
+    Bench(BenchArgs),
+    /// Both ends in one process over loopback: the quickest way to see it work.
+    Demo(DemoArgs),
+    /// Show the transports and memory this machine offers.
+    Info {
+        /// One JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum TransportKind {
+    /// RDMA semantics over TCP sockets.
+    Tcp,
+    /// In-process memory copies (demo only): measures the engine itself.
+    Mem,
+}
+
+impl TransportKind {
+    fn name(self) -> &'static str {
+        match self {
+            TransportKind::Tcp => "tcp",
+            TransportKind::Mem => "mem",
+        }
+    }
+}
+
+#[derive(Args, Clone)]
+struct Knobs {
+    /// Bytes per page (e.g. 4KiB, 64KiB).
+    #[arg(long, default_value = "64KiB", value_parser = size::parse_size)]
+    page_size: u64,
+    /// Pages per transfer, chosen at random from the region.
+    #[arg(long, default_value_t = 1000)]
+    pages: u64,
+    /// Bytes to move in all.
+    #[arg(long, default_value = "8GiB", value_parser = size::parse_size)]
+    bytes: u64,
+    /// TCP connections (rails) to the peer.
+    #[arg(long, default_value_t = 1)]
+    rails: usize,
+    /// Size of the source region (and of the target region in demo).
+    #[arg(long, default_value = "1GiB", value_parser = size::parse_size)]
+    region_size: u64,
+    /// Transfers in flight at once.
+    #[arg(long, default_value_t = 4)]
+    depth: usize,
+    /// Seed of the page choice and the data.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Skip checking the target's bytes after the run.
+    #[arg(long)]
+    no_verify: bool,
+    /// Print one JSON object at the end instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// Control address peers connect to (port 0 picks a free one).
+    #[arg(long, default_value = "127.0.0.1:7471")]
+    listen: SocketAddr,
+    /// Data address of the transport (port 0 picks a free one); defaults to the control IP.
+    #[arg(long)]
+    data_listen: Option<SocketAddr>,
+    /// Size of the region each client gets.
+    #[arg(long, default_value = "1GiB", value_parser = size::parse_size)]
+    region_size: u64,
+    /// Transport to serve.
+    #[arg(long, value_enum, default_value = "tcp")]
+    transport: TransportKind,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// The server, as printed by `xfer serve` (xfer://HOST:PORT).
+    #[arg(long)]
+    peer: String,
+    #[command(flatten)]
+    knobs: Knobs,
+}
+
+#[derive(Args)]
+struct DemoArgs {
+    #[command(flatten)]
+    knobs: Knobs,
+    /// Transport to use.
+    #[arg(long, value_enum, default_value = "tcp")]
+    transport: TransportKind,
+    /// Also run plain TCP streams (as many as rails) with the same bytes, and report the ratio.
+    #[arg(long)]
+    baseline: bool,
+}
+
+/// The JSON summary of a run.
+#[derive(Serialize)]
+struct Summary {
+    transport: &'static str,
+    memory: &'static str,
+    page_size: u64,
+    pages: u64,
+    rails: usize,
+    bytes: u64,
+    seconds: f64,
+    gbps: f64,
+    mops: f64,
+    verified: bool,
+    baseline_gbps: Option<f64>,
+    ratio: Option<f64>,
+}
+
+/// Why the command failed; each is one line on stderr.
+#[derive(Debug, thiserror::Error)]
+enum CliError {
+    #[error("{0}")]
+    Usage(String),
+    #[error("{0}")]
+    Failed(String),
+    #[error("verification failed: {0}")]
+    Mismatch(String),
+}
+
+impl From<Error> for CliError {
+    fn from(e: Error) -> Self {
+        let mut msg = e.to_string();
+        let mut src = std::error::Error::source(&e);
+        while let Some(s) = src {
+            msg.push_str(": ");
+            msg.push_str(&s.to_string());
+            src = s.source();
+        }
+        CliError::Failed(msg)
+    }
+}
+
+impl From<fabric_core::MemoryError> for CliError {
+    fn from(e: fabric_core::MemoryError) -> Self {
+        CliError::Failed(e.to_string())
+    }
+}
+
+/// Text form of a transport address: itself if printable, else `hex:...`.
+pub(crate) fn address_to_text(a: &[u8]) -> String {
+    match std::str::from_utf8(a) {
+        Ok(s) if s.chars().all(|c| c.is_ascii_graphic()) => s.to_string(),
+        _ => format!(
+            "hex:{}",
+            a.iter().map(|b| format!("{b:02x}")).collect::<String>()
+        ),
+    }
+}
+
+/// Inverse of [`address_to_text`].
+pub(crate) fn address_from_text(s: &str) -> Result<Vec<u8>, String> {
+    match s.strip_prefix("hex:") {
+        None => Ok(s.as_bytes().to_vec()),
+        Some(h) if h.len().is_multiple_of(2) => (0..h.len())
+            .step_by(2)
+            .map(|i| {
+                u8::from_str_radix(&h[i..i + 2], 16).map_err(|_| format!("bad hex address {s:?}"))
+            })
+            .collect(),
+        Some(_) => Err(format!("bad hex address {s:?}")),
+    }
+}
+
+fn engine_cfg(name: &str) -> EngineConfig {
+    EngineConfig {
+        name: name.into(),
+        ..EngineConfig::default()
+    }
+}
+
+fn tcp_engine(listen: SocketAddr, rails: usize, name: &str) -> Result<Engine, Error> {
+    let cfg = TcpConfig {
+        listen,
+        rails,
+        ..TcpConfig::default()
+    };
+    Engine::spawn(move || TcpTransport::new(cfg), engine_cfg(name))
+}
+
+fn workload_of(k: &Knobs) -> Result<Workload, CliError> {
+    let w = Workload {
+        page_size: k.page_size,
+        pages: k.pages,
+        bytes: k.bytes,
+        region_size: k.region_size,
+        depth: k.depth,
+        seed: k.seed,
+        transfer_timeout: Duration::from_secs(60),
+    };
+    w.validate().map_err(CliError::Usage)?;
+    if k.rails == 0 {
+        return Err(CliError::Usage("--rails must be at least 1".into()));
+    }
+    Ok(w)
+}
+
+fn print_summary(s: &Summary, json: bool) {
+    if json {
+        println!("{}", serde_json::to_string(s).expect("summary serialises"));
+        return;
+    }
+    println!(
+        "{} {} pages of {} x {} rails: {} in {:.3}s = {:.2} Gbps, {:.3} Mpps, verified: {}",
+        s.transport,
+        s.pages,
+        size::format_size(s.page_size),
+        s.rails,
+        size::format_size(s.bytes),
+        s.seconds,
+        s.gbps,
+        s.mops,
+        if s.verified { "yes" } else { "no" }
+    );
+    if let (Some(b), Some(r)) = (s.baseline_gbps, s.ratio) {
+        println!(
+            "baseline: {} plain TCP stream(s) {:.2} Gbps; ratio {:.3}",
+            s.rails, b, r
+        );
+    }
+}
+
+fn demo(a: DemoArgs) -> Result<(), CliError> {
+    let k = &a.knobs;
+    let w = workload_of(k)?;
+    let (src_engine, dst_engine) = match a.transport {
+        TransportKind::Tcp => {
+            let lo = SocketAddr::from(([127, 0, 0, 1], 0));
+            (
+                tcp_engine(lo, k.rails, "xfer-initiator")?,
+                tcp_engine(lo, 1, "xfer-target")?,
+            )
+        }
+        TransportKind::Mem => (
+            Engine::spawn(|| Ok(MemTransport::new()), engine_cfg("xfer-initiator"))?,
+            Engine::spawn(|| Ok(MemTransport::new()), engine_cfg("xfer-target"))?,
+        ),
+    };
+    let src = workload::pattern_buffer(k.region_size, k.seed)?;
+    let dst = HostBuffer::new_shared(k.region_size as usize)?;
+    let s = src_engine.register(src, Access::NONE)?;
+    let d = dst_engine.register(dst.clone(), Access::REMOTE_WRITE)?;
+    let peer = src_engine.add_peer(&dst_engine.address())?;
+    warm_up(&src_engine, s.local, peer, d.remote, k)?;
+    let mut progress = progress::Progress::new(k.json);
+    let report = workload::run(&src_engine, s.local, peer, d.remote, &w, &mut progress)?;
+    let verified = if k.no_verify {
+        false
+    } else {
+        let pages = report.written_pages();
+        let (bad, first) = workload::verify_pages(&dst, k.page_size, k.seed, &pages)?;
+        if bad > 0 {
+            return Err(CliError::Mismatch(format!(
+                "{bad} of {} pages differ (first: page {})",
+                pages.len(),
+                first.unwrap_or(0)
+            )));
+        }
+        true
+    };
+    drop(src_engine);
+    drop(dst_engine);
+    let baseline_gbps = if a.baseline {
+        Some(
+            baseline::run(report.bytes, k.rails)
+                .map_err(|e| CliError::Failed(format!("baseline: {e}")))?,
+        )
+    } else {
+        None
+    };
+    let gbps = report.gbps();
+    print_summary(
+        &Summary {
+            transport: a.transport.name(),
+            memory: "host",
+            page_size: k.page_size,
+            pages: k.pages,
+            rails: k.rails,
+            bytes: report.bytes,
+            seconds: report.seconds,
+            gbps,
+            mops: report.mops(),
+            verified,
+            baseline_gbps,
+            ratio: baseline_gbps.map(|b| gbps / b),
+        },
+        k.json,
+    );
+    Ok(())
+}
+
+/// One page per rail, so every connection is up before the timed work.
+fn warm_up(
+    e: &Engine,
+    src: fabric_core::LocalKey,
+    peer: fabric_core::PeerId,
+    dst: fabric_core::RemoteRegion,
+    k: &Knobs,
+) -> Result<(), CliError> {
+    let mut t = fabric_core::engine::Transfer::new(peer).timeout(Duration::from_secs(30));
+    for r in 0..k.rails.min((k.region_size / k.page_size) as usize) as u64 {
+        t = t.segment(fabric_core::plan::Segment {
+            src,
+            src_offset: r * k.page_size,
+            dst,
+            dst_offset: r * k.page_size,
+            len: k.page_size,
+        });
+    }
+    e.submit(t)?.wait(Duration::from_secs(60))?;
+    Ok(())
+}
+
+fn bench(a: BenchArgs) -> Result<(), CliError> {
+    let k = &a.knobs;
+    let w = workload_of(k)?;
+    let ctl_addr = control::parse_peer(&a.peer).map_err(CliError::Usage)?;
+    let mut ctl = control::ControlClient::connect(ctl_addr, Duration::from_secs(5))
+        .map_err(CliError::Failed)?;
+    let hello = ctl.hello("tcp").map_err(CliError::Failed)?;
+    if hello.region.len < k.region_size {
+        return Err(CliError::Usage(format!(
+            "the peer's region is {} but --region-size is {}: lower --region-size",
+            size::format_size(hello.region.len),
+            size::format_size(k.region_size)
+        )));
+    }
+    let mut data_addr = address_from_text(&hello.address).map_err(CliError::Failed)?;
+    // A server listening on every interface reports 0.0.0.0: use the control address instead.
+    if let Ok(sa) = TcpTransport::parse_address(&data_addr)
+        && sa.ip().is_unspecified()
+    {
+        data_addr = format!(
+            "{}{}",
+            transport_tcp::ADDRESS_PREFIX,
+            SocketAddr::new(ctl_addr.ip(), sa.port())
+        )
+        .into_bytes();
+    }
+    let local_ip = if ctl_addr.is_ipv4() {
+        SocketAddr::from(([0, 0, 0, 0], 0))
+    } else {
+        SocketAddr::from(([0u16; 8], 0))
+    };
+    let engine = tcp_engine(local_ip, k.rails, "xfer-initiator")?;
+    let src = workload::pattern_buffer(k.region_size, k.seed)?;
+    let s = engine.register(src, Access::NONE)?;
+    let peer = engine.add_peer(&data_addr)?;
+    warm_up(&engine, s.local, peer, hello.region, k)?;
+    let mut progress = progress::Progress::new(k.json);
+    let report = workload::run(&engine, s.local, peer, hello.region, &w, &mut progress)?;
+    let verified = if k.no_verify {
+        false
+    } else {
+        let pages = report.written_pages();
+        let v = ctl
+            .verify(k.seed, k.page_size, pages)
+            .map_err(CliError::Failed)?;
+        if v.mismatches > 0 {
+            return Err(CliError::Mismatch(format!(
+                "{} of {} pages differ at the peer (first: page {})",
+                v.mismatches,
+                v.checked,
+                v.first_mismatch.unwrap_or(0)
+            )));
+        }
+        true
+    };
+    print_summary(
+        &Summary {
+            transport: "tcp",
+            memory: "host",
+            page_size: k.page_size,
+            pages: k.pages,
+            rails: k.rails,
+            bytes: report.bytes,
+            seconds: report.seconds,
+            gbps: report.gbps(),
+            mops: report.mops(),
+            verified,
+            baseline_gbps: None,
+            ratio: None,
+        },
+        k.json,
+    );
+    Ok(())
+}
+
+fn serve(a: ServeArgs) -> Result<(), CliError> {
+    if a.transport != TransportKind::Tcp {
+        return Err(CliError::Usage(format!(
+            "serve supports --transport tcp, not {}",
+            a.transport.name()
+        )));
+    }
+    let listener = TcpListener::bind(a.listen)
+        .map_err(|e| CliError::Failed(format!("cannot listen on {}: {e}", a.listen)))?;
+    let ctl = listener
+        .local_addr()
+        .map_err(|e| CliError::Failed(e.to_string()))?;
+    let data = a
+        .data_listen
+        .unwrap_or_else(|| SocketAddr::new(ctl.ip(), 0));
+    let engine = Arc::new(tcp_engine(data, 1, "xfer-serve")?);
+    if ctl.ip().is_unspecified() {
+        eprintln!(
+            "xfer: listening on every interface; peers use this machine's address in place of {}",
+            ctl.ip()
+        );
+    }
+    println!("xfer bench --peer xfer://{ctl}");
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    control::serve(listener, engine, a.region_size).map_err(|e| CliError::Failed(e.to_string()))
+}
+
+fn info(json: bool) -> Result<(), CliError> {
+    #[derive(Serialize)]
+    struct Info {
+        version: &'static str,
+        transports: Vec<&'static str>,
+        memory: Vec<&'static str>,
+    }
+    let i = Info {
+        version: env!("CARGO_PKG_VERSION"),
+        transports: vec!["tcp", "mem"],
+        memory: vec!["host"],
+    };
+    if json {
+        println!("{}", serde_json::to_string(&i).expect("serialises"));
+    } else {
+        println!("xfer {}", i.version);
+        println!("transports: {}", i.transports.join(", "));
+        println!("memory: {}", i.memory.join(", "));
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Cmd::Serve(a) => serve(a),
+        Cmd::Bench(a) => bench(a),
+        Cmd::Demo(a) => demo(a),
+        Cmd::Info { json } => info(json),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xfer: error: {e}");
+            ExitCode::from(match e {
+                CliError::Usage(_) => 2,
+                CliError::Failed(_) => 1,
+                CliError::Mismatch(_) => 3,
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_round_trip_as_text() {
+        for a in [b"tcp://127.0.0.1:1".to_vec(), vec![0, 1, 2, 255]] {
+            assert_eq!(address_from_text(&address_to_text(&a)).unwrap(), a);
+        }
+        assert!(address_from_text("hex:abc").is_err());
+    }
+}

@@ -1,0 +1,290 @@
+//! The control channel of `xfer serve`: JSON lines over TCP, out of band of the data path.
+//!
+//! ```text
+//! client: {"op":"hello","version":1,"transport":"tcp"}
+//! server: {"ok":true,"transport":"tcp","address":"tcp://127.0.0.1:40123","region":{"addr":0,"len":1073741824,"key":...}}
+//! client: {"op":"verify","seed":1,"page_size":65536,"pages":[3,17,...]}
+//! server: {"ok":true,"checked":1000,"mismatches":0,"first_mismatch":null}
+//! ```
+//! Each control connection gets a region of its own, deregistered when it closes.
+
+use crate::workload;
+use fabric_core::engine::Engine;
+use fabric_core::{Access, HostBuffer, RemoteRegion};
+use serde::{Deserialize, Serialize};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Protocol version.
+pub const VERSION: u32 = 1;
+/// Longest request line accepted.
+const MAX_LINE: u64 = 64 << 20;
+
+/// A client request.
+#[derive(Serialize, Deserialize, Debug)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Request {
+    /// Ask for a region.
+    Hello {
+        /// Protocol version.
+        version: u32,
+        /// The transport the client will use.
+        transport: String,
+    },
+    /// Check written pages against the pattern.
+    Verify {
+        /// Pattern seed.
+        seed: u64,
+        /// Page size.
+        page_size: u64,
+        /// Written pages.
+        pages: Vec<u64>,
+    },
+}
+
+/// The answer to `hello`.
+#[derive(Serialize, Deserialize, Debug)]
+pub struct HelloReply {
+    /// Transport of the server.
+    pub transport: String,
+    /// Its data address (text for tcp, hex for binary addresses).
+    pub address: String,
+    /// The region the client may write.
+    pub region: RemoteRegion,
+}
+
+/// The answer to `verify`.
+#[derive(Serialize, Deserialize, Debug)]
+pub struct VerifyReply {
+    /// Pages checked.
+    pub checked: u64,
+    /// Pages that differ.
+    pub mismatches: u64,
+    /// The first page that differs.
+    pub first_mismatch: Option<u64>,
+}
+
+#[derive(Serialize, Deserialize, Debug)]
+struct Envelope<T> {
+    ok: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+    #[serde(flatten)]
+    body: Option<T>,
+}
+
+/// Parses `xfer://HOST:PORT` into a socket address.
+pub fn parse_peer(s: &str) -> Result<SocketAddr, String> {
+    let rest = s
+        .strip_prefix("xfer://")
+        .ok_or_else(|| format!("malformed peer address {s:?}: expected xfer://HOST:PORT"))?;
+    let rest = rest.trim_end_matches('/');
+    rest.to_socket_addrs()
+        .map_err(|e| format!("malformed peer address {s:?}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("peer address {s:?} resolves to nothing"))
+}
+
+/// Serves clients until the process is stopped.
+pub fn serve(listener: TcpListener, engine: Arc<Engine>, region_size: u64) -> std::io::Result<()> {
+    for conn in listener.incoming() {
+        let conn = match conn {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                continue;
+            }
+        };
+        let engine = engine.clone();
+        std::thread::spawn(move || {
+            let from = conn.peer_addr().ok();
+            if let Err(e) = client(conn, &engine, region_size) {
+                tracing::info!(?from, error = %e, "control connection ended");
+            }
+        });
+    }
+    Ok(())
+}
+
+fn reply<T: Serialize>(w: &mut TcpStream, r: Result<T, String>) -> std::io::Result<()> {
+    let env = match r {
+        Ok(b) => Envelope {
+            ok: true,
+            error: None,
+            body: Some(b),
+        },
+        Err(e) => Envelope {
+            ok: false,
+            error: Some(e),
+            body: None,
+        },
+    };
+    let mut line = serde_json::to_vec(&env).map_err(std::io::Error::other)?;
+    line.push(b'\n');
+    w.write_all(&line)
+}
+
+fn client(conn: TcpStream, engine: &Engine, region_size: u64) -> std::io::Result<()> {
+    let mut w = conn.try_clone()?;
+    let mut r = BufReader::new(conn);
+    let mut region: Option<(Arc<HostBuffer>, fabric_core::Registration)> = None;
+    let result = (|| loop {
+        let mut line = String::new();
+        let n = (&mut r).take(MAX_LINE).read_line(&mut line)?;
+        if n == 0 {
+            return Ok(());
+        }
+        if !line.ends_with('\n') {
+            reply::<()>(&mut w, Err("request line too long or truncated".into()))?;
+            return Ok(());
+        }
+        let req: Request = match serde_json::from_str(&line) {
+            Ok(r) => r,
+            Err(e) => {
+                reply::<()>(&mut w, Err(format!("malformed request: {e}")))?;
+                return Ok(());
+            }
+        };
+        match req {
+            Request::Hello { version, transport } => {
+                if version != VERSION {
+                    reply::<()>(
+                        &mut w,
+                        Err(format!(
+                            "protocol version {version} not supported (server speaks {VERSION})"
+                        )),
+                    )?;
+                    return Ok(());
+                }
+                if transport != engine.backend() {
+                    reply::<()>(
+                        &mut w,
+                        Err(format!(
+                            "this server runs the {} transport, not {transport}",
+                            engine.backend()
+                        )),
+                    )?;
+                    return Ok(());
+                }
+                if region.is_none() {
+                    let buf = HostBuffer::new_shared(region_size as usize)
+                        .map_err(std::io::Error::other)?;
+                    let reg = engine
+                        .register(buf.clone(), Access::REMOTE_WRITE)
+                        .map_err(std::io::Error::other)?;
+                    region = Some((buf, reg));
+                }
+                let reg = region.as_ref().expect("just set").1;
+                let address = crate::address_to_text(&engine.address());
+                reply(
+                    &mut w,
+                    Ok(HelloReply {
+                        transport: engine.backend().into(),
+                        address,
+                        region: reg.remote,
+                    }),
+                )?;
+            }
+            Request::Verify {
+                seed,
+                page_size,
+                pages,
+            } => {
+                let Some((buf, _)) = &region else {
+                    reply::<()>(&mut w, Err("verify before hello".into()))?;
+                    continue;
+                };
+                if page_size == 0
+                    || !page_size.is_multiple_of(8)
+                    || pages
+                        .iter()
+                        .any(|p| p.saturating_add(1).saturating_mul(page_size) > region_size)
+                {
+                    reply::<()>(&mut w, Err("verify: page outside the region".into()))?;
+                    continue;
+                }
+                let r2 = workload::verify_pages(buf, page_size, seed, &pages)
+                    .map(|(mismatches, first_mismatch)| VerifyReply {
+                        checked: pages.len() as u64,
+                        mismatches,
+                        first_mismatch,
+                    })
+                    .map_err(|e| e.to_string());
+                reply(&mut w, r2)?;
+            }
+        }
+    })();
+    if let Some((_, reg)) = region
+        && let Err(e) = engine.deregister(reg.local)
+    {
+        tracing::warn!(error = %e, "deregister failed");
+    }
+    result
+}
+
+/// A client of the control channel.
+pub struct ControlClient {
+    w: TcpStream,
+    r: BufReader<TcpStream>,
+}
+
+impl ControlClient {
+    /// Connects with a timeout.
+    pub fn connect(addr: SocketAddr, timeout: Duration) -> Result<ControlClient, String> {
+        let s = TcpStream::connect_timeout(&addr, timeout)
+            .map_err(|e| format!("cannot reach peer {addr}: {e}"))?;
+        s.set_read_timeout(Some(Duration::from_secs(120)))
+            .map_err(|e| e.to_string())?;
+        let r = BufReader::new(s.try_clone().map_err(|e| e.to_string())?);
+        Ok(ControlClient { w: s, r })
+    }
+
+    fn call<T: for<'de> Deserialize<'de>>(&mut self, req: &Request) -> Result<T, String> {
+        let mut line = serde_json::to_vec(req).map_err(|e| e.to_string())?;
+        line.push(b'\n');
+        self.w
+            .write_all(&line)
+            .map_err(|e| format!("peer closed the control connection: {e}"))?;
+        let mut resp = String::new();
+        let n = (&mut self.r)
+            .take(MAX_LINE)
+            .read_line(&mut resp)
+            .map_err(|e| format!("control connection: {e}"))?;
+        if n == 0 {
+            return Err("peer closed the control connection".into());
+        }
+        let env: Envelope<T> =
+            serde_json::from_str(&resp).map_err(|e| format!("malformed reply from peer: {e}"))?;
+        match (env.ok, env.body) {
+            (true, Some(b)) => Ok(b),
+            _ => Err(format!(
+                "peer refused: {}",
+                env.error.unwrap_or_else(|| "no reason given".into())
+            )),
+        }
+    }
+
+    /// Asks for a region.
+    pub fn hello(&mut self, transport: &str) -> Result<HelloReply, String> {
+        self.call(&Request::Hello {
+            version: VERSION,
+            transport: transport.into(),
+        })
+    }
+
+    /// Asks the server to check written pages.
+    pub fn verify(
+        &mut self,
+        seed: u64,
+        page_size: u64,
+        pages: Vec<u64>,
+    ) -> Result<VerifyReply, String> {
+        self.call(&Request::Verify {
+            seed,
+            page_size,
+            pages,
+        })
+    }
+}
