@@ -3,13 +3,16 @@
 //! - `xfer demo`: both ends in one process over loopback, no setup;
 //! - `xfer serve`: register memory and wait for peers;
 //! - `xfer bench --peer xfer://HOST:PORT`: write random pages into a server's memory;
+//! - `xfer topo`: the machine's topology and where the workers go;
 //! - `xfer info`: what this machine offers.
 
 mod baseline;
 mod control;
+mod info;
 mod pattern;
 mod progress;
 mod size;
+mod topo;
 mod workload;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -43,7 +46,9 @@ enum Cmd {
     Bench(BenchArgs),
     /// Both ends in one process over loopback: the quickest way to see it work.
     Demo(DemoArgs),
-    /// Show the transports and memory this machine offers.
+    /// Show the topology (NUMA nodes, GPUs, NICs, PCIe switches) and the placement plan.
+    Topo(topo::TopoArgs),
+    /// Show the transports, memory, CUDA devices and topology this machine offers.
     Info {
         /// One JSON object instead of text.
         #[arg(long)]
@@ -460,28 +465,6 @@ fn serve(a: ServeArgs) -> Result<(), CliError> {
     control::serve(listener, engine, a.region_size).map_err(|e| CliError::Failed(e.to_string()))
 }
 
-fn info(json: bool) -> Result<(), CliError> {
-    #[derive(Serialize)]
-    struct Info {
-        version: &'static str,
-        transports: Vec<&'static str>,
-        memory: Vec<&'static str>,
-    }
-    let i = Info {
-        version: env!("CARGO_PKG_VERSION"),
-        transports: vec!["tcp", "mem"],
-        memory: vec!["host"],
-    };
-    if json {
-        println!("{}", serde_json::to_string(&i).expect("serialises"));
-    } else {
-        println!("xfer {}", i.version);
-        println!("transports: {}", i.transports.join(", "));
-        println!("memory: {}", i.memory.join(", "));
-    }
-    Ok(())
-}
-
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -495,7 +478,8 @@ fn main() -> ExitCode {
         Cmd::Serve(a) => serve(a),
         Cmd::Bench(a) => bench(a),
         Cmd::Demo(a) => demo(a),
-        Cmd::Info { json } => info(json),
+        Cmd::Topo(a) => topo::run(a),
+        Cmd::Info { json } => info::run(json),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

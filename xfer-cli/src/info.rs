@@ -1,0 +1,168 @@
+//! `xfer info`: the transports, memory kinds, CUDA devices and topology of this machine.
+//!
+//! Nothing here fails the command: a missing driver or a failed discovery is reported as
+//! part of the answer.
+
+use crate::CliError;
+use crate::topo::{TopologySummary, error_chain};
+use serde::Serialize;
+use topology::{PciAddress, Topology};
+
+/// What `xfer info --json` prints.
+#[derive(Serialize)]
+struct Info {
+    version: &'static str,
+    transports: Vec<&'static str>,
+    memory: Vec<&'static str>,
+    cuda: CudaReport,
+    topology: Option<TopologySummary>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    topology_error: Option<String>,
+}
+
+/// The CUDA part.
+#[derive(Serialize)]
+struct CudaReport {
+    /// Whether `libcuda` can be loaded.
+    driver_present: bool,
+    /// The CUDA version the driver supports, e.g. "12.8".
+    driver_version: Option<String>,
+    devices: Vec<CudaDevice>,
+    /// Why the driver could not be used, when it is present but failed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+}
+
+/// One CUDA device, placed in the topology when its PCI address matches.
+#[derive(Serialize)]
+struct CudaDevice {
+    ordinal: u32,
+    name: String,
+    total_memory: u64,
+    pci_bus_id: String,
+    driver_version: String,
+    compute_capability: String,
+    dmabuf_supported: bool,
+    /// The NUMA node of the device, from the topology.
+    numa_node: Option<u32>,
+    /// The core its worker would be pinned to, from the placement plan.
+    worker_core: Option<u32>,
+}
+
+fn cuda_report(topo: Option<&Topology>) -> CudaReport {
+    let driver_present = gpu_mem::driver_present();
+    let plan = topo.map(Topology::plan);
+    let (devices, error) = match gpu_mem::devices() {
+        Ok(d) => (d, None),
+        Err(e) => (Vec::new(), Some(error_chain(&e))),
+    };
+    let devices: Vec<CudaDevice> = devices
+        .into_iter()
+        .map(|d| {
+            let gpu = d
+                .pci_bus_id
+                .parse::<PciAddress>()
+                .ok()
+                .and_then(|pci| topo.and_then(|t| t.gpu_by_pci(&pci)));
+            let worker = gpu.and_then(|g| plan.as_ref().and_then(|p| p.worker_for_gpu(g.index)));
+            CudaDevice {
+                ordinal: d.ordinal,
+                name: d.name,
+                total_memory: d.total_memory,
+                pci_bus_id: d.pci_bus_id,
+                driver_version: d.driver_version.to_string(),
+                compute_capability: format!(
+                    "{}.{}",
+                    d.compute_capability.0, d.compute_capability.1
+                ),
+                dmabuf_supported: d.dmabuf_supported,
+                numa_node: gpu.and_then(|g| g.numa_node),
+                worker_core: worker.map(|w| w.core),
+            }
+        })
+        .collect();
+    CudaReport {
+        driver_present,
+        driver_version: devices.first().map(|d| d.driver_version.clone()),
+        devices,
+        error,
+    }
+}
+
+fn cuda_lines(c: &CudaReport) -> Vec<String> {
+    if let Some(e) = &c.error {
+        return vec![format!("CUDA: unavailable ({e})")];
+    }
+    if c.devices.is_empty() {
+        return vec![if c.driver_present {
+            "CUDA: none (the driver sees no device)".into()
+        } else {
+            "CUDA: none (no driver on this machine)".into()
+        }];
+    }
+    let mut lines = vec![format!(
+        "CUDA: {} device{}, driver supports CUDA {}",
+        c.devices.len(),
+        if c.devices.len() == 1 { "" } else { "s" },
+        c.driver_version.as_deref().unwrap_or("?")
+    )];
+    for d in &c.devices {
+        let mut line = format!(
+            "  cuda:{} {}, {}, PCI {}, compute {}, dmabuf {}",
+            d.ordinal,
+            d.name,
+            crate::size::format_size(d.total_memory),
+            d.pci_bus_id,
+            d.compute_capability,
+            if d.dmabuf_supported { "yes" } else { "no" }
+        );
+        if let Some(n) = d.numa_node {
+            line.push_str(&format!(", NUMA {n}"));
+        }
+        if let Some(c) = d.worker_core {
+            line.push_str(&format!(", worker core {c}"));
+        }
+        lines.push(line);
+    }
+    lines
+}
+
+/// Runs `xfer info`.
+pub fn run(json: bool) -> Result<(), CliError> {
+    let (topo, topology_error) = match Topology::discover() {
+        Ok(t) => (Some(t), None),
+        Err(e) => (None, Some(error_chain(&e))),
+    };
+    let cuda = cuda_report(topo.as_ref());
+    let mut memory = vec!["host"];
+    if !cuda.devices.is_empty() {
+        memory.push("cuda");
+    }
+    let i = Info {
+        version: env!("CARGO_PKG_VERSION"),
+        transports: vec!["tcp", "mem"],
+        memory,
+        topology: topo.as_ref().map(TopologySummary::of),
+        topology_error,
+        cuda,
+    };
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string(&i).map_err(|e| CliError::Failed(e.to_string()))?
+        );
+        return Ok(());
+    }
+    println!("xfer {}", i.version);
+    println!("transports: {}", i.transports.join(", "));
+    println!("memory: {}", i.memory.join(", "));
+    for line in cuda_lines(&i.cuda) {
+        println!("{line}");
+    }
+    match (&i.topology, &i.topology_error) {
+        (Some(s), _) => println!("topology: {s} (xfer topo for the plan)"),
+        (None, Some(e)) => println!("topology: unavailable ({e})"),
+        (None, None) => {}
+    }
+    Ok(())
+}

@@ -1,0 +1,123 @@
+//! `xfer topo`: this machine's (or a saved) topology and the placement plan, and the
+//! topology summary of `xfer info`.
+
+use crate::CliError;
+use clap::Args;
+use serde::Serialize;
+use std::path::PathBuf;
+use topology::{PlacementPlan, Topology};
+
+/// The arguments of `xfer topo`.
+#[derive(Args)]
+pub struct TopoArgs {
+    /// Replay a topology saved as hwloc XML (by `--export`, `lstopo FILE.xml`) instead of
+    /// discovering this machine.
+    #[arg(long, value_name = "FILE")]
+    xml: Option<PathBuf>,
+    /// Print the topology and the plan as one JSON object.
+    #[arg(long)]
+    json: bool,
+    /// Save this machine's topology as hwloc XML, for replay elsewhere with `--xml`.
+    #[arg(long, value_name = "FILE", conflicts_with = "xml")]
+    export: Option<PathBuf>,
+}
+
+/// What `xfer topo --json` prints.
+#[derive(Serialize)]
+struct TopoReport<'a> {
+    topology: &'a Topology,
+    plan: &'a PlacementPlan,
+}
+
+/// An error and its sources on one line: `a: b: c`.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut msg = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        msg.push_str(": ");
+        msg.push_str(&s.to_string());
+        src = s.source();
+    }
+    msg
+}
+
+fn topology_error(e: &topology::TopologyError) -> CliError {
+    CliError::Failed(error_chain(e))
+}
+
+/// Runs `xfer topo`.
+pub fn run(a: TopoArgs) -> Result<(), CliError> {
+    if let Some(path) = &a.export {
+        Topology::export_xml(path).map_err(|e| topology_error(&e))?;
+        eprintln!(
+            "xfer: saved this machine's topology to {} (replay it with: xfer topo --xml {0})",
+            path.display()
+        );
+    }
+    let t = match &a.xml {
+        Some(path) => Topology::from_xml_file(path),
+        None => Topology::discover(),
+    }
+    .map_err(|e| topology_error(&e))?;
+    let plan = t.plan();
+    if a.json {
+        let report = TopoReport {
+            topology: &t,
+            plan: &plan,
+        };
+        println!(
+            "{}",
+            serde_json::to_string(&report).map_err(|e| CliError::Failed(e.to_string()))?
+        );
+    } else {
+        print!("{}", topology::render_table(&t, &plan));
+    }
+    Ok(())
+}
+
+/// The topology line of `xfer info`.
+#[derive(Serialize)]
+pub struct TopologySummary {
+    /// NUMA nodes.
+    pub numa_nodes: usize,
+    /// Physical cores.
+    pub cores: usize,
+    /// NVIDIA GPUs seen on the PCI bus.
+    pub gpus: usize,
+    /// Network devices.
+    pub nics: usize,
+    /// Of which RDMA (EFA, verbs).
+    pub rdma_nics: usize,
+}
+
+impl TopologySummary {
+    /// Counts what `t` holds.
+    pub fn of(t: &Topology) -> TopologySummary {
+        TopologySummary {
+            numa_nodes: t.numa_nodes.len(),
+            cores: t.core_count(),
+            gpus: t.gpus.len(),
+            nics: t.nics.len(),
+            rdma_nics: t.nics.iter().filter(|n| n.kind.is_rdma()).count(),
+        }
+    }
+}
+
+impl std::fmt::Display for TopologySummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = |n: usize| if n == 1 { "" } else { "s" };
+        write!(
+            f,
+            "{} NUMA node{}, {} core{}, {} GPU{}, {} NIC{} ({} RDMA)",
+            self.numa_nodes,
+            s(self.numa_nodes),
+            self.cores,
+            s(self.cores),
+            self.gpus,
+            s(self.gpus),
+            self.nics,
+            s(self.nics),
+            self.rdma_nics
+        )
+    }
+}
