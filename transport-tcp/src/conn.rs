@@ -1,7 +1,10 @@
 //! One TCP connection ("rail"): an outgoing frame queue flushed with vectored writes, and an
 //! incoming state machine that validates each request before it touches memory.
+//!
+//! WRITEs leave in batches (see [`Op::Batch`]): the target reads a batch's headers, checks
+//! every one, then reads all payloads straight into their destinations with one `readv`.
 
-use crate::frame::{self, HEADER_LEN, Header, Op};
+use crate::frame::{self, HEADER_LEN, Header, MAX_BATCH, Op};
 use crate::io::{host_slice, host_slice_mut};
 use fabric_core::{
     Access, Completion, MemoryRegion, OpError, OpKind, PeerId, RemoteKey, WorkRequestId,
@@ -12,13 +15,18 @@ use std::net::TcpStream;
 use std::sync::Arc;
 
 /// Size of the read-ahead buffer of each connection.
-const RBUF: usize = 512 * 1024;
+const RBUF: usize = 256 * 1024;
+/// Bytes read ahead while waiting for a header (small, so that batched payloads are not
+/// pulled into the staging buffer and copied again).
+const HEADER_READ: usize = 4096;
 /// Payloads at least this long are read straight into their destination.
 const DIRECT_MIN: u64 = 8 * 1024;
-/// Most iovecs handed to one writev.
-const MAX_IOV: usize = 512;
+/// Most iovecs handed to one writev / readv.
+const MAX_IOV: usize = 1024;
 /// Largest HELLO payload.
 const MAX_HELLO: u64 = 4096;
+/// Size of the buffer that swallows the payloads of rejected requests.
+const DISCARD: usize = 64 * 1024;
 
 /// A registered region as the target sees it.
 pub(crate) struct TargetRegion {
@@ -101,13 +109,44 @@ impl Payload {
             Payload::Owned(v) => v,
         }
     }
+    fn len(&self) -> usize {
+        match self {
+            Payload::None => 0,
+            Payload::Region { len, .. } => *len,
+            Payload::Owned(v) => v.len(),
+        }
+    }
 }
 
+/// A frame on its way out: header bytes, then payloads.
 pub(crate) struct OutFrame {
-    pub hdr: [u8; HEADER_LEN],
-    pub payload: Payload,
-    /// Bytes of header + payload already written.
-    pub written: usize,
+    /// One header, or a BATCH header followed by its WRITE headers.
+    head: Vec<u8>,
+    payloads: Vec<Payload>,
+    /// WRITEs in this batch (0: not a batch).
+    batch: usize,
+    total: usize,
+    /// Bytes already written.
+    written: usize,
+}
+
+impl OutFrame {
+    /// The frame's bytes from `written` on, as slices, appended to `iov`.
+    fn push_iov<'a>(&'a self, iov: &mut Vec<IoSlice<'a>>) -> bool {
+        let mut skip = self.written;
+        for seg in std::iter::once(&self.head[..]).chain(self.payloads.iter().map(Payload::bytes)) {
+            if iov.len() == MAX_IOV {
+                return false;
+            }
+            if skip >= seg.len() {
+                skip -= seg.len();
+                continue;
+            }
+            iov.push(IoSlice::new(&seg[skip..]));
+            skip = 0;
+        }
+        true
+    }
 }
 
 /// A request waiting for its response.
@@ -127,6 +166,26 @@ enum Dest {
     Discard,
 }
 
+impl Dest {
+    /// Copies staged bytes in.
+    fn put(&mut self, src: &[u8]) -> Result<(), String> {
+        match self {
+            Dest::Region { mem, offset } => {
+                if let Some(dst) = host_slice_mut(&**mem, *offset, src.len()) {
+                    dst.copy_from_slice(src);
+                } else {
+                    mem.write_from_host(*offset, src)
+                        .map_err(|e| format!("cannot place payload: {e}"))?;
+                }
+                *offset += src.len() as u64;
+            }
+            Dest::Buffer(v) => v.extend_from_slice(src),
+            Dest::Discard => {}
+        }
+        Ok(())
+    }
+}
+
 /// What to do when a payload is complete.
 enum Finish {
     Write {
@@ -142,8 +201,20 @@ enum Finish {
         imm: Option<u32>,
     },
     Hello,
-    /// Payload of a failed request, thrown away; the NACK is already queued.
+    /// A rejected request: its NACK is sent once its turn comes.
+    Rejected {
+        err: OpError,
+        wr_id: u64,
+    },
+    /// Payload thrown away whose response was already queued.
     Dropped,
+}
+
+/// One WRITE of a batch being received.
+struct Item {
+    dest: Dest,
+    remaining: u64,
+    finish: Finish,
 }
 
 enum ReadState {
@@ -155,6 +226,15 @@ enum ReadState {
     },
     /// A SEND whose payload waits for a receive (or room in the early-arrival queue).
     SendWaiting(Header),
+    /// The headers of a batch of `count` WRITEs are being read.
+    BatchHeaders {
+        count: usize,
+    },
+    /// The payloads of a batch, in order, from `next` on.
+    BatchPayloads {
+        items: Vec<Item>,
+        next: usize,
+    },
 }
 
 /// Outcome of reading a connection.
@@ -183,6 +263,7 @@ pub(crate) struct Conn {
     /// An accepted connection until its HELLO arrives.
     pub awaiting_hello: bool,
     hello: Option<(u32, u64, Vec<u8>)>,
+    discard: Box<[u8]>,
 }
 
 impl Conn {
@@ -200,20 +281,49 @@ impl Conn {
             rstate: ReadState::Header,
             awaiting_hello,
             hello: None,
+            discard: Vec::new().into_boxed_slice(),
         }
     }
 
+    /// Queues one frame.
     pub fn queue(&mut self, hdr: Header, payload: Payload) {
-        let len = HEADER_LEN
-            + match &payload {
-                Payload::None => 0,
-                Payload::Region { len, .. } => *len,
-                Payload::Owned(v) => v.len(),
-            };
-        self.out_bytes += len;
+        let total = HEADER_LEN + payload.len();
+        self.out_bytes += total;
         self.out.push_back(OutFrame {
-            hdr: hdr.encode(),
-            payload,
+            head: hdr.encode().to_vec(),
+            payloads: vec![payload],
+            batch: 0,
+            total,
+            written: 0,
+        });
+    }
+
+    /// Queues a WRITE, joining the batch at the end of the queue if it has not started.
+    pub fn queue_write(&mut self, hdr: Header, payload: Payload) {
+        let plen = payload.len();
+        self.out_bytes += HEADER_LEN + plen;
+        if let Some(f) = self.out.back_mut()
+            && f.batch > 0
+            && f.batch < MAX_BATCH
+            && f.written == 0
+        {
+            // Headers stay contiguous: payloads follow all of them.
+            f.head.extend_from_slice(&hdr.encode());
+            f.payloads.push(payload);
+            f.batch += 1;
+            f.total += HEADER_LEN + plen;
+            f.head[..HEADER_LEN].copy_from_slice(&Header::new(Op::Batch, f.batch as u64).encode());
+            return;
+        }
+        self.out_bytes += HEADER_LEN;
+        let mut head = Vec::with_capacity(HEADER_LEN * 16);
+        head.extend_from_slice(&Header::new(Op::Batch, 1).encode());
+        head.extend_from_slice(&hdr.encode());
+        self.out.push_back(OutFrame {
+            head,
+            payloads: vec![payload],
+            batch: 1,
+            total: 2 * HEADER_LEN + plen,
             written: 0,
         });
     }
@@ -227,19 +337,10 @@ impl Conn {
     pub fn flush(&mut self) -> Result<(), String> {
         self.flush_acks();
         while !self.out.is_empty() {
-            let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(MAX_IOV);
+            let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(64);
             for f in self.out.iter() {
-                if iov.len() + 2 > MAX_IOV {
+                if !f.push_iov(&mut iov) {
                     break;
-                }
-                let body = f.payload.bytes();
-                if f.written < HEADER_LEN {
-                    iov.push(IoSlice::new(&f.hdr[f.written..]));
-                    if !body.is_empty() {
-                        iov.push(IoSlice::new(body));
-                    }
-                } else if f.written - HEADER_LEN < body.len() {
-                    iov.push(IoSlice::new(&body[f.written - HEADER_LEN..]));
                 }
             }
             let n = match self.stream.write_vectored(&iov) {
@@ -262,11 +363,10 @@ impl Conn {
                 .out
                 .front_mut()
                 .expect("written bytes belong to queued frames");
-            let total = HEADER_LEN + f.payload.bytes().len();
-            let take = (total - f.written).min(n);
+            let take = (f.total - f.written).min(n);
             f.written += take;
             n -= take;
-            if f.written == total {
+            if f.written == f.total {
                 self.out.pop_front();
             }
         }
@@ -284,7 +384,7 @@ impl Conn {
         self.queue(frame::nack_for(err, wr_id), Payload::None);
     }
 
-    /// Reads what the socket has (up to `budget` bytes) and acts on complete frames.
+    /// Reads what the socket has (up to about `budget` bytes) and acts on complete frames.
     pub fn read(&mut self, shared: &mut Shared, budget: usize) -> Result<ReadOutcome, String> {
         let mut read = 0usize;
         loop {
@@ -299,13 +399,32 @@ impl Conn {
             if self.waits_for_recv() || read >= budget {
                 return Ok(ReadOutcome::Open);
             }
-            // Everything buffered was consumed except a partial header (or nothing).
+            // Everything buffered was consumed except part of a header block (or nothing).
             if self.rpos > 0 {
                 self.rbuf.copy_within(self.rpos..self.rlen, 0);
                 self.rlen -= self.rpos;
                 self.rpos = 0;
             }
             let res = match &mut self.rstate {
+                ReadState::BatchPayloads { items, next } if !direct(&items[*next].dest) => {
+                    // Memory the CPU cannot address: stage, then copy (Dest::put).
+                    let want = (items[*next].remaining as usize).saturating_add(HEADER_READ);
+                    read_staged(&mut self.stream, &mut self.rbuf, &mut self.rlen, want)
+                }
+                ReadState::BatchPayloads { items, next } => {
+                    debug_assert_eq!(self.rlen, 0);
+                    read_batch(
+                        &mut self.stream,
+                        items,
+                        *next,
+                        &mut self.rbuf[..HEADER_LEN],
+                        &mut self.discard,
+                    )
+                    .map(|(n, tail)| {
+                        self.rlen = tail;
+                        n
+                    })
+                }
                 ReadState::Payload {
                     dest: Dest::Region { mem, offset },
                     remaining,
@@ -314,29 +433,35 @@ impl Conn {
                     match host_slice_mut(&**mem, *offset, *remaining as usize) {
                         Some(direct) => {
                             let direct_len = direct.len();
-                            let tail = &mut self.rbuf[..];
-                            let mut iov = [IoSliceMut::new(direct), IoSliceMut::new(tail)];
-                            match self.stream.read_vectored(&mut iov) {
-                                Ok(n) => {
-                                    let d = n.min(direct_len);
-                                    *offset += d as u64;
-                                    *remaining -= d as u64;
-                                    self.rlen += n - d;
-                                    Ok(n)
-                                }
-                                Err(e) => Err(e),
-                            }
+                            // Only the next header rides along.
+                            let mut iov = [
+                                IoSliceMut::new(direct),
+                                IoSliceMut::new(&mut self.rbuf[..HEADER_LEN]),
+                            ];
+                            self.stream.read_vectored(&mut iov).inspect(|&n| {
+                                let d = n.min(direct_len);
+                                *offset += d as u64;
+                                *remaining -= d as u64;
+                                self.rlen = n - d;
+                            })
                         }
-                        None => self
-                            .stream
-                            .read(&mut self.rbuf[self.rlen..])
-                            .inspect(|&n| self.rlen += n),
+                        None => read_staged(&mut self.stream, &mut self.rbuf, &mut self.rlen, RBUF),
                     }
                 }
-                _ => self
-                    .stream
-                    .read(&mut self.rbuf[self.rlen..])
-                    .inspect(|&n| self.rlen += n),
+                ReadState::BatchHeaders { count } => {
+                    let want = (*count * HEADER_LEN).saturating_sub(self.rlen).max(1);
+                    read_staged(&mut self.stream, &mut self.rbuf, &mut self.rlen, want)
+                }
+                ReadState::Payload { remaining, .. } => {
+                    let want = (*remaining as usize).saturating_add(HEADER_READ);
+                    read_staged(&mut self.stream, &mut self.rbuf, &mut self.rlen, want)
+                }
+                _ => read_staged(
+                    &mut self.stream,
+                    &mut self.rbuf,
+                    &mut self.rlen,
+                    HEADER_READ,
+                ),
             };
             match res {
                 Ok(0) => return Err("peer closed the connection".into()),
@@ -346,6 +471,10 @@ impl Conn {
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(format!("read failed: {e}")),
+            }
+            // A direct read may have completed items or a payload: act on it.
+            if let ReadState::BatchPayloads { .. } = self.rstate {
+                self.settle_batch(shared)?;
             }
         }
     }
@@ -371,6 +500,37 @@ impl Conn {
                         return Ok(());
                     }
                 }
+                ReadState::BatchHeaders { count } => {
+                    let count = *count;
+                    if self.rlen - self.rpos < count * HEADER_LEN {
+                        return Ok(());
+                    }
+                    let mut items = Vec::with_capacity(count);
+                    for i in 0..count {
+                        let at = self.rpos + i * HEADER_LEN;
+                        let raw: &[u8; HEADER_LEN] = self.rbuf[at..at + HEADER_LEN]
+                            .try_into()
+                            .expect("header length");
+                        let h = Header::decode(raw)
+                            .map_err(|e| format!("malformed batch entry: {e}"))?;
+                        items.push(self.batch_item(&h, shared)?);
+                    }
+                    self.rpos += count * HEADER_LEN;
+                    self.rstate = ReadState::BatchPayloads { items, next: 0 };
+                    self.settle_batch(shared)?;
+                }
+                ReadState::BatchPayloads { items, next } => {
+                    let avail = self.rlen - self.rpos;
+                    if avail == 0 {
+                        return Ok(());
+                    }
+                    let item = &mut items[*next];
+                    let take = item.remaining.min(avail as u64) as usize;
+                    item.dest.put(&self.rbuf[self.rpos..self.rpos + take])?;
+                    item.remaining -= take as u64;
+                    self.rpos += take;
+                    self.settle_batch(shared)?;
+                }
                 ReadState::Payload {
                     dest, remaining, ..
                 } => {
@@ -380,19 +540,7 @@ impl Conn {
                             return Ok(());
                         }
                         let take = (*remaining).min(avail as u64) as usize;
-                        let src = &self.rbuf[self.rpos..self.rpos + take];
-                        match dest {
-                            Dest::Region { mem, offset } => {
-                                if let Some(dst) = host_slice_mut(&**mem, *offset, take) {
-                                    dst.copy_from_slice(src);
-                                } else if let Err(e) = mem.write_from_host(*offset, src) {
-                                    return Err(format!("cannot place payload: {e}"));
-                                }
-                                *offset += take as u64;
-                            }
-                            Dest::Buffer(v) => v.extend_from_slice(src),
-                            Dest::Discard => {}
-                        }
+                        dest.put(&self.rbuf[self.rpos..self.rpos + take])?;
                         self.rpos += take;
                         *remaining -= take as u64;
                     }
@@ -407,6 +555,68 @@ impl Conn {
                 }
             }
         }
+    }
+
+    /// Finishes the leading items of a batch whose payload is complete; back to `Header`
+    /// when all are done.
+    fn settle_batch(&mut self, shared: &mut Shared) -> Result<(), String> {
+        loop {
+            let ReadState::BatchPayloads { items, next } = &mut self.rstate else {
+                return Ok(());
+            };
+            if *next == items.len() {
+                self.rstate = ReadState::Header;
+                return Ok(());
+            }
+            if items[*next].remaining > 0 {
+                return Ok(());
+            }
+            let i = *next;
+            *next += 1;
+            let dest = std::mem::replace(&mut items[i].dest, Dest::Discard);
+            let finish = std::mem::replace(&mut items[i].finish, Finish::Dropped);
+            self.finish(dest, finish, shared)?;
+        }
+    }
+
+    /// Validates one WRITE of a batch.
+    fn batch_item(&mut self, h: &Header, shared: &Shared) -> Result<Item, String> {
+        if h.op != Op::Write {
+            return Err(format!("{:?} frame inside a batch", h.op));
+        }
+        if h.len > shared.max_msg_size {
+            return Err(format!(
+                "WRITE of {} bytes exceeds the {}-byte limit",
+                h.len, shared.max_msg_size
+            ));
+        }
+        Ok(match validate_write(h, shared) {
+            Ok(mem) => Item {
+                dest: Dest::Region {
+                    mem,
+                    offset: h.offset,
+                },
+                remaining: h.len,
+                finish: Finish::Write {
+                    imm: h.imm(),
+                    len: h.len,
+                },
+            },
+            Err(err) => {
+                tracing::debug!(peer = %self.peer, error = %err, "rejected WRITE");
+                if self.discard.is_empty() && h.len > 0 {
+                    self.discard = vec![0u8; DISCARD].into_boxed_slice();
+                }
+                Item {
+                    dest: Dest::Discard,
+                    remaining: h.len,
+                    finish: Finish::Rejected {
+                        err,
+                        wr_id: h.wr_id,
+                    },
+                }
+            }
+        })
     }
 
     fn on_header(&mut self, h: Header, shared: &mut Shared) -> Result<(), String> {
@@ -428,36 +638,20 @@ impl Conn {
                 };
             }
             Op::Write => {
-                if h.len > shared.max_msg_size {
-                    return Err(format!(
-                        "WRITE of {} bytes exceeds the {}-byte limit",
-                        h.len, shared.max_msg_size
-                    ));
+                let item = self.batch_item(&h, shared)?;
+                self.rstate = ReadState::Payload {
+                    dest: item.dest,
+                    remaining: item.remaining,
+                    finish: item.finish,
+                };
+            }
+            Op::Batch => {
+                if h.len == 0 || h.len > MAX_BATCH as u64 {
+                    return Err(format!("batch of {} writes (at most {MAX_BATCH})", h.len));
                 }
-                match validate_write(&h, shared) {
-                    Ok(mem) => {
-                        self.rstate = ReadState::Payload {
-                            dest: Dest::Region {
-                                mem,
-                                offset: h.offset,
-                            },
-                            remaining: h.len,
-                            finish: Finish::Write {
-                                imm: h.imm(),
-                                len: h.len,
-                            },
-                        };
-                    }
-                    Err(e) => {
-                        tracing::debug!(peer = %self.peer, error = %e, "rejected WRITE");
-                        self.nack(&e, h.wr_id);
-                        self.rstate = ReadState::Payload {
-                            dest: Dest::Discard,
-                            remaining: h.len,
-                            finish: Finish::Dropped,
-                        };
-                    }
-                }
+                self.rstate = ReadState::BatchHeaders {
+                    count: h.len as usize,
+                };
             }
             Op::Send => {
                 if h.len > shared.max_msg_size {
@@ -602,10 +796,90 @@ impl Conn {
                 self.awaiting_hello = false;
                 self.hello = Some((rail, instance, data[12..].to_vec()));
             }
+            Finish::Rejected { err, wr_id } => self.nack(&err, wr_id),
             Finish::Dropped => {}
         }
         Ok(())
     }
+}
+
+/// Whether bytes for `d` can be read straight into place.
+fn direct(d: &Dest) -> bool {
+    match d {
+        Dest::Region { mem, .. } => mem.host_ptr().is_some(),
+        Dest::Discard => true,
+        Dest::Buffer(_) => false,
+    }
+}
+
+/// Reads into the staging buffer, at most `want` more bytes.
+fn read_staged(
+    stream: &mut TcpStream,
+    rbuf: &mut [u8],
+    rlen: &mut usize,
+    want: usize,
+) -> std::io::Result<usize> {
+    let end = rbuf.len().min(*rlen + want.max(1));
+    let n = stream.read(&mut rbuf[*rlen..end])?;
+    *rlen += n;
+    Ok(n)
+}
+
+/// One `readv` straight into the destinations of `items[next..]`, plus `tail` for the next
+/// header. Returns bytes read and how many of them landed in `tail`.
+fn read_batch(
+    stream: &mut TcpStream,
+    items: &mut [Item],
+    next: usize,
+    tail: &mut [u8],
+    discard: &mut [u8],
+) -> std::io::Result<(usize, usize)> {
+    let mut iov: Vec<IoSliceMut<'_>> = Vec::with_capacity((items.len() - next + 1).min(MAX_IOV));
+    let mut lens: Vec<usize> = Vec::with_capacity(iov.capacity());
+    let mut discard = Some(discard);
+    for item in items[next..].iter_mut() {
+        if iov.len() + 1 == MAX_IOV || item.remaining == 0 {
+            break;
+        }
+        let slice: Option<&mut [u8]> = match &item.dest {
+            Dest::Region { mem, offset } => {
+                host_slice_mut(&**mem, *offset, item.remaining as usize)
+            }
+            // Only one iovec may point at the discard buffer (it is reused).
+            Dest::Discard => discard.take().map(|d| {
+                let n = d.len().min(item.remaining as usize);
+                &mut d[..n]
+            }),
+            Dest::Buffer(_) => None,
+        };
+        let Some(s) = slice else { break };
+        let full = s.len() as u64 == item.remaining;
+        lens.push(s.len());
+        iov.push(IoSliceMut::new(s));
+        if !full {
+            break;
+        }
+    }
+    debug_assert!(
+        !iov.is_empty(),
+        "callers check that the next item can be read directly"
+    );
+    iov.push(IoSliceMut::new(tail));
+    let n = stream.read_vectored(&mut iov)?;
+    drop(iov);
+    let mut left = n;
+    for (item, l) in items[next..].iter_mut().zip(lens) {
+        if left == 0 {
+            break;
+        }
+        let d = l.min(left);
+        item.remaining -= d as u64;
+        if let Dest::Region { offset, .. } = &mut item.dest {
+            *offset += d as u64;
+        }
+        left -= d;
+    }
+    Ok((n, left))
 }
 
 /// Checks a WRITE against the target's registrations before any byte is placed.

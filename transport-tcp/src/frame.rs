@@ -5,6 +5,10 @@
 //! 0      1       2      3      4        8        16      24       32      40
 //! | op   | flags | code | rsvd | imm u32 | wr u64 | key u64| off u64 | len u64|
 //! ```
+//! A `BATCH` header announces `len` WRITE headers that follow back to back, then their
+//! payloads in order: the target learns every destination before the bytes arrive and reads
+//! them straight into place with one `readv`.
+//!
 //! Responses are cumulative: the target handles a connection's requests in order, so an
 //! `ACK` with `len = n` completes the next `n` outstanding requests, and a `NACK` fails the
 //! next one with `code`.
@@ -28,6 +32,9 @@ pub enum Op {
     Ack = 4,
     /// The next request failed with `code`.
     Nack = 5,
+    /// `len` WRITE headers follow back to back, then their payloads in the same order, so
+    /// that the target can place all payloads with one vectored read.
+    Batch = 6,
 }
 
 impl Op {
@@ -38,6 +45,7 @@ impl Op {
             3 => Op::Send,
             4 => Op::Ack,
             5 => Op::Nack,
+            6 => Op::Batch,
             _ => return None,
         })
     }
@@ -45,6 +53,9 @@ impl Op {
 
 /// The header carries immediate data.
 pub const FLAG_IMM: u8 = 1;
+
+/// Most WRITEs in one batch.
+pub const MAX_BATCH: usize = 256;
 
 /// A decoded header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -339,7 +339,11 @@ impl TcpTransport {
         let payload = self.payload_of(src)?;
         hdr.wr_id = wr_id.0;
         let c = self.conns[idx].as_mut().expect("peer conns are open");
-        c.queue(hdr, payload);
+        if op == OpKind::Write {
+            c.queue_write(hdr, payload);
+        } else {
+            c.queue(hdr, payload);
+        }
         c.inflight.push_back(Inflight {
             wr_id,
             op,
@@ -594,8 +598,10 @@ impl Transport for TcpTransport {
                 let peer = c.peer;
                 if c.awaiting_hello {
                     tracing::warn!(%reason, "closing connection before HELLO");
+                } else if c.inflight.is_empty() && c.out.is_empty() {
+                    tracing::debug!(%peer, %reason, "connection closed with nothing pending");
                 } else {
-                    tracing::warn!(%peer, %reason, "closing connection");
+                    tracing::warn!(%peer, %reason, pending = c.inflight.len(), "closing connection");
                 }
                 self.close_conn(idx, OpError::PeerUnreachable { peer, reason });
             }

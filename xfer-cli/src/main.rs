@@ -10,6 +10,7 @@ mod baseline;
 mod control;
 mod info;
 mod pattern;
+mod placement;
 mod progress;
 mod size;
 mod topo;
@@ -19,6 +20,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use fabric_core::engine::{Engine, EngineConfig};
 use fabric_core::mem::MemTransport;
 use fabric_core::{Access, Error, HostBuffer};
+use placement::{CorePin, PinMode, WorkerPins};
 use serde::Serialize;
 use std::net::{SocketAddr, TcpListener};
 use std::process::ExitCode;
@@ -102,6 +104,9 @@ struct Knobs {
     /// Print one JSON object at the end instead of text.
     #[arg(long)]
     json: bool,
+    /// Pin the engine workers to the placement plan's cores (auto), or not (off).
+    #[arg(long, value_enum, default_value = "auto")]
+    pin: PinMode,
 }
 
 #[derive(Args)]
@@ -118,6 +123,9 @@ struct ServeArgs {
     /// Transport to serve.
     #[arg(long, value_enum, default_value = "tcp")]
     transport: TransportKind,
+    /// Pin the engine worker to the placement plan's core (auto), or not (off).
+    #[arg(long, value_enum, default_value = "auto")]
+    pin: PinMode,
 }
 
 #[derive(Args)]
@@ -220,13 +228,42 @@ fn engine_cfg(name: &str) -> EngineConfig {
     }
 }
 
-fn tcp_engine(listen: SocketAddr, rails: usize, name: &str) -> Result<Engine, Error> {
+/// An engine whose worker pins itself (when `pin` is set) before it creates its transport.
+fn tcp_engine(
+    listen: SocketAddr,
+    rails: usize,
+    name: &str,
+    pin: Option<CorePin>,
+) -> Result<Engine, Error> {
     let cfg = TcpConfig {
         listen,
         rails,
         ..TcpConfig::default()
     };
-    Engine::spawn(move || TcpTransport::new(cfg), engine_cfg(name))
+    let worker = name.to_string();
+    Engine::spawn(
+        move || {
+            if let Some(p) = pin {
+                p.apply(&worker);
+            }
+            TcpTransport::new(cfg)
+        },
+        engine_cfg(name),
+    )
+}
+
+/// The in-process transport's engine, pinned like [`tcp_engine`].
+fn mem_engine(name: &str, pin: Option<CorePin>) -> Result<Engine, Error> {
+    let worker = name.to_string();
+    Engine::spawn(
+        move || {
+            if let Some(p) = pin {
+                p.apply(&worker);
+            }
+            Ok(MemTransport::new())
+        },
+        engine_cfg(name),
+    )
 }
 
 fn workload_of(k: &Knobs) -> Result<Workload, CliError> {
@@ -274,19 +311,24 @@ fn print_summary(s: &Summary, json: bool) {
 fn demo(a: DemoArgs) -> Result<(), CliError> {
     let k = &a.knobs;
     let w = workload_of(k)?;
+    let pins = WorkerPins::for_this_machine(k.pin);
     let (src_engine, dst_engine) = match a.transport {
         TransportKind::Tcp => {
             let lo = SocketAddr::from(([127, 0, 0, 1], 0));
             (
-                tcp_engine(lo, k.rails, "xfer-initiator")?,
-                tcp_engine(lo, 1, "xfer-target")?,
+                tcp_engine(lo, k.rails, "xfer-initiator", pins.initiator)?,
+                tcp_engine(lo, 1, "xfer-target", pins.target)?,
             )
         }
         TransportKind::Mem => (
-            Engine::spawn(|| Ok(MemTransport::new()), engine_cfg("xfer-initiator"))?,
-            Engine::spawn(|| Ok(MemTransport::new()), engine_cfg("xfer-target"))?,
+            mem_engine("xfer-initiator", pins.initiator)?,
+            mem_engine("xfer-target", pins.target)?,
         ),
     };
+    // Both buffers are first touched by this thread: put them on the workers' node.
+    if let Some(p) = pins.initiator {
+        p.prefer_memory_here("main");
+    }
     let src = workload::pattern_buffer(k.region_size, k.seed)?;
     let dst = HostBuffer::new_shared(k.region_size as usize)?;
     let s = src_engine.register(src, Access::NONE)?;
@@ -393,7 +435,11 @@ fn bench(a: BenchArgs) -> Result<(), CliError> {
     } else {
         SocketAddr::from(([0u16; 8], 0))
     };
-    let engine = tcp_engine(local_ip, k.rails, "xfer-initiator")?;
+    let pins = WorkerPins::for_this_machine(k.pin);
+    let engine = tcp_engine(local_ip, k.rails, "xfer-initiator", pins.initiator)?;
+    if let Some(p) = pins.initiator {
+        p.prefer_memory_here("main");
+    }
     let src = workload::pattern_buffer(k.region_size, k.seed)?;
     let s = engine.register(src, Access::NONE)?;
     let peer = engine.add_peer(&data_addr)?;
@@ -452,7 +498,8 @@ fn serve(a: ServeArgs) -> Result<(), CliError> {
     let data = a
         .data_listen
         .unwrap_or_else(|| SocketAddr::new(ctl.ip(), 0));
-    let engine = Arc::new(tcp_engine(data, 1, "xfer-serve")?);
+    let pins = WorkerPins::for_this_machine(a.pin);
+    let engine = Arc::new(tcp_engine(data, 1, "xfer-serve", pins.initiator)?);
     if ctl.ip().is_unspecified() {
         eprintln!(
             "xfer: listening on every interface; peers use this machine's address in place of {}",

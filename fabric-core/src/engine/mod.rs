@@ -69,7 +69,7 @@ pub struct EngineConfig {
 impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
-            batch: 64,
+            batch: 256,
             queue_depth: 4096,
             idle_wait: Duration::from_micros(200),
             control_timeout: Duration::from_secs(10),

@@ -1,0 +1,217 @@
+//! Where this process's engine workers run: `--pin auto|off`.
+//!
+//! With `auto`, the live machine's placement plan ([`topology::Topology::plan`]) gives the
+//! initiator worker its core and NUMA node; each worker pins itself inside the engine's
+//! `make` closure, before it creates its transport, so the transport's sockets and queues
+//! are allocated from the right node. `demo` runs a target worker in the same process: it
+//! gets another core of the same node (see [`WorkerPins::from_topology`]).
+//!
+//! The source and target host buffers are allocated and first touched by the main thread
+//! (the target's region by the control thread in `serve`), not by the pinned workers:
+//! [`CorePin::prefer_memory_here`] steers the main thread's allocations to the worker's node
+//! on machines with more than one NUMA node, which places the pages without moving threads.
+
+use clap::ValueEnum;
+use topology::{PlacementPlan, Topology};
+
+/// The `--pin` flag.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum PinMode {
+    /// Pin each worker to the placement plan's core (unpinned if discovery fails).
+    #[default]
+    Auto,
+    /// Leave the threads where the OS puts them.
+    Off,
+}
+
+/// A core (and memory node) for one worker thread.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CorePin {
+    /// The Linux CPU number to pin to.
+    pub core: u32,
+    /// The NUMA node the worker's memory should come from.
+    pub numa_node: u32,
+    /// Whether to set a memory preference at all: only worth it with several NUMA nodes.
+    pub prefer_memory: bool,
+}
+
+impl CorePin {
+    /// Pins the calling thread (a worker named `worker`) and, on a multi-node machine,
+    /// makes its allocations prefer the node. Failures are logged, not fatal: an unpinned
+    /// worker is slower, not wrong.
+    pub fn apply(&self, worker: &str) {
+        match topology::pin_current_thread(self.core) {
+            Ok(()) => tracing::info!(
+                worker,
+                core = self.core,
+                numa_node = self.numa_node,
+                "worker pinned"
+            ),
+            Err(e) => {
+                tracing::warn!(worker, core = self.core, error = %crate::topo::error_chain(&e), "cannot pin worker; it runs unpinned")
+            }
+        }
+        self.prefer_memory_here(worker);
+    }
+
+    /// Makes the calling thread's future allocations prefer this pin's NUMA node (a no-op on
+    /// a single-node machine). For the thread that allocates a worker's buffers.
+    pub fn prefer_memory_here(&self, thread: &str) {
+        if !self.prefer_memory {
+            return;
+        }
+        if let Err(e) = topology::prefer_memory_node(self.numa_node) {
+            tracing::warn!(thread, numa_node = self.numa_node, error = %crate::topo::error_chain(&e), "cannot prefer the worker's NUMA node");
+        }
+    }
+}
+
+/// The cores of this process's workers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WorkerPins {
+    /// The worker that initiates transfers (demo, bench), or the serving worker (serve).
+    pub initiator: Option<CorePin>,
+    /// The target worker of `demo` (same process).
+    pub target: Option<CorePin>,
+}
+
+impl WorkerPins {
+    /// Pins for `mode` on this machine. With `auto`, a failed discovery logs one warning and
+    /// gives no pins.
+    pub fn for_this_machine(mode: PinMode) -> WorkerPins {
+        match mode {
+            PinMode::Off => {
+                tracing::info!("--pin off: workers run unpinned");
+                WorkerPins::default()
+            }
+            PinMode::Auto => match Topology::discover() {
+                Ok(t) => WorkerPins::from_topology(&t, &t.plan()),
+                Err(e) => {
+                    tracing::warn!(error = %crate::topo::error_chain(&e), "topology discovery failed; workers run unpinned");
+                    WorkerPins::default()
+                }
+            },
+        }
+    }
+
+    /// The initiator gets the first worker of the plan (GPU 0's, or the host-only worker);
+    /// the target gets the next core after it on the same NUMA node (wrapping around, CPU 0
+    /// last), else the next core of the machine, else nothing (a one-core machine).
+    pub fn from_topology(t: &Topology, plan: &PlacementPlan) -> WorkerPins {
+        let Some(w) = plan.workers.first() else {
+            return WorkerPins::default();
+        };
+        let prefer_memory = t.numa_nodes.len() > 1;
+        let initiator = CorePin {
+            core: w.core,
+            numa_node: w.numa_node,
+            prefer_memory,
+        };
+        let node_of = |core: u32| {
+            t.numa_nodes
+                .iter()
+                .find(|n| n.cores.contains(&core))
+                .map(|n| n.id)
+        };
+        let same_node: Vec<u32> = t
+            .numa_node(node_of(w.core).unwrap_or(w.numa_node))
+            .map(|n| n.cores.clone())
+            .unwrap_or_default();
+        let all: Vec<u32> = {
+            let mut v: Vec<u32> = t
+                .numa_nodes
+                .iter()
+                .flat_map(|n| n.cores.iter().copied())
+                .collect();
+            v.sort_unstable();
+            v.dedup();
+            v
+        };
+        let target = next_core(&same_node, w.core)
+            .or_else(|| next_core(&all, w.core))
+            .map(|core| CorePin {
+                core,
+                numa_node: node_of(core).unwrap_or(w.numa_node),
+                prefer_memory,
+            });
+        WorkerPins {
+            initiator: Some(initiator),
+            target,
+        }
+    }
+}
+
+/// The first core of `cores` after `taken` in ascending order, wrapping around, with CPU 0
+/// tried last; `None` when `cores` has no core but `taken`.
+fn next_core(cores: &[u32], taken: u32) -> Option<u32> {
+    let mut sorted: Vec<u32> = cores.iter().copied().filter(|&c| c != taken).collect();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let after = sorted.iter().copied().filter(|&c| c > taken && c != 0);
+    let before = sorted.iter().copied().filter(|&c| c < taken && c != 0);
+    after
+        .chain(before)
+        .next()
+        .or_else(|| sorted.first().copied())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+
+    fn fixture(name: &str) -> Topology {
+        let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../topology/tests/fixtures")
+            .join(name);
+        Topology::from_xml_file(p).expect("fixture loads")
+    }
+
+    #[test]
+    fn next_core_wraps_and_keeps_cpu0_last() {
+        assert_eq!(next_core(&[0, 1], 1), Some(0));
+        assert_eq!(next_core(&[0, 1, 2, 3], 1), Some(2));
+        assert_eq!(next_core(&[0, 1, 2, 3], 3), Some(1));
+        assert_eq!(next_core(&[4, 6, 8], 8), Some(4));
+        assert_eq!(next_core(&[1], 1), None);
+        assert_eq!(next_core(&[], 1), None);
+    }
+
+    #[test]
+    fn p5_pins_initiator_to_gpu0_worker_and_target_nearby() {
+        let t = fixture("p5.48xlarge.xml");
+        let plan = t.plan();
+        let pins = WorkerPins::from_topology(&t, &plan);
+        let init = pins.initiator.expect("initiator pinned");
+        assert_eq!(init.core, plan.workers[0].core);
+        assert_eq!(init.numa_node, plan.workers[0].numa_node);
+        assert!(init.prefer_memory, "p5 has two NUMA nodes");
+        let target = pins.target.expect("target pinned");
+        assert_ne!(target.core, init.core);
+        assert_eq!(target.numa_node, init.numa_node);
+        assert!(
+            t.numa_node(init.numa_node)
+                .unwrap()
+                .cores
+                .contains(&target.core)
+        );
+    }
+
+    #[test]
+    fn laptop_pins_both_workers_without_memory_policy() {
+        let t = fixture("laptop.xml");
+        let pins = WorkerPins::from_topology(&t, &t.plan());
+        let init = pins.initiator.expect("initiator pinned");
+        let target = pins.target.expect("target pinned");
+        assert_ne!(init.core, target.core);
+        assert!(!init.prefer_memory && !target.prefer_memory);
+    }
+
+    #[test]
+    fn off_gives_no_pins() {
+        assert_eq!(
+            WorkerPins::for_this_machine(PinMode::Off),
+            WorkerPins::default()
+        );
+    }
+}
