@@ -3,7 +3,6 @@
 use fabric_core::engine::{Engine, EngineConfig, Event, Transfer};
 use fabric_core::mem::MemTransport;
 use fabric_core::plan::Segment;
-use fabric_core::testing::pattern;
 use fabric_core::{
     Access, Completion, Error, HostBuffer, LocalKey, LocalSlice, MemoryRegion, OpError, OpKind,
     PeerId, PostOutcome, Registration, RemoteSlice, Result, Transport, TransportLimits,
@@ -433,4 +432,17 @@ fn a_failing_transport_constructor_is_reported() {
     )
     .unwrap_err();
     assert!(e.to_string().contains("no such device"));
+}
+
+/// A deterministic byte pattern.
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
 }

@@ -33,7 +33,12 @@
 //! ```
 
 mod handle;
+pub mod rails;
 mod worker;
+
+pub use rails::{
+    GroupHandle, GroupPeer, GroupRegistration, GroupTransfer, RailGroup, RemoteDescriptor,
+};
 
 pub use handle::{Received, RecvHandle, TransferHandle, TransferResult, TransferStats};
 

@@ -1,0 +1,465 @@
+//! Rails: one endpoint made of several engines, each a worker thread that owns one
+//! transport (a NIC, or a TCP connection). A transfer is planned once, sharded over the
+//! rails by bytes (each piece still one contiguous write) and completes when every shard has
+//! landed; its immediate data follows, on rail 0, only after that.
+//!
+//! Registration registers the memory on every rail, so the descriptor a peer receives holds
+//! one key per rail ([`RemoteDescriptor`]).
+
+use super::{Engine, EngineConfig, Event, Transfer, TransferHandle, TransferStats};
+use crate::error::{Error, OpError, Result};
+use crate::memory::MemoryRegion;
+use crate::plan::{Segment, plan_transfer, shard_by_bytes};
+use crate::transport::Transport;
+use crate::types::{Access, LocalKey, PeerId, RemoteRegion};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// What a peer needs to write into a region registered on every rail of a [`RailGroup`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteDescriptor {
+    /// The region as registered on each rail (same memory, one key per rail).
+    pub rails: Vec<RemoteRegion>,
+}
+
+impl RemoteDescriptor {
+    /// Length of the region.
+    pub fn len(&self) -> u64 {
+        self.rails.first().map_or(0, |r| r.len)
+    }
+    /// Whether the region is empty (or the descriptor has no rail).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A region registered on every rail.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GroupRegistration {
+    /// Local key per rail.
+    pub locals: Vec<LocalKey>,
+    /// The descriptor to ship to peers.
+    pub remote: RemoteDescriptor,
+}
+
+/// A peer of a rail group: one peer id per local rail.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GroupPeer {
+    /// `rails[i]` is the peer as known to local rail `i`.
+    pub rails: Vec<PeerId>,
+    /// Which remote rail each local rail talks to.
+    pub remote_rail: Vec<usize>,
+}
+
+/// A transfer between two rail groups: segments of one local region to one remote region.
+#[derive(Clone, Debug)]
+pub struct GroupTransfer {
+    /// Local region.
+    pub src: GroupRegistration,
+    /// Remote region.
+    pub dst: RemoteDescriptor,
+    /// `(src_offset, dst_offset, len)` triples.
+    pub segments: Vec<(u64, u64, u64)>,
+    /// Immediate data delivered to the target after every byte landed.
+    pub imm: Option<u32>,
+    /// Deadline for each shard.
+    pub timeout: Option<Duration>,
+}
+
+impl GroupTransfer {
+    /// Pages of `page_size` bytes: local page `i` goes to remote page `i` for each index.
+    pub fn same_pages(
+        src: GroupRegistration,
+        dst: RemoteDescriptor,
+        pages: &[u64],
+        page_size: u64,
+    ) -> GroupTransfer {
+        let segments = pages
+            .iter()
+            .map(|&p| (p * page_size, p * page_size, page_size))
+            .collect();
+        GroupTransfer {
+            src,
+            dst,
+            segments,
+            imm: None,
+            timeout: None,
+        }
+    }
+
+    /// Paged descriptors: `src_pages[i]` (stride `src_stride`) goes to `dst_pages[i]`
+    /// (stride `dst_stride`), `len` bytes each.
+    pub fn paged(
+        src: GroupRegistration,
+        dst: RemoteDescriptor,
+        src_pages: &[u64],
+        src_stride: u64,
+        dst_pages: &[u64],
+        dst_stride: u64,
+        len: u64,
+    ) -> Result<GroupTransfer> {
+        if src_pages.len() != dst_pages.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} source pages but {} destination pages",
+                src_pages.len(),
+                dst_pages.len()
+            )));
+        }
+        if len > src_stride || len > dst_stride {
+            return Err(Error::InvalidArgument(
+                "page length exceeds the stride".into(),
+            ));
+        }
+        let mut segments = Vec::with_capacity(src_pages.len());
+        for (&s, &d) in src_pages.iter().zip(dst_pages) {
+            let so = s
+                .checked_mul(src_stride)
+                .ok_or_else(|| Error::InvalidArgument(format!("source page {s} overflows")))?;
+            let d_o = d
+                .checked_mul(dst_stride)
+                .ok_or_else(|| Error::InvalidArgument(format!("destination page {d} overflows")))?;
+            segments.push((so, d_o, len));
+        }
+        Ok(GroupTransfer {
+            src,
+            dst,
+            segments,
+            imm: None,
+            timeout: None,
+        })
+    }
+}
+
+/// Several engines acting as one endpoint. See the module documentation.
+pub struct RailGroup {
+    rails: Vec<Arc<Engine>>,
+    stash: Mutex<HashMap<u32, u64>>,
+}
+
+impl RailGroup {
+    /// Starts `n` rails; `make(i)` creates rail `i`'s transport inside its worker thread
+    /// (pin the thread there first, so the transport's queues are allocated near it).
+    pub fn spawn<T, F>(n: usize, make: F, cfg: EngineConfig) -> Result<RailGroup>
+    where
+        T: Transport,
+        F: Fn(usize) -> Result<T> + Send + Sync + 'static,
+    {
+        if n == 0 {
+            return Err(Error::InvalidArgument(
+                "a rail group needs at least one rail".into(),
+            ));
+        }
+        let make = Arc::new(make);
+        let mut rails = Vec::with_capacity(n);
+        for i in 0..n {
+            let m = make.clone();
+            let c = EngineConfig {
+                name: format!("{}-{i}", cfg.name),
+                ..cfg.clone()
+            };
+            rails.push(Arc::new(Engine::spawn(move || m(i), c)?));
+        }
+        Ok(RailGroup {
+            rails,
+            stash: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The engines, one per rail.
+    pub fn rails(&self) -> &[Arc<Engine>] {
+        &self.rails
+    }
+
+    /// The transport address of every rail.
+    pub fn addresses(&self) -> Vec<Vec<u8>> {
+        self.rails.iter().map(|e| e.address()).collect()
+    }
+
+    /// Adds a peer group by its rails' addresses; local rail `i` talks to remote rail
+    /// `i % remote.len()`.
+    pub fn add_peer(&self, remote: &[Vec<u8>]) -> Result<GroupPeer> {
+        if remote.is_empty() {
+            return Err(Error::InvalidAddress("the peer offers no rail".into()));
+        }
+        let mut peer = GroupPeer {
+            rails: Vec::new(),
+            remote_rail: Vec::new(),
+        };
+        for (i, e) in self.rails.iter().enumerate() {
+            let r = i % remote.len();
+            match e.add_peer(&remote[r]) {
+                Ok(p) => {
+                    peer.rails.push(p);
+                    peer.remote_rail.push(r);
+                }
+                Err(err) => {
+                    for (j, p) in peer.rails.iter().enumerate() {
+                        let _ = self.rails[j].remove_peer(*p);
+                    }
+                    return Err(err);
+                }
+            }
+        }
+        Ok(peer)
+    }
+
+    /// Removes a peer from every rail; its pending transfers fail with `PeerRemoved`.
+    pub fn remove_peer(&self, peer: &GroupPeer) -> Result<()> {
+        let mut first = None;
+        for (e, p) in self.rails.iter().zip(&peer.rails) {
+            if let Err(err) = e.remove_peer(*p) {
+                first.get_or_insert(err);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Registers memory on every rail.
+    pub fn register(
+        &self,
+        mem: Arc<dyn MemoryRegion>,
+        access: Access,
+    ) -> Result<GroupRegistration> {
+        let mut reg = GroupRegistration {
+            locals: Vec::new(),
+            remote: RemoteDescriptor { rails: Vec::new() },
+        };
+        for e in &self.rails {
+            match e.register(mem.clone(), access) {
+                Ok(r) => {
+                    reg.locals.push(r.local);
+                    reg.remote.rails.push(r.remote);
+                }
+                Err(err) => {
+                    let _ = self.deregister(&reg);
+                    return Err(err);
+                }
+            }
+        }
+        Ok(reg)
+    }
+
+    /// Deregisters memory from every rail.
+    pub fn deregister(&self, reg: &GroupRegistration) -> Result<()> {
+        let mut first = None;
+        for (e, k) in self.rails.iter().zip(&reg.locals) {
+            if let Err(err) = e.deregister(*k) {
+                first.get_or_insert(err);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Submits a transfer: planned, sharded by bytes over the rails, submitted to each.
+    pub fn submit(&self, peer: &GroupPeer, t: GroupTransfer) -> Result<GroupHandle> {
+        let n = self.rails.len();
+        if t.src.locals.len() != n || peer.rails.len() != n {
+            return Err(Error::InvalidArgument(
+                "registration or peer belongs to another rail group".into(),
+            ));
+        }
+        let dst_of = |i: usize| -> Result<RemoteRegion> {
+            t.dst
+                .rails
+                .get(peer.remote_rail[i])
+                .copied()
+                .ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "the remote descriptor has no rail {}",
+                        peer.remote_rail[i]
+                    ))
+                })
+        };
+        let dst0 = dst_of(0)?;
+        let segs: Vec<Segment> = t
+            .segments
+            .iter()
+            .map(|&(so, d_o, len)| Segment {
+                src: t.src.locals[0],
+                src_offset: so,
+                dst: dst0,
+                dst_offset: d_o,
+                len,
+            })
+            .collect();
+        let limit = self
+            .rails
+            .iter()
+            .map(|e| e.limits().max_msg_size)
+            .min()
+            .unwrap_or(1);
+        let plan = plan_transfer(&segs, limit)?;
+        let shards = shard_by_bytes(&plan.writes, n);
+        let mut handles = Vec::with_capacity(n);
+        for (i, shard) in shards.into_iter().enumerate() {
+            if shard.is_empty() {
+                continue;
+            }
+            let dst = dst_of(i)?;
+            let mut tr = Transfer::new(peer.rails[i]);
+            tr.timeout = t.timeout;
+            tr.segments = shard
+                .iter()
+                .map(|w| Segment {
+                    src: t.src.locals[i],
+                    src_offset: w.src.offset,
+                    dst,
+                    dst_offset: w.dst.offset,
+                    len: w.src.len,
+                })
+                .collect();
+            handles.push(self.rails[i].submit(tr)?);
+        }
+        let imm = match (t.imm, t.segments.first()) {
+            (None, _) => None,
+            (Some(_), None) => {
+                return Err(Error::InvalidArgument(
+                    "immediate data needs at least one segment".into(),
+                ));
+            }
+            (Some(v), Some(&(so, d_o, _))) => Some(
+                Transfer::new(peer.rails[0])
+                    .segment(Segment {
+                        src: t.src.locals[0],
+                        src_offset: so,
+                        dst: dst0,
+                        dst_offset: d_o,
+                        len: 0,
+                    })
+                    .imm(v),
+            ),
+        };
+        Ok(GroupHandle {
+            shards: handles,
+            imm,
+            rail0: self.rails[0].clone(),
+            bytes: plan.bytes,
+        })
+    }
+
+    /// Waits until `count` transfers carrying immediate value `imm` have landed here
+    /// (from any rail), or `timeout` passes. Other values seen meanwhile are kept for their
+    /// own waiters.
+    pub fn wait_imm(&self, imm: u32, count: u64, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            {
+                let mut stash = self.stash.lock().unwrap_or_else(|p| p.into_inner());
+                let have = stash.get(&imm).copied().unwrap_or(0);
+                if have >= count {
+                    if have == count {
+                        stash.remove(&imm);
+                    } else {
+                        stash.insert(imm, have - count);
+                    }
+                    return Ok(());
+                }
+                for e in &self.rails {
+                    while let Ok(ev) = e.events().try_recv() {
+                        if let Some(v) = ev.imm() {
+                            *stash.entry(v).or_default() += 1;
+                        }
+                    }
+                }
+                if stash.get(&imm).copied().unwrap_or(0) >= count {
+                    continue;
+                }
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::TimedOut(timeout, "immediate data"));
+            }
+            let mut sel = crossbeam_channel::Select::new();
+            for e in &self.rails {
+                sel.recv(e.events());
+            }
+            // Wakes on any rail's event; the loop drains it above.
+            let _ = sel.ready_timeout(deadline - now);
+        }
+    }
+
+    /// The next event from any rail, waiting at most `timeout`.
+    pub fn next_event(&self, timeout: Duration) -> Result<Event> {
+        let mut sel = crossbeam_channel::Select::new();
+        for e in &self.rails {
+            sel.recv(e.events());
+        }
+        match sel.select_timeout(timeout) {
+            Ok(op) => {
+                let i = op.index();
+                op.recv(self.rails[i].events())
+                    .map_err(|_| Error::EngineStopped)
+            }
+            Err(_) => Err(Error::TimedOut(timeout, "an event")),
+        }
+    }
+
+    /// Sums the counters of all rails.
+    pub fn counters(&self) -> super::CounterSnapshot {
+        let mut s = super::CounterSnapshot::default();
+        for e in &self.rails {
+            let c = e.counters().snapshot();
+            s.bytes += c.bytes;
+            s.ops += c.ops;
+            s.reposts += c.reposts;
+            s.errors += c.errors;
+            s.transfers += c.transfers;
+        }
+        s
+    }
+
+    /// Counters per rail.
+    pub fn rail_counters(&self) -> Vec<super::CounterSnapshot> {
+        self.rails.iter().map(|e| e.counters().snapshot()).collect()
+    }
+}
+
+/// A transfer submitted to a rail group.
+pub struct GroupHandle {
+    shards: Vec<TransferHandle>,
+    imm: Option<Transfer>,
+    rail0: Arc<Engine>,
+    bytes: u64,
+}
+
+impl GroupHandle {
+    /// Waits for every shard (and then the immediate data), at most `timeout` in all.
+    /// The first error of any shard is the transfer's error.
+    pub fn wait(mut self, timeout: Duration) -> Result<TransferStats> {
+        let deadline = Instant::now() + timeout;
+        let mut stats = TransferStats::default();
+        let mut first: Option<Error> = None;
+        for h in self.shards.drain(..) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match h.wait(left) {
+                Ok(s) => stats.ops += s.ops,
+                Err(e) => {
+                    first.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = first {
+            return Err(e);
+        }
+        if let Some(t) = self.imm.take() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            stats.ops += self.rail0.submit(t)?.wait(left)?.ops;
+        }
+        stats.bytes = self.bytes;
+        Ok(stats)
+    }
+
+    /// Whether every shard has finished (the immediate data is sent by `wait`).
+    pub fn is_finished(&self) -> bool {
+        self.shards.iter().all(|h| h.try_result().is_some())
+    }
+
+    /// The first error among finished shards, if any.
+    pub fn failed(&self) -> Option<OpError> {
+        self.shards
+            .iter()
+            .find_map(|h| h.try_result().and_then(|r| r.err()))
+    }
+}

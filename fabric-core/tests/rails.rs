@@ -1,0 +1,117 @@
+//! Rail groups over the in-memory transport.
+
+use fabric_core::engine::{EngineConfig, GroupTransfer, RailGroup};
+use fabric_core::mem::MemTransport;
+use fabric_core::{Access, Error, HostBuffer};
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(10);
+
+fn group(n: usize) -> RailGroup {
+    RailGroup::spawn(n, |_| Ok(MemTransport::new()), EngineConfig::default()).unwrap()
+}
+
+#[test]
+fn a_transfer_is_spread_over_all_rails_and_imm_follows() {
+    let a = group(4);
+    let b = group(2);
+    let len = 4 << 20;
+    let src = HostBuffer::new_shared(len).unwrap();
+    src.write(0, &pattern(9, len)).unwrap();
+    let dst = HostBuffer::new_shared(len).unwrap();
+    let s = a.register(src.clone(), Access::NONE).unwrap();
+    let d = b.register(dst.clone(), Access::REMOTE_WRITE).unwrap();
+    assert_eq!(d.remote.rails.len(), 2);
+    assert_ne!(
+        d.remote.rails[0].key, d.remote.rails[1].key,
+        "one key per rail"
+    );
+    let peer = a.add_peer(&b.addresses()).unwrap();
+    assert_eq!(peer.remote_rail, vec![0, 1, 0, 1]);
+    let pages: Vec<u64> = (0..256).rev().step_by(2).collect();
+    let mut t = GroupTransfer::same_pages(s.clone(), d.remote.clone(), &pages, 16384);
+    t.imm = Some(1234);
+    let stats = a.submit(&peer, t).unwrap().wait(T).unwrap();
+    assert_eq!(stats.bytes, 128 * 16384);
+    b.wait_imm(1234, 1, T).unwrap();
+    for p in &pages {
+        assert!(
+            dst.to_vec(p * 16384, 16384).unwrap() == src.to_vec(p * 16384, 16384).unwrap(),
+            "page {p}"
+        );
+    }
+    assert!(
+        dst.to_vec(0, 16384).unwrap() == vec![0; 16384],
+        "unsent pages stay untouched"
+    );
+    let per_rail = a.rail_counters();
+    assert!(
+        per_rail.iter().all(|c| c.bytes > 0),
+        "every rail carried bytes: {per_rail:?}"
+    );
+    let max = per_rail.iter().map(|c| c.bytes).max().unwrap();
+    let min = per_rail.iter().map(|c| c.bytes).min().unwrap();
+    assert!(max - min <= 16384, "shards balanced by bytes: {per_rail:?}");
+}
+
+#[test]
+fn imm_waiters_count_and_keep_other_values() {
+    let a = group(2);
+    let b = group(2);
+    let src = HostBuffer::new_shared(65536).unwrap();
+    let dst = HostBuffer::new_shared(65536).unwrap();
+    let s = a.register(src, Access::NONE).unwrap();
+    let d = b.register(dst, Access::REMOTE_WRITE).unwrap();
+    let peer = a.add_peer(&b.addresses()).unwrap();
+    for (i, imm) in [7u32, 8, 7].into_iter().enumerate() {
+        let mut t = GroupTransfer::same_pages(s.clone(), d.remote.clone(), &[i as u64], 4096);
+        t.imm = Some(imm);
+        a.submit(&peer, t).unwrap().wait(T).unwrap();
+    }
+    b.wait_imm(7, 2, T).unwrap();
+    b.wait_imm(8, 1, T).unwrap();
+    assert!(matches!(
+        b.wait_imm(7, 1, Duration::from_millis(30)),
+        Err(Error::TimedOut(..))
+    ));
+}
+
+#[test]
+fn bad_descriptors_fail_clearly() {
+    let a = group(2);
+    let b = group(1);
+    assert!(RailGroup::spawn(0, |_| Ok(MemTransport::new()), EngineConfig::default()).is_err());
+    let src = HostBuffer::new_shared(65536).unwrap();
+    let dst = HostBuffer::new_shared(65536).unwrap();
+    let s = a.register(src, Access::NONE).unwrap();
+    let d = b.register(dst, Access::REMOTE_WRITE).unwrap();
+    let peer = a.add_peer(&b.addresses()).unwrap();
+    assert!(
+        GroupTransfer::paged(s.clone(), d.remote.clone(), &[1, 2], 4096, &[1], 4096, 4096).is_err()
+    );
+    assert!(
+        GroupTransfer::paged(s.clone(), d.remote.clone(), &[1], 4096, &[1], 4096, 8192).is_err()
+    );
+    let beyond = GroupTransfer::same_pages(s.clone(), d.remote.clone(), &[100], 4096);
+    assert!(matches!(
+        a.submit(&peer, beyond),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(a.add_peer(&[]).is_err());
+    assert!(a.add_peer(&[b"mem://999999999".to_vec()]).is_err());
+    let t = GroupTransfer::paged(s, d.remote, &[3, 1], 8192, &[0, 2], 4096, 4096).unwrap();
+    assert_eq!(a.submit(&peer, t).unwrap().wait(T).unwrap().bytes, 8192);
+}
+
+/// A deterministic byte pattern.
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
