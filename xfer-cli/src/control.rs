@@ -8,6 +8,7 @@
 //! ```
 //! Each control connection gets a region of its own, deregistered when it closes.
 
+use crate::placement::CorePin;
 use crate::workload;
 use fabric_core::engine::Engine;
 use fabric_core::{Access, HostBuffer, RemoteRegion};
@@ -88,7 +89,15 @@ pub fn parse_peer(s: &str) -> Result<SocketAddr, String> {
 }
 
 /// Serves clients until the process is stopped.
-pub fn serve(listener: TcpListener, engine: Arc<Engine>, region_size: u64) -> std::io::Result<()> {
+///
+/// Each client's region is allocated by its control thread, which first prefers the memory
+/// node of `pin` (the serving worker's) when it is set.
+pub fn serve(
+    listener: TcpListener,
+    engine: Arc<Engine>,
+    region_size: u64,
+    pin: Option<CorePin>,
+) -> std::io::Result<()> {
     for conn in listener.incoming() {
         let conn = match conn {
             Ok(c) => c,
@@ -99,6 +108,9 @@ pub fn serve(listener: TcpListener, engine: Arc<Engine>, region_size: u64) -> st
         };
         let engine = engine.clone();
         std::thread::spawn(move || {
+            if let Some(p) = pin {
+                p.prefer_memory_here("xfer-control");
+            }
             let from = conn.peer_addr().ok();
             if let Err(e) = client(conn, &engine, region_size) {
                 tracing::info!(?from, error = %e, "control connection ended");

@@ -509,7 +509,8 @@ fn serve(a: ServeArgs) -> Result<(), CliError> {
     println!("xfer bench --peer xfer://{ctl}");
     use std::io::Write;
     let _ = std::io::stdout().flush();
-    control::serve(listener, engine, a.region_size).map_err(|e| CliError::Failed(e.to_string()))
+    control::serve(listener, engine, a.region_size, pins.initiator)
+        .map_err(|e| CliError::Failed(e.to_string()))
 }
 
 fn main() -> ExitCode {

@@ -6,10 +6,11 @@
 //! are allocated from the right node. `demo` runs a target worker in the same process: it
 //! gets another core of the same node (see [`WorkerPins::from_topology`]).
 //!
-//! The source and target host buffers are allocated and first touched by the main thread
-//! (the target's region by the control thread in `serve`), not by the pinned workers:
-//! [`CorePin::prefer_memory_here`] steers the main thread's allocations to the worker's node
-//! on machines with more than one NUMA node, which places the pages without moving threads.
+//! Host buffers are allocated, and first touched (zeroed or filled), by the thread that asks
+//! for them, not by the pinned workers: the main thread in `demo` and `bench`, a control
+//! thread per client in `serve`. [`CorePin::prefer_memory_here`] steers those threads'
+//! allocations to the worker's NUMA node first, so the pages land where the worker runs
+//! (a no-op on single-node machines, where there is nothing to steer).
 
 use clap::ValueEnum;
 use topology::{PlacementPlan, Topology};
