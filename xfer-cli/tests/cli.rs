@@ -1,0 +1,343 @@
+//! The `xfer` binary as a user runs it: exit codes, one-line errors, JSON output, and a
+//! served region written by several bench clients, in turn and at once.
+
+use serde_json::Value;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+
+fn xfer(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_xfer"))
+        .args(args)
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("xfer runs")
+}
+
+fn stdout_json(out: &Output) -> Value {
+    let text = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(text.trim())
+        .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {text:?}"))
+}
+
+fn stderr_lines(out: &Output) -> Vec<String> {
+    String::from_utf8_lossy(&out.stderr)
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Asserts the exit code, and that stderr is exactly one line.
+fn assert_fails_with_one_line(out: &Output, code: i32) -> String {
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines = stderr_lines(out);
+    assert_eq!(lines.len(), 1, "expected one line on stderr, got {lines:?}");
+    lines.into_iter().next().expect("one line")
+}
+
+fn fixture(name: &str) -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../topology/tests/fixtures")
+        .join(name)
+        .to_str()
+        .expect("utf-8 path")
+        .to_owned()
+}
+
+/// A fresh directory under the system temp dir, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> TempDir {
+        let p = std::env::temp_dir().join(format!("xfer-cli-test-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).expect("create temp dir");
+        TempDir(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[test]
+fn topo_replays_p5_as_json_with_four_nics_per_gpu() {
+    let out = xfer(&["topo", "--xml", &fixture("p5.48xlarge.xml"), "--json"]);
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = stdout_json(&out);
+    assert_eq!(v["topology"]["gpus"].as_array().expect("gpus").len(), 8);
+    let workers = v["plan"]["workers"].as_array().expect("workers");
+    assert_eq!(workers.len(), 8);
+    let mut cores = Vec::new();
+    for w in workers {
+        assert!(w["gpu"].is_u64(), "{w}");
+        assert_eq!(w["nics"].as_array().expect("nics").len(), 4, "{w}");
+        assert_eq!(w["nic_affinity"], "SameSwitch", "{w}");
+        cores.push(w["core"].as_u64().expect("core"));
+    }
+    cores.sort_unstable();
+    cores.dedup();
+    assert_eq!(cores.len(), 8, "workers share cores");
+}
+
+#[test]
+fn topo_prints_a_table_for_the_live_machine() {
+    let out = xfer(&["topo"]);
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    for column in ["NUMA", "Worker", "Core", "NICs"] {
+        assert!(text.contains(column), "no {column} column in {text}");
+    }
+}
+
+#[test]
+fn topo_of_a_missing_file_is_one_line_and_exit_1() {
+    let line = assert_fails_with_one_line(&xfer(&["topo", "--xml", "/nonexistent"]), 1);
+    assert!(line.contains("/nonexistent"), "{line}");
+}
+
+#[test]
+fn topo_of_malformed_xml_exits_1() {
+    let dir = TempDir::new("malformed");
+    let whole = std::fs::read_to_string(fixture("p5.48xlarge.xml")).expect("fixture");
+    for (name, text) in [
+        ("truncated.xml", &whole[..whole.len() / 2]),
+        ("garbage.xml", "this is not xml <<<"),
+        ("html.xml", "<?xml version=\"1.0\"?><html><body/></html>"),
+        ("empty.xml", ""),
+    ] {
+        let path = dir.0.join(name);
+        std::fs::write(&path, text).expect("write");
+        let out = xfer(&["topo", "--xml", path.to_str().expect("utf-8"), "--json"]);
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "{name}: stderr {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            out.stdout.is_empty(),
+            "{name}: printed {:?}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("xfer: error:") && !err.contains("panicked"),
+            "{name}: {err}"
+        );
+    }
+}
+
+#[test]
+fn topo_export_replays_to_the_same_machine() {
+    let dir = TempDir::new("export");
+    let path = dir.0.join("this-machine.xml");
+    let path = path.to_str().expect("utf-8");
+    let exported = xfer(&["topo", "--export", path, "--json"]);
+    assert!(
+        exported.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&exported.stderr)
+    );
+    let replayed = xfer(&["topo", "--xml", path, "--json"]);
+    assert!(
+        replayed.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&replayed.stderr)
+    );
+    let (a, b) = (stdout_json(&exported), stdout_json(&replayed));
+    assert_eq!(a["plan"], b["plan"]);
+    assert_eq!(a["topology"]["numa_nodes"], b["topology"]["numa_nodes"]);
+    let line =
+        assert_fails_with_one_line(&xfer(&["topo", "--export", "/nonexistent/dir/t.xml"]), 1);
+    assert!(line.contains("/nonexistent/dir/t.xml"), "{line}");
+}
+
+#[test]
+fn info_json_has_transports_memory_cuda_and_topology() {
+    let out = xfer(&["info", "--json"]);
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = stdout_json(&out);
+    let transports = v["transports"].as_array().expect("transports");
+    assert!(transports.iter().any(|t| t == "tcp"));
+    let memory = v["memory"].as_array().expect("memory");
+    assert!(memory.iter().any(|m| m == "host"));
+    let devices = v["cuda"]["devices"].as_array().expect("cuda.devices");
+    assert_eq!(memory.iter().any(|m| m == "cuda"), !devices.is_empty());
+    for d in devices {
+        for field in ["name", "total_memory", "pci_bus_id", "driver_version"] {
+            assert!(!d[field].is_null(), "device without {field}: {d}");
+        }
+    }
+    assert!(v["cuda"]["driver_present"].is_boolean());
+    let t = &v["topology"];
+    for field in ["numa_nodes", "cores", "gpus", "nics"] {
+        assert!(t[field].is_u64(), "topology without {field}: {v}");
+    }
+    assert!(t["numa_nodes"].as_u64() >= Some(1));
+}
+
+#[test]
+fn info_text_says_what_cuda_there_is() {
+    let out = xfer(&["info"]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.lines().any(|l| l.starts_with("CUDA: ")), "{text}");
+    assert!(text.lines().any(|l| l.starts_with("topology: ")), "{text}");
+}
+
+#[test]
+fn demo_verifies_small_run_pinned_and_unpinned() {
+    for pin in ["auto", "off"] {
+        let out = xfer(&[
+            "demo",
+            "--page-size",
+            "4KiB",
+            "--pages",
+            "64",
+            "--bytes",
+            "4MiB",
+            "--region-size",
+            "4MiB",
+            "--json",
+            "--pin",
+            pin,
+        ]);
+        assert!(
+            out.status.success(),
+            "--pin {pin}: stderr: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(stdout_json(&out)["verified"], true, "--pin {pin}");
+    }
+}
+
+#[test]
+fn demo_with_zero_pages_is_a_usage_error() {
+    let out = xfer(&["demo", "--pages", "0"]);
+    assert_fails_with_one_line(&out, 2);
+}
+
+#[test]
+fn bench_with_a_malformed_peer_is_a_usage_error() {
+    let line = assert_fails_with_one_line(&xfer(&["bench", "--peer", "nonsense"]), 2);
+    assert!(line.contains("nonsense"), "{line}");
+}
+
+#[test]
+fn bench_with_nobody_listening_cannot_reach() {
+    let line = assert_fails_with_one_line(&xfer(&["bench", "--peer", "xfer://127.0.0.1:1"]), 1);
+    assert!(line.contains("cannot reach"), "{line}");
+}
+
+/// A running `xfer serve`, killed on drop.
+struct Server {
+    child: Child,
+    peer: String,
+}
+
+impl Server {
+    fn start() -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_xfer"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--region-size", "8MiB"])
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("xfer serve starts");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("read the serve line");
+        // The line is printed once the control socket listens: `xfer bench --peer xfer://...`.
+        let peer = line
+            .trim()
+            .strip_prefix("xfer bench --peer ")
+            .unwrap_or_else(|| panic!("unexpected first line of xfer serve: {line:?}"))
+            .to_owned();
+        assert!(peer.starts_with("xfer://"), "{peer}");
+        Server { child, peer }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn bench_args(peer: &str) -> Vec<String> {
+    [
+        "bench",
+        "--peer",
+        peer,
+        "--page-size",
+        "4KiB",
+        "--pages",
+        "16",
+        "--bytes",
+        "1MiB",
+        "--region-size",
+        "8MiB",
+        "--json",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+fn assert_bench_verified(out: &Output, what: &str) {
+    assert!(
+        out.status.success(),
+        "{what}: stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(stdout_json(out)["verified"], true, "{what}");
+}
+
+#[test]
+fn serve_takes_bench_clients_in_turn_and_at_once() {
+    let server = Server::start();
+    for round in 0..2 {
+        let out = Command::new(env!("CARGO_BIN_EXE_xfer"))
+            .args(bench_args(&server.peer))
+            .output()
+            .expect("bench runs");
+        assert_bench_verified(&out, &format!("sequential bench {round}"));
+    }
+    let clients: Vec<Child> = (0..2)
+        .map(|_| {
+            Command::new(env!("CARGO_BIN_EXE_xfer"))
+                .args(bench_args(&server.peer))
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("bench starts")
+        })
+        .collect();
+    for (i, c) in clients.into_iter().enumerate() {
+        let out = c.wait_with_output().expect("bench finishes");
+        assert_bench_verified(&out, &format!("concurrent bench {i}"));
+    }
+    drop(server);
+}
