@@ -1,0 +1,10 @@
+/* The libfabric headers that xfer's EFA backend uses. Bindgen reads this file; the C shim
+ * it generates for static inline functions includes it too. */
+#include <rdma/fabric.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_eq.h>
+#include <rdma/fi_rma.h>
+#include <rdma/fi_tagged.h>
