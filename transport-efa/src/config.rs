@@ -1,0 +1,68 @@
+//! How to choose the provider and domain of an [`EfaTransport`](crate::EfaTransport).
+
+/// The default provider: AWS's Elastic Fabric Adapter.
+pub const DEFAULT_PROVIDER: &str = "efa";
+
+/// Configuration of an [`EfaTransport`](crate::EfaTransport).
+///
+/// ```
+/// let mut cfg = transport_efa::EfaConfig::default();
+/// cfg.provider = Some("tcp".into());
+/// cfg.domain = Some("lo".into());
+/// assert_eq!(cfg.provider_name().as_deref(), Some("tcp"));
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EfaConfig {
+    /// The libfabric provider (`efa`, `tcp`, `sockets`, `shm`, `verbs`, ...), matched the
+    /// way libfabric matches names (`tcp` finds `tcp;ofi_rxm`). `None`: the `FI_PROVIDER`
+    /// environment variable if it names one provider, else [`DEFAULT_PROVIDER`].
+    ///
+    /// libfabric itself also honours `FI_PROVIDER`: when it is set, only the providers it
+    /// names are visible at all, whatever this field says.
+    pub provider: Option<String>,
+    /// The domain (NIC or interface) to open, by name as `fi_info` shows it (`lo`,
+    /// `eth0`, `rdmap0s31-rdm`). `None`: the first the provider lists.
+    pub domain: Option<String>,
+    /// Ask for FI_HMEM, needed to register device (CUDA) memory. Off by default: providers
+    /// without it (tcp, sockets) answer nothing at all to a request that names it.
+    pub hmem: bool,
+}
+
+impl EfaConfig {
+    /// A configuration for `provider`, first domain, no HMEM.
+    pub fn with_provider(provider: impl Into<String>) -> EfaConfig {
+        EfaConfig {
+            provider: Some(provider.into()),
+            ..EfaConfig::default()
+        }
+    }
+
+    /// Sets the domain to open.
+    pub fn domain(mut self, domain: impl Into<String>) -> EfaConfig {
+        self.domain = Some(domain.into());
+        self
+    }
+
+    /// Sets whether to ask for FI_HMEM.
+    pub fn hmem(mut self, hmem: bool) -> EfaConfig {
+        self.hmem = hmem;
+        self
+    }
+
+    /// The provider name to ask libfabric for: the explicit choice, else `FI_PROVIDER`
+    /// when it names exactly one provider, else [`DEFAULT_PROVIDER`]. `None` when
+    /// `FI_PROVIDER` holds a list or an exclusion (`tcp,sockets`, `^efa`): libfabric
+    /// applies it and the first provider it offers is taken.
+    pub fn provider_name(&self) -> Option<String> {
+        if let Some(p) = &self.provider {
+            return Some(p.clone());
+        }
+        match std::env::var("FI_PROVIDER") {
+            Ok(v) if v.is_empty() => Some(DEFAULT_PROVIDER.into()),
+            Ok(v) if v.contains(',') || v.starts_with('^') => None,
+            Ok(v) => Some(v),
+            Err(_) => Some(DEFAULT_PROVIDER.into()),
+        }
+    }
+}

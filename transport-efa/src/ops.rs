@@ -1,0 +1,175 @@
+//! Operations in flight: their per-operation context (the `void *context` that libfabric
+//! hands back in the completion) and what we need to report them.
+
+use fabric_core::{LocalKey, OpKind, PeerId, RemoteKey, WorkRequestId};
+use std::cell::UnsafeCell;
+use std::ffi::c_void;
+
+/// Storage for one `struct fi_context2`: scratch space that providers with FI_CONTEXT /
+/// FI_CONTEXT2 mode use while the operation is in flight. Its address is the operation's
+/// context, so it must not move: contexts live in boxed chunks that are never reallocated
+/// nor freed before the transport is (after its endpoint is closed).
+#[repr(C, align(8))]
+struct OpContext(UnsafeCell<[u64; 8]>);
+
+const _: () =
+    assert!(std::mem::size_of::<OpContext>() >= std::mem::size_of::<libfabric_sys::fi_context2>());
+
+/// Contexts per chunk.
+const CHUNK: usize = 256;
+
+/// What was asked of the provider (enough to post it again after -FI_EAGAIN).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Op {
+    pub wr_id: WorkRequestId,
+    pub kind: OpKind,
+    /// The peer of a send or write (receives take messages from any peer).
+    pub peer: Option<PeerId>,
+    /// The local region and the range in it.
+    pub local: LocalKey,
+    pub offset: u64,
+    pub len: u64,
+    /// For writes: the address on the wire (the peer's base plus offset) and the key.
+    pub remote_addr: u64,
+    pub remote_key: RemoteKey,
+    pub imm: Option<u32>,
+    /// Whether the provider has accepted it (false while it waits in a peer's backlog).
+    pub posted: bool,
+}
+
+/// The state of one context.
+#[derive(Debug)]
+pub(crate) enum Slot {
+    Free,
+    Active(Op),
+    /// Its peer was removed and its failure reported; the provider may still hand it back,
+    /// and then it is dropped silently. It keeps its local region registered until then.
+    Orphaned(LocalKey),
+}
+
+/// Operations by context.
+#[derive(Default)]
+pub(crate) struct OpTable {
+    contexts: Vec<Box<[OpContext]>>,
+    slots: Vec<Slot>,
+    free: Vec<usize>,
+}
+
+impl OpTable {
+    /// Stores `op` and returns its index.
+    pub(crate) fn insert(&mut self, op: Op) -> usize {
+        if let Some(i) = self.free.pop() {
+            self.slots[i] = Slot::Active(op);
+            return i;
+        }
+        let i = self.slots.len();
+        if i == self.contexts.len() * CHUNK {
+            self.contexts.push(
+                (0..CHUNK)
+                    .map(|_| OpContext(UnsafeCell::new([0; 8])))
+                    .collect(),
+            );
+        }
+        self.slots.push(Slot::Active(op));
+        i
+    }
+
+    /// The context pointer of slot `i`, to give to libfabric.
+    pub(crate) fn context(&self, i: usize) -> *mut c_void {
+        self.contexts[i / CHUNK][i % CHUNK].0.get().cast()
+    }
+
+    /// The slot whose context is `ctx`, if it is one of ours.
+    pub(crate) fn index_of(&self, ctx: *mut c_void) -> Option<usize> {
+        let addr = ctx as usize;
+        let size = std::mem::size_of::<OpContext>();
+        self.contexts.iter().enumerate().find_map(|(c, chunk)| {
+            let base = chunk.as_ptr() as usize;
+            let off = addr.checked_sub(base)?;
+            (off < CHUNK * size && off % size == 0).then(|| c * CHUNK + off / size)
+        })
+    }
+
+    pub(crate) fn get(&self, i: usize) -> &Slot {
+        &self.slots[i]
+    }
+
+    pub(crate) fn get_mut(&mut self, i: usize) -> &mut Slot {
+        &mut self.slots[i]
+    }
+
+    /// Frees slot `i` and returns what it held.
+    pub(crate) fn release(&mut self, i: usize) -> Slot {
+        let s = std::mem::replace(&mut self.slots[i], Slot::Free);
+        if !matches!(s, Slot::Free) {
+            self.free.push(i);
+        }
+        s
+    }
+
+    /// Marks the active operation in slot `i` orphaned and returns it.
+    pub(crate) fn orphan(&mut self, i: usize) -> Option<Op> {
+        match self.slots[i] {
+            Slot::Active(op) => {
+                self.slots[i] = Slot::Orphaned(op.local);
+                Some(op)
+            }
+            _ => None,
+        }
+    }
+
+    /// Indices of active operations of `peer` that the provider holds.
+    pub(crate) fn posted_for(&self, peer: PeerId) -> Vec<usize> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| match s {
+                Slot::Active(op) if op.posted && op.peer == Some(peer) => Some(i),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Number of slots not free (active or orphaned).
+    pub(crate) fn in_use(&self) -> usize {
+        self.slots.len() - self.free.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn op(i: u64) -> Op {
+        Op {
+            wr_id: WorkRequestId(i),
+            kind: OpKind::Write,
+            peer: Some(PeerId(1)),
+            local: LocalKey(1),
+            offset: 0,
+            len: 1,
+            remote_addr: 0,
+            remote_key: RemoteKey(0),
+            imm: None,
+            posted: true,
+        }
+    }
+
+    #[test]
+    fn contexts_map_back_to_slots_and_are_reused() {
+        let mut t = OpTable::default();
+        let ids: Vec<usize> = (0..600).map(|i| t.insert(op(i))).collect();
+        for &i in &ids {
+            assert_eq!(t.index_of(t.context(i)), Some(i));
+        }
+        assert_eq!(t.index_of(std::ptr::null_mut()), None);
+        let odd = t.context(3).cast::<u8>().wrapping_add(1).cast();
+        assert_eq!(t.index_of(odd), None);
+        assert!(matches!(t.release(5), Slot::Active(_)));
+        assert_eq!(t.in_use(), 599);
+        assert_eq!(t.insert(op(9)), 5);
+        assert!(t.orphan(7).is_some());
+        assert!(t.orphan(7).is_none());
+        assert_eq!(t.posted_for(PeerId(1)).len(), 599);
+    }
+}

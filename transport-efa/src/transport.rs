@@ -1,0 +1,1004 @@
+//! [`EfaTransport`]: the [`Transport`] over one libfabric FI_EP_RDM endpoint.
+
+use crate::address;
+use crate::config::EfaConfig;
+use crate::fi::{FiError, InfoList, Owned, Posted, check, check_post};
+use crate::info::{self, ProviderInfo};
+use crate::mr::{self, Registered};
+use crate::ops::{Op, OpTable, Slot};
+use fabric_core::{
+    Access, Completion, Error, LocalKey, LocalSlice, MemoryRegion, OpError, OpKind, PeerId,
+    PostOutcome, Registration, RemoteSlice, Result, Transport, TransportLimits, WorkRequestId,
+};
+use libfabric_sys as sys;
+use std::collections::{HashMap, VecDeque};
+use std::ffi::c_void;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Where the provider carries 8 bytes of remote CQ data, every SEND carries CQ data whose
+/// upper half says whether the lower half is an immediate value ([`SEND_IMM`]) or not
+/// ([`SEND_NO_IMM`]). The sockets provider delivers the data of a SEND that arrived before
+/// its receive was posted but drops the FI_REMOTE_CQ_DATA flag from that completion, and
+/// leaves the previous message's data in completions without it: with the tag, receives
+/// read the immediate value right either way.
+const SEND_IMM: u64 = 0x7866_6572; // "xfer"
+/// See [`SEND_IMM`].
+const SEND_NO_IMM: u64 = 0x7866_6500;
+
+/// Completions read from the CQ per `fi_cq_read` call.
+const CQ_BATCH: usize = 64;
+/// `fi_cq_read` calls per `poll`, at most (so that one busy CQ cannot starve the caller).
+const CQ_READS_PER_POLL: usize = 8;
+
+/// A peer in the address vector.
+struct Peer {
+    fi_addr: sys::fi_addr_t,
+    /// Whether the provider has accepted an operation for this peer yet. Until then its
+    /// connection may still be coming up (rxm answers -FI_EAGAIN while it connects), and
+    /// operations wait in `backlog` instead of being refused.
+    ready: bool,
+    /// Operations (slot indices) accepted by us but not yet by the provider, in order.
+    backlog: VecDeque<usize>,
+    /// Since when the provider's connection to the peer is known to be broken (the tcp
+    /// provider closes it after any failure at the target, and needs ~20 ms to notice and
+    /// connect again). Until [`RECONNECT_WINDOW`] has passed, operations that fail with
+    /// FI_ENOTCONN (never sent) go back to the backlog instead of failing.
+    broken_since: Option<Instant>,
+}
+
+/// How long operations to a peer whose connection broke are retried before they fail
+/// with [`OpError::PeerUnreachable`].
+pub const RECONNECT_WINDOW: Duration = Duration::from_secs(5);
+
+/// A [`Transport`] over one libfabric reliable-datagram endpoint (FI_EP_RDM) with FI_MSG
+/// and FI_RMA: SEND/RECV for control messages, `fi_writemsg` for data, remote CQ data for
+/// immediate values.
+///
+/// Construct it in the thread that will poll it: the provider allocates the domain, CQ
+/// and AV on the NUMA node of the thread that opens them (pin that thread first).
+///
+/// Operations posted to a peer whose connection is still coming up (the provider answers
+/// `-FI_EAGAIN` before it ever accepted one for that peer) wait in a per-peer backlog of
+/// up to `tx_size` operations and are handed to the provider inside [`poll`]; after that,
+/// `-FI_EAGAIN` is [`PostOutcome::NoRoom`].
+///
+/// [`poll`]: Transport::poll
+pub struct EfaTransport {
+    // Fields are dropped in declaration order, which is the order libfabric needs: the
+    // endpoint first (nothing is in flight afterwards), then memory registrations (and the
+    // memory they keep alive), then the operation contexts, the AV and CQ, the domain, and
+    // the fabric last.
+    ep: Owned<sys::fid_ep>,
+    regs: HashMap<LocalKey, Registered>,
+    ops: OpTable,
+    av: Owned<sys::fid_av>,
+    cq: Owned<sys::fid_cq>,
+    domain: Owned<sys::fid_domain>,
+    _fabric: Owned<sys::fid_fabric>,
+
+    info: ProviderInfo,
+    /// Whether SENDs tag their CQ data (see [`SEND_IMM`]).
+    tag_cq_data: bool,
+    mr_mode: u64,
+    hmem: bool,
+    addr_format: u32,
+    /// What `fi_getname` returned.
+    raw_address: Vec<u8>,
+    peers: HashMap<PeerId, Peer>,
+    /// Peers with a non-empty backlog.
+    backlogged: Vec<PeerId>,
+    next_peer: u64,
+    next_local_key: u64,
+    next_requested_key: u64,
+    /// Completions decided locally (peer removal), reported by the next `poll`.
+    ready: VecDeque<Completion>,
+}
+
+impl std::fmt::Debug for EfaTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EfaTransport")
+            .field("provider", &self.info.provider)
+            .field("fabric", &self.info.fabric)
+            .field("domain", &self.info.domain)
+            .field("peers", &self.peers.len())
+            .field("registrations", &self.regs.len())
+            .field("ops_in_flight", &self.ops.in_use())
+            .finish()
+    }
+}
+
+/// Picks the `fi_info` entry for `config` from a list.
+fn choose<'a>(list: &'a InfoList, config: &EfaConfig) -> Result<&'a sys::fi_info> {
+    let mut domains = Vec::new();
+    for e in list.iter() {
+        let s = info::summarize(e, config.hmem);
+        match &config.domain {
+            Some(d) if *d != s.domain => {
+                if !domains.contains(&s.domain) {
+                    domains.push(s.domain);
+                }
+            }
+            _ => return Ok(e),
+        }
+    }
+    Err(Error::Unsupported(format!(
+        "provider {:?} has no domain {:?} here; its domains: {}",
+        config.provider_name().unwrap_or_default(),
+        config.domain.as_deref().unwrap_or_default(),
+        domains.join(", ")
+    )))
+}
+
+impl EfaTransport {
+    /// Opens fabric, domain, address vector (FI_AV_TABLE), completion queue
+    /// (FI_CQ_FORMAT_DATA) and endpoint for `config`.
+    ///
+    /// Fails with [`Error::Unsupported`] (listing the providers that exist) when no
+    /// provider of that name offers FI_EP_RDM with FI_MSG | FI_RMA (| FI_HMEM), and with
+    /// [`Error::Backend`] when a libfabric call fails.
+    pub fn new(config: &EfaConfig) -> Result<EfaTransport> {
+        let provider = config.provider_name();
+        let Some(list) = info::getinfo(config.hmem, provider.as_deref())? else {
+            return Err(info::no_such_provider(
+                provider.as_deref().unwrap_or("(FI_PROVIDER)"),
+                config.hmem,
+            ));
+        };
+        let entry = choose(&list, config)?;
+        let summary = info::summarize(entry, config.hmem);
+        // SAFETY: entries from fi_getinfo have valid attribute pointers.
+        let (dom_attr, tx_attr) = unsafe { (&*entry.domain_attr, &*entry.tx_attr) };
+        if tx_attr.iov_limit == 0 || tx_attr.rma_iov_limit == 0 {
+            return Err(Error::Unsupported(format!(
+                "provider {} reports iov_limit {} / rma_iov_limit {}",
+                summary.provider, tx_attr.iov_limit, tx_attr.rma_iov_limit
+            )));
+        }
+        let mr_mode = dom_attr.mr_mode as u32 as u64;
+        let entry_ptr = std::ptr::from_ref(entry).cast_mut();
+
+        let mut fabric = std::ptr::null_mut();
+        // SAFETY: fabric_attr comes from a live fi_info; fabric receives the new object.
+        let rc = unsafe { sys::fi_fabric(entry.fabric_attr, &mut fabric, std::ptr::null_mut()) };
+        check("fi_fabric", rc as isize)?;
+        let fabric = Owned::new("fi_fabric", fabric)?;
+
+        let mut domain = std::ptr::null_mut();
+        // SAFETY: fabric is open; entry is the fi_info it was opened from.
+        let rc = unsafe {
+            sys::fi_domain(
+                fabric.as_ptr(),
+                entry_ptr,
+                &mut domain,
+                std::ptr::null_mut(),
+            )
+        };
+        check("fi_domain", rc as isize)?;
+        let domain = Owned::new("fi_domain", domain)?;
+
+        let mut av_attr = sys::fi_av_attr {
+            type_: sys::FI_AV_TABLE,
+            count: 64,
+            ..Default::default()
+        };
+        let mut av = std::ptr::null_mut();
+        // SAFETY: domain is open; av_attr is a valid attribute struct for the call.
+        let rc = unsafe {
+            sys::fi_av_open(domain.as_ptr(), &mut av_attr, &mut av, std::ptr::null_mut())
+        };
+        check("fi_av_open", rc as isize)?;
+        let av = Owned::new("fi_av_open", av)?;
+
+        let mut cq_attr = sys::fi_cq_attr {
+            size: summary.tx_size + summary.rx_size,
+            format: sys::FI_CQ_FORMAT_DATA,
+            wait_obj: sys::FI_WAIT_NONE,
+            ..Default::default()
+        };
+        let mut cq = std::ptr::null_mut();
+        // SAFETY: domain is open; cq_attr is valid for the call.
+        let rc = unsafe {
+            sys::fi_cq_open(domain.as_ptr(), &mut cq_attr, &mut cq, std::ptr::null_mut())
+        };
+        check("fi_cq_open", rc as isize)?;
+        let cq = Owned::new("fi_cq_open", cq)?;
+
+        let mut ep = std::ptr::null_mut();
+        // SAFETY: domain is open and was made from entry.
+        let rc =
+            unsafe { sys::fi_endpoint(domain.as_ptr(), entry_ptr, &mut ep, std::ptr::null_mut()) };
+        check("fi_endpoint", rc as isize)?;
+        let ep = Owned::new("fi_endpoint", ep)?;
+        // SAFETY: ep, av and cq are open objects of the same domain.
+        let rc = unsafe { sys::fi_ep_bind(ep.as_ptr(), av.fid(), 0) };
+        check("fi_ep_bind(av)", rc as isize)?;
+        // SAFETY: as above.
+        let rc = unsafe { sys::fi_ep_bind(ep.as_ptr(), cq.fid(), sys::FI_TRANSMIT | sys::FI_RECV) };
+        check("fi_ep_bind(cq)", rc as isize)?;
+        // SAFETY: ep is bound to its AV and CQ.
+        let rc = unsafe { sys::fi_enable(ep.as_ptr()) };
+        check("fi_enable", rc as isize)?;
+
+        let raw_address = getname(&ep)?;
+        let addr_format = entry.addr_format;
+        let hmem = config.hmem && entry.caps & sys::FI_HMEM != 0;
+        drop(list);
+        tracing::debug!(
+            provider = %summary.provider, fabric = %summary.fabric, domain = %summary.domain,
+            mr_mode = ?summary.mr_mode, "libfabric endpoint open"
+        );
+        Ok(EfaTransport {
+            ep,
+            regs: HashMap::new(),
+            ops: OpTable::default(),
+            av,
+            cq,
+            domain,
+            _fabric: fabric,
+            tag_cq_data: summary.cq_data_size >= 8,
+            info: summary,
+            mr_mode,
+            hmem,
+            addr_format,
+            raw_address,
+            peers: HashMap::new(),
+            backlogged: Vec::new(),
+            next_peer: 1,
+            next_local_key: 1,
+            next_requested_key: 1,
+            ready: VecDeque::new(),
+        })
+    }
+
+    /// What the provider offers on this endpoint's domain (as [`info`](crate::info) lists it).
+    pub fn provider_info(&self) -> &ProviderInfo {
+        &self.info
+    }
+
+    /// The provider's name (`efa`, `tcp;ofi_rxm`, ...).
+    pub fn provider(&self) -> &str {
+        &self.info.provider
+    }
+
+    fn peer(&self, peer: PeerId) -> Result<&Peer> {
+        self.peers.get(&peer).ok_or(Error::UnknownPeer(peer))
+    }
+
+    /// Checks a local range for an operation that needs `need` and returns its address.
+    fn local_range(&self, slice: LocalSlice, need: Access) -> Result<&Registered> {
+        let reg = self
+            .regs
+            .get(&slice.key)
+            .filter(|r| !r.deregistered)
+            .ok_or(Error::Op(OpError::LocalKeyInvalid(slice.key)))?;
+        if slice
+            .offset
+            .checked_add(slice.len)
+            .is_none_or(|end| end > reg.len)
+        {
+            return Err(Error::Op(OpError::OutOfBounds {
+                offset: slice.offset,
+                len: slice.len,
+                region_len: reg.len,
+            }));
+        }
+        if !reg.access.contains(need) {
+            return Err(Error::Op(OpError::PermissionDenied));
+        }
+        if slice.len > self.info.max_msg_size {
+            return Err(Error::InvalidArgument(format!(
+                "{} bytes exceed the provider's max_msg_size of {}",
+                slice.len, self.info.max_msg_size
+            )));
+        }
+        Ok(reg)
+    }
+
+    fn check_imm(&self, imm: Option<u32>) -> Result<()> {
+        if imm.is_some() && self.info.cq_data_size < 4 {
+            return Err(Error::Unsupported(format!(
+                "immediate data needs 4 bytes of CQ data; provider {} offers {}",
+                self.info.provider, self.info.cq_data_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// Accepts a validated operation: hands it to the provider, or queues it behind the
+    /// peer's backlog, or answers NoRoom.
+    fn submit(&mut self, op: Op) -> Result<PostOutcome> {
+        let peer_id = op.peer;
+        let (fi_addr, queue) = match peer_id {
+            Some(p) => {
+                let peer = self.peer(p)?;
+                if peer.backlog.len() >= self.info.tx_size.max(1) {
+                    return Ok(PostOutcome::NoRoom);
+                }
+                (peer.fi_addr, !peer.backlog.is_empty())
+            }
+            None => (sys::FI_ADDR_UNSPEC, false),
+        };
+        let idx = self.ops.insert(op);
+        self.hold(op.local);
+        if !queue {
+            match self.issue(idx, fi_addr) {
+                Ok(Posted::Yes) => {
+                    self.mark_posted(idx);
+                    return Ok(PostOutcome::Posted);
+                }
+                Ok(Posted::Again) => {
+                    let connecting = peer_id.is_some_and(|p| !self.peers[&p].ready);
+                    if !connecting {
+                        self.finish_slot(idx);
+                        return Ok(PostOutcome::NoRoom);
+                    }
+                }
+                Err(e) => {
+                    self.finish_slot(idx);
+                    return Err(e);
+                }
+            }
+        }
+        let p = peer_id.expect("only peer operations are queued");
+        let peer = self.peers.get_mut(&p).expect("peer checked above");
+        if peer.backlog.is_empty() {
+            self.backlogged.push(p);
+        }
+        peer.backlog.push_back(idx);
+        Ok(PostOutcome::Posted)
+    }
+
+    /// Handles a failed operation of a peer whose connection broke: notes when it broke
+    /// and, within [`RECONNECT_WINDOW`], puts an operation that was never sent
+    /// (FI_ENOTCONN) back in the peer's backlog. Returns whether it did.
+    fn retry_after_break(&mut self, idx: usize, code: i32) -> bool {
+        let Slot::Active(op) = self.ops.get(idx) else {
+            return false;
+        };
+        let Some(p) = op.peer else {
+            return false;
+        };
+        let breaks = breaks_connection(op, code);
+        let Some(peer) = self.peers.get_mut(&p) else {
+            return false;
+        };
+        if breaks && peer.broken_since.is_none() {
+            peer.broken_since = Some(Instant::now());
+        }
+        let retry = code == sys::FI_ENOTCONN
+            && peer
+                .broken_since
+                .is_some_and(|t| t.elapsed() < RECONNECT_WINDOW);
+        if retry {
+            if peer.backlog.is_empty() {
+                self.backlogged.push(p);
+            }
+            peer.backlog.push_back(idx);
+            if let Slot::Active(op) = self.ops.get_mut(idx) {
+                op.posted = false;
+            }
+        }
+        retry
+    }
+
+    /// Inserts one raw address (checked by `add_peer`) into the AV.
+    fn av_insert(&mut self, raw: &[u8]) -> Result<sys::fi_addr_t> {
+        let mut fi_addr: sys::fi_addr_t = sys::FI_ADDR_NOTAVAIL;
+        // SAFETY: av is open; raw holds one address of the AV's format (length checked by
+        // add_peer); fi_addr receives its handle.
+        let rc = unsafe {
+            sys::fi_av_insert(
+                self.av.as_ptr(),
+                raw.as_ptr().cast(),
+                1,
+                &mut fi_addr,
+                0,
+                std::ptr::null_mut(),
+            )
+        };
+        if rc == -sys::FI_EINVAL || rc == 0 || fi_addr == sys::FI_ADDR_NOTAVAIL {
+            return Err(Error::InvalidAddress(format!(
+                "the {} provider rejected the address ({})",
+                self.info.provider,
+                if rc < 0 {
+                    FiError::new(rc).message()
+                } else {
+                    "not inserted".into()
+                }
+            )));
+        }
+        check("fi_av_insert", rc as isize)?;
+        Ok(fi_addr)
+    }
+
+    /// Removes one AV entry.
+    fn av_remove(&mut self, mut fi_addr: sys::fi_addr_t) -> Result<()> {
+        // SAFETY: av is open (the endpoint too: fi_av_remove after closing the endpoint
+        // crashes some providers); fi_addr is an entry we inserted and remove once.
+        let rc = unsafe { sys::fi_av_remove(self.av.as_ptr(), &mut fi_addr, 1, 0) };
+        check("fi_av_remove", rc as isize)?;
+        Ok(())
+    }
+
+    fn mark_posted(&mut self, idx: usize) {
+        if let Slot::Active(op) = self.ops.get_mut(idx) {
+            op.posted = true;
+            if let Some(peer) = op.peer.and_then(|p| self.peers.get_mut(&p)) {
+                peer.ready = true;
+            }
+        }
+    }
+
+    /// Counts an operation on a registration (keeps it open while in flight).
+    fn hold(&mut self, key: LocalKey) {
+        if let Some(r) = self.regs.get_mut(&key) {
+            r.inflight += 1;
+        }
+    }
+
+    /// Frees slot `idx` and releases its hold on its registration.
+    fn finish_slot(&mut self, idx: usize) -> Slot {
+        let slot = self.ops.release(idx);
+        let key = match &slot {
+            Slot::Active(op) => Some(op.local),
+            Slot::Orphaned(key) => Some(*key),
+            Slot::Free => None,
+        };
+        if let Some(key) = key {
+            mr::release(&mut self.regs, key);
+        }
+        slot
+    }
+
+    /// Makes the provider call for the operation in slot `idx`.
+    fn issue(&mut self, idx: usize, fi_addr: sys::fi_addr_t) -> Result<Posted> {
+        let Slot::Active(op) = *self.ops.get(idx) else {
+            unreachable!("issue on a slot that is not active");
+        };
+        let reg = &self.regs[&op.local];
+        let mut iov = sys::iovec {
+            iov_base: reg.base.wrapping_add(op.offset) as *mut c_void,
+            iov_len: op.len as usize,
+        };
+        let mut desc = [reg.desc()];
+        // A zero-length operation carries no buffer (shm hangs on a zero-length iovec).
+        let iov_count = usize::from(op.len > 0);
+        let context = self.ops.context(idx);
+        let tagged = self.tag_cq_data && op.kind == OpKind::Send;
+        let data = match op.imm {
+            Some(imm) if tagged => SEND_IMM << 32 | u64::from(imm),
+            Some(imm) => u64::from(imm),
+            None if tagged => SEND_NO_IMM << 32,
+            None => 0,
+        };
+        let mut flags = sys::FI_COMPLETION;
+        if op.imm.is_some() || tagged {
+            flags |= sys::FI_REMOTE_CQ_DATA;
+        }
+        // A zero-length operation has nothing to deliver; shm never completes one that asks
+        // for delivery completion.
+        let delivery = if op.len > 0 {
+            sys::FI_DELIVERY_COMPLETE
+        } else {
+            0
+        };
+        let ep = self.ep.as_ptr();
+        match op.kind {
+            OpKind::Recv => {
+                let msg = sys::fi_msg {
+                    msg_iov: &mut iov,
+                    desc: desc.as_mut_ptr(),
+                    iov_count,
+                    addr: sys::FI_ADDR_UNSPEC,
+                    context,
+                    data: 0,
+                };
+                // SAFETY: msg points to an iovec inside a registered region (checked at
+                // post time) whose registration and memory stay alive until the
+                // completion (held by the slot); context is the slot's pinned context.
+                let rc = unsafe { sys::fi_recvmsg(ep, &msg, sys::FI_COMPLETION) };
+                check_post("fi_recvmsg", rc)
+            }
+            OpKind::Send => {
+                let msg = sys::fi_msg {
+                    msg_iov: &mut iov,
+                    desc: desc.as_mut_ptr(),
+                    iov_count,
+                    addr: fi_addr,
+                    context,
+                    data,
+                };
+                flags |= delivery;
+                // SAFETY: as for fi_recvmsg; fi_addr is a live AV entry of this endpoint.
+                let rc = unsafe { sys::fi_sendmsg(ep, &msg, flags) };
+                check_post("fi_sendmsg", rc)
+            }
+            OpKind::Write => {
+                let rma = sys::fi_rma_iov {
+                    addr: op.remote_addr,
+                    len: op.len as usize,
+                    key: op.remote_key.0,
+                };
+                let msg = sys::fi_msg_rma {
+                    msg_iov: &mut iov,
+                    desc: desc.as_mut_ptr(),
+                    iov_count,
+                    addr: fi_addr,
+                    rma_iov: &rma,
+                    rma_iov_count: 1,
+                    context,
+                    data,
+                };
+                flags |= delivery;
+                // SAFETY: as for fi_sendmsg; the remote range is checked by the target.
+                let rc = unsafe { sys::fi_writemsg(ep, &msg, flags) };
+                check_post("fi_writemsg", rc)
+            }
+            OpKind::RemoteWrite => unreachable!("remote writes are not posted"),
+        }
+    }
+
+    /// Hands backlogged operations to the provider, in order, until it says "again".
+    fn flush_backlogs(&mut self) {
+        let mut i = 0;
+        while i < self.backlogged.len() {
+            let p = self.backlogged[i];
+            while let Some((idx, fi_addr)) = self
+                .peers
+                .get(&p)
+                .and_then(|peer| Some((*peer.backlog.front()?, peer.fi_addr)))
+            {
+                match self.issue(idx, fi_addr) {
+                    Ok(Posted::Again) => break,
+                    Ok(Posted::Yes) => {
+                        self.peers.get_mut(&p).map(|x| x.backlog.pop_front());
+                        self.mark_posted(idx);
+                    }
+                    Err(e) => {
+                        self.peers.get_mut(&p).map(|x| x.backlog.pop_front());
+                        if let Slot::Active(op) = self.finish_slot(idx) {
+                            self.ready
+                                .push_back(failed(&op, OpError::Transport(e.to_string())));
+                        }
+                    }
+                }
+            }
+            if self.peers.get(&p).is_none_or(|x| x.backlog.is_empty()) {
+                self.backlogged.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// The immediate value of a receive's completion (see [`SEND_IMM`]).
+    fn recv_imm(&self, flags: u64, data: u64) -> Option<u32> {
+        if self.tag_cq_data {
+            match data >> 32 {
+                SEND_IMM => return Some(data as u32),
+                SEND_NO_IMM => return None,
+                _ => {}
+            }
+        }
+        (flags & sys::FI_REMOTE_CQ_DATA != 0).then_some(data as u32)
+    }
+
+    /// Turns one CQ entry into a completion (or nothing, for a removed peer's operation).
+    fn complete(&mut self, e: &sys::fi_cq_data_entry) -> Option<Completion> {
+        let imm = (e.flags & sys::FI_REMOTE_CQ_DATA != 0).then_some(e.data as u32);
+        match self.ops.index_of(e.op_context) {
+            Some(idx) if matches!(self.ops.get(idx), Slot::Active(_)) => {
+                let Slot::Active(op) = self.finish_slot(idx) else {
+                    unreachable!()
+                };
+                if let Some(peer) = op.peer.and_then(|p| self.peers.get_mut(&p)) {
+                    peer.broken_since = None;
+                }
+                let (bytes, imm) = match op.kind {
+                    OpKind::Recv => (e.len as u64, self.recv_imm(e.flags, e.data)),
+                    _ => (op.len, None),
+                };
+                Some(Completion {
+                    wr_id: op.wr_id,
+                    op: op.kind,
+                    result: Ok(bytes),
+                    peer: op.peer,
+                    imm,
+                })
+            }
+            Some(idx) => {
+                // Orphaned by remove_peer (already reported) or, against the rules, a
+                // second completion: swallow it.
+                if matches!(self.finish_slot(idx), Slot::Free) {
+                    tracing::warn!("completion for a free operation context; ignored");
+                }
+                None
+            }
+            None if imm.is_some() => Some(Completion {
+                wr_id: WorkRequestId(0),
+                op: OpKind::RemoteWrite,
+                // tcp reports 0 here and sockets the last segment's length: only the
+                // immediate value is reliable.
+                result: Ok(e.len as u64),
+                peer: None,
+                imm,
+            }),
+            None => {
+                tracing::warn!(
+                    flags = e.flags,
+                    "completion without a known context; ignored"
+                );
+                None
+            }
+        }
+    }
+
+    /// Reads the CQ's error entries until there are none, appending their completions.
+    fn read_errors(&mut self, out: &mut Vec<Completion>) -> Result<()> {
+        loop {
+            let mut err = sys::fi_cq_err_entry::default();
+            // SAFETY: cq is open; err is a valid, zeroed entry (err_data_size 0 lets the
+            // provider point err_data at its own buffer, valid until the next read).
+            let rc = unsafe { sys::fi_cq_readerr(self.cq.as_ptr(), &mut err, 0) };
+            if rc == -(sys::FI_EAGAIN as isize) {
+                return Ok(());
+            }
+            check("fi_cq_readerr", rc)?;
+            let text = self.cq_strerror(&err);
+            tracing::debug!(
+                err = err.err,
+                prov_errno = err.prov_errno,
+                len = err.len,
+                olen = err.olen,
+                flags = err.flags,
+                %text,
+                "CQ error entry"
+            );
+            match self.ops.index_of(err.op_context) {
+                Some(idx) => {
+                    if self.retry_after_break(idx, err.err) {
+                        continue;
+                    }
+                    if let Slot::Active(op) = self.finish_slot(idx) {
+                        let error = map_error(&op, &err, text);
+                        out.push(failed(&op, error));
+                    }
+                    // An orphaned operation's failure was reported at removal: swallow.
+                }
+                None => {
+                    // An error without one of our contexts: a failed remote access
+                    // reported at the target (some providers do). The initiator gets the
+                    // error; there is no local operation to fail here.
+                    tracing::debug!(err = err.err, %text, "target-side error completion; ignored");
+                }
+            }
+        }
+    }
+
+    fn cq_strerror(&self, err: &sys::fi_cq_err_entry) -> String {
+        let mut buf = [0 as std::ffi::c_char; 256];
+        // SAFETY: cq is open; err_data is what fi_cq_readerr returned; buf is writable for
+        // its length and the result (when non-null) is a NUL-terminated string.
+        let p = unsafe {
+            sys::fi_cq_strerror(
+                self.cq.as_ptr(),
+                err.prov_errno,
+                err.err_data,
+                buf.as_mut_ptr(),
+                buf.len(),
+            )
+        };
+        let prov = crate::fi::c_str(p);
+        let generic = FiError::new(err.err).message();
+        if prov.is_empty() || prov == generic {
+            generic
+        } else {
+            format!("{generic}: {prov}")
+        }
+    }
+}
+
+/// A failed completion of `op`.
+fn failed(op: &Op, error: OpError) -> Completion {
+    Completion {
+        wr_id: op.wr_id,
+        op: op.kind,
+        result: Err(error),
+        peer: op.peer,
+        imm: None,
+    }
+}
+
+/// Whether a failure of `op` with `code` means the provider dropped its connection to the
+/// peer: errors of the connection itself, and FI_ECANCELED on a send or write (we never
+/// cancel those; the tcp provider reports a failure at the target that way, after which
+/// its connection is closed and operations fail with FI_ENOTCONN until it reconnects).
+fn breaks_connection(op: &Op, code: i32) -> bool {
+    matches!(
+        code,
+        sys::FI_ENOTCONN | sys::FI_ECONNRESET | sys::FI_ECONNABORTED | sys::FI_ESHUTDOWN
+    ) || (code == sys::FI_ECANCELED && op.kind != OpKind::Recv)
+}
+
+/// Maps a CQ error entry of `op` to an [`OpError`], as exactly as the provider tells.
+fn map_error(op: &Op, err: &sys::fi_cq_err_entry, text: String) -> OpError {
+    let code = err.err;
+    match code {
+        // `olen` is what did not fit. Providers that leave it 0 (tcp) do not say how long
+        // the message was: then `len` is the lower bound `capacity + 1`.
+        c if c == sys::FI_ETRUNC as i32 => OpError::Truncated {
+            len: op.len + (err.olen as u64).max(1),
+            capacity: op.len,
+        },
+        // We never cancel sends or writes: the tcp provider reports a failure at the
+        // target (bad key, no permission) as FI_ECANCELED, with the target's errno in
+        // prov_errno, without telling which.
+        sys::FI_ECANCELED if op.kind == OpKind::Recv => OpError::Cancelled,
+        sys::FI_ECANCELED => OpError::Remote(text),
+        c if c == sys::FI_ENOKEY as i32 || c == sys::FI_EKEYREJECTED => {
+            OpError::RemoteKeyInvalid(op.remote_key)
+        }
+        sys::FI_EACCES | sys::FI_EPERM => OpError::PermissionDenied,
+        sys::FI_ETIMEDOUT => OpError::TimedOut,
+        sys::FI_ECONNREFUSED
+        | sys::FI_ECONNRESET
+        | sys::FI_ECONNABORTED
+        | sys::FI_EHOSTUNREACH
+        | sys::FI_ENETUNREACH
+        | sys::FI_ENOTCONN
+        | sys::FI_ESHUTDOWN
+        | sys::FI_EHOSTDOWN => match op.peer {
+            Some(peer) => OpError::PeerUnreachable { peer, reason: text },
+            None => OpError::Transport(text),
+        },
+        _ if op.kind == OpKind::Write => OpError::Remote(text),
+        _ => OpError::Transport(text),
+    }
+}
+
+/// `fi_getname` of an endpoint.
+fn getname(ep: &Owned<sys::fid_ep>) -> Result<Vec<u8>> {
+    let mut buf = vec![0u8; 64];
+    loop {
+        let mut len = buf.len();
+        // SAFETY: ep is open; buf is writable for len bytes; len receives the size.
+        let rc = unsafe { sys::fi_getname(ep.fid(), buf.as_mut_ptr().cast(), &mut len) };
+        if rc == -(sys::FI_ETOOSMALL as i32) && len > buf.len() {
+            buf.resize(len, 0);
+            continue;
+        }
+        check("fi_getname", rc as isize)?;
+        buf.truncate(len);
+        return Ok(buf);
+    }
+}
+
+impl Transport for EfaTransport {
+    fn name(&self) -> &'static str {
+        "efa"
+    }
+
+    fn address(&self) -> Vec<u8> {
+        address::encode(&self.info.provider, &self.raw_address)
+    }
+
+    fn limits(&self) -> TransportLimits {
+        TransportLimits {
+            max_msg_size: self.info.max_msg_size,
+            max_outstanding: self.info.tx_size.max(1),
+            write_imm: self.info.cq_data_size >= 4,
+        }
+    }
+
+    fn add_peer(&mut self, addr: &[u8]) -> Result<PeerId> {
+        let (provider, raw) = address::decode(addr)?;
+        if provider != self.info.provider {
+            return Err(Error::InvalidAddress(format!(
+                "address of libfabric provider {provider:?}, but this endpoint uses {:?}",
+                self.info.provider
+            )));
+        }
+        // fi_av_insert reads as many bytes as the address format says: check the length
+        // (a string address must carry its NUL) before handing it over.
+        let mut raw = raw.to_vec();
+        if self.addr_format == sys::FI_ADDR_STR {
+            if raw.last() != Some(&0) {
+                raw.push(0);
+            }
+            if raw[..raw.len() - 1].contains(&0) {
+                return Err(Error::InvalidAddress(
+                    "string address with a NUL inside".into(),
+                ));
+            }
+        } else if raw.len() != self.raw_address.len() {
+            return Err(Error::InvalidAddress(format!(
+                "raw address of {} bytes; this endpoint's are {} (another address format?)",
+                raw.len(),
+                self.raw_address.len()
+            )));
+        }
+        let fi_addr = self.av_insert(&raw)?;
+        let id = PeerId(self.next_peer);
+        self.next_peer += 1;
+        self.peers.insert(
+            id,
+            Peer {
+                fi_addr,
+                ready: false,
+                backlog: VecDeque::new(),
+                broken_since: None,
+            },
+        );
+        Ok(id)
+    }
+
+    fn remove_peer(&mut self, peer: PeerId) -> Result<()> {
+        let mut p = self.peers.remove(&peer).ok_or(Error::UnknownPeer(peer))?;
+        self.backlogged.retain(|&x| x != peer);
+        for idx in p.backlog.drain(..) {
+            if let Slot::Active(op) = self.finish_slot(idx) {
+                self.ready
+                    .push_back(failed(&op, OpError::PeerRemoved(peer)));
+            }
+        }
+        for idx in self.ops.posted_for(peer) {
+            if let Some(op) = self.ops.orphan(idx) {
+                self.ready
+                    .push_back(failed(&op, OpError::PeerRemoved(peer)));
+            }
+        }
+        self.av_remove(p.fi_addr)
+    }
+
+    fn register(&mut self, mem: Arc<dyn MemoryRegion>, access: Access) -> Result<Registration> {
+        let requested_key = self.next_requested_key;
+        let reg = mr::register(
+            mr::Target {
+                domain: &self.domain,
+                ep: &self.ep,
+                mr_mode: self.mr_mode,
+                mr_key_size: self.info.mr_key_size,
+                hmem: self.hmem,
+                provider: &self.info.provider,
+            },
+            mem,
+            access,
+            requested_key,
+        )?;
+        self.next_requested_key += 1;
+        let local = LocalKey(self.next_local_key);
+        self.next_local_key += 1;
+        let registration = Registration {
+            local,
+            remote: reg.remote(),
+        };
+        self.regs.insert(local, reg);
+        Ok(registration)
+    }
+
+    fn deregister(&mut self, key: LocalKey) -> Result<()> {
+        mr::deregister(&mut self.regs, key)
+    }
+
+    fn post_send(
+        &mut self,
+        peer: PeerId,
+        wr_id: WorkRequestId,
+        src: LocalSlice,
+        imm: Option<u32>,
+    ) -> Result<PostOutcome> {
+        self.peer(peer)?;
+        self.check_imm(imm)?;
+        self.local_range(src, Access::NONE)?;
+        self.submit(Op {
+            wr_id,
+            kind: OpKind::Send,
+            peer: Some(peer),
+            local: src.key,
+            offset: src.offset,
+            len: src.len,
+            remote_addr: 0,
+            remote_key: fabric_core::RemoteKey(0),
+            imm,
+            posted: false,
+        })
+    }
+
+    fn post_recv(&mut self, wr_id: WorkRequestId, dst: LocalSlice) -> Result<PostOutcome> {
+        self.local_range(dst, Access::LOCAL_WRITE)?;
+        self.submit(Op {
+            wr_id,
+            kind: OpKind::Recv,
+            peer: None,
+            local: dst.key,
+            offset: dst.offset,
+            len: dst.len,
+            remote_addr: 0,
+            remote_key: fabric_core::RemoteKey(0),
+            imm: None,
+            posted: false,
+        })
+    }
+
+    fn post_write(
+        &mut self,
+        peer: PeerId,
+        wr_id: WorkRequestId,
+        src: LocalSlice,
+        dst: RemoteSlice,
+        imm: Option<u32>,
+    ) -> Result<PostOutcome> {
+        self.peer(peer)?;
+        self.check_imm(imm)?;
+        if src.len != dst.len {
+            return Err(Error::InvalidArgument(format!(
+                "write of {} local bytes into {} remote bytes",
+                src.len, dst.len
+            )));
+        }
+        self.local_range(src, Access::NONE)?;
+        let op = Op {
+            wr_id,
+            kind: OpKind::Write,
+            peer: Some(peer),
+            local: src.key,
+            offset: src.offset,
+            len: src.len,
+            remote_addr: dst.region.addr.wrapping_add(dst.offset),
+            remote_key: dst.region.key,
+            imm,
+            posted: false,
+        };
+        // The descriptor says how long the region is: a range outside it fails as the
+        // target would fail it, without a round trip (the target checks again anyway).
+        if dst
+            .offset
+            .checked_add(dst.len)
+            .is_none_or(|end| end > dst.region.len)
+        {
+            self.ready.push_back(failed(
+                &op,
+                OpError::OutOfBounds {
+                    offset: dst.offset,
+                    len: dst.len,
+                    region_len: dst.region.len,
+                },
+            ));
+            return Ok(PostOutcome::Posted);
+        }
+        self.submit(op)
+    }
+
+    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize> {
+        let before = out.len();
+        if !self.backlogged.is_empty() {
+            self.flush_backlogs();
+        }
+        out.extend(self.ready.drain(..));
+        let mut entries = [sys::fi_cq_data_entry::default(); CQ_BATCH];
+        for _ in 0..CQ_READS_PER_POLL {
+            // SAFETY: cq is open with FI_CQ_FORMAT_DATA; entries has room for CQ_BATCH
+            // entries of that format.
+            let rc =
+                unsafe { sys::fi_cq_read(self.cq.as_ptr(), entries.as_mut_ptr().cast(), CQ_BATCH) };
+            if rc == -(sys::FI_EAGAIN as isize) {
+                break;
+            }
+            if rc == -(sys::FI_EAVAIL as isize) {
+                self.read_errors(out)?;
+                continue;
+            }
+            let n = check("fi_cq_read", rc)?;
+            for e in &entries[..n] {
+                if let Some(c) = self.complete(e) {
+                    out.push(c);
+                }
+            }
+            if n < CQ_BATCH {
+                break;
+            }
+        }
+        Ok(out.len() - before)
+    }
+}

@@ -1,0 +1,33 @@
+//! Shared by the provider test binaries: make transports on loopback, or skip loudly.
+#![allow(dead_code)]
+
+use transport_efa::{EfaConfig, EfaTransport};
+
+/// Whether a missing libfabric provider is a failure (CI sets `XFER_REQUIRE_LIBFABRIC=1`).
+pub fn required() -> bool {
+    std::env::var("XFER_REQUIRE_LIBFABRIC").is_ok_and(|v| v == "1")
+}
+
+/// The configuration the tests use for `provider`: loopback for the socket providers.
+pub fn config(provider: &str) -> EfaConfig {
+    let cfg = EfaConfig::with_provider(provider);
+    match provider {
+        "tcp" | "sockets" => cfg.domain("lo"),
+        _ => cfg,
+    }
+}
+
+/// A maker of transports for `provider`, or `None` (after printing why) when the provider
+/// cannot be opened here and `XFER_REQUIRE_LIBFABRIC` is not `1`.
+pub fn maker(provider: &'static str) -> Option<impl Fn() -> EfaTransport> {
+    match EfaTransport::new(&config(provider)) {
+        Ok(_) => Some(move || EfaTransport::new(&config(provider)).expect("open endpoint")),
+        Err(e) if required() => {
+            panic!("libfabric provider {provider} is required (XFER_REQUIRE_LIBFABRIC=1): {e}")
+        }
+        Err(e) => {
+            eprintln!("skipped: libfabric provider {provider} is not usable here: {e}");
+            None
+        }
+    }
+}
