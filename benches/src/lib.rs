@@ -1,1 +1,527 @@
-//! Shared workloads for the benches.
+//! Shared workloads for the `xfer` benches.
+//!
+//! The transport benches run the demo workload of `xfer demo`: pages chosen at random from
+//! a registered region, written to the same page indices of a peer's region through the
+//! [`Engine`], a few transfers in flight at once. The same code drives every backend, so
+//! the figures compare backends and nothing else.
+//!
+//! "Rails" come in two forms: connections inside one transport (`TcpConfig::rails`, one
+//! worker thread), measured by [`Pair`]; and a [`RailGroup`] of one engine (worker thread
+//! and transport) per rail with transfers sharded over them by bytes, measured by
+//! [`GroupPair`].
+//!
+//! ```
+//! use xfer_benches::{Backend, PageLayout, Pair};
+//! let pair = Pair::new(&Backend::Mem, 1 << 20).unwrap();
+//! let layout = PageLayout::dense(4096, 1 << 20);
+//! let transfers = pair.transfers(&layout, 16, 4, 1);
+//! let elapsed = xfer_benches::run(&pair.initiator, &transfers, 8, 2).unwrap();
+//! assert!(elapsed.as_nanos() > 0);
+//! ```
+#![warn(missing_docs)]
+
+use fabric_core::engine::rails::{
+    GroupHandle, GroupPeer, GroupRegistration, GroupTransfer, RailGroup, RemoteDescriptor,
+};
+use fabric_core::engine::{Engine, EngineConfig, Transfer, TransferHandle};
+use fabric_core::mem::MemTransport;
+use fabric_core::plan::Segment;
+use fabric_core::{Access, HostBuffer, LocalKey, PeerId, RemoteRegion, Result};
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use transport_tcp::{TcpConfig, TcpTransport};
+
+/// Size of the source and target regions of the transport benches (the demo uses 1 GiB;
+/// 256 MiB keeps two of them comfortable on small CI-like machines).
+pub const REGION_SIZE: u64 = 256 << 20;
+
+/// Pages per transfer in the transport benches.
+pub const PAGES_PER_TRANSFER: usize = 256;
+
+/// Transfers in flight at once (as `xfer demo --depth`).
+pub const DEPTH: usize = 4;
+
+/// A transfer that takes longer than this fails the bench.
+pub const TRANSFER_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A backend the benches can drive.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// [`MemTransport`]: in-process copies, no I/O; measures the engine and a memcpy.
+    /// It has no notion of rails.
+    Mem,
+    /// [`TcpTransport`] on loopback with `rails` connections to the peer.
+    Tcp {
+        /// Connections per peer.
+        rails: usize,
+    },
+    /// `transport_efa::EfaTransport` (libfabric FI_EP_RDM) with the given provider, on the
+    /// loopback domain for the socket providers. One endpoint: one rail.
+    #[cfg(feature = "efa")]
+    Efa {
+        /// The libfabric provider, e.g. `tcp`.
+        provider: &'static str,
+    },
+}
+
+impl Backend {
+    /// A short name for bench ids: `mem`, `tcp`, `efa-tcp`.
+    pub fn name(&self) -> String {
+        match self {
+            Backend::Mem => "mem".into(),
+            Backend::Tcp { .. } => "tcp".into(),
+            #[cfg(feature = "efa")]
+            Backend::Efa { provider } => format!("efa-{provider}"),
+        }
+    }
+
+    /// Rails the initiator uses.
+    pub fn rails(&self) -> usize {
+        match self {
+            Backend::Tcp { rails } => *rails,
+            _ => 1,
+        }
+    }
+
+    fn engine(&self, rails: usize, name: &str) -> Result<Engine> {
+        match self {
+            Backend::Mem => Engine::spawn(|| Ok(MemTransport::new()), engine_cfg(name)),
+            Backend::Tcp { .. } => {
+                let tcp = TcpConfig {
+                    rails,
+                    ..TcpConfig::default()
+                };
+                Engine::spawn(move || TcpTransport::new(tcp), engine_cfg(name))
+            }
+            #[cfg(feature = "efa")]
+            Backend::Efa { provider } => {
+                let efa = efa_config(provider);
+                Engine::spawn(
+                    move || transport_efa::EfaTransport::new(&efa),
+                    engine_cfg(name),
+                )
+            }
+        }
+    }
+
+    /// `n` rails, each an engine whose transport is this backend with one connection.
+    fn group(&self, n: usize, name: &str) -> Result<RailGroup> {
+        match self {
+            Backend::Mem => RailGroup::spawn(n, |_| Ok(MemTransport::new()), engine_cfg(name)),
+            Backend::Tcp { .. } => RailGroup::spawn(
+                n,
+                |_| TcpTransport::new(TcpConfig::default()),
+                engine_cfg(name),
+            ),
+            #[cfg(feature = "efa")]
+            Backend::Efa { provider } => {
+                let efa = efa_config(provider);
+                RailGroup::spawn(
+                    n,
+                    move |_| transport_efa::EfaTransport::new(&efa),
+                    engine_cfg(name),
+                )
+            }
+        }
+    }
+}
+
+fn engine_cfg(name: &str) -> EngineConfig {
+    EngineConfig {
+        name: name.into(),
+        ..EngineConfig::default()
+    }
+}
+
+#[cfg(feature = "efa")]
+fn efa_config(provider: &str) -> transport_efa::EfaConfig {
+    let efa = transport_efa::EfaConfig::with_provider(provider);
+    if matches!(provider, "tcp" | "sockets") {
+        efa.domain("lo")
+    } else {
+        efa
+    }
+}
+
+/// A source region filled with a pattern and a zeroed target region, both touched once so
+/// that page faults stay out of the measurement.
+fn regions(region_size: u64) -> Result<(Arc<HostBuffer>, Arc<HostBuffer>)> {
+    let src = HostBuffer::new_shared(region_size as usize)?;
+    src.fill_with(|off, chunk| {
+        for (i, b) in chunk.iter_mut().enumerate() {
+            *b = (off as usize + i) as u8 ^ 0x5a;
+        }
+    });
+    let dst = HostBuffer::new_shared(region_size as usize)?;
+    dst.fill(0, region_size, 0)?;
+    Ok((src, dst))
+}
+
+/// Two engines of one backend in this process, the initiator connected to the target,
+/// with a source region registered on one side and a writable target region on the other.
+pub struct Pair {
+    /// Posts the writes.
+    pub initiator: Engine,
+    /// Owns the target region; its worker drives the receiving side.
+    pub target: Engine,
+    /// The target as a peer of the initiator.
+    pub peer: PeerId,
+    /// The source region at the initiator.
+    pub src: LocalKey,
+    /// The target region, as the initiator sees it.
+    pub dst: RemoteRegion,
+    /// The source bytes (filled with a pattern).
+    pub src_buf: Arc<HostBuffer>,
+    /// The target bytes.
+    pub dst_buf: Arc<HostBuffer>,
+}
+
+impl Pair {
+    /// Starts both engines, registers `region_size` bytes on each side (touched once, so
+    /// that page faults stay out of the measurement) and connects the initiator.
+    pub fn new(backend: &Backend, region_size: u64) -> Result<Pair> {
+        let initiator = backend.engine(backend.rails(), "bench-initiator")?;
+        let target = backend.engine(1, "bench-target")?;
+        let (src_buf, dst_buf) = regions(region_size)?;
+        let src = initiator.register(src_buf.clone(), Access::NONE)?.local;
+        let dst = target
+            .register(dst_buf.clone(), Access::REMOTE_WRITE)?
+            .remote;
+        let peer = initiator.add_peer(&target.address())?;
+        Ok(Pair {
+            initiator,
+            target,
+            peer,
+            src,
+            dst,
+            src_buf,
+            dst_buf,
+        })
+    }
+
+    /// `count` transfers of `pages` pages of `layout` each, from the source region to the
+    /// same offsets of the target region, pages drawn at random with `seed`.
+    pub fn transfers(
+        &self,
+        layout: &PageLayout,
+        pages: usize,
+        count: usize,
+        seed: u64,
+    ) -> Vec<Transfer> {
+        let mut rng = Rng::new(seed);
+        (0..count)
+            .map(|_| {
+                let mut t = Transfer::new(self.peer).timeout(TRANSFER_TIMEOUT);
+                t.segments = layout.segments(self.src, self.dst, pages, &mut rng);
+                t
+            })
+            .collect()
+    }
+}
+
+/// Two [`RailGroup`]s of one backend in this process, `rails` engines each, local rail `i`
+/// connected to remote rail `i`, with a region registered on every rail of each side.
+pub struct GroupPair {
+    /// Posts the writes, sharded over its rails.
+    pub initiator: RailGroup,
+    /// Owns the target region.
+    pub target: RailGroup,
+    /// The target as a peer of the initiator.
+    pub peer: GroupPeer,
+    /// The source region, registered on every initiator rail.
+    pub src: GroupRegistration,
+    /// The target region, as the initiator sees it.
+    pub dst: RemoteDescriptor,
+    /// The source bytes (filled with a pattern).
+    pub src_buf: Arc<HostBuffer>,
+    /// The target bytes.
+    pub dst_buf: Arc<HostBuffer>,
+}
+
+impl GroupPair {
+    /// Starts both groups of `rails` rails, registers `region_size` bytes on each side and
+    /// connects the initiator.
+    pub fn new(backend: &Backend, rails: usize, region_size: u64) -> Result<GroupPair> {
+        let initiator = backend.group(rails, "bench-initiator")?;
+        let target = backend.group(rails, "bench-target")?;
+        let (src_buf, dst_buf) = regions(region_size)?;
+        let src = initiator.register(src_buf.clone(), Access::NONE)?;
+        let dst = target
+            .register(dst_buf.clone(), Access::REMOTE_WRITE)?
+            .remote;
+        let peer = initiator.add_peer(&target.addresses())?;
+        Ok(GroupPair {
+            initiator,
+            target,
+            peer,
+            src,
+            dst,
+            src_buf,
+            dst_buf,
+        })
+    }
+
+    /// Rails of each side.
+    pub fn rails(&self) -> usize {
+        self.initiator.rails().len()
+    }
+
+    /// As [`Pair::transfers`], for the group.
+    pub fn transfers(
+        &self,
+        layout: &PageLayout,
+        pages: usize,
+        count: usize,
+        seed: u64,
+    ) -> Vec<GroupTransfer> {
+        let mut rng = Rng::new(seed);
+        (0..count)
+            .map(|_| GroupTransfer {
+                src: self.src.clone(),
+                dst: self.dst.clone(),
+                segments: layout
+                    .pick(pages, &mut rng)
+                    .into_iter()
+                    .map(|slot| (slot * layout.stride, slot * layout.stride, layout.page_size))
+                    .collect(),
+                imm: None,
+                timeout: Some(TRANSFER_TIMEOUT),
+            })
+            .collect()
+    }
+
+    /// As [`run`], through the group.
+    pub fn run(&self, transfers: &[GroupTransfer], iters: u64, depth: usize) -> Result<Duration> {
+        assert!(!transfers.is_empty(), "no transfers to run");
+        let depth = depth.max(1);
+        let mut inflight: VecDeque<GroupHandle> = VecDeque::with_capacity(depth);
+        let mut next = transfers.iter().cycle();
+        let start = Instant::now();
+        for _ in 0..iters {
+            if inflight.len() == depth
+                && let Some(h) = inflight.pop_front()
+            {
+                h.wait(TRANSFER_TIMEOUT)?;
+            }
+            let t = next.next().expect("cycle of a non-empty slice").clone();
+            inflight.push_back(self.initiator.submit(&self.peer, t)?);
+        }
+        for h in inflight {
+            h.wait(TRANSFER_TIMEOUT)?;
+        }
+        Ok(start.elapsed())
+    }
+}
+
+/// Where pages may sit in a region: page `i` starts at `i * stride`.
+///
+/// A stride equal to the page size packs pages (two random picks may then be adjacent and
+/// coalesce, as in the demo); a larger stride guarantees that no two pages touch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PageLayout {
+    /// Bytes per page.
+    pub page_size: u64,
+    /// Distance between the starts of consecutive page slots (≥ `page_size`).
+    pub stride: u64,
+    /// Bytes of the region.
+    pub region_size: u64,
+}
+
+impl PageLayout {
+    /// Pages packed end to end.
+    pub fn dense(page_size: u64, region_size: u64) -> PageLayout {
+        PageLayout {
+            page_size,
+            stride: page_size,
+            region_size,
+        }
+    }
+
+    /// Pages with a gap of one page between slots: no two pages are ever adjacent.
+    pub fn sparse(page_size: u64, region_size: u64) -> PageLayout {
+        PageLayout {
+            page_size,
+            stride: 2 * page_size,
+            region_size,
+        }
+    }
+
+    /// Number of page slots in the region.
+    pub fn slots(&self) -> u64 {
+        if self.region_size < self.page_size {
+            return 0;
+        }
+        (self.region_size - self.page_size) / self.stride + 1
+    }
+
+    /// `n` distinct slots drawn at random, in random order (partial Fisher-Yates).
+    ///
+    /// # Panics
+    /// If `n` exceeds [`slots`](PageLayout::slots).
+    pub fn pick(&self, n: usize, rng: &mut Rng) -> Vec<u64> {
+        let slots = self.slots();
+        assert!(
+            n as u64 <= slots,
+            "{n} pages asked of a region with {slots} slots"
+        );
+        // Sparse swaps over a virtual identity permutation: no allocation of `slots`.
+        let mut swapped = std::collections::HashMap::with_capacity(2 * n);
+        let mut out = Vec::with_capacity(n);
+        for i in 0..n as u64 {
+            let j = i + rng.below(slots - i);
+            let vi = *swapped.get(&i).unwrap_or(&i);
+            let vj = *swapped.get(&j).unwrap_or(&j);
+            swapped.insert(j, vi);
+            out.push(vj);
+        }
+        out
+    }
+
+    /// `n` random pages as segments from `src` to the same offsets of `dst`.
+    pub fn segments(
+        &self,
+        src: LocalKey,
+        dst: RemoteRegion,
+        n: usize,
+        rng: &mut Rng,
+    ) -> Vec<Segment> {
+        self.pick(n, rng)
+            .into_iter()
+            .map(|slot| Segment {
+                src,
+                src_offset: slot * self.stride,
+                dst,
+                dst_offset: slot * self.stride,
+                len: self.page_size,
+            })
+            .collect()
+    }
+}
+
+/// Submits `iters` transfers through `engine`, cycling over `transfers`, with at most
+/// `depth` in flight, and returns the wall time from the first submission to the last
+/// completion. Made for criterion's `iter_custom`.
+pub fn run(engine: &Engine, transfers: &[Transfer], iters: u64, depth: usize) -> Result<Duration> {
+    assert!(!transfers.is_empty(), "no transfers to run");
+    let depth = depth.max(1);
+    let mut inflight: VecDeque<TransferHandle> = VecDeque::with_capacity(depth);
+    let mut next = transfers.iter().cycle();
+    let start = Instant::now();
+    for _ in 0..iters {
+        if inflight.len() == depth
+            && let Some(h) = inflight.pop_front()
+        {
+            h.wait(TRANSFER_TIMEOUT)?;
+        }
+        let t = next.next().expect("cycle of a non-empty slice").clone();
+        inflight.push_back(engine.submit(t)?);
+    }
+    for h in inflight {
+        h.wait(TRANSFER_TIMEOUT)?;
+    }
+    Ok(start.elapsed())
+}
+
+/// A small seeded generator (xorshift64*), so that runs pick the same pages.
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator for `seed` (any value).
+    pub fn new(seed: u64) -> Rng {
+        let mut z = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        Rng((z ^ (z >> 31)) | 1)
+    }
+
+    /// The next value.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// Uniform in `0..n` (`n > 0`).
+    pub fn below(&mut self, n: u64) -> u64 {
+        ((self.next_u64() as u128 * n as u128) >> 64) as u64
+    }
+}
+
+/// Human form of a size for bench ids: `64KiB`, `4KiB`, `64B`.
+pub fn size_label(bytes: u64) -> String {
+    const UNITS: [(u64, &str); 3] = [(1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")];
+    for (unit, name) in UNITS {
+        if bytes >= unit && bytes.is_multiple_of(unit) {
+            return format!("{}{name}", bytes / unit);
+        }
+    }
+    format!("{bytes}B")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn picks_are_distinct_and_in_range() {
+        let l = PageLayout::sparse(64, 1 << 16);
+        assert_eq!(l.slots(), 512);
+        let mut rng = Rng::new(3);
+        let mut p = l.pick(512, &mut rng);
+        p.sort_unstable();
+        assert_eq!(p, (0..512).collect::<Vec<u64>>());
+    }
+
+    #[test]
+    fn sparse_segments_never_coalesce() {
+        let l = PageLayout::sparse(4096, 64 << 20);
+        let dst = RemoteRegion {
+            addr: 0,
+            len: 64 << 20,
+            key: fabric_core::RemoteKey(1),
+        };
+        let segs = l.segments(LocalKey(1), dst, 1000, &mut Rng::new(1));
+        let plan = fabric_core::plan::plan_transfer(&segs, 1 << 20).unwrap();
+        assert_eq!(plan.writes.len(), 1000);
+        assert_eq!(plan.bytes, 1000 * 4096);
+    }
+
+    #[test]
+    fn a_mem_pair_moves_the_right_bytes() {
+        let pair = Pair::new(&Backend::Mem, 1 << 20).unwrap();
+        let layout = PageLayout::dense(4096, 1 << 20);
+        let ts = pair.transfers(&layout, 32, 3, 9);
+        run(&pair.initiator, &ts, 3, 2).unwrap();
+        for s in ts.iter().flat_map(|t| &t.segments) {
+            let want = pair.src_buf.to_vec(s.src_offset, s.len as usize).unwrap();
+            let got = pair.dst_buf.to_vec(s.dst_offset, s.len as usize).unwrap();
+            assert_eq!(got, want);
+        }
+    }
+
+    #[test]
+    fn a_mem_rail_group_moves_the_right_bytes() {
+        let pair = GroupPair::new(&Backend::Mem, 3, 1 << 20).unwrap();
+        let layout = PageLayout::dense(4096, 1 << 20);
+        let ts = pair.transfers(&layout, 32, 3, 9);
+        pair.run(&ts, 3, 2).unwrap();
+        for &(so, d_o, len) in ts.iter().flat_map(|t| &t.segments) {
+            let want = pair.src_buf.to_vec(so, len as usize).unwrap();
+            assert_eq!(pair.dst_buf.to_vec(d_o, len as usize).unwrap(), want);
+        }
+        let per_rail = pair.initiator.rail_counters();
+        assert_eq!(per_rail.len(), 3);
+        assert!(per_rail.iter().all(|c| c.bytes > 0), "{per_rail:?}");
+    }
+
+    #[test]
+    fn labels() {
+        assert_eq!(size_label(64 << 10), "64KiB");
+        assert_eq!(size_label(4096), "4KiB");
+        assert_eq!(size_label(64), "64B");
+        assert_eq!(size_label(256 << 20), "256MiB");
+    }
+}

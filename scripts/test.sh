@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it (.ci/run): format, lints, docs, tests.
+# Installs the system packages it needs on Debian/Ubuntu when run as root; otherwise
+# says what to install. Under CI=true, libfabric tests fail instead of skipping.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=scripts/deps.sh
+source scripts/deps.sh
+
+xfer_install_deps
+xfer_require_rust rustfmt clippy
+
+if [[ "${CI:-}" == true ]]; then
+    export XFER_REQUIRE_LIBFABRIC="${XFER_REQUIRE_LIBFABRIC:-1}"
+fi
+
+failed=()
+# Runs one check, timed; a failure is recorded and the next checks still run.
+step() {
+    local name=$1 start=$SECONDS
+    shift
+    echo "==> $name: $*"
+    if "$@"; then
+        echo "==> $name: ok ($((SECONDS - start))s)"
+    else
+        echo "==> $name: FAILED ($((SECONDS - start))s)"
+        failed+=("$name")
+    fi
+}
+
+step fmt cargo fmt --all -- --check
+step clippy cargo clippy --workspace --all-targets -- -D warnings
+step doc env RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
+# Last, so that cargo test's summary closes the output.
+step test cargo test --workspace --no-fail-fast
+
+if ((${#failed[@]} > 0)); then
+    echo "error: failed checks: ${failed[*]}" >&2
+    exit 1
+fi
