@@ -2,7 +2,7 @@
 
 use crate::address;
 use crate::config::EfaConfig;
-use crate::fi::{FiError, InfoList, Owned, Posted, check, check_post};
+use crate::fi::{FiError, InfoList, Owned, check};
 use crate::info::{self, ProviderInfo};
 use crate::mr::{self, Registered};
 use crate::ops::{Op, OpTable, Slot};
@@ -12,24 +12,13 @@ use fabric_core::{
 };
 use libfabric_sys as sys;
 use std::collections::{HashMap, VecDeque};
-use std::ffi::c_void;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Where the provider carries 8 bytes of remote CQ data, every SEND carries CQ data whose
-/// upper half says whether the lower half is an immediate value ([`SEND_IMM`]) or not
-/// ([`SEND_NO_IMM`]). The sockets provider delivers the data of a SEND that arrived before
-/// its receive was posted but drops the FI_REMOTE_CQ_DATA flag from that completion, and
-/// leaves the previous message's data in completions without it: with the tag, receives
-/// read the immediate value right either way.
-const SEND_IMM: u64 = 0x7866_6572; // "xfer"
-/// See [`SEND_IMM`].
-const SEND_NO_IMM: u64 = 0x7866_6500;
+mod complete;
+mod post;
 
-/// Completions read from the CQ per `fi_cq_read` call.
-const CQ_BATCH: usize = 64;
-/// `fi_cq_read` calls per `poll`, at most (so that one busy CQ cannot starve the caller).
-const CQ_READS_PER_POLL: usize = 8;
+use complete::failed;
 
 /// A peer in the address vector.
 struct Peer {
@@ -49,7 +38,7 @@ struct Peer {
 
 /// How long operations to a peer whose connection broke are retried before they fail
 /// with [`OpError::PeerUnreachable`].
-pub const RECONNECT_WINDOW: Duration = Duration::from_secs(5);
+pub(crate) const RECONNECT_WINDOW: Duration = Duration::from_secs(5);
 
 /// A [`Transport`] over one libfabric reliable-datagram endpoint (FI_EP_RDM) with FI_MSG
 /// and FI_RMA: SEND/RECV for control messages, `fi_writemsg` for data, remote CQ data for
@@ -305,83 +294,6 @@ impl EfaTransport {
         Ok(())
     }
 
-    /// Accepts a validated operation: hands it to the provider, or queues it behind the
-    /// peer's backlog, or answers NoRoom.
-    fn submit(&mut self, op: Op) -> Result<PostOutcome> {
-        let peer_id = op.peer;
-        let (fi_addr, queue) = match peer_id {
-            Some(p) => {
-                let peer = self.peer(p)?;
-                if peer.backlog.len() >= self.info.tx_size.max(1) {
-                    return Ok(PostOutcome::NoRoom);
-                }
-                (peer.fi_addr, !peer.backlog.is_empty())
-            }
-            None => (sys::FI_ADDR_UNSPEC, false),
-        };
-        let idx = self.ops.insert(op);
-        self.hold(op.local);
-        if !queue {
-            match self.issue(idx, fi_addr) {
-                Ok(Posted::Yes) => {
-                    self.mark_posted(idx);
-                    return Ok(PostOutcome::Posted);
-                }
-                Ok(Posted::Again) => {
-                    let connecting = peer_id.is_some_and(|p| !self.peers[&p].ready);
-                    if !connecting {
-                        self.finish_slot(idx);
-                        return Ok(PostOutcome::NoRoom);
-                    }
-                }
-                Err(e) => {
-                    self.finish_slot(idx);
-                    return Err(e);
-                }
-            }
-        }
-        let p = peer_id.expect("only peer operations are queued");
-        let peer = self.peers.get_mut(&p).expect("peer checked above");
-        if peer.backlog.is_empty() {
-            self.backlogged.push(p);
-        }
-        peer.backlog.push_back(idx);
-        Ok(PostOutcome::Posted)
-    }
-
-    /// Handles a failed operation of a peer whose connection broke: notes when it broke
-    /// and, within [`RECONNECT_WINDOW`], puts an operation that was never sent
-    /// (FI_ENOTCONN) back in the peer's backlog. Returns whether it did.
-    fn retry_after_break(&mut self, idx: usize, code: i32) -> bool {
-        let Slot::Active(op) = self.ops.get(idx) else {
-            return false;
-        };
-        let Some(p) = op.peer else {
-            return false;
-        };
-        let breaks = breaks_connection(op, code);
-        let Some(peer) = self.peers.get_mut(&p) else {
-            return false;
-        };
-        if breaks && peer.broken_since.is_none() {
-            peer.broken_since = Some(Instant::now());
-        }
-        let retry = code == sys::FI_ENOTCONN
-            && peer
-                .broken_since
-                .is_some_and(|t| t.elapsed() < RECONNECT_WINDOW);
-        if retry {
-            if peer.backlog.is_empty() {
-                self.backlogged.push(p);
-            }
-            peer.backlog.push_back(idx);
-            if let Slot::Active(op) = self.ops.get_mut(idx) {
-                op.posted = false;
-            }
-        }
-        retry
-    }
-
     /// Inserts one raw address (checked by `add_peer`) into the AV.
     fn av_insert(&mut self, raw: &[u8]) -> Result<sys::fi_addr_t> {
         let mut fi_addr: sys::fi_addr_t = sys::FI_ADDR_NOTAVAIL;
@@ -421,15 +333,6 @@ impl EfaTransport {
         Ok(())
     }
 
-    fn mark_posted(&mut self, idx: usize) {
-        if let Slot::Active(op) = self.ops.get_mut(idx) {
-            op.posted = true;
-            if let Some(peer) = op.peer.and_then(|p| self.peers.get_mut(&p)) {
-                peer.ready = true;
-            }
-        }
-    }
-
     /// Counts an operation on a registration (keeps it open while in flight).
     fn hold(&mut self, key: LocalKey) {
         if let Some(r) = self.regs.get_mut(&key) {
@@ -449,311 +352,6 @@ impl EfaTransport {
             mr::release(&mut self.regs, key);
         }
         slot
-    }
-
-    /// Makes the provider call for the operation in slot `idx`.
-    fn issue(&mut self, idx: usize, fi_addr: sys::fi_addr_t) -> Result<Posted> {
-        let Slot::Active(op) = *self.ops.get(idx) else {
-            unreachable!("issue on a slot that is not active");
-        };
-        let reg = &self.regs[&op.local];
-        let mut iov = sys::iovec {
-            iov_base: reg.base.wrapping_add(op.offset) as *mut c_void,
-            iov_len: op.len as usize,
-        };
-        let mut desc = [reg.desc()];
-        // A zero-length operation carries no buffer (shm hangs on a zero-length iovec).
-        let iov_count = usize::from(op.len > 0);
-        let context = self.ops.context(idx);
-        let tagged = self.tag_cq_data && op.kind == OpKind::Send;
-        let data = match op.imm {
-            Some(imm) if tagged => SEND_IMM << 32 | u64::from(imm),
-            Some(imm) => u64::from(imm),
-            None if tagged => SEND_NO_IMM << 32,
-            None => 0,
-        };
-        let mut flags = sys::FI_COMPLETION;
-        if op.imm.is_some() || tagged {
-            flags |= sys::FI_REMOTE_CQ_DATA;
-        }
-        // A zero-length operation has nothing to deliver; shm never completes one that asks
-        // for delivery completion.
-        let delivery = if op.len > 0 {
-            sys::FI_DELIVERY_COMPLETE
-        } else {
-            0
-        };
-        let ep = self.ep.as_ptr();
-        match op.kind {
-            OpKind::Recv => {
-                let msg = sys::fi_msg {
-                    msg_iov: &mut iov,
-                    desc: desc.as_mut_ptr(),
-                    iov_count,
-                    addr: sys::FI_ADDR_UNSPEC,
-                    context,
-                    data: 0,
-                };
-                // SAFETY: msg points to an iovec inside a registered region (checked at
-                // post time) whose registration and memory stay alive until the
-                // completion (held by the slot); context is the slot's pinned context.
-                let rc = unsafe { sys::fi_recvmsg(ep, &msg, sys::FI_COMPLETION) };
-                check_post("fi_recvmsg", rc)
-            }
-            OpKind::Send => {
-                let msg = sys::fi_msg {
-                    msg_iov: &mut iov,
-                    desc: desc.as_mut_ptr(),
-                    iov_count,
-                    addr: fi_addr,
-                    context,
-                    data,
-                };
-                flags |= delivery;
-                // SAFETY: as for fi_recvmsg; fi_addr is a live AV entry of this endpoint.
-                let rc = unsafe { sys::fi_sendmsg(ep, &msg, flags) };
-                check_post("fi_sendmsg", rc)
-            }
-            OpKind::Write => {
-                let rma = sys::fi_rma_iov {
-                    addr: op.remote_addr,
-                    len: op.len as usize,
-                    key: op.remote_key.0,
-                };
-                let msg = sys::fi_msg_rma {
-                    msg_iov: &mut iov,
-                    desc: desc.as_mut_ptr(),
-                    iov_count,
-                    addr: fi_addr,
-                    rma_iov: &rma,
-                    rma_iov_count: 1,
-                    context,
-                    data,
-                };
-                flags |= delivery;
-                // SAFETY: as for fi_sendmsg; the remote range is checked by the target.
-                let rc = unsafe { sys::fi_writemsg(ep, &msg, flags) };
-                check_post("fi_writemsg", rc)
-            }
-            OpKind::RemoteWrite => unreachable!("remote writes are not posted"),
-        }
-    }
-
-    /// Hands backlogged operations to the provider, in order, until it says "again".
-    fn flush_backlogs(&mut self) {
-        let mut i = 0;
-        while i < self.backlogged.len() {
-            let p = self.backlogged[i];
-            while let Some((idx, fi_addr)) = self
-                .peers
-                .get(&p)
-                .and_then(|peer| Some((*peer.backlog.front()?, peer.fi_addr)))
-            {
-                match self.issue(idx, fi_addr) {
-                    Ok(Posted::Again) => break,
-                    Ok(Posted::Yes) => {
-                        self.peers.get_mut(&p).map(|x| x.backlog.pop_front());
-                        self.mark_posted(idx);
-                    }
-                    Err(e) => {
-                        self.peers.get_mut(&p).map(|x| x.backlog.pop_front());
-                        if let Slot::Active(op) = self.finish_slot(idx) {
-                            self.ready
-                                .push_back(failed(&op, OpError::Transport(e.to_string())));
-                        }
-                    }
-                }
-            }
-            if self.peers.get(&p).is_none_or(|x| x.backlog.is_empty()) {
-                self.backlogged.swap_remove(i);
-            } else {
-                i += 1;
-            }
-        }
-    }
-
-    /// The immediate value of a receive's completion (see [`SEND_IMM`]).
-    fn recv_imm(&self, flags: u64, data: u64) -> Option<u32> {
-        if self.tag_cq_data {
-            match data >> 32 {
-                SEND_IMM => return Some(data as u32),
-                SEND_NO_IMM => return None,
-                _ => {}
-            }
-        }
-        (flags & sys::FI_REMOTE_CQ_DATA != 0).then_some(data as u32)
-    }
-
-    /// Turns one CQ entry into a completion (or nothing, for a removed peer's operation).
-    fn complete(&mut self, e: &sys::fi_cq_data_entry) -> Option<Completion> {
-        let imm = (e.flags & sys::FI_REMOTE_CQ_DATA != 0).then_some(e.data as u32);
-        match self.ops.index_of(e.op_context) {
-            Some(idx) if matches!(self.ops.get(idx), Slot::Active(_)) => {
-                let Slot::Active(op) = self.finish_slot(idx) else {
-                    unreachable!()
-                };
-                if let Some(peer) = op.peer.and_then(|p| self.peers.get_mut(&p)) {
-                    peer.broken_since = None;
-                }
-                let (bytes, imm) = match op.kind {
-                    OpKind::Recv => (e.len as u64, self.recv_imm(e.flags, e.data)),
-                    _ => (op.len, None),
-                };
-                Some(Completion {
-                    wr_id: op.wr_id,
-                    op: op.kind,
-                    result: Ok(bytes),
-                    peer: op.peer,
-                    imm,
-                })
-            }
-            Some(idx) => {
-                // Orphaned by remove_peer (already reported) or, against the rules, a
-                // second completion: swallow it.
-                if matches!(self.finish_slot(idx), Slot::Free) {
-                    tracing::warn!("completion for a free operation context; ignored");
-                }
-                None
-            }
-            None if imm.is_some() => Some(Completion {
-                wr_id: WorkRequestId(0),
-                op: OpKind::RemoteWrite,
-                // tcp reports 0 here and sockets the last segment's length: only the
-                // immediate value is reliable.
-                result: Ok(e.len as u64),
-                peer: None,
-                imm,
-            }),
-            None => {
-                tracing::warn!(
-                    flags = e.flags,
-                    "completion without a known context; ignored"
-                );
-                None
-            }
-        }
-    }
-
-    /// Reads the CQ's error entries until there are none, appending their completions.
-    fn read_errors(&mut self, out: &mut Vec<Completion>) -> Result<()> {
-        loop {
-            let mut err = sys::fi_cq_err_entry::default();
-            // SAFETY: cq is open; err is a valid, zeroed entry (err_data_size 0 lets the
-            // provider point err_data at its own buffer, valid until the next read).
-            let rc = unsafe { sys::fi_cq_readerr(self.cq.as_ptr(), &mut err, 0) };
-            if rc == -(sys::FI_EAGAIN as isize) {
-                return Ok(());
-            }
-            check("fi_cq_readerr", rc)?;
-            let text = self.cq_strerror(&err);
-            tracing::debug!(
-                err = err.err,
-                prov_errno = err.prov_errno,
-                len = err.len,
-                olen = err.olen,
-                flags = err.flags,
-                %text,
-                "CQ error entry"
-            );
-            match self.ops.index_of(err.op_context) {
-                Some(idx) => {
-                    if self.retry_after_break(idx, err.err) {
-                        continue;
-                    }
-                    if let Slot::Active(op) = self.finish_slot(idx) {
-                        let error = map_error(&op, &err, text);
-                        out.push(failed(&op, error));
-                    }
-                    // An orphaned operation's failure was reported at removal: swallow.
-                }
-                None => {
-                    // An error without one of our contexts: a failed remote access
-                    // reported at the target (some providers do). The initiator gets the
-                    // error; there is no local operation to fail here.
-                    tracing::debug!(err = err.err, %text, "target-side error completion; ignored");
-                }
-            }
-        }
-    }
-
-    fn cq_strerror(&self, err: &sys::fi_cq_err_entry) -> String {
-        let mut buf = [0 as std::ffi::c_char; 256];
-        // SAFETY: cq is open; err_data is what fi_cq_readerr returned; buf is writable for
-        // its length and the result (when non-null) is a NUL-terminated string.
-        let p = unsafe {
-            sys::fi_cq_strerror(
-                self.cq.as_ptr(),
-                err.prov_errno,
-                err.err_data,
-                buf.as_mut_ptr(),
-                buf.len(),
-            )
-        };
-        let prov = crate::fi::c_str(p);
-        let generic = FiError::new(err.err).message();
-        if prov.is_empty() || prov == generic {
-            generic
-        } else {
-            format!("{generic}: {prov}")
-        }
-    }
-}
-
-/// A failed completion of `op`.
-fn failed(op: &Op, error: OpError) -> Completion {
-    Completion {
-        wr_id: op.wr_id,
-        op: op.kind,
-        result: Err(error),
-        peer: op.peer,
-        imm: None,
-    }
-}
-
-/// Whether a failure of `op` with `code` means the provider dropped its connection to the
-/// peer: errors of the connection itself, and FI_ECANCELED on a send or write (we never
-/// cancel those; the tcp provider reports a failure at the target that way, after which
-/// its connection is closed and operations fail with FI_ENOTCONN until it reconnects).
-fn breaks_connection(op: &Op, code: i32) -> bool {
-    matches!(
-        code,
-        sys::FI_ENOTCONN | sys::FI_ECONNRESET | sys::FI_ECONNABORTED | sys::FI_ESHUTDOWN
-    ) || (code == sys::FI_ECANCELED && op.kind != OpKind::Recv)
-}
-
-/// Maps a CQ error entry of `op` to an [`OpError`], as exactly as the provider tells.
-fn map_error(op: &Op, err: &sys::fi_cq_err_entry, text: String) -> OpError {
-    let code = err.err;
-    match code {
-        // `olen` is what did not fit. Providers that leave it 0 (tcp) do not say how long
-        // the message was: then `len` is the lower bound `capacity + 1`.
-        c if c == sys::FI_ETRUNC as i32 => OpError::Truncated {
-            len: op.len + (err.olen as u64).max(1),
-            capacity: op.len,
-        },
-        // We never cancel sends or writes: the tcp provider reports a failure at the
-        // target (bad key, no permission) as FI_ECANCELED, with the target's errno in
-        // prov_errno, without telling which.
-        sys::FI_ECANCELED if op.kind == OpKind::Recv => OpError::Cancelled,
-        sys::FI_ECANCELED => OpError::Remote(text),
-        c if c == sys::FI_ENOKEY as i32 || c == sys::FI_EKEYREJECTED => {
-            OpError::RemoteKeyInvalid(op.remote_key)
-        }
-        sys::FI_EACCES | sys::FI_EPERM => OpError::PermissionDenied,
-        sys::FI_ETIMEDOUT => OpError::TimedOut,
-        sys::FI_ECONNREFUSED
-        | sys::FI_ECONNRESET
-        | sys::FI_ECONNABORTED
-        | sys::FI_EHOSTUNREACH
-        | sys::FI_ENETUNREACH
-        | sys::FI_ENOTCONN
-        | sys::FI_ESHUTDOWN
-        | sys::FI_EHOSTDOWN => match op.peer {
-            Some(peer) => OpError::PeerUnreachable { peer, reason: text },
-            None => OpError::Transport(text),
-        },
-        _ if op.kind == OpKind::Write => OpError::Remote(text),
-        _ => OpError::Transport(text),
     }
 }
 
@@ -976,29 +574,7 @@ impl Transport for EfaTransport {
             self.flush_backlogs();
         }
         out.extend(self.ready.drain(..));
-        let mut entries = [sys::fi_cq_data_entry::default(); CQ_BATCH];
-        for _ in 0..CQ_READS_PER_POLL {
-            // SAFETY: cq is open with FI_CQ_FORMAT_DATA; entries has room for CQ_BATCH
-            // entries of that format.
-            let rc =
-                unsafe { sys::fi_cq_read(self.cq.as_ptr(), entries.as_mut_ptr().cast(), CQ_BATCH) };
-            if rc == -(sys::FI_EAGAIN as isize) {
-                break;
-            }
-            if rc == -(sys::FI_EAVAIL as isize) {
-                self.read_errors(out)?;
-                continue;
-            }
-            let n = check("fi_cq_read", rc)?;
-            for e in &entries[..n] {
-                if let Some(c) = self.complete(e) {
-                    out.push(c);
-                }
-            }
-            if n < CQ_BATCH {
-                break;
-            }
-        }
+        self.read_cq(out)?;
         Ok(out.len() - before)
     }
 }
