@@ -27,6 +27,8 @@ const MAX_IOV: usize = 1024;
 const MAX_HELLO: u64 = 4096;
 /// Size of the buffer that swallows the payloads of rejected requests.
 const DISCARD: usize = 64 * 1024;
+/// Answers (ACK/NACK frames) queued for a peer before we stop reading its requests.
+const MAX_RESPONSES: usize = 4096;
 
 /// A registered region as the target sees it.
 pub(crate) struct TargetRegion {
@@ -62,6 +64,16 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// Delivers early arrivals to posted receives, oldest first, while both exist.
+    pub fn match_unexpected(&mut self) {
+        while !self.unexpected.is_empty() && !self.recvs.is_empty() {
+            let m = self.unexpected.pop_front().expect("non-empty");
+            let r = self.recvs.pop_front().expect("non-empty");
+            self.unexpected_bytes -= m.data.len();
+            self.deliver(r, m.peer, m.imm, &m.data);
+        }
+    }
+
     /// Places `data` into a posted receive and reports it.
     pub fn deliver(&mut self, r: PostedRecv, peer: PeerId, imm: Option<u32>, data: &[u8]) {
         let result = if data.len() as u64 > r.cap {
@@ -125,6 +137,8 @@ pub(crate) struct OutFrame {
     payloads: Vec<Payload>,
     /// WRITEs in this batch (0: not a batch).
     batch: usize,
+    /// An ACK or NACK (counted in `Conn::responses`).
+    response: bool,
     total: usize,
     /// Bytes already written.
     written: usize,
@@ -192,13 +206,15 @@ enum Finish {
         imm: Option<u32>,
         len: u64,
     },
+    /// The receive is kept whole, to be given back if the connection breaks mid-payload.
     Recv {
-        wr_id: WorkRequestId,
+        recv: PostedRecv,
         imm: Option<u32>,
         len: u64,
     },
     Unexpected {
         imm: Option<u32>,
+        len: u64,
     },
     Hello,
     /// A rejected request: its NACK is sent once its turn comes.
@@ -256,6 +272,8 @@ pub(crate) struct Conn {
     pub out_bytes: usize,
     pub inflight: VecDeque<Inflight>,
     pending_acks: u64,
+    /// ACK/NACK frames in `out`.
+    responses: usize,
     rbuf: Box<[u8]>,
     rpos: usize,
     rlen: usize,
@@ -275,6 +293,7 @@ impl Conn {
             out_bytes: 0,
             inflight: VecDeque::new(),
             pending_acks: 0,
+            responses: 0,
             rbuf: vec![0u8; RBUF].into_boxed_slice(),
             rpos: 0,
             rlen: 0,
@@ -289,10 +308,13 @@ impl Conn {
     pub fn queue(&mut self, hdr: Header, payload: Payload) {
         let total = HEADER_LEN + payload.len();
         self.out_bytes += total;
+        let response = matches!(hdr.op, Op::Ack | Op::Nack);
+        self.responses += response as usize;
         self.out.push_back(OutFrame {
             head: hdr.encode().to_vec(),
             payloads: vec![payload],
             batch: 0,
+            response,
             total,
             written: 0,
         });
@@ -323,14 +345,34 @@ impl Conn {
             head,
             payloads: vec![payload],
             batch: 1,
+            response: false,
             total: 2 * HEADER_LEN + plen,
             written: 0,
         });
     }
 
-    /// Whether the reader is held back until a receive is posted.
-    pub fn waits_for_recv(&self) -> bool {
-        matches!(self.rstate, ReadState::SendWaiting(_))
+    /// Whether the reader is held back: a SEND waits for a receive, or the peer does not
+    /// read our answers (so reading more would only queue more of them).
+    pub fn reads_paused(&self) -> bool {
+        matches!(self.rstate, ReadState::SendWaiting(_)) || self.responses > MAX_RESPONSES
+    }
+
+    /// Gives back what a frame cut short by a closing connection had taken: the posted
+    /// receive it was filling (to the front of the queue, where it came from) and its room
+    /// in the early-arrival queue.
+    pub fn abandon(&mut self, shared: &mut Shared) {
+        if let ReadState::Payload { finish, .. } =
+            std::mem::replace(&mut self.rstate, ReadState::Header)
+        {
+            match finish {
+                Finish::Recv { recv, .. } => {
+                    shared.recvs.push_front(recv);
+                    shared.match_unexpected();
+                }
+                Finish::Unexpected { len, .. } => shared.unexpected_bytes -= len as usize,
+                _ => {}
+            }
+        }
     }
 
     /// Writes as much of the queue as the socket takes. `Err` = connection broken.
@@ -367,16 +409,31 @@ impl Conn {
             f.written += take;
             n -= take;
             if f.written == f.total {
+                if f.response {
+                    self.responses -= 1;
+                }
                 self.out.pop_front();
             }
         }
     }
 
     fn flush_acks(&mut self) {
-        if self.pending_acks > 0 {
-            let n = std::mem::take(&mut self.pending_acks);
-            self.queue(Header::new(Op::Ack, n), Payload::None);
+        if self.pending_acks == 0 {
+            return;
         }
+        let n = std::mem::take(&mut self.pending_acks);
+        // ACKs are cumulative: an unsent ACK at the end of the queue absorbs this one.
+        if let Some(f) = self.out.back_mut()
+            && f.response
+            && f.written == 0
+            && f.head[0] == Op::Ack as u8
+        {
+            let mut h = Header::new(Op::Ack, 0);
+            h.len = u64::from_le_bytes(f.head[32..40].try_into().expect("8 bytes")) + n;
+            f.head[..HEADER_LEN].copy_from_slice(&h.encode());
+            return;
+        }
+        self.queue(Header::new(Op::Ack, n), Payload::None);
     }
 
     fn nack(&mut self, err: &OpError, wr_id: u64) {
@@ -396,7 +453,7 @@ impl Conn {
                     address,
                 });
             }
-            if self.waits_for_recv() || read >= budget {
+            if self.reads_paused() || read >= budget {
                 return Ok(ReadOutcome::Open);
             }
             // Everything buffered was consumed except part of a header block (or nothing).
@@ -723,12 +780,12 @@ impl Conn {
             } else {
                 self.rstate = ReadState::Payload {
                     dest: Dest::Region {
-                        mem: r.mem,
+                        mem: r.mem.clone(),
                         offset: r.offset,
                     },
                     remaining: h.len,
                     finish: Finish::Recv {
-                        wr_id: r.wr_id,
+                        recv: r,
                         imm,
                         len: h.len,
                     },
@@ -746,7 +803,7 @@ impl Conn {
         self.rstate = ReadState::Payload {
             dest: Dest::Buffer(Vec::with_capacity(h.len as usize)),
             remaining: h.len,
-            finish: Finish::Unexpected { imm },
+            finish: Finish::Unexpected { imm, len: h.len },
         };
         true
     }
@@ -765,17 +822,17 @@ impl Conn {
                     });
                 }
             }
-            Finish::Recv { wr_id, imm, len } => {
+            Finish::Recv { recv, imm, len } => {
                 self.pending_acks += 1;
                 shared.completions.push(Completion {
-                    wr_id,
+                    wr_id: recv.wr_id,
                     op: OpKind::Recv,
                     result: Ok(len),
                     peer: Some(self.peer),
                     imm,
                 });
             }
-            Finish::Unexpected { imm } => {
+            Finish::Unexpected { imm, .. } => {
                 self.pending_acks += 1;
                 let Dest::Buffer(data) = dest else {
                     unreachable!("unexpected SENDs go to a buffer")
@@ -785,6 +842,9 @@ impl Conn {
                     imm,
                     data,
                 });
+                // A receive posted while this message was arriving is its receive: match
+                // now, before the next SEND of this connection can take it.
+                shared.match_unexpected();
             }
             Finish::Hello => {
                 let Dest::Buffer(data) = dest else {

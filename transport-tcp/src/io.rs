@@ -44,3 +44,14 @@ pub fn poll_fds(fds: &mut [libc::pollfd], timeout_ms: i32) -> std::io::Result<us
     }
     Ok(r as usize)
 }
+
+/// Whether the peer of `fd` has closed its side (or the connection failed), without reading.
+pub fn peer_hung_up(fd: std::os::fd::RawFd) -> bool {
+    let mut p = [libc::pollfd {
+        fd,
+        events: libc::POLLRDHUP,
+        revents: 0,
+    }];
+    matches!(poll_fds(&mut p, 0), Ok(n) if n > 0)
+        && p[0].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+}

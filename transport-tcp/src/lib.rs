@@ -252,9 +252,10 @@ impl TcpTransport {
 
     /// Closes a connection: its outstanding and queued requests fail with `err`.
     fn close_conn(&mut self, idx: usize, err: OpError) {
-        let Some(c) = self.conns.get_mut(idx).and_then(Option::take) else {
+        let Some(mut c) = self.conns.get_mut(idx).and_then(Option::take) else {
             return;
         };
+        c.abandon(&mut self.shared);
         for op in c.inflight {
             self.shared.completions.push(Completion {
                 wr_id: op.wr_id,
@@ -401,16 +402,6 @@ impl TcpTransport {
         }
         tracing::debug!(peer = %id, rail, address = %String::from_utf8_lossy(&address), "peer connected");
     }
-
-    /// Delivers early arrivals to newly posted receives.
-    fn match_unexpected(&mut self) {
-        while !self.shared.unexpected.is_empty() && !self.shared.recvs.is_empty() {
-            let m = self.shared.unexpected.pop_front().expect("non-empty");
-            let r = self.shared.recvs.pop_front().expect("non-empty");
-            self.shared.unexpected_bytes -= m.data.len();
-            self.shared.deliver(r, m.peer, m.imm, &m.data);
-        }
-    }
 }
 
 impl Transport for TcpTransport {
@@ -543,7 +534,7 @@ impl Transport for TcpTransport {
             cap: dst.len,
         };
         self.shared.recvs.push_back(recv);
-        self.match_unexpected();
+        self.shared.match_unexpected();
         Ok(PostOutcome::Posted)
     }
 
@@ -594,6 +585,10 @@ impl Transport for TcpTransport {
             if res.is_ok() {
                 res = c.flush().map(|_| ReadOutcome::Open);
             }
+            // A connection we do not read from cannot see its end by reading: ask the kernel.
+            if res.is_ok() && c.reads_paused() && io::peer_hung_up(c.stream.as_raw_fd()) {
+                res = Err("peer closed the connection while it was held back".into());
+            }
             if let Err(reason) = res {
                 let peer = c.peer;
                 if c.awaiting_hello {
@@ -623,7 +618,9 @@ impl Transport for TcpTransport {
         });
         for c in self.conns.iter().flatten() {
             let mut events = 0;
-            if !c.waits_for_recv() {
+            if c.reads_paused() {
+                events |= libc::POLLRDHUP;
+            } else {
                 events |= libc::POLLIN;
             }
             if !c.out.is_empty() {
