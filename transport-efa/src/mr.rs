@@ -222,6 +222,18 @@ fn mr_regattr(t: &Target<'_>, attr: &sys::fi_mr_attr, flags: u64) -> Result<*mut
     // valid for as long as the registration (which holds the Arc) lives; pointers inside
     // attr outlive this call.
     let rc = unsafe { sys::fi_mr_regattr(t.domain.as_ptr(), attr, flags, &mut mr) };
+    if attr.iface != sys::FI_HMEM_SYSTEM && (rc == -sys::FI_ENOSYS || rc == -sys::FI_EOPNOTSUPP) {
+        // The provider offers FI_HMEM but libfabric has no support for this device
+        // interface (e.g. a distribution build without CUDA: "uninitialized iface").
+        return Err(Error::Unsupported(format!(
+            "provider {} cannot register device memory of interface {}: this libfabric was \
+             built without support for it (fi_mr_regattr: {}); use a libfabric built with \
+             CUDA, such as AWS's in /opt/amazon/efa",
+            t.provider,
+            attr.iface,
+            crate::fi::FiError::new(rc).message()
+        )));
+    }
     check("fi_mr_regattr", rc as isize)?;
     Ok(mr)
 }

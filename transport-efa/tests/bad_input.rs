@@ -195,7 +195,7 @@ fn info_lists_the_software_providers() {
     let tcp: Vec<_> = all.iter().filter(|p| p.provider == "tcp;ofi_rxm").collect();
     if tcp.is_empty() {
         assert!(!common::required(), "no tcp provider in {all:?}");
-        eprintln!("skipped: libfabric lists no tcp provider here");
+        common::say_skipped("libfabric lists no tcp provider here");
         return;
     }
     let lo = tcp.iter().find(|p| p.domain == "lo").expect("tcp on lo");

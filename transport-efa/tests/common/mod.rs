@@ -8,6 +8,13 @@ pub fn required() -> bool {
     std::env::var("XFER_REQUIRE_LIBFABRIC").is_ok_and(|v| v == "1")
 }
 
+/// Prints "skipped: ..." where it is seen even when the test harness captures output
+/// (it captures `eprintln!`, not direct writes to stderr).
+pub fn say_skipped(why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "skipped: {why}");
+}
+
 /// The configuration the tests use for `provider`: loopback for the socket providers.
 pub fn config(provider: &str) -> EfaConfig {
     let cfg = EfaConfig::with_provider(provider);
@@ -26,7 +33,9 @@ pub fn maker(provider: &'static str) -> Option<impl Fn() -> EfaTransport> {
             panic!("libfabric provider {provider} is required (XFER_REQUIRE_LIBFABRIC=1): {e}")
         }
         Err(e) => {
-            eprintln!("skipped: libfabric provider {provider} is not usable here: {e}");
+            say_skipped(&format!(
+                "libfabric provider {provider} is not usable here: {e}"
+            ));
             None
         }
     }
