@@ -98,6 +98,11 @@ pub fn small_config() -> TcpConfig {
     }
 }
 
+/// The byte strings one after the other.
+pub fn concat(parts: &[&[u8]]) -> Vec<u8> {
+    parts.concat()
+}
+
 /// The frame `h` followed by `payload`.
 pub fn frame(h: Header, payload: &[u8]) -> Vec<u8> {
     let mut v = h.encode().to_vec();
