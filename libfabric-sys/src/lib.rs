@@ -12,7 +12,8 @@
 //! The library is found through `LIBFABRIC_HOME`, then `/opt/amazon/efa`, then pkg-config.
 //! Its directory is exported to dependents' build scripts as `DEP_FABRIC_LIB_DIR`; a
 //! library outside the loader's default path needs `LD_LIBRARY_PATH` (or an rpath) at run
-//! time.
+//! time. `DEP_FABRIC_MR_DMABUF` is `1` when the headers have dmabuf registration (1.20+:
+//! `struct fi_mr_dmabuf`, and `fi_mr_attr.mr_iov` inside an anonymous union), else `0`.
 //!
 //! What bindgen cannot translate is defined by hand below: [`FI_VERSION`], [`FI_MAJOR`],
 //! [`FI_MINOR`], [`FI_ADDR_UNSPEC`], [`FI_ADDR_NOTAVAIL`], [`FI_KEY_NOTAVAIL`]. Flag macros

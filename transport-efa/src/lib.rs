@@ -54,6 +54,30 @@
 //! FI_HMEM; it is registered with `fi_mr_regattr` (FI_HMEM_CUDA), from its dmabuf when the
 //! libfabric headers have FI_MR_DMABUF (1.20+) and the memory layer exports one.
 //!
+//! ## Choices, and provider quirks they absorb
+//! Checked with libfabric 1.17's `tcp;ofi_rxm`, `sockets` and `shm` (the test files say
+//! which conformance options each needs, and why):
+//! - one iovec per operation on each side, so `iov_limit` and `rma_iov_limit` are met;
+//!   no FI_INJECT (so `inject_size` is never exceeded); sizes above `max_msg_size` are
+//!   refused at post time;
+//! - hints accept the FI_CONTEXT / FI_CONTEXT2 modes (every operation has a context of
+//!   `fi_context2` size that stays put until its completion) but not FI_RX_CQ_DATA:
+//!   providers that need a receive per remote CQ data are filtered out by `fi_getinfo`;
+//! - tcp (rxm) answers `-FI_EAGAIN` while a new peer's connection comes up: posts wait in
+//!   a per-peer backlog (at most `tx_size`) and go out inside `poll`;
+//! - tcp closes its connection after any failure at the target (bad key, no permission)
+//!   and reports it as FI_ECANCELED; later operations fail with FI_ENOTCONN for ~20 ms
+//!   until rxm reconnects. Such never-sent operations are retried for up to 5 s before
+//!   they fail with [`PeerUnreachable`](fabric_core::OpError::PeerUnreachable);
+//! - sockets drops the FI_REMOTE_CQ_DATA flag on a SEND that arrived before its receive
+//!   and leaves stale data in completions without the flag: where CQ data is 8 bytes,
+//!   SENDs always carry it, tagged in the upper half, so receives read `imm` right;
+//! - a peer's write with immediate data is recognised by FI_REMOTE_CQ_DATA and `data`
+//!   alone; its reported length differs between providers (tcp says 0);
+//! - shm never completes a zero-length operation that asks for delivery completion:
+//!   zero-length operations (nothing to deliver) do not ask for it;
+//! - completions of received messages and remote writes carry no peer (no FI_SOURCE).
+//!
 //! ## Discovery
 //! [`info`] lists what each provider offers (for `xfer info`), [`libfabric_version`] the
 //! library loaded at run time.

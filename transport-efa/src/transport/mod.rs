@@ -50,7 +50,14 @@ pub(crate) const RECONNECT_WINDOW: Duration = Duration::from_secs(5);
 /// Operations posted to a peer whose connection is still coming up (the provider answers
 /// `-FI_EAGAIN` before it ever accepted one for that peer) wait in a per-peer backlog of
 /// up to `tx_size` operations and are handed to the provider inside [`poll`]; after that,
-/// `-FI_EAGAIN` is [`PostOutcome::NoRoom`].
+/// `-FI_EAGAIN` is [`PostOutcome::NoRoom`]. Operations that fail with FI_ENOTCONN (never
+/// sent) while the provider re-establishes a broken connection are retried the same way
+/// for up to 5 seconds.
+///
+/// Removing a peer fails its pending operations at once with
+/// [`OpError::PeerRemoved`]; should the provider report them later anyway, those late
+/// completions are dropped (each operation completes exactly once). Their local regions
+/// stay registered until then.
 ///
 /// [`poll`]: Transport::poll
 pub struct EfaTransport {
