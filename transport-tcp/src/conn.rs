@@ -250,6 +250,9 @@ enum ReadState {
     BatchPayloads {
         items: Vec<Item>,
         next: usize,
+        /// Some destinations overlap: read one item per call, so that no two live slices
+        /// alias the same bytes.
+        one_at_a_time: bool,
     },
 }
 
@@ -281,6 +284,8 @@ pub(crate) struct Conn {
     /// An accepted connection until its HELLO arrives.
     pub awaiting_hello: bool,
     hello: Option<(u32, u64, Vec<u8>)>,
+    /// When the connection was opened (a peer that never says HELLO is dropped).
+    pub opened: std::time::Instant,
     discard: Box<[u8]>,
 }
 
@@ -300,6 +305,7 @@ impl Conn {
             rstate: ReadState::Header,
             awaiting_hello,
             hello: None,
+            opened: std::time::Instant::now(),
             discard: Vec::new().into_boxed_slice(),
         }
     }
@@ -463,17 +469,22 @@ impl Conn {
                 self.rpos = 0;
             }
             let res = match &mut self.rstate {
-                ReadState::BatchPayloads { items, next } if !direct(&items[*next].dest) => {
+                ReadState::BatchPayloads { items, next, .. } if !direct(&items[*next].dest) => {
                     // Memory the CPU cannot address: stage, then copy (Dest::put).
                     let want = (items[*next].remaining as usize).saturating_add(HEADER_READ);
                     read_staged(&mut self.stream, &mut self.rbuf, &mut self.rlen, want)
                 }
-                ReadState::BatchPayloads { items, next } => {
+                ReadState::BatchPayloads {
+                    items,
+                    next,
+                    one_at_a_time,
+                } => {
                     debug_assert_eq!(self.rlen, 0);
                     read_batch(
                         &mut self.stream,
                         items,
                         *next,
+                        if *one_at_a_time { 1 } else { MAX_IOV - 1 },
                         &mut self.rbuf[..HEADER_LEN],
                         &mut self.discard,
                     )
@@ -573,10 +584,15 @@ impl Conn {
                         items.push(self.batch_item(&h, shared)?);
                     }
                     self.rpos += count * HEADER_LEN;
-                    self.rstate = ReadState::BatchPayloads { items, next: 0 };
+                    let one_at_a_time = destinations_overlap(&items);
+                    self.rstate = ReadState::BatchPayloads {
+                        items,
+                        next: 0,
+                        one_at_a_time,
+                    };
                     self.settle_batch(shared)?;
                 }
-                ReadState::BatchPayloads { items, next } => {
+                ReadState::BatchPayloads { items, next, .. } => {
                     let avail = self.rlen - self.rpos;
                     if avail == 0 {
                         return Ok(());
@@ -618,7 +634,7 @@ impl Conn {
     /// when all are done.
     fn settle_batch(&mut self, shared: &mut Shared) -> Result<(), String> {
         loop {
-            let ReadState::BatchPayloads { items, next } = &mut self.rstate else {
+            let ReadState::BatchPayloads { items, next, .. } = &mut self.rstate else {
                 return Ok(());
             };
             if *next == items.len() {
@@ -891,6 +907,7 @@ fn read_batch(
     stream: &mut TcpStream,
     items: &mut [Item],
     next: usize,
+    max_items: usize,
     tail: &mut [u8],
     discard: &mut [u8],
 ) -> std::io::Result<(usize, usize)> {
@@ -898,7 +915,7 @@ fn read_batch(
     let mut lens: Vec<usize> = Vec::with_capacity(iov.capacity());
     let mut discard = Some(discard);
     for item in items[next..].iter_mut() {
-        if iov.len() + 1 == MAX_IOV || item.remaining == 0 {
+        if iov.len() == max_items || item.remaining == 0 {
             break;
         }
         let slice: Option<&mut [u8]> = match &item.dest {
@@ -940,6 +957,23 @@ fn read_batch(
         left -= d;
     }
     Ok((n, left))
+}
+
+/// Whether two destinations of a batch share bytes (a peer may send that; we must then not
+/// hold slices of both at once).
+fn destinations_overlap(items: &[Item]) -> bool {
+    let mut ranges: Vec<(u64, u64)> = items
+        .iter()
+        .filter_map(|i| match &i.dest {
+            Dest::Region { mem, offset } if i.remaining > 0 => {
+                let start = (mem.host_ptr()?.as_ptr() as u64).checked_add(*offset)?;
+                Some((start, start.saturating_add(i.remaining)))
+            }
+            _ => None,
+        })
+        .collect();
+    ranges.sort_unstable();
+    ranges.windows(2).any(|w| w[0].1 > w[1].0)
 }
 
 /// Checks a WRITE against the target's registrations before any byte is placed.

@@ -85,6 +85,9 @@ pub struct TcpConfig {
     pub peer_timeout: Duration,
     /// Socket buffer sizes (SO_SNDBUF / SO_RCVBUF); `None` keeps the system's.
     pub socket_buffer: Option<usize>,
+    /// Most open connections (accepted ones beyond this are refused). A connection that sends
+    /// no HELLO within `peer_timeout` is closed.
+    pub max_connections: usize,
 }
 
 impl Default for TcpConfig {
@@ -99,6 +102,7 @@ impl Default for TcpConfig {
             max_unexpected_count: 4096,
             peer_timeout: Duration::from_secs(5),
             socket_buffer: None,
+            max_connections: 4096,
         }
     }
 }
@@ -357,6 +361,10 @@ impl TcpTransport {
         loop {
             match self.listener.accept() {
                 Ok((stream, from)) => {
+                    if self.conns.iter().flatten().count() >= self.cfg.max_connections {
+                        tracing::warn!(%from, limit = self.cfg.max_connections, "refusing connection: too many open");
+                        continue;
+                    }
                     let sock = Socket::from(stream);
                     if let Err(e) = self.setup_socket(&sock) {
                         tracing::warn!(%from, error = %e, "dropping new connection");
@@ -569,6 +577,9 @@ impl Transport for TcpTransport {
                 continue;
             };
             let mut res = c.flush().map(|_| ReadOutcome::Open);
+            if c.awaiting_hello && c.opened.elapsed() > self.cfg.peer_timeout {
+                res = Err(format!("no HELLO within {:?}", self.cfg.peer_timeout));
+            }
             if res.is_ok() {
                 res = c.read(&mut self.shared, 8 << 20);
             }

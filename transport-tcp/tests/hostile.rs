@@ -889,3 +889,38 @@ fn answers_to_a_client_that_never_reads_are_bounded() {
         d.check();
     }
 }
+
+// A connection that never says HELLO is closed after the peer timeout, not kept forever.
+#[test]
+fn a_silent_connection_is_closed_after_the_peer_timeout() {
+    let mut target = Node::new(TcpConfig {
+        peer_timeout: Duration::from_millis(200),
+        ..small_config()
+    });
+    let dst = Canaried::new(&mut target.t, WINDOW, Access::REMOTE_WRITE, FILL);
+    let mut c = Raw::connect(&target.t);
+    c.expect_closed("a connection without HELLO", || target.step());
+    honest_write(&mut target, &dst, 0, WINDOW, 21);
+}
+
+// Overlapping destinations inside one batch land in order (last writer wins) and are read
+// one at a time, so no two slices of the same bytes are ever alive together.
+#[test]
+fn overlapping_batch_entries_land_in_order() {
+    let mut target = Node::small();
+    let dst = Canaried::new(&mut target.t, WINDOW, Access::REMOTE_WRITE, FILL);
+    let key = dst.reg.remote.key.0;
+    let first = pattern(1, 8192);
+    let second = pattern(2, 8192);
+    let mut c = Raw::connect(&target.t);
+    let batch = batch_frame(&[
+        (write_header(key, 0, 8192, None, 1), first.clone()),
+        (write_header(key, 4096, 8192, None, 2), second.clone()),
+    ]);
+    c.send_ok(&concat(&[&hello_frame(), &batch]), || target.step());
+    let answers = c.answers(2, || target.step());
+    assert_eq!(answers, vec![Answer::Ack, Answer::Ack]);
+    assert_eq!(dst.read(0, 4096), first[..4096]);
+    assert_eq!(dst.read(4096, 8192), second);
+    dst.assert_canaries();
+}
