@@ -1,4 +1,8 @@
 //! Shared by the provider test binaries: make transports on loopback, or skip loudly.
+//!
+//! Tests of one binary run in parallel threads: each makes its own transports (its own
+//! fabric, domain, endpoint and, on tcp/sockets, its own ephemeral port on `lo`), and
+//! libfabric's `fi_getinfo`/`fi_fabric` are thread-safe, so they share nothing.
 #![allow(dead_code)]
 
 use transport_efa::{EfaConfig, EfaTransport};
