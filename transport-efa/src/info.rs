@@ -101,7 +101,9 @@ pub struct ProviderInfo {
     pub tx_size: usize,
     /// Receive queue depth.
     pub rx_size: usize,
-    /// Whether the provider offers FI_HMEM (registration of device memory) here.
+    /// Whether the provider offers FI_HMEM here. Whether this libfabric was built with the
+    /// CUDA interface shows only at registration: Debian's and Ubuntu's 1.17 offer FI_HMEM
+    /// on shm but refuse CUDA memory (see `EfaTransport`'s `register`).
     pub hmem: bool,
 }
 
