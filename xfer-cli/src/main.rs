@@ -243,9 +243,7 @@ fn tcp_engine(
     let worker = name.to_string();
     Engine::spawn(
         move || {
-            if let Some(p) = pin {
-                p.apply(&worker);
-            }
+            placement::pin_worker(pin, &worker);
             TcpTransport::new(cfg)
         },
         engine_cfg(name),
@@ -257,9 +255,7 @@ fn mem_engine(name: &str, pin: Option<CorePin>) -> Result<Engine, Error> {
     let worker = name.to_string();
     Engine::spawn(
         move || {
-            if let Some(p) = pin {
-                p.apply(&worker);
-            }
+            placement::pin_worker(pin, &worker);
             Ok(MemTransport::new())
         },
         engine_cfg(name),
