@@ -8,10 +8,11 @@
 //! ```
 //! Each control connection gets a region of its own, deregistered when it closes.
 
+use crate::backend::BackendArgs;
 use crate::placement::CorePin;
 use crate::workload;
-use fabric_core::engine::Engine;
-use fabric_core::{Access, HostBuffer, RemoteRegion};
+use fabric_core::engine::{GroupRegistration, RailGroup, RemoteDescriptor};
+use fabric_core::{Access, MemoryRegion};
 use serde::{Deserialize, Serialize};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -50,10 +51,12 @@ pub enum Request {
 pub struct HelloReply {
     /// Transport of the server.
     pub transport: String,
-    /// Its data address (text for tcp, hex for binary addresses).
-    pub address: String,
-    /// The region the client may write.
-    pub region: RemoteRegion,
+    /// Where the server's region lives ("host" or "cuda").
+    pub memory: String,
+    /// The data address of each of its rails (text for tcp, `hex:` for binary addresses).
+    pub addresses: Vec<String>,
+    /// The region the client may write, one key per rail.
+    pub region: RemoteDescriptor,
 }
 
 /// The answer to `verify`.
@@ -94,8 +97,9 @@ pub fn parse_peer(s: &str) -> Result<SocketAddr, String> {
 /// node of `pin` (the serving worker's) when it is set.
 pub fn serve(
     listener: TcpListener,
-    engine: Arc<Engine>,
+    group: Arc<RailGroup>,
     region_size: u64,
+    backend: BackendArgs,
     pin: Option<CorePin>,
 ) -> std::io::Result<()> {
     for conn in listener.incoming() {
@@ -106,13 +110,14 @@ pub fn serve(
                 continue;
             }
         };
-        let engine = engine.clone();
+        let group = group.clone();
+        let backend = backend.clone();
         std::thread::spawn(move || {
             if let Some(p) = pin {
                 p.prefer_memory_here("xfer-control");
             }
             let from = conn.peer_addr().ok();
-            if let Err(e) = client(conn, &engine, region_size) {
+            if let Err(e) = client(conn, &group, region_size, &backend) {
                 tracing::info!(?from, error = %e, "control connection ended");
             }
         });
@@ -138,10 +143,16 @@ fn reply<T: Serialize>(w: &mut TcpStream, r: Result<T, String>) -> std::io::Resu
     w.write_all(&line)
 }
 
-fn client(conn: TcpStream, engine: &Engine, region_size: u64) -> std::io::Result<()> {
+fn client(
+    conn: TcpStream,
+    group: &RailGroup,
+    region_size: u64,
+    backend: &BackendArgs,
+) -> std::io::Result<()> {
+    let backend_name = backend.transport.name();
     let mut w = conn.try_clone()?;
     let mut r = BufReader::new(conn);
-    let mut region: Option<(Arc<HostBuffer>, fabric_core::Registration)> = None;
+    let mut region: Option<(Arc<dyn MemoryRegion>, GroupRegistration)> = None;
     let result = (|| loop {
         let mut line = String::new();
         let n = (&mut r).take(MAX_LINE).read_line(&mut line)?;
@@ -170,32 +181,41 @@ fn client(conn: TcpStream, engine: &Engine, region_size: u64) -> std::io::Result
                     )?;
                     return Ok(());
                 }
-                if transport != engine.backend() {
+                if transport != backend_name {
                     reply::<()>(
                         &mut w,
                         Err(format!(
-                            "this server runs the {} transport, not {transport}",
-                            engine.backend()
+                            "this server runs the {backend_name} transport, not {transport}"
                         )),
                     )?;
                     return Ok(());
                 }
                 if region.is_none() {
-                    let buf = HostBuffer::new_shared(region_size as usize)
-                        .map_err(std::io::Error::other)?;
-                    let reg = engine
+                    let buf = match backend.alloc(region_size, 0) {
+                        Ok(b) => b,
+                        Err(e) => {
+                            reply::<()>(&mut w, Err(format!("cannot allocate the region: {e}")))?;
+                            return Ok(());
+                        }
+                    };
+                    let reg = group
                         .register(buf.clone(), Access::REMOTE_WRITE)
                         .map_err(std::io::Error::other)?;
                     region = Some((buf, reg));
                 }
-                let reg = region.as_ref().expect("just set").1;
-                let address = crate::address_to_text(&engine.address());
+                let reg = &region.as_ref().expect("just set").1;
+                let addresses = group
+                    .addresses()
+                    .iter()
+                    .map(|a| crate::address_to_text(a))
+                    .collect();
                 reply(
                     &mut w,
                     Ok(HelloReply {
-                        transport: engine.backend().into(),
-                        address,
-                        region: reg.remote,
+                        transport: backend_name.into(),
+                        memory: backend.memory.name().into(),
+                        addresses,
+                        region: reg.remote.clone(),
                     }),
                 )?;
             }
@@ -217,7 +237,7 @@ fn client(conn: TcpStream, engine: &Engine, region_size: u64) -> std::io::Result
                     reply::<()>(&mut w, Err("verify: page outside the region".into()))?;
                     continue;
                 }
-                let r2 = workload::verify_pages(buf, page_size, seed, &pages)
+                let r2 = workload::verify_pages(&**buf, page_size, seed, &pages)
                     .map(|(mismatches, first_mismatch)| VerifyReply {
                         checked: pages.len() as u64,
                         mismatches,
@@ -229,7 +249,7 @@ fn client(conn: TcpStream, engine: &Engine, region_size: u64) -> std::io::Result
         }
     })();
     if let Some((_, reg)) = region
-        && let Err(e) = engine.deregister(reg.local)
+        && let Err(e) = group.deregister(&reg)
     {
         tracing::warn!(error = %e, "deregister failed");
     }

@@ -6,6 +6,7 @@
 //! - `xfer topo`: the machine's topology and where the workers go;
 //! - `xfer info`: what this machine offers.
 
+mod backend;
 mod baseline;
 mod control;
 mod info;
@@ -16,17 +17,19 @@ mod size;
 mod topo;
 mod workload;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
-use fabric_core::engine::{Engine, EngineConfig};
-use fabric_core::mem::MemTransport;
-use fabric_core::{Access, Error, HostBuffer};
-use placement::{CorePin, PinMode, WorkerPins};
+use backend::{BackendArgs, TransportKind};
+use clap::{Args, Parser, Subcommand};
+use fabric_core::engine::{
+    GroupPeer, GroupRegistration, GroupTransfer, RailGroup, RemoteDescriptor,
+};
+use fabric_core::{Access, Error};
+use placement::{PinMode, WorkerPins};
 use serde::Serialize;
-use std::net::{SocketAddr, TcpListener};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
-use transport_tcp::{TcpConfig, TcpTransport};
+use transport_tcp::TcpTransport;
 use workload::Workload;
 
 #[derive(Parser)]
@@ -58,23 +61,6 @@ enum Cmd {
     },
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum TransportKind {
-    /// RDMA semantics over TCP sockets.
-    Tcp,
-    /// In-process memory copies (demo only): measures the engine itself.
-    Mem,
-}
-
-impl TransportKind {
-    fn name(self) -> &'static str {
-        match self {
-            TransportKind::Tcp => "tcp",
-            TransportKind::Mem => "mem",
-        }
-    }
-}
-
 #[derive(Args, Clone)]
 struct Knobs {
     /// Bytes per page (e.g. 4KiB, 64KiB).
@@ -86,7 +72,8 @@ struct Knobs {
     /// Bytes to move in all.
     #[arg(long, default_value = "8GiB", value_parser = size::parse_size)]
     bytes: u64,
-    /// TCP connections (rails) to the peer.
+    /// Rails: engines (worker threads, each with its own connection or NIC) that share
+    /// every transfer.
     #[arg(long, default_value_t = 1)]
     rails: usize,
     /// Size of the source region (and of the target region in demo).
@@ -114,15 +101,19 @@ struct ServeArgs {
     /// Control address peers connect to (port 0 picks a free one).
     #[arg(long, default_value = "127.0.0.1:7471")]
     listen: SocketAddr,
-    /// Data address of the transport (port 0 picks a free one); defaults to the control IP.
+    /// IP address the rails' transports listen on (each picks a free port); defaults to
+    /// the control IP.
     #[arg(long)]
-    data_listen: Option<SocketAddr>,
+    data_listen: Option<IpAddr>,
     /// Size of the region each client gets.
     #[arg(long, default_value = "1GiB", value_parser = size::parse_size)]
     region_size: u64,
-    /// Transport to serve.
-    #[arg(long, value_enum, default_value = "tcp")]
-    transport: TransportKind,
+    /// Rails (engines, each a worker thread with its own listening transport); clients'
+    /// rails are spread over them.
+    #[arg(long, default_value_t = 4)]
+    rails: usize,
+    #[command(flatten)]
+    backend: BackendArgs,
     /// Pin the engine worker to the placement plan's core (auto), or not (off).
     #[arg(long, value_enum, default_value = "auto")]
     pin: PinMode,
@@ -135,15 +126,16 @@ struct BenchArgs {
     peer: String,
     #[command(flatten)]
     knobs: Knobs,
+    #[command(flatten)]
+    backend: BackendArgs,
 }
 
 #[derive(Args)]
 struct DemoArgs {
     #[command(flatten)]
     knobs: Knobs,
-    /// Transport to use.
-    #[arg(long, value_enum, default_value = "tcp")]
-    transport: TransportKind,
+    #[command(flatten)]
+    backend: BackendArgs,
     /// Also run plain TCP streams (as many as rails) with the same bytes, and report the ratio.
     #[arg(long)]
     baseline: bool,
@@ -221,47 +213,6 @@ pub(crate) fn address_from_text(s: &str) -> Result<Vec<u8>, String> {
     }
 }
 
-fn engine_cfg(name: &str) -> EngineConfig {
-    EngineConfig {
-        name: name.into(),
-        ..EngineConfig::default()
-    }
-}
-
-/// An engine whose worker pins itself (when `pin` is set) before it creates its transport.
-fn tcp_engine(
-    listen: SocketAddr,
-    rails: usize,
-    name: &str,
-    pin: Option<CorePin>,
-) -> Result<Engine, Error> {
-    let cfg = TcpConfig {
-        listen,
-        rails,
-        ..TcpConfig::default()
-    };
-    let worker = name.to_string();
-    Engine::spawn(
-        move || {
-            placement::pin_worker(pin, &worker);
-            TcpTransport::new(cfg)
-        },
-        engine_cfg(name),
-    )
-}
-
-/// The in-process transport's engine, pinned like [`tcp_engine`].
-fn mem_engine(name: &str, pin: Option<CorePin>) -> Result<Engine, Error> {
-    let worker = name.to_string();
-    Engine::spawn(
-        move || {
-            placement::pin_worker(pin, &worker);
-            Ok(MemTransport::new())
-        },
-        engine_cfg(name),
-    )
-}
-
 fn workload_of(k: &Knobs) -> Result<Workload, CliError> {
     let w = Workload {
         page_size: k.page_size,
@@ -275,6 +226,11 @@ fn workload_of(k: &Knobs) -> Result<Workload, CliError> {
     w.validate().map_err(CliError::Usage)?;
     if k.rails == 0 {
         return Err(CliError::Usage("--rails must be at least 1".into()));
+    }
+    if k.region_size > usize::MAX as u64 {
+        return Err(CliError::Usage(
+            "--region-size does not fit this machine's address space".into(),
+        ));
     }
     Ok(w)
 }
@@ -308,36 +264,31 @@ fn demo(a: DemoArgs) -> Result<(), CliError> {
     let k = &a.knobs;
     let w = workload_of(k)?;
     let pins = WorkerPins::for_this_machine(k.pin);
-    let (src_engine, dst_engine) = match a.transport {
-        TransportKind::Tcp => {
-            let lo = SocketAddr::from(([127, 0, 0, 1], 0));
-            (
-                tcp_engine(lo, k.rails, "xfer-initiator", pins.initiator)?,
-                tcp_engine(lo, 1, "xfer-target", pins.target)?,
-            )
-        }
-        TransportKind::Mem => (
-            mem_engine("xfer-initiator", pins.initiator)?,
-            mem_engine("xfer-target", pins.target)?,
-        ),
-    };
-    // Both buffers are first touched by this thread: put them on the workers' node.
+    let lo = IpAddr::V4(Ipv4Addr::LOCALHOST);
+    let src_group = a
+        .backend
+        .spawn_group(lo, k.rails, "xfer-initiator", pins.initiator)?;
+    let dst_group = a
+        .backend
+        .spawn_group(lo, k.rails, "xfer-target", pins.target)?;
+    // Both regions are first touched by this thread: put them on the workers' node.
     if let Some(p) = pins.initiator {
         p.prefer_memory_here("main");
     }
-    let src = workload::pattern_buffer(k.region_size, k.seed)?;
-    let dst = HostBuffer::new_shared(k.region_size as usize)?;
-    let s = src_engine.register(src, Access::NONE)?;
-    let d = dst_engine.register(dst.clone(), Access::REMOTE_WRITE)?;
-    let peer = src_engine.add_peer(&dst_engine.address())?;
-    warm_up(&src_engine, s.local, peer, d.remote, k)?;
+    let src = a.backend.alloc(k.region_size, 0)?;
+    workload::fill_pattern(&*src, k.seed)?;
+    let dst = a.backend.alloc(k.region_size, 1)?;
+    let s = src_group.register(src, Access::NONE)?;
+    let d = dst_group.register(dst.clone(), Access::REMOTE_WRITE)?;
+    let peer = src_group.add_peer(&dst_group.addresses())?;
+    warm_up(&src_group, &s, &peer, &d.remote, k)?;
     let mut progress = progress::Progress::new(k.json);
-    let report = workload::run(&src_engine, s.local, peer, d.remote, &w, &mut progress)?;
+    let report = workload::run(&src_group, &s, &peer, &d.remote, &w, &mut progress)?;
     let verified = if k.no_verify {
         false
     } else {
         let pages = report.written_pages();
-        let (bad, first) = workload::verify_pages(&dst, k.page_size, k.seed, &pages)?;
+        let (bad, first) = workload::verify_pages(&*dst, k.page_size, k.seed, &pages)?;
         if bad > 0 {
             return Err(CliError::Mismatch(format!(
                 "{bad} of {} pages differ (first: page {})",
@@ -347,8 +298,8 @@ fn demo(a: DemoArgs) -> Result<(), CliError> {
         }
         true
     };
-    drop(src_engine);
-    drop(dst_engine);
+    drop(src_group);
+    drop(dst_group);
     let baseline_gbps = if a.baseline {
         Some(
             baseline::run(report.bytes, k.rails)
@@ -360,8 +311,8 @@ fn demo(a: DemoArgs) -> Result<(), CliError> {
     let gbps = report.gbps();
     print_summary(
         &Summary {
-            transport: a.transport.name(),
-            memory: "host",
+            transport: a.backend.transport.name(),
+            memory: a.backend.memory.name(),
             page_size: k.page_size,
             pages: k.pages,
             rails: k.rails,
@@ -380,68 +331,75 @@ fn demo(a: DemoArgs) -> Result<(), CliError> {
 
 /// One page per rail, so every connection is up before the timed work.
 fn warm_up(
-    e: &Engine,
-    src: fabric_core::LocalKey,
-    peer: fabric_core::PeerId,
-    dst: fabric_core::RemoteRegion,
+    g: &RailGroup,
+    src: &GroupRegistration,
+    peer: &GroupPeer,
+    dst: &RemoteDescriptor,
     k: &Knobs,
 ) -> Result<(), CliError> {
-    let mut t = fabric_core::engine::Transfer::new(peer).timeout(Duration::from_secs(30));
-    for r in 0..k.rails.min((k.region_size / k.page_size) as usize) as u64 {
-        t = t.segment(fabric_core::plan::Segment {
-            src,
-            src_offset: r * k.page_size,
-            dst,
-            dst_offset: r * k.page_size,
-            len: k.page_size,
-        });
-    }
-    e.submit(t)?.wait(Duration::from_secs(60))?;
+    let pages: Vec<u64> = (0..k.rails.min((k.region_size / k.page_size) as usize) as u64).collect();
+    let mut t = GroupTransfer::same_pages(src.clone(), dst.clone(), &pages, k.page_size);
+    t.timeout = Some(Duration::from_secs(30));
+    g.submit(peer, t)?.wait(Duration::from_secs(60))?;
     Ok(())
 }
 
 fn bench(a: BenchArgs) -> Result<(), CliError> {
     let k = &a.knobs;
     let w = workload_of(k)?;
+    if a.backend.transport == TransportKind::Mem {
+        return Err(CliError::Usage(
+            "--transport mem works only inside one process: use xfer demo".into(),
+        ));
+    }
     let ctl_addr = control::parse_peer(&a.peer).map_err(CliError::Usage)?;
     let mut ctl = control::ControlClient::connect(ctl_addr, Duration::from_secs(5))
         .map_err(CliError::Failed)?;
-    let hello = ctl.hello("tcp").map_err(CliError::Failed)?;
-    if hello.region.len < k.region_size {
+    let hello = ctl
+        .hello(a.backend.transport.name())
+        .map_err(CliError::Failed)?;
+    if hello.region.len() < k.region_size {
         return Err(CliError::Usage(format!(
             "the peer's region is {} but --region-size is {}: lower --region-size",
-            size::format_size(hello.region.len),
+            size::format_size(hello.region.len()),
             size::format_size(k.region_size)
         )));
     }
-    let mut data_addr = address_from_text(&hello.address).map_err(CliError::Failed)?;
-    // A server listening on every interface reports 0.0.0.0: use the control address instead.
-    if let Ok(sa) = TcpTransport::parse_address(&data_addr)
-        && sa.ip().is_unspecified()
-    {
-        data_addr = format!(
-            "{}{}",
-            transport_tcp::ADDRESS_PREFIX,
-            SocketAddr::new(ctl_addr.ip(), sa.port())
-        )
-        .into_bytes();
+    let mut addresses = Vec::with_capacity(hello.addresses.len());
+    for text in &hello.addresses {
+        let mut a = address_from_text(text).map_err(CliError::Failed)?;
+        // A server listening on every interface reports 0.0.0.0: use the control address.
+        if let Ok(sa) = TcpTransport::parse_address(&a)
+            && sa.ip().is_unspecified()
+        {
+            a = format!(
+                "{}{}",
+                transport_tcp::ADDRESS_PREFIX,
+                SocketAddr::new(ctl_addr.ip(), sa.port())
+            )
+            .into_bytes();
+        }
+        addresses.push(a);
     }
     let local_ip = if ctl_addr.is_ipv4() {
-        SocketAddr::from(([0, 0, 0, 0], 0))
+        IpAddr::V4(Ipv4Addr::UNSPECIFIED)
     } else {
-        SocketAddr::from(([0u16; 8], 0))
+        IpAddr::V6(Ipv6Addr::UNSPECIFIED)
     };
     let pins = WorkerPins::for_this_machine(k.pin);
-    let engine = tcp_engine(local_ip, k.rails, "xfer-initiator", pins.initiator)?;
+    let group = a
+        .backend
+        .spawn_group(local_ip, k.rails, "xfer-initiator", pins.initiator)?;
     if let Some(p) = pins.initiator {
         p.prefer_memory_here("main");
     }
-    let src = workload::pattern_buffer(k.region_size, k.seed)?;
-    let s = engine.register(src, Access::NONE)?;
-    let peer = engine.add_peer(&data_addr)?;
-    warm_up(&engine, s.local, peer, hello.region, k)?;
+    let src = a.backend.alloc(k.region_size, 0)?;
+    workload::fill_pattern(&*src, k.seed)?;
+    let s = group.register(src, Access::NONE)?;
+    let peer = group.add_peer(&addresses)?;
+    warm_up(&group, &s, &peer, &hello.region, k)?;
     let mut progress = progress::Progress::new(k.json);
-    let report = workload::run(&engine, s.local, peer, hello.region, &w, &mut progress)?;
+    let report = workload::run(&group, &s, &peer, &hello.region, &w, &mut progress)?;
     let verified = if k.no_verify {
         false
     } else {
@@ -461,8 +419,8 @@ fn bench(a: BenchArgs) -> Result<(), CliError> {
     };
     print_summary(
         &Summary {
-            transport: "tcp",
-            memory: "host",
+            transport: a.backend.transport.name(),
+            memory: a.backend.memory.name(),
             page_size: k.page_size,
             pages: k.pages,
             rails: k.rails,
@@ -480,22 +438,22 @@ fn bench(a: BenchArgs) -> Result<(), CliError> {
 }
 
 fn serve(a: ServeArgs) -> Result<(), CliError> {
-    if a.transport != TransportKind::Tcp {
-        return Err(CliError::Usage(format!(
-            "serve supports --transport tcp, not {}",
-            a.transport.name()
-        )));
+    if a.backend.transport == TransportKind::Mem {
+        return Err(CliError::Usage(
+            "--transport mem works only inside one process: use xfer demo".into(),
+        ));
     }
     let listener = TcpListener::bind(a.listen)
         .map_err(|e| CliError::Failed(format!("cannot listen on {}: {e}", a.listen)))?;
     let ctl = listener
         .local_addr()
         .map_err(|e| CliError::Failed(e.to_string()))?;
-    let data = a
-        .data_listen
-        .unwrap_or_else(|| SocketAddr::new(ctl.ip(), 0));
+    let data_ip = a.data_listen.unwrap_or(ctl.ip());
     let pins = WorkerPins::for_this_machine(a.pin);
-    let engine = Arc::new(tcp_engine(data, 1, "xfer-serve", pins.initiator)?);
+    let group = Arc::new(
+        a.backend
+            .spawn_group(data_ip, a.rails, "xfer-serve", pins.initiator)?,
+    );
     if ctl.ip().is_unspecified() {
         eprintln!(
             "xfer: listening on every interface; peers use this machine's address in place of {}",
@@ -505,8 +463,14 @@ fn serve(a: ServeArgs) -> Result<(), CliError> {
     println!("xfer bench --peer xfer://{ctl}");
     use std::io::Write;
     let _ = std::io::stdout().flush();
-    control::serve(listener, engine, a.region_size, pins.initiator)
-        .map_err(|e| CliError::Failed(e.to_string()))
+    control::serve(
+        listener,
+        group,
+        a.region_size,
+        a.backend.clone(),
+        pins.initiator,
+    )
+    .map_err(|e| CliError::Failed(e.to_string()))
 }
 
 fn main() -> ExitCode {

@@ -4,9 +4,10 @@
 
 use crate::pattern::{self, Rng};
 use crate::progress::Progress;
-use fabric_core::engine::{Engine, Transfer, TransferHandle};
-use fabric_core::plan::Segment;
-use fabric_core::{Error, HostBuffer, LocalKey, PeerId, RemoteRegion};
+use fabric_core::engine::{
+    GroupHandle, GroupPeer, GroupRegistration, GroupTransfer, RailGroup, RemoteDescriptor,
+};
+use fabric_core::{Error, MemoryRegion};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
@@ -101,19 +102,27 @@ impl RunReport {
     }
 }
 
-/// A source buffer filled with the pattern of `seed`.
-pub fn pattern_buffer(size: u64, seed: u64) -> Result<std::sync::Arc<HostBuffer>, Error> {
-    let b = HostBuffer::new_shared(size as usize)?;
-    b.fill_with(|off, chunk| pattern::fill(seed, off, chunk));
-    Ok(b)
+/// Fills `region` with the pattern of `seed`, 4 MiB at a time (host or device memory).
+pub fn fill_pattern(region: &dyn MemoryRegion, seed: u64) -> Result<(), Error> {
+    const CHUNK: u64 = 4 << 20;
+    let size = region.len() as u64;
+    let mut buf = vec![0u8; CHUNK.min(size) as usize];
+    let mut off = 0;
+    while off < size {
+        let n = CHUNK.min(size - off) as usize;
+        pattern::fill(seed, off, &mut buf[..n]);
+        region.write_from_host(off, &buf[..n])?;
+        off += n as u64;
+    }
+    Ok(())
 }
 
-/// Runs the workload from `src` (registered as `src_key`) to `dst` at `peer`.
+/// Runs the workload from `src` to `dst` at `peer`, over every rail of `group`.
 pub fn run(
-    engine: &Engine,
-    src_key: LocalKey,
-    peer: PeerId,
-    dst: RemoteRegion,
+    group: &RailGroup,
+    src: &GroupRegistration,
+    peer: &GroupPeer,
+    dst: &RemoteDescriptor,
     w: &Workload,
     progress: &mut Progress,
 ) -> Result<RunReport, Error> {
@@ -123,20 +132,25 @@ pub fn run(
     let mut written = vec![false; region_pages as usize];
     let per_transfer = w.pages * w.page_size;
     let mut left = w.bytes;
-    let mut inflight: VecDeque<TransferHandle> = VecDeque::with_capacity(w.depth);
+    let mut inflight: VecDeque<GroupHandle> = VecDeque::with_capacity(w.depth);
     let mut page_writes = 0u64;
     let mut moved = 0u64;
     let start = Instant::now();
-    let c0 = engine.counters().snapshot();
+    let c0 = group.counters();
     progress.start(w.bytes);
     loop {
         while inflight.len() < w.depth && left > 0 {
             let this = left.min(per_transfer);
             let n = this.div_ceil(w.page_size);
             left -= this;
+            let mut t = GroupTransfer {
+                src: src.clone(),
+                dst: dst.clone(),
+                segments: Vec::with_capacity(n as usize),
+                imm: None,
+                timeout: Some(w.transfer_timeout),
+            };
             // Partial Fisher-Yates: n distinct pages.
-            let mut t = Transfer::new(peer).timeout(w.transfer_timeout);
-            t.segments.reserve(n as usize);
             for i in 0..n as usize {
                 let j = i + rng.below(region_pages - i as u64) as usize;
                 perm.swap(i, j);
@@ -147,31 +161,24 @@ pub fn run(
                 } else {
                     w.page_size
                 };
-                t.segments.push(Segment {
-                    src: src_key,
-                    src_offset: p * w.page_size,
-                    dst,
-                    dst_offset: p * w.page_size,
-                    len,
-                });
+                t.segments.push((p * w.page_size, p * w.page_size, len));
             }
             page_writes += n;
-            inflight.push_back(engine.submit(t)?);
+            inflight.push_back(group.submit(peer, t)?);
         }
         let Some(h) = inflight.front() else { break };
-        match h.wait(Duration::from_millis(100)) {
-            Ok(stats) => {
-                moved += stats.bytes;
-                inflight.pop_front();
-            }
-            Err(Error::TimedOut(..)) => {}
-            Err(e) => return Err(e),
+        if let Some(e) = h.failed() {
+            return Err(Error::Op(e));
         }
-        let c = engine.counters().snapshot();
+        if h.wait_shards(Duration::from_millis(100)) {
+            let h = inflight.pop_front().expect("front exists");
+            moved += h.wait(w.transfer_timeout)?.bytes;
+        }
+        let c = group.counters();
         progress.update(start.elapsed(), c.bytes - c0.bytes, c.ops - c0.ops);
     }
     let seconds = start.elapsed().as_secs_f64();
-    let c = engine.counters().snapshot();
+    let c = group.counters();
     progress.finish(start.elapsed(), c.bytes - c0.bytes, c.ops - c0.ops);
     Ok(RunReport {
         bytes: moved,
@@ -181,21 +188,33 @@ pub fn run(
     })
 }
 
-/// Checks `pages` of `dst` against the pattern; returns (mismatched pages, first one).
+/// Checks the written pages of `dst` against the pattern, reading 4 MiB at a time (host or
+/// device memory); returns (mismatched pages, first one).
 pub fn verify_pages(
-    dst: &HostBuffer,
+    dst: &dyn MemoryRegion,
     page_size: u64,
     seed: u64,
-    pages: &[u64],
+    written: &[u64],
 ) -> Result<(u64, Option<u64>), Error> {
-    let mut buf = vec![0u8; page_size as usize];
+    let mut pages = written.to_vec();
+    pages.sort_unstable();
+    let chunk = (4 << 20u64).max(page_size) / page_size * page_size;
+    let mut buf = vec![0u8; chunk.min(dst.len() as u64) as usize];
     let mut bad = 0;
     let mut first = None;
-    for &p in pages {
-        dst.read(p * page_size, &mut buf)?;
-        if !pattern::matches(seed, p * page_size, &buf) {
-            bad += 1;
-            first.get_or_insert(p);
+    let mut i = 0;
+    while i < pages.len() {
+        let base = pages[i] * page_size / chunk * chunk;
+        let n = chunk.min(dst.len() as u64 - base) as usize;
+        dst.read_to_host(base, &mut buf[..n])?;
+        while i < pages.len() && pages[i] * page_size < base + n as u64 {
+            let off = (pages[i] * page_size - base) as usize;
+            let end = (off + page_size as usize).min(n);
+            if !pattern::matches(seed, pages[i] * page_size, &buf[off..end]) {
+                bad += 1;
+                first.get_or_insert(pages[i]);
+            }
+            i += 1;
         }
     }
     Ok((bad, first))

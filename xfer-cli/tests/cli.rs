@@ -341,3 +341,101 @@ fn serve_takes_bench_clients_in_turn_and_at_once() {
     }
     drop(server);
 }
+
+fn small_demo(extra: &[&str]) -> Output {
+    let mut args = vec![
+        "demo",
+        "--page-size",
+        "4KiB",
+        "--pages",
+        "64",
+        "--bytes",
+        "4MiB",
+        "--region-size",
+        "4MiB",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    xfer(&args)
+}
+
+#[test]
+fn demo_over_three_rails_and_over_mem_verifies() {
+    for extra in [
+        &["--rails", "3"][..],
+        &["--transport", "mem", "--rails", "2"][..],
+    ] {
+        let out = small_demo(extra);
+        assert!(
+            out.status.success(),
+            "{extra:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v = stdout_json(&out);
+        assert_eq!(v["verified"], true, "{extra:?}");
+        assert_eq!(v["bytes"], 4 << 20, "{extra:?}");
+    }
+}
+
+#[test]
+fn demo_over_libfabric_tcp_provider_verifies() {
+    let out = small_demo(&["--transport", "efa", "--provider", "tcp", "--rails", "2"]);
+    if !out.status.success() && std::env::var("XFER_REQUIRE_LIBFABRIC").as_deref() != Ok("1") {
+        eprintln!(
+            "skipped: libfabric tcp provider unavailable: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        return;
+    }
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = stdout_json(&out);
+    assert_eq!(v["verified"], true);
+    assert_eq!(v["transport"], "efa");
+}
+
+#[test]
+fn unknown_provider_is_one_clear_line() {
+    let out = small_demo(&["--transport", "efa", "--provider", "no-such-provider"]);
+    let line = assert_fails_with_one_line(&out, 1);
+    assert!(line.contains("no-such-provider"), "{line}");
+}
+
+#[test]
+fn cuda_memory_without_a_gpu_is_one_clear_line() {
+    if gpu_mem::Cuda::probe().ok().flatten().is_some() {
+        eprintln!("skipped: this machine has a CUDA driver");
+        return;
+    }
+    let out = small_demo(&["--memory", "cuda"]);
+    let line = assert_fails_with_one_line(&out, 1);
+    assert!(line.contains("no CUDA driver"), "{line}");
+}
+
+#[test]
+fn bench_over_two_rails_to_a_four_rail_server_verifies() {
+    let server = Server::start();
+    let mut args = bench_args(&server.peer);
+    args.extend(["--rails".to_string(), "2".to_string()]);
+    let out = Command::new(env!("CARGO_BIN_EXE_xfer"))
+        .args(&args)
+        .output()
+        .expect("bench runs");
+    assert_bench_verified(&out, "bench --rails 2");
+    let mut args = bench_args(&server.peer);
+    args.extend([
+        "--transport".to_string(),
+        "efa".to_string(),
+        "--provider".to_string(),
+        "tcp".to_string(),
+    ]);
+    let out = Command::new(env!("CARGO_BIN_EXE_xfer"))
+        .args(&args)
+        .output()
+        .expect("bench runs");
+    let line = assert_fails_with_one_line(&out, 1);
+    assert!(line.contains("tcp transport, not efa"), "{line}");
+}

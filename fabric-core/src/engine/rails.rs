@@ -451,6 +451,16 @@ impl GroupHandle {
         Ok(stats)
     }
 
+    /// Blocks until every shard has finished, at most `timeout`; returns whether they all
+    /// have (without consuming the handle: call [`wait`](GroupHandle::wait) after).
+    pub fn wait_shards(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        self.shards.iter().all(|h| {
+            let left = deadline.saturating_duration_since(Instant::now());
+            !matches!(h.wait(left), Err(Error::TimedOut(..)))
+        })
+    }
+
     /// Whether every shard has finished (the immediate data is sent by `wait`).
     pub fn is_finished(&self) -> bool {
         self.shards.iter().all(|h| h.try_result().is_some())

@@ -1,0 +1,163 @@
+//! The edge where the command picks a backend and a kind of memory: `--transport`,
+//! `--provider`, `--memory`, `--gpus`. Everything past this module is generic.
+
+use crate::CliError;
+use crate::placement::{self, CorePin};
+use clap::{Args, ValueEnum};
+use fabric_core::engine::{EngineConfig, RailGroup};
+use fabric_core::mem::MemTransport;
+use fabric_core::{HostBuffer, MemoryRegion};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use transport_efa::{EfaConfig, EfaTransport};
+use transport_tcp::{TcpConfig, TcpTransport};
+
+/// `--transport`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum TransportKind {
+    /// RDMA semantics over TCP sockets.
+    Tcp,
+    /// libfabric FI_EP_RDM: EFA on AWS, or the provider named by --provider.
+    Efa,
+    /// In-process memory copies (demo only): measures the engine itself.
+    Mem,
+}
+
+impl TransportKind {
+    /// The backend's name, as engines report it.
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportKind::Tcp => "tcp",
+            TransportKind::Efa => "efa",
+            TransportKind::Mem => "mem",
+        }
+    }
+}
+
+/// `--memory`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum MemoryKind {
+    /// Host memory.
+    Host,
+    /// CUDA device memory (see --gpus).
+    Cuda,
+}
+
+impl MemoryKind {
+    /// Its name in summaries.
+    pub fn name(self) -> &'static str {
+        match self {
+            MemoryKind::Host => "host",
+            MemoryKind::Cuda => "cuda",
+        }
+    }
+}
+
+/// Backend and memory flags shared by serve, bench and demo.
+#[derive(Args, Clone, Debug)]
+pub struct BackendArgs {
+    /// Transport.
+    #[arg(long, value_enum, default_value = "tcp")]
+    pub transport: TransportKind,
+    /// libfabric provider for --transport efa (efa, tcp, sockets, shm, ...); FI_PROVIDER
+    /// also works. Default: efa.
+    #[arg(long)]
+    pub provider: Option<String>,
+    /// Where the registered regions live.
+    #[arg(long, value_enum, default_value = "host")]
+    pub memory: MemoryKind,
+    /// CUDA devices to use with --memory cuda, e.g. `0` or `0,1` (demo: source on the
+    /// first, target on the second if given).
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    pub gpus: Vec<u32>,
+}
+
+impl BackendArgs {
+    /// Starts `rails` engines of the chosen transport, listening on `ip` (TCP).
+    pub fn spawn_group(
+        &self,
+        ip: IpAddr,
+        rails: usize,
+        name: &str,
+        pin: Option<CorePin>,
+    ) -> Result<RailGroup, CliError> {
+        if rails == 0 {
+            return Err(CliError::Usage("--rails must be at least 1".into()));
+        }
+        // One worker per rail: pin only a lone worker (several on one core would share it).
+        let pin = if rails == 1 { pin } else { None };
+        let cfg = EngineConfig {
+            name: name.into(),
+            ..EngineConfig::default()
+        };
+        let worker = name.to_string();
+        let g = match self.transport {
+            TransportKind::Tcp => RailGroup::spawn(
+                rails,
+                move |i| {
+                    placement::pin_worker(pin, &format!("{worker}-{i}"));
+                    TcpTransport::new(TcpConfig {
+                        listen: SocketAddr::new(ip, 0),
+                        ..TcpConfig::default()
+                    })
+                },
+                cfg,
+            ),
+            TransportKind::Mem => RailGroup::spawn(
+                rails,
+                move |i| {
+                    placement::pin_worker(pin, &format!("{worker}-{i}"));
+                    Ok(MemTransport::new())
+                },
+                cfg,
+            ),
+            TransportKind::Efa => {
+                let mut ec = match &self.provider {
+                    Some(p) => EfaConfig::with_provider(p.clone()),
+                    None => EfaConfig::default(),
+                };
+                ec = ec.hmem(self.memory == MemoryKind::Cuda);
+                RailGroup::spawn(
+                    rails,
+                    move |i| {
+                        placement::pin_worker(pin, &format!("{worker}-{i}"));
+                        EfaTransport::new(&ec)
+                    },
+                    cfg,
+                )
+            }
+        };
+        g.map_err(CliError::from)
+    }
+
+    /// Allocates a region of `size` bytes: host memory, or device memory on the GPU at
+    /// position `slot` of --gpus (wrapping around).
+    pub fn alloc(&self, size: u64, slot: usize) -> Result<Arc<dyn MemoryRegion>, CliError> {
+        match self.memory {
+            MemoryKind::Host => Ok(HostBuffer::new_shared(size as usize)?),
+            MemoryKind::Cuda => {
+                let cuda = gpu_mem::Cuda::probe()
+                    .map_err(|e| CliError::Failed(format!("--memory cuda: {e}")))?
+                    .ok_or_else(|| {
+                        CliError::Failed(
+                            "--memory cuda: no CUDA driver on this machine (use --memory host)"
+                                .into(),
+                        )
+                    })?;
+                if self.gpus.is_empty() {
+                    return Err(CliError::Usage("--gpus lists no device".into()));
+                }
+                let ordinal = self.gpus[slot % self.gpus.len()];
+                let dev = cuda
+                    .device(ordinal)
+                    .map_err(|e| CliError::Usage(format!("--gpus: {e}")))?;
+                let buf = dev.alloc_zeroed(size as usize).map_err(|e| {
+                    CliError::Failed(format!(
+                        "cannot allocate {size} bytes on GPU {ordinal}: {e}"
+                    ))
+                })?;
+                Ok(Arc::new(buf))
+            }
+        }
+    }
+}
