@@ -15,9 +15,62 @@ struct Info {
     transports: Vec<&'static str>,
     memory: Vec<&'static str>,
     cuda: CudaReport,
+    libfabric: LibfabricReport,
     topology: Option<TopologySummary>,
     #[serde(skip_serializing_if = "Option::is_none")]
     topology_error: Option<String>,
+}
+
+/// The libfabric part (`--transport efa`): its version and each provider's attributes.
+#[derive(Serialize)]
+struct LibfabricReport {
+    /// Version of the libfabric loaded.
+    version: String,
+    /// API version requested from it.
+    api: String,
+    /// Providers offering FI_EP_RDM with messages and RMA.
+    providers: Vec<transport_efa::ProviderInfo>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+}
+
+fn libfabric_report() -> LibfabricReport {
+    let (maj, min) = transport_efa::libfabric_version();
+    let (amaj, amin) = transport_efa::requested_api_version();
+    let (providers, error) = match transport_efa::info(None) {
+        Ok(p) => (p, None),
+        Err(e) => (Vec::new(), Some(e.to_string())),
+    };
+    LibfabricReport {
+        version: format!("{maj}.{min}"),
+        api: format!("{amaj}.{amin}"),
+        providers,
+        error,
+    }
+}
+
+fn libfabric_lines(l: &LibfabricReport) -> Vec<String> {
+    let mut lines = vec![format!("libfabric {} (API {} requested)", l.version, l.api)];
+    if let Some(e) = &l.error {
+        lines.push(format!("  no provider: {e}"));
+    }
+    for p in &l.providers {
+        lines.push(format!(
+            "  {} on {}/{}: mr_mode [{}], cq_data {} B, max_msg {} B, iov {}/{} (rma), inject {} B, progress {:?}, hmem {}",
+            p.provider,
+            p.fabric,
+            p.domain,
+            p.mr_mode.join(" "),
+            p.cq_data_size,
+            p.max_msg_size,
+            p.iov_limit,
+            p.rma_iov_limit,
+            p.inject_size,
+            p.data_progress,
+            if p.hmem { "yes" } else { "no" }
+        ));
+    }
+    lines
 }
 
 /// The CUDA part.
@@ -140,8 +193,9 @@ pub fn run(json: bool) -> Result<(), CliError> {
     }
     let i = Info {
         version: env!("CARGO_PKG_VERSION"),
-        transports: vec!["tcp", "mem"],
+        transports: vec!["tcp", "efa", "mem"],
         memory,
+        libfabric: libfabric_report(),
         topology: topo.as_ref().map(TopologySummary::of),
         topology_error,
         cuda,
@@ -157,6 +211,9 @@ pub fn run(json: bool) -> Result<(), CliError> {
     println!("transports: {}", i.transports.join(", "));
     println!("memory: {}", i.memory.join(", "));
     for line in cuda_lines(&i.cuda) {
+        println!("{line}");
+    }
+    for line in libfabric_lines(&i.libfabric) {
         println!("{line}");
     }
     match (&i.topology, &i.topology_error) {
