@@ -6,7 +6,7 @@
 //!
 //! This crate has no sockets, no FFI and no CUDA. Backends live in their own crates
 //! (`transport-tcp`, `transport-efa`), and every backend runs the same conformance suite
-//! ([`testing`], feature `testing`).
+//! (module `testing`, behind the cargo feature `testing`).
 //!
 //! ```
 //! use fabric_core::{plan::{plan_transfer, Segment}, LocalKey, RemoteKey, RemoteRegion};

@@ -163,6 +163,7 @@ impl Transport for MemTransport {
             max_msg_size: 1 << 30,
             max_outstanding: MAX_PENDING,
             write_imm: true,
+            busy_poll: true,
         }
     }
 

@@ -63,6 +63,9 @@ pub struct TransportLimits {
     pub max_outstanding: usize,
     /// Whether immediate data is supported on writes.
     pub write_imm: bool,
+    /// `wait` cannot block on readiness (no file descriptor to sleep on): the engine polls
+    /// without pausing while operations are in flight, and naps only when idle.
+    pub busy_poll: bool,
 }
 
 /// A reliable, connectionless-looking transport with RDMA semantics.

@@ -426,6 +426,7 @@ impl Transport for TcpTransport {
             max_msg_size: self.cfg.max_msg_size,
             max_outstanding: self.cfg.max_outstanding,
             write_imm: true,
+            busy_poll: false,
         }
     }
 

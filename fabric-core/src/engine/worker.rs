@@ -89,6 +89,10 @@ pub(crate) struct Worker<T: Transport> {
     completions: Vec<Completion>,
     deadlines: usize,
     next_deadline_scan: Instant,
+    /// Transfers (and sends) under way.
+    active: usize,
+    /// The transport's `wait` cannot block on readiness.
+    busy_poll: bool,
 }
 
 fn wr_of(slot: u32, generation: u32) -> WorkRequestId {
@@ -111,6 +115,7 @@ impl<T: Transport> Worker<T> {
         counters: Arc<Counters>,
         cfg: EngineConfig,
     ) -> Self {
+        let busy_poll = t.limits().busy_poll;
         Worker {
             t,
             rx,
@@ -126,6 +131,8 @@ impl<T: Transport> Worker<T> {
             completions: Vec::with_capacity(1024),
             deadlines: 0,
             next_deadline_scan: Instant::now(),
+            active: 0,
+            busy_poll,
         }
     }
 
@@ -151,7 +158,15 @@ impl<T: Transport> Worker<T> {
                 self.expire();
             }
             if !progressed {
-                let wait = if self.queue.is_empty() {
+                let busy = self.active > 0 || !self.queue.is_empty();
+                let wait = if !busy {
+                    self.cfg.idle_wait
+                } else if self.busy_poll {
+                    // Work in flight and nothing to sleep on: keep polling.
+                    std::hint::spin_loop();
+                    continue;
+                } else if self.queue.is_empty() {
+                    // Sockets wake us when the peer answers.
                     self.cfg.idle_wait
                 } else {
                     Duration::ZERO
@@ -235,6 +250,7 @@ impl<T: Transport> Worker<T> {
             self.deadlines += 1;
         }
         self.slots[idx as usize] = Some(a);
+        self.active += 1;
         (idx, generation)
     }
 
@@ -333,6 +349,7 @@ impl<T: Transport> Worker<T> {
         let Some(a) = self.slots[idx as usize].take() else {
             return;
         };
+        self.active -= 1;
         self.generations[idx as usize] =
             self.generations[idx as usize].wrapping_add(1) & 0x7fff_ffff;
         self.free.push(idx);

@@ -393,6 +393,8 @@ impl Transport for EfaTransport {
             max_msg_size: self.info.max_msg_size,
             max_outstanding: self.info.tx_size.max(1),
             write_imm: self.info.cq_data_size >= 4,
+            // libfabric CQs are read, not waited on (no wait object requested).
+            busy_poll: true,
         }
     }
 
