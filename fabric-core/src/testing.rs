@@ -2,7 +2,7 @@
 //!
 //! Every backend runs the same cases through [`conformance_suite!`](crate::conformance_suite):
 //!
-//! ```ignore
+//! ```text
 //! fabric_core::conformance_suite!(|| MyTransport::new().unwrap(), fabric_core::testing::SuiteOptions::default());
 //! ```
 //!
