@@ -331,21 +331,38 @@ impl Engine {
     }
 
     fn check_local(&self, key: LocalKey, offset: u64, len: u64, what: &str) -> Result<()> {
-        let regions = self.lock_regions();
-        let size = *regions
+        let size = *self
+            .lock_regions()
             .get(&key)
-            .ok_or(Error::Op(OpError::LocalKeyInvalid(key)))?;
-        check_range(offset, len, size).map_err(|_| {
-            Error::InvalidArgument(format!(
-                "{what}: local range {offset}+{len} is outside the {size}-byte region"
-            ))
-        })
+            .ok_or_else(|| Error::Op(OpError::LocalKeyInvalid(key)))?;
+        check_range(offset, len, size).map_err(|_| local_range_error(what, offset, len, size))
+    }
+
+    /// As [`check_local`](Engine::check_local) for every segment, under one lock and with
+    /// one map lookup per run of segments from the same region.
+    fn check_segments(&self, segments: &[Segment]) -> Result<()> {
+        let regions = self.lock_regions();
+        let mut last: Option<(LocalKey, u64)> = None;
+        for (i, s) in segments.iter().enumerate() {
+            let size = match last {
+                Some((key, size)) if key == s.src => size,
+                _ => {
+                    let size = *regions
+                        .get(&s.src)
+                        .ok_or_else(|| Error::Op(OpError::LocalKeyInvalid(s.src)))?;
+                    last = Some((s.src, size));
+                    size
+                }
+            };
+            check_range(s.src_offset, s.len, size).map_err(|_| {
+                local_range_error(&format!("segment {i}"), s.src_offset, s.len, size)
+            })?;
+        }
+        Ok(())
     }
 
     fn job(&self, t: Transfer, slot: Arc<Slot<TransferResult>>) -> Result<Job> {
-        for (i, s) in t.segments.iter().enumerate() {
-            self.check_local(s.src, s.src_offset, s.len, &format!("segment {i}"))?;
-        }
+        self.check_segments(&t.segments)?;
         let plan = plan_transfer(&t.segments, self.limits.max_msg_size)?;
         let imm = match (t.imm, t.segments.first()) {
             (None, _) => None,
@@ -438,6 +455,12 @@ impl Engine {
             tracing::error!("engine worker panicked");
         }
     }
+}
+
+fn local_range_error(what: &str, offset: u64, len: u64, size: u64) -> Error {
+    Error::InvalidArgument(format!(
+        "{what}: local range {offset}+{len} is outside the {size}-byte region"
+    ))
 }
 
 impl Drop for Engine {
