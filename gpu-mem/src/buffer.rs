@@ -21,8 +21,9 @@ const PAGE: u64 = 4096;
 ///
 /// Synchronous methods ([`copy_from_host`](Self::copy_from_host),
 /// [`copy_to_host`](Self::copy_to_host), [`fill`](Self::fill)) return once the device
-/// memory holds the result. They run on the context's legacy default stream and are not
-/// ordered with copies queued on a [`CopyStream`](crate::CopyStream): wait for that
+/// memory holds the result. Copies run on a non-blocking stream private to the calling
+/// thread (so several threads copy at once), `fill` on the legacy default stream; neither
+/// is ordered with copies queued on a [`CopyStream`](crate::CopyStream): wait for that
 /// stream's event first.
 ///
 /// # Thread safety
@@ -105,17 +106,23 @@ impl DeviceBuffer {
             len: src.len() as u64,
             source,
         };
+        let stream = self.device.thread_stream()?;
         check(
             // SAFETY: offset+len lies inside this live allocation (checked above); src is a
-            // valid readable slice of len bytes; the context is current.
+            // valid readable slice of len bytes that outlives the copy (we wait for the stream
+            // below before returning); the context is current and the stream is this thread's.
             unsafe {
-                sys::cuMemcpyHtoD_v2(self.ptr + offset, src.as_ptr().cast::<c_void>(), src.len())
+                sys::cuMemcpyHtoDAsync_v2(
+                    self.ptr + offset,
+                    src.as_ptr().cast::<c_void>(),
+                    src.len(),
+                    stream,
+                )
             },
             err,
         )?;
-        // From pageable memory the call may return once the bytes are staged, before they
-        // reach the device: wait for the legacy stream so that the copy has landed.
-        self.sync_legacy_stream(err)
+        // Wait for this thread's stream only, so that other threads' copies run meanwhile.
+        self.sync_stream(stream, err)
     }
 
     /// Copies bytes at `offset` into `dst`; returns once `dst` holds them.
@@ -125,23 +132,28 @@ impl DeviceBuffer {
             return Ok(());
         }
         self.device.bind()?;
+        let stream = self.device.thread_stream()?;
+        let len = dst.len() as u64;
+        let err = |source| GpuMemError::Copy {
+            direction: CopyDirection::DeviceToHost,
+            len,
+            source,
+        };
         check(
             // SAFETY: offset+len lies inside this live allocation (checked above); dst is a
-            // valid writable slice of len bytes that nothing else borrows; the context is
-            // current. A device-to-host cuMemcpy returns only once the copy has completed.
+            // valid writable slice of len bytes that nothing else borrows and that outlives
+            // the copy (we wait for the stream below); the context is current.
             unsafe {
-                sys::cuMemcpyDtoH_v2(
+                sys::cuMemcpyDtoHAsync_v2(
                     dst.as_mut_ptr().cast::<c_void>(),
                     self.ptr + offset,
                     dst.len(),
+                    stream,
                 )
             },
-            |source| GpuMemError::Copy {
-                direction: CopyDirection::DeviceToHost,
-                len: dst.len() as u64,
-                source,
-            },
-        )
+            err,
+        )?;
+        self.sync_stream(stream, err)
     }
 
     /// Returns a copy of `len` bytes at `offset`.
@@ -276,6 +288,15 @@ impl DeviceBuffer {
             Ok(export) => Ok(export.handle()),
             Err(e) => Err(e.clone()),
         }
+    }
+
+    fn sync_stream(
+        &self,
+        stream: sys::CUstream,
+        err: impl FnOnce(CudaError) -> GpuMemError,
+    ) -> Result<(), GpuMemError> {
+        // SAFETY: `stream` is this thread's live stream on this buffer's (current) context.
+        check(unsafe { sys::cuStreamSynchronize(stream) }, err)
     }
 
     fn sync_legacy_stream(

@@ -249,6 +249,27 @@ pub struct CudaDeviceInfo {
     pub dmabuf_supported: bool,
 }
 
+/// A stream owned by one thread (see [`Device::thread_stream`]).
+struct ThreadStream {
+    stream: sys::CUstream,
+    /// Keeps the context (and so the stream) alive until the thread exits.
+    ctx: Arc<CudaContext>,
+}
+
+impl Drop for ThreadStream {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: the stream was created on this context by this thread and is destroyed
+            // once; pending work on it completes first (cuStreamDestroy's contract).
+            unsafe { sys::cuStreamDestroy_v2(self.stream) };
+        }
+    }
+}
+
+thread_local! {
+    static THREAD_STREAMS: std::cell::RefCell<Vec<ThreadStream>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 pub(crate) struct DeviceInner {
     pub(crate) ordinal: u32,
     pub(crate) ctx: Arc<CudaContext>,
@@ -314,6 +335,39 @@ impl Device {
     /// Whether device memory can be exported as a dmabuf (driver ≥ 11.7 and device support).
     pub fn dmabuf_supported(&self) -> Result<bool, GpuMemError> {
         dmabuf_supported(self.inner.ctx.cu_device(), self.inner.driver_version)
+    }
+
+    /// This thread's private non-blocking stream on this device, for the synchronous copies of
+    /// [`DeviceBuffer`]: the legacy default stream would serialise every thread's copies (and
+    /// waiting on it would wait for all of them), which capped several rails at the speed of
+    /// one. Created on first use, destroyed when the thread exits. The context must be bound.
+    pub(crate) fn thread_stream(&self) -> Result<sys::CUstream, GpuMemError> {
+        THREAD_STREAMS.with(|cell| {
+            let mut streams = cell.borrow_mut();
+            if let Some(s) = streams
+                .iter()
+                .find(|s| Arc::ptr_eq(&s.ctx, &self.inner.ctx))
+            {
+                return Ok(s.stream);
+            }
+            let mut stream: sys::CUstream = std::ptr::null_mut();
+            check_call(
+                // SAFETY: `stream` is a valid out-pointer; the caller bound this device's
+                // context to the thread.
+                unsafe {
+                    sys::cuStreamCreate(
+                        &mut stream,
+                        sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                    )
+                },
+                "cuStreamCreate",
+            )?;
+            streams.push(ThreadStream {
+                stream,
+                ctx: self.inner.ctx.clone(),
+            });
+            Ok(stream)
+        })
     }
 
     /// Makes the device's context current on the calling thread (a no-op when it already is).

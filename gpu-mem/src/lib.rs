@@ -56,6 +56,7 @@
 mod buffer;
 mod device;
 mod error;
+mod host;
 mod pinned;
 mod range;
 mod stream;
@@ -63,5 +64,6 @@ mod stream;
 pub use buffer::{DeviceBuffer, DmabufExport};
 pub use device::{Cuda, CudaDeviceInfo, Device, DriverVersion, devices, driver_present};
 pub use error::{CopyDirection, CudaError, GpuMemError};
+pub use host::HostMemory;
 pub use pinned::PinnedHostBuffer;
 pub use stream::{CopyEvent, CopyStream};

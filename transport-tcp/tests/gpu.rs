@@ -172,3 +172,29 @@ fn an_absent_gpu_index_is_an_error() {
     };
     assert!(cuda.device(10_000).is_err());
 }
+
+#[test]
+fn gpu0_to_gpu1_when_two_exist() {
+    let Ok(Some(cuda)) = Cuda::probe() else {
+        eprintln!("skipped: no CUDA driver on this machine");
+        return;
+    };
+    let n = cuda.device_count().expect("device count");
+    if n < 2 {
+        assert!(
+            std::env::var("XFER_REQUIRE_GPUS")
+                .map_or(true, |v| v.parse::<u32>().map_or(true, |want| want < 2)),
+            "XFER_REQUIRE_GPUS asks for 2 GPUs, this machine has {n}"
+        );
+        eprintln!("skipped: this machine has {n} CUDA device(s), the test needs 2");
+        return;
+    }
+    let g0 = cuda.device(0).unwrap();
+    let g1 = cuda.device(1).unwrap();
+    let mut p = pair(4);
+    scattered(
+        &mut p,
+        Arc::new(g0.alloc_zeroed(4 << 20).unwrap()),
+        Arc::new(g1.alloc_zeroed(4 << 20).unwrap()),
+    );
+}

@@ -4,9 +4,9 @@
 use crate::CliError;
 use crate::placement::{self, CorePin};
 use clap::{Args, ValueEnum};
+use fabric_core::MemoryRegion;
 use fabric_core::engine::{EngineConfig, RailGroup};
 use fabric_core::mem::MemTransport;
-use fabric_core::{HostBuffer, MemoryRegion};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use transport_efa::{EfaConfig, EfaTransport};
@@ -134,7 +134,7 @@ impl BackendArgs {
     /// position `slot` of --gpus (wrapping around).
     pub fn alloc(&self, size: u64, slot: usize) -> Result<Arc<dyn MemoryRegion>, CliError> {
         match self.memory {
-            MemoryKind::Host => Ok(HostBuffer::new_shared(size as usize)?),
+            MemoryKind::Host => Ok(Arc::new(gpu_mem::HostMemory::new(size as usize)?)),
             MemoryKind::Cuda => {
                 let cuda = gpu_mem::Cuda::probe()
                     .map_err(|e| CliError::Failed(format!("--memory cuda: {e}")))?
