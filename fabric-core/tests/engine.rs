@@ -124,6 +124,60 @@ fn bad_segments_fail_at_submit() {
 }
 
 #[test]
+fn counters_are_up_to_date_when_a_transfer_completes() {
+    let s = setup(mem_engine(), mem_engine(), 1 << 20);
+    for round in 1..=20u64 {
+        // 64 pages to every other destination page: none coalesce.
+        let mut t = Transfer::new(s.peer);
+        for i in 0..64u64 {
+            t = t.segment(page(&s, i, 2 * i + round % 2, 4096));
+        }
+        let stats = s.a.submit(t).unwrap().wait(T).unwrap();
+        assert_eq!(stats.ops, 64);
+        let c = s.a.counters().snapshot();
+        assert_eq!(
+            (c.transfers, c.ops, c.bytes, c.errors, c.reposts),
+            (round, 64 * round, 64 * 4096 * round, 0, 0),
+            "round {round}"
+        );
+    }
+}
+
+#[test]
+fn a_failed_post_drops_the_rest_of_its_transfer() {
+    let s = setup(mem_engine(), mem_engine(), 1 << 20);
+    let transfer = |peer| {
+        let mut t = Transfer::new(peer).imm(3);
+        for i in 0..100u64 {
+            t = t.segment(page(&s, i, 2 * i, 4096));
+        }
+        t
+    };
+    s.a.remove_peer(s.peer).unwrap();
+    let e = s.a.submit(transfer(s.peer)).unwrap().wait(T).unwrap_err();
+    assert!(matches!(e, Error::Op(OpError::PeerRemoved(_))), "{e}");
+    let c = s.a.counters().snapshot();
+    assert_eq!(
+        (c.transfers, c.ops, c.bytes, c.errors),
+        (1, 0, 0, 1),
+        "the first post fails, the other 99 and the imm are never posted"
+    );
+    assert!(s.b.next_event(Duration::from_millis(50)).is_err());
+    assert_eq!(s.dst.to_vec(0, 1 << 20).unwrap(), vec![0; 1 << 20]);
+
+    let peer = s.a.add_peer(&s.b.address()).unwrap();
+    let stats = s.a.submit(transfer(peer)).unwrap().wait(T).unwrap();
+    assert_eq!(stats.ops, 101, "100 writes and the imm");
+    assert_eq!(s.b.next_event(T).unwrap().imm(), Some(3));
+    for i in 0..100u64 {
+        assert_eq!(
+            s.src.to_vec(i * 4096, 4096).unwrap(),
+            s.dst.to_vec(2 * i * 4096, 4096).unwrap()
+        );
+    }
+}
+
+#[test]
 fn remote_failure_is_the_transfer_error_and_touches_nothing() {
     let s = setup(mem_engine(), mem_engine(), 65536);
     let mut bad = page(&s, 0, 1, 4096);

@@ -44,10 +44,13 @@ pub(crate) enum Command {
     Shutdown,
 }
 
-/// One queued operation of a transfer.
+/// What a queue entry stands for.
 #[derive(Clone, Copy)]
 enum QueuedOp {
-    Write(PlannedWrite, Option<u32>),
+    /// The transfer's planned writes not posted yet (`Active::writes[Active::next..]`).
+    Writes,
+    /// The write that carries the immediate data.
+    Imm(PlannedWrite, u32),
     Send(LocalSlice, Option<u32>),
 }
 
@@ -69,6 +72,19 @@ struct Active {
     /// The zero-length write that carries the immediate data, sent once all else landed.
     final_imm: Option<(PlannedWrite, u32)>,
     deadline: Option<Instant>,
+    /// The planned writes, posted in order from `next`.
+    writes: Vec<PlannedWrite>,
+    next: usize,
+}
+
+/// Counter increments not yet added to the shared [`Counters`]: the hot path adds here
+/// and [`Worker::flush_counters`] publishes them, always before a transfer completes.
+#[derive(Default)]
+struct PendingCounters {
+    bytes: u64,
+    ops: u64,
+    reposts: u64,
+    errors: u64,
 }
 
 /// Work-request ids: bit 63 marks receives; otherwise generation << 32 | slot.
@@ -79,6 +95,7 @@ pub(crate) struct Worker<T: Transport> {
     rx: Receiver<Command>,
     events: Sender<Event>,
     counters: Arc<Counters>,
+    pending: PendingCounters,
     cfg: EngineConfig,
     slots: Vec<Option<Active>>,
     generations: Vec<u32>,
@@ -121,6 +138,7 @@ impl<T: Transport> Worker<T> {
             rx,
             events,
             counters,
+            pending: PendingCounters::default(),
             cfg,
             slots: Vec::new(),
             generations: Vec::new(),
@@ -154,6 +172,7 @@ impl<T: Transport> Worker<T> {
             }
             progressed |= self.post_batch() > 0;
             progressed |= self.poll() > 0;
+            self.flush_counters();
             if self.deadlines > 0 && Instant::now() >= self.next_deadline_scan {
                 self.expire();
             }
@@ -211,6 +230,8 @@ impl<T: Transport> Worker<T> {
                     stats: TransferStats::default(),
                     final_imm: None,
                     deadline: None,
+                    writes: Vec::new(),
+                    next: 0,
                 });
                 self.queue.push_back(Queued {
                     slot: idx,
@@ -272,6 +293,7 @@ impl<T: Transport> Worker<T> {
         });
         let n = job.plan.writes.len() as u64;
         if n == 0 && final_imm.is_none() {
+            self.flush_counters();
             self.counters.transfers.fetch_add(1, Ordering::Relaxed);
             job.slot.complete(Ok(TransferStats::default()));
             return;
@@ -288,16 +310,17 @@ impl<T: Transport> Worker<T> {
             },
             final_imm,
             deadline: job.deadline,
+            writes: job.plan.writes,
+            next: 0,
         });
-        for w in job.plan.writes {
+        if n == 0 {
+            self.release_imm(idx);
+        } else {
             self.queue.push_back(Queued {
                 slot: idx,
                 generation,
-                op: QueuedOp::Write(w, None),
+                op: QueuedOp::Writes,
             });
-        }
-        if n == 0 {
-            self.release_imm(idx);
         }
     }
 
@@ -312,7 +335,7 @@ impl<T: Transport> Worker<T> {
             self.queue.push_back(Queued {
                 slot: idx,
                 generation,
-                op: QueuedOp::Write(w, Some(v)),
+                op: QueuedOp::Imm(w, v),
             });
         }
     }
@@ -326,10 +349,21 @@ impl<T: Transport> Worker<T> {
 
     /// One operation of a transfer is done (or dropped).
     fn op_done(&mut self, idx: u32, generation: u32, res: std::result::Result<(), OpError>) {
+        self.ops_done(idx, generation, 1, res);
+    }
+
+    /// `count` operations of a transfer are done (or dropped), with one outcome.
+    fn ops_done(
+        &mut self,
+        idx: u32,
+        generation: u32,
+        count: u64,
+        res: std::result::Result<(), OpError>,
+    ) {
         let Some(a) = self.active(idx, generation) else {
             return;
         };
-        a.remaining -= 1;
+        a.remaining -= count;
         if let Err(e) = res
             && a.error.is_none()
         {
@@ -356,6 +390,8 @@ impl<T: Transport> Worker<T> {
         if a.deadline.is_some() {
             self.deadlines -= 1;
         }
+        // Whoever sees the transfer finished also sees its operations counted.
+        self.flush_counters();
         self.counters.transfers.fetch_add(1, Ordering::Relaxed);
         a.slot.complete(match a.error {
             None => Ok(a.stats),
@@ -363,48 +399,138 @@ impl<T: Transport> Worker<T> {
         });
     }
 
+    /// Adds the pending counter increments to the shared counters.
+    fn flush_counters(&mut self) {
+        let p = std::mem::take(&mut self.pending);
+        for (counter, n) in [
+            (&self.counters.bytes, p.bytes),
+            (&self.counters.ops, p.ops),
+            (&self.counters.reposts, p.reposts),
+            (&self.counters.errors, p.errors),
+        ] {
+            if n > 0 {
+                counter.fetch_add(n, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Posts up to `cfg.batch` operations from the front of the queue; stops at the first
+    /// "no room" (deferred posting: the rest waits for the next poll).
     fn post_batch(&mut self) -> usize {
         let mut posted = 0;
         while posted < self.cfg.batch {
-            let Some(q) = self.queue.pop_front() else {
+            let Some(&q) = self.queue.front() else {
                 break;
             };
-            let (peer, failed) = match self.active(q.slot, q.generation) {
-                None => continue, // the transfer already ended (time-out)
-                Some(a) => (a.peer, a.error.is_some()),
+            let (n, no_room) = match q.op {
+                QueuedOp::Writes => self.post_writes(q, self.cfg.batch - posted),
+                QueuedOp::Imm(w, v) => self.post_one(q, |t, peer, wr| {
+                    t.post_write(peer, wr, w.src, w.dst, Some(v))
+                }),
+                QueuedOp::Send(src, imm) => {
+                    self.post_one(q, |t, peer, wr| t.post_send(peer, wr, src, imm))
+                }
             };
-            if failed {
-                self.op_done(q.slot, q.generation, Ok(()));
-                continue;
+            posted += n;
+            if no_room {
+                // Deferred posting: retried after the next poll.
+                self.pending.reposts += 1;
+                break;
             }
-            let wr = wr_of(q.slot, q.generation);
-            let r = match q.op {
-                QueuedOp::Write(w, imm) => self.t.post_write(peer, wr, w.src, w.dst, imm),
-                QueuedOp::Send(src, imm) => self.t.post_send(peer, wr, src, imm),
-            };
-            match r {
+        }
+        self.pending.ops += posted as u64;
+        posted
+    }
+
+    /// Posts the planned writes of the transfer at the front of the queue, at most `room`;
+    /// pops the entry once none is left. Returns (posted, refused for lack of room).
+    fn post_writes(&mut self, q: Queued, room: usize) -> (usize, bool) {
+        let wr = wr_of(q.slot, q.generation);
+        let Some(a) = self
+            .slots
+            .get_mut(q.slot as usize)
+            .and_then(Option::as_mut)
+            .filter(|a| a.generation == q.generation)
+        else {
+            self.queue.pop_front(); // the transfer already ended (time-out)
+            return (0, false);
+        };
+        if a.error.is_some() {
+            // A failed transfer posts nothing more; what was queued counts as done.
+            let left = (a.writes.len() - a.next) as u64;
+            a.next = a.writes.len();
+            self.queue.pop_front();
+            self.ops_done(q.slot, q.generation, left, Ok(()));
+            return (0, false);
+        }
+        let peer = a.peer;
+        let mut posted = 0;
+        let mut no_room = false;
+        let mut failed = None;
+        while posted < room && a.next < a.writes.len() {
+            let w = a.writes[a.next];
+            match self.t.post_write(peer, wr, w.src, w.dst, None) {
                 Ok(PostOutcome::Posted) => {
+                    a.next += 1;
                     posted += 1;
-                    if let Some(a) = self.active(q.slot, q.generation) {
-                        a.stats.ops += 1;
-                    }
                 }
                 Ok(PostOutcome::NoRoom) => {
-                    // Deferred posting: retried after the next poll.
-                    self.counters.reposts.fetch_add(1, Ordering::Relaxed);
-                    self.queue.push_front(q);
+                    no_room = true;
                     break;
                 }
                 Err(e) => {
-                    self.counters.errors.fetch_add(1, Ordering::Relaxed);
-                    self.op_done(q.slot, q.generation, Err(op_error(e)));
+                    a.next += 1;
+                    failed = Some(e);
+                    break;
                 }
             }
         }
-        self.counters
-            .ops
-            .fetch_add(posted as u64, Ordering::Relaxed);
-        posted
+        a.stats.ops += posted as u64;
+        if a.next == a.writes.len() {
+            self.queue.pop_front();
+        }
+        if let Some(e) = failed {
+            self.pending.errors += 1;
+            self.op_done(q.slot, q.generation, Err(op_error(e)));
+        }
+        (posted, no_room)
+    }
+
+    /// Posts the single operation at the front of the queue and pops it unless refused.
+    /// Returns (posted, refused for lack of room).
+    fn post_one(
+        &mut self,
+        q: Queued,
+        post: impl FnOnce(&mut T, PeerId, WorkRequestId) -> Result<PostOutcome>,
+    ) -> (usize, bool) {
+        let (peer, failed) = match self.active(q.slot, q.generation) {
+            None => {
+                self.queue.pop_front(); // the transfer already ended (time-out)
+                return (0, false);
+            }
+            Some(a) => (a.peer, a.error.is_some()),
+        };
+        if failed {
+            self.queue.pop_front();
+            self.op_done(q.slot, q.generation, Ok(()));
+            return (0, false);
+        }
+        match post(&mut self.t, peer, wr_of(q.slot, q.generation)) {
+            Ok(PostOutcome::Posted) => {
+                self.queue.pop_front();
+                if let Some(a) = self.active(q.slot, q.generation) {
+                    a.stats.ops += 1;
+                }
+                (1, false)
+            }
+            Ok(PostOutcome::NoRoom) => (0, true),
+            Err(e) => {
+                self.queue.pop_front();
+                self.pending.errors += 1;
+                self.op_done(q.slot, q.generation, Err(op_error(e)));
+                (0, false)
+            }
+        }
     }
 
     fn poll(&mut self) -> usize {
@@ -444,11 +570,11 @@ impl<T: Transport> Worker<T> {
                 let sent = *c.result.as_ref().unwrap_or(&0);
                 let res = match c.result {
                     Ok(b) => {
-                        self.counters.bytes.fetch_add(b, Ordering::Relaxed);
+                        self.pending.bytes += b;
                         Ok(())
                     }
                     Err(e) => {
-                        self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                        self.pending.errors += 1;
                         Err(e)
                     }
                 };
