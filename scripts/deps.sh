@@ -3,12 +3,14 @@
 # Sourced by scripts/test.sh and scripts/demo.sh; defines functions and runs nothing.
 
 # System packages: libfabric (transport-efa, libfabric-sys) and its headers for bindgen
-# (libclang, clang), hwloc with udev (topology), pkg-config to find them, and the tools
-# fi_info and lstopo.
+# (libclang, clang), hwloc with udev (topology), pkg-config to find them, the tools
+# fi_info and lstopo, and ip, tc and nft for the network-namespace fault tests
+# (transport-tcp/tests/netns_faults.rs).
 XFER_DEB_PACKAGES=(
     libfabric-dev libfabric-bin
     libclang-dev clang pkg-config
     libhwloc-dev libudev-dev hwloc
+    iproute2 nftables
 )
 
 # Prints the Debian packages of XFER_DEB_PACKAGES that are not installed, one a line.

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it (.ci/run): format, lints, docs, tests.
 # Installs the system packages it needs on Debian/Ubuntu when run as root; otherwise
-# says what to install. Under CI=true, libfabric tests fail instead of skipping.
+# says what to install. Under CI=true, libfabric and network-namespace tests fail instead
+# of skipping.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck source=scripts/deps.sh
@@ -12,6 +13,7 @@ xfer_require_rust rustfmt clippy
 
 if [[ "${CI:-}" == true ]]; then
     export XFER_REQUIRE_LIBFABRIC="${XFER_REQUIRE_LIBFABRIC:-1}"
+    export XFER_REQUIRE_NETNS="${XFER_REQUIRE_NETNS:-1}"
 fi
 
 failed=()
