@@ -1,7 +1,7 @@
 //! [`DeviceBuffer`]: device memory from `cuMemAlloc`, with synchronous copies, fill, and
 //! dmabuf export; it implements [`MemoryRegion`] so transports can register it.
 
-use crate::device::Device;
+use crate::device::{Device, STAGING};
 use crate::error::{CopyDirection, CudaError, GpuMemError, check};
 use crate::range::{check_range, page_span};
 use cudarc::driver::sys;
@@ -21,8 +21,9 @@ const PAGE: u64 = 4096;
 ///
 /// Synchronous methods ([`copy_from_host`](Self::copy_from_host),
 /// [`copy_to_host`](Self::copy_to_host), [`fill`](Self::fill)) return once the device
-/// memory holds the result. Copies run on a non-blocking stream private to the calling
-/// thread (so several threads copy at once), `fill` on the legacy default stream; neither
+/// memory holds the result. Copies go through a pinned bounce buffer and a non-blocking
+/// stream private to the calling thread (so several threads copy at once, at DMA speed),
+/// `fill` runs on the legacy default stream; neither
 /// is ordered with copies queued on a [`CopyStream`](crate::CopyStream): wait for that
 /// stream's event first.
 ///
@@ -101,28 +102,34 @@ impl DeviceBuffer {
             return Ok(());
         }
         self.device.bind()?;
+        let (stream, staging) = self.device.thread_staging()?;
         let err = |source| GpuMemError::Copy {
             direction: CopyDirection::HostToDevice,
             len: src.len() as u64,
             source,
         };
-        let stream = self.device.thread_stream()?;
-        check(
-            // SAFETY: offset+len lies inside this live allocation (checked above); src is a
-            // valid readable slice of len bytes that outlives the copy (we wait for the stream
-            // below before returning); the context is current and the stream is this thread's.
-            unsafe {
-                sys::cuMemcpyHtoDAsync_v2(
-                    self.ptr + offset,
-                    src.as_ptr().cast::<c_void>(),
-                    src.len(),
-                    stream,
-                )
-            },
-            err,
-        )?;
-        // Wait for this thread's stream only, so that other threads' copies run meanwhile.
-        self.sync_stream(stream, err)
+        for (i, chunk) in src.chunks(STAGING).enumerate() {
+            // SAFETY: staging holds STAGING >= chunk.len() bytes private to this thread, and
+            // the previous copy from it was waited for; chunk is a valid slice.
+            unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), staging, chunk.len()) };
+            check(
+                // SAFETY: the destination lies inside this live allocation (range checked
+                // above); staging is pinned memory of at least chunk.len() bytes that is not
+                // touched until the stream is synchronised below; the context is current.
+                unsafe {
+                    sys::cuMemcpyHtoDAsync_v2(
+                        self.ptr + offset + (i * STAGING) as u64,
+                        staging.cast::<c_void>(),
+                        chunk.len(),
+                        stream,
+                    )
+                },
+                err,
+            )?;
+            // Wait for this thread's stream only, so that other threads' copies run meanwhile.
+            self.sync_stream(stream, err)?;
+        }
+        Ok(())
     }
 
     /// Copies bytes at `offset` into `dst`; returns once `dst` holds them.
@@ -132,28 +139,34 @@ impl DeviceBuffer {
             return Ok(());
         }
         self.device.bind()?;
-        let stream = self.device.thread_stream()?;
+        let (stream, staging) = self.device.thread_staging()?;
         let len = dst.len() as u64;
         let err = |source| GpuMemError::Copy {
             direction: CopyDirection::DeviceToHost,
             len,
             source,
         };
-        check(
-            // SAFETY: offset+len lies inside this live allocation (checked above); dst is a
-            // valid writable slice of len bytes that nothing else borrows and that outlives
-            // the copy (we wait for the stream below); the context is current.
-            unsafe {
-                sys::cuMemcpyDtoHAsync_v2(
-                    dst.as_mut_ptr().cast::<c_void>(),
-                    self.ptr + offset,
-                    dst.len(),
-                    stream,
-                )
-            },
-            err,
-        )?;
-        self.sync_stream(stream, err)
+        for (i, chunk) in dst.chunks_mut(STAGING).enumerate() {
+            check(
+                // SAFETY: the source lies inside this live allocation (range checked above);
+                // staging is pinned memory of at least chunk.len() bytes private to this
+                // thread; the context is current.
+                unsafe {
+                    sys::cuMemcpyDtoHAsync_v2(
+                        staging.cast::<c_void>(),
+                        self.ptr + offset + (i * STAGING) as u64,
+                        chunk.len(),
+                        stream,
+                    )
+                },
+                err,
+            )?;
+            self.sync_stream(stream, err)?;
+            // SAFETY: the copy into staging has completed (stream synchronised); chunk is a
+            // distinct writable slice of chunk.len() <= STAGING bytes.
+            unsafe { std::ptr::copy_nonoverlapping(staging, chunk.as_mut_ptr(), chunk.len()) };
+        }
+        Ok(())
     }
 
     /// Returns a copy of `len` bytes at `offset`.
