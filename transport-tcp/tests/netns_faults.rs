@@ -328,7 +328,10 @@ fn partition_fails_pending_transfers_then_heals() {
         r.err().unwrap()
     );
 
-    // Heal, then remove the peer and add it again.
+    // Heal, then remove the peer and add it again. Most of the recovery time is the
+    // kernel's: the initiator's ARP entry for the target is left INCOMPLETE by the
+    // partition and is probed again only once a second (retrans_time_ms), so the first SYN
+    // waits up to a second for it.
     let t1 = Instant::now();
     net.link(Side::B, true).expect("link up");
     a.remove_peer(peer).expect("remove the unreachable peer");
