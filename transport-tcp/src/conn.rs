@@ -286,12 +286,21 @@ pub(crate) struct Conn {
     hello: Option<(u32, u64, Vec<u8>)>,
     /// When the connection was opened (a peer that never says HELLO is dropped).
     pub opened: std::time::Instant,
+    /// Digest of the shared token that an accepted connection's HELLO must carry.
+    auth: Option<[u8; 16]>,
     discard: Box<[u8]>,
 }
 
 impl Conn {
-    pub fn new(stream: TcpStream, peer: PeerId, awaiting_hello: bool) -> Conn {
+    /// A connection; `auth` is the token digest an accepted connection's HELLO must carry.
+    pub fn new(
+        stream: TcpStream,
+        peer: PeerId,
+        awaiting_hello: bool,
+        auth: Option<[u8; 16]>,
+    ) -> Conn {
         Conn {
+            auth,
             stream,
             peer,
             out: VecDeque::new(),
@@ -703,6 +712,14 @@ impl Conn {
                 }
                 if h.len > MAX_HELLO || h.len < 12 {
                     return Err(format!("HELLO of {} bytes", h.len));
+                }
+                // Checked before anything else of the peer is read (the token is never logged).
+                if let Some(want) = self.auth
+                    && !crate::auth::matches(&want, h.key, h.offset)
+                {
+                    return Err(
+                        "authentication failed: the HELLO carries no token or a wrong one".into(),
+                    );
                 }
                 self.rstate = ReadState::Payload {
                     dest: Dest::Buffer(Vec::with_capacity(h.len as usize)),

@@ -41,6 +41,7 @@
 //! ```
 #![warn(missing_docs)]
 
+mod auth;
 mod conn;
 pub mod frame;
 mod io;
@@ -59,6 +60,12 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::Duration;
+
+/// The digest of a shared token as it travels in HELLOs (see [`TcpConfig::auth_token`]);
+/// other channels (a control protocol) may use it to prove the same token.
+pub fn auth_digest(token: &str) -> [u8; 16] {
+    auth::digest(token)
+}
 
 /// Prefix of every TCP transport address.
 pub const ADDRESS_PREFIX: &str = "tcp://";
@@ -88,6 +95,11 @@ pub struct TcpConfig {
     /// Most open connections (accepted ones beyond this are refused). A connection that sends
     /// no HELLO within `peer_timeout` is closed.
     pub max_connections: usize,
+    /// A shared secret. When set, peers whose HELLO does not prove knowledge of it are
+    /// refused before any of their frames touches memory, and our HELLOs carry its proof.
+    /// Only a digest travels (never the token), but the digest can be replayed by whoever
+    /// sees the traffic: on untrusted networks run inside an encrypted tunnel.
+    pub auth_token: Option<String>,
 }
 
 impl Default for TcpConfig {
@@ -103,6 +115,7 @@ impl Default for TcpConfig {
             peer_timeout: Duration::from_secs(5),
             socket_buffer: None,
             max_connections: 4096,
+            auth_token: None,
         }
     }
 }
@@ -135,6 +148,8 @@ pub struct TcpTransport {
     local: HashMap<LocalKey, LocalRegion>,
     shared: Shared,
     pollfds: Vec<libc::pollfd>,
+    /// Digest of `cfg.auth_token`.
+    auth: Option<[u8; 16]>,
 }
 
 fn random_u64() -> u64 {
@@ -170,6 +185,7 @@ impl TcpTransport {
             max_msg_size: cfg.max_msg_size,
             completions: Vec::new(),
         };
+        let cfg_auth = cfg.auth_token.as_deref().map(auth::digest);
         Ok(TcpTransport {
             address: format!("{ADDRESS_PREFIX}{local}").into_bytes(),
             cfg,
@@ -183,6 +199,7 @@ impl TcpTransport {
             local: HashMap::new(),
             shared,
             pollfds: Vec::new(),
+            auth: cfg_auth,
         })
     }
 
@@ -371,7 +388,8 @@ impl TcpTransport {
                         continue;
                     }
                     // The peer id is settled by the HELLO; until then the conn has none.
-                    self.insert_conn(Conn::new(sock.into(), PeerId(0), true));
+                    let auth = self.auth;
+                    self.insert_conn(Conn::new(sock.into(), PeerId(0), true, auth));
                     tracing::debug!(%from, "accepted connection");
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
@@ -444,15 +462,16 @@ impl Transport for TcpTransport {
                     return Err(e);
                 }
             };
-            let mut c = Conn::new(stream, id, false);
+            let mut c = Conn::new(stream, id, false, None);
             let mut hello = Vec::with_capacity(12 + self.address.len());
             hello.extend_from_slice(&(rail as u32).to_le_bytes());
             hello.extend_from_slice(&self.instance.to_le_bytes());
             hello.extend_from_slice(&self.address);
-            c.queue(
-                Header::new(Op::Hello, hello.len() as u64),
-                Payload::Owned(hello),
-            );
+            let mut h = Header::new(Op::Hello, hello.len() as u64);
+            if let Some(d) = self.auth {
+                (h.key, h.offset) = auth::split(&d);
+            }
+            c.queue(h, Payload::Owned(hello));
             conns.push(self.insert_conn(c));
         }
         self.next_peer += 1;

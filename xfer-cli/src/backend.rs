@@ -70,6 +70,10 @@ pub struct BackendArgs {
     /// first, target on the second if given).
     #[arg(long, value_delimiter = ',', default_value = "0")]
     pub gpus: Vec<u32>,
+    /// Shared secret (tcp): peers without it are refused before they touch memory. Also
+    /// read from XFER_AUTH_TOKEN; never printed or logged.
+    #[arg(long, env = "XFER_AUTH_TOKEN", hide_env_values = true)]
+    pub auth_token: Option<String>,
 }
 
 impl BackendArgs {
@@ -84,6 +88,12 @@ impl BackendArgs {
         if rails == 0 {
             return Err(CliError::Usage("--rails must be at least 1".into()));
         }
+        if self.auth_token.is_some() && self.transport != TransportKind::Tcp {
+            return Err(CliError::Usage(
+                "--auth-token applies to --transport tcp only".into(),
+            ));
+        }
+        let auth_token = self.auth_token.clone();
         // One worker per rail: pin only a lone worker (several on one core would share it).
         let pin = if rails == 1 { pin } else { None };
         let cfg = EngineConfig {
@@ -98,6 +108,7 @@ impl BackendArgs {
                     placement::pin_worker(pin, &format!("{worker}-{i}"));
                     TcpTransport::new(TcpConfig {
                         listen: SocketAddr::new(ip, 0),
+                        auth_token: auth_token.clone(),
                         ..TcpConfig::default()
                     })
                 },

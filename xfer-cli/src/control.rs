@@ -34,6 +34,9 @@ pub enum Request {
         version: u32,
         /// The transport the client will use.
         transport: String,
+        /// Hex digest of the client's shared token (never the token), if it has one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        auth: Option<String>,
     },
     /// Check written pages against the pattern.
     Verify {
@@ -171,7 +174,20 @@ fn client(
             }
         };
         match req {
-            Request::Hello { version, transport } => {
+            Request::Hello {
+                version,
+                transport,
+                auth,
+            } => {
+                if let Some(want) = &backend.auth_token
+                    && auth.as_deref() != Some(hex(&transport_tcp::auth_digest(want)).as_str())
+                {
+                    reply::<()>(
+                        &mut w,
+                        Err("authentication failed: no or wrong --auth-token".into()),
+                    )?;
+                    return Ok(());
+                }
                 if version != VERSION {
                     reply::<()>(
                         &mut w,
@@ -299,10 +315,11 @@ impl ControlClient {
     }
 
     /// Asks for a region.
-    pub fn hello(&mut self, transport: &str) -> Result<HelloReply, String> {
+    pub fn hello(&mut self, transport: &str, token: Option<&str>) -> Result<HelloReply, String> {
         self.call(&Request::Hello {
             version: VERSION,
             transport: transport.into(),
+            auth: token.map(|t| hex(&transport_tcp::auth_digest(t))),
         })
     }
 
@@ -319,4 +336,8 @@ impl ControlClient {
             pages,
         })
     }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }

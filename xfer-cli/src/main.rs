@@ -356,7 +356,7 @@ fn bench(a: BenchArgs) -> Result<(), CliError> {
     let mut ctl = control::ControlClient::connect(ctl_addr, Duration::from_secs(5))
         .map_err(CliError::Failed)?;
     let hello = ctl
-        .hello(a.backend.transport.name())
+        .hello(a.backend.transport.name(), a.backend.auth_token.as_deref())
         .map_err(CliError::Failed)?;
     if hello.region.len() < k.region_size {
         return Err(CliError::Usage(format!(

@@ -257,8 +257,13 @@ struct Server {
 
 impl Server {
     fn start() -> Server {
+        Server::start_with(&[])
+    }
+
+    fn start_with(extra: &[&str]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_xfer"))
             .args(["serve", "--listen", "127.0.0.1:0", "--region-size", "8MiB"])
+            .args(extra)
             .env_remove("RUST_LOG")
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -438,4 +443,26 @@ fn bench_over_two_rails_to_a_four_rail_server_verifies() {
         .expect("bench runs");
     let line = assert_fails_with_one_line(&out, 1);
     assert!(line.contains("tcp transport, not efa"), "{line}");
+}
+
+#[test]
+fn serve_with_a_token_refuses_benches_without_it() {
+    let server = Server::start_with(&["--auth-token", "t0ken"]);
+    let out = Command::new(env!("CARGO_BIN_EXE_xfer"))
+        .args(bench_args(&server.peer))
+        .env_remove("XFER_AUTH_TOKEN")
+        .output()
+        .expect("bench runs");
+    let line = assert_fails_with_one_line(&out, 1);
+    assert!(line.contains("authentication failed"), "{line}");
+    assert!(
+        !line.contains("t0ken"),
+        "the token must never be printed: {line}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_xfer"))
+        .args(bench_args(&server.peer))
+        .env("XFER_AUTH_TOKEN", "t0ken")
+        .output()
+        .expect("bench runs");
+    assert_bench_verified(&out, "bench with the token from XFER_AUTH_TOKEN");
 }
