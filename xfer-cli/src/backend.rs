@@ -83,7 +83,7 @@ impl BackendArgs {
         ip: IpAddr,
         rails: usize,
         name: &str,
-        pin: Option<CorePin>,
+        pins: Vec<Option<CorePin>>,
     ) -> Result<RailGroup, CliError> {
         if rails == 0 {
             return Err(CliError::Usage("--rails must be at least 1".into()));
@@ -94,8 +94,7 @@ impl BackendArgs {
             ));
         }
         let auth_token = self.auth_token.clone();
-        // One worker per rail: pin only a lone worker (several on one core would share it).
-        let pin = if rails == 1 { pin } else { None };
+        let pins = Arc::new(pins);
         let cfg = EngineConfig {
             name: name.into(),
             ..EngineConfig::default()
@@ -105,7 +104,7 @@ impl BackendArgs {
             TransportKind::Tcp => RailGroup::spawn(
                 rails,
                 move |i| {
-                    placement::pin_worker(pin, &format!("{worker}-{i}"));
+                    placement::pin_worker(pins.get(i).copied().flatten(), &format!("{worker}-{i}"));
                     TcpTransport::new(TcpConfig {
                         listen: SocketAddr::new(ip, 0),
                         auth_token: auth_token.clone(),
@@ -117,7 +116,7 @@ impl BackendArgs {
             TransportKind::Mem => RailGroup::spawn(
                 rails,
                 move |i| {
-                    placement::pin_worker(pin, &format!("{worker}-{i}"));
+                    placement::pin_worker(pins.get(i).copied().flatten(), &format!("{worker}-{i}"));
                     Ok(MemTransport::new())
                 },
                 cfg,
@@ -131,7 +130,10 @@ impl BackendArgs {
                 RailGroup::spawn(
                     rails,
                     move |i| {
-                        placement::pin_worker(pin, &format!("{worker}-{i}"));
+                        placement::pin_worker(
+                            pins.get(i).copied().flatten(),
+                            &format!("{worker}-{i}"),
+                        );
                         EfaTransport::new(&ec)
                     },
                     cfg,

@@ -265,12 +265,18 @@ fn demo(a: DemoArgs) -> Result<(), CliError> {
     let w = workload_of(k)?;
     let pins = WorkerPins::for_this_machine(k.pin);
     let lo = IpAddr::V4(Ipv4Addr::LOCALHOST);
-    let src_group = a
-        .backend
-        .spawn_group(lo, k.rails, "xfer-initiator", pins.initiator)?;
-    let dst_group = a
-        .backend
-        .spawn_group(lo, k.rails, "xfer-target", pins.target)?;
+    let src_group = a.backend.spawn_group(
+        lo,
+        k.rails,
+        "xfer-initiator",
+        pins.rail_pins(pins.initiator, k.rails, 0),
+    )?;
+    let dst_group = a.backend.spawn_group(
+        lo,
+        k.rails,
+        "xfer-target",
+        pins.rail_pins(pins.target, k.rails, k.rails),
+    )?;
     // Both regions are first touched by this thread: put them on the workers' node.
     if let Some(p) = pins.initiator {
         p.prefer_memory_here("main");
@@ -387,9 +393,12 @@ fn bench(a: BenchArgs) -> Result<(), CliError> {
         IpAddr::V6(Ipv6Addr::UNSPECIFIED)
     };
     let pins = WorkerPins::for_this_machine(k.pin);
-    let group = a
-        .backend
-        .spawn_group(local_ip, k.rails, "xfer-initiator", pins.initiator)?;
+    let group = a.backend.spawn_group(
+        local_ip,
+        k.rails,
+        "xfer-initiator",
+        pins.rail_pins(pins.initiator, k.rails, 0),
+    )?;
     if let Some(p) = pins.initiator {
         p.prefer_memory_here("main");
     }
@@ -450,10 +459,12 @@ fn serve(a: ServeArgs) -> Result<(), CliError> {
         .map_err(|e| CliError::Failed(e.to_string()))?;
     let data_ip = a.data_listen.unwrap_or(ctl.ip());
     let pins = WorkerPins::for_this_machine(a.pin);
-    let group = Arc::new(
-        a.backend
-            .spawn_group(data_ip, a.rails, "xfer-serve", pins.initiator)?,
-    );
+    let group = Arc::new(a.backend.spawn_group(
+        data_ip,
+        a.rails,
+        "xfer-serve",
+        pins.rail_pins(pins.initiator, a.rails, 0),
+    )?);
     if ctl.ip().is_unspecified() {
         eprintln!(
             "xfer: listening on every interface; peers use this machine's address in place of {}",

@@ -87,12 +87,15 @@ impl CorePin {
 pub const MIN_CORES_TO_PIN_TARGET: usize = 3;
 
 /// The cores of this process's workers.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct WorkerPins {
     /// The worker that initiates transfers (demo, bench), or the serving worker (serve).
     pub initiator: Option<CorePin>,
     /// The target worker of `demo` (same process).
     pub target: Option<CorePin>,
+    /// Cores for several rails: those of the initiator's NUMA node from its core on, CPU 0
+    /// last (see [`WorkerPins::rail_pins`]).
+    pub pool: Vec<u32>,
 }
 
 impl WorkerPins {
@@ -148,10 +151,18 @@ impl WorkerPins {
             v.dedup();
             v
         };
+        // The node's cores from the initiator's on, wrapping, CPU 0 last: rails take them in turn.
+        let mut pool = vec![w.core];
+        while let Some(c) =
+            next_core(&same_node, *pool.last().expect("non-empty")).filter(|c| !pool.contains(c))
+        {
+            pool.push(c);
+        }
         if all.len() < MIN_CORES_TO_PIN_TARGET {
             return WorkerPins {
                 initiator: Some(initiator),
                 target: None,
+                pool,
             };
         }
         let target = next_core(&same_node, w.core)
@@ -164,7 +175,38 @@ impl WorkerPins {
         WorkerPins {
             initiator: Some(initiator),
             target,
+            pool,
         }
+    }
+
+    /// Pins for `rails` workers of one group: `first` (the role's own pin) alone for one
+    /// rail; for several, distinct cores of the pool, the initiator's group from the start
+    /// of the pool and the target's (`offset = rails`) after it, but only where the pool
+    /// holds both groups and a core to spare: otherwise they run unpinned (several busy
+    /// workers on one core would share it).
+    pub fn rail_pins(
+        &self,
+        first: Option<CorePin>,
+        rails: usize,
+        offset: usize,
+    ) -> Vec<Option<CorePin>> {
+        let Some(base) = first else {
+            return vec![None; rails];
+        };
+        if rails == 1 {
+            return vec![Some(base)];
+        }
+        if self.pool.len() <= 2 * rails {
+            return vec![None; rails];
+        }
+        (0..rails)
+            .map(|i| {
+                Some(CorePin {
+                    core: self.pool[offset + i],
+                    ..base
+                })
+            })
+            .collect()
     }
 }
 
@@ -268,5 +310,34 @@ mod tests {
             WorkerPins::for_this_machine(PinMode::Off),
             WorkerPins::default()
         );
+    }
+
+    #[test]
+    fn rails_get_distinct_cores_of_their_node_or_none() {
+        let t = fixture("p5.48xlarge.xml");
+        let pins = WorkerPins::from_topology(&t, &t.plan());
+        let a = pins.rail_pins(pins.initiator, 4, 0);
+        let b = pins.rail_pins(pins.target, 4, 4);
+        let mut cores: Vec<u32> = a
+            .iter()
+            .chain(&b)
+            .map(|p| p.expect("pinned").core)
+            .collect();
+        assert!(!cores.contains(&0), "CPU 0 is kept free: {cores:?}");
+        let node0 = &t.numa_nodes[0].cores;
+        assert!(
+            cores.iter().all(|c| node0.contains(c)),
+            "all on the initiator's node: {cores:?}"
+        );
+        cores.sort_unstable();
+        cores.dedup();
+        assert_eq!(cores.len(), 8, "eight distinct cores");
+        // A machine too small for both groups leaves several rails unpinned.
+        let small = WorkerPins {
+            pool: vec![1, 0],
+            ..pins.clone()
+        };
+        assert_eq!(small.rail_pins(small.initiator, 2, 0), vec![None, None]);
+        assert_eq!(pins.rail_pins(pins.initiator, 1, 0), vec![pins.initiator]);
     }
 }
