@@ -282,6 +282,7 @@ struct RunViews {
 
 impl RunViews {
     /// The views of `w`'s source and target (`None` where the key is unknown).
+    #[inline(always)]
     fn of(
         &mut self,
         local: &KeyMap<LocalKey, LocalRegion>,

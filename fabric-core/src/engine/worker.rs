@@ -116,6 +116,14 @@ fn wr_of(slot: u32, generation: u32) -> WorkRequestId {
     WorkRequestId(((generation as u64 & 0x7fff_ffff) << 32) | slot as u64)
 }
 
+/// The slot and generation a work-request id of [`wr_of`] names.
+fn slot_of(wr: WorkRequestId) -> (u32, u32) {
+    (
+        (wr.0 & 0xffff_ffff) as u32,
+        ((wr.0 >> 32) & 0x7fff_ffff) as u32,
+    )
+}
+
 fn op_error(e: Error) -> OpError {
     match e {
         Error::Op(op) => op,
@@ -363,7 +371,9 @@ impl<T: Transport> Worker<T> {
         let Some(a) = self.active(idx, generation) else {
             return;
         };
-        a.remaining -= count;
+        // Never more than are outstanding, even if a transport reported one twice.
+        debug_assert!(count <= a.remaining, "{count} done of {} left", a.remaining);
+        a.remaining = a.remaining.saturating_sub(count);
         if let Err(e) = res
             && a.error.is_none()
         {
@@ -539,11 +549,41 @@ impl<T: Transport> Worker<T> {
             tracing::warn!(error = %e, "transport poll failed");
         }
         let n = comps.len();
+        // Successful writes of one transfer share a work-request id and usually come back
+        // together: count each such run with one slot lookup.
+        let mut run: Option<(WorkRequestId, u64, u64)> = None;
         for c in comps.drain(..) {
+            if let (OpKind::Write, Ok(bytes)) = (c.op, &c.result) {
+                match &mut run {
+                    Some((wr, count, sum)) if *wr == c.wr_id => {
+                        *count += 1;
+                        *sum += bytes;
+                    }
+                    _ => {
+                        if let Some(done) = run.replace((c.wr_id, 1, *bytes)) {
+                            self.writes_done(done);
+                        }
+                    }
+                }
+                continue;
+            }
+            if let Some(done) = run.take() {
+                self.writes_done(done);
+            }
             self.completion(c);
+        }
+        if let Some(done) = run {
+            self.writes_done(done);
         }
         self.completions = comps;
         n
+    }
+
+    /// `count` writes with work-request id `wr` succeeded, moving `bytes` in all.
+    fn writes_done(&mut self, (wr, count, bytes): (WorkRequestId, u64, u64)) {
+        self.pending.bytes += bytes;
+        let (idx, generation) = slot_of(wr);
+        self.ops_done(idx, generation, count, Ok(()));
     }
 
     fn completion(&mut self, c: Completion) {
@@ -563,10 +603,7 @@ impl<T: Transport> Worker<T> {
                 }
             }
             OpKind::Write | OpKind::Send => {
-                let (idx, generation) = (
-                    (c.wr_id.0 & 0xffff_ffff) as u32,
-                    ((c.wr_id.0 >> 32) & 0x7fff_ffff) as u32,
-                );
+                let (idx, generation) = slot_of(c.wr_id);
                 let sent = *c.result.as_ref().unwrap_or(&0);
                 let res = match c.result {
                     Ok(b) => {
