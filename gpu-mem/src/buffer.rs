@@ -169,6 +169,152 @@ impl DeviceBuffer {
         Ok(())
     }
 
+    /// Copies several ranges out, `(offset, destination)` each: the copies are queued
+    /// together through this thread's pinned bounce buffer and waited for once per 4 MiB
+    /// (one synchronisation for a batch of pages instead of one per page).
+    pub fn copy_many_to_host(&self, parts: &mut [(u64, &mut [u8])]) -> Result<(), GpuMemError> {
+        for (offset, dst) in parts.iter() {
+            check_range(*offset, dst.len() as u64, self.len as u64)?;
+        }
+        self.device.bind()?;
+        let (stream, staging) = self.device.thread_staging()?;
+        let err = |len: u64| {
+            move |source| GpuMemError::Copy {
+                direction: CopyDirection::DeviceToHost,
+                len,
+                source,
+            }
+        };
+        // Parts queued into the bounce buffer: (index in parts, position in staging).
+        let mut queued: Vec<(usize, usize)> = Vec::new();
+        let mut used = 0usize;
+        let mut i = 0;
+        while i < parts.len() {
+            let len = parts[i].1.len();
+            if len > STAGING {
+                // Too big to share the buffer: copied alone, chunk by chunk, once the copies
+                // queued in the buffer have been taken out of it.
+                self.drain_to(stream, staging, &queued, parts, used)?;
+                queued.clear();
+                used = 0;
+                let (off, dst) = &mut parts[i];
+                self.copy_to_host(*off, dst)?;
+                i += 1;
+                continue;
+            }
+            if used + len > STAGING {
+                self.drain_to(stream, staging, &queued, parts, used)?;
+                queued.clear();
+                used = 0;
+                continue;
+            }
+            if len > 0 {
+                check(
+                    // SAFETY: the source lies inside this live allocation (checked above);
+                    // staging + used .. + len lies inside the STAGING-byte pinned buffer private
+                    // to this thread; the context is current.
+                    unsafe {
+                        sys::cuMemcpyDtoHAsync_v2(
+                            staging.add(used).cast::<c_void>(),
+                            self.ptr + parts[i].0,
+                            len,
+                            stream,
+                        )
+                    },
+                    err(len as u64),
+                )?;
+                queued.push((i, used));
+                used += len;
+            }
+            i += 1;
+        }
+        self.drain_to(stream, staging, &queued, parts, used)
+    }
+
+    /// Waits for the queued device-to-host copies, then moves them out of the bounce buffer.
+    fn drain_to(
+        &self,
+        stream: sys::CUstream,
+        staging: *mut u8,
+        queued: &[(usize, usize)],
+        parts: &mut [(u64, &mut [u8])],
+        used: usize,
+    ) -> Result<(), GpuMemError> {
+        if queued.is_empty() {
+            return Ok(());
+        }
+        self.sync_stream(stream, |source| GpuMemError::Copy {
+            direction: CopyDirection::DeviceToHost,
+            len: used as u64,
+            source,
+        })?;
+        for &(i, at) in queued {
+            let dst = &mut parts[i].1;
+            // SAFETY: the copies into staging[at..at+len] completed (stream synchronised);
+            // dst is a distinct writable slice of that length.
+            unsafe { std::ptr::copy_nonoverlapping(staging.add(at), dst.as_mut_ptr(), dst.len()) };
+        }
+        Ok(())
+    }
+
+    /// Copies several ranges in, `(offset, source)` each, batched like
+    /// [`copy_many_to_host`](Self::copy_many_to_host).
+    pub fn copy_many_from_host(&self, parts: &[(u64, &[u8])]) -> Result<(), GpuMemError> {
+        for (offset, src) in parts {
+            check_range(*offset, src.len() as u64, self.len as u64)?;
+        }
+        self.device.bind()?;
+        let (stream, staging) = self.device.thread_staging()?;
+        let mut used = 0usize;
+        for (offset, src) in parts {
+            if used + src.len() > STAGING || (src.len() > STAGING && used > 0) {
+                // The bounce buffer is full: let its copies finish before reusing it.
+                self.sync_stream(stream, |source| GpuMemError::Copy {
+                    direction: CopyDirection::HostToDevice,
+                    len: used as u64,
+                    source,
+                })?;
+                used = 0;
+            }
+            if src.len() > STAGING {
+                // Too big to share the buffer (now idle): copied alone, chunk by chunk.
+                self.copy_from_host(*offset, src)?;
+                continue;
+            }
+            if src.is_empty() {
+                continue;
+            }
+            // SAFETY: staging + used .. + len lies inside the pinned buffer, whose earlier
+            // copies from this region were waited for (or queue behind this one and read
+            // other bytes); src is a valid slice.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), staging.add(used), src.len()) };
+            check(
+                // SAFETY: the destination lies inside this live allocation (checked above);
+                // the source is pinned memory that stays untouched until the stream is
+                // synchronised; the context is current.
+                unsafe {
+                    sys::cuMemcpyHtoDAsync_v2(
+                        self.ptr + offset,
+                        staging.add(used).cast::<c_void>(),
+                        src.len(),
+                        stream,
+                    )
+                },
+                |source| GpuMemError::Copy {
+                    direction: CopyDirection::HostToDevice,
+                    len: src.len() as u64,
+                    source,
+                },
+            )?;
+            used += src.len();
+        }
+        self.sync_stream(stream, |source| GpuMemError::Copy {
+            direction: CopyDirection::HostToDevice,
+            len: used as u64,
+            source,
+        })
+    }
+
     /// Returns a copy of `len` bytes at `offset`.
     pub fn to_vec(&self, offset: u64, len: usize) -> Result<Vec<u8>, GpuMemError> {
         check_range(offset, len as u64, self.len as u64)?;
@@ -388,6 +534,14 @@ unsafe impl MemoryRegion for DeviceBuffer {
 
     fn write_from_host(&self, offset: u64, src: &[u8]) -> Result<(), MemoryError> {
         self.copy_from_host(offset, src).map_err(MemoryError::from)
+    }
+
+    fn read_many_to_host(&self, parts: &mut [(u64, &mut [u8])]) -> Result<(), MemoryError> {
+        self.copy_many_to_host(parts).map_err(MemoryError::from)
+    }
+
+    fn write_many_from_host(&self, parts: &[(u64, &[u8])]) -> Result<(), MemoryError> {
+        self.copy_many_from_host(parts).map_err(MemoryError::from)
     }
 }
 

@@ -527,3 +527,40 @@ fn large_copies_from_many_threads_round_trip() {
         t.join().unwrap();
     }
 }
+
+/// Many-part copies (a transport's batch of pages) round-trip, including parts larger than
+/// the bounce buffer between small ones, and out-of-range parts are refused up front.
+#[test]
+fn many_part_copies_round_trip() {
+    let Some(cuda) = cuda() else { return };
+    let dev = cuda.device(0).unwrap();
+    let buf = dev.alloc_zeroed(32 * MIB).unwrap();
+    let sizes = [4096usize, 65536, 5 * MIB + 7, 1, 0, 3 * MIB, 65536, 2 * MIB];
+    let mut off = 0u64;
+    let mut parts: Vec<(u64, Vec<u8>)> = Vec::new();
+    for (i, &n) in sizes.iter().enumerate() {
+        parts.push((off, pattern(n, i as u8)));
+        off += n as u64 + 100;
+    }
+    let refs: Vec<(u64, &[u8])> = parts.iter().map(|(o, d)| (*o, &d[..])).collect();
+    buf.copy_many_from_host(&refs).unwrap();
+    let mut back: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; n]).collect();
+    let mut outs: Vec<(u64, &mut [u8])> = parts
+        .iter()
+        .zip(back.iter_mut())
+        .map(|((o, _), b)| (*o, &mut b[..]))
+        .collect();
+    buf.copy_many_to_host(&mut outs).unwrap();
+    for (i, ((_, want), got)) in parts.iter().zip(&back).enumerate() {
+        assert!(want == got, "part {i} ({} bytes) differs", want.len());
+    }
+    assert!(matches!(
+        buf.copy_many_from_host(&[(0, &[1u8; 8][..]), (32 * MIB as u64 - 4, &[1u8; 8][..])]),
+        Err(GpuMemError::OutOfBounds { .. })
+    ));
+    assert_eq!(
+        buf.to_vec(0, 8).unwrap(),
+        pattern(8, 0),
+        "a refused batch writes nothing"
+    );
+}

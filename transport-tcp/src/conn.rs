@@ -29,6 +29,8 @@ const MAX_HELLO: u64 = 4096;
 const DISCARD: usize = 64 * 1024;
 /// Answers (ACK/NACK frames) queued for a peer before we stop reading its requests.
 const MAX_RESPONSES: usize = 4096;
+/// Received bytes for device memory gathered before they are placed.
+const MAX_PLACING: usize = 16 << 20;
 
 /// A registered region as the target sees it.
 pub(crate) struct TargetRegion {
@@ -106,8 +108,15 @@ pub(crate) enum Payload {
         offset: u64,
         len: usize,
     },
-    /// Bytes copied out (device memory, HELLO).
+    /// Bytes copied out (device memory once resolved, HELLO).
     Owned(Vec<u8>),
+    /// Device memory still to be copied out: resolved in batches by `Conn::flush`, so a
+    /// batch of GPU pages costs one synchronisation, not one per page.
+    Device {
+        mem: Arc<dyn MemoryRegion>,
+        offset: u64,
+        len: usize,
+    },
 }
 
 impl Payload {
@@ -119,12 +128,14 @@ impl Payload {
                 host_slice(&**mem, *offset, *len).unwrap_or(&[])
             }
             Payload::Owned(v) => v,
+            // Resolved before anything is written; never reached.
+            Payload::Device { .. } => &[],
         }
     }
     fn len(&self) -> usize {
         match self {
             Payload::None => 0,
-            Payload::Region { len, .. } => *len,
+            Payload::Region { len, .. } | Payload::Device { len, .. } => *len,
             Payload::Owned(v) => v.len(),
         }
     }
@@ -163,6 +174,13 @@ impl OutFrame {
     }
 }
 
+/// A received device WRITE waiting to be placed: region, offset, bytes, and the
+/// immediate-data event to report once they are in place.
+type Placing = (Arc<dyn MemoryRegion>, u64, Vec<u8>, Option<Completion>);
+
+/// Device payloads of one region waiting to be copied out: (frame, payload, offset, len).
+type DeviceReads = (Arc<dyn MemoryRegion>, Vec<(usize, usize, u64, usize)>);
+
 /// A request waiting for its response.
 pub(crate) struct Inflight {
     pub wr_id: WorkRequestId,
@@ -175,6 +193,13 @@ enum Dest {
     Region {
         mem: Arc<dyn MemoryRegion>,
         offset: u64,
+    },
+    /// A WRITE into memory the CPU cannot address: gathered here, then placed together with
+    /// the other writes of the same read (see `Conn::commit_device`).
+    Device {
+        mem: Arc<dyn MemoryRegion>,
+        offset: u64,
+        buf: Vec<u8>,
     },
     Buffer(Vec<u8>),
     Discard,
@@ -193,7 +218,7 @@ impl Dest {
                 }
                 *offset += src.len() as u64;
             }
-            Dest::Buffer(v) => v.extend_from_slice(src),
+            Dest::Buffer(v) | Dest::Device { buf: v, .. } => v.extend_from_slice(src),
             Dest::Discard => {}
         }
         Ok(())
@@ -277,6 +302,11 @@ pub(crate) struct Conn {
     pending_acks: u64,
     /// ACK/NACK frames in `out`.
     responses: usize,
+    /// Device payloads in `out` not yet copied out (see `Payload::Device`).
+    device_out: usize,
+    /// Received device WRITEs not yet placed, with their immediate-data events.
+    placing: Vec<Placing>,
+    placing_bytes: usize,
     rbuf: Box<[u8]>,
     rpos: usize,
     rlen: usize,
@@ -308,6 +338,9 @@ impl Conn {
             inflight: VecDeque::new(),
             pending_acks: 0,
             responses: 0,
+            device_out: 0,
+            placing: Vec::new(),
+            placing_bytes: 0,
             rbuf: vec![0u8; RBUF].into_boxed_slice(),
             rpos: 0,
             rlen: 0,
@@ -321,6 +354,7 @@ impl Conn {
 
     /// Queues one frame.
     pub fn queue(&mut self, hdr: Header, payload: Payload) {
+        self.device_out += matches!(payload, Payload::Device { .. }) as usize;
         let total = HEADER_LEN + payload.len();
         self.out_bytes += total;
         let response = matches!(hdr.op, Op::Ack | Op::Nack);
@@ -337,6 +371,7 @@ impl Conn {
 
     /// Queues a WRITE, joining the batch at the end of the queue if it has not started.
     pub fn queue_write(&mut self, hdr: Header, payload: Payload) {
+        self.device_out += matches!(payload, Payload::Device { .. }) as usize;
         let plen = payload.len();
         self.out_bytes += HEADER_LEN + plen;
         if let Some(f) = self.out.back_mut()
@@ -392,6 +427,7 @@ impl Conn {
 
     /// Writes as much of the queue as the socket takes. `Err` = connection broken.
     pub fn flush(&mut self) -> Result<(), String> {
+        self.resolve_device()?;
         self.flush_acks();
         while !self.out.is_empty() {
             let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(64);
@@ -432,6 +468,71 @@ impl Conn {
         }
     }
 
+    /// Copies every pending device payload out, one batched call per region.
+    fn resolve_device(&mut self) -> Result<(), String> {
+        if self.device_out == 0 {
+            return Ok(());
+        }
+        // (region, [(frame, payload, offset, len)]): regions compared by address.
+        let mut groups: Vec<DeviceReads> = Vec::new();
+        for (fi, f) in self.out.iter().enumerate() {
+            for (pi, p) in f.payloads.iter().enumerate() {
+                if let Payload::Device { mem, offset, len } = p {
+                    match groups.iter_mut().find(|(m, _)| Arc::ptr_eq(m, mem)) {
+                        Some((_, v)) => v.push((fi, pi, *offset, *len)),
+                        None => groups.push((mem.clone(), vec![(fi, pi, *offset, *len)])),
+                    }
+                }
+            }
+        }
+        for (mem, parts) in groups {
+            let mut bufs: Vec<Vec<u8>> =
+                parts.iter().map(|&(_, _, _, len)| vec![0u8; len]).collect();
+            let mut io: Vec<(u64, &mut [u8])> = parts
+                .iter()
+                .zip(bufs.iter_mut())
+                .map(|(&(_, _, off, _), b)| (off, &mut b[..]))
+                .collect();
+            mem.read_many_to_host(&mut io)
+                .map_err(|e| format!("cannot copy device memory out: {e}"))?;
+            for (&(fi, pi, _, _), b) in parts.iter().zip(bufs) {
+                self.out[fi].payloads[pi] = Payload::Owned(b);
+            }
+        }
+        self.device_out = 0;
+        Ok(())
+    }
+
+    /// Places the gathered device WRITEs, one batched call per region, then reports their
+    /// immediate data: a target's event follows its bytes.
+    pub fn commit_device(&mut self, shared: &mut Shared) -> Result<(), String> {
+        if self.placing.is_empty() {
+            return Ok(());
+        }
+        let placing = std::mem::take(&mut self.placing);
+        self.placing_bytes = 0;
+        let mut done = vec![false; placing.len()];
+        for i in 0..placing.len() {
+            if done[i] {
+                continue;
+            }
+            let mem = &placing[i].0;
+            let mut parts: Vec<(u64, &[u8])> = Vec::new();
+            for (j, p) in placing.iter().enumerate().skip(i) {
+                if !done[j] && Arc::ptr_eq(&p.0, mem) {
+                    done[j] = true;
+                    parts.push((p.1, &p.2[..]));
+                }
+            }
+            mem.write_many_from_host(&parts)
+                .map_err(|e| format!("cannot place payload in device memory: {e}"))?;
+        }
+        shared
+            .completions
+            .extend(placing.into_iter().filter_map(|p| p.3));
+        Ok(())
+    }
+
     fn flush_acks(&mut self) {
         if self.pending_acks == 0 {
             return;
@@ -458,6 +559,13 @@ impl Conn {
 
     /// Reads what the socket has (up to about `budget` bytes) and acts on complete frames.
     pub fn read(&mut self, shared: &mut Shared, budget: usize) -> Result<ReadOutcome, String> {
+        let r = self.read_frames(shared, budget);
+        // Whatever was read for device memory lands before any ACK or event reports it.
+        self.commit_device(shared)?;
+        r
+    }
+
+    fn read_frames(&mut self, shared: &mut Shared, budget: usize) -> Result<ReadOutcome, String> {
         let mut read = 0usize;
         loop {
             self.process(shared)?;
@@ -674,9 +782,17 @@ impl Conn {
         }
         Ok(match validate_write(h, shared) {
             Ok(mem) => Item {
-                dest: Dest::Region {
-                    mem,
-                    offset: h.offset,
+                dest: if mem.host_ptr().is_some() {
+                    Dest::Region {
+                        mem,
+                        offset: h.offset,
+                    }
+                } else {
+                    Dest::Device {
+                        mem,
+                        offset: h.offset,
+                        buf: Vec::with_capacity(h.len as usize),
+                    }
                 },
                 remaining: h.len,
                 finish: Finish::Write {
@@ -845,14 +961,22 @@ impl Conn {
         match finish {
             Finish::Write { imm, len } => {
                 self.pending_acks += 1;
-                if let Some(imm) = imm {
-                    shared.completions.push(Completion {
-                        wr_id: WorkRequestId(0),
-                        op: OpKind::RemoteWrite,
-                        result: Ok(len),
-                        peer: Some(self.peer),
-                        imm: Some(imm),
-                    });
+                let event = imm.map(|imm| Completion {
+                    wr_id: WorkRequestId(0),
+                    op: OpKind::RemoteWrite,
+                    result: Ok(len),
+                    peer: Some(self.peer),
+                    imm: Some(imm),
+                });
+                if let Dest::Device { mem, offset, buf } = dest {
+                    // Reported once the bytes are in device memory (commit_device).
+                    self.placing_bytes += buf.len();
+                    self.placing.push((mem, offset, buf, event));
+                    if self.placing_bytes >= MAX_PLACING {
+                        self.commit_device(shared)?;
+                    }
+                } else if let Some(e) = event {
+                    shared.completions.push(e);
                 }
             }
             Finish::Recv { recv, imm, len } => {
@@ -901,7 +1025,7 @@ fn direct(d: &Dest) -> bool {
     match d {
         Dest::Region { mem, .. } => mem.host_ptr().is_some(),
         Dest::Discard => true,
-        Dest::Buffer(_) => false,
+        Dest::Buffer(_) | Dest::Device { .. } => false,
     }
 }
 
@@ -944,7 +1068,7 @@ fn read_batch(
                 let n = d.len().min(item.remaining as usize);
                 &mut d[..n]
             }),
-            Dest::Buffer(_) => None,
+            Dest::Buffer(_) | Dest::Device { .. } => None,
         };
         let Some(s) = slice else { break };
         let full = s.len() as u64 == item.remaining;

@@ -328,9 +328,12 @@ impl TcpTransport {
                 len: s.len as usize,
             })
         } else {
-            let mut v = vec![0u8; s.len as usize];
-            r.mem.read_to_host(s.offset, &mut v)?;
-            Ok(Payload::Owned(v))
+            // Copied out when the connection flushes, together with the rest of the batch.
+            Ok(Payload::Device {
+                mem: r.mem.clone(),
+                offset: s.offset,
+                len: s.len as usize,
+            })
         }
     }
 
