@@ -115,3 +115,39 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
         })
         .collect()
 }
+
+#[test]
+fn warm_up_touches_every_rail_and_no_byte_and_is_not_reported() {
+    let a = group(3);
+    let b = group(2);
+    let src = HostBuffer::new_shared(65536).unwrap();
+    src.fill(0, 65536, 9).unwrap();
+    let dst = HostBuffer::new_shared(65536).unwrap();
+    let s = a.register(src.clone(), Access::NONE).unwrap();
+    let d = b.register(dst.clone(), Access::REMOTE_WRITE).unwrap();
+    let peer = a.add_peer(&b.addresses()).unwrap();
+    a.warm_up(&peer, &s, &d.remote, T).unwrap();
+    assert!(
+        a.rail_counters().iter().all(|c| c.ops >= 1),
+        "every rail posted: {:?}",
+        a.rail_counters()
+    );
+    assert!(
+        dst.to_vec(0, 65536).unwrap() == vec![0; 65536],
+        "warm-up writes no byte"
+    );
+    assert!(matches!(
+        b.next_event(Duration::from_millis(50)),
+        Err(Error::TimedOut(..))
+    ));
+    let handles = a
+        .scatter(vec![(
+            peer.clone(),
+            GroupTransfer::same_pages(s.clone(), d.remote.clone(), &[1], 4096),
+        )])
+        .unwrap();
+    for h in handles {
+        assert_eq!(h.wait(T).unwrap().bytes, 4096);
+    }
+    assert_eq!(dst.to_vec(4096, 4096).unwrap(), vec![9; 4096]);
+}

@@ -19,9 +19,7 @@ mod workload;
 
 use backend::{BackendArgs, TransportKind};
 use clap::{Args, Parser, Subcommand};
-use fabric_core::engine::{
-    GroupPeer, GroupRegistration, GroupTransfer, RailGroup, RemoteDescriptor,
-};
+use fabric_core::engine::{GroupPeer, GroupRegistration, RailGroup, RemoteDescriptor};
 use fabric_core::{Access, Error};
 use placement::{PinMode, WorkerPins};
 use serde::Serialize;
@@ -88,6 +86,9 @@ struct Knobs {
     /// Skip checking the target's bytes after the run.
     #[arg(long)]
     no_verify: bool,
+    /// Skip the warm-up (a zero-length write on every rail before the timed work).
+    #[arg(long)]
+    no_warmup: bool,
     /// Print one JSON object at the end instead of text.
     #[arg(long)]
     json: bool,
@@ -335,7 +336,8 @@ fn demo(a: DemoArgs) -> Result<(), CliError> {
     Ok(())
 }
 
-/// One page per rail, so every connection is up before the timed work.
+/// Connects and exercises every rail before the timed work (zero-length writes; `--no-warmup`
+/// skips it, so the first transfers also pay for connection set-up).
 fn warm_up(
     g: &RailGroup,
     src: &GroupRegistration,
@@ -343,10 +345,10 @@ fn warm_up(
     dst: &RemoteDescriptor,
     k: &Knobs,
 ) -> Result<(), CliError> {
-    let pages: Vec<u64> = (0..k.rails.min((k.region_size / k.page_size) as usize) as u64).collect();
-    let mut t = GroupTransfer::same_pages(src.clone(), dst.clone(), &pages, k.page_size);
-    t.timeout = Some(Duration::from_secs(30));
-    g.submit(peer, t)?.wait(Duration::from_secs(60))?;
+    if k.no_warmup {
+        return Ok(());
+    }
+    g.warm_up(peer, src, dst, Duration::from_secs(30))?;
     Ok(())
 }
 

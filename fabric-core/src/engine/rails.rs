@@ -17,6 +17,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// The immediate value of warm-up writes ([`RailGroup::warm_up`]): rail groups never
+/// report it to the application, so applications should not use it.
+pub const WARM_UP_IMM: u32 = u32::MAX;
+
 /// What a peer needs to write into a region registered on every rail of a [`RailGroup`].
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RemoteDescriptor {
@@ -339,6 +343,57 @@ impl RailGroup {
         })
     }
 
+    /// Warm-up: one zero-length write on every rail, carrying [`WARM_UP_IMM`], so that every
+    /// connection is up and every queue has run before timed work starts; no byte of `dst`
+    /// changes, and the rail groups at the target drop the warm-up notifications. Fails with
+    /// the first rail's error.
+    pub fn warm_up(
+        &self,
+        peer: &GroupPeer,
+        src: &GroupRegistration,
+        dst: &RemoteDescriptor,
+        timeout: Duration,
+    ) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut handles = Vec::with_capacity(self.rails.len());
+        for (i, e) in self.rails.iter().enumerate() {
+            let region = dst
+                .rails
+                .get(*peer.remote_rail.get(i).unwrap_or(&0))
+                .copied()
+                .ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "the remote descriptor has no rail {}",
+                        peer.remote_rail[i]
+                    ))
+                })?;
+            let t = Transfer::new(peer.rails[i])
+                .segment(Segment {
+                    src: src.locals[i],
+                    src_offset: 0,
+                    dst: region,
+                    dst_offset: 0,
+                    len: 0,
+                })
+                .imm(WARM_UP_IMM)
+                .timeout(timeout);
+            handles.push(e.submit(t)?);
+        }
+        for h in handles {
+            h.wait(deadline.saturating_duration_since(Instant::now()))?;
+        }
+        Ok(())
+    }
+
+    /// Scatter: the same source to several peers, one transfer each, submitted together.
+    /// Each handle completes (or fails) on its own.
+    pub fn scatter(&self, transfers: Vec<(GroupPeer, GroupTransfer)>) -> Result<Vec<GroupHandle>> {
+        transfers
+            .into_iter()
+            .map(|(p, t)| self.submit(&p, t))
+            .collect()
+    }
+
     /// Waits until `count` transfers carrying immediate value `imm` have landed here
     /// (from any rail), or `timeout` passes. Other values seen meanwhile are kept for their
     /// own waiters.
@@ -358,7 +413,7 @@ impl RailGroup {
                 }
                 for e in &self.rails {
                     while let Ok(ev) = e.events().try_recv() {
-                        if let Some(v) = ev.imm() {
+                        if let Some(v) = ev.imm().filter(|&v| v != WARM_UP_IMM) {
                             *stash.entry(v).or_default() += 1;
                         }
                     }
@@ -380,19 +435,27 @@ impl RailGroup {
         }
     }
 
-    /// The next event from any rail, waiting at most `timeout`.
+    /// The next event from any rail (warm-up notifications excepted), waiting at most
+    /// `timeout`.
     pub fn next_event(&self, timeout: Duration) -> Result<Event> {
-        let mut sel = crossbeam_channel::Select::new();
-        for e in &self.rails {
-            sel.recv(e.events());
-        }
-        match sel.select_timeout(timeout) {
-            Ok(op) => {
-                let i = op.index();
-                op.recv(self.rails[i].events())
-                    .map_err(|_| Error::EngineStopped)
+        let deadline = Instant::now() + timeout;
+        loop {
+            let mut sel = crossbeam_channel::Select::new();
+            for e in &self.rails {
+                sel.recv(e.events());
             }
-            Err(_) => Err(Error::TimedOut(timeout, "an event")),
+            let left = deadline.saturating_duration_since(Instant::now());
+            let ev = match sel.select_timeout(left) {
+                Ok(op) => {
+                    let i = op.index();
+                    op.recv(self.rails[i].events())
+                        .map_err(|_| Error::EngineStopped)?
+                }
+                Err(_) => return Err(Error::TimedOut(timeout, "an event")),
+            };
+            if ev.imm() != Some(WARM_UP_IMM) {
+                return Ok(ev);
+            }
         }
     }
 
