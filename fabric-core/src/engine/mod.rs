@@ -2,9 +2,8 @@
 //! batched posts, deferred re-posts and one completion per transfer.
 //!
 //! The application talks to the worker over channels: [`Engine`] is a cheap handle.
-//! A transfer is checked in the submitting thread (so bad segments fail at once),
-//! queued in the worker's application-level queue, planned there as it is posted
-//! (the writes of [`plan_transfer`](crate::plan::plan_transfer)) in batches of
+//! A transfer is planned in the submitting thread (so bad segments fail at once),
+//! queued in the worker's application-level queue, posted in batches of
 //! [`EngineConfig::batch`], and what the transport refused ("no room") is posted again
 //! after the next poll. Every wait has a timeout.
 //!
@@ -46,7 +45,7 @@ pub use handle::{Received, RecvHandle, TransferHandle, TransferResult, TransferS
 
 use crate::error::{Error, OpError, Result};
 use crate::memory::{MemoryRegion, check_range};
-use crate::plan::{Segment, check_transfer};
+use crate::plan::{Segment, plan_transfer};
 use crate::transport::{Transport, TransportLimits};
 use crate::types::{Access, LocalKey, LocalSlice, PeerId, Registration};
 use crossbeam_channel::{Receiver, Sender};
@@ -365,8 +364,7 @@ impl Engine {
 
     fn job(&self, t: Transfer, slot: Arc<Slot<TransferResult>>) -> Result<Job> {
         self.check_segments(&t.segments)?;
-        let max_msg_size = self.limits.max_msg_size;
-        let size = check_transfer(&t.segments, max_msg_size)?;
+        let plan = plan_transfer(&t.segments, self.limits.max_msg_size)?;
         let imm = match (t.imm, t.segments.first()) {
             (None, _) => None,
             (Some(_), None) => {
@@ -378,9 +376,7 @@ impl Engine {
         };
         Ok(Job {
             peer: t.peer,
-            segments: t.segments,
-            size,
-            max_msg_size,
+            plan,
             imm,
             slot,
             deadline: t.timeout.map(|d| Instant::now() + d),
