@@ -27,6 +27,10 @@ const PREFIX: &str = "mem://";
 const MAX_PENDING: usize = 1 << 16;
 /// Early-arrival queue for SENDs.
 const MAX_UNEXPECTED: usize = 4096;
+/// How many writes ahead of its copies a run prefetches: enough to overlap the misses of
+/// scattered small writes, few enough that the lines stay in L1 until copied (a whole
+/// run's worth, 512 lines, evicted each other and cost ~20% more per write).
+const PREFETCH_AHEAD: usize = 16;
 /// Pending writes carried out under one lock of the target, at most.
 const RUN_OPS: usize = 256;
 /// Bytes copied under one lock of the target, at most (a run ends after the write that
@@ -198,11 +202,15 @@ impl MemTransport {
             };
             let mut inbox = lock(&ep.inbox);
             let mut views = RunViews::default();
-            for w in run {
+            for w in &run[..PREFETCH_AHEAD.min(run.len())] {
                 let (s, d) = views.of(&self.local, &inbox, w);
                 prefetch_write(w, s, d);
             }
-            for w in run {
+            for (i, w) in run.iter().enumerate() {
+                if let Some(later) = run.get(i + PREFETCH_AHEAD) {
+                    let (s, d) = views.of(&self.local, &inbox, later);
+                    prefetch_write(later, s, d);
+                }
                 let (s, d) = views.of(&self.local, &inbox, w);
                 let result = write_into(&self.local, &inbox, w, s, d);
                 if let (Ok(len), Some(v)) = (&result, w.imm) {
@@ -311,8 +319,8 @@ impl RunViews {
 }
 
 /// Asks the CPU to start loading the first line of a write's source and destination. A
-/// run issues these for all its writes before copying, so that scattered small writes
-/// wait on memory together rather than one after another.
+/// run issues these [`PREFETCH_AHEAD`] writes ahead of its copies, so that scattered small
+/// writes wait on memory together rather than one after another.
 fn prefetch_write(w: &PendingWrite, s: Option<View>, d: Option<View>) {
     if w.src.len == 0 {
         return;
