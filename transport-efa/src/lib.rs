@@ -11,12 +11,16 @@
 //!   [`OpKind::RemoteWrite`](fabric_core::OpKind::RemoteWrite) completion carrying it,
 //!   with no receive posted;
 //! - every operation asks for FI_DELIVERY_COMPLETE, so a WRITE's completion means the
-//!   bytes are in the target's memory, and SEND/RECV keep their order (FI_ORDER_SAS);
+//!   bytes are in the target's memory, with every provider (see
+//!   [Completions](self#completions-what-a-write-completion-means)), and SEND/RECV keep
+//!   their order (FI_ORDER_SAS);
 //! - registration honours the provider's `mr_mode` (see [`mr`](self#memory-registration));
 //! - `-FI_EAGAIN` is [`PostOutcome::NoRoom`](fabric_core::PostOutcome::NoRoom), except
 //!   while a new peer's connection comes up (see [`EfaTransport`]);
 //! - progress happens in [`poll`](fabric_core::Transport::poll), which reads the CQ and its
-//!   error queue: a target must keep polling (tcp and sockets have manual progress).
+//!   error queue, and in [`wait`](fabric_core::Transport::wait), which sleeps on the CQ's
+//!   descriptor where the provider gives one: a target must keep polling or waiting (see
+//!   [Progress](self#progress)).
 //!
 //! ```no_run
 //! use fabric_core::{Access, HostBuffer, LocalSlice, RemoteSlice, Transport, WorkRequestId};
@@ -76,7 +80,54 @@
 //!   alone; its reported length differs between providers (tcp says 0);
 //! - shm never completes a zero-length operation that asks for delivery completion:
 //!   zero-length operations (nothing to deliver) do not ask for it;
+//! - a CQ with a wait descriptor (FI_WAIT_FD) is asked for only where data progress is
+//!   manual; a provider that refuses it (shm answers FI_ENOSYS) gets a CQ without one;
 //! - completions of received messages and remote writes carry no peer (no FI_SOURCE).
+//!
+//! ## Completions: what a write completion means
+//! A WRITE's completion means *placed*: the bytes are in the target's memory. Every
+//! operation that carries data asks for FI_DELIVERY_COMPLETE, with every provider. The
+//! engine sends a transfer's immediate value in a zero-length write only once all the
+//! transfer's other writes have completed, so the target's
+//! [`RemoteWrite`](fabric_core::OpKind::RemoteWrite) completion implies that every byte of
+//! the transfer has landed, whether or not the provider orders writes; and a failure at
+//! the target (unknown or stale key, no permission) fails the write that caused it.
+//!
+//! A weaker completion ("sent, and ordered before later writes") for writes without
+//! immediate data, with FI_ORDER_WAW | FI_ORDER_RMA_WAW requested, was measured and
+//! rejected, provider by provider (libfabric 1.17):
+//! - `tcp;ofi_rxm` orders writes (FI_ORDER_WAW, FI_ORDER_RMA_WAW, `max_order_waw_size`
+//!   unlimited), but acknowledges a write that asks for FI_TRANSMIT_COMPLETE exactly as one
+//!   that asks for FI_DELIVERY_COMPLETE (same speed, same errors). With neither flag (the
+//!   provider's default) it completes a write once the socket took it: about 30% faster on
+//!   loopback (`fi_raw_bw` example, 64 KiB writes: 9–10.5 Gbps against 6–8), but a failure
+//!   at the target is never reported to the initiator: the write "succeeds", the target
+//!   drops the connection, and the conformance cases `write_without_permission_fails` and
+//!   `write_after_deregister_fails` fail. The later immediate-data write would not tell
+//!   either: it fails with FI_ENOTCONN and is sent again once rxm has reconnected.
+//! - `sockets` orders writes too; the weaker completion measured no faster.
+//! - `shm` reports `max_order_waw_size` 0 (no ordering of writes that carry data), so only
+//!   delivery completion makes the immediate value trustworthy. It never completes a
+//!   zero-length operation that asks for delivery completion: those ask for none. That
+//!   holds with every provider and is safe: a zero-length write places nothing, and the
+//!   engine's immediate-data write goes out only after the writes it follows were placed.
+//! - `efa` does not order RMA writes (the device's SRD transport is unordered), so
+//!   placement must be known before the immediate-data write goes out. Asking for delivery
+//!   completion costs nothing there: with device RDMA write (API 1.18+), the provider
+//!   posts the same RDMA write whether or not it is asked for it.
+//!
+//! ## Progress
+//! tcp and shm have manual data progress: bytes move, at the initiator and at the target,
+//! only while someone reads the endpoint's CQ. [`poll`](fabric_core::Transport::poll)
+//! reads it. [`wait`](fabric_core::Transport::wait), which an engine calls when it has
+//! nothing else to do (a target always), reads it too and then, where the CQ was opened
+//! with a wait descriptor (FI_WAIT_FD: tcp), sleeps in `ppoll` on that descriptor until
+//! the provider has something to do (a socket readable, or writable again for queued
+//! sends), so peers' writes land as they arrive without a spinning thread. Such a transport
+//! reports [`busy_poll`](fabric_core::TransportLimits::busy_poll) `false`. Elsewhere (shm
+//! offers no descriptor; efa and sockets progress on their own) `wait` naps 50 µs as the
+//! trait's default does and `busy_poll` is `true`. A target that only napped held the tcp
+//! provider at about 2 Gbps in `xfer demo` (64 KiB pages) where it reaches 6–10 now.
 //!
 //! ## Discovery
 //! [`info`] lists what each provider offers (for `xfer info`), [`libfabric_version`] the

@@ -6,6 +6,7 @@ use crate::fi::{FiError, check};
 use crate::ops::{Op, Slot};
 use fabric_core::{Completion, OpError, OpKind, Result, WorkRequestId};
 use libfabric_sys as sys;
+use std::mem::MaybeUninit;
 use std::time::Instant;
 
 /// Completions read from the CQ per `fi_cq_read` call.
@@ -17,7 +18,8 @@ impl EfaTransport {
     /// Reads completions (and errors) from the CQ, which also drives the provider's
     /// progress, until it is empty or [`CQ_READS_PER_POLL`] batches were read.
     pub(super) fn read_cq(&mut self, out: &mut Vec<Completion>) -> Result<()> {
-        let mut entries = [sys::fi_cq_data_entry::default(); CQ_BATCH];
+        // Not zeroed: poll runs this on every call, and the provider writes what it returns.
+        let mut entries = [const { MaybeUninit::<sys::fi_cq_data_entry>::uninit() }; CQ_BATCH];
         for _ in 0..CQ_READS_PER_POLL {
             // SAFETY: cq is open with FI_CQ_FORMAT_DATA; entries has room for CQ_BATCH
             // entries of that format.
@@ -30,8 +32,10 @@ impl EfaTransport {
                 self.read_errors(out)?;
                 continue;
             }
-            let n = check("fi_cq_read", rc)?;
+            let n = check("fi_cq_read", rc)?.min(CQ_BATCH);
             for e in &entries[..n] {
+                // SAFETY: fi_cq_read wrote its first n entries.
+                let e = unsafe { e.assume_init_ref() };
                 if let Some(c) = self.complete(e) {
                     out.push(c);
                 }

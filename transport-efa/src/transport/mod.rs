@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 mod complete;
 mod post;
+mod wait;
 
 use complete::failed;
 
@@ -54,6 +55,14 @@ pub(crate) const RECONNECT_WINDOW: Duration = Duration::from_secs(5);
 /// sent) while the provider re-establishes a broken connection are retried the same way
 /// for up to 5 seconds.
 ///
+/// A WRITE's completion means the bytes are in the peer's memory (FI_DELIVERY_COMPLETE,
+/// with every provider; the crate docs say why no provider gets a weaker completion), and
+/// a failure at the peer fails the write that caused it.
+///
+/// With a provider of manual data progress, the peer's bytes land only while it reads its
+/// CQ: in [`poll`], or in [`wait`](Transport::wait), which sleeps on the CQ's descriptor
+/// where the provider gives one (tcp) and wakes as soon as the provider has work.
+///
 /// Removing a peer fails its pending operations at once with
 /// [`OpError::PeerRemoved`]; should the provider report them later anyway, those late
 /// completions are dropped (each operation completes exactly once). Their local regions
@@ -71,7 +80,7 @@ pub struct EfaTransport {
     av: Owned<sys::fid_av>,
     cq: Owned<sys::fid_cq>,
     domain: Owned<sys::fid_domain>,
-    _fabric: Owned<sys::fid_fabric>,
+    fabric: Owned<sys::fid_fabric>,
 
     info: ProviderInfo,
     /// Whether SENDs tag their CQ data (see [`SEND_IMM`]).
@@ -87,8 +96,13 @@ pub struct EfaTransport {
     next_peer: u64,
     next_local_key: u64,
     next_requested_key: u64,
-    /// Completions decided locally (peer removal), reported by the next `poll`.
+    /// Completions decided locally (peer removal) or read from the CQ inside `wait`,
+    /// reported by the next `poll`.
     ready: VecDeque<Completion>,
+    /// The CQ's wait descriptor (providers with manual data progress that offer one).
+    wait_fd: Option<wait::WaitFd>,
+    /// Scratch space for the completions `wait` reads.
+    waited: Vec<Completion>,
 }
 
 impl std::fmt::Debug for EfaTransport {
@@ -186,19 +200,13 @@ impl EfaTransport {
         check("fi_av_open", rc as isize)?;
         let av = Owned::new("fi_av_open", av)?;
 
-        let mut cq_attr = sys::fi_cq_attr {
-            size: summary.tx_size + summary.rx_size,
-            format: sys::FI_CQ_FORMAT_DATA,
-            wait_obj: sys::FI_WAIT_NONE,
-            ..Default::default()
-        };
-        let mut cq = std::ptr::null_mut();
-        // SAFETY: domain is open; cq_attr is valid for the call.
-        let rc = unsafe {
-            sys::fi_cq_open(domain.as_ptr(), &mut cq_attr, &mut cq, std::ptr::null_mut())
-        };
-        check("fi_cq_open", rc as isize)?;
-        let cq = Owned::new("fi_cq_open", cq)?;
+        // With manual data progress, bytes move only while someone reads the CQ: ask for a
+        // descriptor to sleep on between reads (see `wait`).
+        let (cq, wait_fd) = wait::open_cq(
+            &domain,
+            summary.tx_size + summary.rx_size,
+            summary.data_progress == info::Progress::Manual,
+        )?;
 
         let mut ep = std::ptr::null_mut();
         // SAFETY: domain is open and was made from entry.
@@ -222,7 +230,8 @@ impl EfaTransport {
         drop(list);
         tracing::debug!(
             provider = %summary.provider, fabric = %summary.fabric, domain = %summary.domain,
-            mr_mode = ?summary.mr_mode, "libfabric endpoint open"
+            mr_mode = ?summary.mr_mode, progress = %summary.data_progress,
+            wait_fd = wait_fd.is_some(), "libfabric endpoint open"
         );
         Ok(EfaTransport {
             ep,
@@ -231,7 +240,7 @@ impl EfaTransport {
             av,
             cq,
             domain,
-            _fabric: fabric,
+            fabric,
             tag_cq_data: summary.cq_data_size >= 8,
             info: summary,
             mr_mode,
@@ -244,6 +253,8 @@ impl EfaTransport {
             next_local_key: 1,
             next_requested_key: 1,
             ready: VecDeque::new(),
+            wait_fd,
+            waited: Vec::new(),
         })
     }
 
@@ -393,8 +404,10 @@ impl Transport for EfaTransport {
             max_msg_size: self.info.max_msg_size,
             max_outstanding: self.info.tx_size.max(1),
             write_imm: self.info.cq_data_size >= 4,
-            // libfabric CQs are read, not waited on (no wait object requested).
-            busy_poll: true,
+            // With a wait descriptor, `wait` sleeps until the provider has something to do;
+            // without one (efa and sockets progress on their own, shm offers none), the CQ
+            // is read in a busy loop while operations are in flight.
+            busy_poll: self.wait_fd.is_none(),
         }
     }
 
@@ -528,6 +541,14 @@ impl Transport for EfaTransport {
         })
     }
 
+    /// `fi_writemsg` of one local iovec into one remote range. Its completion means
+    /// *placed*: the bytes are in the peer's memory (FI_DELIVERY_COMPLETE, every provider;
+    /// a zero-length write, which places nothing, asks for no more than the provider's
+    /// default). A failure at the peer (unknown key, no permission, out of its range)
+    /// fails this write. With `imm`, the peer's CQ reports it (FI_REMOTE_CQ_DATA) once
+    /// this write's bytes have landed; writes posted earlier are not ordered before it
+    /// unless they completed first (efa orders nothing), which is why the engine sends a
+    /// transfer's immediate value only after its other writes completed.
     fn post_write(
         &mut self,
         peer: PeerId,
@@ -585,5 +606,15 @@ impl Transport for EfaTransport {
         out.extend(self.ready.drain(..));
         self.read_cq(out)?;
         Ok(out.len() - before)
+    }
+
+    /// Returns when the next [`poll`](Transport::poll) has completions to report, or after
+    /// `timeout`. Where the provider has manual data progress and gives its CQ a wait
+    /// descriptor (tcp here), this reads the CQ, which moves peers' bytes into our memory
+    /// even when no completion results, and sleeps on the descriptor in between, so an
+    /// idle engine (a target) keeps the provider progressing without spinning. Elsewhere
+    /// it sleeps briefly, as the trait's default does.
+    fn wait(&mut self, timeout: Duration) -> Result<()> {
+        self.wait_for_progress(timeout)
     }
 }
