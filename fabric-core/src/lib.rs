@@ -25,6 +25,7 @@
 
 pub mod engine;
 pub mod error;
+mod in_place;
 pub mod mem;
 pub mod memory;
 pub mod plan;

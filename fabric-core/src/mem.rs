@@ -10,6 +10,7 @@
 //! and to measure its own overhead (`xfer demo --transport mem`).
 
 use crate::error::{Error, OpError, Result};
+use crate::in_place;
 use crate::memory::{MemoryRegion, check_range};
 use crate::transport::{Completion, OpKind, PostOutcome, Transport, TransportLimits};
 use crate::types::{
@@ -222,13 +223,24 @@ impl MemTransport {
                         imm: Some(v),
                     });
                 }
-                self.done.push(Completion {
-                    wr_id: w.wr_id,
-                    op: OpKind::Write,
-                    result,
-                    peer: Some(w.peer),
-                    imm: None,
-                });
+                // Success is built from scalars, in place (see `in_place`).
+                let (wr_id, peer) = (w.wr_id, Some(w.peer));
+                match result {
+                    Ok(len) => in_place::push(&mut self.done, || Completion {
+                        wr_id,
+                        op: OpKind::Write,
+                        result: Ok(len),
+                        peer,
+                        imm: None,
+                    }),
+                    Err(e) => self.done.push(Completion {
+                        wr_id,
+                        op: OpKind::Write,
+                        result: Err(e),
+                        peer,
+                        imm: None,
+                    }),
+                }
             }
         }
         // Keep the allocation for the next posts.
@@ -634,7 +646,7 @@ impl Transport for MemTransport {
         if !alive {
             return Err(endpoint_dropped(peer));
         }
-        self.writes.push(PendingWrite {
+        in_place::push(&mut self.writes, || PendingWrite {
             peer,
             wr_id,
             src,

@@ -4,6 +4,7 @@
 //! exceeds the transport's largest message, and shards the writes over rails by bytes.
 
 use crate::error::{Error, Result};
+use crate::in_place;
 use crate::memory::check_range;
 use crate::types::{LocalKey, LocalSlice, RemoteRegion, RemoteSlice};
 
@@ -83,7 +84,7 @@ fn push_writes(plan: &mut TransferPlan, s: &Segment, max_msg_size: u64) {
     let mut done = 0;
     while done < s.len {
         let n = (s.len - done).min(max_msg_size);
-        plan.writes.push(PlannedWrite {
+        in_place::push(&mut plan.writes, || PlannedWrite {
             src: LocalSlice {
                 key: s.src,
                 offset: s.src_offset + done,
