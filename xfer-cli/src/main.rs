@@ -159,6 +159,32 @@ struct Summary {
     ratio: Option<f64>,
 }
 
+impl Summary {
+    fn of(
+        b: &BackendArgs,
+        k: &Knobs,
+        report: &workload::RunReport,
+        verified: bool,
+        baseline_gbps: Option<f64>,
+    ) -> Summary {
+        let gbps = report.gbps();
+        Summary {
+            transport: b.transport.name(),
+            memory: b.memory.name(),
+            page_size: k.page_size,
+            pages: k.pages,
+            rails: k.rails,
+            bytes: report.bytes,
+            seconds: report.seconds,
+            gbps,
+            mops: report.mops(),
+            verified,
+            baseline_gbps,
+            ratio: baseline_gbps.map(|base| gbps / base),
+        }
+    }
+}
+
 /// Why the command failed; each is one line on stderr.
 #[derive(Debug, thiserror::Error)]
 enum CliError {
@@ -315,22 +341,8 @@ fn demo(a: DemoArgs) -> Result<(), CliError> {
     } else {
         None
     };
-    let gbps = report.gbps();
     print_summary(
-        &Summary {
-            transport: a.backend.transport.name(),
-            memory: a.backend.memory.name(),
-            page_size: k.page_size,
-            pages: k.pages,
-            rails: k.rails,
-            bytes: report.bytes,
-            seconds: report.seconds,
-            gbps,
-            mops: report.mops(),
-            verified,
-            baseline_gbps,
-            ratio: baseline_gbps.map(|b| gbps / b),
-        },
+        &Summary::of(&a.backend, k, &report, verified, baseline_gbps),
         k.json,
     );
     Ok(())
@@ -428,23 +440,7 @@ fn bench(a: BenchArgs) -> Result<(), CliError> {
         }
         true
     };
-    print_summary(
-        &Summary {
-            transport: a.backend.transport.name(),
-            memory: a.backend.memory.name(),
-            page_size: k.page_size,
-            pages: k.pages,
-            rails: k.rails,
-            bytes: report.bytes,
-            seconds: report.seconds,
-            gbps: report.gbps(),
-            mops: report.mops(),
-            verified,
-            baseline_gbps: None,
-            ratio: None,
-        },
-        k.json,
-    );
+    print_summary(&Summary::of(&a.backend, k, &report, verified, None), k.json);
     Ok(())
 }
 
