@@ -247,13 +247,14 @@ impl TcpTransport {
             .map_err(|e| Error::io("set_nonblocking", e))
     }
 
-    fn connect(&self, to: SocketAddr) -> Result<TcpStream> {
+    /// Connects to `to` for the peer that will be `peer`.
+    fn connect(&self, to: SocketAddr, peer: PeerId) -> Result<TcpStream> {
         let s = Socket::new(Domain::for_address(to), Type::STREAM, Some(Protocol::TCP))
             .map_err(|e| Error::io("socket", e))?;
         s.connect_timeout(&SockAddr::from(to), self.cfg.peer_timeout)
             .map_err(|e| {
                 Error::Op(OpError::PeerUnreachable {
-                    peer: PeerId(0),
+                    peer,
                     reason: format!("connect to {to}: {e}"),
                 })
             })?;
@@ -456,7 +457,7 @@ impl Transport for TcpTransport {
         let id = PeerId(self.next_peer);
         let mut conns = Vec::with_capacity(self.cfg.rails);
         for rail in 0..self.cfg.rails {
-            let stream = match self.connect(to) {
+            let stream = match self.connect(to, id) {
                 Ok(s) => s,
                 Err(e) => {
                     for idx in conns {
