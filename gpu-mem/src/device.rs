@@ -360,18 +360,8 @@ impl Device {
             {
                 return Ok(s.stream);
             }
-            let mut stream: sys::CUstream = std::ptr::null_mut();
-            check_call(
-                // SAFETY: `stream` is a valid out-pointer; the caller bound this device's
-                // context to the thread.
-                unsafe {
-                    sys::cuStreamCreate(
-                        &mut stream,
-                        sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
-                    )
-                },
-                "cuStreamCreate",
-            )?;
+            // The caller bound this device's context to the thread.
+            let stream = crate::stream::new_nonblocking_stream()?;
             streams.push(ThreadStream {
                 stream,
                 staging: None,

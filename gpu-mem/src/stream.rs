@@ -57,21 +57,28 @@ unsafe impl Send for CopyStream {}
 // SAFETY: see above: `&CopyStream` gives no access to the stream handle or keep-alives.
 unsafe impl Sync for CopyStream {}
 
+/// Creates a stream that does not synchronise with the legacy default stream, on the
+/// context current on this thread (callers bind it first).
+pub(crate) fn new_nonblocking_stream() -> Result<sys::CUstream, GpuMemError> {
+    let mut stream: sys::CUstream = std::ptr::null_mut();
+    check_call(
+        // SAFETY: stream is a valid out-pointer; the caller made the context current.
+        unsafe {
+            sys::cuStreamCreate(
+                &mut stream,
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+            )
+        },
+        "cuStreamCreate",
+    )?;
+    Ok(stream)
+}
+
 impl CopyStream {
     /// Creates a non-blocking stream on `device`.
     pub fn new(device: &Device) -> Result<CopyStream, GpuMemError> {
         device.bind()?;
-        let mut stream: sys::CUstream = std::ptr::null_mut();
-        check_call(
-            // SAFETY: stream is a valid out-pointer; the context is current (bound above).
-            unsafe {
-                sys::cuStreamCreate(
-                    &mut stream,
-                    sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
-                )
-            },
-            "cuStreamCreate",
-        )?;
+        let stream = new_nonblocking_stream()?;
         Ok(CopyStream {
             device: device.clone(),
             stream,
