@@ -126,7 +126,12 @@ pub trait Transport: Send + 'static {
     fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize>;
 
     /// Blocks until `poll` may make progress, or `timeout` passes. The default sleeps
-    /// briefly; backends with a waitable source (sockets) block on it.
+    /// briefly; backends with a waitable source (sockets, a CQ file descriptor) block on it.
+    ///
+    /// A backend whose progress is manual (bytes move only while it is polled) must
+    /// override this, or set [`TransportLimits::busy_poll`]: an idle target engine calls
+    /// `wait` between polls, and the default's naps starved libfabric's tcp provider to a
+    /// third of its speed.
     fn wait(&mut self, timeout: Duration) -> Result<()> {
         std::thread::sleep(timeout.min(Duration::from_micros(50)));
         Ok(())
