@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU proof run (issues 5, 6, 8), for a machine with NVIDIA GPUs and no Rust toolchain.
+#
+# Build here, then carry the binaries over (e.g. the device tool's `carry`):
+#   cargo build --release -p xfer-cli
+#   cargo test --release -p transport-tcp --test gpu --no-run   # note the executable path
+#   cargo test --release -p gpu-mem --test cuda --no-run
+#   mkdir -p .carry/gpu && cp target/release/xfer .carry/gpu/ \
+#     && cp <gpu test exe> .carry/gpu/tcp_gpu_tests && cp <cuda test exe> .carry/gpu/gpu_mem_cuda_tests \
+#     && cp scripts/gpu-proof.sh .carry/gpu/
+# There: bash .carry/gpu/gpu-proof.sh   (GPU tests fail instead of skipping; 2-GPU parts run when 2 exist)
+set -u
+cd "$(dirname "$0")"
+export XFER_REQUIRE_CUDA=1
+X=./xfer
+ngpu=$(nvidia-smi -L | wc -l)
+[ "$ngpu" -ge 2 ] && export XFER_REQUIRE_GPUS=2
+echo "== machine: $(nproc) cores, $ngpu GPU(s)"; nvidia-smi -L
+echo "== tests"; ./tcp_gpu_tests --test-threads=1 2>&1 | grep -E "test result|FAILED|panicked"
+./gpu_mem_cuda_tests --test-threads=1 2>&1 | grep -E "test result|FAILED|panicked"
+d() { echo "== demo $*"; $X demo --page-size 64KiB --pages 1000 --bytes 16GiB --baseline --json "$@"; }
+for r in 1 4 8; do d --memory cuda --gpus 0 --rails "$r" --pin off; done
+d --memory host --rails 8
+if [ "$ngpu" -ge 2 ]; then
+  $X topo
+  for r in 4 8; do d --memory cuda --gpus 0,1 --rails "$r"; done
+  echo "== both directions at once"
+  $X demo --memory cuda --gpus 0,1 --rails 8 --bytes 16GiB --json &
+  $X demo --memory cuda --gpus 1,0 --rails 8 --bytes 16GiB --json &
+  wait
+fi
