@@ -645,6 +645,56 @@ pub fn zero_and_large_segments<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOp
     dst.assert_canaries();
 }
 
+/// A target that only alternates `wait` and `poll` (as an idle engine does) keeps the
+/// transfer moving: backends whose progress is manual must wake from `wait` in time.
+pub fn idle_target_progresses_through_wait<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
+    let mut p = Pair::new(make, opts);
+    let page = 65536u64;
+    let n = 64u64;
+    let src = Canaried::new(&mut p.a, page * n, Access::NONE, 0);
+    let dst = Canaried::new(&mut p.b, page * n, Access::REMOTE_WRITE, 0);
+    let data = pattern(17, (page * n) as usize);
+    src.write(0, &data);
+    let peer = p.b_at_a;
+    let deadline = Instant::now() + opts.timeout;
+    let mut posted = 0u64;
+    let mut imm_seen = false;
+    while p.done_a.len() < n as usize || !imm_seen {
+        assert!(
+            Instant::now() < deadline,
+            "no progress with a target driven by wait + poll"
+        );
+        if posted < n {
+            let imm = (posted == n - 1).then_some(3u32);
+            let r =
+                p.a.post_write(
+                    peer,
+                    wr(posted as usize),
+                    src.local(posted * page, page),
+                    dst.remote(posted * page, page),
+                    imm,
+                )
+                .expect("post_write");
+            if r == PostOutcome::Posted {
+                posted += 1;
+            }
+        }
+        p.a.poll(&mut p.done_a).expect("poll a");
+        p.b.wait(Duration::from_millis(5)).expect("wait b");
+        p.b.poll(&mut p.done_b).expect("poll b");
+        imm_seen |= p
+            .done_b
+            .iter()
+            .any(|c| c.op == OpKind::RemoteWrite && c.imm == Some(3));
+    }
+    assert!(
+        p.done_a.iter().all(|c| c.result == Ok(page)),
+        "all writes succeed"
+    );
+    assert!(dst.read(0, data.len()) == data, "target bytes differ");
+    dst.assert_canaries();
+}
+
 /// Generates one `#[test]` per conformance case for a backend.
 ///
 /// `$make` is an expression of type `impl Fn() -> T`; `$opts` a [`SuiteOptions`].
@@ -655,7 +705,8 @@ macro_rules! conformance_suite {
             send_recv_order_and_lengths, send_before_recv_is_posted, recv_too_small_is_truncated,
             write_without_imm, write_with_imm, bad_remote_key_fails, out_of_bounds_write_fails,
             write_without_permission_fails, write_after_deregister_fails, local_errors_fail_at_post,
-            remove_peer_with_ops_in_flight, many_operations_in_flight, zero_and_large_segments);
+            remove_peer_with_ops_in_flight, many_operations_in_flight, zero_and_large_segments,
+            idle_target_progresses_through_wait);
     };
     (@cases $make:expr, $opts:expr; $($case:ident),*) => {
         $(
