@@ -31,6 +31,9 @@ const DISCARD: usize = 64 * 1024;
 const MAX_RESPONSES: usize = 4096;
 /// Received bytes for device memory gathered before they are placed.
 const MAX_PLACING: usize = 16 << 20;
+/// Largest piece of one device WRITE read in one call, and most device bytes per call.
+const DEVICE_CHUNK: usize = 1 << 20;
+const DEVICE_READ: usize = 16 << 20;
 
 /// A registered region as the target sees it.
 pub(crate) struct TargetRegion {
@@ -199,7 +202,10 @@ enum Dest {
     Device {
         mem: Arc<dyn MemoryRegion>,
         offset: u64,
+        /// Received bytes (`filled` of them); grown as they arrive, never ahead of the peer
+        /// by more than one chunk, so a peer's claimed lengths allocate nothing by themselves.
         buf: Vec<u8>,
+        filled: usize,
     },
     Buffer(Vec<u8>),
     Discard,
@@ -218,7 +224,15 @@ impl Dest {
                 }
                 *offset += src.len() as u64;
             }
-            Dest::Buffer(v) | Dest::Device { buf: v, .. } => v.extend_from_slice(src),
+            Dest::Buffer(v) => v.extend_from_slice(src),
+            Dest::Device { buf, filled, .. } => {
+                let end = *filled + src.len();
+                if buf.len() < end {
+                    buf.resize(end, 0);
+                }
+                buf[*filled..end].copy_from_slice(src);
+                *filled = end;
+            }
             Dest::Discard => {}
         }
         Ok(())
@@ -791,7 +805,8 @@ impl Conn {
                     Dest::Device {
                         mem,
                         offset: h.offset,
-                        buf: Vec::with_capacity(h.len as usize),
+                        buf: Vec::new(),
+                        filled: 0,
                     }
                 },
                 remaining: h.len,
@@ -968,7 +983,14 @@ impl Conn {
                     peer: Some(self.peer),
                     imm: Some(imm),
                 });
-                if let Dest::Device { mem, offset, buf } = dest {
+                if let Dest::Device {
+                    mem,
+                    offset,
+                    mut buf,
+                    filled,
+                } = dest
+                {
+                    buf.truncate(filled);
                     // Reported once the bytes are in device memory (commit_device).
                     self.placing_bytes += buf.len();
                     self.placing.push((mem, offset, buf, event));
@@ -1025,7 +1047,8 @@ fn direct(d: &Dest) -> bool {
     match d {
         Dest::Region { mem, .. } => mem.host_ptr().is_some(),
         Dest::Discard => true,
-        Dest::Buffer(_) | Dest::Device { .. } => false,
+        Dest::Device { .. } => true,
+        Dest::Buffer(_) => false,
     }
 }
 
@@ -1055,11 +1078,14 @@ fn read_batch(
     let mut iov: Vec<IoSliceMut<'_>> = Vec::with_capacity((items.len() - next + 1).min(MAX_IOV));
     let mut lens: Vec<usize> = Vec::with_capacity(iov.capacity());
     let mut discard = Some(discard);
+    // Device items are read into buffers grown here: at most this much per call.
+    let mut device_budget = DEVICE_READ;
     for item in items[next..].iter_mut() {
         if iov.len() == max_items || item.remaining == 0 {
             break;
         }
-        let slice: Option<&mut [u8]> = match &item.dest {
+        let remaining = item.remaining as usize;
+        let slice: Option<&mut [u8]> = match &mut item.dest {
             Dest::Region { mem, offset } => {
                 host_slice_mut(&**mem, *offset, item.remaining as usize)
             }
@@ -1068,7 +1094,19 @@ fn read_batch(
                 let n = d.len().min(item.remaining as usize);
                 &mut d[..n]
             }),
-            Dest::Buffer(_) | Dest::Device { .. } => None,
+            Dest::Device { buf, filled, .. } => {
+                let want = remaining.min(DEVICE_CHUNK);
+                if want > device_budget && !iov.is_empty() {
+                    None
+                } else {
+                    device_budget = device_budget.saturating_sub(want);
+                    if buf.len() < *filled + want {
+                        buf.resize(*filled + want, 0);
+                    }
+                    Some(&mut buf[*filled..*filled + want])
+                }
+            }
+            Dest::Buffer(_) => None,
         };
         let Some(s) = slice else { break };
         let full = s.len() as u64 == item.remaining;
@@ -1092,8 +1130,10 @@ fn read_batch(
         }
         let d = l.min(left);
         item.remaining -= d as u64;
-        if let Dest::Region { offset, .. } = &mut item.dest {
-            *offset += d as u64;
+        match &mut item.dest {
+            Dest::Region { offset, .. } => *offset += d as u64,
+            Dest::Device { filled, .. } => *filled += d,
+            _ => {}
         }
         left -= d;
     }

@@ -186,3 +186,38 @@ fn a_failed_device_copy_fails_the_connection_not_the_process() {
         "no imm for bytes that did not land"
     );
 }
+
+#[test]
+fn a_device_write_larger_than_a_read_chunk_lands_whole() {
+    let make = || TcpTransport::new(TcpConfig::default()).unwrap();
+    let mut p = Pair::new(&make, SuiteOptions::default());
+    let len = (5 << 20) + 333;
+    let data = pattern(21, len);
+    let src = FakeDevice::new(len);
+    src.inner.write(0, &data).unwrap();
+    let dst = FakeDevice::new(len + 4096);
+    let s = p.a.register(src, Access::NONE).unwrap();
+    let d = p.b.register(dst.clone(), Access::REMOTE_WRITE).unwrap();
+    let c = p.write_once(
+        LocalSlice {
+            key: s.local,
+            offset: 0,
+            len: len as u64,
+        },
+        RemoteSlice {
+            region: d.remote,
+            offset: 4096,
+            len: len as u64,
+        },
+        Some(2),
+    );
+    assert_eq!(c.result, Ok(len as u64));
+    let ev = p.take_b(1, "imm").remove(0);
+    assert_eq!(ev.imm, Some(2));
+    assert!(dst.inner.to_vec(4096, len).unwrap() == data, "bytes differ");
+    assert_eq!(
+        dst.inner.to_vec(0, 4096).unwrap(),
+        vec![0; 4096],
+        "bytes before the write"
+    );
+}
