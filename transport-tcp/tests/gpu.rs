@@ -3,7 +3,9 @@
 //! Compiled everywhere; where no CUDA driver exists each test prints why it skips, unless
 //! `XFER_REQUIRE_CUDA=1` is set (device runs set it), which turns the skip into a failure.
 
-use fabric_core::testing::{Pair, SuiteOptions, pattern};
+mod common;
+
+use fabric_core::testing::{Pair, SuiteOptions};
 use fabric_core::{Access, HostBuffer, LocalSlice, MemoryRegion, OpError, RemoteSlice, Transport};
 use gpu_mem::{Cuda, Device};
 use std::sync::Arc;
@@ -35,50 +37,9 @@ fn pair(rails: usize) -> Pair<TcpTransport> {
     Pair::new(&make, SuiteOptions::default())
 }
 
-/// Writes 64 scattered 64 KiB pages from `src` to `dst` (both registered on the pair) and
-/// checks every byte through host copies.
+/// 64 scattered 64 KiB pages from `src` to `dst`, every byte checked.
 fn scattered(p: &mut Pair<TcpTransport>, src: Arc<dyn MemoryRegion>, dst: Arc<dyn MemoryRegion>) {
-    let page = 65536u64;
-    let n = 64u64;
-    let data = pattern(11, (page * n) as usize);
-    src.write_from_host(0, &data).unwrap();
-    let s = p.a.register(src, Access::NONE).unwrap();
-    let d = p.b.register(dst.clone(), Access::REMOTE_WRITE).unwrap();
-    let peer = p.b_at_a;
-    for i in 0..n {
-        let j = (i * 37) % n;
-        let imm = (i == n - 1).then_some(99);
-        p.post_a(|t| {
-            t.post_write(
-                peer,
-                fabric_core::WorkRequestId(i),
-                LocalSlice {
-                    key: s.local,
-                    offset: i * page,
-                    len: page,
-                },
-                RemoteSlice {
-                    region: d.remote,
-                    offset: j * page,
-                    len: page,
-                },
-                imm,
-            )
-        });
-    }
-    let done = p.take_a(n as usize, "write completions");
-    assert!(done.iter().all(|c| c.result == Ok(page)), "{done:?}");
-    let r = p.take_b(1, "imm").remove(0);
-    assert_eq!(r.imm, Some(99));
-    let mut got = vec![0u8; page as usize];
-    for i in 0..n {
-        let j = (i * 37) % n;
-        dst.read_to_host(j * page, &mut got).unwrap();
-        assert!(
-            got == data[(i * page) as usize..((i + 1) * page) as usize],
-            "page {i} -> {j} differs"
-        );
-    }
+    common::scattered_pages(p, src, dst, 65536, 64, 37);
 }
 
 #[test]
