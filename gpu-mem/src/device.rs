@@ -342,6 +342,54 @@ impl Device {
         check_call(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")
     }
 
+    /// Whether `addr..addr + len` lies inside one allocation of this device's memory, as the
+    /// driver knows it.
+    ///
+    /// A transport asks this before it queues asynchronous copies on a region that only
+    /// claims to be CUDA memory ([`fabric_core::MemoryLocation::Cuda`]): an address the
+    /// driver does not know answers `false` (the query never touches the memory), whereas a
+    /// copy from it could fail or poison the context.
+    pub fn holds_range(&self, addr: u64, len: u64) -> Result<bool, GpuMemError> {
+        let Some(end) = addr.checked_add(len) else {
+            return Ok(false);
+        };
+        self.bind()?;
+        let mut mem_type: std::ffi::c_uint = 0;
+        // SAFETY: mem_type is a valid out-pointer of the size this attribute writes (an
+        // unsigned int); the query only looks the address up, and fails for unknown ones.
+        let code = unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut mem_type as *mut std::ffi::c_uint).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                addr,
+            )
+        };
+        if code != sys::CUresult::CUDA_SUCCESS
+            || mem_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as std::ffi::c_uint
+        {
+            return Ok(false);
+        }
+        let mut ordinal: c_int = -1;
+        // SAFETY: ordinal is a valid out-pointer for this attribute (an int).
+        let code = unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut ordinal as *mut c_int).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                addr,
+            )
+        };
+        if code != sys::CUresult::CUDA_SUCCESS || ordinal != self.inner.ordinal as c_int {
+            return Ok(false);
+        }
+        let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: base and size are valid out-pointers; addr is known device memory.
+        let code = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) };
+        if code != sys::CUresult::CUDA_SUCCESS {
+            return Ok(false);
+        }
+        Ok(base <= addr && end <= base.saturating_add(size as u64))
+    }
+
     /// Whether device memory can be exported as a dmabuf (driver ≥ 11.7 and device support).
     pub fn dmabuf_supported(&self) -> Result<bool, GpuMemError> {
         dmabuf_supported(self.inner.ctx.cu_device(), self.inner.driver_version)
