@@ -10,7 +10,7 @@
 #![allow(missing_docs)]
 #![allow(clippy::missing_panics_doc)]
 
-use crate::memory::{HostBuffer, SubRegion};
+use crate::memory::{HostBuffer, MemoryRegion, SubRegion};
 use crate::transport::{Completion, OpKind, PostOutcome, Transport};
 use crate::types::{Access, LocalSlice, PeerId, Registration, RemoteSlice, WorkRequestId};
 use crate::{Error, OpError};
@@ -32,6 +32,14 @@ pub struct SuiteOptions {
     pub timeout: Duration,
     /// Operations in flight for the "many" case.
     pub many: usize,
+    /// Allocates the memory the cases register ([`host_alloc`] by default; a GPU backend
+    /// passes one that returns device memory).
+    pub alloc: fn(usize) -> Arc<dyn MemoryRegion>,
+}
+
+/// The suite's default allocator: zeroed host memory.
+pub fn host_alloc(len: usize) -> Arc<dyn MemoryRegion> {
+    HostBuffer::new_shared(len).expect("allocate host memory")
 }
 
 impl Default for SuiteOptions {
@@ -42,6 +50,7 @@ impl Default for SuiteOptions {
             enforces_permissions: true,
             timeout: Duration::from_secs(20),
             many: 5000,
+            alloc: host_alloc,
         }
     }
 }
@@ -58,9 +67,10 @@ pub struct Pair<T: Transport> {
     pub opts: SuiteOptions,
 }
 
-/// A registered host buffer with canary bytes on both sides of the registered window.
+/// A registered buffer (host memory, or whatever the suite's allocator returns) with canary
+/// bytes on both sides of the registered window.
 pub struct Canaried {
-    pub buf: Arc<HostBuffer>,
+    pub buf: Arc<dyn MemoryRegion>,
     pub reg: Registration,
     pub len: u64,
 }
@@ -69,23 +79,40 @@ pub const CANARY: u8 = 0xCA;
 const GUARD: u64 = 4096;
 
 impl Canaried {
+    /// In host memory.
     pub fn new<T: Transport>(t: &mut T, len: u64, access: Access, fill: u8) -> Canaried {
-        let buf = HostBuffer::new_shared((len + 2 * GUARD) as usize).unwrap();
-        buf.fill(0, len + 2 * GUARD, CANARY).unwrap();
-        buf.fill(GUARD, len, fill).unwrap();
+        Canaried::with(host_alloc, t, len, access, fill)
+    }
+
+    /// In memory from `alloc`.
+    pub fn with<T: Transport>(
+        alloc: fn(usize) -> Arc<dyn MemoryRegion>,
+        t: &mut T,
+        len: u64,
+        access: Access,
+        fill: u8,
+    ) -> Canaried {
+        let buf = alloc((len + 2 * GUARD) as usize);
+        let mut init = vec![CANARY; (len + 2 * GUARD) as usize];
+        init[GUARD as usize..(GUARD + len) as usize].fill(fill);
+        buf.write_from_host(0, &init).unwrap();
         let sub = SubRegion::new(buf.clone(), GUARD, len).unwrap();
         let reg = t.register(Arc::new(sub), access).expect("register");
         Canaried { buf, reg, len }
     }
     pub fn read(&self, offset: u64, len: usize) -> Vec<u8> {
-        self.buf.to_vec(GUARD + offset, len).unwrap()
+        let mut v = vec![0; len];
+        self.buf.read_to_host(GUARD + offset, &mut v).unwrap();
+        v
     }
     pub fn write(&self, offset: u64, data: &[u8]) {
-        self.buf.write(GUARD + offset, data).unwrap()
+        self.buf.write_from_host(GUARD + offset, data).unwrap()
     }
     pub fn assert_canaries(&self) {
-        let before = self.buf.to_vec(0, GUARD as usize).unwrap();
-        let after = self.buf.to_vec(GUARD + self.len, GUARD as usize).unwrap();
+        let mut before = vec![0; GUARD as usize];
+        self.buf.read_to_host(0, &mut before).unwrap();
+        let mut after = vec![0; GUARD as usize];
+        self.buf.read_to_host(GUARD + self.len, &mut after).unwrap();
         assert!(
             before.iter().all(|&b| b == CANARY),
             "bytes before the region changed"
@@ -217,8 +244,8 @@ fn wr(i: usize) -> WorkRequestId {
 /// SEND/RECV: lengths, contents, immediate data and order per peer.
 pub fn send_recv_order_and_lengths<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
     let mut p = Pair::new(make, opts);
-    let src = Canaried::new(&mut p.a, 4096, Access::NONE, 0);
-    let dst = Canaried::new(&mut p.b, 8 * 256, Access::LOCAL_WRITE, 0);
+    let src = Canaried::with(opts.alloc, &mut p.a, 4096, Access::NONE, 0);
+    let dst = Canaried::with(opts.alloc, &mut p.b, 8 * 256, Access::LOCAL_WRITE, 0);
     let lens = [0u64, 1, 50, 256, 77, 200, 3, 255];
     for i in 0..lens.len() {
         p.post_b(|t| t.post_recv(wr(i), dst.local(i as u64 * 256, 256)));
@@ -264,8 +291,8 @@ pub fn send_before_recv_is_posted<T: Transport>(make: &dyn Fn() -> T, opts: Suit
         return;
     }
     let mut p = Pair::new(make, opts);
-    let src = Canaried::new(&mut p.a, 1024, Access::NONE, 0);
-    let dst = Canaried::new(&mut p.b, 1024, Access::LOCAL_WRITE, 0);
+    let src = Canaried::with(opts.alloc, &mut p.a, 1024, Access::NONE, 0);
+    let dst = Canaried::with(opts.alloc, &mut p.b, 1024, Access::LOCAL_WRITE, 0);
     src.write(0, &pattern(5, 1000));
     let peer = p.b_at_a;
     p.post_a(|t| t.post_send(peer, wr(0), src.local(0, 1000), Some(9)));
@@ -290,8 +317,8 @@ pub fn send_before_recv_is_posted<T: Transport>(make: &dyn Fn() -> T, opts: Suit
 /// writing past the buffer.
 pub fn recv_too_small_is_truncated<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
     let mut p = Pair::new(make, opts);
-    let src = Canaried::new(&mut p.a, 1024, Access::NONE, 0x11);
-    let dst = Canaried::new(&mut p.b, 100, Access::LOCAL_WRITE, 0);
+    let src = Canaried::with(opts.alloc, &mut p.a, 1024, Access::NONE, 0x11);
+    let dst = Canaried::with(opts.alloc, &mut p.b, 100, Access::LOCAL_WRITE, 0);
     p.post_b(|t| t.post_recv(wr(0), dst.local(0, 100)));
     let peer = p.b_at_a;
     p.post_a(|t| t.post_send(peer, wr(0), src.local(0, 1000), None));
@@ -316,8 +343,8 @@ pub fn recv_too_small_is_truncated<T: Transport>(make: &dyn Fn() -> T, opts: Sui
 /// WRITE without immediate data: bytes land, the target sees no completion.
 pub fn write_without_imm<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
     let mut p = Pair::new(make, opts);
-    let src = Canaried::new(&mut p.a, 64 * 1024, Access::NONE, 0);
-    let dst = Canaried::new(&mut p.b, 64 * 1024, Access::REMOTE_WRITE, 0);
+    let src = Canaried::with(opts.alloc, &mut p.a, 64 * 1024, Access::NONE, 0);
+    let dst = Canaried::with(opts.alloc, &mut p.b, 64 * 1024, Access::REMOTE_WRITE, 0);
     let data = pattern(42, 64 * 1024);
     src.write(0, &data);
     for (i, (off, len)) in [(0u64, 4096u64), (10_000, 1), (30_000, 30_000)]
@@ -349,8 +376,8 @@ pub fn write_without_imm<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions)
 /// WRITE with immediate data: the target's completion carries it, after the bytes landed.
 pub fn write_with_imm<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
     let mut p = Pair::new(make, opts);
-    let src = Canaried::new(&mut p.a, 1 << 20, Access::NONE, 0);
-    let dst = Canaried::new(&mut p.b, 1 << 20, Access::REMOTE_WRITE, 0);
+    let src = Canaried::with(opts.alloc, &mut p.a, 1 << 20, Access::NONE, 0);
+    let dst = Canaried::with(opts.alloc, &mut p.b, 1 << 20, Access::REMOTE_WRITE, 0);
     let data = pattern(7, 1 << 20);
     src.write(0, &data);
     let peer = p.b_at_a;
@@ -387,8 +414,8 @@ fn assert_remote_error(c: &Completion, exact: bool, want: impl Fn(&OpError) -> b
 /// A wrong remote key fails the write at the initiator; the target is untouched.
 pub fn bad_remote_key_fails<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
     let mut p = Pair::new(make, opts);
-    let src = Canaried::new(&mut p.a, 4096, Access::NONE, 0x55);
-    let dst = Canaried::new(&mut p.b, 4096, Access::REMOTE_WRITE, 0);
+    let src = Canaried::with(opts.alloc, &mut p.a, 4096, Access::NONE, 0x55);
+    let dst = Canaried::with(opts.alloc, &mut p.b, 4096, Access::REMOTE_WRITE, 0);
     let mut bad = dst.remote(0, 4096);
     bad.region.key.0 ^= 0x5A5A_0000_0001;
     let c = p.write_once(src.local(0, 4096), bad, Some(1));
@@ -413,8 +440,8 @@ pub fn bad_remote_key_fails<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptio
 /// A write past the end of the region fails; nothing outside (or inside) changes.
 pub fn out_of_bounds_write_fails<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
     let mut p = Pair::new(make, opts);
-    let src = Canaried::new(&mut p.a, 8192, Access::NONE, 0x66);
-    let dst = Canaried::new(&mut p.b, 4096, Access::REMOTE_WRITE, 0);
+    let src = Canaried::with(opts.alloc, &mut p.a, 8192, Access::NONE, 0x66);
+    let dst = Canaried::with(opts.alloc, &mut p.b, 4096, Access::REMOTE_WRITE, 0);
     let mut oob = dst.remote(4000, 200);
     oob.len = 200;
     let c = p.write_once(src.local(0, 200), oob, None);
@@ -444,8 +471,8 @@ pub fn write_without_permission_fails<T: Transport>(make: &dyn Fn() -> T, opts: 
         return;
     }
     let mut p = Pair::new(make, opts);
-    let src = Canaried::new(&mut p.a, 4096, Access::NONE, 0x77);
-    let dst = Canaried::new(&mut p.b, 4096, Access::LOCAL_WRITE, 0);
+    let src = Canaried::with(opts.alloc, &mut p.a, 4096, Access::NONE, 0x77);
+    let dst = Canaried::with(opts.alloc, &mut p.b, 4096, Access::LOCAL_WRITE, 0);
     let c = p.write_once(src.local(0, 4096), dst.remote(0, 4096), None);
     assert_remote_error(
         &c,
@@ -460,8 +487,8 @@ pub fn write_without_permission_fails<T: Transport>(make: &dyn Fn() -> T, opts: 
 /// A write with the key of a deregistered region fails.
 pub fn write_after_deregister_fails<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
     let mut p = Pair::new(make, opts);
-    let src = Canaried::new(&mut p.a, 4096, Access::NONE, 0x77);
-    let dst = Canaried::new(&mut p.b, 4096, Access::REMOTE_WRITE, 0);
+    let src = Canaried::with(opts.alloc, &mut p.a, 4096, Access::NONE, 0x77);
+    let dst = Canaried::with(opts.alloc, &mut p.b, 4096, Access::REMOTE_WRITE, 0);
     let c = p.write_once(src.local(0, 16), dst.remote(0, 16), None);
     assert_eq!(c.result, Ok(16));
     p.b.deregister(dst.reg.local).expect("deregister");
@@ -483,8 +510,8 @@ pub fn write_after_deregister_fails<T: Transport>(make: &dyn Fn() -> T, opts: Su
 /// Local mistakes fail the post call itself, with nothing posted.
 pub fn local_errors_fail_at_post<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
     let mut p = Pair::new(make, opts);
-    let src = Canaried::new(&mut p.a, 4096, Access::NONE, 0);
-    let dst = Canaried::new(&mut p.b, 4096, Access::REMOTE_WRITE, 0);
+    let src = Canaried::with(opts.alloc, &mut p.a, 4096, Access::NONE, 0);
+    let dst = Canaried::with(opts.alloc, &mut p.b, 4096, Access::REMOTE_WRITE, 0);
     let peer = p.b_at_a;
     let mut bogus = src.local(0, 16);
     bogus.key.0 += 1000;
@@ -534,8 +561,8 @@ pub fn local_errors_fail_at_post<T: Transport>(make: &dyn Fn() -> T, opts: Suite
 pub fn remove_peer_with_ops_in_flight<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
     let mut p = Pair::new(make, opts);
     let n = 64;
-    let src = Canaried::new(&mut p.a, 64 * 1024, Access::NONE, 0x42);
-    let dst = Canaried::new(&mut p.b, 64 * 1024 * n, Access::REMOTE_WRITE, 0);
+    let src = Canaried::with(opts.alloc, &mut p.a, 64 * 1024, Access::NONE, 0x42);
+    let dst = Canaried::with(opts.alloc, &mut p.b, 64 * 1024 * n, Access::REMOTE_WRITE, 0);
     let peer = p.b_at_a;
     let mut posted = 0;
     for i in 0..n as usize {
@@ -582,8 +609,14 @@ pub fn many_operations_in_flight<T: Transport>(make: &dyn Fn() -> T, opts: Suite
     let mut p = Pair::new(make, opts);
     let n = opts.many;
     let page = 1024u64;
-    let src = Canaried::new(&mut p.a, page * n as u64, Access::NONE, 0);
-    let dst = Canaried::new(&mut p.b, page * n as u64, Access::REMOTE_WRITE, 0);
+    let src = Canaried::with(opts.alloc, &mut p.a, page * n as u64, Access::NONE, 0);
+    let dst = Canaried::with(
+        opts.alloc,
+        &mut p.b,
+        page * n as u64,
+        Access::REMOTE_WRITE,
+        0,
+    );
     let data = pattern(99, (page * n as u64) as usize);
     src.write(0, &data);
     let peer = p.b_at_a;
@@ -623,8 +656,14 @@ pub fn many_operations_in_flight<T: Transport>(make: &dyn Fn() -> T, opts: Suite
 pub fn zero_and_large_segments<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
     let mut p = Pair::new(make, opts);
     let big = p.a.limits().max_msg_size.min(16 << 20);
-    let src = Canaried::new(&mut p.a, big, Access::NONE, 0);
-    let dst = Canaried::new(&mut p.b, big, Access::REMOTE_WRITE | Access::LOCAL_WRITE, 0);
+    let src = Canaried::with(opts.alloc, &mut p.a, big, Access::NONE, 0);
+    let dst = Canaried::with(
+        opts.alloc,
+        &mut p.b,
+        big,
+        Access::REMOTE_WRITE | Access::LOCAL_WRITE,
+        0,
+    );
     let data = pattern(3, big as usize);
     src.write(0, &data);
     let c = p.write_once(src.local(0, 0), dst.remote(0, 0), Some(11));
@@ -651,8 +690,8 @@ pub fn idle_target_progresses_through_wait<T: Transport>(make: &dyn Fn() -> T, o
     let mut p = Pair::new(make, opts);
     let page = 65536u64;
     let n = 64u64;
-    let src = Canaried::new(&mut p.a, page * n, Access::NONE, 0);
-    let dst = Canaried::new(&mut p.b, page * n, Access::REMOTE_WRITE, 0);
+    let src = Canaried::with(opts.alloc, &mut p.a, page * n, Access::NONE, 0);
+    let dst = Canaried::with(opts.alloc, &mut p.b, page * n, Access::REMOTE_WRITE, 0);
     let data = pattern(17, (page * n) as usize);
     src.write(0, &data);
     let peer = p.b_at_a;

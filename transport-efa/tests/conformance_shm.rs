@@ -17,6 +17,7 @@ const OPTS: SuiteOptions = SuiteOptions {
     enforces_permissions: false,
     timeout: std::time::Duration::from_secs(20),
     many: 5000,
+    alloc: fabric_core::testing::host_alloc,
 };
 
 fabric_core::conformance_suite!(@cases
