@@ -188,6 +188,18 @@ pub enum GpuMemError {
         #[source]
         source: CudaError,
     },
+    /// A CUDA IPC handle could not be opened: stale (its allocation was freed), from a
+    /// process that exited, from another host or driver, or not a handle at all.
+    #[error(
+        "cannot open the CUDA IPC handle of a peer's memory on CUDA device {device} (stale, foreign, or from another host)"
+    )]
+    IpcOpen {
+        /// The device the handle was opened on.
+        device: u32,
+        /// The driver's error.
+        #[source]
+        source: CudaError,
+    },
     /// Another driver call failed (device queries, streams, events, synchronisation).
     #[error("{call} failed")]
     Driver {
@@ -210,6 +222,7 @@ impl GpuMemError {
             | GpuMemError::Copy { source, .. }
             | GpuMemError::Memset { source, .. }
             | GpuMemError::DmabufExport { source, .. }
+            | GpuMemError::IpcOpen { source, .. }
             | GpuMemError::Driver { source, .. } => Some(source),
             _ => None,
         }

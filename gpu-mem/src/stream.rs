@@ -327,9 +327,9 @@ impl std::fmt::Debug for CopyStream {
     }
 }
 
-struct EventInner {
-    device: Device,
-    event: sys::CUevent,
+pub(crate) struct EventInner {
+    pub(crate) device: Device,
+    pub(crate) event: sys::CUevent,
 }
 
 // SAFETY: the event handle is an opaque driver object; every call on it binds the context
@@ -339,7 +339,7 @@ unsafe impl Send for EventInner {}
 unsafe impl Sync for EventInner {}
 
 impl EventInner {
-    fn new(device: &Device) -> Result<EventInner, GpuMemError> {
+    pub(crate) fn new(device: &Device) -> Result<EventInner, GpuMemError> {
         device.bind()?;
         let mut event: sys::CUevent = std::ptr::null_mut();
         check_call(
@@ -358,7 +358,7 @@ impl EventInner {
         })
     }
 
-    fn query(&self) -> Result<bool, GpuMemError> {
+    pub(crate) fn query(&self) -> Result<bool, GpuMemError> {
         self.device.bind()?;
         // SAFETY: the event is a live handle of this context, which is current.
         match unsafe { sys::cuEventQuery(self.event) } {
@@ -368,7 +368,7 @@ impl EventInner {
         }
     }
 
-    fn synchronize(&self) -> Result<(), GpuMemError> {
+    pub(crate) fn synchronize(&self) -> Result<(), GpuMemError> {
         self.device.bind()?;
         check_call(
             // SAFETY: the event is a live handle of this context, which is current.

@@ -564,3 +564,58 @@ fn many_part_copies_round_trip() {
         "a refused batch writes nothing"
     );
 }
+
+#[test]
+fn ipc_refuses_garbage_handles_and_host_memory() {
+    let Some(cuda) = cuda() else { return };
+    let gpu = cuda.device(0).unwrap();
+    let e = gpu
+        .open_ipc(&gpu_mem::IpcHandle::from_bytes(
+            [0x5a; gpu_mem::IPC_HANDLE_LEN],
+        ))
+        .unwrap_err();
+    assert!(matches!(e, GpuMemError::IpcOpen { .. }), "{e:?}");
+    let host: Arc<dyn MemoryRegion> = fabric_core::HostBuffer::new_shared(4096).unwrap();
+    assert!(matches!(
+        gpu.export_ipc(&host).unwrap_err(),
+        GpuMemError::WrongMemory(_)
+    ));
+}
+
+#[test]
+fn ipc_export_opened_in_the_same_process_copies_in_bounds_only() {
+    let Some(cuda) = cuda() else { return };
+    let gpu = cuda.device(0).unwrap();
+    let dst: Arc<dyn MemoryRegion> = Arc::new(gpu.alloc_zeroed(1 << 20).unwrap());
+    let window: Arc<dyn MemoryRegion> = Arc::new(SubRegion::new(dst.clone(), 4096, 65536).unwrap());
+    let export = gpu.export_ipc(&window).unwrap();
+    assert_eq!((export.offset(), export.len()), (4096, 65536));
+    let mapping = gpu.open_ipc(&export.handle()).unwrap();
+    assert!(mapping.is_local());
+    assert!(mapping.len() >= 1 << 20);
+    let src: Arc<dyn MemoryRegion> = Arc::new(gpu.alloc(65536).unwrap());
+    src.write_from_host(0, &[7u8; 65536]).unwrap();
+    let mut copies = gpu_mem::PeerCopies::new(&gpu).unwrap();
+    eprintln!("batched copies: {}", copies.batched());
+    for i in 0..16u64 {
+        copies
+            .push(&src, i * 4096, &mapping, export.offset() + i * 4096, 4096)
+            .unwrap();
+    }
+    let host: Arc<dyn MemoryRegion> = fabric_core::HostBuffer::new_shared(4096).unwrap();
+    host.write_from_host(0, &[9u8; 4096]).unwrap();
+    copies.push(&host, 0, &mapping, 0, 4096).unwrap();
+    assert!(
+        copies
+            .push(&src, 0, &mapping, mapping.len() - 10, 4096)
+            .is_err()
+    );
+    assert!(copies.push(&src, 65000, &mapping, 0, 4096).is_err());
+    let ticket = copies.submit().unwrap();
+    assert_eq!(copies.synchronize().unwrap(), ticket);
+    let mut back = vec![0u8; 4096 + 65536 + 4096];
+    dst.read_to_host(0, &mut back).unwrap();
+    assert_eq!(&back[..4096], &[9u8; 4096][..]);
+    assert_eq!(&back[4096..4096 + 65536], &[7u8; 65536][..]);
+    assert_eq!(&back[4096 + 65536..], &[0u8; 4096][..]);
+}

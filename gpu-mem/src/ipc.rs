@@ -1,0 +1,688 @@
+//! CUDA IPC: device memory shared between processes of one host.
+//!
+//! The exporting process turns a registered device region into an [`IpcExport`] (a 64-byte
+//! [`IpcHandle`] of the allocation that contains it, and the region's place inside that
+//! allocation) and sends the handle to a peer over any channel. The peer opens it once with
+//! [`Device::open_ipc`] (an [`IpcMapping`], shared and reference-counted per process and
+//! device, closed when the last user drops it) and copies into it with [`PeerCopies`]:
+//! device-to-device copies queued on a stream (over NVLink between GPUs that have it), as
+//! one batch per submit where the driver offers `cuMemcpyBatchAsync`, completed by events.
+//!
+//! A handle exported by this very process is not opened again (the driver refuses that):
+//! [`Device::open_ipc`] finds it in a process-wide table and maps it onto the exporting
+//! region itself, which the mapping then keeps alive.
+
+use crate::device::Device;
+use crate::error::{CopyDirection, GpuMemError, check, check_call};
+use crate::range::check_range;
+use crate::stream::{EventInner, new_nonblocking_stream};
+use cudarc::driver::sys;
+use fabric_core::{MemoryLocation, MemoryRegion};
+use std::collections::{HashMap, VecDeque};
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+/// Bytes of a CUDA IPC memory handle.
+pub const IPC_HANDLE_LEN: usize = 64;
+
+/// The opaque handle of a device allocation, valid for other processes on the same host.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct IpcHandle([u8; IPC_HANDLE_LEN]);
+
+impl IpcHandle {
+    /// A handle from its bytes (as received from a peer; nothing is checked until it is
+    /// opened).
+    pub fn from_bytes(bytes: [u8; IPC_HANDLE_LEN]) -> IpcHandle {
+        IpcHandle(bytes)
+    }
+
+    /// The handle's bytes, to send to a peer.
+    pub fn as_bytes(&self) -> &[u8; IPC_HANDLE_LEN] {
+        &self.0
+    }
+
+    fn to_sys(self) -> sys::CUipcMemHandle {
+        sys::CUipcMemHandle {
+            reserved: self.0.map(|b| b as std::ffi::c_char),
+        }
+    }
+}
+
+impl std::fmt::Debug for IpcHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "IpcHandle(")?;
+        for b in &self.0[..8] {
+            write!(f, "{b:02x}")?;
+        }
+        write!(f, "..)")
+    }
+}
+
+/// One allocation exported by this process.
+struct ExportEntry {
+    /// Device address of the allocation's first byte.
+    base: u64,
+    /// Bytes of the allocation.
+    size: u64,
+    /// Live [`IpcExport`]s of it, each with the region it was made from (any of them keeps
+    /// the allocation alive for a same-process mapping).
+    regions: Vec<(u64, Arc<dyn MemoryRegion>)>,
+}
+
+/// One peer allocation opened by this process on one device.
+struct OpenEntry {
+    base: u64,
+    size: u64,
+    users: usize,
+}
+
+fn lock<T>(m: &'static Mutex<T>) -> MutexGuard<'static, T> {
+    // The tables stay consistent across a panic (every update is a single insert or
+    // remove), so a poisoned lock is still usable.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn exports() -> &'static Mutex<HashMap<IpcHandle, ExportEntry>> {
+    static T: OnceLock<Mutex<HashMap<IpcHandle, ExportEntry>>> = OnceLock::new();
+    T.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn opened() -> &'static Mutex<HashMap<(u32, IpcHandle), OpenEntry>> {
+    static T: OnceLock<Mutex<HashMap<(u32, IpcHandle), OpenEntry>>> = OnceLock::new();
+    T.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn next_export_id() -> u64 {
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// A device region made reachable for other processes on this host. Dropping it withdraws
+/// it from this process's table (peers that opened the handle keep their mapping until
+/// they close it: withdraw access with your own protocol first).
+pub struct IpcExport {
+    handle: IpcHandle,
+    offset: u64,
+    len: u64,
+    alloc_len: u64,
+    id: u64,
+}
+
+impl IpcExport {
+    /// The handle of the allocation that contains the region.
+    pub fn handle(&self) -> IpcHandle {
+        self.handle
+    }
+
+    /// Where the region starts inside the allocation.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// The region's length.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the region is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes of the whole allocation.
+    pub fn alloc_len(&self) -> u64 {
+        self.alloc_len
+    }
+}
+
+impl std::fmt::Debug for IpcExport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IpcExport")
+            .field("handle", &self.handle)
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl Drop for IpcExport {
+    fn drop(&mut self) {
+        let mut table = lock(exports());
+        if let Some(e) = table.get_mut(&self.handle) {
+            e.regions.retain(|(id, _)| *id != self.id);
+            if e.regions.is_empty() {
+                table.remove(&self.handle);
+            }
+        }
+    }
+}
+
+/// A peer's allocation as this process reaches it.
+pub struct IpcMapping {
+    device: Device,
+    handle: IpcHandle,
+    base: u64,
+    size: u64,
+    /// `Some` when the handle was exported by this process: the exporting region, kept
+    /// alive so the memory stays valid while the mapping exists.
+    local: Option<Arc<dyn MemoryRegion>>,
+}
+
+impl IpcMapping {
+    /// Bytes of the mapped allocation (as the driver reports it, not as the peer claims).
+    pub fn len(&self) -> u64 {
+        self.size
+    }
+
+    /// Whether the mapping is empty.
+    pub fn is_empty(&self) -> bool {
+        self.size == 0
+    }
+
+    /// Whether the handle came from this process (no driver mapping was opened).
+    pub fn is_local(&self) -> bool {
+        self.local.is_some()
+    }
+
+    /// The handle this mapping opened.
+    pub fn handle(&self) -> IpcHandle {
+        self.handle
+    }
+}
+
+impl std::fmt::Debug for IpcMapping {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IpcMapping")
+            .field("device", &self.device.ordinal())
+            .field("handle", &self.handle)
+            .field("len", &self.size)
+            .field("local", &self.is_local())
+            .finish()
+    }
+}
+
+impl Drop for IpcMapping {
+    fn drop(&mut self) {
+        if self.local.is_some() {
+            return;
+        }
+        let mut table = lock(opened());
+        let key = (self.device.ordinal(), self.handle);
+        let last = match table.get_mut(&key) {
+            Some(e) => {
+                e.users -= 1;
+                e.users == 0
+            }
+            None => false,
+        };
+        if last {
+            table.remove(&key);
+            if self.device.bind().is_ok() {
+                // SAFETY: base was returned by cuIpcOpenMemHandle on this device's context
+                // and is closed once, by its last user; PeerCopies holds an Arc of the
+                // mapping until its copies are complete, so none is in flight.
+                let _ = unsafe { sys::cuIpcCloseMemHandle(self.base) };
+            }
+        }
+    }
+}
+
+impl Device {
+    /// Exports `region` (device memory of this device) for other processes on this host.
+    pub fn export_ipc(&self, region: &Arc<dyn MemoryRegion>) -> Result<IpcExport, GpuMemError> {
+        match region.location() {
+            MemoryLocation::Cuda { device } if device == self.ordinal() => {}
+            other => {
+                return Err(GpuMemError::WrongMemory(format!(
+                    "CUDA IPC exports device memory of CUDA device {}, not {other:?}",
+                    self.ordinal()
+                )));
+            }
+        }
+        self.bind()?;
+        let addr = region.device_addr();
+        let mut base: sys::CUdeviceptr = 0;
+        let mut size: usize = 0;
+        check_call(
+            // SAFETY: out-pointers are valid; the context is current; a bad address returns
+            // an error.
+            unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) },
+            "cuMemGetAddressRange",
+        )?;
+        let offset = addr - base;
+        check_range(offset, region.len() as u64, size as u64)?;
+        let mut raw = sys::CUipcMemHandle {
+            reserved: [0; IPC_HANDLE_LEN],
+        };
+        check_call(
+            // SAFETY: raw is a valid out-pointer; base is the start of a live allocation
+            // of this context (just looked up), which is current.
+            unsafe { sys::cuIpcGetMemHandle(&mut raw, base) },
+            "cuIpcGetMemHandle",
+        )?;
+        let handle = IpcHandle(raw.reserved.map(|c| c as u8));
+        let id = next_export_id();
+        lock(exports())
+            .entry(handle)
+            .or_insert_with(|| ExportEntry {
+                base,
+                size: size as u64,
+                regions: Vec::new(),
+            })
+            .regions
+            .push((id, region.clone()));
+        Ok(IpcExport {
+            handle,
+            offset,
+            len: region.len() as u64,
+            alloc_len: size as u64,
+            id,
+        })
+    }
+
+    /// Opens a peer's handle on this device (once per process and device: later calls
+    /// share the mapping). Fails with [`GpuMemError::IpcOpen`] for a stale or foreign
+    /// handle.
+    pub fn open_ipc(&self, handle: &IpcHandle) -> Result<Arc<IpcMapping>, GpuMemError> {
+        if let Some(e) = lock(exports()).get(handle)
+            && let Some((_, region)) = e.regions.first()
+        {
+            return Ok(Arc::new(IpcMapping {
+                device: self.clone(),
+                handle: *handle,
+                base: e.base,
+                size: e.size,
+                local: Some(region.clone()),
+            }));
+        }
+        let mut table = lock(opened());
+        let key = (self.ordinal(), *handle);
+        if let Some(e) = table.get_mut(&key) {
+            e.users += 1;
+            return Ok(Arc::new(IpcMapping {
+                device: self.clone(),
+                handle: *handle,
+                base: e.base,
+                size: e.size,
+                local: None,
+            }));
+        }
+        self.bind()?;
+        let mut base: sys::CUdeviceptr = 0;
+        check(
+            // SAFETY: base is a valid out-pointer; the context is current; the driver
+            // validates the handle and fails for a stale or foreign one.
+            unsafe {
+                sys::cuIpcOpenMemHandle_v2(
+                    &mut base,
+                    handle.to_sys(),
+                    sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+                )
+            },
+            |source| GpuMemError::IpcOpen {
+                device: self.ordinal(),
+                source,
+            },
+        )?;
+        let mut start: sys::CUdeviceptr = 0;
+        let mut size: usize = 0;
+        // SAFETY: out-pointers are valid; base is a live mapping of this context.
+        let r = unsafe { sys::cuMemGetAddressRange_v2(&mut start, &mut size, base) };
+        if let Err(e) = check_call(r, "cuMemGetAddressRange") {
+            // SAFETY: base was opened just above and nobody else knows it.
+            unsafe { sys::cuIpcCloseMemHandle(base) };
+            return Err(e);
+        }
+        table.insert(
+            key,
+            OpenEntry {
+                base,
+                size: size as u64,
+                users: 1,
+            },
+        );
+        Ok(Arc::new(IpcMapping {
+            device: self.clone(),
+            handle: *handle,
+            base,
+            size: size as u64,
+            local: None,
+        }))
+    }
+}
+
+/// `cuMemcpyBatchAsync` as CUDA 12.8 declares it.
+type BatchFn = unsafe extern "C" fn(
+    *mut sys::CUdeviceptr,
+    *mut sys::CUdeviceptr,
+    *mut usize,
+    usize,
+    *mut sys::CUmemcpyAttributes,
+    *mut usize,
+    usize,
+    *mut usize,
+    sys::CUstream,
+) -> sys::CUresult;
+
+/// The driver's batched copy, when it has one (12.8 and later) and `XFER_CUDA_BATCH_COPY`
+/// is not `0`.
+fn batch_fn() -> Option<BatchFn> {
+    static F: OnceLock<Option<BatchFn>> = OnceLock::new();
+    *F.get_or_init(|| {
+        if std::env::var("XFER_CUDA_BATCH_COPY").is_ok_and(|v| v == "0") {
+            return None;
+        }
+        // SAFETY: only reached through a Device, which exists only after Cuda::probe found
+        // the driver library; looking a symbol up by name has no other effect, and the
+        // declared type is the one of the CUDA 12.8 headers for this name.
+        unsafe {
+            sys::culib()
+                .get::<BatchFn>(b"cuMemcpyBatchAsync\0")
+                .ok()
+                .map(|s| *s)
+        }
+    })
+}
+
+/// Copies done since the last submit, and what they keep alive.
+struct Fence {
+    event: Arc<EventInner>,
+    ticket: u64,
+    sources: Vec<Arc<dyn MemoryRegion>>,
+    targets: Vec<Arc<IpcMapping>>,
+}
+
+/// Asynchronous copies from local memory into peers' [`IpcMapping`]s, on one stream of one
+/// device.
+///
+/// [`push`](Self::push) checks and queues a copy; [`submit`](Self::submit) starts what was
+/// queued (as one batch where the driver allows) and returns a ticket;
+/// [`completed`](Self::completed) says, without waiting, the highest ticket whose copies
+/// have all finished. Sources and mappings stay alive until then. Dropping the value waits
+/// for its copies.
+pub struct PeerCopies {
+    device: Device,
+    stream: sys::CUstream,
+    dsts: Vec<sys::CUdeviceptr>,
+    srcs: Vec<sys::CUdeviceptr>,
+    sizes: Vec<usize>,
+    sources: Vec<Arc<dyn MemoryRegion>>,
+    targets: Vec<Arc<IpcMapping>>,
+    fences: VecDeque<Fence>,
+    spare: Vec<Arc<EventInner>>,
+    next_ticket: u64,
+    done: u64,
+    batch: Option<BatchFn>,
+}
+
+// SAFETY: the stream handle is an opaque driver object any thread may use once the context
+// is current (every call binds it); the raw addresses are plain integers; the other fields
+// are Send. `&PeerCopies` exposes nothing that touches the stream, so Sync is sound too.
+unsafe impl Send for PeerCopies {}
+// SAFETY: see above.
+unsafe impl Sync for PeerCopies {}
+
+impl PeerCopies {
+    /// A stream for copies issued from `device` (the device whose memory is the source).
+    pub fn new(device: &Device) -> Result<PeerCopies, GpuMemError> {
+        device.bind()?;
+        let stream = new_nonblocking_stream()?;
+        Ok(PeerCopies {
+            device: device.clone(),
+            stream,
+            dsts: Vec::new(),
+            srcs: Vec::new(),
+            sizes: Vec::new(),
+            sources: Vec::new(),
+            targets: Vec::new(),
+            fences: VecDeque::new(),
+            spare: Vec::new(),
+            next_ticket: 1,
+            done: 0,
+            batch: batch_fn(),
+        })
+    }
+
+    /// Whether copies are issued as one `cuMemcpyBatchAsync` per submit.
+    pub fn batched(&self) -> bool {
+        self.batch.is_some()
+    }
+
+    /// Queues a copy of `len` bytes from `src` at `src_offset` into `dst` at `dst_offset`
+    /// (an offset in the peer's allocation). Both ranges are checked. Device sources are
+    /// copied at [`submit`](Self::submit); host sources (pageable memory) are copied now, so
+    /// the caller may reuse them once this returns.
+    pub fn push(
+        &mut self,
+        src: &Arc<dyn MemoryRegion>,
+        src_offset: u64,
+        dst: &Arc<IpcMapping>,
+        dst_offset: u64,
+        len: u64,
+    ) -> Result<(), GpuMemError> {
+        check_range(src_offset, len, src.len() as u64)?;
+        check_range(dst_offset, len, dst.size)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let to = dst.base + dst_offset;
+        match (src.location(), src.host_ptr()) {
+            (MemoryLocation::Cuda { .. }, _) => {
+                self.srcs.push(src.device_addr() + src_offset);
+                self.dsts.push(to);
+                self.sizes.push(len as usize);
+            }
+            (MemoryLocation::Host, Some(p)) => {
+                self.device.bind()?;
+                check(
+                    // SAFETY: p + src_offset .. + len lies in the live host region (checked
+                    // above; host_ptr is valid per MemoryRegion's contract); the
+                    // destination lies in the mapped allocation (checked above), kept alive
+                    // by `targets` until the copy's event completes; the context is current.
+                    unsafe {
+                        sys::cuMemcpyHtoDAsync_v2(
+                            to,
+                            p.as_ptr().add(src_offset as usize).cast::<c_void>(),
+                            len as usize,
+                            self.stream,
+                        )
+                    },
+                    |source| GpuMemError::Copy {
+                        direction: CopyDirection::HostToDevice,
+                        len,
+                        source,
+                    },
+                )?;
+            }
+            (MemoryLocation::Host, None) => {
+                return Err(GpuMemError::WrongMemory(
+                    "host region without a host pointer".into(),
+                ));
+            }
+        }
+        if !self.sources.last().is_some_and(|s| Arc::ptr_eq(s, src)) {
+            self.sources.push(src.clone());
+        }
+        if !self.targets.last().is_some_and(|t| Arc::ptr_eq(t, dst)) {
+            self.targets.push(dst.clone());
+        }
+        Ok(())
+    }
+
+    /// Starts every queued copy and returns the ticket that [`completed`](Self::completed)
+    /// reports once they have all finished. On error none of the queued copies may be
+    /// assumed done (nor assumed not done).
+    pub fn submit(&mut self) -> Result<u64, GpuMemError> {
+        self.device.bind()?;
+        let n = self.sizes.len();
+        let total: usize = self.sizes.iter().sum();
+        let copy_err = |source| GpuMemError::Copy {
+            direction: CopyDirection::DeviceToDevice,
+            len: total as u64,
+            source,
+        };
+        let issued = match self.batch {
+            Some(f) if n > 1 => {
+                let mut attr = sys::CUmemcpyAttributes {
+                    srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+                    srcLocHint: sys::CUmemLocation {
+                        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_INVALID,
+                        id: 0,
+                    },
+                    dstLocHint: sys::CUmemLocation {
+                        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_INVALID,
+                        id: 0,
+                    },
+                    flags: 0,
+                };
+                let mut attr_idx = 0usize;
+                let mut fail_idx = usize::MAX;
+                // SAFETY: the three arrays hold n entries each; every (src, dst, size) was
+                // bounds-checked in push against live memory that `sources`/`targets` keep
+                // alive until the event recorded below completes; the stream belongs to this
+                // context, which is current; one attribute applies from index 0.
+                let r = unsafe {
+                    f(
+                        self.dsts.as_mut_ptr(),
+                        self.srcs.as_mut_ptr(),
+                        self.sizes.as_mut_ptr(),
+                        n,
+                        &mut attr,
+                        &mut attr_idx,
+                        1,
+                        &mut fail_idx,
+                        self.stream,
+                    )
+                };
+                check(r, copy_err)
+            }
+            _ => (0..n).try_for_each(|i| {
+                check(
+                    // SAFETY: as for the batch above, for the one copy i.
+                    unsafe {
+                        sys::cuMemcpyAsync(self.dsts[i], self.srcs[i], self.sizes[i], self.stream)
+                    },
+                    copy_err,
+                )
+            }),
+        };
+        self.dsts.clear();
+        self.srcs.clear();
+        self.sizes.clear();
+        let event = match self.spare.pop() {
+            Some(e) => e,
+            None => Arc::new(EventInner::new(&self.device)?),
+        };
+        // Record even after an error, so the regions stay alive until the stream has
+        // finished whatever it did start.
+        check_call(
+            // SAFETY: event and stream are live handles of this context, which is current.
+            unsafe { sys::cuEventRecord(event.event, self.stream) },
+            "cuEventRecord",
+        )?;
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        self.fences.push_back(Fence {
+            event,
+            ticket,
+            sources: std::mem::take(&mut self.sources),
+            targets: std::mem::take(&mut self.targets),
+        });
+        issued.map(|()| ticket)
+    }
+
+    /// The highest ticket whose copies have all finished (0 before any), without waiting.
+    /// An error means a copy failed on the device: treat every ticket not yet reported as
+    /// failed.
+    pub fn completed(&mut self) -> Result<u64, GpuMemError> {
+        while let Some(f) = self.fences.front() {
+            if !f.event.query()? {
+                break;
+            }
+            self.retire_front();
+        }
+        Ok(self.done)
+    }
+
+    /// Tickets submitted and not yet seen complete.
+    pub fn in_flight(&self) -> usize {
+        self.fences.len()
+    }
+
+    /// Waits for every submitted copy.
+    pub fn synchronize(&mut self) -> Result<u64, GpuMemError> {
+        self.device.bind()?;
+        check_call(
+            // SAFETY: the stream is a live handle of this context, which is current.
+            unsafe { sys::cuStreamSynchronize(self.stream) },
+            "cuStreamSynchronize",
+        )?;
+        while !self.fences.is_empty() {
+            self.retire_front();
+        }
+        Ok(self.done)
+    }
+
+    fn retire_front(&mut self) {
+        if let Some(f) = self.fences.pop_front() {
+            self.done = f.ticket;
+            // The copies are done: their memory may go now.
+            drop((f.sources, f.targets));
+            self.spare.push(f.event);
+        }
+    }
+}
+
+impl Drop for PeerCopies {
+    fn drop(&mut self) {
+        if self.device.bind().is_ok() {
+            // SAFETY: the stream is live and destroyed once; synchronising first keeps the
+            // regions (dropped after this) alive until its copies are done.
+            unsafe {
+                sys::cuStreamSynchronize(self.stream);
+                sys::cuStreamDestroy_v2(self.stream);
+            }
+        }
+    }
+}
+
+/// Whether the calling process can reach memory of device `to` from device `from` directly
+/// (peer access, over NVLink or PCIe): `true` for the same device.
+pub fn can_access_peer(from: &Device, to: &Device) -> Result<bool, GpuMemError> {
+    if from.ordinal() == to.ordinal() {
+        return Ok(true);
+    }
+    from.bind()?;
+    let mut yes = 0;
+    check_call(
+        // SAFETY: yes is a valid out-pointer; both handles name existing devices (they are
+        // open Devices).
+        unsafe {
+            sys::cuDeviceCanAccessPeer(
+                &mut yes,
+                from.inner.ctx.cu_device(),
+                to.inner.ctx.cu_device(),
+            )
+        },
+        "cuDeviceCanAccessPeer",
+    )?;
+    Ok(yes != 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handles_round_trip_their_bytes_and_print_briefly() {
+        let mut b = [0u8; IPC_HANDLE_LEN];
+        b[0] = 0xab;
+        b[63] = 7;
+        let h = IpcHandle::from_bytes(b);
+        assert_eq!(h.as_bytes(), &b);
+        assert_eq!(format!("{h:?}"), "IpcHandle(ab00000000000000..)");
+        let s = h.to_sys();
+        assert_eq!(s.reserved[0] as u8, 0xab);
+        assert_eq!(s.reserved[63] as u8, 7);
+    }
+}
