@@ -1,0 +1,841 @@
+//! # transport-cuda-ipc
+//!
+//! A [`Transport`] for peers on the same host: WRITEs between GPUs are device-to-device
+//! copies into the peer's memory, opened through CUDA IPC (over NVLink where the GPUs have
+//! it), instead of trips through NICs or sockets.
+//!
+//! - **Registration** of device memory exports it ([`gpu_mem::Device::export_ipc`]); the
+//!   remote descriptor carries only a random 64-bit key. Host memory may be registered as a
+//!   source of WRITEs and for SEND/RECV, but not as a WRITE target (a clear error at
+//!   registration: use the tcp transport for host memory).
+//! - **Control** travels over an abstract Unix socket per transport: SEND/RECV payloads,
+//!   and for WRITEs a reservation round trip per batch: the initiator sends the ranges it is
+//!   about to write, the target checks key, bounds and permission (exactly as the tcp
+//!   transport does before any byte lands) and answers with a verdict per range, preceded
+//!   the first time by the region's IPC handle, which the initiator opens once and caches.
+//!   The target keeps every granted region alive until the initiator reports the batch
+//!   done, so deregistration never frees memory under a copy, and a deregistered key fails
+//!   the next write with [`OpError::RemoteKeyInvalid`] while leaving memory untouched.
+//! - **WRITE** = an asynchronous copy on this transport's stream (one `cuMemcpyBatchAsync`
+//!   per batch where the driver has it), completed by an event; then the initiator's
+//!   completion, and a DONE frame carrying the immediate values, which the target reports
+//!   as [`OpKind::RemoteWrite`] completions after the bytes have landed.
+//! - **Peers** are identified by their host's boot id: an address from another host is
+//!   refused at `add_peer`; a peer whose process exits fails its pending operations with
+//!   [`OpError::PeerUnreachable`]; removing a peer waits for its copies in flight, then
+//!   closes its mappings.
+//!
+//! Abstract Unix sockets are reachable by every process in the same network namespace;
+//! remote keys are random 64-bit values, so a process must be given a descriptor to write.
+//!
+//! ```no_run
+//! use fabric_core::{Access, LocalSlice, RemoteSlice, Transport, WorkRequestId};
+//! use std::sync::Arc;
+//! use transport_cuda_ipc::{CudaIpcConfig, CudaIpcTransport};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let Some(cuda) = gpu_mem::Cuda::probe()? else {
+//!     println!("no CUDA on this machine");
+//!     return Ok(());
+//! };
+//! let gpu = cuda.device(0)?;
+//! let mut a = CudaIpcTransport::new(&cuda, CudaIpcConfig::default())?;
+//! let mut b = CudaIpcTransport::new(&cuda, CudaIpcConfig::default())?;
+//! let src = a.register(Arc::new(gpu.alloc(1 << 20)?), Access::NONE)?;
+//! let dst = b.register(Arc::new(gpu.alloc_zeroed(1 << 20)?), Access::REMOTE_WRITE)?;
+//! let peer = a.add_peer(&b.address())?;
+//! let _ = a.post_write(
+//!     peer,
+//!     WorkRequestId(1),
+//!     LocalSlice { key: src.local, offset: 0, len: 1 << 20 },
+//!     RemoteSlice { region: dst.remote, offset: 0, len: 1 << 20 },
+//!     Some(7),
+//! )?;
+//! let (mut done_a, mut done_b) = (Vec::new(), Vec::new());
+//! while done_a.is_empty() || done_b.is_empty() {
+//!     a.poll(&mut done_a)?;
+//!     b.poll(&mut done_b)?;
+//! }
+//! # Ok(())
+//! # }
+//! ```
+#![warn(missing_docs)]
+
+mod address;
+mod conn;
+mod initiator;
+mod link;
+mod target;
+pub mod wire;
+
+pub use address::{IpcAddress, boot_id, is_local_address};
+
+use conn::{FrameConn, ReadOutcome};
+use fabric_core::{
+    Access, Completion, Error, LocalKey, LocalSlice, MemoryRegion, OpError, OpKind, PeerId,
+    PostOutcome, Registration, RemoteKey, RemoteRegion, RemoteSlice, Result, Transport,
+    TransportLimits, WorkRequestId,
+};
+use gpu_mem::Cuda;
+pub use link::{CudaLink, Link, LinkExport, LoopbackLink, LoopbackMapping};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::os::fd::AsRawFd;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use wire::{Header, Op, Reserve, Status};
+
+/// Settings of a [`CudaIpcTransport`].
+#[derive(Clone, Debug)]
+pub struct CudaIpcConfig {
+    /// The CUDA device this transport copies from (its stream and mappings live there).
+    pub device: u32,
+    /// Largest single WRITE or SEND.
+    pub max_msg_size: u64,
+    /// Operations in flight before posts answer `NoRoom`.
+    pub max_outstanding: usize,
+    /// Writes per reservation round trip.
+    pub max_batch: usize,
+    /// Reservations (and copy batches) in flight per peer.
+    pub max_batches_in_flight: usize,
+    /// SENDs buffered for receives not yet posted (count and bytes); beyond that the
+    /// connection stops being read until receives are posted.
+    pub max_unexpected_count: usize,
+    /// See `max_unexpected_count`.
+    pub max_unexpected_bytes: usize,
+    /// How long a peer may leave a reservation (or a new connection its HELLO) unanswered
+    /// before it is declared unreachable.
+    pub peer_timeout: Duration,
+    /// Most open connections.
+    pub max_connections: usize,
+}
+
+impl Default for CudaIpcConfig {
+    fn default() -> Self {
+        CudaIpcConfig {
+            device: 0,
+            max_msg_size: 1 << 30,
+            max_outstanding: 1 << 16,
+            max_batch: 1024,
+            max_batches_in_flight: 16,
+            max_unexpected_count: 4096,
+            max_unexpected_bytes: 64 << 20,
+            peer_timeout: Duration::from_secs(5),
+            max_connections: 1024,
+        }
+    }
+}
+
+/// One WRITE on its way.
+struct WriteOp {
+    wr: WorkRequestId,
+    src: Arc<dyn MemoryRegion>,
+    src_off: u64,
+    key: u64,
+    off: u64,
+    len: u64,
+    imm: Option<u32>,
+}
+
+/// A peer's region as this side reaches it.
+struct KeyMap<M> {
+    mapping: Arc<M>,
+    /// Where the region starts in the mapped allocation.
+    offset: u64,
+}
+
+/// A peer added with `add_peer` (the initiator's side of a connection).
+struct Peer<M> {
+    conn: Option<usize>,
+    address: Vec<u8>,
+    /// Set once the connection is gone: later posts fail with this.
+    broken: Option<String>,
+    pending: VecDeque<WriteOp>,
+    reserving: HashMap<u64, (Instant, Vec<WriteOp>)>,
+    next_batch: u64,
+    /// Batches reserved or copying.
+    in_flight: usize,
+    keys: HashMap<u64, std::result::Result<KeyMap<M>, String>>,
+    sends: VecDeque<(WorkRequestId, u64)>,
+}
+
+/// What a connection is for.
+enum Role {
+    /// We connected: we send requests, the peer answers.
+    Initiator(PeerId),
+    /// The peer connected: it sends requests, we answer.
+    Target {
+        /// Known after HELLO.
+        peer: Option<PeerId>,
+        /// Keys whose handle this connection was sent.
+        known_keys: HashSet<u64>,
+        /// Regions of granted batches, kept alive until DONE.
+        granted: HashMap<u64, Vec<Arc<dyn MemoryRegion>>>,
+        opened: Instant,
+    },
+}
+
+struct Conn {
+    io: FrameConn,
+    role: Role,
+    /// Reading stopped: a SEND waits for room in the unexpected queue.
+    paused: bool,
+}
+
+/// A locally registered region.
+struct LocalRegion {
+    mem: Arc<dyn MemoryRegion>,
+    access: Access,
+    rkey: u64,
+}
+
+/// A region peers may write (or be refused).
+struct TargetRegion {
+    mem: Arc<dyn MemoryRegion>,
+    access: Access,
+    export: Option<LinkExport>,
+}
+
+struct PostedRecv {
+    wr: WorkRequestId,
+    mem: Arc<dyn MemoryRegion>,
+    offset: u64,
+    cap: u64,
+}
+
+struct Unexpected {
+    peer: Option<PeerId>,
+    imm: Option<u32>,
+    bytes: Vec<u8>,
+}
+
+/// A batch whose copies run on the stream.
+struct Copying {
+    ticket: u64,
+    peer: PeerId,
+    batch: u64,
+    ops: Vec<WriteOp>,
+}
+
+/// The CUDA IPC transport. See the [crate documentation](crate).
+///
+/// `L` is the data path: [`CudaLink`] (the default), or [`LoopbackLink`] to run the
+/// protocol on host memory inside one process (tests without a GPU).
+pub struct CudaIpcTransport<L: Link = CudaLink> {
+    cfg: CudaIpcConfig,
+    link: L,
+    listener: UnixListener,
+    address: Vec<u8>,
+    boot_id: String,
+    conns: Vec<Option<Conn>>,
+    peers: HashMap<PeerId, Peer<L::Mapping>>,
+    passive: HashMap<Vec<u8>, PeerId>,
+    next_peer: u64,
+    local: HashMap<LocalKey, LocalRegion>,
+    targets: HashMap<u64, TargetRegion>,
+    next_local: u64,
+    recvs: VecDeque<PostedRecv>,
+    unexpected: VecDeque<Unexpected>,
+    unexpected_bytes: usize,
+    copying: VecDeque<Copying>,
+    done: Vec<Completion>,
+    outstanding: usize,
+    pollfds: Vec<libc::pollfd>,
+}
+
+pub(crate) fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    // getrandom fails only without an entropy source; fall back to time and address bits,
+    // which still make keys unpredictable enough to tell registrations apart.
+    if getrandom::fill(&mut b).is_err() {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        return t ^ (&b as *const _ as u64).rotate_left(32);
+    }
+    u64::from_le_bytes(b)
+}
+
+fn op_error(status: u32, op: &WriteOp, region_len: u64) -> OpError {
+    match Status::from_u32(status) {
+        Some(Status::BadKey) => OpError::RemoteKeyInvalid(RemoteKey(op.key)),
+        Some(Status::OutOfBounds) => OpError::OutOfBounds {
+            offset: op.off,
+            len: op.len,
+            region_len,
+        },
+        Some(Status::NoPermission) => OpError::PermissionDenied,
+        _ => OpError::Remote(format!("the target answered status {status}")),
+    }
+}
+
+impl CudaIpcTransport<CudaLink> {
+    /// Creates a transport on `cfg.device`, listening on a fresh abstract Unix socket.
+    pub fn new(cuda: &Cuda, cfg: CudaIpcConfig) -> Result<CudaIpcTransport> {
+        let link = CudaLink::new(cuda, cfg.device).map_err(|e| Error::Backend {
+            call: "open the CUDA device and its copy stream",
+            message: e.to_string(),
+            source: Some(Arc::new(e)),
+        })?;
+        CudaIpcTransport::with_link(link, cfg)
+    }
+}
+
+impl<L: Link> CudaIpcTransport<L> {
+    /// Creates a transport over `link`, listening on a fresh abstract Unix socket.
+    pub fn with_link(link: L, cfg: CudaIpcConfig) -> Result<CudaIpcTransport<L>> {
+        let pid = std::process::id();
+        let boot_id = boot_id()?;
+        let (listener, socket) = loop {
+            let name = format!("xfer-ipc-{pid}-{:016x}", random_u64());
+            let addr = SocketAddr::from_abstract_name(name.as_bytes())
+                .map_err(|e| Error::io("abstract socket name", e))?;
+            match UnixListener::bind_addr(&addr) {
+                Ok(l) => break (l, name),
+                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => continue,
+                Err(e) => return Err(Error::io("bind the CUDA IPC control socket", e)),
+            }
+        };
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("set_nonblocking", e))?;
+        let address = IpcAddress {
+            boot_id: boot_id.clone(),
+            pid,
+            device: link.device(),
+            socket,
+        }
+        .encode();
+        Ok(CudaIpcTransport {
+            cfg,
+            link,
+            listener,
+            address,
+            boot_id,
+            conns: Vec::new(),
+            peers: HashMap::new(),
+            passive: HashMap::new(),
+            next_peer: 1,
+            local: HashMap::new(),
+            targets: HashMap::new(),
+            next_local: 1,
+            recvs: VecDeque::new(),
+            unexpected: VecDeque::new(),
+            unexpected_bytes: 0,
+            copying: VecDeque::new(),
+            done: Vec::new(),
+            outstanding: 0,
+            pollfds: Vec::new(),
+        })
+    }
+
+    /// Whether copies go out as one `cuMemcpyBatchAsync` per batch (driver 12.8 or later).
+    pub fn batched_copies(&self) -> bool {
+        self.link.batched()
+    }
+
+    fn max_payload(&self) -> u64 {
+        let per_batch = (self.cfg.max_batch * <Reserve as wire::Record>::LEN) as u64;
+        self.cfg.max_msg_size.max(per_batch) + 4096
+    }
+
+    fn insert_conn(&mut self, c: Conn) -> usize {
+        if let Some(i) = self.conns.iter().position(Option::is_none) {
+            self.conns[i] = Some(c);
+            i
+        } else {
+            self.conns.push(Some(c));
+            self.conns.len() - 1
+        }
+    }
+
+    fn accept(&mut self) {
+        loop {
+            match self.listener.accept() {
+                Ok((stream, _)) => {
+                    if self.conns.iter().flatten().count() >= self.cfg.max_connections {
+                        tracing::warn!("connection refused: {} open", self.cfg.max_connections);
+                        continue;
+                    }
+                    let Ok(io) = FrameConn::new(stream, self.max_payload()) else {
+                        continue;
+                    };
+                    self.insert_conn(Conn {
+                        io,
+                        role: Role::Target {
+                            peer: None,
+                            known_keys: HashSet::new(),
+                            granted: HashMap::new(),
+                            opened: Instant::now(),
+                        },
+                        paused: false,
+                    });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    tracing::warn!("accept failed: {e}");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Closes connection `idx`; for an initiator's connection every pending operation of
+    /// its peer fails with `err(peer)`.
+    fn close_conn(&mut self, idx: usize, err: impl Fn(PeerId) -> OpError) {
+        let Some(c) = self.conns.get_mut(idx).and_then(Option::take) else {
+            return;
+        };
+        if let Role::Initiator(peer) = c.role {
+            // Copies in flight into this peer's memory finish first: the peer keeps the
+            // memory alive only while the connection lives.
+            self.drain_copies_of(peer);
+            let e = err(peer);
+            if let Some(p) = self.peers.get_mut(&peer) {
+                p.conn = None;
+                p.broken = Some(e.to_string());
+                let mut failed: Vec<WriteOp> = p.pending.drain(..).collect();
+                for (_, (_, ops)) in p.reserving.drain() {
+                    failed.extend(ops);
+                }
+                p.in_flight = 0;
+                p.keys.clear();
+                for op in failed {
+                    self.outstanding -= 1;
+                    self.done.push(Completion {
+                        wr_id: op.wr,
+                        op: OpKind::Write,
+                        result: Err(e.clone()),
+                        peer: Some(peer),
+                        imm: None,
+                    });
+                }
+                for (wr, _) in p.sends.drain(..) {
+                    self.outstanding -= 1;
+                    self.done.push(Completion {
+                        wr_id: wr,
+                        op: OpKind::Send,
+                        result: Err(e.clone()),
+                        peer: Some(peer),
+                        imm: None,
+                    });
+                }
+            }
+        }
+    }
+
+    fn protocol_error(&mut self, idx: usize, why: String) {
+        tracing::warn!(conn = idx, "closing a CUDA IPC connection: {why}");
+        self.close_conn(idx, |peer| OpError::PeerUnreachable {
+            peer,
+            reason: format!("protocol error: {why}"),
+        });
+    }
+
+    /// Reads and handles the frames of connection `idx`.
+    fn service(&mut self, idx: usize) {
+        let Some(Some(c)) = self.conns.get_mut(idx) else {
+            return;
+        };
+        if let ReadOutcome::Closed(why) = c.io.fill(16 << 20) {
+            // Handle what arrived before the close, then close.
+            self.handle_frames(idx);
+            self.close_conn(idx, |peer| OpError::PeerUnreachable {
+                peer,
+                reason: format!("{why} (did its process exit?)"),
+            });
+            return;
+        }
+        self.handle_frames(idx);
+    }
+
+    fn handle_frames(&mut self, idx: usize) {
+        loop {
+            let Some(Some(c)) = self.conns.get_mut(idx) else {
+                return;
+            };
+            if c.paused {
+                return;
+            }
+            let frame = match c.io.next_frame() {
+                Ok(Some(f)) => f,
+                Ok(None) => return,
+                Err(e) => return self.protocol_error(idx, e.to_string()),
+            };
+            let r = match c.role {
+                Role::Initiator(peer) => self.on_answer(idx, peer, frame),
+                Role::Target { .. } => self.on_request(idx, frame),
+            };
+            if let Err(why) = r {
+                return self.protocol_error(idx, why);
+            }
+        }
+    }
+
+    fn expire(&mut self, now: Instant) {
+        let timeout = self.cfg.peer_timeout;
+        let mut dead = Vec::new();
+        for (i, c) in self.conns.iter().enumerate() {
+            match c {
+                Some(Conn {
+                    role:
+                        Role::Target {
+                            peer: None, opened, ..
+                        },
+                    ..
+                }) if now.duration_since(*opened) > timeout => dead.push((i, "no HELLO")),
+                Some(Conn {
+                    role: Role::Initiator(peer),
+                    ..
+                }) if self.peers.get(peer).is_some_and(|p| {
+                    p.reserving
+                        .values()
+                        .any(|(t, _)| now.duration_since(*t) > timeout)
+                }) =>
+                {
+                    dead.push((i, "no answer to a reservation"))
+                }
+                _ => {}
+            }
+        }
+        for (i, why) in dead {
+            self.close_conn(i, |peer| OpError::PeerUnreachable {
+                peer,
+                reason: format!("{why} within {timeout:?}"),
+            });
+        }
+    }
+
+    fn local_slice(&self, s: LocalSlice) -> Result<&LocalRegion> {
+        let r = self
+            .local
+            .get(&s.key)
+            .ok_or(Error::Op(OpError::LocalKeyInvalid(s.key)))?;
+        fabric_core::memory::check_range(s.offset, s.len, r.mem.len() as u64)?;
+        Ok(r)
+    }
+
+    fn live_peer(&mut self, peer: PeerId) -> Result<&mut Peer<L::Mapping>> {
+        let p = self.peers.get_mut(&peer).ok_or(Error::UnknownPeer(peer))?;
+        if let Some(why) = &p.broken {
+            return Err(Error::Op(OpError::PeerUnreachable {
+                peer,
+                reason: why.clone(),
+            }));
+        }
+        Ok(p)
+    }
+}
+
+impl<L: Link> Transport for CudaIpcTransport<L> {
+    fn name(&self) -> &'static str {
+        "cuda-ipc"
+    }
+
+    fn address(&self) -> Vec<u8> {
+        self.address.clone()
+    }
+
+    fn limits(&self) -> TransportLimits {
+        TransportLimits {
+            max_msg_size: self.cfg.max_msg_size,
+            max_outstanding: self.cfg.max_outstanding,
+            write_imm: true,
+            busy_poll: false,
+        }
+    }
+
+    fn add_peer(&mut self, address: &[u8]) -> Result<PeerId> {
+        let to = IpcAddress::parse(address)?;
+        to.check_same_host(&self.boot_id)?;
+        let sa = SocketAddr::from_abstract_name(to.socket.as_bytes())
+            .map_err(|e| Error::io("abstract socket name", e))?;
+        let stream = UnixStream::connect_addr(&sa).map_err(|e| {
+            Error::InvalidAddress(format!(
+                "no CUDA IPC transport listens at {} (process {} exited?): {e}",
+                to.socket, to.pid
+            ))
+        })?;
+        let mut io = FrameConn::new(stream, self.max_payload())
+            .map_err(|e| Error::io("set_nonblocking", e))?;
+        Header::new(Op::Hello, 0, wire::VERSION, self.address.len() as u64).encode(io.out());
+        io.out().extend_from_slice(&self.address);
+        let id = PeerId(self.next_peer);
+        self.next_peer += 1;
+        let idx = self.insert_conn(Conn {
+            io,
+            role: Role::Initiator(id),
+            paused: false,
+        });
+        self.peers.insert(
+            id,
+            Peer {
+                conn: Some(idx),
+                address: address.to_vec(),
+                broken: None,
+                pending: VecDeque::new(),
+                reserving: HashMap::new(),
+                next_batch: 1,
+                in_flight: 0,
+                keys: HashMap::new(),
+                sends: VecDeque::new(),
+            },
+        );
+        Ok(id)
+    }
+
+    fn remove_peer(&mut self, peer: PeerId) -> Result<()> {
+        let conn = self.peers.get(&peer).ok_or(Error::UnknownPeer(peer))?.conn;
+        if let Some(idx) = conn {
+            self.close_conn(idx, OpError::PeerRemoved);
+        }
+        self.peers.remove(&peer);
+        Ok(())
+    }
+
+    fn register(&mut self, mem: Arc<dyn MemoryRegion>, access: Access) -> Result<Registration> {
+        let export = if access.contains(Access::REMOTE_WRITE) {
+            Some(self.link.export(&mem).map_err(Error::Unsupported)?)
+        } else {
+            None
+        };
+        let mut rkey = random_u64();
+        while rkey == 0 || self.targets.contains_key(&rkey) {
+            rkey = random_u64();
+        }
+        let local = LocalKey(self.next_local);
+        self.next_local += 1;
+        let len = mem.len() as u64;
+        self.targets.insert(
+            rkey,
+            TargetRegion {
+                mem: mem.clone(),
+                access,
+                export,
+            },
+        );
+        self.local.insert(local, LocalRegion { mem, access, rkey });
+        Ok(Registration {
+            local,
+            remote: RemoteRegion {
+                addr: 0,
+                len,
+                key: RemoteKey(rkey),
+            },
+        })
+    }
+
+    fn deregister(&mut self, key: LocalKey) -> Result<()> {
+        let r = self
+            .local
+            .remove(&key)
+            .ok_or(Error::Op(OpError::LocalKeyInvalid(key)))?;
+        self.targets.remove(&r.rkey);
+        for c in self.conns.iter_mut().flatten() {
+            if let Role::Target { known_keys, .. } = &mut c.role
+                && known_keys.remove(&r.rkey)
+            {
+                Header::new(Op::Revoke, 0, r.rkey, 0).encode(c.io.out());
+            }
+        }
+        Ok(())
+    }
+
+    fn post_send(
+        &mut self,
+        peer: PeerId,
+        wr_id: WorkRequestId,
+        src: LocalSlice,
+        imm: Option<u32>,
+    ) -> Result<PostOutcome> {
+        if src.len > self.cfg.max_msg_size {
+            return Err(Error::InvalidArgument(format!(
+                "a {}-byte SEND exceeds the {}-byte limit",
+                src.len, self.cfg.max_msg_size
+            )));
+        }
+        let mem = self.local_slice(src)?.mem.clone();
+        self.live_peer(peer)?;
+        if self.outstanding >= self.cfg.max_outstanding {
+            return Ok(PostOutcome::NoRoom);
+        }
+        let mut bytes = vec![0u8; src.len as usize];
+        mem.read_to_host(src.offset, &mut bytes)?;
+        let p = self.live_peer(peer)?;
+        p.sends.push_back((wr_id, src.len));
+        let conn = p.conn;
+        let Some(c) = conn
+            .and_then(|i| self.conns.get_mut(i))
+            .and_then(Option::as_mut)
+        else {
+            return Err(Error::UnknownPeer(peer));
+        };
+        let mut h = Header::new(Op::Send, wr_id.0, 0, src.len);
+        h.imm = imm;
+        h.encode(c.io.out());
+        c.io.out().extend_from_slice(&bytes);
+        self.outstanding += 1;
+        Ok(PostOutcome::Posted)
+    }
+
+    fn post_recv(&mut self, wr_id: WorkRequestId, dst: LocalSlice) -> Result<PostOutcome> {
+        let r = self.local_slice(dst)?;
+        if !r.access.contains(Access::LOCAL_WRITE) {
+            return Err(Error::Op(OpError::PermissionDenied));
+        }
+        let recv = PostedRecv {
+            wr: wr_id,
+            mem: r.mem.clone(),
+            offset: dst.offset,
+            cap: dst.len,
+        };
+        match self.unexpected.pop_front() {
+            Some(u) => {
+                self.unexpected_bytes -= u.bytes.len();
+                self.deliver(recv, u.peer, u.imm, &u.bytes);
+                for c in self.conns.iter_mut().flatten() {
+                    c.paused = false;
+                }
+            }
+            None => self.recvs.push_back(recv),
+        }
+        Ok(PostOutcome::Posted)
+    }
+
+    fn post_write(
+        &mut self,
+        peer: PeerId,
+        wr_id: WorkRequestId,
+        src: LocalSlice,
+        dst: RemoteSlice,
+        imm: Option<u32>,
+    ) -> Result<PostOutcome> {
+        if src.len != dst.len {
+            return Err(Error::InvalidArgument(format!(
+                "source ({} bytes) and destination ({} bytes) differ in length",
+                src.len, dst.len
+            )));
+        }
+        if src.len > self.cfg.max_msg_size {
+            return Err(Error::InvalidArgument(format!(
+                "a {}-byte WRITE exceeds the {}-byte limit",
+                src.len, self.cfg.max_msg_size
+            )));
+        }
+        let mem = self.local_slice(src)?.mem.clone();
+        self.live_peer(peer)?;
+        if self.outstanding >= self.cfg.max_outstanding {
+            return Ok(PostOutcome::NoRoom);
+        }
+        self.live_peer(peer)?.pending.push_back(WriteOp {
+            wr: wr_id,
+            src: mem,
+            src_off: src.offset,
+            key: dst.region.key.0,
+            off: dst.offset,
+            len: dst.len,
+            imm,
+        });
+        self.outstanding += 1;
+        Ok(PostOutcome::Posted)
+    }
+
+    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize> {
+        self.accept();
+        for idx in 0..self.conns.len() {
+            self.service(idx);
+        }
+        if !self.copying.is_empty() {
+            let r = self.link.completed();
+            self.retire_copies(r);
+        }
+        self.reserve();
+        let mut gone = Vec::new();
+        for (i, c) in self.conns.iter_mut().enumerate() {
+            if let Some(c) = c
+                && let Err(why) = c.io.flush()
+            {
+                gone.push((i, why));
+            }
+        }
+        for (i, why) in gone {
+            self.close_conn(i, |peer| OpError::PeerUnreachable {
+                peer,
+                reason: format!("{why} (did its process exit?)"),
+            });
+        }
+        self.expire(Instant::now());
+        let n = self.done.len();
+        out.append(&mut self.done);
+        Ok(n)
+    }
+
+    fn wait(&mut self, timeout: Duration) -> Result<()> {
+        if !self.done.is_empty() {
+            return Ok(());
+        }
+        if !self.copying.is_empty() {
+            // Copies finish on the GPU, which has no file descriptor to sleep on.
+            std::thread::yield_now();
+            return Ok(());
+        }
+        self.pollfds.clear();
+        self.pollfds.push(libc::pollfd {
+            fd: self.listener.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        });
+        for c in self.conns.iter().flatten() {
+            let mut events = 0;
+            if !c.paused {
+                events |= libc::POLLIN;
+            }
+            if c.io.has_output() {
+                events |= libc::POLLOUT;
+            }
+            self.pollfds.push(libc::pollfd {
+                fd: c.io.stream.as_raw_fd(),
+                events,
+                revents: 0,
+            });
+        }
+        let ms = timeout.as_millis().clamp(0, 1000) as i32;
+        // SAFETY: pollfds is a valid, exclusively borrowed array of pollfd of this length.
+        let r = unsafe {
+            libc::poll(
+                self.pollfds.as_mut_ptr(),
+                self.pollfds.len() as libc::nfds_t,
+                ms,
+            )
+        };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(Error::io("poll", e));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<L: Link> Drop for CudaIpcTransport<L> {
+    fn drop(&mut self) {
+        // Copies into peers' memory finish before their connections (and the peers'
+        // keep-alives) go away.
+        let _ = self.link.synchronize();
+    }
+}
+
+impl<L: Link> std::fmt::Debug for CudaIpcTransport<L> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaIpcTransport")
+            .field("address", &String::from_utf8_lossy(&self.address))
+            .field("link", &self.link.name())
+            .field("device", &self.link.device())
+            .field("peers", &self.peers.len())
+            .finish()
+    }
+}

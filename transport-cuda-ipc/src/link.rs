@@ -1,0 +1,293 @@
+//! The data path under the protocol: how a region is exported, how a peer's export is
+//! opened, and how bytes are copied into it.
+//!
+//! [`CudaLink`] is the real one (CUDA IPC handles and device-to-device copies on a stream).
+//! [`LoopbackLink`] moves host memory between transports of one process with plain copies:
+//! it runs the whole protocol (reservations, grants, revocation, completions, faults) on
+//! machines without a GPU, which is how CI tests it.
+
+use fabric_core::{MemoryLocation, MemoryRegion};
+use gpu_mem::{Cuda, Device, IpcExport, IpcHandle, IpcMapping, PeerCopies};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// An exported region, as the link reports it.
+pub struct LinkExport {
+    /// The 64-byte handle peers open.
+    pub handle: [u8; 64],
+    /// Where the region starts in what the handle maps.
+    pub offset: u64,
+    /// Keeps the export alive; dropping it withdraws the export.
+    pub guard: Box<dyn Send + Sync>,
+}
+
+/// The data path of a [`CudaIpcTransport`](crate::CudaIpcTransport).
+pub trait Link: Send + 'static {
+    /// A peer's export, opened.
+    type Mapping: Send + Sync + 'static;
+
+    /// A name for logs and `xfer info`.
+    fn name(&self) -> &'static str;
+
+    /// The device ordinal this link copies from (its address names it).
+    fn device(&self) -> u32;
+
+    /// Exports a region peers may write; errors say why it cannot be.
+    fn export(&mut self, mem: &Arc<dyn MemoryRegion>) -> Result<LinkExport, String>;
+
+    /// Opens a peer's handle.
+    fn open(&mut self, handle: &[u8; 64]) -> Result<Arc<Self::Mapping>, String>;
+
+    /// Bytes the mapping covers.
+    fn mapping_len(mapping: &Self::Mapping) -> u64;
+
+    /// Queues a copy (both ranges checked).
+    fn push(
+        &mut self,
+        src: &Arc<dyn MemoryRegion>,
+        src_offset: u64,
+        dst: &Arc<Self::Mapping>,
+        dst_offset: u64,
+        len: u64,
+    ) -> Result<(), String>;
+
+    /// Starts what was queued; returns its ticket.
+    fn submit(&mut self) -> Result<u64, String>;
+
+    /// The highest ticket whose copies have finished, without waiting.
+    fn completed(&mut self) -> Result<u64, String>;
+
+    /// Waits for every submitted copy; returns the last ticket.
+    fn synchronize(&mut self) -> Result<u64, String>;
+
+    /// Whether a batch is one driver call.
+    fn batched(&self) -> bool {
+        false
+    }
+}
+
+/// CUDA IPC: device memory exported with `cuIpcGetMemHandle`, copies on a stream of the
+/// transport's device.
+pub struct CudaLink {
+    device: Device,
+    copies: PeerCopies,
+}
+
+fn text(e: gpu_mem::GpuMemError) -> String {
+    match e.cuda_error() {
+        Some(c) => format!("{e}: {c}"),
+        None => e.to_string(),
+    }
+}
+
+impl CudaLink {
+    /// A link on device `ordinal`.
+    pub fn new(cuda: &Cuda, ordinal: u32) -> Result<CudaLink, gpu_mem::GpuMemError> {
+        let device = cuda.device(ordinal)?;
+        let copies = PeerCopies::new(&device)?;
+        Ok(CudaLink { device, copies })
+    }
+}
+
+impl Link for CudaLink {
+    type Mapping = IpcMapping;
+
+    fn name(&self) -> &'static str {
+        "cuda-ipc"
+    }
+
+    fn device(&self) -> u32 {
+        self.device.ordinal()
+    }
+
+    fn export(&mut self, mem: &Arc<dyn MemoryRegion>) -> Result<LinkExport, String> {
+        if mem.location() == MemoryLocation::Host {
+            return Err(
+                "the cuda-ipc transport writes only into device memory: register host \
+                        memory that peers write on the tcp transport"
+                    .into(),
+            );
+        }
+        let x: IpcExport = self.device.export_ipc(mem).map_err(text)?;
+        Ok(LinkExport {
+            handle: *x.handle().as_bytes(),
+            offset: x.offset(),
+            guard: Box::new(x),
+        })
+    }
+
+    fn open(&mut self, handle: &[u8; 64]) -> Result<Arc<IpcMapping>, String> {
+        self.device
+            .open_ipc(&IpcHandle::from_bytes(*handle))
+            .map_err(text)
+    }
+
+    fn mapping_len(mapping: &IpcMapping) -> u64 {
+        mapping.len()
+    }
+
+    fn push(
+        &mut self,
+        src: &Arc<dyn MemoryRegion>,
+        src_offset: u64,
+        dst: &Arc<IpcMapping>,
+        dst_offset: u64,
+        len: u64,
+    ) -> Result<(), String> {
+        self.copies
+            .push(src, src_offset, dst, dst_offset, len)
+            .map_err(text)
+    }
+
+    fn submit(&mut self) -> Result<u64, String> {
+        self.copies.submit().map_err(text)
+    }
+
+    fn completed(&mut self) -> Result<u64, String> {
+        self.copies.completed().map_err(text)
+    }
+
+    fn synchronize(&mut self) -> Result<u64, String> {
+        self.copies.synchronize().map_err(text)
+    }
+
+    fn batched(&self) -> bool {
+        self.copies.batched()
+    }
+}
+
+/// Host regions exported by loopback links of this process, by handle.
+type LoopbackTable = Mutex<HashMap<[u8; 64], Arc<dyn MemoryRegion>>>;
+
+fn loopback_table() -> &'static LoopbackTable {
+    static T: OnceLock<LoopbackTable> = OnceLock::new();
+    T.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+struct LoopbackGuard([u8; 64]);
+
+impl Drop for LoopbackGuard {
+    fn drop(&mut self) {
+        loopback_table()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.0);
+    }
+}
+
+/// One queued loopback copy.
+type LoopbackCopy = (Arc<dyn MemoryRegion>, u64, Arc<LoopbackMapping>, u64, u64);
+
+/// Host memory between transports of one process, copied with the CPU. Copies run when
+/// [`completed`](Link::completed) is next called, not at submit, so completions are as
+/// asynchronous as on a GPU.
+#[derive(Default)]
+pub struct LoopbackLink {
+    queued: Vec<LoopbackCopy>,
+    submitted: Vec<(u64, Vec<LoopbackCopy>)>,
+    next: u64,
+    done: u64,
+}
+
+/// A host region opened through a [`LoopbackLink`].
+pub struct LoopbackMapping(Arc<dyn MemoryRegion>);
+
+impl LoopbackLink {
+    /// A loopback link.
+    pub fn new() -> LoopbackLink {
+        LoopbackLink {
+            next: 1,
+            ..LoopbackLink::default()
+        }
+    }
+
+    fn run(&mut self) -> Result<u64, String> {
+        let mut buf = Vec::new();
+        for (ticket, copies) in self.submitted.drain(..) {
+            for (src, so, dst, d_o, len) in copies {
+                buf.resize(len as usize, 0);
+                src.read_to_host(so, &mut buf).map_err(|e| e.to_string())?;
+                dst.0
+                    .write_from_host(d_o, &buf)
+                    .map_err(|e| e.to_string())?;
+            }
+            self.done = ticket;
+        }
+        Ok(self.done)
+    }
+}
+
+impl Link for LoopbackLink {
+    type Mapping = LoopbackMapping;
+
+    fn name(&self) -> &'static str {
+        "loopback"
+    }
+
+    fn device(&self) -> u32 {
+        0
+    }
+
+    fn export(&mut self, mem: &Arc<dyn MemoryRegion>) -> Result<LinkExport, String> {
+        if mem.location() != MemoryLocation::Host {
+            return Err("the loopback link exports only host memory".into());
+        }
+        let mut handle = [0u8; 64];
+        handle[..8].copy_from_slice(&crate::random_u64().to_le_bytes());
+        handle[8..16].copy_from_slice(&u64::from(std::process::id()).to_le_bytes());
+        loopback_table()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(handle, mem.clone());
+        Ok(LinkExport {
+            handle,
+            offset: 0,
+            guard: Box::new(LoopbackGuard(handle)),
+        })
+    }
+
+    fn open(&mut self, handle: &[u8; 64]) -> Result<Arc<LoopbackMapping>, String> {
+        loopback_table()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(handle)
+            .map(|m| Arc::new(LoopbackMapping(m.clone())))
+            .ok_or_else(|| "unknown or stale handle".to_string())
+    }
+
+    fn mapping_len(mapping: &LoopbackMapping) -> u64 {
+        mapping.0.len() as u64
+    }
+
+    fn push(
+        &mut self,
+        src: &Arc<dyn MemoryRegion>,
+        src_offset: u64,
+        dst: &Arc<LoopbackMapping>,
+        dst_offset: u64,
+        len: u64,
+    ) -> Result<(), String> {
+        fabric_core::memory::check_range(src_offset, len, src.len() as u64)
+            .map_err(|e| e.to_string())?;
+        fabric_core::memory::check_range(dst_offset, len, dst.0.len() as u64)
+            .map_err(|e| e.to_string())?;
+        self.queued
+            .push((src.clone(), src_offset, dst.clone(), dst_offset, len));
+        Ok(())
+    }
+
+    fn submit(&mut self) -> Result<u64, String> {
+        let t = self.next;
+        self.next += 1;
+        self.submitted.push((t, std::mem::take(&mut self.queued)));
+        Ok(t)
+    }
+
+    fn completed(&mut self) -> Result<u64, String> {
+        self.run()
+    }
+
+    fn synchronize(&mut self) -> Result<u64, String> {
+        self.run()
+    }
+}

@@ -1,0 +1,226 @@
+//! The target's half of the protocol: HELLO, SEND delivery, reservations checked against
+//! the registered regions (key, bounds, permission) before any grant, and DONE frames
+//! turned into remote-write completions.
+
+use crate::wire::{self, Grant, Header, KeyInfo, Landed, Op, Reserve, Status, put_frame, records};
+use crate::{Conn, CudaIpcTransport, IpcAddress, Link, PostedRecv, Role, Unexpected};
+use fabric_core::{Access, Completion, MemoryRegion, OpError, OpKind, PeerId, WorkRequestId};
+use std::sync::Arc;
+
+impl<L: Link> CudaIpcTransport<L> {
+    /// A frame from a peer that writes to us.
+    pub(crate) fn on_request(
+        &mut self,
+        idx: usize,
+        (h, payload): (Header, Vec<u8>),
+    ) -> std::result::Result<(), String> {
+        let peer = match &self.conns[idx] {
+            Some(Conn {
+                role: Role::Target { peer, .. },
+                ..
+            }) => *peer,
+            _ => return Err("not a target connection".into()),
+        };
+        if h.op != Op::Hello && peer.is_none() {
+            return Err(format!("{:?} before HELLO", h.op));
+        }
+        match h.op {
+            Op::Hello => {
+                if peer.is_some() {
+                    return Err("second HELLO".into());
+                }
+                if h.x != wire::VERSION {
+                    return Err(format!(
+                        "protocol version {} (we speak {})",
+                        h.x,
+                        wire::VERSION
+                    ));
+                }
+                let addr = IpcAddress::parse(&payload).map_err(|e| e.to_string())?;
+                addr.check_same_host(&self.boot_id)
+                    .map_err(|e| e.to_string())?;
+                let known = self
+                    .peers
+                    .iter()
+                    .find(|(_, p)| p.address == payload)
+                    .map(|(id, _)| *id);
+                let id = match known.or_else(|| self.passive.get(&payload).copied()) {
+                    Some(id) => id,
+                    None => {
+                        let id = PeerId(self.next_peer);
+                        self.next_peer += 1;
+                        self.passive.insert(payload, id);
+                        id
+                    }
+                };
+                if let Some(Some(Conn {
+                    role: Role::Target { peer, .. },
+                    ..
+                })) = self.conns.get_mut(idx)
+                {
+                    *peer = Some(id);
+                }
+            }
+            Op::Send => {
+                if self.recvs.is_empty()
+                    && (self.unexpected.len() >= self.cfg.max_unexpected_count
+                        || self.unexpected_bytes + payload.len() > self.cfg.max_unexpected_bytes)
+                {
+                    // No room: handle this frame again once receives are posted.
+                    return self.pause_with(idx, h, payload);
+                }
+                let status = match self.recvs.pop_front() {
+                    Some(r) => self.deliver(r, peer, h.imm, &payload),
+                    None => {
+                        self.unexpected_bytes += payload.len();
+                        self.unexpected.push_back(Unexpected {
+                            peer,
+                            imm: h.imm,
+                            bytes: payload,
+                        });
+                        Status::Ok
+                    }
+                };
+                if let Some(Some(c)) = self.conns.get_mut(idx) {
+                    Header::new(Op::SendAck, h.id, status as u64, 0).encode(c.io.out());
+                }
+            }
+            Op::Reserve => {
+                let entries =
+                    records::<Reserve>(Op::Reserve, &payload).map_err(|e| e.to_string())?;
+                let Some(Some(Conn {
+                    io,
+                    role:
+                        Role::Target {
+                            known_keys,
+                            granted,
+                            ..
+                        },
+                    ..
+                })) = self.conns.get_mut(idx)
+                else {
+                    return Err("not a target connection".into());
+                };
+                if granted.len() >= 4 * self.cfg.max_batches_in_flight.max(16) {
+                    return Err("too many reservations outstanding".into());
+                }
+                if granted.contains_key(&h.id) {
+                    return Err(format!("batch {} reserved twice", h.id));
+                }
+                let mut verdicts = Vec::with_capacity(entries.len());
+                let mut keep: Vec<Arc<dyn MemoryRegion>> = Vec::new();
+                for e in &entries {
+                    let (status, region_len) = match self.targets.get(&e.key) {
+                        None => (Status::BadKey, 0),
+                        Some(t) => {
+                            let len = t.mem.len() as u64;
+                            let status = if !t.access.contains(Access::REMOTE_WRITE) {
+                                Status::NoPermission
+                            } else if e.offset.checked_add(e.len).is_none_or(|end| end > len) {
+                                Status::OutOfBounds
+                            } else if let Some(x) = &t.export {
+                                if known_keys.insert(e.key) {
+                                    let info = KeyInfo {
+                                        handle: x.handle,
+                                        offset: x.offset,
+                                        len: t.mem.len() as u64,
+                                        device: self.link.device(),
+                                    };
+                                    put_frame(io.out(), Op::KeyInfo, 0, e.key, &[info]);
+                                }
+                                if !keep.last().is_some_and(|k| Arc::ptr_eq(k, &t.mem)) {
+                                    keep.push(t.mem.clone());
+                                }
+                                Status::Ok
+                            } else {
+                                Status::NoPermission
+                            };
+                            (status, len)
+                        }
+                    };
+                    verdicts.push(Grant {
+                        status: status as u32,
+                        region_len,
+                    });
+                }
+                granted.insert(h.id, keep);
+                put_frame(io.out(), Op::Grant, h.id, 0, &verdicts);
+            }
+            Op::Done => {
+                let landed = records::<Landed>(Op::Done, &payload).map_err(|e| e.to_string())?;
+                let Some(Some(Conn {
+                    role: Role::Target { granted, .. },
+                    ..
+                })) = self.conns.get_mut(idx)
+                else {
+                    return Err("not a target connection".into());
+                };
+                if granted.remove(&h.id).is_none() {
+                    return Err(format!("DONE for unknown batch {}", h.id));
+                }
+                for l in landed {
+                    self.done.push(Completion {
+                        wr_id: WorkRequestId(0),
+                        op: OpKind::RemoteWrite,
+                        result: Ok(l.len),
+                        peer,
+                        imm: Some(l.imm),
+                    });
+                }
+            }
+            other => return Err(format!("{other:?} frame sent to a target")),
+        }
+        Ok(())
+    }
+
+    /// Puts a SEND back in front of the connection's input and stops reading it.
+    pub(crate) fn pause_with(
+        &mut self,
+        idx: usize,
+        h: Header,
+        payload: Vec<u8>,
+    ) -> std::result::Result<(), String> {
+        if let Some(Some(c)) = self.conns.get_mut(idx) {
+            c.io.unread(wire::HEADER_LEN + payload.len());
+            c.paused = true;
+        }
+        let _ = h;
+        Ok(())
+    }
+
+    /// Places a message into a posted receive.
+    pub(crate) fn deliver(
+        &mut self,
+        r: PostedRecv,
+        peer: Option<PeerId>,
+        imm: Option<u32>,
+        bytes: &[u8],
+    ) -> Status {
+        let len = bytes.len() as u64;
+        let (status, result) = if len > r.cap {
+            (
+                Status::Truncated,
+                Err(OpError::Truncated {
+                    len,
+                    capacity: r.cap,
+                }),
+            )
+        } else {
+            match r.mem.write_from_host(r.offset, bytes) {
+                Ok(()) => (Status::Ok, Ok(len)),
+                Err(e) => (
+                    Status::Ok,
+                    Err(OpError::Transport(format!("placing a message: {e}"))),
+                ),
+            }
+        };
+        self.done.push(Completion {
+            wr_id: r.wr,
+            op: OpKind::Recv,
+            result,
+            peer,
+            imm,
+        });
+        status
+    }
+}
