@@ -3,9 +3,17 @@
 //!
 //! WRITEs leave in batches (see [`Op::Batch`]): the target reads a batch's headers, checks
 //! every one, then reads all payloads straight into their destinations with one `readv`.
+//!
+//! Memory the CPU cannot address (GPU memory) moves through the connection's staging rings
+//! (see `crate::staging`): the source copies device payloads into its out-ring, chunk by
+//! chunk, and sends each chunk once its copy has completed, while the next chunk is copied;
+//! the target reads device payloads into its in-ring, queues their copies into place at
+//! once, and holds back the WRITE's acknowledgement (and its immediate data), with every
+//! answer after it, until the copy has completed. Host memory never goes through staging.
 
 use crate::frame::{self, HEADER_LEN, Header, MAX_BATCH, Op};
 use crate::io::{host_slice, host_slice_mut};
+use crate::staging::{CHUNK, Ring, Via};
 use fabric_core::{
     Access, Completion, MemoryRegion, OpError, OpKind, PeerId, RemoteKey, WorkRequestId,
 };
@@ -29,16 +37,13 @@ const MAX_HELLO: u64 = 4096;
 const DISCARD: usize = 64 * 1024;
 /// Answers (ACK/NACK frames) queued for a peer before we stop reading its requests.
 const MAX_RESPONSES: usize = 4096;
-/// Received bytes for device memory gathered before they are placed.
-const MAX_PLACING: usize = 16 << 20;
-/// Largest piece of one device WRITE read in one call, and most device bytes per call.
-const DEVICE_CHUNK: usize = 1 << 20;
-const DEVICE_READ: usize = 16 << 20;
 
 /// A registered region as the target sees it.
 pub(crate) struct TargetRegion {
     pub mem: Arc<dyn MemoryRegion>,
     pub access: Access,
+    /// How its bytes are copied when it has no host pointer.
+    pub via: Via,
 }
 
 /// A posted receive.
@@ -111,14 +116,19 @@ pub(crate) enum Payload {
         offset: u64,
         len: usize,
     },
-    /// Bytes copied out (device memory once resolved, HELLO).
+    /// Bytes owned by the frame (HELLO).
     Owned(Vec<u8>),
-    /// Device memory still to be copied out: resolved in batches by `Conn::flush`, so a
-    /// batch of GPU pages costs one synchronisation, not one per page.
+    /// Device memory, sent out of the connection's staging ring: copied there in order as
+    /// room frees up (`Conn::stage_out`), sent as the copies complete.
     Device {
         mem: Arc<dyn MemoryRegion>,
         offset: u64,
         len: usize,
+        via: Via,
+        /// Ring counter of the first byte, once it has room.
+        staged: Option<u64>,
+        /// Bytes given room in the ring (their copies queued).
+        assigned: usize,
     },
 }
 
@@ -131,7 +141,7 @@ impl Payload {
                 host_slice(&**mem, *offset, *len).unwrap_or(&[])
             }
             Payload::Owned(v) => v,
-            // Resolved before anything is written; never reached.
+            // Sent from the staging ring (OutFrame::push_iov).
             Payload::Device { .. } => &[],
         }
     }
@@ -156,33 +166,90 @@ pub(crate) struct OutFrame {
     total: usize,
     /// Bytes already written.
     written: usize,
+    /// Device payloads, and how many of them still lack room in the staging ring.
+    device: usize,
+    unstaged: usize,
 }
 
 impl OutFrame {
-    /// The frame's bytes from `written` on, as slices, appended to `iov`.
-    fn push_iov<'a>(&'a self, iov: &mut Vec<IoSlice<'a>>) -> bool {
+    /// The frame's bytes from `written` on, as slices, appended to `iov`. False when the
+    /// next frame must not follow: `iov` is full, or a device payload is not copied yet.
+    fn push_iov<'a>(&'a self, iov: &mut Vec<IoSlice<'a>>, ring: Option<&'a Ring>) -> bool {
         let mut skip = self.written;
-        for seg in std::iter::once(&self.head[..]).chain(self.payloads.iter().map(Payload::bytes)) {
+        if skip < self.head.len() {
             if iov.len() == MAX_IOV {
                 return false;
             }
-            if skip >= seg.len() {
-                skip -= seg.len();
+            iov.push(IoSlice::new(&self.head[skip..]));
+            skip = 0;
+        } else {
+            skip -= self.head.len();
+        }
+        for p in &self.payloads {
+            if iov.len() == MAX_IOV {
+                return false;
+            }
+            let len = p.len();
+            if skip >= len {
+                skip -= len;
                 continue;
             }
-            iov.push(IoSlice::new(&seg[skip..]));
+            if let Payload::Device {
+                staged, assigned, ..
+            } = p
+            {
+                let (Some(base), Some(ring)) = (*staged, ring) else {
+                    return false;
+                };
+                // Bytes whose copies have completed.
+                let ready = (ring.ready.saturating_sub(base) as usize).min(*assigned);
+                let mut at = skip;
+                while at < ready {
+                    if iov.len() == MAX_IOV {
+                        return false;
+                    }
+                    let s = ring.ready_slice(base + at as u64, ready - at);
+                    at += s.len();
+                    iov.push(IoSlice::new(s));
+                }
+                if ready < len {
+                    return false;
+                }
+            } else {
+                iov.push(IoSlice::new(&p.bytes()[skip..]));
+            }
             skip = 0;
         }
         true
     }
+
+    /// How many of the frame's bytes `from..to` belong to device payloads.
+    fn device_bytes(&self, from: usize, to: usize) -> usize {
+        let mut at = self.head.len();
+        let mut n = 0;
+        for p in &self.payloads {
+            if at >= to {
+                break;
+            }
+            let len = p.len();
+            if let Payload::Device { .. } = p {
+                n += (at + len).min(to).saturating_sub(at.max(from));
+            }
+            at += len;
+        }
+        n
+    }
 }
 
-/// A received device WRITE waiting to be placed: region, offset, bytes, and the
-/// immediate-data event to report once they are in place.
-type Placing = (Arc<dyn MemoryRegion>, u64, Vec<u8>, Option<Completion>);
-
-/// Device payloads of one region waiting to be copied out: (frame, payload, offset, len).
-type DeviceReads = (Arc<dyn MemoryRegion>, Vec<(usize, usize, u64, usize)>);
+/// An answer held back until the device copies of the bytes before it have completed:
+/// answers (and the target's events) leave in the order of the requests.
+struct Held {
+    /// In-ring counter that must be ready (0: none).
+    until: u64,
+    /// `None`: an ACK.
+    nack: Option<Header>,
+    event: Option<Completion>,
+}
 
 /// A request waiting for its response.
 pub(crate) struct Inflight {
@@ -197,15 +264,15 @@ enum Dest {
         mem: Arc<dyn MemoryRegion>,
         offset: u64,
     },
-    /// A WRITE into memory the CPU cannot address: gathered here, then placed together with
-    /// the other writes of the same read (see `Conn::commit_device`).
+    /// A WRITE into memory the CPU cannot address: read into the connection's staging
+    /// ring, whose copies into place are queued at once (see `place`).
     Device {
         mem: Arc<dyn MemoryRegion>,
+        /// Where the next byte goes.
         offset: u64,
-        /// Received bytes (`filled` of them); grown as they arrive, never ahead of the peer
-        /// by more than one chunk, so a peer's claimed lengths allocate nothing by themselves.
-        buf: Vec<u8>,
-        filled: usize,
+        via: Via,
+        /// In-ring counter after the last byte received (0: none yet).
+        end: u64,
     },
     Buffer(Vec<u8>),
     Discard,
@@ -225,14 +292,7 @@ impl Dest {
                 *offset += src.len() as u64;
             }
             Dest::Buffer(v) => v.extend_from_slice(src),
-            Dest::Device { buf, filled, .. } => {
-                let end = *filled + src.len();
-                if buf.len() < end {
-                    buf.resize(end, 0);
-                }
-                buf[*filled..end].copy_from_slice(src);
-                *filled = end;
-            }
+            Dest::Device { .. } => return Err("device bytes go through staging".into()),
             Dest::Discard => {}
         }
         Ok(())
@@ -316,11 +376,13 @@ pub(crate) struct Conn {
     pending_acks: u64,
     /// ACK/NACK frames in `out`.
     responses: usize,
-    /// Device payloads in `out` not yet copied out (see `Payload::Device`).
-    device_out: usize,
-    /// Received device WRITEs not yet placed, with their immediate-data events.
-    placing: Vec<Placing>,
-    placing_bytes: usize,
+    /// Device payloads in `out` still without room in `out_ring`.
+    unstaged: usize,
+    /// Staging for device payloads we send, and for device WRITEs we receive.
+    out_ring: Option<Ring>,
+    in_ring: Option<Ring>,
+    /// Answers waiting for copies into device memory, in request order.
+    held: VecDeque<Held>,
     rbuf: Box<[u8]>,
     rpos: usize,
     rlen: usize,
@@ -352,9 +414,10 @@ impl Conn {
             inflight: VecDeque::new(),
             pending_acks: 0,
             responses: 0,
-            device_out: 0,
-            placing: Vec::new(),
-            placing_bytes: 0,
+            unstaged: 0,
+            out_ring: None,
+            in_ring: None,
+            held: VecDeque::new(),
             rbuf: vec![0u8; RBUF].into_boxed_slice(),
             rpos: 0,
             rlen: 0,
@@ -368,7 +431,8 @@ impl Conn {
 
     /// Queues one frame.
     pub fn queue(&mut self, hdr: Header, payload: Payload) {
-        self.device_out += matches!(payload, Payload::Device { .. }) as usize;
+        let device = matches!(payload, Payload::Device { .. }) as usize;
+        self.unstaged += device;
         let total = HEADER_LEN + payload.len();
         self.out_bytes += total;
         let response = matches!(hdr.op, Op::Ack | Op::Nack);
@@ -380,12 +444,15 @@ impl Conn {
             response,
             total,
             written: 0,
+            device,
+            unstaged: device,
         });
     }
 
     /// Queues a WRITE, joining the batch at the end of the queue if it has not started.
     pub fn queue_write(&mut self, hdr: Header, payload: Payload) {
-        self.device_out += matches!(payload, Payload::Device { .. }) as usize;
+        let device = matches!(payload, Payload::Device { .. }) as usize;
+        self.unstaged += device;
         let plen = payload.len();
         self.out_bytes += HEADER_LEN + plen;
         if let Some(f) = self.out.back_mut()
@@ -397,6 +464,8 @@ impl Conn {
             f.head.extend_from_slice(&hdr.encode());
             f.payloads.push(payload);
             f.batch += 1;
+            f.device += device;
+            f.unstaged += device;
             f.total += HEADER_LEN + plen;
             f.head[..HEADER_LEN].copy_from_slice(&Header::new(Op::Batch, f.batch as u64).encode());
             return;
@@ -412,13 +481,18 @@ impl Conn {
             response: false,
             total: 2 * HEADER_LEN + plen,
             written: 0,
+            device,
+            unstaged: device,
         });
     }
 
     /// Whether the reader is held back: a SEND waits for a receive, or the peer does not
-    /// read our answers (so reading more would only queue more of them).
+    /// read our answers, or too many answers wait for copies into device memory (so
+    /// reading more would only queue more of them).
     pub fn reads_paused(&self) -> bool {
-        matches!(self.rstate, ReadState::SendWaiting(_)) || self.responses > MAX_RESPONSES
+        matches!(self.rstate, ReadState::SendWaiting(_))
+            || self.responses > MAX_RESPONSES
+            || self.held.len() > MAX_RESPONSES
     }
 
     /// Gives back what a frame cut short by a closing connection had taken: the posted
@@ -440,15 +514,25 @@ impl Conn {
     }
 
     /// Writes as much of the queue as the socket takes. `Err` = connection broken.
+    ///
+    /// Device payloads leave from the staging ring as their copies complete; the copies of
+    /// the next ones run while the socket takes these.
     pub fn flush(&mut self) -> Result<(), String> {
-        self.resolve_device()?;
         self.flush_acks();
-        while !self.out.is_empty() {
+        loop {
+            self.stage_out()?;
+            if self.out.is_empty() {
+                return Ok(());
+            }
             let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(64);
             for f in self.out.iter() {
-                if !f.push_iov(&mut iov) {
+                if !f.push_iov(&mut iov, self.out_ring.as_ref()) {
                     break;
                 }
+            }
+            if iov.is_empty() {
+                // The next bytes are device bytes still being copied.
+                return Ok(());
             }
             let n = match self.stream.write_vectored(&iov) {
                 Ok(0) => return Err("connection closed while writing".into()),
@@ -460,7 +544,6 @@ impl Conn {
             drop(iov);
             self.advance(n);
         }
-        Ok(())
     }
 
     fn advance(&mut self, mut n: usize) {
@@ -471,6 +554,12 @@ impl Conn {
                 .front_mut()
                 .expect("written bytes belong to queued frames");
             let take = (f.total - f.written).min(n);
+            if f.device > 0
+                && let Some(r) = self.out_ring.as_mut()
+            {
+                // The socket took these staged bytes: their room is free again.
+                r.tail += f.device_bytes(f.written, f.written + take) as u64;
+            }
             f.written += take;
             n -= take;
             if f.written == f.total {
@@ -482,69 +571,124 @@ impl Conn {
         }
     }
 
-    /// Copies every pending device payload out, one batched call per region.
-    fn resolve_device(&mut self) -> Result<(), String> {
-        if self.device_out == 0 {
+    /// Learns which copies out have completed, and gives the next device payloads room in
+    /// the staging ring, in queue order, as far as it has room: their copies start now.
+    fn stage_out(&mut self) -> Result<(), String> {
+        if let Some(r) = self.out_ring.as_mut() {
+            r.poll()?;
+        }
+        if self.unstaged == 0 {
             return Ok(());
         }
-        // (region, [(frame, payload, offset, len)]): regions compared by address.
-        let mut groups: Vec<DeviceReads> = Vec::new();
-        for (fi, f) in self.out.iter().enumerate() {
-            for (pi, p) in f.payloads.iter().enumerate() {
-                if let Payload::Device { mem, offset, len } = p {
-                    match groups.iter_mut().find(|(m, _)| Arc::ptr_eq(m, mem)) {
-                        Some((_, v)) => v.push((fi, pi, *offset, *len)),
-                        None => groups.push((mem.clone(), vec![(fi, pi, *offset, *len)])),
-                    }
+        let Conn {
+            out,
+            out_ring,
+            unstaged,
+            ..
+        } = self;
+        'frames: for f in out.iter_mut() {
+            if f.unstaged == 0 {
+                continue;
+            }
+            for p in f.payloads.iter_mut() {
+                let Payload::Device {
+                    mem,
+                    offset,
+                    len,
+                    via,
+                    staged,
+                    assigned,
+                } = p
+                else {
+                    continue;
+                };
+                if staged.is_some() && *assigned == *len {
+                    continue;
                 }
+                // A ring of another device must drain first (bytes leave in order).
+                if !Ring::ensure(out_ring, via)? {
+                    break 'frames;
+                }
+                let ring = out_ring.as_mut().expect("ensured above");
+                if staged.is_none() {
+                    *staged = Some(ring.head);
+                }
+                while *assigned < *len {
+                    let n = (*len - *assigned).min(ring.free()).min(CHUNK);
+                    if n == 0 {
+                        break 'frames;
+                    }
+                    ring.copy_out(mem, *offset + *assigned as u64, n)?;
+                    *assigned += n;
+                }
+                f.unstaged -= 1;
+                *unstaged -= 1;
             }
         }
-        for (mem, parts) in groups {
-            let mut bufs: Vec<Vec<u8>> =
-                parts.iter().map(|&(_, _, _, len)| vec![0u8; len]).collect();
-            let mut io: Vec<(u64, &mut [u8])> = parts
-                .iter()
-                .zip(bufs.iter_mut())
-                .map(|(&(_, _, off, _), b)| (off, &mut b[..]))
-                .collect();
-            mem.read_many_to_host(&mut io)
-                .map_err(|e| format!("cannot copy device memory out: {e}"))?;
-            for (&(fi, pi, _, _), b) in parts.iter().zip(bufs) {
-                self.out[fi].payloads[pi] = Payload::Owned(b);
-            }
+        if let Some(r) = out_ring.as_mut() {
+            r.mark_if(true)?;
+            // Copies that complete at once (or synchronous ones) can leave in this flush.
+            r.poll()?;
         }
-        self.device_out = 0;
         Ok(())
     }
 
-    /// Places the gathered device WRITEs, one batched call per region, then reports their
-    /// immediate data: a target's event follows its bytes.
-    pub fn commit_device(&mut self, shared: &mut Shared) -> Result<(), String> {
-        if self.placing.is_empty() {
-            return Ok(());
+    /// Drives the copies into device memory: marks what was queued, learns what completed,
+    /// frees its room, and releases the answers (and events) that waited for it.
+    pub fn progress_copies(&mut self, shared: &mut Shared) -> Result<(), String> {
+        if let Some(r) = self.in_ring.as_mut() {
+            r.mark_if(true)?;
+            r.poll()?;
+            r.tail = r.ready;
         }
-        let placing = std::mem::take(&mut self.placing);
-        self.placing_bytes = 0;
-        let mut done = vec![false; placing.len()];
-        for i in 0..placing.len() {
-            if done[i] {
-                continue;
-            }
-            let mem = &placing[i].0;
-            let mut parts: Vec<(u64, &[u8])> = Vec::new();
-            for (j, p) in placing.iter().enumerate().skip(i) {
-                if !done[j] && Arc::ptr_eq(&p.0, mem) {
-                    done[j] = true;
-                    parts.push((p.1, &p.2[..]));
-                }
-            }
-            mem.write_many_from_host(&parts)
-                .map_err(|e| format!("cannot place payload in device memory: {e}"))?;
+        let ready = self.in_ring.as_ref().map_or(u64::MAX, |r| r.ready);
+        while self.held.front().is_some_and(|h| h.until <= ready) {
+            let h = self.held.pop_front().expect("non-empty");
+            self.apply(h.nack, h.event, shared);
         }
-        shared
-            .completions
-            .extend(placing.into_iter().filter_map(|p| p.3));
         Ok(())
+    }
+
+    /// Whether copies are in flight (or answers wait for them): progress needs polling,
+    /// whatever the sockets say.
+    pub fn copies_pending(&self) -> bool {
+        self.out_ring.as_ref().is_some_and(Ring::busy)
+            || self.in_ring.as_ref().is_some_and(Ring::busy)
+            || !self.held.is_empty()
+    }
+
+    /// Answers a request (an ACK, or the NACK `nack`) and reports `event`, once the in-ring
+    /// is ready up to `until` and every earlier answer has left.
+    fn answer(
+        &mut self,
+        until: Option<u64>,
+        nack: Option<Header>,
+        event: Option<Completion>,
+        shared: &mut Shared,
+    ) {
+        let ready = self.in_ring.as_ref().map_or(u64::MAX, |r| r.ready);
+        if self.held.is_empty() && until.is_none_or(|u| u <= ready) {
+            self.apply(nack, event, shared);
+        } else {
+            self.held.push_back(Held {
+                until: until.unwrap_or(0),
+                nack,
+                event,
+            });
+        }
+    }
+
+    fn apply(&mut self, nack: Option<Header>, event: Option<Completion>, shared: &mut Shared) {
+        match nack {
+            None => self.pending_acks += 1,
+            Some(h) => {
+                self.flush_acks();
+                self.queue(h, Payload::None);
+            }
+        }
+        if let Some(e) = event {
+            shared.completions.push(e);
+        }
     }
 
     fn flush_acks(&mut self) {
@@ -566,17 +710,38 @@ impl Conn {
         self.queue(Header::new(Op::Ack, n), Payload::None);
     }
 
-    fn nack(&mut self, err: &OpError, wr_id: u64) {
-        self.flush_acks();
-        self.queue(frame::nack_for(err, wr_id), Payload::None);
+    fn nack(&mut self, err: &OpError, wr_id: u64, shared: &mut Shared) {
+        self.answer(None, Some(frame::nack_for(err, wr_id)), None, shared);
     }
 
     /// Reads what the socket has (up to about `budget` bytes) and acts on complete frames.
     pub fn read(&mut self, shared: &mut Shared, budget: usize) -> Result<ReadOutcome, String> {
         let r = self.read_frames(shared, budget);
-        // Whatever was read for device memory lands before any ACK or event reports it.
-        self.commit_device(shared)?;
+        // Bytes read for device memory are copied into place from now on; the answers and
+        // events that report them wait for the copies (progress_copies).
+        self.progress_copies(shared)?;
         r
+    }
+
+    /// Whether the payload being received goes to device memory and the in-ring has no
+    /// room for it now (reading waits for copies to complete).
+    fn stalled(&mut self) -> Result<bool, String> {
+        let dest = match &self.rstate {
+            ReadState::Payload {
+                dest, remaining, ..
+            } if *remaining > 0 => dest,
+            ReadState::BatchPayloads { items, next, .. }
+                if *next < items.len() && items[*next].remaining > 0 =>
+            {
+                &items[*next].dest
+            }
+            _ => return Ok(false),
+        };
+        let Dest::Device { via, .. } = dest else {
+            return Ok(false);
+        };
+        let via = via.clone();
+        Ok(device_room(&mut self.in_ring, &via)? == 0)
     }
 
     fn read_frames(&mut self, shared: &mut Shared, budget: usize) -> Result<ReadOutcome, String> {
@@ -590,7 +755,7 @@ impl Conn {
                     address,
                 });
             }
-            if self.reads_paused() || read >= budget {
+            if self.reads_paused() || read >= budget || self.stalled()? {
                 return Ok(ReadOutcome::Open);
             }
             // Everything buffered was consumed except part of a header block (or nothing).
@@ -618,6 +783,7 @@ impl Conn {
                         if *one_at_a_time { 1 } else { MAX_IOV - 1 },
                         &mut self.rbuf[..HEADER_LEN],
                         &mut self.discard,
+                        &mut self.in_ring,
                     )
                     .map(|(n, tail)| {
                         self.rlen = tail;
@@ -730,9 +896,17 @@ impl Conn {
                     }
                     let item = &mut items[*next];
                     let take = item.remaining.min(avail as u64) as usize;
-                    item.dest.put(&self.rbuf[self.rpos..self.rpos + take])?;
-                    item.remaining -= take as u64;
-                    self.rpos += take;
+                    let took = place(
+                        &mut self.in_ring,
+                        &mut item.dest,
+                        &self.rbuf[self.rpos..self.rpos + take],
+                    )?;
+                    item.remaining -= took as u64;
+                    self.rpos += took;
+                    if took == 0 {
+                        // No room in the in-ring: wait for copies.
+                        return Ok(());
+                    }
                     self.settle_batch(shared)?;
                 }
                 ReadState::Payload {
@@ -744,9 +918,17 @@ impl Conn {
                             return Ok(());
                         }
                         let take = (*remaining).min(avail as u64) as usize;
-                        dest.put(&self.rbuf[self.rpos..self.rpos + take])?;
-                        self.rpos += take;
-                        *remaining -= take as u64;
+                        let took = place(
+                            &mut self.in_ring,
+                            dest,
+                            &self.rbuf[self.rpos..self.rpos + take],
+                        )?;
+                        self.rpos += took;
+                        *remaining -= took as u64;
+                        if took == 0 {
+                            // No room in the in-ring: wait for copies.
+                            return Ok(());
+                        }
                     }
                     if *remaining == 0 {
                         let ReadState::Payload { dest, finish, .. } =
@@ -795,7 +977,7 @@ impl Conn {
             ));
         }
         Ok(match validate_write(h, shared) {
-            Ok(mem) => Item {
+            Ok((mem, via)) => Item {
                 dest: if mem.host_ptr().is_some() {
                     Dest::Region {
                         mem,
@@ -805,8 +987,8 @@ impl Conn {
                     Dest::Device {
                         mem,
                         offset: h.offset,
-                        buf: Vec::new(),
-                        filled: 0,
+                        via,
+                        end: 0,
                     }
                 },
                 remaining: h.len,
@@ -935,7 +1117,7 @@ impl Conn {
                     peer: Some(self.peer),
                     imm,
                 });
-                self.nack(&err, h.wr_id);
+                self.nack(&err, h.wr_id, shared);
                 self.rstate = ReadState::Payload {
                     dest: Dest::Discard,
                     remaining: h.len,
@@ -975,7 +1157,6 @@ impl Conn {
     fn finish(&mut self, dest: Dest, finish: Finish, shared: &mut Shared) -> Result<(), String> {
         match finish {
             Finish::Write { imm, len } => {
-                self.pending_acks += 1;
                 let event = imm.map(|imm| Completion {
                     wr_id: WorkRequestId(0),
                     op: OpKind::RemoteWrite,
@@ -983,26 +1164,16 @@ impl Conn {
                     peer: Some(self.peer),
                     imm: Some(imm),
                 });
-                if let Dest::Device {
-                    mem,
-                    offset,
-                    mut buf,
-                    filled,
-                } = dest
-                {
-                    buf.truncate(filled);
-                    // Reported once the bytes are in device memory (commit_device).
-                    self.placing_bytes += buf.len();
-                    self.placing.push((mem, offset, buf, event));
-                    if self.placing_bytes >= MAX_PLACING {
-                        self.commit_device(shared)?;
-                    }
-                } else if let Some(e) = event {
-                    shared.completions.push(e);
-                }
+                // Device bytes are acknowledged (and their imm reported) once their copies
+                // into device memory have completed.
+                let until = match dest {
+                    Dest::Device { end, .. } => Some(end),
+                    _ => None,
+                };
+                self.answer(until, None, event, shared);
             }
             Finish::Recv { recv, imm, len } => {
-                self.pending_acks += 1;
+                self.answer(None, None, None, shared);
                 shared.completions.push(Completion {
                     wr_id: recv.wr_id,
                     op: OpKind::Recv,
@@ -1012,7 +1183,7 @@ impl Conn {
                 });
             }
             Finish::Unexpected { imm, .. } => {
-                self.pending_acks += 1;
+                self.answer(None, None, None, shared);
                 let Dest::Buffer(data) = dest else {
                     unreachable!("unexpected SENDs go to a buffer")
                 };
@@ -1035,11 +1206,47 @@ impl Conn {
                 self.awaiting_hello = false;
                 self.hello = Some((rail, instance, data[12..].to_vec()));
             }
-            Finish::Rejected { err, wr_id } => self.nack(&err, wr_id),
+            Finish::Rejected { err, wr_id } => self.nack(&err, wr_id, shared),
             Finish::Dropped => {}
         }
         Ok(())
     }
+}
+
+/// Room in the in-ring for bytes that go to device memory through `via` (0: wait for
+/// copies to complete); makes the ring on first use.
+fn device_room(ring: &mut Option<Ring>, via: &Via) -> Result<usize, String> {
+    if !Ring::ensure(ring, via)? {
+        return Ok(0);
+    }
+    Ok(ring.as_ref().map_or(0, |r| r.contiguous(0)))
+}
+
+/// Puts bytes already received (in the read-ahead buffer) into `dest`; returns how many it
+/// took (fewer than `src.len()` only for device memory, when the in-ring is full).
+fn place(ring: &mut Option<Ring>, dest: &mut Dest, src: &[u8]) -> Result<usize, String> {
+    let Dest::Device {
+        mem,
+        offset,
+        via,
+        end,
+    } = dest
+    else {
+        dest.put(src)?;
+        return Ok(src.len());
+    };
+    let n = src.len().min(device_room(ring, via)?);
+    if n == 0 {
+        return Ok(0);
+    }
+    let r = ring.as_mut().expect("device_room made it");
+    // SAFETY: the n bytes at `head` are free room of the staging buffer (contiguous() said
+    // so): no copy reads them and no slice covers them; `src` is the read-ahead buffer.
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), r.ptr(r.head), n) };
+    r.copy_in(mem, *offset, n)?;
+    *offset += n as u64;
+    *end = r.head;
+    Ok(n)
 }
 
 /// Whether bytes for `d` can be read straight into place.
@@ -1067,6 +1274,7 @@ fn read_staged(
 
 /// One `readv` straight into the destinations of `items[next..]`, plus `tail` for the next
 /// header. Returns bytes read and how many of them landed in `tail`.
+#[allow(clippy::too_many_arguments)]
 fn read_batch(
     stream: &mut TcpStream,
     items: &mut [Item],
@@ -1074,12 +1282,13 @@ fn read_batch(
     max_items: usize,
     tail: &mut [u8],
     discard: &mut [u8],
+    ring: &mut Option<Ring>,
 ) -> std::io::Result<(usize, usize)> {
     let mut iov: Vec<IoSliceMut<'_>> = Vec::with_capacity((items.len() - next + 1).min(MAX_IOV));
     let mut lens: Vec<usize> = Vec::with_capacity(iov.capacity());
     let mut discard = Some(discard);
-    // Device items are read into buffers grown here: at most this much per call.
-    let mut device_budget = DEVICE_READ;
+    // Device items are read into the in-ring, one after the other from its head.
+    let mut ring_used = 0usize;
     for item in items[next..].iter_mut() {
         if iov.len() == max_items || item.remaining == 0 {
             break;
@@ -1094,18 +1303,21 @@ fn read_batch(
                 let n = d.len().min(item.remaining as usize);
                 &mut d[..n]
             }),
-            Dest::Device { buf, filled, .. } => {
-                let want = remaining.min(DEVICE_CHUNK);
-                if want > device_budget && !iov.is_empty() {
-                    None
-                } else {
-                    device_budget = device_budget.saturating_sub(want);
-                    if buf.len() < *filled + want {
-                        buf.resize(*filled + want, 0);
-                    }
-                    Some(&mut buf[*filled..*filled + want])
+            Dest::Device { via, .. } => match ring.as_ref() {
+                Some(r) if r.copies_via(via) => {
+                    let n = remaining.min(r.contiguous(ring_used));
+                    (n > 0).then(|| {
+                        let at = r.ptr(r.head + ring_used as u64);
+                        ring_used += n;
+                        // SAFETY: `n` bytes from `at` are free room of the staging buffer
+                        // (contiguous() counts from after the room given to the items
+                        // before): no copy reads them and no other iovec covers them. The
+                        // ring outlives this call and is not touched until the slice is gone.
+                        unsafe { std::slice::from_raw_parts_mut(at, n) }
+                    })
                 }
-            }
+                _ => None,
+            },
             Dest::Buffer(_) => None,
         };
         let Some(s) = slice else { break };
@@ -1132,7 +1344,15 @@ fn read_batch(
         item.remaining -= d as u64;
         match &mut item.dest {
             Dest::Region { offset, .. } => *offset += d as u64,
-            Dest::Device { filled, .. } => *filled += d,
+            Dest::Device {
+                mem, offset, end, ..
+            } => {
+                // The bytes are in the ring, in order from its head: copy them into place.
+                let r = ring.as_mut().expect("device items were given ring room");
+                r.copy_in(mem, *offset, d).map_err(std::io::Error::other)?;
+                *offset += d as u64;
+                *end = r.head;
+            }
             _ => {}
         }
         left -= d;
@@ -1158,7 +1378,7 @@ fn destinations_overlap(items: &[Item]) -> bool {
 }
 
 /// Checks a WRITE against the target's registrations before any byte is placed.
-fn validate_write(h: &Header, shared: &Shared) -> Result<Arc<dyn MemoryRegion>, OpError> {
+fn validate_write(h: &Header, shared: &Shared) -> Result<(Arc<dyn MemoryRegion>, Via), OpError> {
     let t = shared
         .targets
         .get(&h.key)
@@ -1168,7 +1388,7 @@ fn validate_write(h: &Header, shared: &Shared) -> Result<Arc<dyn MemoryRegion>, 
     }
     let region_len = t.mem.len() as u64;
     match h.offset.checked_add(h.len) {
-        Some(end) if end <= region_len => Ok(t.mem.clone()),
+        Some(end) if end <= region_len => Ok((t.mem.clone(), t.via.clone())),
         _ => Err(OpError::OutOfBounds {
             offset: h.offset,
             len: h.len,

@@ -45,6 +45,7 @@ mod auth;
 mod conn;
 pub mod frame;
 mod io;
+mod staging;
 
 use conn::{Conn, Inflight, Payload, PostedRecv, ReadOutcome, Shared, TargetRegion};
 use fabric_core::memory::check_range;
@@ -55,6 +56,7 @@ use fabric_core::{
 };
 use frame::{FLAG_IMM, Header, Op};
 use socket2::{Domain, Protocol, SockAddr, Socket, TcpKeepalive, Type};
+use staging::{CudaProbe, Via};
 use std::collections::{HashMap, VecDeque};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
@@ -66,6 +68,11 @@ use std::time::Duration;
 pub fn auth_digest(token: &str) -> [u8; 16] {
     auth::digest(token)
 }
+
+/// Bytes of host staging that each connection uses, per direction, for memory the CPU
+/// cannot address (GPU memory): device bytes are copied through it in chunks of at most
+/// 1 MiB, while the socket moves the chunks before them, and never more than this at once.
+pub const DEVICE_STAGING_BYTES: usize = staging::RING;
 
 /// Prefix of every TCP transport address.
 pub const ADDRESS_PREFIX: &str = "tcp://";
@@ -124,6 +131,7 @@ struct LocalRegion {
     mem: Arc<dyn MemoryRegion>,
     access: Access,
     rkey: u64,
+    via: Via,
 }
 
 struct Peer {
@@ -150,6 +158,8 @@ pub struct TcpTransport {
     pollfds: Vec<libc::pollfd>,
     /// Digest of `cfg.auth_token`.
     auth: Option<[u8; 16]>,
+    /// The CUDA driver, looked for when device memory is first registered.
+    cuda: CudaProbe,
 }
 
 fn random_u64() -> u64 {
@@ -200,6 +210,7 @@ impl TcpTransport {
             shared,
             pollfds: Vec::new(),
             auth: cfg_auth,
+            cuda: CudaProbe::default(),
         })
     }
 
@@ -329,11 +340,14 @@ impl TcpTransport {
                 len: s.len as usize,
             })
         } else {
-            // Copied out when the connection flushes, together with the rest of the batch.
+            // Copied into the connection's staging ring as it has room, sent from there.
             Ok(Payload::Device {
                 mem: r.mem.clone(),
                 offset: s.offset,
                 len: s.len as usize,
+                via: r.via.clone(),
+                staged: None,
+                assigned: 0,
             })
         }
     }
@@ -510,14 +524,30 @@ impl Transport for TcpTransport {
         let local = LocalKey(self.next_local);
         self.next_local += 1;
         let len = mem.len() as u64;
+        let via = if mem.host_ptr().is_some() {
+            Via::Region // never staged
+        } else {
+            let via = self.cuda.via_for(&*mem);
+            tracing::debug!(location = ?mem.location(), len, ?via, "device memory registered: copied through staging");
+            via
+        };
         self.shared.targets.insert(
             rkey,
             TargetRegion {
                 mem: mem.clone(),
                 access,
+                via: via.clone(),
             },
         );
-        self.local.insert(local, LocalRegion { mem, access, rkey });
+        self.local.insert(
+            local,
+            LocalRegion {
+                mem,
+                access,
+                rkey,
+                via,
+            },
+        );
         Ok(Registration {
             local,
             remote: RemoteRegion {
@@ -600,7 +630,10 @@ impl Transport for TcpTransport {
             let Some(c) = self.conns[idx].as_mut() else {
                 continue;
             };
-            let mut res = c.flush().map(|_| ReadOutcome::Open);
+            let mut res = c
+                .progress_copies(&mut self.shared)
+                .and_then(|_| c.flush())
+                .map(|_| ReadOutcome::Open);
             if c.awaiting_hello && c.opened.elapsed() > self.cfg.peer_timeout {
                 res = Err(format!("no HELLO within {:?}", self.cfg.peer_timeout));
             }
@@ -642,7 +675,10 @@ impl Transport for TcpTransport {
     }
 
     fn wait(&mut self, timeout: Duration) -> Result<()> {
-        if !self.shared.completions.is_empty() {
+        // Copies in flight complete without a socket event: keep polling.
+        if !self.shared.completions.is_empty()
+            || self.conns.iter().flatten().any(Conn::copies_pending)
+        {
             return Ok(());
         }
         self.pollfds.clear();

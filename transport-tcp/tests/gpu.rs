@@ -159,3 +159,32 @@ fn gpu0_to_gpu1_when_two_exist() {
         Arc::new(g1.alloc_zeroed(4 << 20).unwrap()),
     );
 }
+
+#[test]
+fn device_pages_larger_than_the_staging_ring_stream_through_it() {
+    let Some(g) = gpu() else { return };
+    let mut p = pair(2);
+    let n = 4 * (transport_tcp::DEVICE_STAGING_BYTES as u64 / 65536) * 2; // 4 rings a rail
+    let len = (n * 65536) as usize;
+    common::scattered_pages(
+        &mut p,
+        Arc::new(g.alloc_zeroed(len).unwrap()),
+        Arc::new(g.alloc_zeroed(len).unwrap()),
+        65536,
+        n,
+        37,
+    );
+}
+
+#[test]
+fn the_driver_tells_device_memory_from_memory_that_only_claims_it() {
+    let Some(g) = gpu() else { return };
+    let buf = g.alloc_zeroed(1 << 20).unwrap();
+    let addr = buf.device_addr();
+    assert!(g.holds_range(addr, 1 << 20).unwrap());
+    assert!(g.holds_range(addr + 4096, 8192).unwrap());
+    assert!(!g.holds_range(0x7000_0000_0000, 4096).unwrap());
+    let host = HostBuffer::new(4096).unwrap();
+    assert!(!g.holds_range(host.device_addr(), 4096).unwrap());
+    assert!(!g.holds_range(u64::MAX - 10, 4096).unwrap());
+}
