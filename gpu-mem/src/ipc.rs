@@ -669,6 +669,49 @@ pub fn can_access_peer(from: &Device, to: &Device) -> Result<bool, GpuMemError> 
     Ok(yes != 0)
 }
 
+/// The reference for device-to-device speed: `total` bytes copied from a buffer on `from`
+/// to a buffer on `to` with plain `cuMemcpyAsync` calls of `chunk` bytes each, on one stream,
+/// timed from the first call to the end of the last copy. Returns Gbit/s.
+pub fn plain_copy_gbps(
+    from: &Device,
+    to: &Device,
+    chunk: usize,
+    total: u64,
+) -> Result<f64, GpuMemError> {
+    let src = crate::DeviceBuffer::new(from, chunk)?;
+    let dst = crate::DeviceBuffer::new(to, chunk)?;
+    from.bind()?;
+    let stream = new_nonblocking_stream()?;
+    let run = |n: u64| -> Result<std::time::Duration, GpuMemError> {
+        let start = std::time::Instant::now();
+        for _ in 0..n {
+            check(
+                // SAFETY: both buffers are live allocations of `chunk` bytes (owned here);
+                // the stream belongs to the current context.
+                unsafe { sys::cuMemcpyAsync(dst.device_addr(), src.device_addr(), chunk, stream) },
+                |source| GpuMemError::Copy {
+                    direction: CopyDirection::DeviceToDevice,
+                    len: chunk as u64,
+                    source,
+                },
+            )?;
+        }
+        check_call(
+            // SAFETY: the stream is live and belongs to the current context.
+            unsafe { sys::cuStreamSynchronize(stream) },
+            "cuStreamSynchronize",
+        )?;
+        Ok(start.elapsed())
+    };
+    // One warm-up copy (peer mappings, clocks), then the timed ones.
+    let result = run(1).and_then(|_| run(total.div_ceil(chunk as u64).max(1)));
+    // SAFETY: the stream was synchronised (or a call failed); it is destroyed once.
+    unsafe { sys::cuStreamDestroy_v2(stream) };
+    let took = result?;
+    let bytes = total.div_ceil(chunk as u64).max(1) * chunk as u64;
+    Ok(bytes as f64 * 8.0 / took.as_secs_f64() / 1e9)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -66,6 +66,8 @@ pub use buffer::{DeviceBuffer, DmabufExport};
 pub use device::{Cuda, CudaDeviceInfo, Device, DriverVersion, devices, driver_present};
 pub use error::{CopyDirection, CudaError, GpuMemError};
 pub use host::HostMemory;
-pub use ipc::{IPC_HANDLE_LEN, IpcExport, IpcHandle, IpcMapping, PeerCopies, can_access_peer};
+pub use ipc::{
+    IPC_HANDLE_LEN, IpcExport, IpcHandle, IpcMapping, PeerCopies, can_access_peer, plain_copy_gbps,
+};
 pub use pinned::PinnedHostBuffer;
 pub use stream::{CopyEvent, CopyStream};

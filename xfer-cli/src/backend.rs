@@ -9,14 +9,20 @@ use fabric_core::engine::{EngineConfig, RailGroup};
 use fabric_core::mem::MemTransport;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
+use transport_cuda_ipc::{CudaIpcConfig, CudaIpcTransport};
 use transport_efa::{EfaConfig, EfaTransport};
 use transport_tcp::{TcpConfig, TcpTransport};
 
 /// `--transport`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum TransportKind {
+    /// cuda-ipc when both sides hold GPU memory on the same host, tcp otherwise.
+    Auto,
     /// RDMA semantics over TCP sockets.
     Tcp,
+    /// Device-to-device copies through CUDA IPC (NVLink), for peers on the same host.
+    #[value(name = "cuda-ipc")]
+    CudaIpc,
     /// libfabric FI_EP_RDM: EFA on AWS, or the provider named by --provider.
     Efa,
     /// In-process memory copies (demo only): measures the engine itself.
@@ -27,9 +33,47 @@ impl TransportKind {
     /// The backend's name, as engines report it.
     pub fn name(self) -> &'static str {
         match self {
+            TransportKind::Auto => "auto",
             TransportKind::Tcp => "tcp",
+            TransportKind::CudaIpc => "cuda-ipc",
             TransportKind::Efa => "efa",
             TransportKind::Mem => "mem",
+        }
+    }
+
+    /// The kind named `name` (as [`name`](Self::name) spells it).
+    pub fn from_name(name: &str) -> Option<TransportKind> {
+        [
+            TransportKind::Auto,
+            TransportKind::Tcp,
+            TransportKind::CudaIpc,
+            TransportKind::Efa,
+            TransportKind::Mem,
+        ]
+        .into_iter()
+        .find(|k| k.name() == name)
+    }
+
+    /// What `auto` means between two endpoints: cuda-ipc when both hold GPU memory on the
+    /// same host and CUDA is here, tcp otherwise. Other kinds stay as they are.
+    pub fn resolve(self, both_gpu: bool, same_host: bool) -> TransportKind {
+        match self {
+            TransportKind::Auto if both_gpu && same_host && gpu_mem::driver_present() => {
+                TransportKind::CudaIpc
+            }
+            TransportKind::Auto => TransportKind::Tcp,
+            k => k,
+        }
+    }
+
+    /// Why this path was taken, for the summary.
+    pub fn why(self, asked: TransportKind) -> &'static str {
+        match (asked, self) {
+            (TransportKind::Auto, TransportKind::CudaIpc) => {
+                "auto: GPU memory on both sides of one host"
+            }
+            (TransportKind::Auto, _) => "auto: not GPU memory on one host",
+            _ => "as asked",
         }
     }
 }
@@ -56,8 +100,8 @@ impl MemoryKind {
 /// Backend and memory flags shared by serve, bench and demo.
 #[derive(Args, Clone, Debug)]
 pub struct BackendArgs {
-    /// Transport.
-    #[arg(long, value_enum, default_value = "tcp")]
+    /// Transport. `auto` picks cuda-ipc between GPU memory of one host, tcp otherwise.
+    #[arg(long, value_enum, default_value = "auto")]
     pub transport: TransportKind,
     /// libfabric provider for --transport efa (efa, tcp, sockets, shm, ...); FI_PROVIDER
     /// also works. Default: efa.
@@ -77,13 +121,25 @@ pub struct BackendArgs {
 }
 
 impl BackendArgs {
-    /// Starts `rails` engines of the chosen transport, listening on `ip` (TCP).
+    /// This with `--transport auto` resolved for two endpoints (see
+    /// [`TransportKind::resolve`]).
+    pub fn resolved(&self, peer_gpu: bool, same_host: bool) -> BackendArgs {
+        let mut b = self.clone();
+        b.transport = self
+            .transport
+            .resolve(self.memory == MemoryKind::Cuda && peer_gpu, same_host);
+        b
+    }
+
+    /// Starts `rails` engines of the chosen transport, listening on `ip` (TCP); cuda-ipc
+    /// engines copy from the GPU at position `gpu_slot` of --gpus.
     pub fn spawn_group(
         &self,
         ip: IpAddr,
         rails: usize,
         name: &str,
         pins: Vec<Option<CorePin>>,
+        gpu_slot: usize,
     ) -> Result<RailGroup, CliError> {
         if rails == 0 {
             return Err(CliError::Usage("--rails must be at least 1".into()));
@@ -113,6 +169,38 @@ impl BackendArgs {
                 },
                 cfg,
             ),
+            TransportKind::Auto => {
+                return Err(CliError::Failed(
+                    "internal: --transport auto reached spawn_group unresolved".into(),
+                ));
+            }
+            TransportKind::CudaIpc => {
+                if self.memory != MemoryKind::Cuda {
+                    return Err(CliError::Usage(
+                        "--transport cuda-ipc moves GPU memory: add --memory cuda (or use tcp)"
+                            .into(),
+                    ));
+                }
+                let cuda = self.cuda()?;
+                let device = self.gpu(gpu_slot)?;
+                RailGroup::spawn(
+                    rails,
+                    move |i| {
+                        placement::pin_worker(
+                            pins.get(i).copied().flatten(),
+                            &format!("{worker}-{i}"),
+                        );
+                        CudaIpcTransport::new(
+                            &cuda,
+                            CudaIpcConfig {
+                                device,
+                                ..CudaIpcConfig::default()
+                            },
+                        )
+                    },
+                    cfg,
+                )
+            }
             TransportKind::Mem => RailGroup::spawn(
                 rails,
                 move |i| {
@@ -143,24 +231,33 @@ impl BackendArgs {
         g.map_err(CliError::from)
     }
 
+    /// The CUDA driver, or the one-line reason there is none.
+    pub fn cuda(&self) -> Result<gpu_mem::Cuda, CliError> {
+        gpu_mem::Cuda::probe()
+            .map_err(|e| CliError::Failed(format!("--memory cuda: {e}")))?
+            .ok_or_else(|| {
+                CliError::Failed(
+                    "--memory cuda: no CUDA driver on this machine (use --memory host)".into(),
+                )
+            })
+    }
+
+    /// The GPU ordinal at position `slot` of --gpus (wrapping around).
+    pub fn gpu(&self, slot: usize) -> Result<u32, CliError> {
+        if self.gpus.is_empty() {
+            return Err(CliError::Usage("--gpus lists no device".into()));
+        }
+        Ok(self.gpus[slot % self.gpus.len()])
+    }
+
     /// Allocates a region of `size` bytes: host memory, or device memory on the GPU at
     /// position `slot` of --gpus (wrapping around).
     pub fn alloc(&self, size: u64, slot: usize) -> Result<Arc<dyn MemoryRegion>, CliError> {
         match self.memory {
             MemoryKind::Host => Ok(Arc::new(gpu_mem::HostMemory::new(size as usize)?)),
             MemoryKind::Cuda => {
-                let cuda = gpu_mem::Cuda::probe()
-                    .map_err(|e| CliError::Failed(format!("--memory cuda: {e}")))?
-                    .ok_or_else(|| {
-                        CliError::Failed(
-                            "--memory cuda: no CUDA driver on this machine (use --memory host)"
-                                .into(),
-                        )
-                    })?;
-                if self.gpus.is_empty() {
-                    return Err(CliError::Usage("--gpus lists no device".into()));
-                }
-                let ordinal = self.gpus[slot % self.gpus.len()];
+                let cuda = self.cuda()?;
+                let ordinal = self.gpu(slot)?;
                 let dev = cuda
                     .device(ordinal)
                     .map_err(|e| CliError::Usage(format!("--gpus: {e}")))?;

@@ -8,7 +8,7 @@
 //! ```
 //! Each control connection gets a region of its own, deregistered when it closes.
 
-use crate::backend::BackendArgs;
+use crate::backend::{BackendArgs, MemoryKind, TransportKind};
 use crate::placement::CorePin;
 use crate::workload;
 use fabric_core::engine::{GroupRegistration, RailGroup, RemoteDescriptor};
@@ -32,8 +32,14 @@ pub enum Request {
     Hello {
         /// Protocol version.
         version: u32,
-        /// The transport the client will use.
+        /// The transport the client asks for (`auto`: the server picks).
         transport: String,
+        /// The client's memory ("host" or "cuda"), for `auto`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        memory: Option<String>,
+        /// The client's host (boot id), for `auto`: cuda-ipc needs the same host.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        host_id: Option<String>,
         /// Hex digest of the client's shared token (never the token), if it has one.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         auth: Option<String>,
@@ -52,7 +58,7 @@ pub enum Request {
 /// The answer to `hello`.
 #[derive(Serialize, Deserialize, Debug)]
 pub struct HelloReply {
-    /// Transport of the server.
+    /// The transport both sides use (the server's pick when the client asked `auto`).
     pub transport: String,
     /// Where the server's region lives ("host" or "cuda").
     pub memory: String,
@@ -100,7 +106,7 @@ pub fn parse_peer(s: &str) -> Result<SocketAddr, String> {
 /// node of `pin` (the serving worker's) when it is set.
 pub fn serve(
     listener: TcpListener,
-    group: Arc<RailGroup>,
+    groups: Vec<(TransportKind, Arc<RailGroup>)>,
     region_size: u64,
     backend: BackendArgs,
     pin: Option<CorePin>,
@@ -113,14 +119,14 @@ pub fn serve(
                 continue;
             }
         };
-        let group = group.clone();
+        let groups = groups.clone();
         let backend = backend.clone();
         std::thread::spawn(move || {
             if let Some(p) = pin {
                 p.prefer_memory_here("xfer-control");
             }
             let from = conn.peer_addr().ok();
-            if let Err(e) = client(conn, &group, region_size, &backend) {
+            if let Err(e) = client(conn, &groups, region_size, &backend) {
                 tracing::info!(?from, error = %e, "control connection ended");
             }
         });
@@ -146,13 +152,59 @@ fn reply<T: Serialize>(w: &mut TcpStream, r: Result<T, String>) -> std::io::Resu
     w.write_all(&line)
 }
 
+/// The path for a client that asked `asked`, among the server's `offered` ones.
+pub fn choose(
+    asked: &str,
+    client_memory: Option<&str>,
+    same_host: bool,
+    server_memory: MemoryKind,
+    offered: &[TransportKind],
+) -> Result<TransportKind, String> {
+    let names = || {
+        offered
+            .iter()
+            .map(|k| k.name())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let want = TransportKind::from_name(asked).ok_or_else(|| {
+        format!(
+            "unknown transport {asked:?} (this server offers {})",
+            names()
+        )
+    })?;
+    let pick = match want {
+        TransportKind::Auto => {
+            let both_gpu = server_memory == MemoryKind::Cuda && client_memory == Some("cuda");
+            let k = TransportKind::Auto.resolve(both_gpu, same_host);
+            if offered.contains(&k) {
+                k
+            } else {
+                TransportKind::Tcp
+            }
+        }
+        k => k,
+    };
+    if offered.contains(&pick) {
+        Ok(pick)
+    } else {
+        Err(format!(
+            "this server offers {}, not {} (start it with --transport {})",
+            names(),
+            pick.name(),
+            pick.name()
+        ))
+    }
+}
+
 fn client(
     conn: TcpStream,
-    group: &RailGroup,
+    groups: &[(TransportKind, Arc<RailGroup>)],
     region_size: u64,
     backend: &BackendArgs,
 ) -> std::io::Result<()> {
-    let backend_name = backend.transport.name();
+    let offered: Vec<TransportKind> = groups.iter().map(|(k, _)| *k).collect();
+    let mut chosen: Option<(TransportKind, &RailGroup)> = None;
     let mut w = conn.try_clone()?;
     let mut r = BufReader::new(conn);
     let mut region: Option<(Arc<dyn MemoryRegion>, GroupRegistration)> = None;
@@ -177,6 +229,8 @@ fn client(
             Request::Hello {
                 version,
                 transport,
+                memory,
+                host_id,
                 auth,
             } => {
                 if let Some(want) = &backend.auth_token
@@ -197,15 +251,30 @@ fn client(
                     )?;
                     return Ok(());
                 }
-                if transport != backend_name {
-                    reply::<()>(
-                        &mut w,
-                        Err(format!(
-                            "this server runs the {backend_name} transport, not {transport}"
-                        )),
-                    )?;
+                let same_host = host_id.is_some()
+                    && host_id.as_deref() == transport_cuda_ipc::boot_id().ok().as_deref();
+                let kind = match choose(
+                    &transport,
+                    memory.as_deref(),
+                    same_host,
+                    backend.memory,
+                    &offered,
+                ) {
+                    Ok(k) => k,
+                    Err(e) => {
+                        reply::<()>(&mut w, Err(e))?;
+                        return Ok(());
+                    }
+                };
+                if chosen.is_some_and(|(k, _)| k != kind) {
+                    reply::<()>(&mut w, Err("a second hello asked for another path".into()))?;
                     return Ok(());
                 }
+                let Some((_, group)) = groups.iter().find(|(k, _)| *k == kind) else {
+                    reply::<()>(&mut w, Err("internal: chosen path not served".into()))?;
+                    return Ok(());
+                };
+                chosen = Some((kind, group));
                 if region.is_none() {
                     let buf = match backend.alloc(region_size, 0) {
                         Ok(b) => b,
@@ -228,7 +297,7 @@ fn client(
                 reply(
                     &mut w,
                     Ok(HelloReply {
-                        transport: backend_name.into(),
+                        transport: kind.name().into(),
                         memory: backend.memory.name().into(),
                         addresses,
                         region: reg.remote.clone(),
@@ -264,7 +333,7 @@ fn client(
             }
         }
     })();
-    if let Some((_, reg)) = region
+    if let (Some((_, reg)), Some((_, group))) = (region, chosen)
         && let Err(e) = group.deregister(&reg)
     {
         tracing::warn!(error = %e, "deregister failed");
@@ -315,10 +384,17 @@ impl ControlClient {
     }
 
     /// Asks for a region.
-    pub fn hello(&mut self, transport: &str, token: Option<&str>) -> Result<HelloReply, String> {
+    pub fn hello(
+        &mut self,
+        transport: &str,
+        memory: &str,
+        token: Option<&str>,
+    ) -> Result<HelloReply, String> {
         self.call(&Request::Hello {
             version: VERSION,
             transport: transport.into(),
+            memory: Some(memory.into()),
+            host_id: transport_cuda_ipc::boot_id().ok(),
             auth: token.map(|t| hex(&transport_tcp::auth_digest(t))),
         })
     }
@@ -340,4 +416,59 @@ impl ControlClient {
 
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BOTH: [TransportKind; 2] = [TransportKind::Tcp, TransportKind::CudaIpc];
+
+    #[test]
+    fn auto_picks_cuda_ipc_only_for_gpu_memory_on_one_host_with_cuda() {
+        let cuda = gpu_mem::driver_present();
+        let k = choose("auto", Some("cuda"), true, MemoryKind::Cuda, &BOTH).unwrap();
+        let want = if cuda {
+            TransportKind::CudaIpc
+        } else {
+            TransportKind::Tcp
+        };
+        assert_eq!(k, want);
+        for (mem, same, server) in [
+            (Some("host"), true, MemoryKind::Cuda),
+            (Some("cuda"), false, MemoryKind::Cuda),
+            (Some("cuda"), true, MemoryKind::Host),
+            (None, true, MemoryKind::Cuda),
+        ] {
+            assert_eq!(
+                choose("auto", mem, same, server, &BOTH).unwrap(),
+                TransportKind::Tcp,
+                "{mem:?} {same} {server:?}"
+            );
+        }
+        // A server that offers only tcp answers auto with tcp, whatever the client holds.
+        assert_eq!(
+            choose(
+                "auto",
+                Some("cuda"),
+                true,
+                MemoryKind::Cuda,
+                &[TransportKind::Tcp]
+            )
+            .unwrap(),
+            TransportKind::Tcp
+        );
+    }
+
+    #[test]
+    fn explicit_paths_must_be_offered_and_unknown_names_are_refused() {
+        assert_eq!(
+            choose("cuda-ipc", None, false, MemoryKind::Cuda, &BOTH).unwrap(),
+            TransportKind::CudaIpc
+        );
+        let e = choose("efa", None, true, MemoryKind::Host, &BOTH).unwrap_err();
+        assert!(e.contains("offers tcp, cuda-ipc, not efa"), "{e}");
+        let e = choose("carrier-pigeon", None, true, MemoryKind::Host, &BOTH).unwrap_err();
+        assert!(e.contains("unknown transport"), "{e}");
+    }
 }

@@ -15,6 +15,7 @@ struct Info {
     transports: Vec<&'static str>,
     memory: Vec<&'static str>,
     cuda: CudaReport,
+    cuda_ipc: CudaIpcReport,
     libfabric: LibfabricReport,
     topology: Option<TopologySummary>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -84,6 +85,70 @@ struct CudaReport {
     /// Why the driver could not be used, when it is present but failed.
     #[serde(skip_serializing_if = "Option::is_none")]
     error: Option<String>,
+}
+
+/// The cuda-ipc transport (`--transport cuda-ipc`, or `auto` between GPU memory of one
+/// host): whether it can run here, and which GPU pairs reach each other directly.
+#[derive(Serialize)]
+struct CudaIpcReport {
+    available: bool,
+    /// For each ordered pair of devices: whether copies go device to device directly (peer
+    /// access over NVLink or PCIe) rather than staged by the driver.
+    peer_access: Vec<PeerAccess>,
+}
+
+#[derive(Serialize)]
+struct PeerAccess {
+    from: u32,
+    to: u32,
+    direct: bool,
+}
+
+fn cuda_ipc_report(c: &CudaReport) -> CudaIpcReport {
+    let mut peer_access = Vec::new();
+    if let Ok(Some(cuda)) = gpu_mem::Cuda::probe() {
+        let devs: Vec<_> = c
+            .devices
+            .iter()
+            .filter_map(|d| cuda.device(d.ordinal).ok())
+            .collect();
+        for a in &devs {
+            for b in &devs {
+                if a.ordinal() != b.ordinal() {
+                    peer_access.push(PeerAccess {
+                        from: a.ordinal(),
+                        to: b.ordinal(),
+                        direct: gpu_mem::can_access_peer(a, b).unwrap_or(false),
+                    });
+                }
+            }
+        }
+    }
+    CudaIpcReport {
+        available: !c.devices.is_empty(),
+        peer_access,
+    }
+}
+
+fn cuda_ipc_lines(r: &CudaIpcReport) -> Vec<String> {
+    if !r.available {
+        return vec!["cuda-ipc: unavailable (no CUDA device); auto uses tcp".into()];
+    }
+    let mut lines =
+        vec!["cuda-ipc: available; auto picks it between GPU memory of this host".into()];
+    for p in &r.peer_access {
+        lines.push(format!(
+            "  cuda:{} -> cuda:{}: {}",
+            p.from,
+            p.to,
+            if p.direct {
+                "direct (peer access)"
+            } else {
+                "staged by the driver"
+            }
+        ));
+    }
+    lines
 }
 
 /// One CUDA device, placed in the topology when its PCI address matches.
@@ -193,7 +258,8 @@ pub fn run(json: bool) -> Result<(), CliError> {
     }
     let i = Info {
         version: env!("CARGO_PKG_VERSION"),
-        transports: vec!["tcp", "efa", "mem"],
+        transports: vec!["auto", "tcp", "cuda-ipc", "efa", "mem"],
+        cuda_ipc: cuda_ipc_report(&cuda),
         memory,
         libfabric: libfabric_report(),
         topology: topo.as_ref().map(TopologySummary::of),
@@ -210,7 +276,10 @@ pub fn run(json: bool) -> Result<(), CliError> {
     println!("xfer {}", i.version);
     println!("transports: {}", i.transports.join(", "));
     println!("memory: {}", i.memory.join(", "));
-    for line in cuda_lines(&i.cuda) {
+    for line in cuda_lines(&i.cuda)
+        .into_iter()
+        .chain(cuda_ipc_lines(&i.cuda_ipc))
+    {
         println!("{line}");
     }
     for line in libfabric_lines(&i.libfabric) {

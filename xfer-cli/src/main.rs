@@ -17,7 +17,7 @@ mod size;
 mod topo;
 mod workload;
 
-use backend::{BackendArgs, TransportKind};
+use backend::{BackendArgs, MemoryKind, TransportKind};
 use clap::{Args, Parser, Subcommand};
 use fabric_core::engine::{GroupPeer, GroupRegistration, RailGroup, RemoteDescriptor};
 use fabric_core::{Access, Error};
@@ -142,10 +142,33 @@ struct DemoArgs {
     baseline: bool,
 }
 
+/// The baseline of a demo: plain TCP streams (as many as rails), or for cuda-ipc plain
+/// device-to-device copies of the same bytes between the same GPUs.
+fn baseline_for(b: &BackendArgs, bytes: u64, k: &Knobs) -> Result<f64, String> {
+    match b.transport {
+        TransportKind::CudaIpc => {
+            let cuda = b.cuda().map_err(|e| e.to_string())?;
+            let from = cuda.device(b.gpu(0).map_err(|e| e.to_string())?);
+            let to = cuda.device(b.gpu(1).map_err(|e| e.to_string())?);
+            let (from, to) = (
+                from.map_err(|e| e.to_string())?,
+                to.map_err(|e| e.to_string())?,
+            );
+            let chunk = k.region_size.min(256 << 20) as usize;
+            gpu_mem::plain_copy_gbps(&from, &to, chunk, bytes).map_err(|e| e.to_string())
+        }
+        _ => baseline::run(bytes, k.rails).map_err(|e| e.to_string()),
+    }
+}
+
 /// The JSON summary of a run.
 #[derive(Serialize)]
 struct Summary {
     transport: &'static str,
+    /// Why that transport (`as asked`, or what `auto` saw).
+    path: &'static str,
+    /// What the baseline measured.
+    baseline_kind: Option<&'static str>,
     memory: &'static str,
     page_size: u64,
     pages: u64,
@@ -162,6 +185,7 @@ struct Summary {
 impl Summary {
     fn of(
         b: &BackendArgs,
+        asked: TransportKind,
         k: &Knobs,
         report: &workload::RunReport,
         verified: bool,
@@ -170,6 +194,11 @@ impl Summary {
         let gbps = report.gbps();
         Summary {
             transport: b.transport.name(),
+            path: b.transport.why(asked),
+            baseline_kind: baseline_gbps.map(|_| match b.transport {
+                TransportKind::CudaIpc => "plain cuMemcpyAsync device to device, same bytes",
+                _ => "plain TCP streams, one per rail, same bytes",
+            }),
             memory: b.memory.name(),
             page_size: k.page_size,
             pages: k.pages,
@@ -279,38 +308,40 @@ fn print_summary(s: &Summary, json: bool) {
         s.mops,
         if s.verified { "yes" } else { "no" }
     );
-    if let (Some(b), Some(r)) = (s.baseline_gbps, s.ratio) {
-        println!(
-            "baseline: {} plain TCP stream(s) {:.2} Gbps; ratio {:.3}",
-            s.rails, b, r
-        );
+    println!("path: {} ({})", s.transport, s.path);
+    if let (Some(b), Some(r), Some(kind)) = (s.baseline_gbps, s.ratio, s.baseline_kind) {
+        println!("baseline: {kind}: {b:.2} Gbps; ratio {r:.3}");
     }
 }
 
 fn demo(a: DemoArgs) -> Result<(), CliError> {
     let k = &a.knobs;
     let w = workload_of(k)?;
+    // Both endpoints are this process: same host, same kind of memory.
+    let b = a.backend.resolved(true, true);
     let pins = WorkerPins::for_this_machine(k.pin);
     let lo = IpAddr::V4(Ipv4Addr::LOCALHOST);
-    let src_group = a.backend.spawn_group(
+    let src_group = b.spawn_group(
         lo,
         k.rails,
         "xfer-initiator",
         pins.rail_pins(pins.initiator, k.rails, 0),
+        0,
     )?;
-    let dst_group = a.backend.spawn_group(
+    let dst_group = b.spawn_group(
         lo,
         k.rails,
         "xfer-target",
         pins.rail_pins(pins.target, k.rails, k.rails),
+        1,
     )?;
     // Both regions are first touched by this thread: put them on the workers' node.
     if let Some(p) = pins.initiator {
         p.prefer_memory_here("main");
     }
-    let src = a.backend.alloc(k.region_size, 0)?;
+    let src = b.alloc(k.region_size, 0)?;
     workload::fill_pattern(&*src, k.seed)?;
-    let dst = a.backend.alloc(k.region_size, 1)?;
+    let dst = b.alloc(k.region_size, 1)?;
     let s = src_group.register(src, Access::NONE)?;
     let d = dst_group.register(dst.clone(), Access::REMOTE_WRITE)?;
     let peer = src_group.add_peer(&dst_group.addresses())?;
@@ -335,14 +366,14 @@ fn demo(a: DemoArgs) -> Result<(), CliError> {
     drop(dst_group);
     let baseline_gbps = if a.baseline {
         Some(
-            baseline::run(report.bytes, k.rails)
+            baseline_for(&b, report.bytes, k)
                 .map_err(|e| CliError::Failed(format!("baseline: {e}")))?,
         )
     } else {
         None
     };
     print_summary(
-        &Summary::of(&a.backend, k, &report, verified, baseline_gbps),
+        &Summary::of(&b, a.backend.transport, k, &report, verified, baseline_gbps),
         k.json,
     );
     Ok(())
@@ -376,8 +407,22 @@ fn bench(a: BenchArgs) -> Result<(), CliError> {
     let mut ctl = control::ControlClient::connect(ctl_addr, Duration::from_secs(5))
         .map_err(CliError::Failed)?;
     let hello = ctl
-        .hello(a.backend.transport.name(), a.backend.auth_token.as_deref())
+        .hello(
+            a.backend.transport.name(),
+            a.backend.memory.name(),
+            a.backend.auth_token.as_deref(),
+        )
         .map_err(CliError::Failed)?;
+    // The server resolved `auto`; its answer is the path both sides use.
+    let mut b = a.backend.clone();
+    b.transport = TransportKind::from_name(&hello.transport)
+        .filter(|k| *k != TransportKind::Auto)
+        .ok_or_else(|| {
+            CliError::Failed(format!(
+                "the peer chose an unknown transport {:?}",
+                hello.transport
+            ))
+        })?;
     if hello.region.len() < k.region_size {
         return Err(CliError::Usage(format!(
             "the peer's region is {} but --region-size is {}: lower --region-size",
@@ -407,16 +452,17 @@ fn bench(a: BenchArgs) -> Result<(), CliError> {
         IpAddr::V6(Ipv6Addr::UNSPECIFIED)
     };
     let pins = WorkerPins::for_this_machine(k.pin);
-    let group = a.backend.spawn_group(
+    let group = b.spawn_group(
         local_ip,
         k.rails,
         "xfer-initiator",
         pins.rail_pins(pins.initiator, k.rails, 0),
+        0,
     )?;
     if let Some(p) = pins.initiator {
         p.prefer_memory_here("main");
     }
-    let src = a.backend.alloc(k.region_size, 0)?;
+    let src = b.alloc(k.region_size, 0)?;
     workload::fill_pattern(&*src, k.seed)?;
     let s = group.register(src, Access::NONE)?;
     let peer = group.add_peer(&addresses)?;
@@ -440,7 +486,10 @@ fn bench(a: BenchArgs) -> Result<(), CliError> {
         }
         true
     };
-    print_summary(&Summary::of(&a.backend, k, &report, verified, None), k.json);
+    print_summary(
+        &Summary::of(&b, a.backend.transport, k, &report, verified, None),
+        k.json,
+    );
     Ok(())
 }
 
@@ -457,12 +506,31 @@ fn serve(a: ServeArgs) -> Result<(), CliError> {
         .map_err(|e| CliError::Failed(e.to_string()))?;
     let data_ip = a.data_listen.unwrap_or(ctl.ip());
     let pins = WorkerPins::for_this_machine(a.pin);
-    let group = Arc::new(a.backend.spawn_group(
-        data_ip,
-        a.rails,
-        "xfer-serve",
-        pins.rail_pins(pins.initiator, a.rails, 0),
-    )?);
+    // The paths this server offers: `auto` serves tcp to everyone and, with GPU memory,
+    // cuda-ipc to clients on this host that hold GPU memory too.
+    let kinds = match a.backend.transport {
+        TransportKind::Auto
+            if a.backend.memory == MemoryKind::Cuda && gpu_mem::driver_present() =>
+        {
+            vec![TransportKind::Tcp, TransportKind::CudaIpc]
+        }
+        TransportKind::Auto => vec![TransportKind::Tcp],
+        k => vec![k],
+    };
+    let mut groups = Vec::new();
+    for (n, kind) in kinds.into_iter().enumerate() {
+        let mut b = a.backend.clone();
+        b.transport = kind;
+        let g = b.spawn_group(
+            data_ip,
+            a.rails,
+            &format!("xfer-serve-{}", kind.name()),
+            pins.rail_pins(pins.initiator, a.rails, n * a.rails),
+            0,
+        )?;
+        eprintln!("xfer: serving {} on {} rails", kind.name(), a.rails);
+        groups.push((kind, Arc::new(g)));
+    }
     if ctl.ip().is_unspecified() {
         eprintln!(
             "xfer: listening on every interface; peers use this machine's address in place of {}",
@@ -474,7 +542,7 @@ fn serve(a: ServeArgs) -> Result<(), CliError> {
     let _ = std::io::stdout().flush();
     control::serve(
         listener,
-        group,
+        groups,
         a.region_size,
         a.backend.clone(),
         pins.initiator,

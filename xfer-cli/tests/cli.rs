@@ -442,7 +442,7 @@ fn bench_over_two_rails_to_a_four_rail_server_verifies() {
         .output()
         .expect("bench runs");
     let line = assert_fails_with_one_line(&out, 1);
-    assert!(line.contains("tcp transport, not efa"), "{line}");
+    assert!(line.contains("offers tcp, not efa"), "{line}");
 }
 
 #[test]
@@ -465,4 +465,21 @@ fn serve_with_a_token_refuses_benches_without_it() {
         .output()
         .expect("bench runs");
     assert_bench_verified(&out, "bench with the token from XFER_AUTH_TOKEN");
+}
+
+#[test]
+fn cuda_ipc_with_host_memory_is_a_usage_error_and_auto_on_host_memory_is_tcp() {
+    let out = small_demo(&["--transport", "cuda-ipc"]);
+    let line = assert_fails_with_one_line(&out, 2);
+    assert!(line.contains("add --memory cuda"), "{line}");
+    let out = small_demo(&[]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().last().unwrap()).unwrap();
+    assert_eq!(v["transport"], "tcp");
+    assert_eq!(v["path"], "auto: not GPU memory on one host");
 }
