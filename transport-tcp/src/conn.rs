@@ -984,6 +984,11 @@ impl Conn {
                         offset: h.offset,
                     }
                 } else {
+                    // The ring is made by the first device WRITE, even an empty one: the
+                    // engine's warm-up pays for the pinned allocation, not the first transfer.
+                    if self.in_ring.is_none() {
+                        Ring::ensure(&mut self.in_ring, &via)?;
+                    }
                     Dest::Device {
                         mem,
                         offset: h.offset,

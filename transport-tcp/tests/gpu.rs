@@ -188,3 +188,54 @@ fn the_driver_tells_device_memory_from_memory_that_only_claims_it() {
     assert!(!g.holds_range(host.device_addr(), 4096).unwrap());
     assert!(!g.holds_range(u64::MAX - 10, 4096).unwrap());
 }
+
+#[test]
+fn each_imm_is_reported_once_its_bytes_are_in_device_memory() {
+    let Some(g) = gpu() else { return };
+    let mut p = pair(1);
+    let (page, n) = (1u64 << 20, 24u64);
+    let len = (page * n) as usize;
+    let data = fabric_core::testing::pattern(3, len);
+    let src = Arc::new(g.alloc_zeroed(len).unwrap());
+    src.copy_from_host(0, &data).unwrap();
+    let dst = Arc::new(g.alloc_zeroed(len).unwrap());
+    let s = p.a.register(src, Access::NONE).unwrap();
+    let d = p.b.register(dst.clone(), Access::REMOTE_WRITE).unwrap();
+    let peer = p.b_at_a;
+    for i in 0..n {
+        let (src_slice, dst_slice) = (
+            LocalSlice {
+                key: s.local,
+                offset: i * page,
+                len: page,
+            },
+            RemoteSlice {
+                region: d.remote,
+                offset: i * page,
+                len: page,
+            },
+        );
+        p.post_a(|t| {
+            t.post_write(
+                peer,
+                fabric_core::WorkRequestId(i),
+                src_slice,
+                dst_slice,
+                Some(i as u32),
+            )
+        });
+    }
+    let mut seen = 0u64;
+    while seen < n {
+        let ev = p.take_b(1, "imm").remove(0);
+        assert_eq!(ev.imm, Some(seen as u32), "imm out of order");
+        let at = (seen * page) as usize;
+        assert!(
+            dst.to_vec(seen * page, page as usize).unwrap() == data[at..at + page as usize],
+            "imm {seen} reported before its bytes were in device memory"
+        );
+        seen += 1;
+    }
+    let done = p.take_a(n as usize, "write completions");
+    assert!(done.iter().all(|c| c.result == Ok(page)), "{done:?}");
+}
