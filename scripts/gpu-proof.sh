@@ -18,14 +18,14 @@ ngpu=$(nvidia-smi -L | wc -l)
 echo "== machine: $(nproc) cores, $ngpu GPU(s)"; nvidia-smi -L
 echo "== tests"; ./tcp_gpu_tests --test-threads=1 2>&1 | grep -E "test result|FAILED|panicked"
 ./gpu_mem_cuda_tests --test-threads=1 2>&1 | grep -E "test result|FAILED|panicked"
-d() { echo "== demo $*"; $X demo --page-size 64KiB --pages 1000 --bytes 16GiB --baseline --json "$@"; }
+d() { echo "== demo $*"; $X demo --transport tcp --page-size 64KiB --pages 1000 --bytes 16GiB --baseline --json "$@"; }
 for r in 1 4 8; do d --memory cuda --gpus 0 --rails "$r" --pin off; done
 d --memory host --rails 8
 if [ "$ngpu" -ge 2 ]; then
   $X topo
   for r in 4 8; do d --memory cuda --gpus 0,1 --rails "$r"; done
   echo "== both directions at once"
-  $X demo --memory cuda --gpus 0,1 --rails 8 --bytes 16GiB --json &
-  $X demo --memory cuda --gpus 1,0 --rails 8 --bytes 16GiB --json &
+  $X demo --transport tcp --memory cuda --gpus 0,1 --rails 8 --bytes 16GiB --json &
+  $X demo --transport tcp --memory cuda --gpus 1,0 --rails 8 --bytes 16GiB --json &
   wait
 fi

@@ -6,7 +6,8 @@
 //! [`Device::open_ipc`] (an [`IpcMapping`], shared and reference-counted per process and
 //! device, closed when the last user drops it) and copies into it with [`PeerCopies`]:
 //! device-to-device copies queued on a stream (over NVLink between GPUs that have it), as
-//! one batch per submit where the driver offers `cuMemcpyBatchAsync`, completed by events.
+//! one launch of a copy kernel per submit (or one `cuMemcpyBatchAsync`, or plain copies:
+//! see [`CopyMethod`]), completed by events.
 //!
 //! A handle exported by this very process is not opened again (the driver refuses that):
 //! [`Device::open_ipc`] finds it in a process-wide table and maps it onto the exporting
@@ -14,6 +15,7 @@
 
 use crate::device::Device;
 use crate::error::{CopyDirection, GpuMemError, check, check_call};
+use crate::gather::{DescList, GatherKernel};
 use crate::range::check_range;
 use crate::stream::{EventInner, new_nonblocking_stream};
 use cudarc::driver::sys;
@@ -60,6 +62,8 @@ impl std::fmt::Debug for IpcHandle {
 
 /// One allocation exported by this process.
 struct ExportEntry {
+    /// The exporting device.
+    device: Device,
     /// Device address of the allocation's first byte.
     base: u64,
     /// Bytes of the allocation.
@@ -265,6 +269,7 @@ impl Device {
         lock(exports())
             .entry(handle)
             .or_insert_with(|| ExportEntry {
+                device: self.clone(),
                 base,
                 size: size as u64,
                 regions: Vec::new(),
@@ -284,15 +289,18 @@ impl Device {
     /// share the mapping). Fails with [`GpuMemError::IpcOpen`] for a stale or foreign
     /// handle.
     pub fn open_ipc(&self, handle: &IpcHandle) -> Result<Arc<IpcMapping>, GpuMemError> {
-        if let Some(e) = lock(exports()).get(handle)
-            && let Some((_, region)) = e.regions.first()
-        {
+        let local = lock(exports()).get(handle).and_then(|e| {
+            let (_, region) = e.regions.first()?;
+            Some((e.device.clone(), e.base, e.size, region.clone()))
+        });
+        if let Some((owner, base, size, region)) = local {
+            enable_peer_access(self, &owner)?;
             return Ok(Arc::new(IpcMapping {
                 device: self.clone(),
                 handle: *handle,
-                base: e.base,
-                size: e.size,
-                local: Some(region.clone()),
+                base,
+                size,
+                local: Some(region),
             }));
         }
         let mut table = lock(opened());
@@ -364,14 +372,10 @@ type BatchFn = unsafe extern "C" fn(
     sys::CUstream,
 ) -> sys::CUresult;
 
-/// The driver's batched copy, when it has one (12.8 and later) and `XFER_CUDA_BATCH_COPY`
-/// is not `0`.
+/// The driver's batched copy, when it has one (12.8 and later).
 fn batch_fn() -> Option<BatchFn> {
     static F: OnceLock<Option<BatchFn>> = OnceLock::new();
     *F.get_or_init(|| {
-        if std::env::var("XFER_CUDA_BATCH_COPY").is_ok_and(|v| v == "0") {
-            return None;
-        }
         // SAFETY: only reached through a Device, which exists only after Cuda::probe found
         // the driver library; looking a symbol up by name has no other effect, and the
         // declared type is the one of the CUDA 12.8 headers for this name.
@@ -384,10 +388,52 @@ fn batch_fn() -> Option<BatchFn> {
     })
 }
 
+/// How [`PeerCopies`] issues a batch of copies. The default is the first that works here,
+/// in this order; `XFER_CUDA_COPY=kernel|batch|memcpy` forces one (for comparisons).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyMethod {
+    /// One launch of a copy kernel per batch (ranges with 16-byte aligned ends; others
+    /// fall back to `cuMemcpyAsync`): SMs move the bytes, no per-range engine cost.
+    Kernel,
+    /// One `cuMemcpyBatchAsync` per batch (driver 12.8 and later).
+    Batch,
+    /// One `cuMemcpyAsync` per range.
+    Memcpy,
+}
+
+impl CopyMethod {
+    /// Its name, as `XFER_CUDA_COPY` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            CopyMethod::Kernel => "kernel",
+            CopyMethod::Batch => "batch",
+            CopyMethod::Memcpy => "memcpy",
+        }
+    }
+}
+
+/// Makes memory of `to` reachable from `from`'s context (peer access), where the devices
+/// differ and allow it; without it the driver stages cross-device copies through the host.
+pub fn enable_peer_access(from: &Device, to: &Device) -> Result<(), GpuMemError> {
+    if from.ordinal() == to.ordinal() || !can_access_peer(from, to)? {
+        return Ok(());
+    }
+    from.bind()?;
+    // SAFETY: both contexts are live (held by the Devices); the current one is `from`'s.
+    match unsafe { sys::cuCtxEnablePeerAccess(to.inner.ctx.cu_ctx(), 0) } {
+        sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
+            Ok(())
+        }
+        other => check_call(other, "cuCtxEnablePeerAccess"),
+    }
+}
+
 /// Copies done since the last submit, and what they keep alive.
 struct Fence {
     event: Arc<EventInner>,
     ticket: u64,
+    /// The copy kernel's list of ranges, if it ran.
+    list: Option<DescList>,
     sources: Vec<Arc<dyn MemoryRegion>>,
     targets: Vec<Arc<IpcMapping>>,
 }
@@ -412,7 +458,13 @@ pub struct PeerCopies {
     spare: Vec<Arc<EventInner>>,
     next_ticket: u64,
     done: u64,
+    method: CopyMethod,
+    kernel: Option<GatherKernel>,
     batch: Option<BatchFn>,
+    /// Why the kernel is not used, when it is not.
+    note: Option<String>,
+    /// Scratch for the kernel's ranges.
+    aligned: Vec<(u64, u64, u64)>,
 }
 
 // SAFETY: the stream handle is an opaque driver object any thread may use once the context
@@ -423,8 +475,52 @@ unsafe impl Send for PeerCopies {}
 unsafe impl Sync for PeerCopies {}
 
 impl PeerCopies {
-    /// A stream for copies issued from `device` (the device whose memory is the source).
+    /// A stream for copies issued from `device` (the device whose memory is the source),
+    /// with the best [`CopyMethod`] that works here, or the one `XFER_CUDA_COPY` names.
     pub fn new(device: &Device) -> Result<PeerCopies, GpuMemError> {
+        let forced = std::env::var("XFER_CUDA_COPY").ok();
+        let forced = match forced.as_deref() {
+            None | Some("") => None,
+            Some("kernel") => Some(CopyMethod::Kernel),
+            Some("batch") => Some(CopyMethod::Batch),
+            Some("memcpy") => Some(CopyMethod::Memcpy),
+            Some(other) => {
+                return Err(GpuMemError::WrongMemory(format!(
+                    "XFER_CUDA_COPY={other}: expected kernel, batch or memcpy"
+                )));
+            }
+        };
+        if let Some(m) = forced {
+            return PeerCopies::with_method(device, m);
+        }
+        match PeerCopies::with_method(device, CopyMethod::Kernel) {
+            Ok(c) => Ok(c),
+            Err(e) => {
+                let m = if batch_fn().is_some() {
+                    CopyMethod::Batch
+                } else {
+                    CopyMethod::Memcpy
+                };
+                let mut c = PeerCopies::with_method(device, m)?;
+                c.note = Some(format!("copy kernel unavailable: {e}"));
+                Ok(c)
+            }
+        }
+    }
+
+    /// A stream for copies issued from `device` with `method`; fails when this machine
+    /// cannot do it (the kernel does not load, or the driver has no batched copy).
+    pub fn with_method(device: &Device, method: CopyMethod) -> Result<PeerCopies, GpuMemError> {
+        let kernel = match method {
+            CopyMethod::Kernel => Some(GatherKernel::load(device)?),
+            _ => None,
+        };
+        let batch = batch_fn();
+        if method == CopyMethod::Batch && batch.is_none() {
+            return Err(GpuMemError::WrongMemory(
+                "this driver has no cuMemcpyBatchAsync (CUDA 12.8 or later)".into(),
+            ));
+        }
         device.bind()?;
         let stream = new_nonblocking_stream()?;
         Ok(PeerCopies {
@@ -439,13 +535,27 @@ impl PeerCopies {
             spare: Vec::new(),
             next_ticket: 1,
             done: 0,
-            batch: batch_fn(),
+            method,
+            kernel,
+            batch,
+            note: None,
+            aligned: Vec::new(),
         })
     }
 
-    /// Whether copies are issued as one `cuMemcpyBatchAsync` per submit.
+    /// How batches are issued.
+    pub fn method(&self) -> CopyMethod {
+        self.method
+    }
+
+    /// Why the copy kernel is not used, when it is not.
+    pub fn method_note(&self) -> Option<&str> {
+        self.note.as_deref()
+    }
+
+    /// Whether a batch is one driver call (kernel launch or batched copy).
     pub fn batched(&self) -> bool {
-        self.batch.is_some()
+        self.method != CopyMethod::Memcpy
     }
 
     /// Queues a copy of `len` bytes from `src` at `src_offset` into `dst` at `dst_offset`
@@ -521,51 +631,16 @@ impl PeerCopies {
             len: total as u64,
             source,
         };
-        let issued = match self.batch {
-            Some(f) if n > 1 => {
-                let mut attr = sys::CUmemcpyAttributes {
-                    srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-                    srcLocHint: sys::CUmemLocation {
-                        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_INVALID,
-                        id: 0,
-                    },
-                    dstLocHint: sys::CUmemLocation {
-                        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_INVALID,
-                        id: 0,
-                    },
-                    flags: 0,
-                };
-                let mut attr_idx = 0usize;
-                let mut fail_idx = usize::MAX;
-                // SAFETY: the three arrays hold n entries each; every (src, dst, size) was
-                // bounds-checked in push against live memory that `sources`/`targets` keep
-                // alive until the event recorded below completes; the stream belongs to this
-                // context, which is current; one attribute applies from index 0.
-                let r = unsafe {
-                    f(
-                        self.dsts.as_mut_ptr(),
-                        self.srcs.as_mut_ptr(),
-                        self.sizes.as_mut_ptr(),
-                        n,
-                        &mut attr,
-                        &mut attr_idx,
-                        1,
-                        &mut fail_idx,
-                        self.stream,
-                    )
-                };
-                check(r, copy_err)
-            }
-            _ => (0..n).try_for_each(|i| {
-                check(
-                    // SAFETY: as for the batch above, for the one copy i.
-                    unsafe {
-                        sys::cuMemcpyAsync(self.dsts[i], self.srcs[i], self.sizes[i], self.stream)
-                    },
-                    copy_err,
-                )
-            }),
-        };
+        let mut list = None;
+        let issued = match self.method {
+            CopyMethod::Kernel => self.issue_kernel(&mut list),
+            CopyMethod::Batch if n > 1 => self.issue_batch(),
+            _ => self.issue_each(0..n),
+        }
+        .map_err(|e| match e {
+            GpuMemError::Driver { source, .. } => copy_err(source),
+            other => other,
+        });
         self.dsts.clear();
         self.srcs.clear();
         self.sizes.clear();
@@ -585,10 +660,89 @@ impl PeerCopies {
         self.fences.push_back(Fence {
             event,
             ticket,
+            list,
             sources: std::mem::take(&mut self.sources),
             targets: std::mem::take(&mut self.targets),
         });
         issued.map(|()| ticket)
+    }
+
+    /// Launches the copy kernel for the aligned queued copies, plain copies for the rest.
+    fn issue_kernel(&mut self, list: &mut Option<DescList>) -> Result<(), GpuMemError> {
+        self.aligned.clear();
+        let mut odd = Vec::new();
+        for i in 0..self.sizes.len() {
+            if (self.dsts[i] | self.srcs[i]) & 15 == 0 {
+                self.aligned
+                    .push((self.dsts[i], self.srcs[i], self.sizes[i] as u64));
+            } else {
+                odd.push(i);
+            }
+        }
+        if !self.aligned.is_empty()
+            && let Some(k) = self.kernel.as_mut()
+        {
+            // SAFETY: every range was bounds-checked in push against live memory that
+            // `sources`/`targets` keep alive until the event recorded after this launch
+            // completes (the list too, held by the fence); ends are 16-byte aligned
+            // (filtered above); the stream is this context's, which is current.
+            *list = Some(unsafe { k.launch(self.stream, &self.aligned)? });
+        }
+        for i in odd {
+            self.issue_each(i..i + 1)?;
+        }
+        Ok(())
+    }
+
+    fn issue_batch(&mut self) -> Result<(), GpuMemError> {
+        let Some(f) = self.batch else {
+            return self.issue_each(0..self.sizes.len());
+        };
+        let n = self.sizes.len();
+        let loc = sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_INVALID,
+            id: 0,
+        };
+        let mut attr = sys::CUmemcpyAttributes {
+            srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            srcLocHint: loc,
+            dstLocHint: loc,
+            flags: 0,
+        };
+        let mut attr_idx = 0usize;
+        let mut fail_idx = usize::MAX;
+        // SAFETY: the three arrays hold n entries each; every (src, dst, size) was
+        // bounds-checked in push against live memory that `sources`/`targets` keep alive
+        // until the event recorded after this call completes; the stream belongs to this
+        // context, which is current; one attribute applies from index 0.
+        let r = unsafe {
+            f(
+                self.dsts.as_mut_ptr(),
+                self.srcs.as_mut_ptr(),
+                self.sizes.as_mut_ptr(),
+                n,
+                &mut attr,
+                &mut attr_idx,
+                1,
+                &mut fail_idx,
+                self.stream,
+            )
+        };
+        check_call(r, "cuMemcpyBatchAsync")
+    }
+
+    fn issue_each(&mut self, range: std::ops::Range<usize>) -> Result<(), GpuMemError> {
+        for i in range {
+            check_call(
+                // SAFETY: as for the batch: the range was checked in push and its memory
+                // stays alive until the event recorded after this call completes.
+                unsafe {
+                    sys::cuMemcpyAsync(self.dsts[i], self.srcs[i], self.sizes[i], self.stream)
+                },
+                "cuMemcpyAsync",
+            )?;
+        }
+        Ok(())
     }
 
     /// The highest ticket whose copies have all finished (0 before any), without waiting.
@@ -626,8 +780,11 @@ impl PeerCopies {
     fn retire_front(&mut self) {
         if let Some(f) = self.fences.pop_front() {
             self.done = f.ticket;
-            // The copies are done: their memory may go now.
+            // The copies are done: their memory may go now, and their list be reused.
             drop((f.sources, f.targets));
+            if let (Some(l), Some(k)) = (f.list, self.kernel.as_mut()) {
+                k.recycle(l);
+            }
             self.spare.push(f.event);
         }
     }
@@ -680,6 +837,7 @@ pub fn plain_copy_gbps(
 ) -> Result<f64, GpuMemError> {
     let src = crate::DeviceBuffer::new(from, chunk)?;
     let dst = crate::DeviceBuffer::new(to, chunk)?;
+    enable_peer_access(from, to)?;
     from.bind()?;
     let stream = new_nonblocking_stream()?;
     let run = |n: u64| -> Result<std::time::Duration, GpuMemError> {

@@ -56,6 +56,7 @@
 mod buffer;
 mod device;
 mod error;
+mod gather;
 mod host;
 mod ipc;
 mod pinned;
@@ -67,7 +68,8 @@ pub use device::{Cuda, CudaDeviceInfo, Device, DriverVersion, devices, driver_pr
 pub use error::{CopyDirection, CudaError, GpuMemError};
 pub use host::HostMemory;
 pub use ipc::{
-    IPC_HANDLE_LEN, IpcExport, IpcHandle, IpcMapping, PeerCopies, can_access_peer, plain_copy_gbps,
+    CopyMethod, IPC_HANDLE_LEN, IpcExport, IpcHandle, IpcMapping, PeerCopies, can_access_peer,
+    enable_peer_access, plain_copy_gbps,
 };
 pub use pinned::PinnedHostBuffer;
 pub use stream::{CopyEvent, CopyStream};

@@ -593,29 +593,63 @@ fn ipc_export_opened_in_the_same_process_copies_in_bounds_only() {
     let mapping = gpu.open_ipc(&export.handle()).unwrap();
     assert!(mapping.is_local());
     assert!(mapping.len() >= 1 << 20);
+    let data = pattern(65536, 3);
     let src: Arc<dyn MemoryRegion> = Arc::new(gpu.alloc(65536).unwrap());
-    src.write_from_host(0, &[7u8; 65536]).unwrap();
-    let mut copies = gpu_mem::PeerCopies::new(&gpu).unwrap();
-    eprintln!("batched copies: {}", copies.batched());
-    for i in 0..16u64 {
-        copies
-            .push(&src, i * 4096, &mapping, export.offset() + i * 4096, 4096)
-            .unwrap();
-    }
-    let host: Arc<dyn MemoryRegion> = fabric_core::HostBuffer::new_shared(4096).unwrap();
-    host.write_from_host(0, &[9u8; 4096]).unwrap();
-    copies.push(&host, 0, &mapping, 0, 4096).unwrap();
-    assert!(
-        copies
-            .push(&src, 0, &mapping, mapping.len() - 10, 4096)
-            .is_err()
+    src.write_from_host(0, &data).unwrap();
+    eprintln!(
+        "default copy method: {:?}",
+        gpu_mem::PeerCopies::new(&gpu).unwrap().method()
     );
-    assert!(copies.push(&src, 65000, &mapping, 0, 4096).is_err());
-    let ticket = copies.submit().unwrap();
-    assert_eq!(copies.synchronize().unwrap(), ticket);
-    let mut back = vec![0u8; 4096 + 65536 + 4096];
-    dst.read_to_host(0, &mut back).unwrap();
-    assert_eq!(&back[..4096], &[9u8; 4096][..]);
-    assert_eq!(&back[4096..4096 + 65536], &[7u8; 65536][..]);
-    assert_eq!(&back[4096 + 65536..], &[0u8; 4096][..]);
+    for method in [
+        gpu_mem::CopyMethod::Kernel,
+        gpu_mem::CopyMethod::Batch,
+        gpu_mem::CopyMethod::Memcpy,
+    ] {
+        let mut copies = gpu_mem::PeerCopies::with_method(&gpu, method).unwrap();
+        dst.write_from_host(0, &vec![0u8; 1 << 20]).unwrap();
+        // Pages in reverse order (aligned: the kernel's path), one range at an odd offset
+        // with a ragged length (plain copies), and host memory.
+        for i in 0..16u64 {
+            let j = 15 - i;
+            copies
+                .push(&src, i * 4096, &mapping, export.offset() + j * 4096, 4096)
+                .unwrap();
+        }
+        copies.push(&src, 1, &mapping, 200_001, 1001).unwrap();
+        copies.push(&src, 32, &mapping, 300_000, 4000 + 7).unwrap();
+        let host: Arc<dyn MemoryRegion> = fabric_core::HostBuffer::new_shared(4096).unwrap();
+        host.write_from_host(0, &[9u8; 4096]).unwrap();
+        copies.push(&host, 0, &mapping, 0, 4096).unwrap();
+        assert!(
+            copies
+                .push(&src, 0, &mapping, mapping.len() - 10, 4096)
+                .is_err()
+        );
+        assert!(copies.push(&src, 65000, &mapping, 0, 4096).is_err());
+        let ticket = copies.submit().unwrap();
+        assert_eq!(copies.synchronize().unwrap(), ticket);
+        let mut back = vec![0u8; 1 << 20];
+        dst.read_to_host(0, &mut back).unwrap();
+        assert_eq!(&back[..4096], &[9u8; 4096][..], "{method:?}: host source");
+        for i in 0..16usize {
+            let j = 15 - i;
+            let at = 4096 + j * 4096;
+            assert!(
+                back[at..at + 4096] == data[i * 4096..(i + 1) * 4096],
+                "{method:?}: page {i}"
+            );
+        }
+        assert!(
+            back[200_001..201_002] == data[1..1002],
+            "{method:?}: odd range"
+        );
+        assert!(
+            back[300_000..304_007] == data[32..4039],
+            "{method:?}: ragged range"
+        );
+        assert!(
+            back[4096 + 65536..200_001].iter().all(|&b| b == 0),
+            "{method:?}: gap"
+        );
+    }
 }

@@ -181,6 +181,8 @@ struct Conn {
     role: Role,
     /// Reading stopped: a SEND waits for room in the unexpected queue.
     paused: bool,
+    /// When the last frame arrived (or the connection opened).
+    last_heard: Instant,
 }
 
 /// A locally registered region.
@@ -336,6 +338,11 @@ impl<L: Link> CudaIpcTransport<L> {
         self.link.batched()
     }
 
+    /// How the link copies (`kernel`, `batch`, `memcpy`, or `cpu` for the loopback link).
+    pub fn copy_method(&self) -> String {
+        self.link.copy_method()
+    }
+
     fn max_payload(&self) -> u64 {
         let per_batch = (self.cfg.max_batch * <Reserve as wire::Record>::LEN) as u64;
         self.cfg.max_msg_size.max(per_batch) + 4096
@@ -371,6 +378,7 @@ impl<L: Link> CudaIpcTransport<L> {
                             opened: Instant::now(),
                         },
                         paused: false,
+                        last_heard: Instant::now(),
                     });
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
@@ -461,7 +469,10 @@ impl<L: Link> CudaIpcTransport<L> {
                 return;
             }
             let frame = match c.io.next_frame() {
-                Ok(Some(f)) => f,
+                Ok(Some(f)) => {
+                    c.last_heard = Instant::now();
+                    f
+                }
                 Ok(None) => return,
                 Err(e) => return self.protocol_error(idx, e.to_string()),
             };
@@ -487,14 +498,18 @@ impl<L: Link> CudaIpcTransport<L> {
                         },
                     ..
                 }) if now.duration_since(*opened) > timeout => dead.push((i, "no HELLO")),
+                // Unanswered for the whole timeout, and nothing else heard from the peer
+                // meanwhile (a busy initiator that reads grants late is not a dead peer).
                 Some(Conn {
                     role: Role::Initiator(peer),
+                    last_heard,
                     ..
-                }) if self.peers.get(peer).is_some_and(|p| {
-                    p.reserving
-                        .values()
-                        .any(|(t, _)| now.duration_since(*t) > timeout)
-                }) =>
+                }) if now.duration_since(*last_heard) > timeout
+                    && self.peers.get(peer).is_some_and(|p| {
+                        p.reserving
+                            .values()
+                            .any(|(t, _)| now.duration_since(*t) > timeout)
+                    }) =>
                 {
                     dead.push((i, "no answer to a reservation"))
                 }
@@ -569,6 +584,7 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
             io,
             role: Role::Initiator(id),
             paused: false,
+            last_heard: Instant::now(),
         });
         self.peers.insert(
             id,

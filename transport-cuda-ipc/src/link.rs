@@ -64,6 +64,11 @@ pub trait Link: Send + 'static {
     fn batched(&self) -> bool {
         false
     }
+
+    /// How copies are made, for logs and `xfer info`.
+    fn copy_method(&self) -> String {
+        "cpu".into()
+    }
 }
 
 /// CUDA IPC: device memory exported with `cuIpcGetMemHandle`, copies on a stream of the
@@ -153,6 +158,13 @@ impl Link for CudaLink {
 
     fn batched(&self) -> bool {
         self.copies.batched()
+    }
+
+    fn copy_method(&self) -> String {
+        match self.copies.method_note() {
+            Some(n) => format!("{} ({n})", self.copies.method().name()),
+            None => self.copies.method().name().into(),
+        }
     }
 }
 

@@ -5,8 +5,8 @@
 
 mod common;
 
-use fabric_core::testing::{self, SuiteOptions};
 use fabric_core::Transport;
+use fabric_core::testing::{self, SuiteOptions};
 use transport_cuda_ipc::{CudaIpcConfig, CudaIpcTransport};
 
 fn make() -> CudaIpcTransport {

@@ -92,6 +92,8 @@ struct CudaReport {
 #[derive(Serialize)]
 struct CudaIpcReport {
     available: bool,
+    /// How its copies are made on device 0 (`kernel`, `batch` or `memcpy`).
+    copy_method: Option<String>,
     /// For each ordered pair of devices: whether copies go device to device directly (peer
     /// access over NVLink or PCIe) rather than staged by the driver.
     peer_access: Vec<PeerAccess>,
@@ -106,12 +108,20 @@ struct PeerAccess {
 
 fn cuda_ipc_report(c: &CudaReport) -> CudaIpcReport {
     let mut peer_access = Vec::new();
+    let mut copy_method = None;
     if let Ok(Some(cuda)) = gpu_mem::Cuda::probe() {
         let devs: Vec<_> = c
             .devices
             .iter()
             .filter_map(|d| cuda.device(d.ordinal).ok())
             .collect();
+        copy_method = devs.first().map(|d| match gpu_mem::PeerCopies::new(d) {
+            Ok(c) => match c.method_note() {
+                Some(n) => format!("{} ({n})", c.method().name()),
+                None => c.method().name().to_string(),
+            },
+            Err(e) => format!("unavailable: {e}"),
+        });
         for a in &devs {
             for b in &devs {
                 if a.ordinal() != b.ordinal() {
@@ -126,6 +136,7 @@ fn cuda_ipc_report(c: &CudaReport) -> CudaIpcReport {
     }
     CudaIpcReport {
         available: !c.devices.is_empty(),
+        copy_method,
         peer_access,
     }
 }
@@ -134,8 +145,10 @@ fn cuda_ipc_lines(r: &CudaIpcReport) -> Vec<String> {
     if !r.available {
         return vec!["cuda-ipc: unavailable (no CUDA device); auto uses tcp".into()];
     }
-    let mut lines =
-        vec!["cuda-ipc: available; auto picks it between GPU memory of this host".into()];
+    let mut lines = vec![format!(
+        "cuda-ipc: available; auto picks it between GPU memory of this host; copies: {}",
+        r.copy_method.as_deref().unwrap_or("?")
+    )];
     for p in &r.peer_access {
         lines.push(format!(
             "  cuda:{} -> cuda:{}: {}",

@@ -1,0 +1,212 @@
+//! A copy kernel for many small ranges at once: one launch moves a whole batch of pages,
+//! where the copy engines would pay a fixed cost per page (a few microseconds each, which
+//! caps 64 KiB pages far below NVLink speed).
+//!
+//! The kernel (`gather.ptx`, hand-written PTX, JIT-compiled by the driver for the device)
+//! reads its list of `(dst, src, len)` from pinned host memory mapped into the device's
+//! address space; each list stays untouched until an event recorded after the launch says
+//! the kernel is done.
+
+use crate::device::Device;
+use crate::error::{GpuMemError, check_call};
+use cudarc::driver::sys;
+use std::ffi::c_void;
+use std::ptr::NonNull;
+
+/// The kernel's PTX, NUL-terminated for `cuModuleLoadData`.
+static PTX: &str = concat!(include_str!("gather.ptx"), "\0");
+
+/// Threads per block: 16 bytes each per step, so 4 KiB per block per step.
+const THREADS: u32 = 256;
+/// Most blocks per launch (about 8 resident blocks of 256 threads on each of an H100's or
+/// H200's 132 SMs); blocks take ranges in turn beyond that.
+const MAX_BLOCKS: u32 = 1056;
+/// Ranges a descriptor list holds at least.
+const MIN_ENTRIES: usize = 1024;
+
+/// One list of `(dst, src, len)` in pinned, device-mapped host memory.
+pub(crate) struct DescList {
+    device: Device,
+    host: NonNull<u64>,
+    dev: sys::CUdeviceptr,
+    entries: usize,
+}
+
+// SAFETY: the pointer is to pinned memory owned by this value alone (written only through
+// `&mut self`); the driver calls in Drop bind the context first.
+unsafe impl Send for DescList {}
+// SAFETY: `&DescList` gives no access to the memory.
+unsafe impl Sync for DescList {}
+
+impl DescList {
+    fn new(device: &Device, entries: usize) -> Result<DescList, GpuMemError> {
+        device.bind()?;
+        let bytes = entries * 24;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        check_call(
+            // SAFETY: p is a valid out-pointer; the context is current.
+            unsafe {
+                sys::cuMemHostAlloc(
+                    &mut p,
+                    bytes,
+                    sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
+                )
+            },
+            "cuMemHostAlloc (copy list)",
+        )?;
+        let Some(host) = NonNull::new(p.cast::<u64>()) else {
+            return Err(GpuMemError::HostAlloc {
+                len: bytes as u64,
+                source: crate::error::CudaError::out_of_memory(),
+            });
+        };
+        let mut dev: sys::CUdeviceptr = 0;
+        // SAFETY: dev is a valid out-pointer; p is mapped pinned memory of this context.
+        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, p, 0) };
+        let list = DescList {
+            device: device.clone(),
+            host,
+            dev,
+            entries,
+        };
+        check_call(r, "cuMemHostGetDevicePointer")?;
+        Ok(list)
+    }
+}
+
+impl Drop for DescList {
+    fn drop(&mut self) {
+        if self.device.bind().is_ok() {
+            // SAFETY: allocated by cuMemHostAlloc and freed once; owners drop lists only
+            // after the kernels that read them have completed (or the stream was
+            // synchronised).
+            unsafe { sys::cuMemFreeHost(self.host.as_ptr().cast()) };
+        }
+    }
+}
+
+/// The loaded kernel of one device, and spare descriptor lists.
+pub(crate) struct GatherKernel {
+    device: Device,
+    module: sys::CUmodule,
+    func: sys::CUfunction,
+    spare: Vec<DescList>,
+}
+
+// SAFETY: module and function are opaque driver handles of the device's context, used only
+// after binding it; the driver API is thread-safe. `&GatherKernel` exposes nothing.
+unsafe impl Send for GatherKernel {}
+// SAFETY: as above.
+unsafe impl Sync for GatherKernel {}
+
+impl GatherKernel {
+    /// JIT-compiles and loads the kernel on `device`.
+    pub(crate) fn load(device: &Device) -> Result<GatherKernel, GpuMemError> {
+        device.bind()?;
+        let mut module: sys::CUmodule = std::ptr::null_mut();
+        check_call(
+            // SAFETY: module is a valid out-pointer; PTX is NUL-terminated text; the context
+            // is current.
+            unsafe { sys::cuModuleLoadData(&mut module, PTX.as_ptr().cast()) },
+            "cuModuleLoadData (copy kernel)",
+        )?;
+        let mut func: sys::CUfunction = std::ptr::null_mut();
+        // SAFETY: func is a valid out-pointer, module is loaded, the name is NUL-terminated.
+        let r = unsafe { sys::cuModuleGetFunction(&mut func, module, c"xfer_gather".as_ptr()) };
+        if let Err(e) = check_call(r, "cuModuleGetFunction") {
+            // SAFETY: loaded just above, unloaded once.
+            unsafe { sys::cuModuleUnload(module) };
+            return Err(e);
+        }
+        Ok(GatherKernel {
+            device: device.clone(),
+            module,
+            func,
+            spare: Vec::new(),
+        })
+    }
+
+    /// Launches the copies `(dst, src, len)` on `stream` and returns their list, which the
+    /// caller keeps until an event recorded after this launch completes (then hands it back
+    /// with [`recycle`](Self::recycle)).
+    ///
+    /// # Safety
+    /// Every range must lie in live device memory (or peer memory mapped into this context)
+    /// that stays valid until the launch completes; `dst` and `src` must be 16-byte
+    /// aligned; `stream` must belong to this device's context, which must be current.
+    pub(crate) unsafe fn launch(
+        &mut self,
+        stream: sys::CUstream,
+        copies: &[(u64, u64, u64)],
+    ) -> Result<DescList, GpuMemError> {
+        let n = copies.len();
+        let pos = self.spare.iter().position(|l| l.entries >= n);
+        let list = match pos {
+            Some(i) => self.spare.swap_remove(i),
+            None => DescList::new(&self.device, n.max(MIN_ENTRIES))?,
+        };
+        for (i, &(d, s, l)) in copies.iter().enumerate() {
+            // SAFETY: i < n <= list.entries, so the three words lie inside the list, which
+            // no kernel reads any more (it was recycled after its event, or is new).
+            unsafe {
+                let p = list.host.as_ptr().add(3 * i);
+                p.write(d);
+                p.add(1).write(s);
+                p.add(2).write(l);
+            }
+        }
+        let mut descs = list.dev;
+        let mut count = n as u32;
+        let mut params = [
+            (&mut descs as *mut sys::CUdeviceptr).cast::<c_void>(),
+            (&mut count as *mut u32).cast::<c_void>(),
+        ];
+        let blocks = (n as u32).clamp(1, MAX_BLOCKS);
+        let r = check_call(
+            // SAFETY: the function takes (u64, u32), matching params; the caller upholds
+            // the ranges' validity and alignment and the stream's context; the list stays
+            // alive until the caller recycles it after the launch's event.
+            unsafe {
+                sys::cuLaunchKernel(
+                    self.func,
+                    blocks,
+                    1,
+                    1,
+                    THREADS,
+                    1,
+                    1,
+                    0,
+                    stream,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            },
+            "cuLaunchKernel (copy kernel)",
+        );
+        match r {
+            Ok(()) => Ok(list),
+            Err(e) => {
+                self.spare.push(list);
+                Err(e)
+            }
+        }
+    }
+
+    /// Takes back a list whose launch has completed.
+    pub(crate) fn recycle(&mut self, list: DescList) {
+        if self.spare.len() < 64 {
+            self.spare.push(list);
+        }
+    }
+}
+
+impl Drop for GatherKernel {
+    fn drop(&mut self) {
+        self.spare.clear();
+        if self.device.bind().is_ok() {
+            // SAFETY: loaded in `load`, unloaded once; owners synchronise their streams
+            // before dropping the kernel.
+            unsafe { sys::cuModuleUnload(self.module) };
+        }
+    }
+}
