@@ -45,6 +45,32 @@ pub fn poll_fds(fds: &mut [libc::pollfd], timeout_ms: i32) -> std::io::Result<us
     Ok(r as usize)
 }
 
+/// Waits for readiness on `fds` for at most `timeout` (ppoll(2): microsecond resolution).
+pub fn ppoll_fds(fds: &mut [libc::pollfd], timeout: std::time::Duration) -> std::io::Result<usize> {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: fds is a valid, exclusively borrowed array of pollfd of the given length; ts
+    // is a valid timespec; a null signal mask leaves the mask unchanged.
+    let r = unsafe {
+        libc::ppoll(
+            fds.as_mut_ptr(),
+            fds.len() as libc::nfds_t,
+            &ts,
+            std::ptr::null(),
+        )
+    };
+    if r < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.kind() == std::io::ErrorKind::Interrupted {
+            return Ok(0);
+        }
+        return Err(e);
+    }
+    Ok(r as usize)
+}
+
 /// Whether the peer of `fd` has closed its side (or the connection failed), without reading.
 pub fn peer_hung_up(fd: std::os::fd::RawFd) -> bool {
     let mut p = [libc::pollfd {

@@ -675,12 +675,18 @@ impl Transport for TcpTransport {
     }
 
     fn wait(&mut self, timeout: Duration) -> Result<()> {
-        // Copies in flight complete without a socket event: keep polling.
-        if !self.shared.completions.is_empty()
-            || self.conns.iter().flatten().any(Conn::copies_pending)
-        {
+        if !self.shared.completions.is_empty() {
             return Ok(());
         }
+        // Copies in flight complete without a socket event: poll again soon. Spinning on
+        // the driver's event queries from every rail's thread contends on the context's
+        // locks, so nap up to `copy_nap` on the sockets instead (0: spin).
+        let copying = self.conns.iter().flatten().any(Conn::copies_pending);
+        let nap = copy_nap();
+        if copying && nap.is_zero() {
+            return Ok(());
+        }
+
         self.pollfds.clear();
         self.pollfds.push(libc::pollfd {
             fd: self.listener.as_raw_fd(),
@@ -703,6 +709,10 @@ impl Transport for TcpTransport {
                 revents: 0,
             });
         }
+        if copying {
+            io::ppoll_fds(&mut self.pollfds, nap.min(timeout)).map_err(|e| Error::io("poll", e))?;
+            return Ok(());
+        }
         let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
         io::poll_fds(
             &mut self.pollfds,
@@ -711,6 +721,20 @@ impl Transport for TcpTransport {
         .map_err(|e| Error::io("poll", e))?;
         Ok(())
     }
+}
+
+/// How long `wait` naps while device copies are in flight: `XFER_TCP_COPY_NAP_US`
+/// microseconds, default 0 (poll again at once).
+fn copy_nap() -> Duration {
+    static NAP: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *NAP.get_or_init(|| {
+        Duration::from_micros(
+            std::env::var("XFER_TCP_COPY_NAP_US")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
+        )
+    })
 }
 
 impl std::fmt::Debug for TcpTransport {
