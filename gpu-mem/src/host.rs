@@ -56,6 +56,14 @@ impl HostMemory {
         }
         Ok(HostMemory { ptr, len })
     }
+
+    /// The bytes, for an owner that holds the memory alone (`&mut`: not shared with a
+    /// transport, which would hold it through an `Arc`).
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: the mapping holds len bytes, lives as long as self, and `&mut self` rules
+        // out any other access for the slice's lifetime.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
 }
 
 impl Drop for HostMemory {

@@ -359,6 +359,12 @@ impl Device {
     }
 }
 
+/// How many peers' allocations this process has open through `cuIpcOpenMemHandle` (all
+/// devices): a check that mappings are closed when their users go.
+pub fn open_ipc_mappings() -> usize {
+    lock(opened()).len()
+}
+
 /// `cuMemcpyBatchAsync` as CUDA 12.8 declares it.
 type BatchFn = unsafe extern "C" fn(
     *mut sys::CUdeviceptr,

@@ -69,7 +69,7 @@ pub use error::{CopyDirection, CudaError, GpuMemError};
 pub use host::HostMemory;
 pub use ipc::{
     CopyMethod, IPC_HANDLE_LEN, IpcExport, IpcHandle, IpcMapping, PeerCopies, can_access_peer,
-    enable_peer_access, plain_copy_gbps,
+    enable_peer_access, open_ipc_mappings, plain_copy_gbps,
 };
 pub use pinned::PinnedHostBuffer;
 pub use stream::{CopyEvent, CopyStream};

@@ -146,6 +146,7 @@ fn writes_across_processes_then_the_target_exits() {
         .unwrap();
     let s = t.register(src, Access::NONE).unwrap();
     let peer = t.add_peer(&addr).unwrap();
+    assert_eq!(gpu_mem::open_ipc_mappings(), 0);
     let write = |t: &mut CudaIpcTransport, i: u64, imm| {
         t.post_write(
             peer,
@@ -182,6 +183,11 @@ fn writes_across_processes_then_the_target_exits() {
             .all(|c| c.op == OpKind::Write && c.result == Ok(PAGE)),
         "{done:?}"
     );
+    assert_eq!(
+        gpu_mem::open_ipc_mappings(),
+        1,
+        "the peer's region is mapped once"
+    );
     let verdict = lines.next().expect("child verdict").unwrap();
     assert!(
         verdict.ends_with("VERIFIED"),
@@ -214,4 +220,12 @@ fn writes_across_processes_then_the_target_exits() {
         }
     }
     eprintln!("after the target exited: {}", failed.unwrap());
+    // The mapping of the exited peer's memory is closed once the peer is removed.
+    assert_eq!(
+        gpu_mem::open_ipc_mappings(),
+        0,
+        "a closed connection keeps no mapping"
+    );
+    t.remove_peer(peer).unwrap();
+    assert_eq!(gpu_mem::open_ipc_mappings(), 0);
 }
