@@ -9,6 +9,7 @@
 mod backend;
 mod baseline;
 mod control;
+mod demo;
 mod info;
 mod pattern;
 mod placement;
@@ -132,7 +133,7 @@ struct BenchArgs {
 }
 
 #[derive(Args)]
-struct DemoArgs {
+pub(crate) struct DemoArgs {
     #[command(flatten)]
     knobs: Knobs,
     #[command(flatten)]
@@ -140,11 +141,16 @@ struct DemoArgs {
     /// Also run plain TCP streams (as many as rails) with the same bytes, and report the ratio.
     #[arg(long)]
     baseline: bool,
+    /// One worker per entry of --gpus, all at once: each with its own rails (pinned to
+    /// cores of its GPU's NUMA node, from the placement plan) and its own source and target
+    /// regions on its GPU (host memory: on the GPU's node).
+    #[arg(long)]
+    per_gpu: bool,
 }
 
 /// The baseline of a demo: plain TCP streams (as many as rails), or for cuda-ipc plain
 /// device-to-device copies of the same bytes between the same GPUs.
-fn baseline_for(b: &BackendArgs, bytes: u64, k: &Knobs) -> Result<f64, String> {
+pub(crate) fn baseline_for(b: &BackendArgs, bytes: u64, k: &Knobs) -> Result<f64, String> {
     match b.transport {
         TransportKind::CudaIpc => {
             let cuda = b.cuda().map_err(|e| e.to_string())?;
@@ -162,7 +168,11 @@ fn baseline_for(b: &BackendArgs, bytes: u64, k: &Knobs) -> Result<f64, String> {
 }
 
 /// The cache-hot TCP baseline (1 MiB buffers per stream), beside the region-sized one.
-fn hot_baseline_for(b: &BackendArgs, bytes: u64, k: &Knobs) -> Result<Option<f64>, String> {
+pub(crate) fn hot_baseline_for(
+    b: &BackendArgs,
+    bytes: u64,
+    k: &Knobs,
+) -> Result<Option<f64>, String> {
     match b.transport {
         TransportKind::CudaIpc => Ok(None),
         _ => baseline::run(bytes, k.rails, 1 << 20)
@@ -173,7 +183,7 @@ fn hot_baseline_for(b: &BackendArgs, bytes: u64, k: &Knobs) -> Result<Option<f64
 
 /// The JSON summary of a run.
 #[derive(Serialize)]
-struct Summary {
+pub(crate) struct Summary {
     transport: &'static str,
     /// Why that transport (`as asked`, or what `auto` saw).
     path: &'static str,
@@ -197,7 +207,7 @@ struct Summary {
 }
 
 impl Summary {
-    fn of(
+    pub(crate) fn of(
         b: &BackendArgs,
         asked: TransportKind,
         k: &Knobs,
@@ -232,7 +242,7 @@ impl Summary {
 
 /// Why the command failed; each is one line on stderr.
 #[derive(Debug, thiserror::Error)]
-enum CliError {
+pub(crate) enum CliError {
     #[error("{0}")]
     Usage(String),
     #[error("{0}")]
@@ -285,7 +295,7 @@ pub(crate) fn address_from_text(s: &str) -> Result<Vec<u8>, String> {
     }
 }
 
-fn workload_of(k: &Knobs) -> Result<Workload, CliError> {
+pub(crate) fn workload_of(k: &Knobs) -> Result<Workload, CliError> {
     let w = Workload {
         page_size: k.page_size,
         pages: k.pages,
@@ -307,7 +317,7 @@ fn workload_of(k: &Knobs) -> Result<Workload, CliError> {
     Ok(w)
 }
 
-fn print_summary(s: &Summary, json: bool) {
+pub(crate) fn print_summary(s: &Summary, json: bool) {
     if json {
         println!("{}", serde_json::to_string(s).expect("summary serialises"));
         return;
@@ -333,77 +343,9 @@ fn print_summary(s: &Summary, json: bool) {
     }
 }
 
-fn demo(a: DemoArgs) -> Result<(), CliError> {
-    let k = &a.knobs;
-    let w = workload_of(k)?;
-    // Both endpoints are this process: same host, same kind of memory.
-    let b = a.backend.resolved(true, true);
-    let pins = WorkerPins::for_this_machine(k.pin);
-    let lo = IpAddr::V4(Ipv4Addr::LOCALHOST);
-    let src_group = b.spawn_group(
-        lo,
-        k.rails,
-        "xfer-initiator",
-        pins.rail_pins(pins.initiator, k.rails, 0),
-        0,
-    )?;
-    let dst_group = b.spawn_group(
-        lo,
-        k.rails,
-        "xfer-target",
-        pins.rail_pins(pins.target, k.rails, k.rails),
-        1,
-    )?;
-    // Both regions are first touched by this thread: put them on the workers' node.
-    if let Some(p) = pins.initiator {
-        p.prefer_memory_here("main");
-    }
-    let src = b.alloc(k.region_size, 0)?;
-    workload::fill_pattern(&*src, k.seed)?;
-    let dst = b.alloc(k.region_size, 1)?;
-    let s = src_group.register(src, Access::NONE)?;
-    let d = dst_group.register(dst.clone(), Access::REMOTE_WRITE)?;
-    let peer = src_group.add_peer(&dst_group.addresses())?;
-    warm_up(&src_group, &s, &peer, &d.remote, k)?;
-    let mut progress = progress::Progress::new(k.json);
-    let report = workload::run(&src_group, &s, &peer, &d.remote, &w, &mut progress)?;
-    let verified = if k.no_verify {
-        false
-    } else {
-        let pages = report.written_pages();
-        let (bad, first) = workload::verify_pages(&*dst, k.page_size, k.seed, &pages)?;
-        if bad > 0 {
-            return Err(CliError::Mismatch(format!(
-                "{bad} of {} pages differ (first: page {})",
-                pages.len(),
-                first.unwrap_or(0)
-            )));
-        }
-        true
-    };
-    drop(src_group);
-    drop(dst_group);
-    let baseline_gbps = if a.baseline {
-        Some(
-            baseline_for(&b, report.bytes, k)
-                .map_err(|e| CliError::Failed(format!("baseline: {e}")))?,
-        )
-    } else {
-        None
-    };
-    let mut summary = Summary::of(&b, a.backend.transport, k, &report, verified, baseline_gbps);
-    if a.baseline {
-        summary.baseline_hot_gbps = hot_baseline_for(&b, report.bytes, k)
-            .map_err(|e| CliError::Failed(format!("baseline: {e}")))?;
-        summary.ratio_hot = summary.baseline_hot_gbps.map(|h| summary.gbps / h);
-    }
-    print_summary(&summary, k.json);
-    Ok(())
-}
-
 /// Connects and exercises every rail before the timed work (zero-length writes; `--no-warmup`
 /// skips it, so the first transfers also pay for connection set-up).
-fn warm_up(
+pub(crate) fn warm_up(
     g: &RailGroup,
     src: &GroupRegistration,
     peer: &GroupPeer,
@@ -584,7 +526,7 @@ fn main() -> ExitCode {
     let r = match cli.cmd {
         Cmd::Serve(a) => serve(a),
         Cmd::Bench(a) => bench(a),
-        Cmd::Demo(a) => demo(a),
+        Cmd::Demo(a) => demo::run(a),
         Cmd::Topo(a) => topo::run(a),
         Cmd::Info { json } => info::run(json),
     };

@@ -14,7 +14,7 @@
 //! (a no-op on single-node machines, where there is nothing to steer).
 
 use clap::ValueEnum;
-use topology::{PlacementPlan, Topology};
+use topology::{GpuIndex, PlacementPlan, Topology};
 
 /// The `--pin` flag.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
@@ -210,6 +210,104 @@ impl WorkerPins {
     }
 }
 
+/// The topology's GPU for CUDA device `ordinal`: matched by PCI address where CUDA can
+/// tell it, else the topology's GPU at that position (host-memory runs without CUDA).
+pub fn topology_gpu(t: &Topology, ordinal: u32) -> Option<GpuIndex> {
+    let by_pci = gpu_mem::devices().ok().and_then(|devs| {
+        let d = devs.into_iter().find(|d| d.ordinal == ordinal)?;
+        let pci = d.pci_bus_id.parse::<topology::PciAddress>().ok()?;
+        t.gpu_by_pci(&pci).map(|g| g.index)
+    });
+    by_pci.or_else(|| t.gpus.get(ordinal as usize).map(|g| g.index))
+}
+
+/// Pins of one worker per GPU (`--per-gpu`): its initiator rails and its target rails.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GpuWorkerPins {
+    /// The core whose NUMA node the worker's memory should come from (its first rail's).
+    pub home: Option<CorePin>,
+    /// One pin per initiator rail.
+    pub initiator: Vec<Option<CorePin>>,
+    /// One pin per target rail (demo).
+    pub target: Vec<Option<CorePin>>,
+}
+
+/// Pins for one worker per entry of `gpus` (topology GPU indices; `None` for a GPU the
+/// topology does not show), each with `rails` initiator and `rails` target rails.
+///
+/// Each worker's first rail takes the plan's core for its GPU; its other rails take distinct
+/// cores of the GPU's NUMA node that no other worker's plan core is (CPU 0 last); a worker
+/// whose node has fewer than `2 * rails` cores left runs unpinned,
+/// and so does everything on a machine of fewer than [`MIN_CORES_TO_PIN_TARGET`] cores.
+pub fn per_gpu_pins(
+    t: &Topology,
+    plan: &PlacementPlan,
+    gpus: &[Option<GpuIndex>],
+    rails: usize,
+) -> Vec<GpuWorkerPins> {
+    let cores_total: usize = t.numa_nodes.iter().map(|n| n.cores.len()).sum();
+    let prefer_memory = t.numa_nodes.len() > 1;
+    // Each worker's own plan core is its first rail's; the other rails take free cores.
+    let homes: Vec<u32> = gpus
+        .iter()
+        .filter_map(|g| g.and_then(|g| plan.worker_for_gpu(g)).map(|w| w.core))
+        .collect();
+    let mut taken: Vec<u32> = Vec::new();
+    gpus.iter()
+        .map(|g| {
+            let unpinned = GpuWorkerPins {
+                home: None,
+                initiator: vec![None; rails],
+                target: vec![None; rails],
+            };
+            if cores_total < MIN_CORES_TO_PIN_TARGET {
+                return unpinned;
+            }
+            let Some(w) = g.and_then(|g| plan.worker_for_gpu(g)) else {
+                return unpinned;
+            };
+            let node: Vec<u32> = t
+                .numa_node(w.numa_node)
+                .map(|n| n.cores.clone())
+                .unwrap_or_default();
+            // The node's cores from the worker's own on, wrapping, CPU 0 last.
+            let mut order = vec![w.core];
+            while let Some(c) =
+                next_core(&node, *order.last().expect("non-empty")).filter(|c| !order.contains(c))
+            {
+                order.push(c);
+            }
+            if taken.contains(&w.core) {
+                return unpinned;
+            }
+            let free: Vec<u32> = std::iter::once(w.core)
+                .chain(
+                    order
+                        .into_iter()
+                        .filter(|c| !taken.contains(c) && !homes.contains(c)),
+                )
+                .collect();
+            if free.len() < 2 * rails {
+                return unpinned;
+            }
+            let pin = |core| {
+                Some(CorePin {
+                    core,
+                    numa_node: w.numa_node,
+                    prefer_memory,
+                })
+            };
+            let mine = &free[..2 * rails];
+            taken.extend_from_slice(mine);
+            GpuWorkerPins {
+                home: pin(mine[0]),
+                initiator: mine[..rails].iter().map(|&c| pin(c)).collect(),
+                target: mine[rails..].iter().map(|&c| pin(c)).collect(),
+            }
+        })
+        .collect()
+}
+
 /// The first core of `cores` after `taken` in ascending order, wrapping around, with CPU 0
 /// tried last; `None` when `cores` has no core but `taken`.
 fn next_core(cores: &[u32], taken: u32) -> Option<u32> {
@@ -339,5 +437,59 @@ mod tests {
         };
         assert_eq!(small.rail_pins(small.initiator, 2, 0), vec![None, None]);
         assert_eq!(pins.rail_pins(pins.initiator, 1, 0), vec![pins.initiator]);
+    }
+
+    #[test]
+    fn per_gpu_workers_on_p5_get_distinct_cores_of_their_gpus_nodes() {
+        let t = fixture("p5.48xlarge.xml");
+        let plan = t.plan();
+        let gpus: Vec<Option<GpuIndex>> = t.gpus.iter().map(|g| Some(g.index)).collect();
+        assert_eq!(gpus.len(), 8);
+        let pins = per_gpu_pins(&t, &plan, &gpus, 4);
+        let mut seen = std::collections::HashSet::new();
+        for (g, p) in t.gpus.iter().zip(&pins) {
+            let node = g.numa_node.expect("p5 GPUs have a node");
+            assert_eq!(p.initiator.len(), 4);
+            assert_eq!(p.target.len(), 4);
+            for pin in p.initiator.iter().chain(&p.target) {
+                let pin = pin.expect("p5 has cores for 8 workers of 4+4 rails");
+                assert_eq!(pin.numa_node, node, "GPU {}", g.index);
+                let cores = &t.numa_node(node).unwrap().cores;
+                assert!(
+                    cores.contains(&pin.core),
+                    "core {} not on node {node}",
+                    pin.core
+                );
+                assert!(seen.insert(pin.core), "core {} given twice", pin.core);
+            }
+            assert_eq!(
+                p.home.unwrap().core,
+                plan.worker_for_gpu(g.index).unwrap().core,
+                "the worker's first rail sits on the plan's core"
+            );
+        }
+    }
+
+    #[test]
+    fn per_gpu_workers_run_unpinned_when_cores_run_out_or_the_gpu_is_unknown() {
+        let t = fixture("p5.48xlarge.xml");
+        let plan = t.plan();
+        let gpus: Vec<Option<GpuIndex>> = t.gpus.iter().map(|g| Some(g.index)).collect();
+        // 8 workers of 16 + 16 rails need 256 cores: the later ones find none left.
+        let pins = per_gpu_pins(&t, &plan, &gpus, 16);
+        assert!(pins[0].initiator.iter().all(Option::is_some));
+        assert!(pins.last().unwrap().initiator.iter().all(Option::is_none));
+        let pins = per_gpu_pins(&t, &plan, &[None], 2);
+        assert_eq!(
+            pins[0],
+            GpuWorkerPins {
+                home: None,
+                initiator: vec![None; 2],
+                target: vec![None; 2],
+            }
+        );
+        let laptop = fixture("laptop.xml");
+        let pins = per_gpu_pins(&laptop, &laptop.plan(), &[None, None], 1);
+        assert_eq!(pins.len(), 2);
     }
 }

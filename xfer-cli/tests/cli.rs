@@ -483,3 +483,27 @@ fn cuda_ipc_with_host_memory_is_a_usage_error_and_auto_on_host_memory_is_tcp() {
     assert_eq!(v["transport"], "tcp");
     assert_eq!(v["path"], "auto: not GPU memory on one host");
 }
+
+#[test]
+fn per_gpu_runs_one_verified_worker_per_listed_gpu_at_once() {
+    let out = small_demo(&["--per-gpu", "--gpus", "0,1,2", "--rails", "2"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    let workers = v["workers"].as_array().unwrap();
+    assert_eq!(workers.len(), 3, "{v}");
+    for (w, gpu) in workers.iter().zip([0, 1, 2]) {
+        assert_eq!(w["gpu"], gpu);
+        assert_eq!(w["verified"], true, "{w}");
+        assert_eq!(w["cores"].as_array().unwrap().len(), 2);
+    }
+    let total: u64 = workers.iter().map(|w| w["bytes"].as_u64().unwrap()).sum();
+    assert_eq!(v["bytes"].as_u64().unwrap(), total);
+    let out = small_demo(&["--per-gpu", "--gpus", "1,1"]);
+    let line = assert_fails_with_one_line(&out, 2);
+    assert!(line.contains("listed twice"), "{line}");
+}

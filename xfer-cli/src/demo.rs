@@ -1,0 +1,291 @@
+//! `xfer demo`: a loopback transfer inside this process, with one worker (the default) or
+//! one worker per GPU (`--per-gpu`).
+
+use crate::backend::BackendArgs;
+use crate::placement::{self, CorePin, GpuWorkerPins, PinMode, WorkerPins};
+use crate::workload::{self, RunReport, Workload};
+use crate::{
+    CliError, DemoArgs, Knobs, Summary, baseline_for, hot_baseline_for, print_summary, progress,
+    warm_up, workload_of,
+};
+use fabric_core::engine::{GroupPeer, GroupRegistration, RailGroup};
+use fabric_core::{Access, MemoryRegion};
+use serde::Serialize;
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::{Arc, Barrier};
+
+/// Runs `xfer demo`.
+pub fn run(a: DemoArgs) -> Result<(), CliError> {
+    let k = &a.knobs;
+    let w = workload_of(k)?;
+    // Both endpoints are this process: same host, same kind of memory.
+    let b = a.backend.resolved(true, true);
+    if a.per_gpu {
+        return per_gpu(&a, &b, &w);
+    }
+    let pins = WorkerPins::for_this_machine(k.pin);
+    let worker = WorkerRails {
+        initiator: pins.rail_pins(pins.initiator, k.rails, 0),
+        target: pins.rail_pins(pins.target, k.rails, k.rails),
+        home: pins.initiator,
+    };
+    let (report, verified) = one_worker(&b, k, &w, worker, (0, 1), !k.json, None)?;
+    let baseline_gbps = if a.baseline {
+        Some(
+            baseline_for(&b, report.bytes, k)
+                .map_err(|e| CliError::Failed(format!("baseline: {e}")))?,
+        )
+    } else {
+        None
+    };
+    let mut summary = Summary::of(&b, a.backend.transport, k, &report, verified, baseline_gbps);
+    if a.baseline {
+        summary.baseline_hot_gbps = hot_baseline_for(&b, report.bytes, k)
+            .map_err(|e| CliError::Failed(format!("baseline: {e}")))?;
+        summary.ratio_hot = summary.baseline_hot_gbps.map(|h| summary.gbps / h);
+    }
+    print_summary(&summary, k.json);
+    Ok(())
+}
+
+/// The cores of one worker's rails.
+struct WorkerRails {
+    initiator: Vec<Option<CorePin>>,
+    target: Vec<Option<CorePin>>,
+    /// Where its regions' memory should come from.
+    home: Option<CorePin>,
+}
+
+/// One worker: an initiator group and a target group on loopback; the source region on the
+/// GPU at position `slots.0` of --gpus, the target region at `slots.1`. Returns the run and
+/// whether the target's bytes were checked.
+fn one_worker(
+    b: &BackendArgs,
+    k: &Knobs,
+    w: &Workload,
+    rails: WorkerRails,
+    slots: (usize, usize),
+    show_progress: bool,
+    start: Option<&Barrier>,
+) -> Result<(RunReport, bool), CliError> {
+    // Workers of a --per-gpu run start their timed work together (a worker whose set-up
+    // failed still passes the barrier, then reports its error).
+    let set_up = set_up_worker(b, k, rails, slots);
+    if let Some(barrier) = start {
+        barrier.wait();
+    }
+    // The target group stays alive (its engines place the bytes) until the end.
+    let (src_group, _target_group, s, d, peer, dst) = set_up?;
+    let mut progress = progress::Progress::new(!show_progress);
+    let report = workload::run(&src_group, &s, &peer, &d.remote, w, &mut progress)?;
+    let verified = if k.no_verify {
+        false
+    } else {
+        let pages = report.written_pages();
+        let (bad, first) = workload::verify_pages(&*dst, k.page_size, k.seed, &pages)?;
+        if bad > 0 {
+            return Err(CliError::Mismatch(format!(
+                "{bad} of {} pages differ (first: page {})",
+                pages.len(),
+                first.unwrap_or(0)
+            )));
+        }
+        true
+    };
+    Ok((report, verified))
+}
+
+/// What a worker holds once set up: its groups, registrations, peer and target region.
+type WorkerSetUp = (
+    RailGroup,
+    RailGroup,
+    GroupRegistration,
+    GroupRegistration,
+    GroupPeer,
+    Arc<dyn MemoryRegion>,
+);
+
+fn set_up_worker(
+    b: &BackendArgs,
+    k: &Knobs,
+    rails: WorkerRails,
+    slots: (usize, usize),
+) -> Result<WorkerSetUp, CliError> {
+    let lo = IpAddr::V4(Ipv4Addr::LOCALHOST);
+    let name = |role: &str| format!("xfer-{role}-{}", slots.0);
+    let src_group = b.spawn_group(lo, k.rails, &name("initiator"), rails.initiator, slots.0)?;
+    let dst_group = b.spawn_group(lo, k.rails, &name("target"), rails.target, slots.1)?;
+    // Both regions are first touched by this thread: put them on the workers' node.
+    if let Some(p) = rails.home {
+        p.prefer_memory_here(&name("main"));
+    }
+    let src = b.alloc(k.region_size, slots.0)?;
+    workload::fill_pattern(&*src, k.seed)?;
+    let dst = b.alloc(k.region_size, slots.1)?;
+    let s = src_group.register(src, Access::NONE)?;
+    let d = dst_group.register(dst.clone(), Access::REMOTE_WRITE)?;
+    let peer = src_group.add_peer(&dst_group.addresses())?;
+    warm_up(&src_group, &s, &peer, &d.remote, k)?;
+    Ok((src_group, dst_group, s, d, peer, dst))
+}
+
+/// One worker's line of a `--per-gpu` summary.
+#[derive(Serialize)]
+struct WorkerSummary {
+    /// Its entry of --gpus.
+    gpu: u32,
+    bytes: u64,
+    seconds: f64,
+    gbps: f64,
+    verified: bool,
+    /// The cores its initiator rails were pinned to (`null`: unpinned).
+    cores: Vec<Option<u32>>,
+}
+
+/// The summary of a `--per-gpu` demo.
+#[derive(Serialize)]
+struct PerGpuSummary {
+    transport: &'static str,
+    path: &'static str,
+    memory: &'static str,
+    page_size: u64,
+    rails_per_worker: usize,
+    workers: Vec<WorkerSummary>,
+    /// All workers' bytes.
+    bytes: u64,
+    /// The slowest worker's time.
+    seconds: f64,
+    /// All bytes over the slowest worker's time.
+    gbps: f64,
+}
+
+/// `--per-gpu`: one worker per entry of --gpus, all at once.
+fn per_gpu(a: &DemoArgs, b: &BackendArgs, w: &Workload) -> Result<(), CliError> {
+    let k = &a.knobs;
+    if a.baseline {
+        return Err(CliError::Usage(
+            "--baseline measures one worker: drop --per-gpu or --baseline".into(),
+        ));
+    }
+    if b.gpus.is_empty() {
+        return Err(CliError::Usage("--gpus lists no device".into()));
+    }
+    let mut seen = std::collections::HashSet::new();
+    if let Some(g) = b.gpus.iter().find(|g| !seen.insert(**g)) {
+        return Err(CliError::Usage(format!(
+            "--per-gpu: GPU {g} is listed twice in --gpus"
+        )));
+    }
+    let pins: Vec<GpuWorkerPins> = match k.pin {
+        PinMode::Off => vec![GpuWorkerPins::default(); b.gpus.len()],
+        PinMode::Auto => match topology::Topology::discover() {
+            Ok(t) => {
+                let idx: Vec<_> = b
+                    .gpus
+                    .iter()
+                    .map(|&o| placement::topology_gpu(&t, o))
+                    .collect();
+                placement::per_gpu_pins(&t, &t.plan(), &idx, k.rails)
+            }
+            Err(e) => {
+                tracing::warn!(error = %crate::topo::error_chain(&e), "topology discovery failed; workers run unpinned");
+                vec![GpuWorkerPins::default(); b.gpus.len()]
+            }
+        },
+    };
+    let start = Barrier::new(pins.len());
+    let start = &start;
+    let results: Vec<Result<(RunReport, bool), CliError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = pins
+            .iter()
+            .enumerate()
+            .map(|(slot, p)| {
+                let rails = WorkerRails {
+                    initiator: pad(&p.initiator, k.rails),
+                    target: pad(&p.target, k.rails),
+                    home: p.home,
+                };
+                scope.spawn(move || one_worker(b, k, w, rails, (slot, slot), false, Some(start)))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(CliError::Failed("a worker panicked".into())))
+            })
+            .collect()
+    });
+    let mut workers = Vec::new();
+    for ((slot, r), p) in results.into_iter().enumerate().zip(&pins) {
+        let (report, verified) = r.map_err(|e| match e {
+            CliError::Failed(m) => CliError::Failed(format!("GPU {}: {m}", b.gpus[slot])),
+            CliError::Mismatch(m) => CliError::Mismatch(format!("GPU {}: {m}", b.gpus[slot])),
+            other => other,
+        })?;
+        workers.push(WorkerSummary {
+            gpu: b.gpus[slot],
+            bytes: report.bytes,
+            seconds: report.seconds,
+            gbps: report.gbps(),
+            verified,
+            cores: pad(&p.initiator, k.rails)
+                .iter()
+                .map(|c| c.map(|c| c.core))
+                .collect(),
+        });
+    }
+    let bytes: u64 = workers.iter().map(|w| w.bytes).sum();
+    let seconds = workers.iter().map(|w| w.seconds).fold(0.0, f64::max);
+    let s = PerGpuSummary {
+        transport: b.transport.name(),
+        path: b.transport.why(a.backend.transport),
+        memory: b.memory.name(),
+        page_size: k.page_size,
+        rails_per_worker: k.rails,
+        bytes,
+        seconds,
+        gbps: if seconds > 0.0 {
+            bytes as f64 * 8.0 / seconds / 1e9
+        } else {
+            0.0
+        },
+        workers,
+    };
+    if k.json {
+        println!("{}", serde_json::to_string(&s).expect("summary serialises"));
+        return Ok(());
+    }
+    for w in &s.workers {
+        let cores: Vec<String> = w
+            .cores
+            .iter()
+            .map(|c| c.map_or("-".into(), |c| c.to_string()))
+            .collect();
+        println!(
+            "worker GPU {}: {} in {:.3}s = {:.2} Gbps, verified: {}, initiator cores [{}]",
+            w.gpu,
+            crate::size::format_size(w.bytes),
+            w.seconds,
+            w.gbps,
+            if w.verified { "yes" } else { "no" },
+            cores.join(", ")
+        );
+    }
+    println!(
+        "{} x {} workers of {} rails: {} in {:.3}s = {:.2} Gbps",
+        s.transport,
+        s.workers.len(),
+        s.rails_per_worker,
+        crate::size::format_size(s.bytes),
+        s.seconds,
+        s.gbps
+    );
+    println!("path: {} ({})", s.transport, s.path);
+    Ok(())
+}
+
+/// `pins` with exactly `n` entries (unpinned where missing).
+fn pad(pins: &[Option<CorePin>], n: usize) -> Vec<Option<CorePin>> {
+    (0..n).map(|i| pins.get(i).copied().flatten()).collect()
+}
