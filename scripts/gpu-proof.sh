@@ -20,10 +20,16 @@ echo "== tests"; ./tcp_gpu_tests --test-threads=1 2>&1 | grep -E "test result|FA
 ./gpu_mem_cuda_tests --test-threads=1 2>&1 | grep -E "test result|FAILED|panicked"
 d() { echo "== demo $*"; $X demo --transport tcp --page-size 64KiB --pages 1000 --bytes 16GiB --baseline --json "$@"; }
 for r in 1 4 8; do d --memory cuda --gpus 0 --rails "$r" --pin off; done
+echo "== one driver copy per page instead of the copy kernel (XFER_TCP_GPU_COPY=stream)"
+XFER_TCP_GPU_COPY=stream $X demo --transport tcp --page-size 64KiB --pages 1000 --bytes 16GiB --json --memory cuda --gpus 0 --rails 8 --pin off
 d --memory host --rails 8
 if [ "$ngpu" -ge 2 ]; then
   $X topo
   for r in 4 8; do d --memory cuda --gpus 0,1 --rails "$r"; done
+  echo "== a worker per GPU (--per-gpu), 4 rails each"
+  $X demo --per-gpu --transport tcp --memory cuda --gpus 0,1 --rails 4 --page-size 64KiB --pages 1000 --bytes 16GiB
+  $X demo --per-gpu --transport tcp --memory host --gpus 0,1 --rails 4 --page-size 64KiB --pages 1000 --bytes 16GiB
+  $X demo --per-gpu --memory cuda --gpus 0,1 --rails 4 --page-size 64KiB --pages 10000 --bytes 64GiB
   echo "== both directions at once"
   $X demo --transport tcp --memory cuda --gpus 0,1 --rails 8 --bytes 16GiB --json &
   $X demo --transport tcp --memory cuda --gpus 1,0 --rails 8 --bytes 16GiB --json &

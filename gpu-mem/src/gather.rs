@@ -210,3 +210,233 @@ impl Drop for GatherKernel {
         }
     }
 }
+
+/// Batched copies between device memory of one device and a pinned staging buffer: copies
+/// queued with [`copy_out`](Self::copy_out) (device to staging) and
+/// [`copy_in`](Self::copy_in) (staging to device) run together, as one launch of the copy
+/// kernel, at the next [`mark`](Self::mark); [`poll_marks`](Self::poll_marks) says how many
+/// marks have completed since it last said so, without waiting.
+///
+/// One driver call per mark instead of one per range: with many rails in one process, the
+/// per-range calls of [`CopyStream`](crate::CopyStream) contend on the context's locks.
+/// Regions stay alive until their mark completes; dropping the value waits for its copies.
+pub struct StagedCopies {
+    device: Device,
+    stream: sys::CUstream,
+    kernel: GatherKernel,
+    staging: std::sync::Arc<crate::PinnedHostBuffer>,
+    /// The staging buffer's address on the device.
+    staging_dev: u64,
+    /// 16-byte aligned copies `(dst, src, len)` for the kernel.
+    aligned: Vec<(u64, u64, u64)>,
+    /// The others, copied one by one.
+    odd: Vec<(u64, u64, u64)>,
+    keep: Vec<std::sync::Arc<dyn fabric_core::MemoryRegion>>,
+    fences: std::collections::VecDeque<StagedFence>,
+    spare: Vec<std::sync::Arc<crate::stream::EventInner>>,
+}
+
+struct StagedFence {
+    event: std::sync::Arc<crate::stream::EventInner>,
+    list: Option<DescList>,
+    keep: Vec<std::sync::Arc<dyn fabric_core::MemoryRegion>>,
+}
+
+// SAFETY: the stream is an opaque driver handle used only after binding its context; the
+// other fields are Send. `&StagedCopies` exposes nothing that touches them.
+unsafe impl Send for StagedCopies {}
+// SAFETY: as above.
+unsafe impl Sync for StagedCopies {}
+
+impl StagedCopies {
+    /// Copies between memory of `device` and `staging` (pinned memory, which every CUDA
+    /// context maps). Fails where the copy kernel does not load.
+    pub fn new(
+        device: &Device,
+        staging: std::sync::Arc<crate::PinnedHostBuffer>,
+    ) -> Result<StagedCopies, GpuMemError> {
+        let kernel = GatherKernel::load(device)?;
+        device.bind()?;
+        let mut staging_dev: sys::CUdeviceptr = 0;
+        check_call(
+            // SAFETY: staging_dev is a valid out-pointer; the buffer is pinned memory from
+            // cuMemHostAlloc (portable and device-mapped), alive while `staging` is.
+            unsafe {
+                sys::cuMemHostGetDevicePointer_v2(
+                    &mut staging_dev,
+                    staging.as_ptr().cast::<c_void>(),
+                    0,
+                )
+            },
+            "cuMemHostGetDevicePointer",
+        )?;
+        let stream = crate::stream::new_nonblocking_stream()?;
+        Ok(StagedCopies {
+            device: device.clone(),
+            stream,
+            kernel,
+            staging,
+            staging_dev,
+            aligned: Vec::new(),
+            odd: Vec::new(),
+            keep: Vec::new(),
+            fences: std::collections::VecDeque::new(),
+            spare: Vec::new(),
+        })
+    }
+
+    /// The staging buffer.
+    pub fn staging(&self) -> &std::sync::Arc<crate::PinnedHostBuffer> {
+        &self.staging
+    }
+
+    fn device_range(
+        &self,
+        region: &std::sync::Arc<dyn fabric_core::MemoryRegion>,
+        offset: u64,
+        len: u64,
+    ) -> Result<u64, GpuMemError> {
+        match region.location() {
+            fabric_core::MemoryLocation::Cuda { device } if device == self.device.ordinal() => {}
+            other => {
+                return Err(GpuMemError::WrongMemory(format!(
+                    "staged copies move memory of CUDA device {}, not {other:?}",
+                    self.device.ordinal()
+                )));
+            }
+        }
+        crate::range::check_range(offset, len, region.len() as u64)?;
+        Ok(region.device_addr() + offset)
+    }
+
+    fn queue(
+        &mut self,
+        dst: u64,
+        src: u64,
+        len: u64,
+        region: &std::sync::Arc<dyn fabric_core::MemoryRegion>,
+    ) {
+        if len == 0 {
+            return;
+        }
+        if (dst | src) & 15 == 0 {
+            self.aligned.push((dst, src, len));
+        } else {
+            self.odd.push((dst, src, len));
+        }
+        if !self
+            .keep
+            .last()
+            .is_some_and(|k| std::sync::Arc::ptr_eq(k, region))
+        {
+            self.keep.push(region.clone());
+        }
+    }
+
+    /// Queues a copy of `len` bytes of device memory `src` at `src_offset` into staging at
+    /// `at`.
+    pub fn copy_out(
+        &mut self,
+        src: &std::sync::Arc<dyn fabric_core::MemoryRegion>,
+        src_offset: u64,
+        at: u64,
+        len: u64,
+    ) -> Result<(), GpuMemError> {
+        let from = self.device_range(src, src_offset, len)?;
+        crate::range::check_range(at, len, self.staging.len() as u64)?;
+        self.queue(self.staging_dev + at, from, len, src);
+        Ok(())
+    }
+
+    /// Queues a copy of `len` staging bytes at `at` into device memory `dst` at
+    /// `dst_offset`.
+    pub fn copy_in(
+        &mut self,
+        at: u64,
+        dst: &std::sync::Arc<dyn fabric_core::MemoryRegion>,
+        dst_offset: u64,
+        len: u64,
+    ) -> Result<(), GpuMemError> {
+        let to = self.device_range(dst, dst_offset, len)?;
+        crate::range::check_range(at, len, self.staging.len() as u64)?;
+        self.queue(to, self.staging_dev + at, len, dst);
+        Ok(())
+    }
+
+    /// Starts the copies queued since the last mark and marks them.
+    pub fn mark(&mut self) -> Result<(), GpuMemError> {
+        self.device.bind()?;
+        let mut list = None;
+        let mut r = Ok(());
+        if !self.aligned.is_empty() {
+            // SAFETY: every range was checked against its live region (kept alive in
+            // `keep` until this mark's event completes) or against the staging buffer
+            // (alive as long as self); the ends are 16-byte aligned; the stream is this
+            // context's, which is current.
+            match unsafe { self.kernel.launch(self.stream, &self.aligned) } {
+                Ok(l) => list = Some(l),
+                Err(e) => r = Err(e),
+            }
+        }
+        for &(d, s, l) in &self.odd {
+            if r.is_err() {
+                break;
+            }
+            r = check_call(
+                // SAFETY: as above, for one range.
+                unsafe { sys::cuMemcpyAsync(d, s, l as usize, self.stream) },
+                "cuMemcpyAsync",
+            );
+        }
+        self.aligned.clear();
+        self.odd.clear();
+        let event = match self.spare.pop() {
+            Some(e) => e,
+            None => std::sync::Arc::new(crate::stream::EventInner::new(&self.device)?),
+        };
+        check_call(
+            // SAFETY: event and stream are live handles of this context, which is current.
+            unsafe { sys::cuEventRecord(event.event, self.stream) },
+            "cuEventRecord",
+        )?;
+        self.fences.push_back(StagedFence {
+            event,
+            list,
+            keep: std::mem::take(&mut self.keep),
+        });
+        r
+    }
+
+    /// How many more marks, oldest first, have completed (never waits). An error means a
+    /// copy failed on the device.
+    pub fn poll_marks(&mut self) -> Result<usize, GpuMemError> {
+        let mut n = 0;
+        while let Some(f) = self.fences.front() {
+            if !f.event.query()? {
+                break;
+            }
+            if let Some(f) = self.fences.pop_front() {
+                if let Some(l) = f.list {
+                    self.kernel.recycle(l);
+                }
+                drop(f.keep);
+                self.spare.push(f.event);
+            }
+            n += 1;
+        }
+        Ok(n)
+    }
+}
+
+impl Drop for StagedCopies {
+    fn drop(&mut self) {
+        if self.device.bind().is_ok() {
+            // SAFETY: the stream is live and destroyed once; synchronising first keeps the
+            // regions and lists (dropped after this) alive until its copies are done.
+            unsafe {
+                sys::cuStreamSynchronize(self.stream);
+                sys::cuStreamDestroy_v2(self.stream);
+            }
+        }
+    }
+}

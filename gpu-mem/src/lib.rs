@@ -66,6 +66,7 @@ mod stream;
 pub use buffer::{DeviceBuffer, DmabufExport};
 pub use device::{Cuda, CudaDeviceInfo, Device, DriverVersion, devices, driver_present};
 pub use error::{CopyDirection, CudaError, GpuMemError};
+pub use gather::StagedCopies;
 pub use host::HostMemory;
 pub use ipc::{
     CopyMethod, IPC_HANDLE_LEN, IpcExport, IpcHandle, IpcMapping, PeerCopies, can_access_peer,

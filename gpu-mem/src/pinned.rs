@@ -42,7 +42,13 @@ impl PinnedHostBuffer {
         let mut p: *mut c_void = std::ptr::null_mut();
         check(
             // SAFETY: p is a valid out-pointer; the context is current (bound above).
-            unsafe { sys::cuMemHostAlloc(&mut p, len, sys::CU_MEMHOSTALLOC_PORTABLE) },
+            unsafe {
+                sys::cuMemHostAlloc(
+                    &mut p,
+                    len,
+                    sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
+                )
+            },
             |source| GpuMemError::HostAlloc {
                 len: len as u64,
                 source,

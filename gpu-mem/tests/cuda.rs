@@ -653,3 +653,78 @@ fn ipc_export_opened_in_the_same_process_copies_in_bounds_only() {
         );
     }
 }
+
+#[test]
+fn staged_copies_move_pages_through_pinned_staging_in_one_launch_per_mark() {
+    let Some(cuda) = cuda() else { return };
+    let gpu = cuda.device(0).unwrap();
+    let data = pattern(1 << 20, 9);
+    let src: Arc<dyn MemoryRegion> = Arc::new(gpu.alloc(1 << 20).unwrap());
+    src.write_from_host(0, &data).unwrap();
+    let dst: Arc<dyn MemoryRegion> = Arc::new(gpu.alloc_zeroed(1 << 20).unwrap());
+    let staging = Arc::new(gpu.alloc_pinned(1 << 20).unwrap());
+    let mut c = gpu_mem::StagedCopies::new(&gpu, staging.clone()).unwrap();
+    // Out: 16 pages in reverse order, and a ragged range at an odd offset.
+    for i in 0..16u64 {
+        c.copy_out(&src, i * 4096, (15 - i) * 4096, 4096).unwrap();
+    }
+    c.copy_out(&src, 3, 100_001, 999).unwrap();
+    assert!(
+        c.copy_out(&src, (1 << 20) - 10, 0, 4096).is_err(),
+        "source out of bounds"
+    );
+    assert!(
+        c.copy_out(&src, 0, (1 << 20) - 10, 4096).is_err(),
+        "staging out of bounds"
+    );
+    let host: Arc<dyn MemoryRegion> = fabric_core::HostBuffer::new_shared(4096).unwrap();
+    assert!(
+        c.copy_out(&host, 0, 0, 16).is_err(),
+        "host memory is not the device's"
+    );
+    c.mark().unwrap();
+    let mut done = 0;
+    while done < 1 {
+        done += c.poll_marks().unwrap();
+    }
+    let mut got = vec![0u8; 1 << 20];
+    staging.read(0, &mut got).unwrap();
+    for i in 0..16usize {
+        let at = (15 - i) * 4096;
+        assert!(
+            got[at..at + 4096] == data[i * 4096..(i + 1) * 4096],
+            "page {i}"
+        );
+    }
+    assert!(got[100_001..101_000] == data[3..1002], "ragged range out");
+    // In: the staged pages back to device memory, in order.
+    for i in 0..16u64 {
+        c.copy_in((15 - i) * 4096, &dst, i * 4096, 4096).unwrap();
+    }
+    c.copy_in(100_001, &dst, 500_003, 999).unwrap();
+    c.mark().unwrap();
+    c.mark().unwrap(); // an empty mark completes too
+    let mut done = 0;
+    while done < 2 {
+        done += c.poll_marks().unwrap();
+    }
+    let back = dst.to_vec_for_test();
+    assert!(back[..65536] == data[..65536], "pages in");
+    assert!(back[500_003..501_002] == data[3..1002], "ragged range in");
+    assert!(
+        back[65536..500_003].iter().all(|&b| b == 0),
+        "nothing else written"
+    );
+}
+
+trait ToVecForTest {
+    fn to_vec_for_test(&self) -> Vec<u8>;
+}
+
+impl ToVecForTest for Arc<dyn MemoryRegion> {
+    fn to_vec_for_test(&self) -> Vec<u8> {
+        let mut v = vec![0u8; self.len()];
+        self.read_to_host(0, &mut v).unwrap();
+        v
+    }
+}

@@ -17,7 +17,8 @@
 //! immediate data) only once the mark after its last byte has completed; then its room is
 //! free again.
 //!
-//! A [`CopyEngine`] makes the copies: [`CudaEngine`] with asynchronous copies on a CUDA
+//! A [`CopyEngine`] makes the copies: [`KernelEngine`] (one copy-kernel launch per mark),
+//! or [`CudaEngine`] with asynchronous copies on a CUDA
 //! stream into pinned memory, or [`RegionEngine`] through the region's own batched copy
 //! methods, run when the engine is polled (memory that only claims to be a device's, such as
 //! the fake devices of the tests, or CUDA memory the driver does not know).
@@ -193,6 +194,58 @@ impl CopyEngine for CudaEngine {
     }
 }
 
+/// Copies batched per mark: one launch of gpu-mem's copy kernel moves every page queued
+/// since the last mark (see [`gpu_mem::StagedCopies`]), instead of one driver call per page,
+/// which contended on the context's locks once several rails shared a process.
+struct KernelEngine {
+    copies: gpu_mem::StagedCopies,
+}
+
+impl CopyEngine for KernelEngine {
+    fn staging(&self) -> NonNull<u8> {
+        self.copies
+            .staging()
+            .host_ptr()
+            .expect("pinned memory has a host pointer")
+    }
+
+    fn copy_out(
+        &mut self,
+        src: &Arc<dyn MemoryRegion>,
+        src_offset: u64,
+        at: usize,
+        len: usize,
+    ) -> Result<(), String> {
+        self.copies
+            .copy_out(src, src_offset, at as u64, len as u64)
+            .map_err(|e| format!("cannot copy device memory out: {e}"))
+    }
+
+    fn copy_in(
+        &mut self,
+        at: usize,
+        dst: &Arc<dyn MemoryRegion>,
+        dst_offset: u64,
+        len: usize,
+    ) -> Result<(), String> {
+        self.copies
+            .copy_in(at as u64, dst, dst_offset, len as u64)
+            .map_err(|e| format!("cannot place payload in device memory: {e}"))
+    }
+
+    fn mark(&mut self) -> Result<(), String> {
+        self.copies
+            .mark()
+            .map_err(|e| format!("cannot start device copies: {e}"))
+    }
+
+    fn poll_marks(&mut self) -> Result<usize, String> {
+        self.copies
+            .poll_marks()
+            .map_err(|e| format!("device copy failed: {e}"))
+    }
+}
+
 /// One queued copy of a [`RegionEngine`].
 struct RegionCopy {
     region: Arc<dyn MemoryRegion>,
@@ -339,14 +392,24 @@ fn engine_for(via: &Via) -> Result<Box<dyn CopyEngine>, String> {
     match via {
         Via::Region => Ok(Box::new(RegionEngine::new()?)),
         Via::Cuda(device) => {
-            let stream = device
-                .copy_stream()
-                .map_err(|e| format!("cannot create a copy stream: {e}"))?;
             let staging = Arc::new(
                 device
                     .alloc_pinned(RING)
                     .map_err(|e| format!("cannot allocate pinned staging: {e}"))?,
             );
+            // The copy kernel, unless XFER_TCP_GPU_COPY=stream asks for one driver copy per
+            // page (or the kernel does not load here).
+            if std::env::var("XFER_TCP_GPU_COPY").as_deref() != Ok("stream") {
+                match gpu_mem::StagedCopies::new(device, staging.clone()) {
+                    Ok(copies) => return Ok(Box::new(KernelEngine { copies })),
+                    Err(e) => {
+                        tracing::info!(error = %e, "copy kernel unavailable: one copy per page")
+                    }
+                }
+            }
+            let stream = device
+                .copy_stream()
+                .map_err(|e| format!("cannot create a copy stream: {e}"))?;
             Ok(Box::new(CudaEngine {
                 stream,
                 staging,
