@@ -40,6 +40,10 @@ pub enum Request {
         /// The client's host (boot id), for `auto`: cuda-ipc needs the same host.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         host_id: Option<String>,
+        /// Which of the server's workers (`serve --per-gpu`: position in its --gpus) to
+        /// write to; the first when absent.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        worker: Option<u32>,
         /// Hex digest of the client's shared token (never the token), if it has one.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         auth: Option<String>,
@@ -106,7 +110,7 @@ pub fn parse_peer(s: &str) -> Result<SocketAddr, String> {
 /// node of `pin` (the serving worker's) when it is set.
 pub fn serve(
     listener: TcpListener,
-    groups: Vec<(TransportKind, Arc<RailGroup>)>,
+    groups: Vec<ServedGroup>,
     region_size: u64,
     backend: BackendArgs,
     pin: Option<CorePin>,
@@ -197,14 +201,26 @@ pub fn choose(
     }
 }
 
+/// One group of rails a server runs: its transport, and the worker (position in the
+/// server's --gpus) whose memory it serves.
+#[derive(Clone)]
+pub struct ServedGroup {
+    /// Its transport.
+    pub kind: TransportKind,
+    /// The worker: regions for clients of this group live on `--gpus[worker]`.
+    pub worker: usize,
+    /// The rails.
+    pub group: Arc<RailGroup>,
+}
+
 fn client(
     conn: TcpStream,
-    groups: &[(TransportKind, Arc<RailGroup>)],
+    groups: &[ServedGroup],
     region_size: u64,
     backend: &BackendArgs,
 ) -> std::io::Result<()> {
-    let offered: Vec<TransportKind> = groups.iter().map(|(k, _)| *k).collect();
-    let mut chosen: Option<(TransportKind, &RailGroup)> = None;
+    let workers = groups.iter().map(|g| g.worker + 1).max().unwrap_or(1);
+    let mut chosen: Option<(TransportKind, usize, &RailGroup)> = None;
     let mut w = conn.try_clone()?;
     let mut r = BufReader::new(conn);
     let mut region: Option<(Arc<dyn MemoryRegion>, GroupRegistration)> = None;
@@ -231,8 +247,25 @@ fn client(
                 transport,
                 memory,
                 host_id,
+                worker,
                 auth,
             } => {
+                let slot = worker.unwrap_or(0) as usize;
+                if slot >= workers {
+                    reply::<()>(
+                        &mut w,
+                        Err(format!(
+                            "this server runs {workers} worker(s); worker {slot} does not exist \
+                             (start it with --per-gpu and more --gpus)"
+                        )),
+                    )?;
+                    return Ok(());
+                }
+                let offered: Vec<TransportKind> = groups
+                    .iter()
+                    .filter(|g| g.worker == slot)
+                    .map(|g| g.kind)
+                    .collect();
                 if let Some(want) = &backend.auth_token
                     && auth.as_deref() != Some(hex(&transport_tcp::auth_digest(want)).as_str())
                 {
@@ -266,17 +299,19 @@ fn client(
                         return Ok(());
                     }
                 };
-                if chosen.is_some_and(|(k, _)| k != kind) {
+                if chosen.is_some_and(|(k, s, _)| k != kind || s != slot) {
                     reply::<()>(&mut w, Err("a second hello asked for another path".into()))?;
                     return Ok(());
                 }
-                let Some((_, group)) = groups.iter().find(|(k, _)| *k == kind) else {
+                let Some(served) = groups.iter().find(|g| g.kind == kind && g.worker == slot)
+                else {
                     reply::<()>(&mut w, Err("internal: chosen path not served".into()))?;
                     return Ok(());
                 };
-                chosen = Some((kind, group));
+                let group = &*served.group;
+                chosen = Some((kind, slot, group));
                 if region.is_none() {
-                    let buf = match backend.alloc(region_size, 0) {
+                    let buf = match backend.alloc(region_size, slot) {
                         Ok(b) => b,
                         Err(e) => {
                             reply::<()>(&mut w, Err(format!("cannot allocate the region: {e}")))?;
@@ -333,7 +368,7 @@ fn client(
             }
         }
     })();
-    if let (Some((_, reg)), Some((_, group))) = (region, chosen)
+    if let (Some((_, reg)), Some((_, _, group))) = (region, chosen)
         && let Err(e) = group.deregister(&reg)
     {
         tracing::warn!(error = %e, "deregister failed");
@@ -388,6 +423,7 @@ impl ControlClient {
         &mut self,
         transport: &str,
         memory: &str,
+        worker: Option<u32>,
         token: Option<&str>,
     ) -> Result<HelloReply, String> {
         self.call(&Request::Hello {
@@ -395,6 +431,7 @@ impl ControlClient {
             transport: transport.into(),
             memory: Some(memory.into()),
             host_id: transport_cuda_ipc::boot_id().ok(),
+            worker,
             auth: token.map(|t| hex(&transport_tcp::auth_digest(t))),
         })
     }

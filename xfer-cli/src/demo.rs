@@ -131,7 +131,7 @@ fn set_up_worker(
 
 /// One worker's line of a `--per-gpu` summary.
 #[derive(Serialize)]
-struct WorkerSummary {
+pub(crate) struct WorkerSummary {
     /// Its entry of --gpus.
     gpu: u32,
     bytes: u64,
@@ -142,9 +142,9 @@ struct WorkerSummary {
     cores: Vec<Option<u32>>,
 }
 
-/// The summary of a `--per-gpu` demo.
+/// The summary of a `--per-gpu` run.
 #[derive(Serialize)]
-struct PerGpuSummary {
+pub(crate) struct PerGpuSummary {
     transport: &'static str,
     path: &'static str,
     memory: &'static str,
@@ -167,32 +167,8 @@ fn per_gpu(a: &DemoArgs, b: &BackendArgs, w: &Workload) -> Result<(), CliError> 
             "--baseline measures one worker: drop --per-gpu or --baseline".into(),
         ));
     }
-    if b.gpus.is_empty() {
-        return Err(CliError::Usage("--gpus lists no device".into()));
-    }
-    let mut seen = std::collections::HashSet::new();
-    if let Some(g) = b.gpus.iter().find(|g| !seen.insert(**g)) {
-        return Err(CliError::Usage(format!(
-            "--per-gpu: GPU {g} is listed twice in --gpus"
-        )));
-    }
-    let pins: Vec<GpuWorkerPins> = match k.pin {
-        PinMode::Off => vec![GpuWorkerPins::default(); b.gpus.len()],
-        PinMode::Auto => match topology::Topology::discover() {
-            Ok(t) => {
-                let idx: Vec<_> = b
-                    .gpus
-                    .iter()
-                    .map(|&o| placement::topology_gpu(&t, o))
-                    .collect();
-                placement::per_gpu_pins(&t, &t.plan(), &idx, k.rails)
-            }
-            Err(e) => {
-                tracing::warn!(error = %crate::topo::error_chain(&e), "topology discovery failed; workers run unpinned");
-                vec![GpuWorkerPins::default(); b.gpus.len()]
-            }
-        },
-    };
+    check_per_gpu(b)?;
+    let pins = gpu_worker_pins(b, k.pin, k.rails);
     let start = Barrier::new(pins.len());
     let start = &start;
     let results: Vec<Result<(RunReport, bool), CliError>> = std::thread::scope(|scope| {
@@ -216,8 +192,21 @@ fn per_gpu(a: &DemoArgs, b: &BackendArgs, w: &Workload) -> Result<(), CliError> 
             })
             .collect()
     });
+    let s = per_gpu_summary(b, a.backend.transport, k, results, &pins)?;
+    print_per_gpu(&s, k.json);
+    Ok(())
+}
+
+/// Gathers the workers' results (the first failure is the answer).
+pub(crate) fn per_gpu_summary(
+    b: &BackendArgs,
+    asked: crate::backend::TransportKind,
+    k: &Knobs,
+    results: Vec<Result<(RunReport, bool), CliError>>,
+    pins: &[GpuWorkerPins],
+) -> Result<PerGpuSummary, CliError> {
     let mut workers = Vec::new();
-    for ((slot, r), p) in results.into_iter().enumerate().zip(&pins) {
+    for ((slot, r), p) in results.into_iter().enumerate().zip(pins) {
         let (report, verified) = r.map_err(|e| match e {
             CliError::Failed(m) => CliError::Failed(format!("GPU {}: {m}", b.gpus[slot])),
             CliError::Mismatch(m) => CliError::Mismatch(format!("GPU {}: {m}", b.gpus[slot])),
@@ -237,9 +226,9 @@ fn per_gpu(a: &DemoArgs, b: &BackendArgs, w: &Workload) -> Result<(), CliError> 
     }
     let bytes: u64 = workers.iter().map(|w| w.bytes).sum();
     let seconds = workers.iter().map(|w| w.seconds).fold(0.0, f64::max);
-    let s = PerGpuSummary {
+    Ok(PerGpuSummary {
         transport: b.transport.name(),
-        path: b.transport.why(a.backend.transport),
+        path: b.transport.why(asked),
         memory: b.memory.name(),
         page_size: k.page_size,
         rails_per_worker: k.rails,
@@ -251,10 +240,14 @@ fn per_gpu(a: &DemoArgs, b: &BackendArgs, w: &Workload) -> Result<(), CliError> 
             0.0
         },
         workers,
-    };
-    if k.json {
-        println!("{}", serde_json::to_string(&s).expect("summary serialises"));
-        return Ok(());
+    })
+}
+
+/// Prints a per-GPU summary: a line per worker and the total, or one JSON line.
+pub(crate) fn print_per_gpu(s: &PerGpuSummary, json: bool) {
+    if json {
+        println!("{}", serde_json::to_string(s).expect("summary serialises"));
+        return;
     }
     for w in &s.workers {
         let cores: Vec<String> = w
@@ -282,10 +275,44 @@ fn per_gpu(a: &DemoArgs, b: &BackendArgs, w: &Workload) -> Result<(), CliError> 
         s.gbps
     );
     println!("path: {} ({})", s.transport, s.path);
+}
+
+/// One [`GpuWorkerPins`] per entry of --gpus, from the placement plan (`--pin auto`).
+pub(crate) fn gpu_worker_pins(b: &BackendArgs, pin: PinMode, rails: usize) -> Vec<GpuWorkerPins> {
+    match pin {
+        PinMode::Off => vec![GpuWorkerPins::default(); b.gpus.len()],
+        PinMode::Auto => match topology::Topology::discover() {
+            Ok(t) => {
+                let idx: Vec<_> = b
+                    .gpus
+                    .iter()
+                    .map(|&o| placement::topology_gpu(&t, o))
+                    .collect();
+                placement::per_gpu_pins(&t, &t.plan(), &idx, rails)
+            }
+            Err(e) => {
+                tracing::warn!(error = %crate::topo::error_chain(&e), "topology discovery failed; workers run unpinned");
+                vec![GpuWorkerPins::default(); b.gpus.len()]
+            }
+        },
+    }
+}
+
+/// Checks --gpus for a per-GPU run: not empty, no GPU twice.
+pub(crate) fn check_per_gpu(b: &BackendArgs) -> Result<(), CliError> {
+    if b.gpus.is_empty() {
+        return Err(CliError::Usage("--gpus lists no device".into()));
+    }
+    let mut seen = std::collections::HashSet::new();
+    if let Some(g) = b.gpus.iter().find(|g| !seen.insert(**g)) {
+        return Err(CliError::Usage(format!(
+            "--per-gpu: GPU {g} is listed twice in --gpus"
+        )));
+    }
     Ok(())
 }
 
 /// `pins` with exactly `n` entries (unpinned where missing).
-fn pad(pins: &[Option<CorePin>], n: usize) -> Vec<Option<CorePin>> {
+pub(crate) fn pad(pins: &[Option<CorePin>], n: usize) -> Vec<Option<CorePin>> {
     (0..n).map(|i| pins.get(i).copied().flatten()).collect()
 }

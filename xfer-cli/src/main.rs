@@ -14,21 +14,20 @@ mod info;
 mod pattern;
 mod placement;
 mod progress;
+mod remote;
 mod size;
 mod topo;
 mod workload;
 
-use backend::{BackendArgs, MemoryKind, TransportKind};
+use backend::{BackendArgs, TransportKind};
 use clap::{Args, Parser, Subcommand};
+use fabric_core::Error;
 use fabric_core::engine::{GroupPeer, GroupRegistration, RailGroup, RemoteDescriptor};
-use fabric_core::{Access, Error};
-use placement::{PinMode, WorkerPins};
+use placement::PinMode;
 use serde::Serialize;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
+use std::net::{IpAddr, SocketAddr};
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Duration;
-use transport_tcp::TcpTransport;
 use workload::Workload;
 
 #[derive(Parser)]
@@ -119,6 +118,10 @@ struct ServeArgs {
     /// Pin the engine worker to the placement plan's core (auto), or not (off).
     #[arg(long, value_enum, default_value = "auto")]
     pin: PinMode,
+    /// One worker per entry of --gpus, each with its own rails pinned near its GPU and its
+    /// clients' regions on its GPU; `bench --per-gpu` writes to all of them at once.
+    #[arg(long)]
+    per_gpu: bool,
 }
 
 #[derive(Args)]
@@ -130,6 +133,10 @@ struct BenchArgs {
     knobs: Knobs,
     #[command(flatten)]
     backend: BackendArgs,
+    /// One worker per entry of --gpus, all at once, each writing to the server's worker of
+    /// the same position (start the server with `serve --per-gpu`).
+    #[arg(long)]
+    per_gpu: bool,
 }
 
 #[derive(Args)]
@@ -359,161 +366,6 @@ pub(crate) fn warm_up(
     Ok(())
 }
 
-fn bench(a: BenchArgs) -> Result<(), CliError> {
-    let k = &a.knobs;
-    let w = workload_of(k)?;
-    if a.backend.transport == TransportKind::Mem {
-        return Err(CliError::Usage(
-            "--transport mem works only inside one process: use xfer demo".into(),
-        ));
-    }
-    let ctl_addr = control::parse_peer(&a.peer).map_err(CliError::Usage)?;
-    let mut ctl = control::ControlClient::connect(ctl_addr, Duration::from_secs(5))
-        .map_err(CliError::Failed)?;
-    let hello = ctl
-        .hello(
-            a.backend.transport.name(),
-            a.backend.memory.name(),
-            a.backend.auth_token.as_deref(),
-        )
-        .map_err(CliError::Failed)?;
-    // The server resolved `auto`; its answer is the path both sides use.
-    let mut b = a.backend.clone();
-    b.transport = TransportKind::from_name(&hello.transport)
-        .filter(|k| *k != TransportKind::Auto)
-        .ok_or_else(|| {
-            CliError::Failed(format!(
-                "the peer chose an unknown transport {:?}",
-                hello.transport
-            ))
-        })?;
-    if hello.region.len() < k.region_size {
-        return Err(CliError::Usage(format!(
-            "the peer's region is {} but --region-size is {}: lower --region-size",
-            size::format_size(hello.region.len()),
-            size::format_size(k.region_size)
-        )));
-    }
-    let mut addresses = Vec::with_capacity(hello.addresses.len());
-    for text in &hello.addresses {
-        let mut a = address_from_text(text).map_err(CliError::Failed)?;
-        // A server listening on every interface reports 0.0.0.0: use the control address.
-        if let Ok(sa) = TcpTransport::parse_address(&a)
-            && sa.ip().is_unspecified()
-        {
-            a = format!(
-                "{}{}",
-                transport_tcp::ADDRESS_PREFIX,
-                SocketAddr::new(ctl_addr.ip(), sa.port())
-            )
-            .into_bytes();
-        }
-        addresses.push(a);
-    }
-    let local_ip = if ctl_addr.is_ipv4() {
-        IpAddr::V4(Ipv4Addr::UNSPECIFIED)
-    } else {
-        IpAddr::V6(Ipv6Addr::UNSPECIFIED)
-    };
-    let pins = WorkerPins::for_this_machine(k.pin);
-    let group = b.spawn_group(
-        local_ip,
-        k.rails,
-        "xfer-initiator",
-        pins.rail_pins(pins.initiator, k.rails, 0),
-        0,
-    )?;
-    if let Some(p) = pins.initiator {
-        p.prefer_memory_here("main");
-    }
-    let src = b.alloc(k.region_size, 0)?;
-    workload::fill_pattern(&*src, k.seed)?;
-    let s = group.register(src, Access::NONE)?;
-    let peer = group.add_peer(&addresses)?;
-    warm_up(&group, &s, &peer, &hello.region, k)?;
-    let mut progress = progress::Progress::new(k.json);
-    let report = workload::run(&group, &s, &peer, &hello.region, &w, &mut progress)?;
-    let verified = if k.no_verify {
-        false
-    } else {
-        let pages = report.written_pages();
-        let v = ctl
-            .verify(k.seed, k.page_size, pages)
-            .map_err(CliError::Failed)?;
-        if v.mismatches > 0 {
-            return Err(CliError::Mismatch(format!(
-                "{} of {} pages differ at the peer (first: page {})",
-                v.mismatches,
-                v.checked,
-                v.first_mismatch.unwrap_or(0)
-            )));
-        }
-        true
-    };
-    print_summary(
-        &Summary::of(&b, a.backend.transport, k, &report, verified, None),
-        k.json,
-    );
-    Ok(())
-}
-
-fn serve(a: ServeArgs) -> Result<(), CliError> {
-    if a.backend.transport == TransportKind::Mem {
-        return Err(CliError::Usage(
-            "--transport mem works only inside one process: use xfer demo".into(),
-        ));
-    }
-    let listener = TcpListener::bind(a.listen)
-        .map_err(|e| CliError::Failed(format!("cannot listen on {}: {e}", a.listen)))?;
-    let ctl = listener
-        .local_addr()
-        .map_err(|e| CliError::Failed(e.to_string()))?;
-    let data_ip = a.data_listen.unwrap_or(ctl.ip());
-    let pins = WorkerPins::for_this_machine(a.pin);
-    // The paths this server offers: `auto` serves tcp to everyone and, with GPU memory,
-    // cuda-ipc to clients on this host that hold GPU memory too.
-    let kinds = match a.backend.transport {
-        TransportKind::Auto
-            if a.backend.memory == MemoryKind::Cuda && gpu_mem::driver_present() =>
-        {
-            vec![TransportKind::Tcp, TransportKind::CudaIpc]
-        }
-        TransportKind::Auto => vec![TransportKind::Tcp],
-        k => vec![k],
-    };
-    let mut groups = Vec::new();
-    for (n, kind) in kinds.into_iter().enumerate() {
-        let mut b = a.backend.clone();
-        b.transport = kind;
-        let g = b.spawn_group(
-            data_ip,
-            a.rails,
-            &format!("xfer-serve-{}", kind.name()),
-            pins.rail_pins(pins.initiator, a.rails, n * a.rails),
-            0,
-        )?;
-        eprintln!("xfer: serving {} on {} rails", kind.name(), a.rails);
-        groups.push((kind, Arc::new(g)));
-    }
-    if ctl.ip().is_unspecified() {
-        eprintln!(
-            "xfer: listening on every interface; peers use this machine's address in place of {}",
-            ctl.ip()
-        );
-    }
-    println!("xfer bench --peer xfer://{ctl}");
-    use std::io::Write;
-    let _ = std::io::stdout().flush();
-    control::serve(
-        listener,
-        groups,
-        a.region_size,
-        a.backend.clone(),
-        pins.initiator,
-    )
-    .map_err(|e| CliError::Failed(e.to_string()))
-}
-
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -524,8 +376,8 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let r = match cli.cmd {
-        Cmd::Serve(a) => serve(a),
-        Cmd::Bench(a) => bench(a),
+        Cmd::Serve(a) => remote::serve(a),
+        Cmd::Bench(a) => remote::bench(a),
         Cmd::Demo(a) => demo::run(a),
         Cmd::Topo(a) => topo::run(a),
         Cmd::Info { json } => info::run(json),

@@ -507,3 +507,32 @@ fn per_gpu_runs_one_verified_worker_per_listed_gpu_at_once() {
     let line = assert_fails_with_one_line(&out, 2);
     assert!(line.contains("listed twice"), "{line}");
 }
+
+#[test]
+fn bench_per_gpu_writes_to_the_servers_worker_of_each_gpu() {
+    let server = Server::start_with(&["--per-gpu", "--gpus", "0,1", "--rails", "2"]);
+    let mut args = bench_args(&server.peer);
+    args.extend(["--per-gpu", "--gpus", "0,1", "--rails", "2"].map(String::from));
+    let out = Command::new(env!("CARGO_BIN_EXE_xfer"))
+        .args(&args)
+        .output()
+        .expect("bench runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = stdout_json(&out);
+    let workers = v["workers"].as_array().unwrap();
+    assert_eq!(workers.len(), 2, "{v}");
+    assert!(workers.iter().all(|w| w["verified"] == true), "{v}");
+    // A third worker does not exist at the server: one clear line.
+    let mut args = bench_args(&server.peer);
+    args.extend(["--per-gpu", "--gpus", "0,1,2"].map(String::from));
+    let out = Command::new(env!("CARGO_BIN_EXE_xfer"))
+        .args(&args)
+        .output()
+        .expect("bench runs");
+    let line = assert_fails_with_one_line(&out, 1);
+    assert!(line.contains("worker 2 does not exist"), "{line}");
+}

@@ -1,0 +1,310 @@
+//! `xfer serve` and `xfer bench`: the two ends of a transfer between processes (or hosts),
+//! joined by the control channel ([`crate::control`]). With `--per-gpu` both run one worker
+//! per entry of their `--gpus`, and bench worker *i* writes to server worker *i*.
+
+use crate::backend::{BackendArgs, MemoryKind, TransportKind};
+use crate::control::{self, ServedGroup};
+use crate::demo::{self, check_per_gpu, gpu_worker_pins, pad};
+use crate::placement::{CorePin, GpuWorkerPins, WorkerPins};
+use crate::workload::{self, RunReport, Workload};
+use crate::{
+    BenchArgs, CliError, ServeArgs, Summary, address_from_text, print_summary, progress, size,
+    warm_up, workload_of,
+};
+use fabric_core::Access;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+use transport_tcp::TcpTransport;
+
+/// Runs `xfer bench`.
+pub fn bench(a: BenchArgs) -> Result<(), CliError> {
+    let k = &a.knobs;
+    let w = workload_of(k)?;
+    if a.backend.transport == TransportKind::Mem {
+        return Err(CliError::Usage(
+            "--transport mem works only inside one process: use xfer demo".into(),
+        ));
+    }
+    let ctl_addr = control::parse_peer(&a.peer).map_err(CliError::Usage)?;
+    if !a.per_gpu {
+        let pins = WorkerPins::for_this_machine(k.pin);
+        let rails = (pins.rail_pins(pins.initiator, k.rails, 0), pins.initiator);
+        let (b, report, verified) = bench_worker(&a, ctl_addr, &w, None, rails, None)?;
+        print_summary(
+            &Summary::of(&b, a.backend.transport, k, &report, verified, None),
+            k.json,
+        );
+        return Ok(());
+    }
+    check_per_gpu(&a.backend)?;
+    let pins = gpu_worker_pins(&a.backend, k.pin, k.rails);
+    let start = Barrier::new(pins.len());
+    let (a_ref, w_ref, start) = (&a, &w, &start);
+    let results: Vec<Result<(BackendArgs, RunReport, bool), CliError>> =
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = pins
+                .iter()
+                .enumerate()
+                .map(|(slot, p)| {
+                    let rails = (pad(&p.initiator, k.rails), p.home);
+                    scope.spawn(move || {
+                        bench_worker(a_ref, ctl_addr, w_ref, Some(slot), rails, Some(start))
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(CliError::Failed("a worker panicked".into())))
+                })
+                .collect()
+        });
+    // Every worker took the server's path for its memory; report the first one's.
+    let b = match results.iter().find_map(|r| r.as_ref().ok()) {
+        Some((b, _, _)) => b.clone(),
+        None => a.backend.clone(),
+    };
+    let results = results
+        .into_iter()
+        .map(|r| r.map(|(_, report, verified)| (report, verified)))
+        .collect();
+    let s = demo::per_gpu_summary(&b, a.backend.transport, k, results, &pins)?;
+    demo::print_per_gpu(&s, k.json);
+    Ok(())
+}
+
+/// One bench worker: its own control connection (to server worker `worker`), rails, source
+/// region (on `--gpus[worker]`, or the first), run and verification. Returns the backend as
+/// the server resolved it, the run, and whether the peer checked the bytes.
+fn bench_worker(
+    a: &BenchArgs,
+    ctl_addr: SocketAddr,
+    w: &Workload,
+    worker: Option<usize>,
+    (rail_pins, home): (Vec<Option<CorePin>>, Option<CorePin>),
+    start: Option<&Barrier>,
+) -> Result<(BackendArgs, RunReport, bool), CliError> {
+    let k = &a.knobs;
+    let set_up = set_up_bench_worker(a, ctl_addr, worker, rail_pins, home);
+    if let Some(barrier) = start {
+        barrier.wait();
+    }
+    let (b, mut ctl, group, s, peer, region) = set_up?;
+    let mut progress = progress::Progress::new(k.json || worker.is_some());
+    let report = workload::run(&group, &s, &peer, &region, w, &mut progress)?;
+    let verified = if k.no_verify {
+        false
+    } else {
+        let pages = report.written_pages();
+        let v = ctl
+            .verify(k.seed, k.page_size, pages)
+            .map_err(CliError::Failed)?;
+        if v.mismatches > 0 {
+            return Err(CliError::Mismatch(format!(
+                "{} of {} pages differ at the peer (first: page {})",
+                v.mismatches,
+                v.checked,
+                v.first_mismatch.unwrap_or(0)
+            )));
+        }
+        true
+    };
+    Ok((b, report, verified))
+}
+
+/// What a bench worker holds once connected.
+type BenchSetUp = (
+    BackendArgs,
+    control::ControlClient,
+    fabric_core::engine::RailGroup,
+    fabric_core::engine::GroupRegistration,
+    fabric_core::engine::GroupPeer,
+    fabric_core::engine::RemoteDescriptor,
+);
+
+fn set_up_bench_worker(
+    a: &BenchArgs,
+    ctl_addr: SocketAddr,
+    worker: Option<usize>,
+    rail_pins: Vec<Option<CorePin>>,
+    home: Option<CorePin>,
+) -> Result<BenchSetUp, CliError> {
+    let k = &a.knobs;
+    let slot = worker.unwrap_or(0);
+    let mut ctl = control::ControlClient::connect(ctl_addr, Duration::from_secs(5))
+        .map_err(CliError::Failed)?;
+    let hello = ctl
+        .hello(
+            a.backend.transport.name(),
+            a.backend.memory.name(),
+            worker.map(|w| w as u32),
+            a.backend.auth_token.as_deref(),
+        )
+        .map_err(CliError::Failed)?;
+    // The server resolved `auto`; its answer is the path both sides use.
+    let mut b = a.backend.clone();
+    b.transport = TransportKind::from_name(&hello.transport)
+        .filter(|k| *k != TransportKind::Auto)
+        .ok_or_else(|| {
+            CliError::Failed(format!(
+                "the peer chose an unknown transport {:?}",
+                hello.transport
+            ))
+        })?;
+    if hello.region.len() < k.region_size {
+        return Err(CliError::Usage(format!(
+            "the peer's region is {} but --region-size is {}: lower --region-size",
+            size::format_size(hello.region.len()),
+            size::format_size(k.region_size)
+        )));
+    }
+    let mut addresses = Vec::with_capacity(hello.addresses.len());
+    for text in &hello.addresses {
+        let mut a = address_from_text(text).map_err(CliError::Failed)?;
+        // A server listening on every interface reports 0.0.0.0: use the control address.
+        if let Ok(sa) = TcpTransport::parse_address(&a)
+            && sa.ip().is_unspecified()
+        {
+            a = format!(
+                "{}{}",
+                transport_tcp::ADDRESS_PREFIX,
+                SocketAddr::new(ctl_addr.ip(), sa.port())
+            )
+            .into_bytes();
+        }
+        addresses.push(a);
+    }
+    let local_ip = if ctl_addr.is_ipv4() {
+        IpAddr::V4(Ipv4Addr::UNSPECIFIED)
+    } else {
+        IpAddr::V6(Ipv6Addr::UNSPECIFIED)
+    };
+    let group = b.spawn_group(
+        local_ip,
+        k.rails,
+        &format!("xfer-initiator-{slot}"),
+        rail_pins,
+        slot,
+    )?;
+    if let Some(p) = home {
+        p.prefer_memory_here(&format!("xfer-main-{slot}"));
+    }
+    let src = b.alloc(k.region_size, slot)?;
+    workload::fill_pattern(&*src, k.seed)?;
+    let s = group.register(src, Access::NONE)?;
+    let peer = group.add_peer(&addresses)?;
+    warm_up(&group, &s, &peer, &hello.region, k)?;
+    Ok((b, ctl, group, s, peer, hello.region))
+}
+
+/// A serving worker: its position in --gpus, pins for each of its groups (one per path),
+/// and the core whose node its memory should come from.
+type ServeWorker = (usize, Vec<Vec<Option<CorePin>>>, Option<CorePin>);
+
+/// Runs `xfer serve` until the process is stopped.
+pub fn serve(a: ServeArgs) -> Result<(), CliError> {
+    if a.backend.transport == TransportKind::Mem {
+        return Err(CliError::Usage(
+            "--transport mem works only inside one process: use xfer demo".into(),
+        ));
+    }
+    let listener = TcpListener::bind(a.listen)
+        .map_err(|e| CliError::Failed(format!("cannot listen on {}: {e}", a.listen)))?;
+    let ctl = listener
+        .local_addr()
+        .map_err(|e| CliError::Failed(e.to_string()))?;
+    let data_ip = a.data_listen.unwrap_or(ctl.ip());
+    // The paths this server offers: `auto` serves tcp to everyone and, with GPU memory,
+    // cuda-ipc to clients on this host that hold GPU memory too.
+    let kinds = match a.backend.transport {
+        TransportKind::Auto
+            if a.backend.memory == MemoryKind::Cuda && gpu_mem::driver_present() =>
+        {
+            vec![TransportKind::Tcp, TransportKind::CudaIpc]
+        }
+        TransportKind::Auto => vec![TransportKind::Tcp],
+        k => vec![k],
+    };
+    // Rails per worker: one worker, or one per GPU (pinned near it), each running a group
+    // per path. Each worker's pins cover two groups (its initiator and target pins).
+    let plans: Vec<ServeWorker> = if a.per_gpu {
+        check_per_gpu(&a.backend)?;
+        gpu_worker_pins(&a.backend, a.pin, a.rails)
+            .into_iter()
+            .enumerate()
+            .map(|(slot, p): (usize, GpuWorkerPins)| {
+                (
+                    slot,
+                    vec![pad(&p.initiator, a.rails), pad(&p.target, a.rails)],
+                    p.home,
+                )
+            })
+            .collect()
+    } else {
+        let pins = WorkerPins::for_this_machine(a.pin);
+        vec![(
+            0,
+            vec![
+                pins.rail_pins(pins.initiator, a.rails, 0),
+                pins.rail_pins(pins.initiator, a.rails, a.rails),
+            ],
+            pins.initiator,
+        )]
+    };
+    let mut groups = Vec::new();
+    for (slot, rail_pins, _) in &plans {
+        for (n, kind) in kinds.iter().enumerate() {
+            let mut b = a.backend.clone();
+            b.transport = *kind;
+            let pins = rail_pins
+                .get(n)
+                .cloned()
+                .unwrap_or_else(|| vec![None; a.rails]);
+            let g = b.spawn_group(
+                data_ip,
+                a.rails,
+                &format!("xfer-serve-{}-{slot}", kind.name()),
+                pins,
+                *slot,
+            )?;
+            groups.push(ServedGroup {
+                kind: *kind,
+                worker: *slot,
+                group: Arc::new(g),
+            });
+        }
+    }
+    eprintln!(
+        "xfer: serving {} on {} rails{}",
+        kinds
+            .iter()
+            .map(|k| k.name())
+            .collect::<Vec<_>>()
+            .join(" and "),
+        a.rails,
+        if a.per_gpu {
+            format!(" for each of {} GPU workers", plans.len())
+        } else {
+            String::new()
+        }
+    );
+    if ctl.ip().is_unspecified() {
+        eprintln!(
+            "xfer: listening on every interface; peers use this machine's address in place of {}",
+            ctl.ip()
+        );
+    }
+    println!("xfer bench --peer xfer://{ctl}");
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    control::serve(
+        listener,
+        groups,
+        a.region_size,
+        a.backend.clone(),
+        plans.first().and_then(|p| p.2),
+    )
+    .map_err(|e| CliError::Failed(e.to_string()))
+}
