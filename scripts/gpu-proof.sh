@@ -30,6 +30,13 @@ if [ "$ngpu" -ge 2 ]; then
   $X demo --per-gpu --transport tcp --memory cuda --gpus 0,1 --rails 4 --page-size 64KiB --pages 1000 --bytes 16GiB
   $X demo --per-gpu --transport tcp --memory host --gpus 0,1 --rails 4 --page-size 64KiB --pages 1000 --bytes 16GiB
   $X demo --per-gpu --memory cuda --gpus 0,1 --rails 4 --page-size 64KiB --pages 10000 --bytes 64GiB
+  echo "== serve --per-gpu and bench --per-gpu (two processes; auto = cuda-ipc, then tcp)"
+  $X serve --per-gpu --memory cuda --gpus 0,1 --rails 4 --listen 127.0.0.1:7480 > serve-per-gpu.log 2>&1 &
+  sp=$!
+  for _ in $(seq 100); do grep -q "xfer bench" serve-per-gpu.log && break; sleep 0.2; done
+  $X bench --peer xfer://127.0.0.1:7480 --per-gpu --memory cuda --gpus 0,1 --rails 4 --pages 10000 --bytes 64GiB
+  $X bench --peer xfer://127.0.0.1:7480 --per-gpu --transport tcp --memory cuda --gpus 0,1 --rails 4 --pages 1000 --bytes 16GiB
+  kill $sp; wait $sp 2>/dev/null; cat serve-per-gpu.log
   echo "== both directions at once"
   $X demo --transport tcp --memory cuda --gpus 0,1 --rails 8 --bytes 16GiB --json &
   $X demo --transport tcp --memory cuda --gpus 1,0 --rails 8 --bytes 16GiB --json &
