@@ -1,0 +1,310 @@
+//! The [`Transport`] methods of [`CudaIpcTransport`]: what applications and the engine call.
+
+use crate::wire::{self, Header, Op};
+use crate::{
+    Conn, CudaIpcTransport, FrameConn, IpcAddress, Link, LocalRegion, Peer, PostedRecv, Role,
+    TargetRegion, WriteOp, random_u64,
+};
+use fabric_core::{
+    Access, Completion, Error, LocalKey, LocalSlice, MemoryRegion, OpError, PeerId, PostOutcome,
+    Registration, RemoteKey, RemoteRegion, RemoteSlice, Result, Transport, TransportLimits,
+    WorkRequestId,
+};
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::AsRawFd;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+impl<L: Link> Transport for CudaIpcTransport<L> {
+    fn name(&self) -> &'static str {
+        "cuda-ipc"
+    }
+
+    fn address(&self) -> Vec<u8> {
+        self.address.clone()
+    }
+
+    fn limits(&self) -> TransportLimits {
+        TransportLimits {
+            max_msg_size: self.cfg.max_msg_size,
+            max_outstanding: self.cfg.max_outstanding,
+            write_imm: true,
+            busy_poll: false,
+        }
+    }
+
+    fn add_peer(&mut self, address: &[u8]) -> Result<PeerId> {
+        let to = IpcAddress::parse(address)?;
+        to.check_same_host(&self.boot_id)?;
+        let sa = SocketAddr::from_abstract_name(to.socket.as_bytes())
+            .map_err(|e| Error::io("abstract socket name", e))?;
+        let stream = UnixStream::connect_addr(&sa).map_err(|e| {
+            Error::InvalidAddress(format!(
+                "no CUDA IPC transport listens at {} (process {} exited?): {e}",
+                to.socket, to.pid
+            ))
+        })?;
+        let mut io = FrameConn::new(stream, self.max_payload())
+            .map_err(|e| Error::io("set_nonblocking", e))?;
+        Header::new(Op::Hello, 0, wire::VERSION, self.address.len() as u64).encode(io.out());
+        io.out().extend_from_slice(&self.address);
+        let id = PeerId(self.next_peer);
+        self.next_peer += 1;
+        let idx = self.insert_conn(Conn {
+            io,
+            role: Role::Initiator(id),
+            paused: false,
+            last_heard: Instant::now(),
+        });
+        self.peers.insert(
+            id,
+            Peer {
+                conn: Some(idx),
+                address: address.to_vec(),
+                broken: None,
+                pending: VecDeque::new(),
+                reserving: HashMap::new(),
+                next_batch: 1,
+                in_flight: 0,
+                keys: HashMap::new(),
+                sends: VecDeque::new(),
+            },
+        );
+        Ok(id)
+    }
+
+    fn remove_peer(&mut self, peer: PeerId) -> Result<()> {
+        let conn = self.peers.get(&peer).ok_or(Error::UnknownPeer(peer))?.conn;
+        if let Some(idx) = conn {
+            self.close_conn(idx, OpError::PeerRemoved);
+        }
+        self.peers.remove(&peer);
+        Ok(())
+    }
+
+    fn register(&mut self, mem: Arc<dyn MemoryRegion>, access: Access) -> Result<Registration> {
+        let export = if access.contains(Access::REMOTE_WRITE) {
+            Some(self.link.export(&mem).map_err(Error::Unsupported)?)
+        } else {
+            None
+        };
+        let mut rkey = random_u64();
+        while rkey == 0 || self.targets.contains_key(&rkey) {
+            rkey = random_u64();
+        }
+        let local = LocalKey(self.next_local);
+        self.next_local += 1;
+        let len = mem.len() as u64;
+        self.targets.insert(
+            rkey,
+            TargetRegion {
+                mem: mem.clone(),
+                access,
+                export,
+            },
+        );
+        self.local.insert(local, LocalRegion { mem, access, rkey });
+        Ok(Registration {
+            local,
+            remote: RemoteRegion {
+                addr: 0,
+                len,
+                key: RemoteKey(rkey),
+            },
+        })
+    }
+
+    fn deregister(&mut self, key: LocalKey) -> Result<()> {
+        let r = self
+            .local
+            .remove(&key)
+            .ok_or(Error::Op(OpError::LocalKeyInvalid(key)))?;
+        self.targets.remove(&r.rkey);
+        for c in self.conns.iter_mut().flatten() {
+            if let Role::Target { known_keys, .. } = &mut c.role
+                && known_keys.remove(&r.rkey)
+            {
+                Header::new(Op::Revoke, 0, r.rkey, 0).encode(c.io.out());
+            }
+        }
+        Ok(())
+    }
+
+    fn post_send(
+        &mut self,
+        peer: PeerId,
+        wr_id: WorkRequestId,
+        src: LocalSlice,
+        imm: Option<u32>,
+    ) -> Result<PostOutcome> {
+        if src.len > self.cfg.max_msg_size {
+            return Err(Error::InvalidArgument(format!(
+                "a {}-byte SEND exceeds the {}-byte limit",
+                src.len, self.cfg.max_msg_size
+            )));
+        }
+        let mem = self.local_slice(src)?.mem.clone();
+        self.live_peer(peer)?;
+        if self.outstanding >= self.cfg.max_outstanding {
+            return Ok(PostOutcome::NoRoom);
+        }
+        let mut bytes = vec![0u8; src.len as usize];
+        mem.read_to_host(src.offset, &mut bytes)?;
+        let p = self.live_peer(peer)?;
+        p.sends.push_back((wr_id, src.len));
+        let conn = p.conn;
+        let Some(c) = conn
+            .and_then(|i| self.conns.get_mut(i))
+            .and_then(Option::as_mut)
+        else {
+            return Err(Error::UnknownPeer(peer));
+        };
+        let mut h = Header::new(Op::Send, wr_id.0, 0, src.len);
+        h.imm = imm;
+        h.encode(c.io.out());
+        c.io.out().extend_from_slice(&bytes);
+        self.outstanding += 1;
+        Ok(PostOutcome::Posted)
+    }
+
+    fn post_recv(&mut self, wr_id: WorkRequestId, dst: LocalSlice) -> Result<PostOutcome> {
+        let r = self.local_slice(dst)?;
+        if !r.access.contains(Access::LOCAL_WRITE) {
+            return Err(Error::Op(OpError::PermissionDenied));
+        }
+        let recv = PostedRecv {
+            wr: wr_id,
+            mem: r.mem.clone(),
+            offset: dst.offset,
+            cap: dst.len,
+        };
+        match self.unexpected.pop_front() {
+            Some(u) => {
+                self.unexpected_bytes -= u.bytes.len();
+                self.deliver(recv, u.peer, u.imm, &u.bytes);
+                for c in self.conns.iter_mut().flatten() {
+                    c.paused = false;
+                }
+            }
+            None => self.recvs.push_back(recv),
+        }
+        Ok(PostOutcome::Posted)
+    }
+
+    fn post_write(
+        &mut self,
+        peer: PeerId,
+        wr_id: WorkRequestId,
+        src: LocalSlice,
+        dst: RemoteSlice,
+        imm: Option<u32>,
+    ) -> Result<PostOutcome> {
+        if src.len != dst.len {
+            return Err(Error::InvalidArgument(format!(
+                "source ({} bytes) and destination ({} bytes) differ in length",
+                src.len, dst.len
+            )));
+        }
+        if src.len > self.cfg.max_msg_size {
+            return Err(Error::InvalidArgument(format!(
+                "a {}-byte WRITE exceeds the {}-byte limit",
+                src.len, self.cfg.max_msg_size
+            )));
+        }
+        let mem = self.local_slice(src)?.mem.clone();
+        self.live_peer(peer)?;
+        if self.outstanding >= self.cfg.max_outstanding {
+            return Ok(PostOutcome::NoRoom);
+        }
+        self.live_peer(peer)?.pending.push_back(WriteOp {
+            wr: wr_id,
+            src: mem,
+            src_off: src.offset,
+            key: dst.region.key.0,
+            off: dst.offset,
+            len: dst.len,
+            imm,
+        });
+        self.outstanding += 1;
+        Ok(PostOutcome::Posted)
+    }
+
+    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize> {
+        self.accept();
+        for idx in 0..self.conns.len() {
+            self.service(idx);
+        }
+        if !self.copying.is_empty() {
+            let r = self.link.completed();
+            self.retire_copies(r);
+        }
+        self.reserve();
+        let mut gone = Vec::new();
+        for (i, c) in self.conns.iter_mut().enumerate() {
+            if let Some(c) = c
+                && let Err(why) = c.io.flush()
+            {
+                gone.push((i, why));
+            }
+        }
+        for (i, why) in gone {
+            self.close_conn(i, |peer| OpError::PeerUnreachable {
+                peer,
+                reason: format!("{why} (did its process exit?)"),
+            });
+        }
+        self.expire(Instant::now());
+        let n = self.done.len();
+        out.append(&mut self.done);
+        Ok(n)
+    }
+
+    fn wait(&mut self, timeout: Duration) -> Result<()> {
+        if !self.done.is_empty() {
+            return Ok(());
+        }
+        if !self.copying.is_empty() {
+            // Copies finish on the GPU, which has no file descriptor to sleep on.
+            std::thread::yield_now();
+            return Ok(());
+        }
+        self.pollfds.clear();
+        self.pollfds.push(libc::pollfd {
+            fd: self.listener.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        });
+        for c in self.conns.iter().flatten() {
+            let mut events = 0;
+            if !c.paused {
+                events |= libc::POLLIN;
+            }
+            if c.io.has_output() {
+                events |= libc::POLLOUT;
+            }
+            self.pollfds.push(libc::pollfd {
+                fd: c.io.stream.as_raw_fd(),
+                events,
+                revents: 0,
+            });
+        }
+        let ms = timeout.as_millis().clamp(0, 1000) as i32;
+        // SAFETY: pollfds is a valid, exclusively borrowed array of pollfd of this length.
+        let r = unsafe {
+            libc::poll(
+                self.pollfds.as_mut_ptr(),
+                self.pollfds.len() as libc::nfds_t,
+                ms,
+            )
+        };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(Error::io("poll", e));
+            }
+        }
+        Ok(())
+    }
+}
