@@ -170,6 +170,9 @@ pub struct IpcMapping {
     /// `Some` when the handle was exported by this process: the exporting region, kept
     /// alive so the memory stays valid while the mapping exists.
     local: Option<Arc<dyn MemoryRegion>>,
+    /// Whether kernels of `device` can write the memory directly (same device, or peer
+    /// access enabled); if not, copies into it go through `cuMemcpyAsync`.
+    direct: bool,
 }
 
 impl IpcMapping {
@@ -295,12 +298,14 @@ impl Device {
         });
         if let Some((owner, base, size, region)) = local {
             enable_peer_access(self, &owner)?;
+            let direct = owner.ordinal() == self.ordinal() || can_access_peer(self, &owner)?;
             return Ok(Arc::new(IpcMapping {
                 device: self.clone(),
                 handle: *handle,
                 base,
                 size,
                 local: Some(region),
+                direct,
             }));
         }
         let mut table = lock(opened());
@@ -313,6 +318,7 @@ impl Device {
                 base: e.base,
                 size: e.size,
                 local: None,
+                direct: true,
             }));
         }
         self.bind()?;
@@ -355,6 +361,8 @@ impl Device {
             base,
             size: size as u64,
             local: None,
+            // cuIpcOpenMemHandle maps it into this context (peer access enabled lazily).
+            direct: true,
         }))
     }
 }
@@ -458,6 +466,10 @@ pub struct PeerCopies {
     dsts: Vec<sys::CUdeviceptr>,
     srcs: Vec<sys::CUdeviceptr>,
     sizes: Vec<usize>,
+    /// Per queued copy: whether its source is memory of this stream's device (the copy
+    /// kernel reads only those; others go through `cuMemcpyAsync`, which reaches any
+    /// device).
+    local: Vec<bool>,
     sources: Vec<Arc<dyn MemoryRegion>>,
     targets: Vec<Arc<IpcMapping>>,
     fences: VecDeque<Fence>,
@@ -535,6 +547,7 @@ impl PeerCopies {
             dsts: Vec::new(),
             srcs: Vec::new(),
             sizes: Vec::new(),
+            local: Vec::new(),
             sources: Vec::new(),
             targets: Vec::new(),
             fences: VecDeque::new(),
@@ -583,7 +596,9 @@ impl PeerCopies {
         }
         let to = dst.base + dst_offset;
         match (src.location(), src.host_ptr()) {
-            (MemoryLocation::Cuda { .. }, _) => {
+            (MemoryLocation::Cuda { device }, _) => {
+                self.local
+                    .push(device == self.device.ordinal() && dst.direct);
                 self.srcs.push(src.device_addr() + src_offset);
                 self.dsts.push(to);
                 self.sizes.push(len as usize);
@@ -649,6 +664,7 @@ impl PeerCopies {
         });
         self.dsts.clear();
         self.srcs.clear();
+        self.local.clear();
         self.sizes.clear();
         let event = match self.spare.pop() {
             Some(e) => e,
@@ -678,7 +694,7 @@ impl PeerCopies {
         self.aligned.clear();
         let mut odd = Vec::new();
         for i in 0..self.sizes.len() {
-            if (self.dsts[i] | self.srcs[i]) & 15 == 0 {
+            if self.local[i] && (self.dsts[i] | self.srcs[i]) & 15 == 0 {
                 self.aligned
                     .push((self.dsts[i], self.srcs[i], self.sizes[i] as u64));
             } else {
@@ -690,8 +706,10 @@ impl PeerCopies {
         {
             // SAFETY: every range was bounds-checked in push against live memory that
             // `sources`/`targets` keep alive until the event recorded after this launch
-            // completes (the list too, held by the fence); ends are 16-byte aligned
-            // (filtered above); the stream is this context's, which is current.
+            // completes (the list too, held by the fence); sources are this device's
+            // memory and targets are mapped into this context (peer access enabled for
+            // them); ends are 16-byte aligned (filtered above); the stream is this
+            // context's, which is current.
             *list = Some(unsafe { k.launch(self.stream, &self.aligned)? });
         }
         for i in odd {

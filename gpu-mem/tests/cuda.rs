@@ -728,3 +728,38 @@ impl ToVecForTest for Arc<dyn MemoryRegion> {
         v
     }
 }
+
+#[test]
+fn peer_copies_from_another_gpus_memory_still_land() {
+    let Some(cuda) = cuda() else { return };
+    if cuda.device_count().unwrap() < 2 {
+        eprintln!("skipped: one GPU (needs two)");
+        return;
+    }
+    let (g0, g1) = (cuda.device(0).unwrap(), cuda.device(1).unwrap());
+    let dst: Arc<dyn MemoryRegion> = Arc::new(g0.alloc_zeroed(1 << 20).unwrap());
+    let export = g0.export_ipc(&dst).unwrap();
+    let mapping = g0.open_ipc(&export.handle()).unwrap();
+    // The source lives on GPU 1, the copies are issued from GPU 0: the copy kernel of
+    // GPU 0 must not read it (no mapping there); plain copies must move it.
+    let data = pattern(65536, 5);
+    let src: Arc<dyn MemoryRegion> = Arc::new(g1.alloc(65536).unwrap());
+    src.write_from_host(0, &data).unwrap();
+    let mut copies = gpu_mem::PeerCopies::with_method(&g0, gpu_mem::CopyMethod::Kernel).unwrap();
+    for i in 0..16u64 {
+        copies
+            .push(&src, i * 4096, &mapping, (15 - i) * 4096, 4096)
+            .unwrap();
+    }
+    let t = copies.submit().unwrap();
+    assert_eq!(copies.synchronize().unwrap(), t);
+    let mut back = vec![0u8; 65536];
+    dst.read_to_host(0, &mut back).unwrap();
+    for i in 0..16usize {
+        let at = (15 - i) * 4096;
+        assert!(
+            back[at..at + 4096] == data[i * 4096..(i + 1) * 4096],
+            "page {i}"
+        );
+    }
+}
