@@ -139,10 +139,10 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
         src: LocalSlice,
         imm: Option<u32>,
     ) -> Result<PostOutcome> {
-        if src.len > self.cfg.max_msg_size {
+        if src.len > self.cfg.max_send_size {
             return Err(Error::InvalidArgument(format!(
-                "a {}-byte SEND exceeds the {}-byte limit",
-                src.len, self.cfg.max_msg_size
+                "a {}-byte SEND exceeds the {}-byte limit (max_send_size)",
+                src.len, self.cfg.max_send_size
             )));
         }
         let mem = self.local_slice(src)?.mem.clone();

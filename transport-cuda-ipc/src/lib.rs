@@ -90,8 +90,10 @@ use wire::{Reserve, Status};
 pub struct CudaIpcConfig {
     /// The CUDA device this transport copies from (its stream and mappings live there).
     pub device: u32,
-    /// Largest single WRITE or SEND.
+    /// Largest single WRITE.
     pub max_msg_size: u64,
+    /// Largest SEND (its bytes travel through the control socket and are buffered whole).
+    pub max_send_size: u64,
     /// Operations in flight before posts answer `NoRoom`.
     pub max_outstanding: usize,
     /// Writes per reservation round trip.
@@ -115,6 +117,7 @@ impl Default for CudaIpcConfig {
         CudaIpcConfig {
             device: 0,
             max_msg_size: 1 << 30,
+            max_send_size: 16 << 20,
             max_outstanding: 1 << 16,
             max_batch: 1024,
             max_batches_in_flight: 16,
@@ -169,8 +172,9 @@ enum Role {
         peer: Option<PeerId>,
         /// Keys whose handle this connection was sent.
         known_keys: HashSet<u64>,
-        /// Regions of granted batches, kept alive until DONE.
-        granted: HashMap<u64, Vec<Arc<dyn MemoryRegion>>>,
+        /// Regions of granted batches, kept alive until DONE, and how many writes each
+        /// batch was granted.
+        granted: HashMap<u64, (Vec<Arc<dyn MemoryRegion>>, usize)>,
         opened: Instant,
     },
 }
@@ -344,7 +348,7 @@ impl<L: Link> CudaIpcTransport<L> {
 
     fn max_payload(&self) -> u64 {
         let per_batch = (self.cfg.max_batch * <Reserve as wire::Record>::LEN) as u64;
-        self.cfg.max_msg_size.max(per_batch) + 4096
+        self.cfg.max_send_size.max(per_batch) + 4096
     }
 
     fn insert_conn(&mut self, c: Conn) -> usize {

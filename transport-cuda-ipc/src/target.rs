@@ -109,6 +109,7 @@ impl<L: Link> CudaIpcTransport<L> {
                 }
                 let mut verdicts = Vec::with_capacity(entries.len());
                 let mut keep: Vec<Arc<dyn MemoryRegion>> = Vec::new();
+                let mut ok = 0usize;
                 for e in &entries {
                     let (status, region_len) = match self.targets.get(&e.key) {
                         None => (Status::BadKey, 0),
@@ -131,6 +132,7 @@ impl<L: Link> CudaIpcTransport<L> {
                                 if !keep.last().is_some_and(|k| Arc::ptr_eq(k, &t.mem)) {
                                     keep.push(t.mem.clone());
                                 }
+                                ok += 1;
                                 Status::Ok
                             } else {
                                 Status::NoPermission
@@ -143,7 +145,7 @@ impl<L: Link> CudaIpcTransport<L> {
                         region_len,
                     });
                 }
-                granted.insert(h.id, keep);
+                granted.insert(h.id, (keep, ok));
                 put_frame(io.out(), Op::Grant, h.id, 0, &verdicts);
             }
             Op::Done => {
@@ -155,8 +157,14 @@ impl<L: Link> CudaIpcTransport<L> {
                 else {
                     return Err("not a target connection".into());
                 };
-                if granted.remove(&h.id).is_none() {
+                let Some((_, ok)) = granted.remove(&h.id) else {
                     return Err(format!("DONE for unknown batch {}", h.id));
+                };
+                if landed.len() > ok {
+                    return Err(format!(
+                        "DONE reports {} writes for a batch of {ok} granted",
+                        landed.len()
+                    ));
                 }
                 for l in landed {
                     self.done.push(Completion {

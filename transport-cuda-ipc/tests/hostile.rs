@@ -328,3 +328,35 @@ proptest! {
         still_serves(t);
     }
 }
+
+#[test]
+fn a_done_claiming_more_writes_than_were_granted_closes_the_connection() {
+    let mut t = make();
+    let dst = Canaried::new(&mut t, 4096, Access::REMOTE_WRITE, 0);
+    let mut s = raw_connect(&t);
+    let mut v = hello(&make().address());
+    put_frame(
+        &mut v,
+        Op::Reserve,
+        1,
+        0,
+        &[Reserve {
+            key: dst.reg.remote.key.0,
+            offset: 0,
+            len: 16,
+        }],
+    );
+    // One write granted, a thousand immediate values claimed.
+    let landed: Vec<transport_cuda_ipc::wire::Landed> = (0..1000)
+        .map(|i| transport_cuda_ipc::wire::Landed { imm: i, len: 16 })
+        .collect();
+    put_frame(&mut v, Op::Done, 1, 0, &landed);
+    s.write_all(&v).unwrap();
+    until_closed(&mut t, &mut s);
+    let mut done = Vec::new();
+    t.poll(&mut done).unwrap();
+    assert!(
+        done.iter().all(|c| c.op != OpKind::RemoteWrite),
+        "a forged DONE produced completions: {done:?}"
+    );
+}
