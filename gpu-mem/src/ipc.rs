@@ -13,14 +13,14 @@
 //! [`Device::open_ipc`] finds it in a process-wide table and maps it onto the exporting
 //! region itself, which the mapping then keeps alive.
 
+use crate::copies::{CopyMethod, RangeCopies};
 use crate::device::Device;
 use crate::error::{CopyDirection, GpuMemError, check, check_call};
-use crate::gather::{DescList, GatherKernel};
 use crate::range::check_range;
-use crate::stream::{EventInner, new_nonblocking_stream};
+use crate::stream::new_nonblocking_stream;
 use cudarc::driver::sys;
 use fabric_core::{MemoryLocation, MemoryRegion};
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
@@ -373,59 +373,6 @@ pub fn open_ipc_mappings() -> usize {
     lock(opened()).len()
 }
 
-/// `cuMemcpyBatchAsync` as CUDA 12.8 declares it.
-type BatchFn = unsafe extern "C" fn(
-    *mut sys::CUdeviceptr,
-    *mut sys::CUdeviceptr,
-    *mut usize,
-    usize,
-    *mut sys::CUmemcpyAttributes,
-    *mut usize,
-    usize,
-    *mut usize,
-    sys::CUstream,
-) -> sys::CUresult;
-
-/// The driver's batched copy, when it has one (12.8 and later).
-fn batch_fn() -> Option<BatchFn> {
-    static F: OnceLock<Option<BatchFn>> = OnceLock::new();
-    *F.get_or_init(|| {
-        // SAFETY: only reached through a Device, which exists only after Cuda::probe found
-        // the driver library; looking a symbol up by name has no other effect, and the
-        // declared type is the one of the CUDA 12.8 headers for this name.
-        unsafe {
-            sys::culib()
-                .get::<BatchFn>(b"cuMemcpyBatchAsync\0")
-                .ok()
-                .map(|s| *s)
-        }
-    })
-}
-
-/// How [`PeerCopies`] issues a batch of copies. The default is the first that works here,
-/// in this order; `XFER_CUDA_COPY=kernel|batch|memcpy` forces one (for comparisons).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CopyMethod {
-    /// One launch of a copy kernel per batch (ranges with 16-byte aligned ends; others
-    /// fall back to `cuMemcpyAsync`): SMs move the bytes, no per-range engine cost.
-    Kernel,
-    /// One `cuMemcpyBatchAsync` per batch (driver 12.8 and later).
-    Batch,
-    /// One `cuMemcpyAsync` per range.
-    Memcpy,
-}
-
-impl CopyMethod {
-    /// Its name, as `XFER_CUDA_COPY` spells it.
-    pub fn name(self) -> &'static str {
-        match self {
-            CopyMethod::Kernel => "kernel",
-            CopyMethod::Batch => "batch",
-            CopyMethod::Memcpy => "memcpy",
-        }
-    }
-}
-
 /// Makes memory of `to` reachable from `from`'s context (peer access), where the devices
 /// differ and allow it; without it the driver stages cross-device copies through the host.
 pub fn enable_peer_access(from: &Device, to: &Device) -> Result<(), GpuMemError> {
@@ -442,139 +389,48 @@ pub fn enable_peer_access(from: &Device, to: &Device) -> Result<(), GpuMemError>
     }
 }
 
-/// Copies done since the last submit, and what they keep alive.
-struct Fence {
-    event: Arc<EventInner>,
-    ticket: u64,
-    /// The copy kernel's list of ranges, if it ran.
-    list: Option<DescList>,
-    sources: Vec<Arc<dyn MemoryRegion>>,
-    targets: Vec<Arc<IpcMapping>>,
-}
-
 /// Asynchronous copies from local memory into peers' [`IpcMapping`]s, on one stream of one
 /// device.
 ///
 /// [`push`](Self::push) checks and queues a copy; [`submit`](Self::submit) starts what was
-/// queued (as one batch where the driver allows) and returns a ticket;
+/// queued (one launch of the copy kernel, or see [`CopyMethod`]) and returns a ticket;
 /// [`completed`](Self::completed) says, without waiting, the highest ticket whose copies
 /// have all finished. Sources and mappings stay alive until then. Dropping the value waits
 /// for its copies.
 pub struct PeerCopies {
-    device: Device,
-    stream: sys::CUstream,
-    dsts: Vec<sys::CUdeviceptr>,
-    srcs: Vec<sys::CUdeviceptr>,
-    sizes: Vec<usize>,
-    /// Per queued copy: whether its source is memory of this stream's device (the copy
-    /// kernel reads only those; others go through `cuMemcpyAsync`, which reaches any
-    /// device).
-    local: Vec<bool>,
-    sources: Vec<Arc<dyn MemoryRegion>>,
-    targets: Vec<Arc<IpcMapping>>,
-    fences: VecDeque<Fence>,
-    spare: Vec<Arc<EventInner>>,
-    next_ticket: u64,
-    done: u64,
-    method: CopyMethod,
-    kernel: Option<GatherKernel>,
-    batch: Option<BatchFn>,
-    /// Why the kernel is not used, when it is not.
-    note: Option<String>,
-    /// Scratch for the kernel's ranges.
-    aligned: Vec<(u64, u64, u64)>,
+    copies: RangeCopies,
 }
-
-// SAFETY: the stream handle is an opaque driver object any thread may use once the context
-// is current (every call binds it); the raw addresses are plain integers; the other fields
-// are Send. `&PeerCopies` exposes nothing that touches the stream, so Sync is sound too.
-unsafe impl Send for PeerCopies {}
-// SAFETY: see above.
-unsafe impl Sync for PeerCopies {}
 
 impl PeerCopies {
     /// A stream for copies issued from `device` (the device whose memory is the source),
     /// with the best [`CopyMethod`] that works here, or the one `XFER_CUDA_COPY` names.
     pub fn new(device: &Device) -> Result<PeerCopies, GpuMemError> {
-        let forced = std::env::var("XFER_CUDA_COPY").ok();
-        let forced = match forced.as_deref() {
-            None | Some("") => None,
-            Some("kernel") => Some(CopyMethod::Kernel),
-            Some("batch") => Some(CopyMethod::Batch),
-            Some("memcpy") => Some(CopyMethod::Memcpy),
-            Some(other) => {
-                return Err(GpuMemError::WrongMemory(format!(
-                    "XFER_CUDA_COPY={other}: expected kernel, batch or memcpy"
-                )));
-            }
-        };
-        if let Some(m) = forced {
-            return PeerCopies::with_method(device, m);
-        }
-        match PeerCopies::with_method(device, CopyMethod::Kernel) {
-            Ok(c) => Ok(c),
-            Err(e) => {
-                let m = if batch_fn().is_some() {
-                    CopyMethod::Batch
-                } else {
-                    CopyMethod::Memcpy
-                };
-                let mut c = PeerCopies::with_method(device, m)?;
-                c.note = Some(format!("copy kernel unavailable: {e}"));
-                Ok(c)
-            }
-        }
+        Ok(PeerCopies {
+            copies: RangeCopies::new(device)?,
+        })
     }
 
     /// A stream for copies issued from `device` with `method`; fails when this machine
     /// cannot do it (the kernel does not load, or the driver has no batched copy).
     pub fn with_method(device: &Device, method: CopyMethod) -> Result<PeerCopies, GpuMemError> {
-        let kernel = match method {
-            CopyMethod::Kernel => Some(GatherKernel::load(device)?),
-            _ => None,
-        };
-        let batch = batch_fn();
-        if method == CopyMethod::Batch && batch.is_none() {
-            return Err(GpuMemError::WrongMemory(
-                "this driver has no cuMemcpyBatchAsync (CUDA 12.8 or later)".into(),
-            ));
-        }
-        device.bind()?;
-        let stream = new_nonblocking_stream()?;
         Ok(PeerCopies {
-            device: device.clone(),
-            stream,
-            dsts: Vec::new(),
-            srcs: Vec::new(),
-            sizes: Vec::new(),
-            local: Vec::new(),
-            sources: Vec::new(),
-            targets: Vec::new(),
-            fences: VecDeque::new(),
-            spare: Vec::new(),
-            next_ticket: 1,
-            done: 0,
-            method,
-            kernel,
-            batch,
-            note: None,
-            aligned: Vec::new(),
+            copies: RangeCopies::with_method(device, method)?,
         })
     }
 
     /// How batches are issued.
     pub fn method(&self) -> CopyMethod {
-        self.method
+        self.copies.method()
     }
 
     /// Why the copy kernel is not used, when it is not.
     pub fn method_note(&self) -> Option<&str> {
-        self.note.as_deref()
+        self.copies.note()
     }
 
     /// Whether a batch is one driver call (kernel launch or batched copy).
     pub fn batched(&self) -> bool {
-        self.method != CopyMethod::Memcpy
+        self.copies.method() != CopyMethod::Memcpy
     }
 
     /// Queues a copy of `len` bytes from `src` at `src_offset` into `dst` at `dst_offset`
@@ -597,25 +453,25 @@ impl PeerCopies {
         let to = dst.base + dst_offset;
         match (src.location(), src.host_ptr()) {
             (MemoryLocation::Cuda { device }, _) => {
-                self.local
-                    .push(device == self.device.ordinal() && dst.direct);
-                self.srcs.push(src.device_addr() + src_offset);
-                self.dsts.push(to);
-                self.sizes.push(len as usize);
+                // The copy kernel reads only this device's memory and writes only mappings
+                // its kernels can reach; cuMemcpyAsync moves the rest.
+                let kernel_ok = device == self.copies.device().ordinal() && dst.direct;
+                self.copies
+                    .queue(to, src.device_addr() + src_offset, len, kernel_ok);
             }
             (MemoryLocation::Host, Some(p)) => {
-                self.device.bind()?;
+                self.copies.device().bind()?;
                 check(
                     // SAFETY: p + src_offset .. + len lies in the live host region (checked
                     // above; host_ptr is valid per MemoryRegion's contract); the
                     // destination lies in the mapped allocation (checked above), kept alive
-                    // by `targets` until the copy's event completes; the context is current.
+                    // until the copy's event completes; the context is current.
                     unsafe {
                         sys::cuMemcpyHtoDAsync_v2(
                             to,
                             p.as_ptr().add(src_offset as usize).cast::<c_void>(),
                             len as usize,
-                            self.stream,
+                            self.copies.stream(),
                         )
                     },
                     |source| GpuMemError::Copy {
@@ -631,12 +487,8 @@ impl PeerCopies {
                 ));
             }
         }
-        if !self.sources.last().is_some_and(|s| Arc::ptr_eq(s, src)) {
-            self.sources.push(src.clone());
-        }
-        if !self.targets.last().is_some_and(|t| Arc::ptr_eq(t, dst)) {
-            self.targets.push(dst.clone());
-        }
+        self.copies.keep(src);
+        self.copies.keep(dst);
         Ok(())
     }
 
@@ -644,186 +496,32 @@ impl PeerCopies {
     /// reports once they have all finished. On error none of the queued copies may be
     /// assumed done (nor assumed not done).
     pub fn submit(&mut self) -> Result<u64, GpuMemError> {
-        self.device.bind()?;
-        let n = self.sizes.len();
-        let total: usize = self.sizes.iter().sum();
-        let copy_err = |source| GpuMemError::Copy {
-            direction: CopyDirection::DeviceToDevice,
-            len: total as u64,
-            source,
-        };
-        let mut list = None;
-        let issued = match self.method {
-            CopyMethod::Kernel => self.issue_kernel(&mut list),
-            CopyMethod::Batch if n > 1 => self.issue_batch(),
-            _ => self.issue_each(0..n),
-        }
-        .map_err(|e| match e {
-            GpuMemError::Driver { source, .. } => copy_err(source),
+        let len = self.copies.queued_bytes();
+        self.copies.submit().map_err(|e| match e {
+            GpuMemError::Driver { source, .. } => GpuMemError::Copy {
+                direction: CopyDirection::DeviceToDevice,
+                len,
+                source,
+            },
             other => other,
-        });
-        self.dsts.clear();
-        self.srcs.clear();
-        self.local.clear();
-        self.sizes.clear();
-        let event = match self.spare.pop() {
-            Some(e) => e,
-            None => Arc::new(EventInner::new(&self.device)?),
-        };
-        // Record even after an error, so the regions stay alive until the stream has
-        // finished whatever it did start.
-        check_call(
-            // SAFETY: event and stream are live handles of this context, which is current.
-            unsafe { sys::cuEventRecord(event.event, self.stream) },
-            "cuEventRecord",
-        )?;
-        let ticket = self.next_ticket;
-        self.next_ticket += 1;
-        self.fences.push_back(Fence {
-            event,
-            ticket,
-            list,
-            sources: std::mem::take(&mut self.sources),
-            targets: std::mem::take(&mut self.targets),
-        });
-        issued.map(|()| ticket)
-    }
-
-    /// Launches the copy kernel for the aligned queued copies, plain copies for the rest.
-    fn issue_kernel(&mut self, list: &mut Option<DescList>) -> Result<(), GpuMemError> {
-        self.aligned.clear();
-        let mut odd = Vec::new();
-        for i in 0..self.sizes.len() {
-            if self.local[i] && (self.dsts[i] | self.srcs[i]) & 15 == 0 {
-                self.aligned
-                    .push((self.dsts[i], self.srcs[i], self.sizes[i] as u64));
-            } else {
-                odd.push(i);
-            }
-        }
-        if !self.aligned.is_empty()
-            && let Some(k) = self.kernel.as_mut()
-        {
-            // SAFETY: every range was bounds-checked in push against live memory that
-            // `sources`/`targets` keep alive until the event recorded after this launch
-            // completes (the list too, held by the fence); sources are this device's
-            // memory and targets are mapped into this context (peer access enabled for
-            // them); ends are 16-byte aligned (filtered above); the stream is this
-            // context's, which is current.
-            *list = Some(unsafe { k.launch(self.stream, &self.aligned)? });
-        }
-        for i in odd {
-            self.issue_each(i..i + 1)?;
-        }
-        Ok(())
-    }
-
-    fn issue_batch(&mut self) -> Result<(), GpuMemError> {
-        let Some(f) = self.batch else {
-            return self.issue_each(0..self.sizes.len());
-        };
-        let n = self.sizes.len();
-        let loc = sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_INVALID,
-            id: 0,
-        };
-        let mut attr = sys::CUmemcpyAttributes {
-            srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-            srcLocHint: loc,
-            dstLocHint: loc,
-            flags: 0,
-        };
-        let mut attr_idx = 0usize;
-        let mut fail_idx = usize::MAX;
-        // SAFETY: the three arrays hold n entries each; every (src, dst, size) was
-        // bounds-checked in push against live memory that `sources`/`targets` keep alive
-        // until the event recorded after this call completes; the stream belongs to this
-        // context, which is current; one attribute applies from index 0.
-        let r = unsafe {
-            f(
-                self.dsts.as_mut_ptr(),
-                self.srcs.as_mut_ptr(),
-                self.sizes.as_mut_ptr(),
-                n,
-                &mut attr,
-                &mut attr_idx,
-                1,
-                &mut fail_idx,
-                self.stream,
-            )
-        };
-        check_call(r, "cuMemcpyBatchAsync")
-    }
-
-    fn issue_each(&mut self, range: std::ops::Range<usize>) -> Result<(), GpuMemError> {
-        for i in range {
-            check_call(
-                // SAFETY: as for the batch: the range was checked in push and its memory
-                // stays alive until the event recorded after this call completes.
-                unsafe {
-                    sys::cuMemcpyAsync(self.dsts[i], self.srcs[i], self.sizes[i], self.stream)
-                },
-                "cuMemcpyAsync",
-            )?;
-        }
-        Ok(())
+        })
     }
 
     /// The highest ticket whose copies have all finished (0 before any), without waiting.
     /// An error means a copy failed on the device: treat every ticket not yet reported as
     /// failed.
     pub fn completed(&mut self) -> Result<u64, GpuMemError> {
-        while let Some(f) = self.fences.front() {
-            if !f.event.query()? {
-                break;
-            }
-            self.retire_front();
-        }
-        Ok(self.done)
+        self.copies.completed()
     }
 
     /// Tickets submitted and not yet seen complete.
     pub fn in_flight(&self) -> usize {
-        self.fences.len()
+        self.copies.in_flight()
     }
 
     /// Waits for every submitted copy.
     pub fn synchronize(&mut self) -> Result<u64, GpuMemError> {
-        self.device.bind()?;
-        check_call(
-            // SAFETY: the stream is a live handle of this context, which is current.
-            unsafe { sys::cuStreamSynchronize(self.stream) },
-            "cuStreamSynchronize",
-        )?;
-        while !self.fences.is_empty() {
-            self.retire_front();
-        }
-        Ok(self.done)
-    }
-
-    fn retire_front(&mut self) {
-        if let Some(f) = self.fences.pop_front() {
-            self.done = f.ticket;
-            // The copies are done: their memory may go now, and their list be reused.
-            drop((f.sources, f.targets));
-            if let (Some(l), Some(k)) = (f.list, self.kernel.as_mut()) {
-                k.recycle(l);
-            }
-            self.spare.push(f.event);
-        }
-    }
-}
-
-impl Drop for PeerCopies {
-    fn drop(&mut self) {
-        if self.device.bind().is_ok() {
-            // SAFETY: the stream is live and destroyed once; synchronising first keeps the
-            // regions (dropped after this) alive until its copies are done.
-            unsafe {
-                sys::cuStreamSynchronize(self.stream);
-                sys::cuStreamDestroy_v2(self.stream);
-            }
-        }
+        self.copies.synchronize()
     }
 }
 

@@ -54,6 +54,7 @@
 #![warn(missing_docs)]
 
 mod buffer;
+mod copies;
 mod device;
 mod error;
 mod gather;
@@ -64,12 +65,12 @@ mod range;
 mod stream;
 
 pub use buffer::{DeviceBuffer, DmabufExport};
+pub use copies::{CopyMethod, StagedCopies};
 pub use device::{Cuda, CudaDeviceInfo, Device, DriverVersion, devices, driver_present};
 pub use error::{CopyDirection, CudaError, GpuMemError};
-pub use gather::StagedCopies;
 pub use host::HostMemory;
 pub use ipc::{
-    CopyMethod, IPC_HANDLE_LEN, IpcExport, IpcHandle, IpcMapping, PeerCopies, can_access_peer,
+    IPC_HANDLE_LEN, IpcExport, IpcHandle, IpcMapping, PeerCopies, can_access_peer,
     enable_peer_access, open_ipc_mappings, plain_copy_gbps,
 };
 pub use pinned::PinnedHostBuffer;

@@ -17,9 +17,9 @@
 //! immediate data) only once the mark after its last byte has completed; then its room is
 //! free again.
 //!
-//! A [`CopyEngine`] makes the copies: [`KernelEngine`] (one copy-kernel launch per mark),
-//! or [`CudaEngine`] with asynchronous copies on a CUDA
-//! stream into pinned memory, or [`RegionEngine`] through the region's own batched copy
+//! A [`CopyEngine`] makes the copies: [`CudaEngine`] with asynchronous copies through pinned
+//! memory (one copy-kernel launch per mark where the kernel loads), or [`RegionEngine`]
+//! through the region's own batched copy
 //! methods, run when the engine is polled (memory that only claims to be a device's, such as
 //! the fake devices of the tests, or CUDA memory the driver does not know).
 
@@ -134,74 +134,15 @@ pub(crate) trait CopyEngine: Send {
     fn poll_marks(&mut self) -> Result<usize, String>;
 }
 
-/// Asynchronous copies on a non-blocking CUDA stream, through pinned staging.
+/// CUDA copies through pinned staging, batched per mark: one launch of gpu-mem's copy
+/// kernel moves every page queued since the last mark (see [`gpu_mem::StagedCopies`]),
+/// instead of one driver call per page, which contended on the context's locks once several
+/// rails shared a process.
 struct CudaEngine {
-    stream: gpu_mem::CopyStream,
-    staging: Arc<gpu_mem::PinnedHostBuffer>,
-    events: VecDeque<gpu_mem::CopyEvent>,
-}
-
-impl CopyEngine for CudaEngine {
-    fn staging(&self) -> NonNull<u8> {
-        self.staging
-            .host_ptr()
-            .expect("pinned memory has a host pointer")
-    }
-
-    fn copy_out(
-        &mut self,
-        src: &Arc<dyn MemoryRegion>,
-        src_offset: u64,
-        at: usize,
-        len: usize,
-    ) -> Result<(), String> {
-        self.stream
-            .copy_d2h_async(src, src_offset, &self.staging, at as u64, len as u64)
-            .map_err(|e| format!("cannot copy device memory out: {e}"))
-    }
-
-    fn copy_in(
-        &mut self,
-        at: usize,
-        dst: &Arc<dyn MemoryRegion>,
-        dst_offset: u64,
-        len: usize,
-    ) -> Result<(), String> {
-        self.stream
-            .copy_h2d_async(&self.staging, at as u64, dst, dst_offset, len as u64)
-            .map_err(|e| format!("cannot place payload in device memory: {e}"))
-    }
-
-    fn mark(&mut self) -> Result<(), String> {
-        let e = self
-            .stream
-            .record_event()
-            .map_err(|e| format!("cannot record a copy event: {e}"))?;
-        self.events.push_back(e);
-        Ok(())
-    }
-
-    fn poll_marks(&mut self) -> Result<usize, String> {
-        let mut n = 0;
-        while let Some(e) = self.events.front() {
-            if !e.query().map_err(|e| format!("device copy failed: {e}"))? {
-                break;
-            }
-            self.events.pop_front();
-            n += 1;
-        }
-        Ok(n)
-    }
-}
-
-/// Copies batched per mark: one launch of gpu-mem's copy kernel moves every page queued
-/// since the last mark (see [`gpu_mem::StagedCopies`]), instead of one driver call per page,
-/// which contended on the context's locks once several rails shared a process.
-struct KernelEngine {
     copies: gpu_mem::StagedCopies,
 }
 
-impl CopyEngine for KernelEngine {
+impl CopyEngine for CudaEngine {
     fn staging(&self) -> NonNull<u8> {
         self.copies
             .staging()
@@ -397,24 +338,16 @@ fn engine_for(via: &Via) -> Result<Box<dyn CopyEngine>, String> {
                     .alloc_pinned(RING)
                     .map_err(|e| format!("cannot allocate pinned staging: {e}"))?,
             );
-            // The copy kernel, unless XFER_TCP_GPU_COPY=stream asks for one driver copy per
-            // page (or the kernel does not load here).
-            if std::env::var("XFER_TCP_GPU_COPY").as_deref() != Ok("stream") {
-                match gpu_mem::StagedCopies::new(device, staging.clone()) {
-                    Ok(copies) => return Ok(Box::new(KernelEngine { copies })),
-                    Err(e) => {
-                        tracing::info!(error = %e, "copy kernel unavailable: one copy per page")
-                    }
-                }
+            // The best copy method here (the copy kernel where it loads), unless
+            // XFER_TCP_GPU_COPY=stream asks for one driver copy per page.
+            let copies = if std::env::var("XFER_TCP_GPU_COPY").as_deref() == Ok("stream") {
+                gpu_mem::StagedCopies::with_method(device, staging, gpu_mem::CopyMethod::Memcpy)
+            } else {
+                gpu_mem::StagedCopies::new(device, staging)
             }
-            let stream = device
-                .copy_stream()
-                .map_err(|e| format!("cannot create a copy stream: {e}"))?;
-            Ok(Box::new(CudaEngine {
-                stream,
-                staging,
-                events: VecDeque::new(),
-            }))
+            .map_err(|e| format!("cannot set up device copies: {e}"))?;
+            tracing::debug!(method = copies.method().name(), "staging copies");
+            Ok(Box::new(CudaEngine { copies }))
         }
     }
 }

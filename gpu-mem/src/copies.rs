@@ -1,0 +1,546 @@
+//! Batches of range copies on one stream: the engine under [`PeerCopies`](crate::PeerCopies)
+//! (into peers' memory) and [`StagedCopies`] (between device memory and pinned staging).
+//!
+//! Ranges `(dst, src, len)` are queued as device-visible addresses, checked by the caller;
+//! [`RangeCopies::submit`] issues them with the chosen [`CopyMethod`] and records an event
+//! that keeps the regions they touch alive until it completes.
+
+use crate::device::Device;
+use crate::error::{GpuMemError, check_call};
+use crate::gather::{DescList, GatherKernel};
+use crate::range::check_range;
+use crate::stream::{EventInner, new_nonblocking_stream};
+use cudarc::driver::sys;
+use fabric_core::{MemoryLocation, MemoryRegion};
+use std::collections::VecDeque;
+use std::ffi::c_void;
+use std::sync::{Arc, OnceLock};
+
+/// `cuMemcpyBatchAsync` as CUDA 12.8 declares it.
+type BatchFn = unsafe extern "C" fn(
+    *mut sys::CUdeviceptr,
+    *mut sys::CUdeviceptr,
+    *mut usize,
+    usize,
+    *mut sys::CUmemcpyAttributes,
+    *mut usize,
+    usize,
+    *mut usize,
+    sys::CUstream,
+) -> sys::CUresult;
+
+/// The driver's batched copy, when it has one (12.8 and later).
+fn batch_fn() -> Option<BatchFn> {
+    static F: OnceLock<Option<BatchFn>> = OnceLock::new();
+    *F.get_or_init(|| {
+        // SAFETY: only reached through a Device, which exists only after Cuda::probe found
+        // the driver library; looking a symbol up by name has no other effect, and the
+        // declared type is the one of the CUDA 12.8 headers for this name.
+        unsafe {
+            sys::culib()
+                .get::<BatchFn>(b"cuMemcpyBatchAsync\0")
+                .ok()
+                .map(|s| *s)
+        }
+    })
+}
+
+/// How a batch of copies is issued. The default is the first that works here, in this
+/// order; `XFER_CUDA_COPY=kernel|batch|memcpy` forces one (for comparisons).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyMethod {
+    /// One launch of a copy kernel per batch (ranges with 16-byte aligned ends; others
+    /// fall back to `cuMemcpyAsync`): SMs move the bytes, no per-range engine cost.
+    Kernel,
+    /// One `cuMemcpyBatchAsync` per batch (driver 12.8 and later).
+    Batch,
+    /// One `cuMemcpyAsync` per range.
+    Memcpy,
+}
+
+impl CopyMethod {
+    /// Its name, as `XFER_CUDA_COPY` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            CopyMethod::Kernel => "kernel",
+            CopyMethod::Batch => "batch",
+            CopyMethod::Memcpy => "memcpy",
+        }
+    }
+}
+
+/// Keeps memory a queued copy touches alive until its event completes.
+type KeepAlive = Box<dyn Send + Sync>;
+
+/// The copies of one submit: their event, the kernel's list of ranges, what they use.
+struct Fence {
+    event: Arc<EventInner>,
+    ticket: u64,
+    list: Option<DescList>,
+    keep: Vec<KeepAlive>,
+}
+
+/// Queued range copies on one non-blocking stream of one device, issued per submit.
+pub(crate) struct RangeCopies {
+    device: Device,
+    stream: sys::CUstream,
+    method: CopyMethod,
+    kernel: Option<GatherKernel>,
+    batch: Option<BatchFn>,
+    /// Why a better method is not used, when it is not.
+    note: Option<String>,
+    dsts: Vec<sys::CUdeviceptr>,
+    srcs: Vec<sys::CUdeviceptr>,
+    sizes: Vec<usize>,
+    /// Per queued copy: whether the copy kernel may move it (both ends reachable by this
+    /// device's kernels); others go through `cuMemcpyAsync`, which reaches any device.
+    kernel_ok: Vec<bool>,
+    keep: Vec<KeepAlive>,
+    /// Address of the last keep-alive, so that runs of copies from one region keep it once.
+    last_kept: Vec<usize>,
+    fences: VecDeque<Fence>,
+    spare: Vec<Arc<EventInner>>,
+    next_ticket: u64,
+    done: u64,
+    /// Scratch for the kernel's ranges.
+    aligned: Vec<(u64, u64, u64)>,
+}
+
+// SAFETY: the stream handle is an opaque driver object any thread may use once the context
+// is current (every call binds it); the raw addresses are plain integers; the other fields
+// are Send. `&RangeCopies` exposes nothing that touches the stream, so Sync is sound too.
+unsafe impl Send for RangeCopies {}
+// SAFETY: see above.
+unsafe impl Sync for RangeCopies {}
+
+impl RangeCopies {
+    /// Copies on `device` with the best method that works here, or the one
+    /// `XFER_CUDA_COPY` names.
+    pub(crate) fn new(device: &Device) -> Result<RangeCopies, GpuMemError> {
+        let forced = std::env::var("XFER_CUDA_COPY").ok();
+        let forced = match forced.as_deref() {
+            None | Some("") => None,
+            Some("kernel") => Some(CopyMethod::Kernel),
+            Some("batch") => Some(CopyMethod::Batch),
+            Some("memcpy") => Some(CopyMethod::Memcpy),
+            Some(other) => {
+                return Err(GpuMemError::WrongMemory(format!(
+                    "XFER_CUDA_COPY={other}: expected kernel, batch or memcpy"
+                )));
+            }
+        };
+        if let Some(m) = forced {
+            return RangeCopies::with_method(device, m);
+        }
+        match RangeCopies::with_method(device, CopyMethod::Kernel) {
+            Ok(c) => Ok(c),
+            Err(e) => {
+                let m = if batch_fn().is_some() {
+                    CopyMethod::Batch
+                } else {
+                    CopyMethod::Memcpy
+                };
+                let mut c = RangeCopies::with_method(device, m)?;
+                c.note = Some(format!("copy kernel unavailable: {e}"));
+                Ok(c)
+            }
+        }
+    }
+
+    /// Copies on `device` with `method`; fails when this machine cannot do it (the kernel
+    /// does not load, or the driver has no batched copy).
+    pub(crate) fn with_method(
+        device: &Device,
+        method: CopyMethod,
+    ) -> Result<RangeCopies, GpuMemError> {
+        let kernel = match method {
+            CopyMethod::Kernel => Some(GatherKernel::load(device)?),
+            _ => None,
+        };
+        let batch = batch_fn();
+        if method == CopyMethod::Batch && batch.is_none() {
+            return Err(GpuMemError::WrongMemory(
+                "this driver has no cuMemcpyBatchAsync (CUDA 12.8 or later)".into(),
+            ));
+        }
+        device.bind()?;
+        let stream = new_nonblocking_stream()?;
+        Ok(RangeCopies {
+            device: device.clone(),
+            stream,
+            method,
+            kernel,
+            batch,
+            note: None,
+            dsts: Vec::new(),
+            srcs: Vec::new(),
+            sizes: Vec::new(),
+            kernel_ok: Vec::new(),
+            keep: Vec::new(),
+            last_kept: Vec::new(),
+            fences: VecDeque::new(),
+            spare: Vec::new(),
+            next_ticket: 1,
+            done: 0,
+            aligned: Vec::new(),
+        })
+    }
+
+    pub(crate) fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub(crate) fn stream(&self) -> sys::CUstream {
+        self.stream
+    }
+
+    pub(crate) fn method(&self) -> CopyMethod {
+        self.method
+    }
+
+    pub(crate) fn note(&self) -> Option<&str> {
+        self.note.as_deref()
+    }
+
+    /// Bytes queued since the last submit.
+    pub(crate) fn queued_bytes(&self) -> u64 {
+        self.sizes.iter().map(|&n| n as u64).sum()
+    }
+
+    /// Queues a copy of `len` bytes between device-visible addresses. The caller has
+    /// checked both ranges against live memory, which it passes to [`keep`](Self::keep).
+    pub(crate) fn queue(&mut self, dst: u64, src: u64, len: u64, kernel_ok: bool) {
+        if len == 0 {
+            return;
+        }
+        self.dsts.push(dst);
+        self.srcs.push(src);
+        self.sizes.push(len as usize);
+        self.kernel_ok.push(kernel_ok);
+    }
+
+    /// Keeps `what` alive until the next submit's copies have finished; consecutive calls
+    /// for the same `Arc` keep it once.
+    pub(crate) fn keep<T: ?Sized + Send + Sync + 'static>(&mut self, what: &Arc<T>) {
+        let addr = Arc::as_ptr(what).cast::<()>() as usize;
+        if self.last_kept.last() != Some(&addr) {
+            self.last_kept.push(addr);
+            self.keep.push(Box::new(what.clone()));
+        }
+    }
+
+    /// Issues every queued copy and records an event; returns its ticket. On error none of
+    /// the queued copies may be assumed done (nor assumed not done); the memory they use
+    /// stays alive until the stream has passed the event anyway.
+    pub(crate) fn submit(&mut self) -> Result<u64, GpuMemError> {
+        self.device.bind()?;
+        let n = self.sizes.len();
+        let mut list = None;
+        let issued = match self.method {
+            CopyMethod::Kernel => self.issue_kernel(&mut list),
+            CopyMethod::Batch if n > 1 => self.issue_batch(),
+            _ => self.issue_each(0..n),
+        };
+        self.dsts.clear();
+        self.srcs.clear();
+        self.sizes.clear();
+        self.kernel_ok.clear();
+        self.last_kept.clear();
+        let event = match self.spare.pop() {
+            Some(e) => e,
+            None => Arc::new(EventInner::new(&self.device)?),
+        };
+        // Recorded even after an error, so the memory stays alive until the stream has
+        // finished whatever it did start.
+        check_call(
+            // SAFETY: event and stream are live handles of this context, which is current.
+            unsafe { sys::cuEventRecord(event.event, self.stream) },
+            "cuEventRecord",
+        )?;
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        self.fences.push_back(Fence {
+            event,
+            ticket,
+            list,
+            keep: std::mem::take(&mut self.keep),
+        });
+        issued.map(|()| ticket)
+    }
+
+    /// Launches the copy kernel for the queued copies it may move, plain copies for the
+    /// rest.
+    fn issue_kernel(&mut self, list: &mut Option<DescList>) -> Result<(), GpuMemError> {
+        self.aligned.clear();
+        let mut odd = Vec::new();
+        for i in 0..self.sizes.len() {
+            if self.kernel_ok[i] && (self.dsts[i] | self.srcs[i]) & 15 == 0 {
+                self.aligned
+                    .push((self.dsts[i], self.srcs[i], self.sizes[i] as u64));
+            } else {
+                odd.push(i);
+            }
+        }
+        if !self.aligned.is_empty()
+            && let Some(k) = self.kernel.as_mut()
+        {
+            // SAFETY: every range was checked by the caller against live memory that
+            // `keep` holds until the event recorded after this launch completes (the list
+            // too, held by the fence); kernel_ok says both ends are reachable by this
+            // device's kernels; ends are 16-byte aligned (filtered above); the stream is
+            // this context's, which is current.
+            *list = Some(unsafe { k.launch(self.stream, &self.aligned)? });
+        }
+        for i in odd {
+            self.issue_each(i..i + 1)?;
+        }
+        Ok(())
+    }
+
+    fn issue_batch(&mut self) -> Result<(), GpuMemError> {
+        let Some(f) = self.batch else {
+            return self.issue_each(0..self.sizes.len());
+        };
+        let n = self.sizes.len();
+        let loc = sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_INVALID,
+            id: 0,
+        };
+        let mut attr = sys::CUmemcpyAttributes {
+            srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            srcLocHint: loc,
+            dstLocHint: loc,
+            flags: 0,
+        };
+        let mut attr_idx = 0usize;
+        let mut fail_idx = usize::MAX;
+        // SAFETY: the three arrays hold n entries each; every (src, dst, size) was checked
+        // by the caller against live memory that `keep` holds until the event recorded
+        // after this call completes; the stream belongs to this context, which is current;
+        // one attribute applies from index 0.
+        let r = unsafe {
+            f(
+                self.dsts.as_mut_ptr(),
+                self.srcs.as_mut_ptr(),
+                self.sizes.as_mut_ptr(),
+                n,
+                &mut attr,
+                &mut attr_idx,
+                1,
+                &mut fail_idx,
+                self.stream,
+            )
+        };
+        check_call(r, "cuMemcpyBatchAsync")
+    }
+
+    fn issue_each(&mut self, range: std::ops::Range<usize>) -> Result<(), GpuMemError> {
+        for i in range {
+            check_call(
+                // SAFETY: as for the batch: the range was checked by the caller and its
+                // memory stays alive until the event recorded after this call completes.
+                unsafe {
+                    sys::cuMemcpyAsync(self.dsts[i], self.srcs[i], self.sizes[i], self.stream)
+                },
+                "cuMemcpyAsync",
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The highest ticket whose copies have all finished (0 before any), without waiting.
+    pub(crate) fn completed(&mut self) -> Result<u64, GpuMemError> {
+        while let Some(f) = self.fences.front() {
+            if !f.event.query()? {
+                break;
+            }
+            self.retire_front();
+        }
+        Ok(self.done)
+    }
+
+    /// Tickets submitted and not yet seen complete.
+    pub(crate) fn in_flight(&self) -> usize {
+        self.fences.len()
+    }
+
+    /// Waits for every submitted copy; returns the last ticket.
+    pub(crate) fn synchronize(&mut self) -> Result<u64, GpuMemError> {
+        self.device.bind()?;
+        check_call(
+            // SAFETY: the stream is a live handle of this context, which is current.
+            unsafe { sys::cuStreamSynchronize(self.stream) },
+            "cuStreamSynchronize",
+        )?;
+        while !self.fences.is_empty() {
+            self.retire_front();
+        }
+        Ok(self.done)
+    }
+
+    fn retire_front(&mut self) {
+        if let Some(f) = self.fences.pop_front() {
+            self.done = f.ticket;
+            // The copies are done: their memory may go now, and their list be reused.
+            drop(f.keep);
+            if let (Some(l), Some(k)) = (f.list, self.kernel.as_mut()) {
+                k.recycle(l);
+            }
+            self.spare.push(f.event);
+        }
+    }
+}
+
+impl Drop for RangeCopies {
+    fn drop(&mut self) {
+        if self.device.bind().is_ok() {
+            // SAFETY: the stream is live and destroyed once; synchronising first keeps the
+            // memory (dropped after this) alive until its copies are done.
+            unsafe {
+                sys::cuStreamSynchronize(self.stream);
+                sys::cuStreamDestroy_v2(self.stream);
+            }
+        }
+    }
+}
+
+/// Batched copies between device memory of one device and a pinned staging buffer: copies
+/// queued with [`copy_out`](Self::copy_out) (device to staging) and
+/// [`copy_in`](Self::copy_in) (staging to device) start together at the next
+/// [`mark`](Self::mark), as one launch of the copy kernel where it loads (see
+/// [`CopyMethod`]); [`poll_marks`](Self::poll_marks) says how many marks have completed
+/// since it last said so, without waiting.
+///
+/// One driver call per mark instead of one per range: with many rails in one process, the
+/// per-range calls of [`CopyStream`](crate::CopyStream) contend on the context's locks.
+/// Regions stay alive until their mark completes; dropping the value waits for its copies.
+pub struct StagedCopies {
+    copies: RangeCopies,
+    staging: Arc<crate::PinnedHostBuffer>,
+    /// The staging buffer's address on the device.
+    staging_dev: u64,
+    /// Marks reported complete by `poll_marks` so far.
+    reported: u64,
+}
+
+impl StagedCopies {
+    /// Copies between memory of `device` and `staging` (pinned memory, which every CUDA
+    /// context maps), with the best [`CopyMethod`] here (or `XFER_CUDA_COPY`'s).
+    pub fn new(
+        device: &Device,
+        staging: Arc<crate::PinnedHostBuffer>,
+    ) -> Result<StagedCopies, GpuMemError> {
+        StagedCopies::with(RangeCopies::new(device)?, staging)
+    }
+
+    /// As [`new`](Self::new), with `method`.
+    pub fn with_method(
+        device: &Device,
+        staging: Arc<crate::PinnedHostBuffer>,
+        method: CopyMethod,
+    ) -> Result<StagedCopies, GpuMemError> {
+        StagedCopies::with(RangeCopies::with_method(device, method)?, staging)
+    }
+
+    fn with(
+        copies: RangeCopies,
+        staging: Arc<crate::PinnedHostBuffer>,
+    ) -> Result<StagedCopies, GpuMemError> {
+        copies.device().bind()?;
+        let mut staging_dev: sys::CUdeviceptr = 0;
+        check_call(
+            // SAFETY: staging_dev is a valid out-pointer; the buffer is pinned memory from
+            // cuMemHostAlloc (portable and device-mapped), alive while `staging` is.
+            unsafe {
+                sys::cuMemHostGetDevicePointer_v2(
+                    &mut staging_dev,
+                    staging.as_ptr().cast::<c_void>(),
+                    0,
+                )
+            },
+            "cuMemHostGetDevicePointer",
+        )?;
+        Ok(StagedCopies {
+            copies,
+            staging,
+            staging_dev,
+            reported: 0,
+        })
+    }
+
+    /// The staging buffer.
+    pub fn staging(&self) -> &Arc<crate::PinnedHostBuffer> {
+        &self.staging
+    }
+
+    /// How marks are copied.
+    pub fn method(&self) -> CopyMethod {
+        self.copies.method()
+    }
+
+    /// Checks that `offset..+len` of `region` is memory of this device; its address.
+    fn device_range(
+        &self,
+        region: &Arc<dyn MemoryRegion>,
+        offset: u64,
+        len: u64,
+    ) -> Result<u64, GpuMemError> {
+        let ordinal = self.copies.device().ordinal();
+        match region.location() {
+            MemoryLocation::Cuda { device } if device == ordinal => {}
+            other => {
+                return Err(GpuMemError::WrongMemory(format!(
+                    "staged copies move memory of CUDA device {ordinal}, not {other:?}"
+                )));
+            }
+        }
+        check_range(offset, len, region.len() as u64)?;
+        Ok(region.device_addr() + offset)
+    }
+
+    /// Queues a copy of `len` bytes of device memory `src` at `src_offset` into staging at
+    /// `at`.
+    pub fn copy_out(
+        &mut self,
+        src: &Arc<dyn MemoryRegion>,
+        src_offset: u64,
+        at: u64,
+        len: u64,
+    ) -> Result<(), GpuMemError> {
+        let from = self.device_range(src, src_offset, len)?;
+        check_range(at, len, self.staging.len() as u64)?;
+        self.copies.queue(self.staging_dev + at, from, len, true);
+        self.copies.keep(src);
+        Ok(())
+    }
+
+    /// Queues a copy of `len` staging bytes at `at` into device memory `dst` at
+    /// `dst_offset`.
+    pub fn copy_in(
+        &mut self,
+        at: u64,
+        dst: &Arc<dyn MemoryRegion>,
+        dst_offset: u64,
+        len: u64,
+    ) -> Result<(), GpuMemError> {
+        let to = self.device_range(dst, dst_offset, len)?;
+        check_range(at, len, self.staging.len() as u64)?;
+        self.copies.queue(to, self.staging_dev + at, len, true);
+        self.copies.keep(dst);
+        Ok(())
+    }
+
+    /// Starts the copies queued since the last mark and marks them.
+    pub fn mark(&mut self) -> Result<(), GpuMemError> {
+        self.copies.submit().map(drop)
+    }
+
+    /// How many more marks, oldest first, have completed (never waits). An error means a
+    /// copy failed on the device.
+    pub fn poll_marks(&mut self) -> Result<usize, GpuMemError> {
+        let done = self.copies.completed()?;
+        let n = done - self.reported;
+        self.reported = done;
+        Ok(n as usize)
+    }
+}
