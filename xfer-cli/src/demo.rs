@@ -169,20 +169,33 @@ fn per_gpu(a: &DemoArgs, b: &BackendArgs, w: &Workload) -> Result<(), CliError> 
     }
     check_per_gpu(b)?;
     let pins = gpu_worker_pins(b, k.pin, k.rails);
+    let results = run_workers(&pins, |slot, p, start| {
+        let rails = WorkerRails {
+            initiator: pad(&p.initiator, k.rails),
+            target: pad(&p.target, k.rails),
+            home: p.home,
+        };
+        one_worker(b, k, w, rails, (slot, slot), false, Some(start))
+    });
+    let s = per_gpu_summary(b, a.backend.transport, k, results, &pins)?;
+    print_per_gpu(&s, k.json);
+    Ok(())
+}
+
+/// Runs `worker(slot, pins, start)` for each entry of `pins` on a thread of its own, all at
+/// once; each worker passes `start` (a barrier of them all) before its timed work. Returns
+/// their results in order (a panicking worker's as a failure).
+pub(crate) fn run_workers<T: Send>(
+    pins: &[GpuWorkerPins],
+    worker: impl Fn(usize, &GpuWorkerPins, &Barrier) -> Result<T, CliError> + Sync,
+) -> Vec<Result<T, CliError>> {
     let start = Barrier::new(pins.len());
-    let start = &start;
-    let results: Vec<Result<(RunReport, bool), CliError>> = std::thread::scope(|scope| {
+    let (start, worker) = (&start, &worker);
+    std::thread::scope(|scope| {
         let handles: Vec<_> = pins
             .iter()
             .enumerate()
-            .map(|(slot, p)| {
-                let rails = WorkerRails {
-                    initiator: pad(&p.initiator, k.rails),
-                    target: pad(&p.target, k.rails),
-                    home: p.home,
-                };
-                scope.spawn(move || one_worker(b, k, w, rails, (slot, slot), false, Some(start)))
-            })
+            .map(|(slot, p)| scope.spawn(move || worker(slot, p, start)))
             .collect();
         handles
             .into_iter()
@@ -191,10 +204,7 @@ fn per_gpu(a: &DemoArgs, b: &BackendArgs, w: &Workload) -> Result<(), CliError> 
                     .unwrap_or_else(|_| Err(CliError::Failed("a worker panicked".into())))
             })
             .collect()
-    });
-    let s = per_gpu_summary(b, a.backend.transport, k, results, &pins)?;
-    print_per_gpu(&s, k.json);
-    Ok(())
+    })
 }
 
 /// Gathers the workers' results (the first failure is the answer).

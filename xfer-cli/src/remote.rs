@@ -39,28 +39,10 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
     }
     check_per_gpu(&a.backend)?;
     let pins = gpu_worker_pins(&a.backend, k.pin, k.rails);
-    let start = Barrier::new(pins.len());
-    let (a_ref, w_ref, start) = (&a, &w, &start);
-    let results: Vec<Result<(BackendArgs, RunReport, bool), CliError>> =
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = pins
-                .iter()
-                .enumerate()
-                .map(|(slot, p)| {
-                    let rails = (pad(&p.initiator, k.rails), p.home);
-                    scope.spawn(move || {
-                        bench_worker(a_ref, ctl_addr, w_ref, Some(slot), rails, Some(start))
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| Err(CliError::Failed("a worker panicked".into())))
-                })
-                .collect()
-        });
+    let results = demo::run_workers(&pins, |slot, p, start| {
+        let rails = (pad(&p.initiator, k.rails), p.home);
+        bench_worker(&a, ctl_addr, &w, Some(slot), rails, Some(start))
+    });
     // Every worker took the server's path for its memory; report the first one's.
     let b = match results.iter().find_map(|r| r.as_ref().ok()) {
         Some((b, _, _)) => b.clone(),
