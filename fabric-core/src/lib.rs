@@ -39,5 +39,5 @@ pub use memory::{HostBuffer, MemoryLocation, MemoryRegion, SubRegion};
 pub use transport::{Completion, OpKind, PostOutcome, Transport, TransportLimits};
 pub use types::{
     Access, LocalKey, LocalSlice, PeerId, Registration, RemoteKey, RemoteRegion, RemoteSlice,
-    WorkRequestId,
+    WorkRequestId, check_write_lengths, random_u64,
 };

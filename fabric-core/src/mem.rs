@@ -614,12 +614,7 @@ impl Transport for MemTransport {
         dst: RemoteSlice,
         imm: Option<u32>,
     ) -> Result<PostOutcome> {
-        if src.len != dst.len {
-            return Err(Error::InvalidArgument(format!(
-                "source is {} bytes, destination {}",
-                src.len, dst.len
-            )));
-        }
+        crate::types::check_write_lengths(&src, &dst)?;
         if self.done.len() + self.writes.len() >= MAX_PENDING {
             return Ok(PostOutcome::NoRoom);
         }

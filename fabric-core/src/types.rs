@@ -24,6 +24,30 @@ pub struct WorkRequestId(pub u64);
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct RemoteKey(pub u64);
 
+impl RemoteKey {
+    /// A fresh unguessable key: 64 random bits, never 0, and not one that `taken` reports
+    /// in use.
+    pub fn random(taken: impl Fn(u64) -> bool) -> RemoteKey {
+        loop {
+            let k = random_u64();
+            if k != 0 && !taken(k) {
+                return RemoteKey(k);
+            }
+        }
+    }
+}
+
+/// 64 random bits from the operating system (for keys, instance ids, socket names).
+pub fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    // getrandom fails only without an entropy source; fall back to address-space entropy.
+    if getrandom::fill(&mut b).is_err() {
+        let x = &b as *const _ as u64 ^ std::process::id() as u64;
+        return x.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+    u64::from_le_bytes(b)
+}
+
 impl fmt::Debug for RemoteKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "RemoteKey({:#018x})", self.0)
@@ -133,4 +157,17 @@ pub struct RemoteSlice {
     pub offset: u64,
     /// Length in bytes.
     pub len: u64,
+}
+
+/// Checks that a WRITE's source and destination have the same length, as
+/// [`Transport::post_write`](crate::Transport::post_write) requires of every backend.
+pub fn check_write_lengths(src: &LocalSlice, dst: &RemoteSlice) -> crate::Result<()> {
+    if src.len == dst.len {
+        Ok(())
+    } else {
+        Err(crate::Error::InvalidArgument(format!(
+            "write of {} local bytes into {} remote bytes: the lengths must be equal",
+            src.len, dst.len
+        )))
+    }
 }

@@ -3,7 +3,7 @@
 use crate::wire::{self, Header, Op};
 use crate::{
     Conn, CudaIpcTransport, FrameConn, IpcAddress, Link, LocalRegion, Peer, PostedRecv, Role,
-    TargetRegion, WriteOp, random_u64,
+    TargetRegion, WriteOp,
 };
 use fabric_core::{
     Access, Completion, Error, LocalKey, LocalSlice, MemoryRegion, OpError, PeerId, PostOutcome,
@@ -90,10 +90,7 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
         } else {
             None
         };
-        let mut rkey = random_u64();
-        while rkey == 0 || self.targets.contains_key(&rkey) {
-            rkey = random_u64();
-        }
+        let rkey = RemoteKey::random(|k| self.targets.contains_key(&k)).0;
         let local = LocalKey(self.next_local);
         self.next_local += 1;
         let len = mem.len() as u64;
@@ -201,12 +198,7 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
         dst: RemoteSlice,
         imm: Option<u32>,
     ) -> Result<PostOutcome> {
-        if src.len != dst.len {
-            return Err(Error::InvalidArgument(format!(
-                "source ({} bytes) and destination ({} bytes) differ in length",
-                src.len, dst.len
-            )));
-        }
+        fabric_core::check_write_lengths(&src, &dst)?;
         if src.len > self.cfg.max_msg_size {
             return Err(Error::InvalidArgument(format!(
                 "a {}-byte WRITE exceeds the {}-byte limit",

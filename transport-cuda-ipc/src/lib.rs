@@ -249,20 +249,6 @@ pub struct CudaIpcTransport<L: Link = CudaLink> {
     pollfds: Vec<libc::pollfd>,
 }
 
-pub(crate) fn random_u64() -> u64 {
-    let mut b = [0u8; 8];
-    // getrandom fails only without an entropy source; fall back to time and address bits,
-    // which still make keys unpredictable enough to tell registrations apart.
-    if getrandom::fill(&mut b).is_err() {
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0);
-        return t ^ (&b as *const _ as u64).rotate_left(32);
-    }
-    u64::from_le_bytes(b)
-}
-
 fn op_error(status: u32, op: &WriteOp, region_len: u64) -> OpError {
     match Status::from_u32(status) {
         Some(Status::BadKey) => OpError::RemoteKeyInvalid(RemoteKey(op.key)),
@@ -294,7 +280,7 @@ impl<L: Link> CudaIpcTransport<L> {
         let pid = std::process::id();
         let boot_id = boot_id()?;
         let (listener, socket) = loop {
-            let name = format!("xfer-ipc-{pid}-{:016x}", random_u64());
+            let name = format!("xfer-ipc-{pid}-{:016x}", fabric_core::random_u64());
             let addr = SocketAddr::from_abstract_name(name.as_bytes())
                 .map_err(|e| Error::io("abstract socket name", e))?;
             match UnixListener::bind_addr(&addr) {

@@ -245,7 +245,7 @@ impl Link for LoopbackLink {
             return Err("the loopback link exports only host memory".into());
         }
         let mut handle = [0u8; 64];
-        handle[..8].copy_from_slice(&crate::random_u64().to_le_bytes());
+        handle[..8].copy_from_slice(&fabric_core::random_u64().to_le_bytes());
         handle[8..16].copy_from_slice(&u64::from(std::process::id()).to_le_bytes());
         loopback_table()
             .lock()

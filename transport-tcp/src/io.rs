@@ -31,20 +31,6 @@ pub fn host_slice_mut(region: &dyn MemoryRegion, offset: u64, len: usize) -> Opt
     Some(unsafe { std::slice::from_raw_parts_mut(base.as_ptr().add(offset as usize), len) })
 }
 
-/// Waits for readiness on `fds` for at most `timeout_ms` (poll(2)).
-pub fn poll_fds(fds: &mut [libc::pollfd], timeout_ms: i32) -> std::io::Result<usize> {
-    // SAFETY: fds is a valid, exclusively borrowed array of pollfd of the given length.
-    let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
-    if r < 0 {
-        let e = std::io::Error::last_os_error();
-        if e.kind() == std::io::ErrorKind::Interrupted {
-            return Ok(0);
-        }
-        return Err(e);
-    }
-    Ok(r as usize)
-}
-
 /// Waits for readiness on `fds` for at most `timeout` (ppoll(2): microsecond resolution).
 pub fn ppoll_fds(fds: &mut [libc::pollfd], timeout: std::time::Duration) -> std::io::Result<usize> {
     let ts = libc::timespec {
@@ -78,6 +64,6 @@ pub fn peer_hung_up(fd: std::os::fd::RawFd) -> bool {
         events: libc::POLLRDHUP,
         revents: 0,
     }];
-    matches!(poll_fds(&mut p, 0), Ok(n) if n > 0)
+    matches!(ppoll_fds(&mut p, std::time::Duration::ZERO), Ok(n) if n > 0)
         && p[0].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
 }

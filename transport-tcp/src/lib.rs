@@ -162,16 +162,6 @@ pub struct TcpTransport {
     cuda: CudaProbe,
 }
 
-fn random_u64() -> u64 {
-    let mut b = [0u8; 8];
-    // getrandom fails only without an entropy source; fall back to address-space entropy.
-    if getrandom::fill(&mut b).is_err() {
-        let x = &b as *const _ as u64 ^ std::process::id() as u64;
-        return x.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-    u64::from_le_bytes(b)
-}
-
 impl TcpTransport {
     /// Listens on `cfg.listen`, ready for peers.
     pub fn new(cfg: TcpConfig) -> Result<TcpTransport> {
@@ -200,7 +190,7 @@ impl TcpTransport {
             address: format!("{ADDRESS_PREFIX}{local}").into_bytes(),
             cfg,
             listener,
-            instance: random_u64(),
+            instance: fabric_core::random_u64(),
             next_peer: 1,
             next_local: 1,
             peers: HashMap::new(),
@@ -517,10 +507,7 @@ impl Transport for TcpTransport {
     }
 
     fn register(&mut self, mem: Arc<dyn MemoryRegion>, access: Access) -> Result<Registration> {
-        let mut rkey = random_u64();
-        while rkey == 0 || self.shared.targets.contains_key(&rkey) {
-            rkey = random_u64();
-        }
+        let rkey = RemoteKey::random(|k| self.shared.targets.contains_key(&k)).0;
         let local = LocalKey(self.next_local);
         self.next_local += 1;
         let len = mem.len() as u64;
@@ -608,12 +595,7 @@ impl Transport for TcpTransport {
         dst: RemoteSlice,
         imm: Option<u32>,
     ) -> Result<PostOutcome> {
-        if src.len != dst.len {
-            return Err(Error::InvalidArgument(format!(
-                "source is {} bytes, destination {} bytes",
-                src.len, dst.len
-            )));
-        }
+        fabric_core::check_write_lengths(&src, &dst)?;
         let mut h = Header::new(Op::Write, src.len);
         h.key = dst.region.key.0;
         h.offset = dst.offset;
@@ -709,16 +691,16 @@ impl Transport for TcpTransport {
                 revents: 0,
             });
         }
-        if copying {
-            io::ppoll_fds(&mut self.pollfds, nap.min(timeout)).map_err(|e| Error::io("poll", e))?;
-            return Ok(());
-        }
-        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
-        io::poll_fds(
-            &mut self.pollfds,
-            ms.max(if timeout.is_zero() { 0 } else { 1 }),
-        )
-        .map_err(|e| Error::io("poll", e))?;
+        // While copies run, nap exactly; otherwise whole milliseconds, at least one for a
+        // non-zero timeout (finer wake-ups cost an idle engine CPU for nothing).
+        let limit = if copying {
+            nap.min(timeout)
+        } else if timeout.is_zero() {
+            Duration::ZERO
+        } else {
+            Duration::from_millis(timeout.as_millis().clamp(1, i32::MAX as u128) as u64)
+        };
+        io::ppoll_fds(&mut self.pollfds, limit).map_err(|e| Error::io("poll", e))?;
         Ok(())
     }
 }

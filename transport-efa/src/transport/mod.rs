@@ -559,12 +559,7 @@ impl Transport for EfaTransport {
     ) -> Result<PostOutcome> {
         self.peer(peer)?;
         self.check_imm(imm)?;
-        if src.len != dst.len {
-            return Err(Error::InvalidArgument(format!(
-                "write of {} local bytes into {} remote bytes",
-                src.len, dst.len
-            )));
-        }
+        fabric_core::check_write_lengths(&src, &dst)?;
         self.local_range(src, Access::NONE)?;
         let op = Op {
             wr_id,
