@@ -45,6 +45,24 @@ fn topology_error(e: &topology::TopologyError) -> CliError {
     CliError::Failed(error_chain(e))
 }
 
+/// A saved topology that cannot be replayed: what hwloc said, and how to write a file it reads.
+fn xml_error(path: &std::path::Path, e: &topology::TopologyError) -> CliError {
+    let how = format!(
+        "write it on the machine it describes with `lstopo --of xml {}` or `xfer topo --export {0}`",
+        path.display()
+    );
+    let why = match e {
+        topology::TopologyError::InvalidXml { .. }
+            if std::fs::read_to_string(path).is_ok_and(|xml| xml.contains("<!--")) =>
+        {
+            "; the file holds an XML comment, which hwloc's built-in parser rejects (remove it, \
+             or install libhwloc-plugins for the libxml2 parser)"
+        }
+        _ => "",
+    };
+    CliError::Failed(format!("{}{why}; {how}", error_chain(e)))
+}
+
 /// Runs `xfer topo`.
 pub fn run(a: TopoArgs) -> Result<(), CliError> {
     if let Some(path) = &a.export {
@@ -55,10 +73,9 @@ pub fn run(a: TopoArgs) -> Result<(), CliError> {
         );
     }
     let t = match &a.xml {
-        Some(path) => Topology::from_xml_file(path),
-        None => Topology::discover(),
-    }
-    .map_err(|e| topology_error(&e))?;
+        Some(path) => Topology::from_xml_file(path).map_err(|e| xml_error(path, &e))?,
+        None => Topology::discover().map_err(|e| topology_error(&e))?,
+    };
     let plan = t.plan();
     if a.json {
         let report = TopoReport {
