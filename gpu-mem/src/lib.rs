@@ -63,6 +63,8 @@ mod ipc;
 mod pinned;
 mod range;
 mod stream;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use buffer::{DeviceBuffer, DmabufExport};
 pub use copies::{CopyMethod, StagedCopies};

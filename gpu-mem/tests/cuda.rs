@@ -1,8 +1,10 @@
-//! CUDA tests. They compile everywhere; where the machine has no CUDA driver each one prints
-//! `skipped: no CUDA driver on this machine` and returns, except the probe test, which checks
-//! that the absence of CUDA is reported as a value and not a panic.
-//!
-//! On a GPU machine run them one at a time: `cargo test -p gpu-mem -- --test-threads=1`.
+//! CUDA tests. They compile everywhere and are `#[ignore]`d, so that `cargo test` on a machine
+//! without a GPU counts them as ignored, not passed. On a GPU machine run them with
+//! `XFER_REQUIRE_CUDA=1 cargo test -p gpu-mem -- --include-ignored --test-threads=1`
+//! (`scripts/gpu-proof.sh` does): each fails, naming what is missing, where its GPUs are not
+//! there. The probe test always runs: it checks that the absence of CUDA is a value, not a
+//! panic, and fails when `XFER_REQUIRE_CUDA`/`XFER_REQUIRE_GPUS` ask for GPUs this machine
+//! lacks.
 
 use fabric_core::memory::SubRegion;
 use fabric_core::{MemoryError, MemoryLocation, MemoryRegion};
@@ -10,22 +12,6 @@ use gpu_mem::{Cuda, DeviceBuffer, GpuMemError, PinnedHostBuffer};
 use std::sync::Arc;
 
 const MIB: usize = 1 << 20;
-
-/// The driver, or `None` after printing why the test is skipped.
-fn cuda() -> Option<Cuda> {
-    match Cuda::probe() {
-        Ok(Some(cuda)) => Some(cuda),
-        Ok(None) if !gpu_mem::driver_present() => {
-            println!("skipped: no CUDA driver on this machine");
-            None
-        }
-        Ok(None) => {
-            println!("skipped: a CUDA driver but no CUDA device on this machine");
-            None
-        }
-        Err(e) => panic!("a CUDA driver is installed but unusable: {e} ({e:?})"),
-    }
-}
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
@@ -35,6 +21,7 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 
 #[test]
 fn probe_reports_absence_as_a_value() {
+    gpu_mem::testing::check_required_gpus();
     let probe = Cuda::probe();
     if !gpu_mem::driver_present() {
         assert!(
@@ -60,8 +47,9 @@ fn probe_reports_absence_as_a_value() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/gpu-proof.sh)"]
 fn devices_are_described() {
-    let Some(cuda) = cuda() else { return };
+    let cuda = gpu_mem::testing::require_gpus(1);
     let infos = cuda.devices().unwrap();
     assert_eq!(infos.len() as u32, cuda.device_count().unwrap());
     assert_eq!(gpu_mem::devices().unwrap(), infos);
@@ -90,8 +78,9 @@ fn devices_are_described() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/gpu-proof.sh)"]
 fn bad_device_index_is_an_error() {
-    let Some(cuda) = cuda() else { return };
+    let cuda = gpu_mem::testing::require_gpus(1);
     let count = cuda.device_count().unwrap();
     for ordinal in [count, count + 7, u32::MAX] {
         let err = cuda.device(ordinal).unwrap_err();
@@ -105,8 +94,9 @@ fn bad_device_index_is_an_error() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/gpu-proof.sh)"]
 fn zero_and_impossible_allocations_are_errors() {
-    let Some(cuda) = cuda() else { return };
+    let cuda = gpu_mem::testing::require_gpus(1);
     let gpu = cuda.device(0).unwrap();
     assert_eq!(gpu.alloc(0).unwrap_err(), GpuMemError::ZeroSize);
     assert_eq!(gpu.alloc_pinned(0).unwrap_err(), GpuMemError::ZeroSize);
@@ -130,8 +120,9 @@ fn zero_and_impossible_allocations_are_errors() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/gpu-proof.sh)"]
 fn device_buffer_round_trips() {
-    let Some(cuda) = cuda() else { return };
+    let cuda = gpu_mem::testing::require_gpus(1);
     let gpu = cuda.device(0).unwrap();
     let len = 4 * MIB + 123;
     let buf = gpu.alloc(len).unwrap();
@@ -167,8 +158,9 @@ fn device_buffer_round_trips() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/gpu-proof.sh)"]
 fn device_buffer_bounds_are_checked() {
-    let Some(cuda) = cuda() else { return };
+    let cuda = gpu_mem::testing::require_gpus(1);
     let gpu = cuda.device(0).unwrap();
     let buf = gpu.alloc(10_000).unwrap();
     let oob = |r: Result<_, GpuMemError>| matches!(r, Err(GpuMemError::OutOfBounds { .. }));
@@ -192,8 +184,9 @@ fn device_buffer_bounds_are_checked() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/gpu-proof.sh)"]
 fn pinned_buffer_round_trips() {
-    let Some(cuda) = cuda() else { return };
+    let cuda = gpu_mem::testing::require_gpus(1);
     let gpu = cuda.device(0).unwrap();
     let len = 3 * MIB + 5;
     let pinned = gpu.alloc_pinned(len).unwrap();
@@ -237,8 +230,9 @@ fn pinned_buffer_round_trips() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/gpu-proof.sh)"]
 fn async_copies_with_events() {
-    let Some(cuda) = cuda() else { return };
+    let cuda = gpu_mem::testing::require_gpus(1);
     let gpu = cuda.device(0).unwrap();
     let len = 8 * MIB;
     let chunk = MIB as u64;
@@ -299,8 +293,9 @@ fn async_copies_with_events() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/gpu-proof.sh)"]
 fn async_copy_checks_its_arguments() {
-    let Some(cuda) = cuda() else { return };
+    let cuda = gpu_mem::testing::require_gpus(1);
     let gpu = cuda.device(0).unwrap();
     let dev = Arc::new(gpu.alloc_zeroed(MIB).unwrap());
     let pinned = Arc::new(gpu.alloc_pinned(MIB).unwrap());
@@ -348,8 +343,9 @@ fn async_copy_checks_its_arguments() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/gpu-proof.sh)"]
 fn buffers_outlive_copies_in_flight() {
-    let Some(cuda) = cuda() else { return };
+    let cuda = gpu_mem::testing::require_gpus(1);
     let gpu = cuda.device(0).unwrap();
     let len = 64 * MIB;
     let mut s = gpu.copy_stream().unwrap();
@@ -375,8 +371,9 @@ fn buffers_outlive_copies_in_flight() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/gpu-proof.sh)"]
 fn dmabuf_export_gives_an_fd_or_says_unsupported() {
-    let Some(cuda) = cuda() else { return };
+    let cuda = gpu_mem::testing::require_gpus(1);
     let gpu = cuda.device(0).unwrap();
     let buf = gpu.alloc(4 * MIB + 100).unwrap();
     println!(
@@ -431,8 +428,9 @@ fn dmabuf_export_gives_an_fd_or_says_unsupported() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/gpu-proof.sh)"]
 fn device_buffer_is_a_memory_region() {
-    let Some(cuda) = cuda() else { return };
+    let cuda = gpu_mem::testing::require_gpus(1);
     let gpu = cuda.device(0).unwrap();
     let buf = Arc::new(gpu.alloc(2 * MIB).unwrap());
     let region: Arc<dyn MemoryRegion> = buf.clone();
@@ -465,8 +463,9 @@ fn device_buffer_is_a_memory_region() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/gpu-proof.sh)"]
 fn buffers_work_from_other_threads() {
-    let Some(cuda) = cuda() else { return };
+    let cuda = gpu_mem::testing::require_gpus(1);
     let gpu = cuda.device(0).unwrap();
     let buf = Arc::new(gpu.alloc(8 * MIB).unwrap());
     let pinned = Arc::new(gpu.alloc_pinned(8 * MIB).unwrap());
@@ -498,8 +497,9 @@ fn buffers_work_from_other_threads() {
 /// Copies larger than the per-thread bounce buffer, at odd offsets, from several threads at
 /// once, each on its own buffer: every byte must round-trip.
 #[test]
+#[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/gpu-proof.sh)"]
 fn large_copies_from_many_threads_round_trip() {
-    let Some(cuda) = cuda() else { return };
+    let cuda = gpu_mem::testing::require_gpus(1);
     let dev = cuda.device(0).unwrap();
     let len = 9 * MIB + 123;
     let threads: Vec<_> = (0..8u8)
@@ -531,8 +531,9 @@ fn large_copies_from_many_threads_round_trip() {
 /// Many-part copies (a transport's batch of pages) round-trip, including parts larger than
 /// the bounce buffer between small ones, and out-of-range parts are refused up front.
 #[test]
+#[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/gpu-proof.sh)"]
 fn many_part_copies_round_trip() {
-    let Some(cuda) = cuda() else { return };
+    let cuda = gpu_mem::testing::require_gpus(1);
     let dev = cuda.device(0).unwrap();
     let buf = dev.alloc_zeroed(32 * MIB).unwrap();
     let sizes = [4096usize, 65536, 5 * MIB + 7, 1, 0, 3 * MIB, 65536, 2 * MIB];
@@ -566,8 +567,9 @@ fn many_part_copies_round_trip() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/gpu-proof.sh)"]
 fn ipc_refuses_garbage_handles_and_host_memory() {
-    let Some(cuda) = cuda() else { return };
+    let cuda = gpu_mem::testing::require_gpus(1);
     let gpu = cuda.device(0).unwrap();
     let e = gpu
         .open_ipc(&gpu_mem::IpcHandle::from_bytes(
@@ -583,8 +585,9 @@ fn ipc_refuses_garbage_handles_and_host_memory() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/gpu-proof.sh)"]
 fn ipc_export_opened_in_the_same_process_copies_in_bounds_only() {
-    let Some(cuda) = cuda() else { return };
+    let cuda = gpu_mem::testing::require_gpus(1);
     let gpu = cuda.device(0).unwrap();
     let dst: Arc<dyn MemoryRegion> = Arc::new(gpu.alloc_zeroed(1 << 20).unwrap());
     let window: Arc<dyn MemoryRegion> = Arc::new(SubRegion::new(dst.clone(), 4096, 65536).unwrap());
@@ -655,8 +658,9 @@ fn ipc_export_opened_in_the_same_process_copies_in_bounds_only() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/gpu-proof.sh)"]
 fn staged_copies_move_pages_through_pinned_staging_in_one_launch_per_mark() {
-    let Some(cuda) = cuda() else { return };
+    let cuda = gpu_mem::testing::require_gpus(1);
     let gpu = cuda.device(0).unwrap();
     let data = pattern(1 << 20, 9);
     let src: Arc<dyn MemoryRegion> = Arc::new(gpu.alloc(1 << 20).unwrap());
@@ -730,12 +734,9 @@ impl ToVecForTest for Arc<dyn MemoryRegion> {
 }
 
 #[test]
-fn peer_copies_from_another_gpus_memory_still_land() {
-    let Some(cuda) = cuda() else { return };
-    if cuda.device_count().unwrap() < 2 {
-        eprintln!("skipped: one GPU (needs two)");
-        return;
-    }
+#[ignore = "needs 2 CUDA GPUs (--include-ignored runs it; scripts/gpu-proof.sh)"]
+fn two_gpus_peer_copies_from_another_gpus_memory_still_land() {
+    let cuda = gpu_mem::testing::require_gpus(2);
     let (g0, g1) = (cuda.device(0).unwrap(), cuda.device(1).unwrap());
     let dst: Arc<dyn MemoryRegion> = Arc::new(g0.alloc_zeroed(1 << 20).unwrap());
     let export = g0.export_ipc(&dst).unwrap();

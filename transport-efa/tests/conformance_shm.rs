@@ -4,8 +4,9 @@
 //! with success nor with an error, a write with an unknown or stale key, a write into a
 //! region without REMOTE_WRITE, or a send longer than the posted receive: those cases
 //! (`bad_remote_key_fails`, `write_after_deregister_fails`,
-//! `write_without_permission_fails`, `recv_too_small_is_truncated`) would wait forever,
-//! so they are left out rather than relaxed. tcp and sockets run them.
+//! `write_without_permission_fails`, `recv_too_small_is_truncated`) would wait until the
+//! suite's timeout, so they are ignored with that reason rather than relaxed (cargo test
+//! counts them; `--include-ignored` shows them fail). tcp and sockets run them.
 
 mod common;
 
@@ -28,5 +29,11 @@ fabric_core::conformance_suite!(@cases
     OPTS;
     send_recv_order_and_lengths, send_before_recv_is_posted, write_without_imm,
     write_with_imm, out_of_bounds_write_fails, local_errors_fail_at_post,
-    remove_peer_with_ops_in_flight, many_operations_in_flight, zero_and_large_segments
+    remove_peer_with_ops_in_flight, many_operations_in_flight, zero_and_large_segments,
+    idle_target_progresses_through_wait;
+    ignore
+    bad_remote_key_fails = "libfabric 1.17's shm never completes a write with an unknown key",
+    write_after_deregister_fails = "libfabric 1.17's shm never completes a write with a stale key",
+    write_without_permission_fails = "libfabric 1.17's shm does not enforce REMOTE_WRITE",
+    recv_too_small_is_truncated = "libfabric 1.17's shm never completes a send longer than its receive"
 );

@@ -2,10 +2,12 @@
 //! writes host -> device and device -> host, over the `shm` provider (which offers
 //! FI_HMEM where CUDA is installed; on AWS `efa` does too).
 //!
-//! Needs a CUDA driver (`libcuda.so.1`) and a GPU: elsewhere it prints "skipped: ..."
-//! and passes, unless `XFER_REQUIRE_HMEM=1`, which makes a missing GPU or provider a
-//! failure (set it on GPU machines). The provider can be changed with
-//! `XFER_HMEM_PROVIDER` (default `shm`).
+//! Needs a CUDA driver (`libcuda.so.1`), a GPU and a libfabric built with CUDA, so the
+//! round trip is `#[ignore]`d: `cargo test` elsewhere counts it as ignored, and
+//! `--include-ignored` runs it, failing with what is missing where something is.
+//! `hmem_is_there_when_required` always runs, and fails under `XFER_REQUIRE_HMEM=1` when
+//! the GPU or the provider's FI_HMEM is missing (set it on GPU machines). The provider can
+//! be changed with `XFER_HMEM_PROVIDER` (default `shm`).
 
 mod common;
 
@@ -21,9 +23,13 @@ fn required() -> bool {
     std::env::var("XFER_REQUIRE_HMEM").is_ok_and(|v| v == "1")
 }
 
-fn skip(why: String) {
-    assert!(!required(), "XFER_REQUIRE_HMEM=1: {why}");
-    common::say_skipped(&why);
+/// Fails the test: what it needs is not on this machine.
+fn missing(why: String) -> ! {
+    panic!("needs a CUDA GPU and a libfabric provider with FI_HMEM: {why}")
+}
+
+fn provider() -> String {
+    std::env::var("XFER_HMEM_PROVIDER").unwrap_or_else(|_| "shm".into())
 }
 
 /// The few CUDA driver calls this test needs, loaded at run time.
@@ -181,16 +187,37 @@ fn write(
 }
 
 #[test]
+fn hmem_is_there_when_required() {
+    let cuda = Cuda::load();
+    let provider = provider();
+    let opened = EfaTransport::new(&EfaConfig::with_provider(provider.clone()).hmem(true));
+    let found = format!(
+        "CUDA: {}; {provider} with FI_HMEM: {}",
+        cuda.as_ref()
+            .map_or_else(Clone::clone, |_| "loaded".to_owned()),
+        opened
+            .as_ref()
+            .map_or_else(ToString::to_string, |_| "opened".to_owned())
+    );
+    assert!(
+        !required() || (cuda.is_ok() && opened.is_ok()),
+        "XFER_REQUIRE_HMEM=1, but {found}"
+    );
+    eprintln!("{found}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU and a libfabric with FI_HMEM (--include-ignored runs it; scripts/gpu-proof.sh)"]
 fn cuda_memory_round_trip() {
     let cuda = match Cuda::load() {
         Ok(c) => Arc::new(c),
-        Err(why) => return skip(why),
+        Err(why) => missing(why),
     };
-    let provider = std::env::var("XFER_HMEM_PROVIDER").unwrap_or_else(|_| "shm".into());
+    let provider = provider();
     let cfg = EfaConfig::with_provider(provider.clone()).hmem(true);
     let (mut a, mut b) = match (EfaTransport::new(&cfg), EfaTransport::new(&cfg)) {
         (Ok(a), Ok(b)) => (a, b),
-        (Err(e), _) | (_, Err(e)) => return skip(format!("{provider} with FI_HMEM: {e}")),
+        (Err(e), _) | (_, Err(e)) => missing(format!("{provider} with FI_HMEM: {e}")),
     };
     eprintln!("provider info: {:?}", a.provider_info());
     let peer = a.add_peer(&b.address()).unwrap();
@@ -206,7 +233,7 @@ fn cuda_memory_round_trip() {
         let src = a.register(host.clone(), Access::NONE).unwrap();
         let dst = match b.register(dev.clone(), Access::REMOTE_WRITE | Access::LOCAL_WRITE) {
             Ok(r) => r,
-            Err(e @ fabric_core::Error::Unsupported(_)) => return skip(e.to_string()),
+            Err(e @ fabric_core::Error::Unsupported(_)) => missing(e.to_string()),
             Err(e) => panic!("register CUDA memory: {e}"),
         };
         let n = len as u64;

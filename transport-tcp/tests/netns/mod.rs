@@ -9,7 +9,9 @@
 //! afterwards live there: call it first thing inside an `Engine::spawn` closure.
 //!
 //! Where namespaces cannot be made (not root, no `ip`), [`NetPair::new`] prints
-//! `skipped: ...` and returns `None`, unless `XFER_REQUIRE_NETNS=1`, when it panics.
+//! `skipped: ...` (to the terminal, past the harness's capture) and returns `None`, unless
+//! they are required: `XFER_REQUIRE_NETNS=1`, or running as root (who can make them) without
+//! `XFER_REQUIRE_NETNS=0`; then it panics.
 #![allow(dead_code)]
 
 use std::fs::File;
@@ -29,9 +31,15 @@ const PREFIX: &str = "xfer-t-";
 static NEXT: AtomicU32 = AtomicU32::new(0);
 static SWEEP: Once = Once::new();
 
-/// Whether a missing namespace facility is a failure (CI sets `XFER_REQUIRE_NETNS=1`).
+/// Whether a missing namespace facility is a failure: `XFER_REQUIRE_NETNS=1` (CI sets it),
+/// or root without `XFER_REQUIRE_NETNS=0`.
 pub fn required() -> bool {
-    std::env::var("XFER_REQUIRE_NETNS").is_ok_and(|v| v == "1")
+    match std::env::var("XFER_REQUIRE_NETNS").as_deref() {
+        Ok("1") => true,
+        Ok("0") => false,
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        _ => (unsafe { libc::geteuid() }) == 0,
+    }
 }
 
 /// Prints why the test is skipped, or panics when namespaces are required.
@@ -40,7 +48,9 @@ pub fn skip(why: &str) {
         !required(),
         "XFER_REQUIRE_NETNS=1 but network namespaces are unavailable: {why}"
     );
-    println!("skipped: {why}");
+    use std::io::Write;
+    // Straight to stderr: the harness captures `println!`, and a skip must be seen.
+    let _ = writeln!(std::io::stderr(), "skipped: {why}");
 }
 
 /// Runs a command and returns its stdout.

@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# The README's figures, measured on the machine this runs on: each row one `xfer demo`
+# command, run 3 times; prints a markdown table (median and min-max of each figure) headed
+# by the commit and a description of the machine (cores, CPU, memory, GPUs, kernel).
+#
+#   scripts/bench.sh [--quick] [--only REGEX]
+#     --quick      transfers 8 times smaller (a check that every row runs, not figures to quote)
+#     --only RE    only the rows whose workload matches the extended regex RE
+#
+# The xfer binary: $XFER if set, else ./xfer beside this script (a carried copy, see
+# scripts/gpu-carry.sh), else a release build of this checkout (cargo build --release).
+# Rows that need what the machine lacks (a GPU, two GPUs, 16 cores) are left out and
+# listed under the table. Every run must verify its bytes; a failed or unverified run
+# fails its row, and the script then exits 1 after printing the table.
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+quick=0 only=.
+while (($#)); do
+    case $1 in
+    --quick) quick=1 ;;
+    --only) only=$2; shift ;;
+    -h | --help) sed -n '2,15s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    *) echo "bench.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+    shift
+done
+
+if [[ -n "${XFER:-}" ]]; then
+    X=$XFER
+elif [[ -x "$here/xfer" ]]; then
+    X=$here/xfer
+else
+    (cd "$here/.." && source scripts/deps.sh && xfer_install_deps && xfer_require_rust &&
+        cargo build --release -q -p xfer-cli) >&2
+    X=$here/../target/release/xfer
+fi
+if git -C "$here" rev-parse --short HEAD >/dev/null 2>&1; then
+    commit=$(git -C "$here" rev-parse --short HEAD)
+    git -C "$here" diff --quiet HEAD -- . 2>/dev/null || commit="$commit (with uncommitted changes)"
+elif [[ -f "$here/COMMIT" ]]; then
+    commit=$(cat "$here/COMMIT")
+else
+    commit=unknown
+fi
+
+cores=$(nproc)
+cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)
+mem=$(awk '/^MemTotal/ { printf "%.0f GiB", $2 / 1048576 }' /proc/meminfo)
+gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true)
+ngpu=$(grep -c . <<<"$gpus" || true)
+gpu_text=none
+((ngpu == 0)) || gpu_text="$ngpu x $(head -n 1 <<<"$gpus")"
+
+# Each row: workload | needs (any, gpu, 2gpu, 16cores) | xfer arguments (bytes last, as
+# --bytes N: --quick divides N).
+rows=(
+    "TCP, 64 KiB pages, 1 rail, vs 1 raw stream|any|demo --transport tcp --baseline --json --bytes 8GiB"
+    "TCP, 4 KiB pages, 1 rail, vs 1 raw stream|any|demo --transport tcp --page-size 4KiB --baseline --json --bytes 2GiB"
+    "TCP, 64 KiB pages, 2 rails, vs 2 raw streams|any|demo --transport tcp --rails 2 --baseline --json --bytes 8GiB"
+    "TCP, 64 KiB pages, 8 rails, vs 8 raw streams|16cores|demo --transport tcp --rails 8 --baseline --json --bytes 16GiB"
+    "EFA backend over libfabric's tcp provider, 64 KiB pages|any|demo --transport efa --provider tcp --json --bytes 4GiB"
+    "mem (in-process copies: the engine itself), 64 KiB pages|any|demo --transport mem --json --bytes 8GiB"
+    "TCP, GPU0 -> GPU0 memory, 64 KiB, 1 rail|gpu|demo --transport tcp --memory cuda --gpus 0 --rails 1 --pin off --baseline --json --bytes 16GiB"
+    "TCP, GPU0 -> GPU0 memory, 64 KiB, 8 rails|gpu|demo --transport tcp --memory cuda --gpus 0 --rails 8 --pin off --baseline --json --bytes 16GiB"
+    "cuda-ipc, GPU0 -> GPU0, one process, 64 KiB, 8 rails|gpu|demo --transport cuda-ipc --memory cuda --gpus 0 --rails 8 --pages 10000 --baseline --json --bytes 64GiB"
+    "cuda-ipc, GPU0 -> GPU0, one process, 4 KiB, 8 rails|gpu|demo --transport cuda-ipc --memory cuda --gpus 0 --rails 8 --page-size 4KiB --pages 100000 --baseline --json --bytes 8GiB"
+    "TCP, GPU0 -> GPU1 memory, 64 KiB, 8 rails|2gpu|demo --transport tcp --memory cuda --gpus 0,1 --rails 8 --baseline --json --bytes 16GiB"
+    "cuda-ipc, GPU0 -> GPU1, one process, 64 KiB, 8 rails|2gpu|demo --transport cuda-ipc --memory cuda --gpus 0,1 --rails 8 --pages 10000 --baseline --json --bytes 128GiB"
+)
+
+# Median and range of the numbers on stdin: "M (LO-HI)", or "M" when all are equal.
+stat() {
+    sort -g | awk '{ v[NR] = $1 } END {
+        if (NR == 0) { print "-"; exit }
+        m = (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2
+        f = (m >= 100) ? "%.0f" : (m >= 10) ? "%.1f" : "%.2f"
+        if (v[1] == v[NR]) printf f "\n", m
+        else printf f " (" f "–" f ")\n", m, v[1], v[NR] }'
+}
+field() { grep -o "\"$1\":[0-9.eE+-]*" | head -n 1 | cut -d: -f2; }
+
+table=() left=() failed=()
+for row in "${rows[@]}"; do
+    IFS='|' read -r what needs cmd <<<"$row"
+    [[ "$what" =~ $only ]] || continue
+    case $needs in
+    gpu) ((ngpu >= 1)) || { left+=("$what (needs a GPU)"); continue; } ;;
+    2gpu) ((ngpu >= 2)) || { left+=("$what (needs 2 GPUs)"); continue; } ;;
+    16cores) ((cores >= 16)) || { left+=("$what (needs 16 cores)"); continue; } ;;
+    esac
+    if ((quick)); then
+        bytes=${cmd##*--bytes }
+        cmd="${cmd% --bytes *} --bytes $((${bytes%GiB} * 128))MiB"
+    fi
+    gbps=() ratio=() hot=() ok=1
+    for run in 1 2 3; do
+        echo "bench: [$run/3] xfer $cmd" >&2
+        # shellcheck disable=SC2086 # the row's arguments are words
+        if ! out=$("$X" $cmd 2>/dev/null) || ! grep -q '"verified":true' <<<"$out"; then
+            echo "bench: FAILED: xfer $cmd" >&2
+            ok=0
+            break
+        fi
+        gbps+=("$(field gbps <<<"$out")")
+        ratio+=("$(field ratio <<<"$out")")
+        hot+=("$(field ratio_hot <<<"$out")")
+    done
+    if ((!ok)); then
+        failed+=("$what")
+        table+=("| $what | \`xfer $cmd\` | FAILED |")
+        continue
+    fi
+    result="$(printf '%s\n' "${gbps[@]}" | stat) Gbps"
+    r=$(printf '%s\n' "${ratio[@]}" | grep . | stat || true)
+    [[ -z "$r" || "$r" == - ]] || result="$result; ratio $r"
+    h=$(printf '%s\n' "${hot[@]}" | grep . | stat || true)
+    [[ -z "$h" || "$h" == - ]] || result="$result; hot $h"
+    table+=("| $what | \`xfer $cmd\` | $result |")
+done
+
+echo "Measured at commit $commit on $cores cores ($cpu), $mem, GPU: $gpu_text, Linux $(uname -r); $(date -u +%Y-%m-%d)."
+echo "Each figure is the median of 3 runs (min–max); every run verified every written byte.$( ((quick)) && echo ' --quick: transfers 8 times smaller than the README rows.')"
+echo
+echo "| workload | command | result |"
+echo "|---|---|---|"
+printf '%s\n' "${table[@]}"
+if ((${#left[@]})); then
+    echo
+    echo "Not run on this machine: $(printf '%s; ' "${left[@]}" | sed 's/; $//')."
+fi
+if ((${#failed[@]})); then
+    echo "bench.sh: failed rows: ${failed[*]}" >&2
+    exit 1
+fi

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Builds what the GPU proof runs need and puts it in .carry/gpu/ (ignored by git), for a GPU
+# machine that has no Rust toolchain: the release `xfer`, the hardware test executables
+# under fixed names, and the scripts that run them. Then, there (e.g. the device tool with
+# `carry: [".carry"]`):
+#   bash .carry/gpu/gpu-proof.sh    # TCP with GPU memory: tests and figures
+#   bash .carry/gpu/ipc-proof.sh    # CUDA IPC: tests and figures
+#   bash .carry/gpu/bench.sh        # the README's figures on that machine
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out=.carry/gpu
+rm -rf "$out" && mkdir -p "$out"
+cargo build --release -p xfer-cli
+cp target/release/xfer "$out/xfer"
+# Test executables: `cargo test --no-run` names each one ("Executable tests/x.rs (PATH)").
+copy() { # PACKAGE TEST NAME
+    local exe
+    exe=$(cargo test --release --no-run -p "$1" --test "$2" 2>&1 |
+        sed -n 's/^ *Executable .* (\(.*\))$/\1/p' | tail -n 1)
+    [ -x "$exe" ] || { echo "gpu-carry: no executable for -p $1 --test $2" >&2; exit 1; }
+    cp "$exe" "$out/$3"
+}
+copy gpu-mem cuda gpu_mem_cuda_tests
+copy transport-tcp gpu tcp_gpu_tests
+copy transport-cuda-ipc conformance ipc_conformance_tests
+copy transport-cuda-ipc processes ipc_process_tests
+copy transport-efa hmem_cuda efa_hmem_tests
+strip "$out"/* 2>/dev/null || true
+cp scripts/gpu-proof.sh scripts/ipc-proof.sh scripts/proof-lib.sh scripts/bench.sh "$out/"
+echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' (with uncommitted changes)')" >"$out/COMMIT"
+du -sh "$out"
