@@ -34,11 +34,11 @@ else
         cargo build --release -q -p xfer-cli) >&2
     X=$here/../target/release/xfer
 fi
-if git -C "$here" rev-parse --short HEAD >/dev/null 2>&1; then
-    commit=$(git -C "$here" rev-parse --short HEAD)
-    git -C "$here" diff --quiet HEAD -- . 2>/dev/null || commit="$commit (with uncommitted changes)"
-elif [[ -f "$here/COMMIT" ]]; then
+if [[ -f "$here/COMMIT" ]]; then # a carried copy (scripts/gpu-carry.sh): what it was built from
     commit=$(cat "$here/COMMIT")
+elif git -C "$here" rev-parse --short HEAD >/dev/null 2>&1; then
+    commit=$(git -C "$here" rev-parse --short HEAD)
+    git -C "$here/.." diff --quiet HEAD 2>/dev/null || commit="$commit (with uncommitted changes)"
 else
     commit=unknown
 fi
