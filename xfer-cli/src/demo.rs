@@ -153,6 +153,10 @@ pub(crate) struct PerGpuSummary {
     workers: Vec<WorkerSummary>,
     /// All workers' bytes.
     bytes: u64,
+    /// `--bytes` as given, when it was not a whole number of pages (each worker moved it
+    /// rounded up).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bytes_asked: Option<u64>,
     /// The slowest worker's time.
     seconds: f64,
     /// All bytes over the slowest worker's time.
@@ -243,6 +247,7 @@ pub(crate) fn per_gpu_summary(
         page_size: k.page_size,
         rails_per_worker: k.rails,
         bytes,
+        bytes_asked: crate::bytes_asked(k),
         seconds,
         gbps: if seconds > 0.0 {
             bytes as f64 * 8.0 / seconds / 1e9
@@ -285,6 +290,10 @@ pub(crate) fn print_per_gpu(s: &PerGpuSummary, json: bool) {
         s.gbps
     );
     println!("path: {} ({})", s.transport, s.path);
+    let per_worker = s.workers.first().map_or(0, |w| w.bytes);
+    if let Some(note) = crate::rounding_note(s.bytes_asked, per_worker, s.page_size) {
+        println!("{note} per worker");
+    }
 }
 
 /// One [`GpuWorkerPins`] per entry of --gpus, from the placement plan (`--pin auto`).

@@ -205,6 +205,10 @@ pub(crate) struct Summary {
     pages: u64,
     rails: usize,
     bytes: u64,
+    /// `--bytes` as given, when it was not a whole number of pages (`bytes` is it rounded
+    /// up: only whole pages move).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bytes_asked: Option<u64>,
     seconds: f64,
     gbps: f64,
     mops: f64,
@@ -237,6 +241,7 @@ impl Summary {
             pages: k.pages,
             rails: k.rails,
             bytes: report.bytes,
+            bytes_asked: bytes_asked(k),
             seconds: report.seconds,
             gbps,
             mops: report.mops(),
@@ -313,6 +318,7 @@ pub(crate) fn workload_of(k: &Knobs) -> Result<Workload, CliError> {
         transfer_timeout: Duration::from_secs(60),
     };
     w.validate().map_err(CliError::Usage)?;
+    let w = w.whole_pages();
     if k.rails == 0 {
         return Err(CliError::Usage("--rails must be at least 1".into()));
     }
@@ -322,6 +328,21 @@ pub(crate) fn workload_of(k: &Knobs) -> Result<Workload, CliError> {
         ));
     }
     Ok(w)
+}
+
+/// `--bytes` when it is not a whole number of pages (the run moves it rounded up).
+pub(crate) fn bytes_asked(k: &Knobs) -> Option<u64> {
+    (k.page_size > 0 && !k.bytes.is_multiple_of(k.page_size)).then_some(k.bytes)
+}
+
+/// The summary's line about `--bytes` rounded up to whole pages, if it was.
+pub(crate) fn rounding_note(asked: Option<u64>, moved: u64, page_size: u64) -> Option<String> {
+    asked.map(|a| {
+        format!(
+            "note: --bytes {a} is not a whole number of {} pages: moved {moved} bytes (rounded up to whole pages)",
+            size::format_size(page_size)
+        )
+    })
 }
 
 pub(crate) fn print_summary(s: &Summary, json: bool) {
@@ -342,6 +363,9 @@ pub(crate) fn print_summary(s: &Summary, json: bool) {
         if s.verified { "yes" } else { "no" }
     );
     println!("path: {} ({})", s.transport, s.path);
+    if let Some(note) = rounding_note(s.bytes_asked, s.bytes, s.page_size) {
+        println!("{note}");
+    }
     if let (Some(b), Some(r), Some(kind)) = (s.baseline_gbps, s.ratio, s.baseline_kind) {
         println!("baseline: {kind}: {b:.2} Gbps; ratio {r:.3}");
     }

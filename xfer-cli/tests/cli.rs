@@ -536,3 +536,47 @@ fn bench_per_gpu_writes_to_the_servers_worker_of_each_gpu() {
     let line = assert_fails_with_one_line(&out, 1);
     assert!(line.contains("worker 2 does not exist"), "{line}");
 }
+
+/// `--bytes` that is not a whole number of pages (not a multiple, less than a page, more
+/// than the region) moves whole pages, verifies, and says it rounded up.
+#[test]
+fn demo_of_part_pages_rounds_up_and_verifies() {
+    for (page, bytes, moved) in [
+        ("3KiB", "1000000", 1_000_000u64.div_ceil(3072) * 3072),
+        ("64KiB", "1000", 65536),
+        ("4KiB", "9437185", (9 << 20) + 4096),
+    ] {
+        let args = [
+            "demo",
+            "--page-size",
+            page,
+            "--pages",
+            "16",
+            "--bytes",
+            bytes,
+            "--region-size",
+            "4MiB",
+        ];
+        let out = xfer(&args);
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("verified: yes"), "{args:?}: {text}");
+        assert!(
+            text.contains(&format!("moved {moved} bytes (rounded up to whole pages)")),
+            "{args:?}: {text}"
+        );
+        let mut json = args.to_vec();
+        json.push("--json");
+        let v = stdout_json(&xfer(&json));
+        assert_eq!(v["verified"], true, "{args:?}");
+        assert_eq!(v["bytes"], moved, "{args:?}");
+        assert_eq!(v["bytes_asked"], bytes.parse::<u64>().unwrap(), "{args:?}");
+    }
+    // A whole number of pages is not rounded and says nothing about it.
+    let v = stdout_json(&small_demo(&[]));
+    assert!(v.get("bytes_asked").is_none(), "{v}");
+}
