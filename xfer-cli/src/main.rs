@@ -15,6 +15,7 @@ mod pattern;
 mod placement;
 mod progress;
 mod remote;
+mod setup;
 mod size;
 mod topo;
 mod workload;
@@ -71,7 +72,7 @@ struct Knobs {
     #[arg(long, default_value = "8GiB", value_parser = size::parse_size)]
     bytes: u64,
     /// Rails: engines (worker threads, each with its own connection or NIC) that share
-    /// every transfer.
+    /// every transfer; at most 256.
     #[arg(long, default_value_t = 1)]
     rails: usize,
     /// Size of the source region (and of the target region in demo).
@@ -110,7 +111,7 @@ struct ServeArgs {
     #[arg(long, default_value = "1GiB", value_parser = size::parse_size)]
     region_size: u64,
     /// Rails (engines, each a worker thread with its own listening transport); clients'
-    /// rails are spread over them.
+    /// rails are spread over them; at most 256.
     #[arg(long, default_value_t = 4)]
     rails: usize,
     #[command(flatten)]
@@ -319,9 +320,7 @@ pub(crate) fn workload_of(k: &Knobs) -> Result<Workload, CliError> {
     };
     w.validate().map_err(CliError::Usage)?;
     let w = w.whole_pages();
-    if k.rails == 0 {
-        return Err(CliError::Usage("--rails must be at least 1".into()));
-    }
+    setup::check_rails(k.rails).map_err(CliError::Usage)?;
     if k.region_size > usize::MAX as u64 {
         return Err(CliError::Usage(
             "--region-size does not fit this machine's address space".into(),

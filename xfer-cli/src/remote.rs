@@ -6,6 +6,7 @@ use crate::backend::{BackendArgs, MemoryKind, TransportKind};
 use crate::control::{self, ServedGroup};
 use crate::demo::{self, check_per_gpu, gpu_worker_pins, pad};
 use crate::placement::{CorePin, GpuWorkerPins, WorkerPins};
+use crate::setup::{ASKING, CONNECTING, MEMORY, REGISTERING, STARTING, SetUpClock, WARMING_UP};
 use crate::workload::{self, RunReport, Workload};
 use crate::{
     BenchArgs, CliError, ServeArgs, Summary, address_from_text, print_summary, progress, size,
@@ -115,6 +116,7 @@ fn set_up_bench_worker(
 ) -> Result<BenchSetUp, CliError> {
     let k = &a.knobs;
     let slot = worker.unwrap_or(0);
+    let mut clock = SetUpClock::start(format!("{} rails", k.rails), ASKING);
     let mut ctl = control::ControlClient::connect(ctl_addr, Duration::from_secs(5))
         .map_err(CliError::Failed)?;
     let hello = ctl
@@ -163,6 +165,15 @@ fn set_up_bench_worker(
     } else {
         IpAddr::V6(Ipv6Addr::UNSPECIFIED)
     };
+    // The region is filled before the rails start, whose idle workers would take CPU from
+    // the fill.
+    clock.stage(MEMORY);
+    if let Some(p) = home {
+        p.prefer_memory_here(&format!("xfer-main-{slot}"));
+    }
+    let src = b.alloc(k.region_size, slot)?;
+    workload::fill_pattern(&*src, k.seed)?;
+    clock.stage(STARTING);
     let group = b.spawn_group(
         local_ip,
         k.rails,
@@ -170,14 +181,13 @@ fn set_up_bench_worker(
         rail_pins,
         slot,
     )?;
-    if let Some(p) = home {
-        p.prefer_memory_here(&format!("xfer-main-{slot}"));
-    }
-    let src = b.alloc(k.region_size, slot)?;
-    workload::fill_pattern(&*src, k.seed)?;
+    clock.stage(REGISTERING);
     let s = group.register(src, Access::NONE)?;
+    clock.stage(CONNECTING);
     let peer = group.add_peer(&addresses)?;
+    clock.stage(WARMING_UP);
     warm_up(&group, &s, &peer, &hello.region, k)?;
+    clock.finish();
     Ok((b, ctl, group, s, peer, hello.region))
 }
 
@@ -192,6 +202,7 @@ pub fn serve(a: ServeArgs) -> Result<(), CliError> {
             "--transport mem works only inside one process: use xfer demo".into(),
         ));
     }
+    crate::setup::check_rails(a.rails).map_err(CliError::Usage)?;
     let listener = TcpListener::bind(a.listen)
         .map_err(|e| CliError::Failed(format!("cannot listen on {}: {e}", a.listen)))?;
     let ctl = listener
@@ -235,6 +246,14 @@ pub fn serve(a: ServeArgs) -> Result<(), CliError> {
             pins.initiator,
         )]
     };
+    let clock = SetUpClock::start(
+        format!(
+            "{} rails for each of {} group(s)",
+            a.rails,
+            plans.len() * kinds.len()
+        ),
+        STARTING,
+    );
     let mut groups = Vec::new();
     for (slot, rail_pins, _) in &plans {
         for (n, kind) in kinds.iter().enumerate() {
@@ -258,6 +277,7 @@ pub fn serve(a: ServeArgs) -> Result<(), CliError> {
             });
         }
     }
+    clock.finish();
     eprintln!(
         "xfer: serving {} on {} rails{}",
         kinds

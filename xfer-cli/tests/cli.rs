@@ -580,3 +580,16 @@ fn demo_of_part_pages_rounds_up_and_verifies() {
     let v = stdout_json(&small_demo(&[]));
     assert!(v.get("bytes_asked").is_none(), "{v}");
 }
+
+/// Above the stated limit of rails, demo, bench and serve refuse at once with one line.
+#[test]
+fn too_many_rails_is_one_clear_line_and_exit_2() {
+    for args in [
+        &["demo", "--rails", "1000", "--bytes", "64MiB"][..],
+        &["bench", "--peer", "xfer://127.0.0.1:1", "--rails", "257"][..],
+        &["serve", "--listen", "127.0.0.1:0", "--rails", "257"][..],
+    ] {
+        let line = assert_fails_with_one_line(&xfer(args), 2);
+        assert!(line.contains("above the limit of 256"), "{args:?}: {line}");
+    }
+}
