@@ -60,13 +60,18 @@ enum Cmd {
     },
 }
 
+/// `--page-size` of bench and demo when not given.
+pub(crate) const DEFAULT_PAGE_SIZE: &str = "64KiB";
+/// `--pages` of bench and demo when not given.
+pub(crate) const DEFAULT_PAGES: u64 = 1000;
+
 #[derive(Args, Clone)]
 struct Knobs {
     /// Bytes per page (e.g. 4KiB, 64KiB).
-    #[arg(long, default_value = "64KiB", value_parser = size::parse_size)]
+    #[arg(long, default_value = DEFAULT_PAGE_SIZE, value_parser = size::parse_size)]
     page_size: u64,
     /// Pages per transfer, chosen at random from the region.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = DEFAULT_PAGES)]
     pages: u64,
     /// Bytes to move in all.
     #[arg(long, default_value = "8GiB", value_parser = size::parse_size)]

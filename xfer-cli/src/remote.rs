@@ -298,7 +298,10 @@ pub fn serve(a: ServeArgs) -> Result<(), CliError> {
             ctl.ip()
         );
     }
-    println!("xfer bench --peer xfer://{ctl}");
+    if a.backend.auth_token.is_some() {
+        eprintln!("xfer: clients need the same --auth-token (or XFER_AUTH_TOKEN)");
+    }
+    println!("{}", bench_line(ctl, &a, &kinds));
     use std::io::Write;
     let _ = std::io::stdout().flush();
     control::serve(
@@ -309,4 +312,93 @@ pub fn serve(a: ServeArgs) -> Result<(), CliError> {
         plans.first().and_then(|p| p.2),
     )
     .map_err(|e| CliError::Failed(e.to_string()))
+}
+
+/// The `xfer bench` command that uses what this server offers: all its rails, its region
+/// size (and pages that fit in it), its transport where `auto` would not pick it, and its
+/// workers with `--per-gpu`. Never the token.
+fn bench_line(ctl: SocketAddr, a: &ServeArgs, kinds: &[TransportKind]) -> String {
+    let mut line = format!(
+        "xfer bench --peer xfer://{ctl} --rails {} --region-size {}",
+        a.rails,
+        size::exact(a.region_size)
+    );
+    let mut page = size::parse_size(crate::DEFAULT_PAGE_SIZE).expect("the default parses");
+    if a.region_size < page {
+        page = (a.region_size / 8 * 8).max(8);
+        line.push_str(&format!(" --page-size {}", size::exact(page)));
+    }
+    let fit = a.region_size / page;
+    if fit < crate::DEFAULT_PAGES {
+        line.push_str(&format!(" --pages {}", fit.max(1)));
+    }
+    match kinds {
+        [TransportKind::Tcp] => {}
+        // Both: auto picks cuda-ipc for GPU memory on this host, tcp elsewhere.
+        [TransportKind::Tcp, TransportKind::CudaIpc] => line.push_str(" --memory cuda"),
+        [TransportKind::CudaIpc] => line.push_str(" --transport cuda-ipc --memory cuda"),
+        [k] => {
+            line.push_str(&format!(" --transport {}", k.name()));
+            if let Some(p) = &a.backend.provider {
+                line.push_str(&format!(" --provider {p}"));
+            }
+        }
+        _ => {}
+    }
+    if a.per_gpu {
+        let gpus: Vec<String> = a.backend.gpus.iter().map(u32::to_string).collect();
+        line.push_str(&format!(" --per-gpu --gpus {}", gpus.join(",")));
+    }
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn line_of(args: &[&str], kinds: &[TransportKind]) -> String {
+        let cli = crate::Cli::try_parse_from(["xfer", "serve"].iter().chain(args)).unwrap();
+        let crate::Cmd::Serve(a) = cli.cmd else {
+            panic!("not serve")
+        };
+        bench_line("127.0.0.1:7471".parse().unwrap(), &a, kinds)
+    }
+
+    #[test]
+    fn the_bench_line_names_what_the_server_offers() {
+        let tcp = [TransportKind::Tcp];
+        assert_eq!(
+            line_of(&[], &tcp),
+            "xfer bench --peer xfer://127.0.0.1:7471 --rails 4 --region-size 1GiB"
+        );
+        assert_eq!(
+            line_of(&["--region-size", "32KiB", "--rails", "2"], &tcp),
+            "xfer bench --peer xfer://127.0.0.1:7471 --rails 2 --region-size 32KiB \
+             --page-size 32KiB --pages 1"
+        );
+        let efa = line_of(
+            &[
+                "--transport",
+                "efa",
+                "--provider",
+                "tcp",
+                "--auth-token",
+                "s3cret",
+            ],
+            &[TransportKind::Efa],
+        );
+        assert!(efa.ends_with(" --transport efa --provider tcp"), "{efa}");
+        assert!(!efa.contains("s3cret"), "{efa}");
+        let gpus = line_of(
+            &["--per-gpu", "--memory", "cuda", "--gpus", "0,1"],
+            &[TransportKind::Tcp, TransportKind::CudaIpc],
+        );
+        assert!(
+            gpus.ends_with(" --memory cuda --per-gpu --gpus 0,1"),
+            "{gpus}"
+        );
+        // A region that no unit states exactly travels in bytes.
+        assert!(line_of(&["--region-size", "1000000"], &tcp).contains("--region-size 1000000 "));
+    }
 }

@@ -53,6 +53,17 @@ pub fn format_size(b: u64) -> String {
     }
 }
 
+/// A size as the command line takes it back exactly: with a unit when that is exact
+/// (`8MiB`), else in bytes (`1000000`).
+pub fn exact(b: u64) -> String {
+    let f = format_size(b);
+    if parse_size(&f) == Ok(b) {
+        f
+    } else {
+        b.to_string()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

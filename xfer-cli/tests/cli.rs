@@ -253,6 +253,8 @@ fn bench_with_nobody_listening_cannot_reach() {
 struct Server {
     child: Child,
     peer: String,
+    /// The bench command it printed, less the leading `xfer`.
+    bench: Vec<String>,
 }
 
 impl Server {
@@ -274,13 +276,17 @@ impl Server {
             .read_line(&mut line)
             .expect("read the serve line");
         // The line is printed once the control socket listens: `xfer bench --peer xfer://...`.
-        let peer = line
+        let bench: Vec<String> = line
             .trim()
-            .strip_prefix("xfer bench --peer ")
+            .strip_prefix("xfer ")
+            .filter(|rest| rest.starts_with("bench --peer "))
             .unwrap_or_else(|| panic!("unexpected first line of xfer serve: {line:?}"))
-            .to_owned();
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect();
+        let peer = bench[2].clone();
         assert!(peer.starts_with("xfer://"), "{peer}");
-        Server { child, peer }
+        Server { child, peer, bench }
     }
 }
 
@@ -592,4 +598,27 @@ fn too_many_rails_is_one_clear_line_and_exit_2() {
         let line = assert_fails_with_one_line(&xfer(args), 2);
         assert!(line.contains("above the limit of 256"), "{args:?}: {line}");
     }
+}
+
+/// The bench line that serve prints uses what the server offers: run as printed (with only
+/// knobs of its own added: how much to move and JSON), it writes over all the server's
+/// rails into a region of the server's size, and verifies.
+#[test]
+fn the_bench_line_serve_prints_uses_all_its_rails() {
+    let server = Server::start_with(&["--rails", "3"]);
+    let printed = server.bench.join(" ");
+    assert!(printed.contains("--rails 3"), "{printed}");
+    let out = Command::new(env!("CARGO_BIN_EXE_xfer"))
+        .args(&server.bench)
+        .args(["--bytes", "2MiB", "--json"])
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("bench runs");
+    assert_bench_verified(&out, &printed);
+    let v = stdout_json(&out);
+    assert_eq!(v["rails"], 3, "{printed}: {v}");
+    // The server's region (8 MiB) holds fewer than the default 1000 pages of 64 KiB: the
+    // line says what fits, so the printed command runs as it is.
+    assert!(printed.contains("--region-size 8MiB"), "{printed}");
+    assert!(printed.contains("--pages 128"), "{printed}");
 }
