@@ -5,6 +5,11 @@
 //! - `xfer bench --peer xfer://HOST:PORT`: write random pages into a server's memory;
 //! - `xfer topo`: the machine's topology and where the workers go;
 //! - `xfer info`: what this machine offers.
+//!
+//! Dependencies beyond the workspace's own, each in place of code we wrote by hand:
+//! `bytesize` parses and prints sizes (`64KiB`, `4.3 GiB`), `indicatif` draws the progress
+//! line (only on a terminal, rate-limited), `fastrand` picks the pages (small, seeded,
+//! no dependencies), `hex` encodes binary addresses and token digests.
 
 mod backend;
 mod baseline;
@@ -292,10 +297,7 @@ impl From<fabric_core::MemoryError> for CliError {
 pub(crate) fn address_to_text(a: &[u8]) -> String {
     match std::str::from_utf8(a) {
         Ok(s) if s.chars().all(|c| c.is_ascii_graphic()) => s.to_string(),
-        _ => format!(
-            "hex:{}",
-            a.iter().map(|b| format!("{b:02x}")).collect::<String>()
-        ),
+        _ => format!("hex:{}", hex::encode(a)),
     }
 }
 
@@ -303,13 +305,7 @@ pub(crate) fn address_to_text(a: &[u8]) -> String {
 pub(crate) fn address_from_text(s: &str) -> Result<Vec<u8>, String> {
     match s.strip_prefix("hex:") {
         None => Ok(s.as_bytes().to_vec()),
-        Some(h) if h.len().is_multiple_of(2) => (0..h.len())
-            .step_by(2)
-            .map(|i| {
-                u8::from_str_radix(&h[i..i + 2], 16).map_err(|_| format!("bad hex address {s:?}"))
-            })
-            .collect(),
-        Some(_) => Err(format!("bad hex address {s:?}")),
+        Some(h) => hex::decode(h).map_err(|e| format!("bad hex address {s:?}: {e}")),
     }
 }
 

@@ -5,7 +5,7 @@
 //! Only whole pages move: `--bytes` that is not a whole number of pages is rounded up (see
 //! [`Workload::whole_pages`]), so that every page checked was written whole.
 
-use crate::pattern::{self, Rng};
+use crate::pattern;
 use crate::progress::Progress;
 use fabric_core::engine::{
     GroupHandle, GroupPeer, GroupRegistration, GroupTransfer, RailGroup, RemoteDescriptor,
@@ -142,7 +142,7 @@ pub fn run(
 ) -> Result<RunReport, Error> {
     let region_pages = w.region_pages();
     let mut perm: Vec<u64> = (0..region_pages).collect();
-    let mut rng = Rng::new(w.seed);
+    let mut rng = fastrand::Rng::with_seed(w.seed);
     let mut written = vec![false; region_pages as usize];
     let per_transfer = w.pages * w.page_size;
     let mut left = w.bytes;
@@ -168,7 +168,7 @@ pub fn run(
             };
             // Partial Fisher-Yates: n distinct pages.
             for i in 0..n as usize {
-                let j = i + rng.below(region_pages - i as u64) as usize;
+                let j = rng.usize(i..region_pages as usize);
                 perm.swap(i, j);
                 let p = perm[i];
                 written[p as usize] = true;
