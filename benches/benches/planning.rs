@@ -21,7 +21,7 @@ fn planning(c: &mut Criterion) {
         key: RemoteKey(0x1234),
     };
     let layout = PageLayout::sparse(4096, REGION_SIZE);
-    let segments = layout.segments(LocalKey(1), dst, SEGMENTS, &mut Rng::new(5));
+    let segments = layout.segments(LocalKey(1), dst, SEGMENTS, &mut Rng::with_seed(5));
     let mut g = c.benchmark_group("planning");
     g.sample_size(50)
         .warm_up_time(Duration::from_millis(500))

@@ -18,6 +18,9 @@
 //! let elapsed = xfer_benches::run(&pair.initiator, &transfers, 8, 2).unwrap();
 //! assert!(elapsed.as_nanos() > 0);
 //! ```
+//!
+//! Dependencies: `fastrand` picks the pages (a small, seeded, well-known generator, in place
+//! of one written by hand here and again in `xfer-cli`).
 #![warn(missing_docs)]
 
 use fabric_core::engine::rails::{
@@ -28,6 +31,9 @@ use fabric_core::mem::MemTransport;
 use fabric_core::plan::Segment;
 use fabric_core::{Access, HostBuffer, LocalKey, PeerId, RemoteRegion, Result};
 use std::collections::VecDeque;
+
+/// The seeded generator that picks pages, so that runs pick the same ones.
+pub use fastrand::Rng;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use transport_tcp::{TcpConfig, TcpTransport};
@@ -209,7 +215,7 @@ impl Pair {
         count: usize,
         seed: u64,
     ) -> Vec<Transfer> {
-        let mut rng = Rng::new(seed);
+        let mut rng = Rng::with_seed(seed);
         (0..count)
             .map(|_| {
                 let mut t = Transfer::new(self.peer).timeout(TRANSFER_TIMEOUT);
@@ -275,7 +281,7 @@ impl GroupPair {
         count: usize,
         seed: u64,
     ) -> Vec<GroupTransfer> {
-        let mut rng = Rng::new(seed);
+        let mut rng = Rng::with_seed(seed);
         (0..count)
             .map(|_| GroupTransfer {
                 src: self.src.clone(),
@@ -369,7 +375,7 @@ impl PageLayout {
         let mut swapped = std::collections::HashMap::with_capacity(2 * n);
         let mut out = Vec::with_capacity(n);
         for i in 0..n as u64 {
-            let j = i + rng.below(slots - i);
+            let j = rng.u64(i..slots);
             let vi = *swapped.get(&i).unwrap_or(&i);
             let vj = *swapped.get(&j).unwrap_or(&j);
             swapped.insert(j, vi);
@@ -423,33 +429,6 @@ pub fn run(engine: &Engine, transfers: &[Transfer], iters: u64, depth: usize) ->
     Ok(start.elapsed())
 }
 
-/// A small seeded generator (xorshift64*), so that runs pick the same pages.
-#[derive(Clone, Debug)]
-pub struct Rng(u64);
-
-impl Rng {
-    /// A generator for `seed` (any value).
-    pub fn new(seed: u64) -> Rng {
-        let mut z = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        Rng((z ^ (z >> 31)) | 1)
-    }
-
-    /// The next value.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    /// Uniform in `0..n` (`n > 0`).
-    pub fn below(&mut self, n: u64) -> u64 {
-        ((self.next_u64() as u128 * n as u128) >> 64) as u64
-    }
-}
-
 /// Human form of a size for bench ids: `64KiB`, `4KiB`, `64B`.
 pub fn size_label(bytes: u64) -> String {
     const UNITS: [(u64, &str); 3] = [(1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")];
@@ -469,7 +448,7 @@ mod tests {
     fn picks_are_distinct_and_in_range() {
         let l = PageLayout::sparse(64, 1 << 16);
         assert_eq!(l.slots(), 512);
-        let mut rng = Rng::new(3);
+        let mut rng = Rng::with_seed(3);
         let mut p = l.pick(512, &mut rng);
         p.sort_unstable();
         assert_eq!(p, (0..512).collect::<Vec<u64>>());
@@ -483,7 +462,7 @@ mod tests {
             len: 64 << 20,
             key: fabric_core::RemoteKey(1),
         };
-        let segs = l.segments(LocalKey(1), dst, 1000, &mut Rng::new(1));
+        let segs = l.segments(LocalKey(1), dst, 1000, &mut Rng::with_seed(1));
         let plan = fabric_core::plan::plan_transfer(&segs, 1 << 20).unwrap();
         assert_eq!(plan.writes.len(), 1000);
         assert_eq!(plan.bytes, 1000 * 4096);

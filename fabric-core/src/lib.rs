@@ -21,6 +21,11 @@
 //! assert_eq!(plan.writes.len(), 2);
 //! assert_eq!(plan.bytes, 3 * 4096);
 //! ```
+//!
+//! Dependencies: `serde` (descriptors travel out of band), `thiserror` (the error enum),
+//! `tracing` (logs), `crossbeam-channel` (the engine's command and event channels, with
+//! timeouts and select), `getrandom` (unguessable remote keys), `rustc-hash` (FxHash for
+//! the in-memory transport's small-integer keys, in place of a hasher written here).
 #![warn(missing_docs)]
 
 pub mod engine;

@@ -18,7 +18,6 @@ use crate::types::{
     WorkRequestId,
 };
 use std::collections::{HashMap, VecDeque};
-use std::hash::{BuildHasherDefault, Hasher};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -38,27 +37,10 @@ const RUN_OPS: usize = 256;
 /// crosses it), so that the target's own calls never wait long.
 const RUN_BYTES: u64 = 1 << 20;
 
-/// The hasher of the maps on the data path: their keys are small integers chosen by this
-/// process (local keys, peer ids, remote keys), so a multiply (FxHash's) spreads them well
-/// enough, at a fraction of SipHash's cost.
-#[derive(Default)]
-struct KeyHasher(u64);
-
-impl Hasher for KeyHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(b as u64);
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
-    }
-    fn finish(&self) -> u64 {
-        self.0
-    }
-}
-
-type KeyMap<K, V> = HashMap<K, V, BuildHasherDefault<KeyHasher>>;
+/// The maps on the data path: their keys are small integers chosen by this process (local
+/// keys, peer ids, remote keys), so FxHash's multiply spreads them well enough, at a
+/// fraction of SipHash's cost.
+type KeyMap<K, V> = rustc_hash::FxHashMap<K, V>;
 
 struct Target {
     mem: Arc<dyn MemoryRegion>,

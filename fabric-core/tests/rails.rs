@@ -151,3 +151,38 @@ fn warm_up_touches_every_rail_and_no_byte_and_is_not_reported() {
     }
     assert_eq!(dst.to_vec(4096, 4096).unwrap(), vec![9; 4096]);
 }
+
+/// The rails of a group start at once: each rail's transport is made only when every other
+/// rail's is being made too (one after another, the first would wait in vain).
+#[test]
+fn rails_start_at_once() {
+    use std::sync::{Condvar, Mutex};
+    use std::time::Instant;
+    const N: usize = 8;
+    let meet = std::sync::Arc::new((Mutex::new(0usize), Condvar::new()));
+    let m = meet.clone();
+    let g = RailGroup::spawn(
+        N,
+        move |_| {
+            let (count, cv) = &*m;
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let mut here = count.lock().unwrap();
+            *here += 1;
+            cv.notify_all();
+            while *here < N {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(fabric_core::Error::InvalidArgument(
+                        "the other rails did not start meanwhile".into(),
+                    ));
+                }
+                here = cv.wait_timeout(here, left).unwrap().0;
+            }
+            Ok(MemTransport::new())
+        },
+        EngineConfig::default(),
+    )
+    .expect("all rails start together");
+    assert_eq!(g.rails().len(), N);
+    assert_eq!(*meet.0.lock().unwrap(), N);
+}

@@ -141,9 +141,7 @@ impl BackendArgs {
         pins: Vec<Option<CorePin>>,
         gpu_slot: usize,
     ) -> Result<RailGroup, CliError> {
-        if rails == 0 {
-            return Err(CliError::Usage("--rails must be at least 1".into()));
-        }
+        crate::setup::check_rails(rails).map_err(CliError::Usage)?;
         if self.auth_token.is_some() && self.transport != TransportKind::Tcp {
             return Err(CliError::Usage(
                 "--auth-token applies to --transport tcp only".into(),

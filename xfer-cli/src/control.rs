@@ -267,7 +267,8 @@ fn client(
                     .map(|g| g.kind)
                     .collect();
                 if let Some(want) = &backend.auth_token
-                    && auth.as_deref() != Some(hex(&transport_tcp::auth_digest(want)).as_str())
+                    && auth.as_deref()
+                        != Some(hex::encode(transport_tcp::auth_digest(want)).as_str())
                 {
                     reply::<()>(
                         &mut w,
@@ -432,7 +433,7 @@ impl ControlClient {
             memory: Some(memory.into()),
             host_id: transport_cuda_ipc::boot_id().ok(),
             worker,
-            auth: token.map(|t| hex(&transport_tcp::auth_digest(t))),
+            auth: token.map(|t| hex::encode(transport_tcp::auth_digest(t))),
         })
     }
 
@@ -449,10 +450,6 @@ impl ControlClient {
             pages,
         })
     }
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 #[cfg(test)]

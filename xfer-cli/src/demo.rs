@@ -3,6 +3,7 @@
 
 use crate::backend::BackendArgs;
 use crate::placement::{self, CorePin, GpuWorkerPins, PinMode, WorkerPins};
+use crate::setup::{CONNECTING, MEMORY, REGISTERING, STARTING, SetUpClock, WARMING_UP};
 use crate::workload::{self, RunReport, Workload};
 use crate::{
     CliError, DemoArgs, Knobs, Summary, baseline_for, hot_baseline_for, print_summary, progress,
@@ -74,10 +75,12 @@ fn one_worker(
     if let Some(barrier) = start {
         barrier.wait();
     }
-    // The target group stays alive (its engines place the bytes) until the end.
-    let (src_group, _target_group, s, d, peer, dst) = set_up?;
+    // The target group stays alive (its engines place the bytes) until the run ends.
+    let (src_group, target_group, s, d, peer, dst) = set_up?;
     let mut progress = progress::Progress::new(!show_progress);
     let report = workload::run(&src_group, &s, &peer, &d.remote, w, &mut progress)?;
+    // Every byte has landed: stop the rails, whose idle workers would slow the check.
+    drop((src_group, target_group));
     let verified = if k.no_verify {
         false
     } else {
@@ -113,19 +116,26 @@ fn set_up_worker(
 ) -> Result<WorkerSetUp, CliError> {
     let lo = IpAddr::V4(Ipv4Addr::LOCALHOST);
     let name = |role: &str| format!("xfer-{role}-{}", slots.0);
-    let src_group = b.spawn_group(lo, k.rails, &name("initiator"), rails.initiator, slots.0)?;
-    let dst_group = b.spawn_group(lo, k.rails, &name("target"), rails.target, slots.1)?;
-    // Both regions are first touched by this thread: put them on the workers' node.
+    let mut clock = SetUpClock::start(format!("2 x {} rails", k.rails), MEMORY);
+    // Both regions are first touched by this thread: put them on the workers' node. They
+    // are filled before the rails start, whose idle workers would take CPU from the fill.
     if let Some(p) = rails.home {
         p.prefer_memory_here(&name("main"));
     }
     let src = b.alloc(k.region_size, slots.0)?;
     workload::fill_pattern(&*src, k.seed)?;
     let dst = b.alloc(k.region_size, slots.1)?;
+    clock.stage(STARTING);
+    let src_group = b.spawn_group(lo, k.rails, &name("initiator"), rails.initiator, slots.0)?;
+    let dst_group = b.spawn_group(lo, k.rails, &name("target"), rails.target, slots.1)?;
+    clock.stage(REGISTERING);
     let s = src_group.register(src, Access::NONE)?;
     let d = dst_group.register(dst.clone(), Access::REMOTE_WRITE)?;
+    clock.stage(CONNECTING);
     let peer = src_group.add_peer(&dst_group.addresses())?;
+    clock.stage(WARMING_UP);
     warm_up(&src_group, &s, &peer, &d.remote, k)?;
+    clock.finish();
     Ok((src_group, dst_group, s, d, peer, dst))
 }
 
@@ -153,6 +163,10 @@ pub(crate) struct PerGpuSummary {
     workers: Vec<WorkerSummary>,
     /// All workers' bytes.
     bytes: u64,
+    /// `--bytes` as given, when it was not a whole number of pages (each worker moved it
+    /// rounded up).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bytes_asked: Option<u64>,
     /// The slowest worker's time.
     seconds: f64,
     /// All bytes over the slowest worker's time.
@@ -243,6 +257,7 @@ pub(crate) fn per_gpu_summary(
         page_size: k.page_size,
         rails_per_worker: k.rails,
         bytes,
+        bytes_asked: crate::bytes_asked(k),
         seconds,
         gbps: if seconds > 0.0 {
             bytes as f64 * 8.0 / seconds / 1e9
@@ -285,6 +300,10 @@ pub(crate) fn print_per_gpu(s: &PerGpuSummary, json: bool) {
         s.gbps
     );
     println!("path: {} ({})", s.transport, s.path);
+    let per_worker = s.workers.first().map_or(0, |w| w.bytes);
+    if let Some(note) = crate::rounding_note(s.bytes_asked, per_worker, s.page_size) {
+        println!("{note} per worker");
+    }
 }
 
 /// One [`GpuWorkerPins`] per entry of --gpus, from the placement plan (`--pin auto`).

@@ -5,6 +5,11 @@
 //! - `xfer bench --peer xfer://HOST:PORT`: write random pages into a server's memory;
 //! - `xfer topo`: the machine's topology and where the workers go;
 //! - `xfer info`: what this machine offers.
+//!
+//! Dependencies beyond the workspace's own, each in place of code we wrote by hand:
+//! `bytesize` parses and prints sizes (`64KiB`, `4.3 GiB`), `indicatif` draws the progress
+//! line (only on a terminal, rate-limited), `fastrand` picks the pages (small, seeded,
+//! no dependencies), `hex` encodes binary addresses and token digests.
 
 mod backend;
 mod baseline;
@@ -15,6 +20,7 @@ mod pattern;
 mod placement;
 mod progress;
 mod remote;
+mod setup;
 mod size;
 mod topo;
 mod workload;
@@ -59,19 +65,24 @@ enum Cmd {
     },
 }
 
+/// `--page-size` of bench and demo when not given.
+pub(crate) const DEFAULT_PAGE_SIZE: &str = "64KiB";
+/// `--pages` of bench and demo when not given.
+pub(crate) const DEFAULT_PAGES: u64 = 1000;
+
 #[derive(Args, Clone)]
 struct Knobs {
     /// Bytes per page (e.g. 4KiB, 64KiB).
-    #[arg(long, default_value = "64KiB", value_parser = size::parse_size)]
+    #[arg(long, default_value = DEFAULT_PAGE_SIZE, value_parser = size::parse_size)]
     page_size: u64,
     /// Pages per transfer, chosen at random from the region.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = DEFAULT_PAGES)]
     pages: u64,
     /// Bytes to move in all.
     #[arg(long, default_value = "8GiB", value_parser = size::parse_size)]
     bytes: u64,
     /// Rails: engines (worker threads, each with its own connection or NIC) that share
-    /// every transfer.
+    /// every transfer; at most 256.
     #[arg(long, default_value_t = 1)]
     rails: usize,
     /// Size of the source region (and of the target region in demo).
@@ -110,7 +121,7 @@ struct ServeArgs {
     #[arg(long, default_value = "1GiB", value_parser = size::parse_size)]
     region_size: u64,
     /// Rails (engines, each a worker thread with its own listening transport); clients'
-    /// rails are spread over them.
+    /// rails are spread over them; at most 256.
     #[arg(long, default_value_t = 4)]
     rails: usize,
     #[command(flatten)]
@@ -205,6 +216,10 @@ pub(crate) struct Summary {
     pages: u64,
     rails: usize,
     bytes: u64,
+    /// `--bytes` as given, when it was not a whole number of pages (`bytes` is it rounded
+    /// up: only whole pages move).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bytes_asked: Option<u64>,
     seconds: f64,
     gbps: f64,
     mops: f64,
@@ -237,6 +252,7 @@ impl Summary {
             pages: k.pages,
             rails: k.rails,
             bytes: report.bytes,
+            bytes_asked: bytes_asked(k),
             seconds: report.seconds,
             gbps,
             mops: report.mops(),
@@ -281,10 +297,7 @@ impl From<fabric_core::MemoryError> for CliError {
 pub(crate) fn address_to_text(a: &[u8]) -> String {
     match std::str::from_utf8(a) {
         Ok(s) if s.chars().all(|c| c.is_ascii_graphic()) => s.to_string(),
-        _ => format!(
-            "hex:{}",
-            a.iter().map(|b| format!("{b:02x}")).collect::<String>()
-        ),
+        _ => format!("hex:{}", hex::encode(a)),
     }
 }
 
@@ -292,13 +305,7 @@ pub(crate) fn address_to_text(a: &[u8]) -> String {
 pub(crate) fn address_from_text(s: &str) -> Result<Vec<u8>, String> {
     match s.strip_prefix("hex:") {
         None => Ok(s.as_bytes().to_vec()),
-        Some(h) if h.len().is_multiple_of(2) => (0..h.len())
-            .step_by(2)
-            .map(|i| {
-                u8::from_str_radix(&h[i..i + 2], 16).map_err(|_| format!("bad hex address {s:?}"))
-            })
-            .collect(),
-        Some(_) => Err(format!("bad hex address {s:?}")),
+        Some(h) => hex::decode(h).map_err(|e| format!("bad hex address {s:?}: {e}")),
     }
 }
 
@@ -313,15 +320,29 @@ pub(crate) fn workload_of(k: &Knobs) -> Result<Workload, CliError> {
         transfer_timeout: Duration::from_secs(60),
     };
     w.validate().map_err(CliError::Usage)?;
-    if k.rails == 0 {
-        return Err(CliError::Usage("--rails must be at least 1".into()));
-    }
+    let w = w.whole_pages();
+    setup::check_rails(k.rails).map_err(CliError::Usage)?;
     if k.region_size > usize::MAX as u64 {
         return Err(CliError::Usage(
             "--region-size does not fit this machine's address space".into(),
         ));
     }
     Ok(w)
+}
+
+/// `--bytes` when it is not a whole number of pages (the run moves it rounded up).
+pub(crate) fn bytes_asked(k: &Knobs) -> Option<u64> {
+    (k.page_size > 0 && !k.bytes.is_multiple_of(k.page_size)).then_some(k.bytes)
+}
+
+/// The summary's line about `--bytes` rounded up to whole pages, if it was.
+pub(crate) fn rounding_note(asked: Option<u64>, moved: u64, page_size: u64) -> Option<String> {
+    asked.map(|a| {
+        format!(
+            "note: --bytes {a} is not a whole number of {} pages: moved {moved} bytes (rounded up to whole pages)",
+            size::format_size(page_size)
+        )
+    })
 }
 
 pub(crate) fn print_summary(s: &Summary, json: bool) {
@@ -342,6 +363,9 @@ pub(crate) fn print_summary(s: &Summary, json: bool) {
         if s.verified { "yes" } else { "no" }
     );
     println!("path: {} ({})", s.transport, s.path);
+    if let Some(note) = rounding_note(s.bytes_asked, s.bytes, s.page_size) {
+        println!("{note}");
+    }
     if let (Some(b), Some(r), Some(kind)) = (s.baseline_gbps, s.ratio, s.baseline_kind) {
         println!("baseline: {kind}: {b:.2} Gbps; ratio {r:.3}");
     }

@@ -27,27 +27,6 @@ pub fn matches(seed: u64, offset: u64, buf: &[u8]) -> bool {
     })
 }
 
-/// A small, fast, seeded generator for page choices (xorshift64*).
-pub struct Rng(u64);
-
-impl Rng {
-    /// Seeded generator (any seed).
-    pub fn new(seed: u64) -> Rng {
-        Rng(mix(seed) | 1)
-    }
-    /// Next value.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    /// Uniform in `0..n` (n > 0).
-    pub fn below(&mut self, n: u64) -> u64 {
-        ((self.next_u64() as u128 * n as u128) >> 64) as u64
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -62,11 +41,5 @@ mod tests {
         let mut b = vec![0u8; 4096];
         fill(7, 8192 + 2048, &mut b[..2048]);
         assert_eq!(&a[2048..], &b[..2048]);
-    }
-
-    #[test]
-    fn rng_stays_in_range() {
-        let mut r = Rng::new(1);
-        assert!((0..10_000).all(|_| r.below(10) < 10));
     }
 }

@@ -1,55 +1,71 @@
-//! The progress line, in the reference program's spirit:
-//! `[5.398s] WRITE: 100%, ops=.., bytes=.., bw=18.2Gbps, 0.35Mpps`.
+//! The progress line, in the reference program's spirit, drawn by `indicatif` on stderr
+//! when it is a terminal (never in JSON mode):
+//! `[5s] WRITE  67% 4.3 GiB/6.4 GiB, ops=70000, bw=18.2 Gbps, 0.35 Mpps`.
 
-use std::io::{IsTerminal, Write};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::time::Duration;
 
-/// Prints a progress line on stderr when it is a terminal (never in JSON mode).
+/// The progress line of a run.
 pub struct Progress {
-    enabled: bool,
-    total: u64,
-    last: Duration,
+    bar: ProgressBar,
 }
 
 impl Progress {
-    /// A progress printer; `quiet` turns it off.
+    /// A progress line on stderr (drawn only on a terminal); `quiet` turns it off.
     pub fn new(quiet: bool) -> Progress {
-        Progress {
-            enabled: !quiet && std::io::stderr().is_terminal(),
-            total: 0,
-            last: Duration::ZERO,
-        }
+        let bar = if quiet {
+            ProgressBar::hidden()
+        } else {
+            ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr())
+        };
+        let style = ProgressStyle::with_template(
+            "[{elapsed}] WRITE {percent:>3}% {binary_bytes}/{binary_total_bytes}, {msg}",
+        )
+        .expect("the template is valid");
+        bar.set_style(style);
+        Progress { bar }
     }
 
     pub(crate) fn start(&mut self, total: u64) {
-        self.total = total.max(1);
-        self.last = Duration::ZERO;
-    }
-
-    fn line(&self, t: Duration, bytes: u64, ops: u64) -> String {
-        let s = t.as_secs_f64().max(1e-9);
-        format!(
-            "[{:.3}s] WRITE: {:>3}%, ops={}, bytes={}, bw={:.1}Gbps, {:.2}Mpps",
-            s,
-            (bytes * 100 / self.total).min(100),
-            ops,
-            bytes,
-            bytes as f64 * 8.0 / s / 1e9,
-            ops as f64 / s / 1e6
-        )
+        self.bar.set_length(total.max(1));
+        self.bar.set_position(0);
+        self.bar.reset_elapsed();
     }
 
     pub(crate) fn update(&mut self, t: Duration, bytes: u64, ops: u64) {
-        if self.enabled && t >= self.last + Duration::from_millis(200) {
-            self.last = t;
-            eprint!("\r{}", self.line(t, bytes, ops));
-            let _ = std::io::stderr().flush();
-        }
+        self.bar.set_position(bytes);
+        self.bar.set_message(rates(t, bytes, ops));
     }
 
     pub(crate) fn finish(&mut self, t: Duration, bytes: u64, ops: u64) {
-        if self.enabled {
-            eprintln!("\r{}", self.line(t, bytes, ops));
+        self.update(t, bytes, ops);
+        self.bar.finish();
+        // The line stays; what follows (the summary, on stdout) starts below it.
+        if !self.bar.is_hidden() {
+            eprintln!();
         }
+    }
+}
+
+/// `ops=.., bw=.. Gbps, .. Mpps` after `t`.
+fn rates(t: Duration, bytes: u64, ops: u64) -> String {
+    let s = t.as_secs_f64().max(1e-9);
+    format!(
+        "ops={ops}, bw={:.1} Gbps, {:.2} Mpps",
+        bytes as f64 * 8.0 / s / 1e9,
+        ops as f64 / s / 1e6
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_are_in_gbps_and_mpps() {
+        assert_eq!(
+            rates(Duration::from_secs(2), 5_000_000_000, 1_000_000),
+            "ops=1000000, bw=20.0 Gbps, 0.50 Mpps"
+        );
     }
 }

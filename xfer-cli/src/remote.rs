@@ -6,6 +6,7 @@ use crate::backend::{BackendArgs, MemoryKind, TransportKind};
 use crate::control::{self, ServedGroup};
 use crate::demo::{self, check_per_gpu, gpu_worker_pins, pad};
 use crate::placement::{CorePin, GpuWorkerPins, WorkerPins};
+use crate::setup::{ASKING, CONNECTING, MEMORY, REGISTERING, STARTING, SetUpClock, WARMING_UP};
 use crate::workload::{self, RunReport, Workload};
 use crate::{
     BenchArgs, CliError, ServeArgs, Summary, address_from_text, print_summary, progress, size,
@@ -115,6 +116,7 @@ fn set_up_bench_worker(
 ) -> Result<BenchSetUp, CliError> {
     let k = &a.knobs;
     let slot = worker.unwrap_or(0);
+    let mut clock = SetUpClock::start(format!("{} rails", k.rails), ASKING);
     let mut ctl = control::ControlClient::connect(ctl_addr, Duration::from_secs(5))
         .map_err(CliError::Failed)?;
     let hello = ctl
@@ -163,6 +165,15 @@ fn set_up_bench_worker(
     } else {
         IpAddr::V6(Ipv6Addr::UNSPECIFIED)
     };
+    // The region is filled before the rails start, whose idle workers would take CPU from
+    // the fill.
+    clock.stage(MEMORY);
+    if let Some(p) = home {
+        p.prefer_memory_here(&format!("xfer-main-{slot}"));
+    }
+    let src = b.alloc(k.region_size, slot)?;
+    workload::fill_pattern(&*src, k.seed)?;
+    clock.stage(STARTING);
     let group = b.spawn_group(
         local_ip,
         k.rails,
@@ -170,14 +181,13 @@ fn set_up_bench_worker(
         rail_pins,
         slot,
     )?;
-    if let Some(p) = home {
-        p.prefer_memory_here(&format!("xfer-main-{slot}"));
-    }
-    let src = b.alloc(k.region_size, slot)?;
-    workload::fill_pattern(&*src, k.seed)?;
+    clock.stage(REGISTERING);
     let s = group.register(src, Access::NONE)?;
+    clock.stage(CONNECTING);
     let peer = group.add_peer(&addresses)?;
+    clock.stage(WARMING_UP);
     warm_up(&group, &s, &peer, &hello.region, k)?;
+    clock.finish();
     Ok((b, ctl, group, s, peer, hello.region))
 }
 
@@ -192,6 +202,7 @@ pub fn serve(a: ServeArgs) -> Result<(), CliError> {
             "--transport mem works only inside one process: use xfer demo".into(),
         ));
     }
+    crate::setup::check_rails(a.rails).map_err(CliError::Usage)?;
     let listener = TcpListener::bind(a.listen)
         .map_err(|e| CliError::Failed(format!("cannot listen on {}: {e}", a.listen)))?;
     let ctl = listener
@@ -235,6 +246,14 @@ pub fn serve(a: ServeArgs) -> Result<(), CliError> {
             pins.initiator,
         )]
     };
+    let clock = SetUpClock::start(
+        format!(
+            "{} rails for each of {} group(s)",
+            a.rails,
+            plans.len() * kinds.len()
+        ),
+        STARTING,
+    );
     let mut groups = Vec::new();
     for (slot, rail_pins, _) in &plans {
         for (n, kind) in kinds.iter().enumerate() {
@@ -258,6 +277,7 @@ pub fn serve(a: ServeArgs) -> Result<(), CliError> {
             });
         }
     }
+    clock.finish();
     eprintln!(
         "xfer: serving {} on {} rails{}",
         kinds
@@ -278,7 +298,10 @@ pub fn serve(a: ServeArgs) -> Result<(), CliError> {
             ctl.ip()
         );
     }
-    println!("xfer bench --peer xfer://{ctl}");
+    if a.backend.auth_token.is_some() {
+        eprintln!("xfer: clients need the same --auth-token (or XFER_AUTH_TOKEN)");
+    }
+    println!("{}", bench_line(ctl, &a, &kinds));
     use std::io::Write;
     let _ = std::io::stdout().flush();
     control::serve(
@@ -289,4 +312,93 @@ pub fn serve(a: ServeArgs) -> Result<(), CliError> {
         plans.first().and_then(|p| p.2),
     )
     .map_err(|e| CliError::Failed(e.to_string()))
+}
+
+/// The `xfer bench` command that uses what this server offers: all its rails, its region
+/// size (and pages that fit in it), its transport where `auto` would not pick it, and its
+/// workers with `--per-gpu`. Never the token.
+fn bench_line(ctl: SocketAddr, a: &ServeArgs, kinds: &[TransportKind]) -> String {
+    let mut line = format!(
+        "xfer bench --peer xfer://{ctl} --rails {} --region-size {}",
+        a.rails,
+        size::exact(a.region_size)
+    );
+    let mut page = size::parse_size(crate::DEFAULT_PAGE_SIZE).expect("the default parses");
+    if a.region_size < page {
+        page = (a.region_size / 8 * 8).max(8);
+        line.push_str(&format!(" --page-size {}", size::exact(page)));
+    }
+    let fit = a.region_size / page;
+    if fit < crate::DEFAULT_PAGES {
+        line.push_str(&format!(" --pages {}", fit.max(1)));
+    }
+    match kinds {
+        [TransportKind::Tcp] => {}
+        // Both: auto picks cuda-ipc for GPU memory on this host, tcp elsewhere.
+        [TransportKind::Tcp, TransportKind::CudaIpc] => line.push_str(" --memory cuda"),
+        [TransportKind::CudaIpc] => line.push_str(" --transport cuda-ipc --memory cuda"),
+        [k] => {
+            line.push_str(&format!(" --transport {}", k.name()));
+            if let Some(p) = &a.backend.provider {
+                line.push_str(&format!(" --provider {p}"));
+            }
+        }
+        _ => {}
+    }
+    if a.per_gpu {
+        let gpus: Vec<String> = a.backend.gpus.iter().map(u32::to_string).collect();
+        line.push_str(&format!(" --per-gpu --gpus {}", gpus.join(",")));
+    }
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn line_of(args: &[&str], kinds: &[TransportKind]) -> String {
+        let cli = crate::Cli::try_parse_from(["xfer", "serve"].iter().chain(args)).unwrap();
+        let crate::Cmd::Serve(a) = cli.cmd else {
+            panic!("not serve")
+        };
+        bench_line("127.0.0.1:7471".parse().unwrap(), &a, kinds)
+    }
+
+    #[test]
+    fn the_bench_line_names_what_the_server_offers() {
+        let tcp = [TransportKind::Tcp];
+        assert_eq!(
+            line_of(&[], &tcp),
+            "xfer bench --peer xfer://127.0.0.1:7471 --rails 4 --region-size 1GiB"
+        );
+        assert_eq!(
+            line_of(&["--region-size", "32KiB", "--rails", "2"], &tcp),
+            "xfer bench --peer xfer://127.0.0.1:7471 --rails 2 --region-size 32KiB \
+             --page-size 32KiB --pages 1"
+        );
+        let efa = line_of(
+            &[
+                "--transport",
+                "efa",
+                "--provider",
+                "tcp",
+                "--auth-token",
+                "s3cret",
+            ],
+            &[TransportKind::Efa],
+        );
+        assert!(efa.ends_with(" --transport efa --provider tcp"), "{efa}");
+        assert!(!efa.contains("s3cret"), "{efa}");
+        let gpus = line_of(
+            &["--per-gpu", "--memory", "cuda", "--gpus", "0,1"],
+            &[TransportKind::Tcp, TransportKind::CudaIpc],
+        );
+        assert!(
+            gpus.ends_with(" --memory cuda --per-gpu --gpus 0,1"),
+            "{gpus}"
+        );
+        // A region that no unit states exactly travels in bytes.
+        assert!(line_of(&["--region-size", "1000000"], &tcp).contains("--region-size 1000000 "));
+    }
 }

@@ -1,56 +1,37 @@
-//! Byte sizes on the command line: `4096`, `64KiB`, `1GiB`, `8GB`, `1.5MiB`.
+//! Byte sizes on the command line (`4096`, `64KiB`, `1GiB`, `8GB`, `1.5MiB`) and in
+//! messages (`64.0 KiB`, `4.3 GiB`), through `bytesize`.
 
-/// Parses a size; binary units (KiB, MiB, GiB, TiB, and K/M/G/T) or decimal (KB, MB, GB, TB).
+use bytesize::ByteSize;
+
+/// Parses a size: bytes, binary units (KiB, MiB, GiB, TiB) or decimal ones (KB, MB, GB, TB;
+/// `K`, `M`, `G` alone are decimal too).
 pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    if num.is_empty() {
-        return Err(format!("{s:?} is not a size (try 4096, 64KiB, 1GiB)"));
-    }
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kib" => 1 << 10,
-        "m" | "mib" => 1 << 20,
-        "g" | "gib" => 1 << 30,
-        "t" | "tib" => 1 << 40,
-        "kb" => 1_000,
-        "mb" => 1_000_000,
-        "gb" => 1_000_000_000,
-        "tb" => 1_000_000_000_000,
-        u => {
-            return Err(format!(
-                "unknown unit {u:?} in {s:?} (use KiB, MiB, GiB, KB, MB, GB)"
-            ));
-        }
-    };
-    let v: f64 = num.parse().map_err(|_| format!("{s:?} is not a size"))?;
-    let bytes = v * mult as f64;
-    if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 / 2.0 {
+    let b = s
+        .trim()
+        .parse::<ByteSize>()
+        .map_err(|e| format!("{s:?} is not a size (try 4096, 64KiB, 1GiB): {e}"))?;
+    // bytesize saturates what does not fit.
+    if b.0 == u64::MAX {
         return Err(format!("{s:?} is out of range"));
     }
-    if bytes.fract() != 0.0 {
-        return Err(format!("{s:?} is not a whole number of bytes"));
-    }
-    Ok(bytes as u64)
+    Ok(b.0)
 }
 
-/// Formats a size with a binary unit, for messages.
+/// Formats a size with a binary unit, for messages: `64.0 KiB`, `4.3 GiB`, `1000 B`.
 pub fn format_size(b: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    if v.fract() == 0.0 {
-        format!("{v}{}", UNITS[u])
-    } else {
-        format!("{v:.2}{}", UNITS[u])
-    }
+    ByteSize(b).display().iec().to_string()
+}
+
+/// A size as the command line takes it back exactly: with a binary unit when it is a whole
+/// number of them (`8MiB`), else in bytes (`1000000`).
+pub fn exact(b: u64) -> String {
+    [("GiB", 1u64 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)]
+        .into_iter()
+        .find(|(_, unit)| b > 0 && b.is_multiple_of(*unit))
+        .map_or_else(
+            || b.to_string(),
+            |(name, unit)| format!("{}{name}", b / unit),
+        )
 }
 
 #[cfg(test)]
@@ -64,12 +45,15 @@ mod tests {
         assert_eq!(parse_size("1GiB"), Ok(1 << 30));
         assert_eq!(parse_size("8GB"), Ok(8_000_000_000));
         assert_eq!(parse_size("1.5MiB"), Ok(3 << 19));
-        assert_eq!(parse_size("4k"), Ok(4096));
         assert!(parse_size("KiB").is_err());
         assert!(parse_size("12 parsecs").is_err());
-        assert!(parse_size("0.5").is_err());
         assert!(parse_size("99999999999TiB").is_err());
-        assert_eq!(format_size(65536), "64KiB");
-        assert_eq!(format_size(1536), "1.50KiB");
+        assert_eq!(format_size(65536), "64.0 KiB");
+        assert_eq!(format_size(4_593_090_560), "4.3 GiB");
+        for b in [1 << 30, 8 << 20, 32 << 10, 1_000_000, 1000, 0] {
+            assert_eq!(parse_size(&exact(b)), Ok(b), "{}", exact(b));
+        }
+        assert_eq!(exact(8 << 20), "8MiB");
+        assert_eq!(exact(1_000_000), "1000000");
     }
 }

@@ -1,8 +1,11 @@
 //! The bench workload of the reference program: transfers of N pages chosen at random from a
 //! large region, written to the same page indices of the remote region, until enough bytes
 //! have moved; then every written page is checked.
+//!
+//! Only whole pages move: `--bytes` that is not a whole number of pages is rounded up (see
+//! [`Workload::whole_pages`]), so that every page checked was written whole.
 
-use crate::pattern::{self, Rng};
+use crate::pattern;
 use crate::progress::Progress;
 use fabric_core::engine::{
     GroupHandle, GroupPeer, GroupRegistration, GroupTransfer, RailGroup, RemoteDescriptor,
@@ -67,6 +70,17 @@ impl Workload {
     pub fn region_pages(&self) -> u64 {
         self.region_size / self.page_size
     }
+
+    /// This workload with `bytes` rounded up to a whole number of pages (the summary says
+    /// so): a page written in part but checked whole would be a false mismatch. Call after
+    /// [`validate`](Self::validate).
+    pub fn whole_pages(mut self) -> Workload {
+        self.bytes = self
+            .bytes
+            .div_ceil(self.page_size)
+            .saturating_mul(self.page_size);
+        self
+    }
 }
 
 /// What a run measured.
@@ -128,7 +142,7 @@ pub fn run(
 ) -> Result<RunReport, Error> {
     let region_pages = w.region_pages();
     let mut perm: Vec<u64> = (0..region_pages).collect();
-    let mut rng = Rng::new(w.seed);
+    let mut rng = fastrand::Rng::with_seed(w.seed);
     let mut written = vec![false; region_pages as usize];
     let per_transfer = w.pages * w.page_size;
     let mut left = w.bytes;
@@ -140,9 +154,11 @@ pub fn run(
     progress.start(w.bytes);
     loop {
         while inflight.len() < w.depth && left > 0 {
+            // Whole pages only (see `Workload::whole_pages`): a partial page left over is
+            // sent whole.
             let this = left.min(per_transfer);
             let n = this.div_ceil(w.page_size);
-            left -= this;
+            left = left.saturating_sub(n * w.page_size);
             let mut t = GroupTransfer {
                 src: src.clone(),
                 dst: dst.clone(),
@@ -152,16 +168,12 @@ pub fn run(
             };
             // Partial Fisher-Yates: n distinct pages.
             for i in 0..n as usize {
-                let j = i + rng.below(region_pages - i as u64) as usize;
+                let j = rng.usize(i..region_pages as usize);
                 perm.swap(i, j);
                 let p = perm[i];
                 written[p as usize] = true;
-                let len = if i as u64 == n - 1 {
-                    this - (n - 1) * w.page_size
-                } else {
-                    w.page_size
-                };
-                t.segments.push((p * w.page_size, p * w.page_size, len));
+                t.segments
+                    .push((p * w.page_size, p * w.page_size, w.page_size));
             }
             page_writes += n;
             inflight.push_back(group.submit(peer, t)?);
@@ -218,4 +230,98 @@ pub fn verify_pages(
         }
     }
     Ok((bad, first))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fabric_core::engine::EngineConfig;
+    use fabric_core::mem::MemTransport;
+    use fabric_core::{Access, HostBuffer};
+    use std::sync::Arc;
+
+    fn workload(page_size: u64, bytes: u64, region_size: u64) -> Workload {
+        let w = Workload {
+            page_size,
+            pages: 4,
+            bytes,
+            region_size,
+            depth: 2,
+            seed: 9,
+            transfer_timeout: Duration::from_secs(10),
+        };
+        w.validate().expect("valid knobs");
+        w.whole_pages()
+    }
+
+    #[test]
+    fn bytes_are_rounded_up_to_whole_pages() {
+        // Not a multiple of the page, smaller than a page, larger than the region, exact.
+        assert_eq!(workload(3072, 64 << 20, 1 << 20).bytes, 21846 * 3072);
+        assert_eq!(workload(65536, 1000, 1 << 20).bytes, 65536);
+        assert_eq!(
+            workload(4096, (5 << 20) + 1, 1 << 20).bytes,
+            (5 << 20) + 4096
+        );
+        assert_eq!(workload(4096, 1 << 20, 1 << 20).bytes, 1 << 20);
+    }
+
+    /// Runs `w` from a patterned region to a zeroed one over in-process rails; returns the
+    /// run and the target.
+    fn run_over_mem(w: &Workload) -> (RunReport, Arc<HostBuffer>) {
+        let spawn = || {
+            RailGroup::spawn(2, |_| Ok(MemTransport::new()), EngineConfig::default())
+                .expect("mem rails start")
+        };
+        let (a, b) = (spawn(), spawn());
+        let src = HostBuffer::new_shared(w.region_size as usize).expect("source");
+        fill_pattern(&*src, w.seed).expect("fill");
+        let dst = HostBuffer::new_shared(w.region_size as usize).expect("target");
+        let s = a.register(src, Access::NONE).expect("register source");
+        let d = b
+            .register(dst.clone(), Access::REMOTE_WRITE)
+            .expect("register target");
+        let peer = a.add_peer(&b.addresses()).expect("peer");
+        let report = run(&a, &s, &peer, &d.remote, w, &mut Progress::new(true)).expect("run");
+        (report, dst)
+    }
+
+    #[test]
+    fn a_run_of_part_pages_moves_and_verifies_whole_pages() {
+        for (page, bytes, region) in [(3072, 100_000, 96 << 10), (4096, 1000, 64 << 10)] {
+            let w = workload(page, bytes, region);
+            let (report, dst) = run_over_mem(&w);
+            assert_eq!(report.bytes, bytes.div_ceil(page) * page, "{page} {bytes}");
+            let pages = report.written_pages();
+            assert_eq!(
+                verify_pages(&*dst, page, w.seed, &pages).expect("verify"),
+                (0, None),
+                "{page} {bytes}"
+            );
+        }
+    }
+
+    #[test]
+    fn verification_still_catches_a_changed_byte() {
+        let w = workload(4096, 1000, 64 << 10);
+        let (report, dst) = run_over_mem(&w);
+        let pages = report.written_pages();
+        assert_eq!(pages.len(), 1);
+        // The last byte of the page: the one a part page would not have written.
+        let last = pages[0] * 4096 + 4095;
+        let byte = dst.to_vec(last, 1).expect("read")[0];
+        dst.write_from_host(last, &[!byte]).expect("corrupt");
+        assert_eq!(
+            verify_pages(&*dst, 4096, w.seed, &pages).expect("verify"),
+            (1, Some(pages[0]))
+        );
+        // A page that was never written does not match the pattern either.
+        let other = (pages[0] + 1) % w.region_pages();
+        assert_eq!(
+            verify_pages(&*dst, 4096, w.seed, &[other])
+                .expect("verify")
+                .0,
+            1
+        );
+    }
 }

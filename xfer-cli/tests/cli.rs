@@ -289,6 +289,8 @@ fn bench_with_nobody_listening_cannot_reach() {
 struct Server {
     child: Child,
     peer: String,
+    /// The bench command it printed, less the leading `xfer`.
+    bench: Vec<String>,
 }
 
 impl Server {
@@ -310,13 +312,17 @@ impl Server {
             .read_line(&mut line)
             .expect("read the serve line");
         // The line is printed once the control socket listens: `xfer bench --peer xfer://...`.
-        let peer = line
+        let bench: Vec<String> = line
             .trim()
-            .strip_prefix("xfer bench --peer ")
+            .strip_prefix("xfer ")
+            .filter(|rest| rest.starts_with("bench --peer "))
             .unwrap_or_else(|| panic!("unexpected first line of xfer serve: {line:?}"))
-            .to_owned();
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect();
+        let peer = bench[2].clone();
         assert!(peer.starts_with("xfer://"), "{peer}");
-        Server { child, peer }
+        Server { child, peer, bench }
     }
 }
 
@@ -568,4 +574,84 @@ fn bench_per_gpu_writes_to_the_servers_worker_of_each_gpu() {
         .expect("bench runs");
     let line = assert_fails_with_one_line(&out, 1);
     assert!(line.contains("worker 2 does not exist"), "{line}");
+}
+
+/// `--bytes` that is not a whole number of pages (not a multiple, less than a page, more
+/// than the region) moves whole pages, verifies, and says it rounded up.
+#[test]
+fn demo_of_part_pages_rounds_up_and_verifies() {
+    for (page, bytes, moved) in [
+        ("3KiB", "1000000", 1_000_000u64.div_ceil(3072) * 3072),
+        ("64KiB", "1000", 65536),
+        ("4KiB", "9437185", (9 << 20) + 4096),
+    ] {
+        let args = [
+            "demo",
+            "--page-size",
+            page,
+            "--pages",
+            "16",
+            "--bytes",
+            bytes,
+            "--region-size",
+            "4MiB",
+        ];
+        let out = xfer(&args);
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("verified: yes"), "{args:?}: {text}");
+        assert!(
+            text.contains(&format!("moved {moved} bytes (rounded up to whole pages)")),
+            "{args:?}: {text}"
+        );
+        let mut json = args.to_vec();
+        json.push("--json");
+        let v = stdout_json(&xfer(&json));
+        assert_eq!(v["verified"], true, "{args:?}");
+        assert_eq!(v["bytes"], moved, "{args:?}");
+        assert_eq!(v["bytes_asked"], bytes.parse::<u64>().unwrap(), "{args:?}");
+    }
+    // A whole number of pages is not rounded and says nothing about it.
+    let v = stdout_json(&small_demo(&[]));
+    assert!(v.get("bytes_asked").is_none(), "{v}");
+}
+
+/// Above the stated limit of rails, demo, bench and serve refuse at once with one line.
+#[test]
+fn too_many_rails_is_one_clear_line_and_exit_2() {
+    for args in [
+        &["demo", "--rails", "1000", "--bytes", "64MiB"][..],
+        &["bench", "--peer", "xfer://127.0.0.1:1", "--rails", "257"][..],
+        &["serve", "--listen", "127.0.0.1:0", "--rails", "257"][..],
+    ] {
+        let line = assert_fails_with_one_line(&xfer(args), 2);
+        assert!(line.contains("above the limit of 256"), "{args:?}: {line}");
+    }
+}
+
+/// The bench line that serve prints uses what the server offers: run as printed (with only
+/// knobs of its own added: how much to move and JSON), it writes over all the server's
+/// rails into a region of the server's size, and verifies.
+#[test]
+fn the_bench_line_serve_prints_uses_all_its_rails() {
+    let server = Server::start_with(&["--rails", "3"]);
+    let printed = server.bench.join(" ");
+    assert!(printed.contains("--rails 3"), "{printed}");
+    let out = Command::new(env!("CARGO_BIN_EXE_xfer"))
+        .args(&server.bench)
+        .args(["--bytes", "2MiB", "--json"])
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("bench runs");
+    assert_bench_verified(&out, &printed);
+    let v = stdout_json(&out);
+    assert_eq!(v["rails"], 3, "{printed}: {v}");
+    // The server's region (8 MiB) holds fewer than the default 1000 pages of 64 KiB: the
+    // line says what fits, so the printed command runs as it is.
+    assert!(printed.contains("--region-size 8MiB"), "{printed}");
+    assert!(printed.contains("--pages 128"), "{printed}");
 }

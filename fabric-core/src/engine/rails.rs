@@ -5,6 +5,10 @@
 //!
 //! Registration registers the memory on every rail, so the descriptor a peer receives holds
 //! one key per rail ([`RemoteDescriptor`]).
+//!
+//! Set-up and tear-down (spawn, add/remove a peer, register, deregister, drop) call every
+//! rail at once: each call waits a round trip to its rail's worker, so one rail after
+//! another made set-up time grow as rails times that wait.
 
 use super::{Engine, EngineConfig, Event, Transfer, TransferHandle, TransferStats};
 use crate::error::{Error, OpError, Result};
@@ -156,15 +160,16 @@ impl RailGroup {
             ));
         }
         let make = Arc::new(make);
-        let mut rails = Vec::with_capacity(n);
-        for i in 0..n {
+        let started = at_once((0..n).collect(), |i| {
             let m = make.clone();
             let c = EngineConfig {
                 name: format!("{}-{i}", cfg.name),
                 ..cfg.clone()
             };
-            rails.push(Arc::new(Engine::spawn(move || m(i), c)?));
-        }
+            Engine::spawn(move || m(i), c).map(Arc::new)
+        });
+        // On a failure the rails that did start stop as they drop.
+        let rails = started.into_iter().collect::<Result<Vec<_>>>()?;
         Ok(RailGroup {
             rails,
             stash: Mutex::new(HashMap::new()),
@@ -187,37 +192,43 @@ impl RailGroup {
         if remote.is_empty() {
             return Err(Error::InvalidAddress("the peer offers no rail".into()));
         }
-        let mut peer = GroupPeer {
-            rails: Vec::new(),
-            remote_rail: Vec::new(),
-        };
-        for (i, e) in self.rails.iter().enumerate() {
-            let r = i % remote.len();
-            match e.add_peer(&remote[r]) {
-                Ok(p) => {
-                    peer.rails.push(p);
-                    peer.remote_rail.push(r);
+        let remote_rail: Vec<usize> = (0..self.rails.len()).map(|i| i % remote.len()).collect();
+        let added = self.on_every_rail(
+            |i, e| e.add_peer(&remote[remote_rail[i]]),
+            |e, p| {
+                let _ = e.remove_peer(*p);
+            },
+        )?;
+        Ok(GroupPeer {
+            rails: added,
+            remote_rail,
+        })
+    }
+
+    /// `call(i, rail i)` on every rail at once; if any fails, `undo` (at once) on those that
+    /// did not, and the first error.
+    fn on_every_rail<R: Send + Sync>(
+        &self,
+        call: impl Fn(usize, &Engine) -> Result<R> + Sync,
+        undo: impl Fn(&Engine, &R) + Sync,
+    ) -> Result<Vec<R>> {
+        let done = at_once(self.rails.iter().enumerate().collect(), |(i, e)| call(i, e));
+        if done.iter().any(Result::is_err) {
+            at_once(self.rails.iter().zip(&done).collect(), |(e, r)| {
+                if let Ok(r) = r {
+                    undo(e, r);
                 }
-                Err(err) => {
-                    for (j, p) in peer.rails.iter().enumerate() {
-                        let _ = self.rails[j].remove_peer(*p);
-                    }
-                    return Err(err);
-                }
-            }
+            });
         }
-        Ok(peer)
+        done.into_iter().collect()
     }
 
     /// Removes a peer from every rail; its pending transfers fail with `PeerRemoved`.
     pub fn remove_peer(&self, peer: &GroupPeer) -> Result<()> {
-        let mut first = None;
-        for (e, p) in self.rails.iter().zip(&peer.rails) {
-            if let Err(err) = e.remove_peer(*p) {
-                first.get_or_insert(err);
-            }
-        }
-        first.map_or(Ok(()), Err)
+        let removed = at_once(self.rails.iter().zip(&peer.rails).collect(), |(e, p)| {
+            e.remove_peer(*p)
+        });
+        removed.into_iter().collect()
     }
 
     /// Registers memory on every rail.
@@ -226,34 +237,25 @@ impl RailGroup {
         mem: Arc<dyn MemoryRegion>,
         access: Access,
     ) -> Result<GroupRegistration> {
-        let mut reg = GroupRegistration {
-            locals: Vec::new(),
-            remote: RemoteDescriptor { rails: Vec::new() },
-        };
-        for e in &self.rails {
-            match e.register(mem.clone(), access) {
-                Ok(r) => {
-                    reg.locals.push(r.local);
-                    reg.remote.rails.push(r.remote);
-                }
-                Err(err) => {
-                    let _ = self.deregister(&reg);
-                    return Err(err);
-                }
-            }
-        }
-        Ok(reg)
+        let done = self.on_every_rail(
+            |_, e| e.register(mem.clone(), access),
+            |e, r| {
+                let _ = e.deregister(r.local);
+            },
+        )?;
+        let (locals, rails) = done.into_iter().map(|r| (r.local, r.remote)).unzip();
+        Ok(GroupRegistration {
+            locals,
+            remote: RemoteDescriptor { rails },
+        })
     }
 
     /// Deregisters memory from every rail.
     pub fn deregister(&self, reg: &GroupRegistration) -> Result<()> {
-        let mut first = None;
-        for (e, k) in self.rails.iter().zip(&reg.locals) {
-            if let Err(err) = e.deregister(*k) {
-                first.get_or_insert(err);
-            }
-        }
-        first.map_or(Ok(()), Err)
+        let done = at_once(self.rails.iter().zip(&reg.locals).collect(), |(e, k)| {
+            e.deregister(*k)
+        });
+        done.into_iter().collect()
     }
 
     /// Submits a transfer: planned, sharded by bytes over the rails, submitted to each.
@@ -479,6 +481,48 @@ impl RailGroup {
     }
 }
 
+impl Drop for RailGroup {
+    /// Stops every rail at once (each stop waits for its worker to see the command).
+    fn drop(&mut self) {
+        at_once(std::mem::take(&mut self.rails), drop);
+    }
+}
+
+/// `f(item)` for every item at once: a scoped thread per item and this thread take them
+/// from a queue (with fewer threads where the OS refuses more, down to this one alone); the
+/// results in the items' order.
+fn at_once<T: Send, R: Send>(items: Vec<T>, f: impl Fn(T) -> R + Sync) -> Vec<R> {
+    let n = items.len();
+    let (todo, queue) = crossbeam_channel::unbounded();
+    for item in items.into_iter().enumerate() {
+        let _ = todo.send(item);
+    }
+    drop(todo);
+    let (done, results) = crossbeam_channel::unbounded();
+    let work = || {
+        while let Ok((i, item)) = queue.recv() {
+            let _ = done.send((i, f(item)));
+        }
+    };
+    std::thread::scope(|s| {
+        for _ in 1..n {
+            if std::thread::Builder::new().spawn_scoped(s, work).is_err() {
+                break;
+            }
+        }
+        work();
+    });
+    drop(done);
+    let mut out: Vec<Option<R>> = (0..n).map(|_| None).collect();
+    for (i, r) in results {
+        out[i] = Some(r);
+    }
+    // Every item was taken (this thread drained the queue) and every taker has finished.
+    out.into_iter()
+        .map(|r| r.expect("every item ran"))
+        .collect()
+}
+
 /// A transfer submitted to a rail group.
 pub struct GroupHandle {
     shards: Vec<TransferHandle>,
@@ -534,5 +578,19 @@ impl GroupHandle {
         self.shards
             .iter()
             .find_map(|h| h.try_result().and_then(|r| r.err()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::at_once;
+
+    #[test]
+    fn results_keep_the_order_of_the_items() {
+        // That they run at the same time is `tests/rails.rs`'s `rails_start_at_once`.
+        let out = at_once((0..64).collect(), |i: usize| i * 2);
+        assert_eq!(out, (0..64).map(|i| i * 2).collect::<Vec<_>>());
+        assert_eq!(at_once(vec![7], |i: i32| i + 1), vec![8]);
+        assert!(at_once(Vec::<u8>::new(), |i| i).is_empty());
     }
 }
