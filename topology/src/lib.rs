@@ -37,6 +37,16 @@
 //! which its static pkg-config line names). Debian's hwloc has no CUDA or
 //! NVML plugin, so GPUs are recognised by PCI ids (see [`Gpu`]) and matched
 //! to CUDA devices by PCI address ([`Topology::gpu_by_pci`]).
+//!
+//! Dependencies and why: `hwlocality` is the maintained safe binding to
+//! hwloc, the one library that knows NUMA, PCIe switches and devices on
+//! every Linux machine; `serde` so a topology and its plan travel as JSON;
+//! `thiserror` for [`TopologyError`]; `libc` for the `sched_setaffinity`
+//! and `set_mempolicy` calls of [`pin_current_thread`] and
+//! [`prefer_memory_node`]. [`render_table`] uses `comfy-table` (built
+//! without its terminal feature, so no `crossterm`) to lay out the
+//! columns, in place of a hand-written width pass, and `bytesize` (as
+//! `xfer-cli` does) for memory sizes in binary units.
 #![warn(missing_docs)]
 
 mod affinity;

@@ -1,7 +1,12 @@
 //! A text table of a topology and its plan, in the spirit of
-//! `nvidia-smi topo -m`.
+//! `nvidia-smi topo -m`. `comfy-table` lays out the columns and `bytesize`
+//! writes the memory sizes.
 
 use std::fmt::Write as _;
+
+use bytesize::ByteSize;
+use comfy_table::Table;
+use comfy_table::presets::NOTHING;
 
 use crate::model::{SwitchId, Topology};
 use crate::plan::PlacementPlan;
@@ -32,7 +37,7 @@ pub fn render_table(topology: &Topology, plan: &PlacementPlan) -> String {
     );
 
     out.push('\n');
-    let mut nodes = vec![row(["NUMA", "Cores", "CPUs", "Memory"])];
+    let mut nodes = Vec::new();
     for node in &topology.numa_nodes {
         nodes.push(vec![
             node.id.to_string(),
@@ -41,12 +46,10 @@ pub fn render_table(topology: &Topology, plan: &PlacementPlan) -> String {
             bytes(node.memory_bytes),
         ]);
     }
-    push_table(&mut out, &nodes);
+    push_table(&mut out, ["NUMA", "Cores", "CPUs", "Memory"], nodes);
 
     out.push('\n');
-    let mut workers = vec![row([
-        "Worker", "GPU", "PCI", "NUMA", "Switch", "Core", "NICs", "Affinity",
-    ])];
+    let mut workers = Vec::new();
     for (number, worker) in plan.workers.iter().enumerate() {
         let gpu = worker.gpu.and_then(|index| topology.gpu(index));
         let nic_names: Vec<&str> = worker
@@ -72,11 +75,17 @@ pub fn render_table(topology: &Topology, plan: &PlacementPlan) -> String {
             worker.nic_affinity.label().to_owned(),
         ]);
     }
-    push_table(&mut out, &workers);
+    push_table(
+        &mut out,
+        [
+            "Worker", "GPU", "PCI", "NUMA", "Switch", "Core", "NICs", "Affinity",
+        ],
+        workers,
+    );
 
     if !topology.nics.is_empty() {
         out.push('\n');
-        let mut nics = vec![row(["NIC", "Name", "Kind", "PCI", "NUMA", "Switch"])];
+        let mut nics = Vec::new();
         for nic in &topology.nics {
             nics.push(vec![
                 nic.index.to_string(),
@@ -88,7 +97,11 @@ pub fn render_table(topology: &Topology, plan: &PlacementPlan) -> String {
                 switch(nic.switch),
             ]);
         }
-        push_table(&mut out, &nics);
+        push_table(
+            &mut out,
+            ["NIC", "Name", "Kind", "PCI", "NUMA", "Switch"],
+            nics,
+        );
     }
     out
 }
@@ -97,34 +110,21 @@ fn plural(count: usize) -> &'static str {
     if count == 1 { "" } else { "s" }
 }
 
-fn row<const N: usize>(cells: [&str; N]) -> Vec<String> {
-    cells.iter().map(|&cell| cell.to_owned()).collect()
-}
-
 fn switch(switch: Option<SwitchId>) -> String {
     switch.map_or_else(|| "-".to_owned(), |switch| switch.to_string())
 }
 
-/// Left-aligned columns, two spaces apart, no trailing spaces.
-fn push_table(out: &mut String, rows: &[Vec<String>]) {
-    let columns = rows.iter().map(Vec::len).max().unwrap_or(0);
-    let widths: Vec<usize> = (0..columns)
-        .map(|column| {
-            rows.iter()
-                .filter_map(|row| row.get(column))
-                .map(|cell| cell.chars().count())
-                .max()
-                .unwrap_or(0)
-        })
-        .collect();
-    for row in rows {
-        let mut line = String::new();
-        for (cell, width) in row.iter().zip(&widths) {
-            let _ = write!(line, "{cell:<width$}  ");
-        }
-        out.push_str(line.trim_end());
-        out.push('\n');
+/// Left-aligned columns under a header, two spaces apart, no borders and no
+/// trailing spaces. Content arrangement stays off, so a narrow terminal
+/// never wraps a cell.
+fn push_table<const N: usize>(out: &mut String, header: [&str; N], rows: Vec<Vec<String>>) {
+    let mut table = Table::new();
+    table.load_preset(NOTHING).set_header(header).add_rows(rows);
+    for column in table.column_iter_mut() {
+        column.set_padding((0, 2));
     }
+    out.push_str(&table.trim_fmt());
+    out.push('\n');
 }
 
 /// `0-47,96-143` from a sorted list of CPU numbers.
@@ -152,22 +152,9 @@ fn cpu_ranges(cpus: &[u32]) -> String {
         .join(",")
 }
 
-/// Bytes in binary units with one decimal.
+/// Bytes in binary units with one decimal (`1.0 TiB`, `512 B`).
 fn bytes(count: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut unit = 0;
-    let mut whole = count;
-    while whole >= 1024 && unit + 1 < UNITS.len() {
-        whole /= 1024;
-        unit += 1;
-    }
-    if unit == 0 {
-        return format!("{count} B");
-    }
-    // Tenths of the unit, in integers to stay exact.
-    let scale = 1u128 << (10 * unit);
-    let tenths = (u128::from(count) * 10 + scale / 2) / scale;
-    format!("{}.{} {}", tenths / 10, tenths % 10, UNITS[unit])
+    ByteSize(count).display().iec().to_string()
 }
 
 #[cfg(test)]
