@@ -52,11 +52,7 @@ impl IpcHandle {
 
 impl std::fmt::Debug for IpcHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "IpcHandle(")?;
-        for b in &self.0[..8] {
-            write!(f, "{b:02x}")?;
-        }
-        write!(f, "..)")
+        write!(f, "IpcHandle({}..)", hex::encode(&self.0[..8]))
     }
 }
 

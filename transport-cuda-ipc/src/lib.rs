@@ -28,6 +28,13 @@
 //! Abstract Unix sockets are reachable by every process in the same network namespace;
 //! remote keys are random 64-bit values, so a process must be given a descriptor to write.
 //!
+//! Dependencies and why: `fabric-core` for the [`Transport`](fabric_core::Transport) it
+//! implements; `gpu-mem` for the device memory, copies, events and IPC handles
+//! (the workspace's one wrapper of the CUDA driver); `libc` for `poll` on the control
+//! sockets; `tracing` for the warnings about refused and closed connections, as the other
+//! transports log them. The tests use `hex`, the workspace's encoder, for the address one
+//! process hands the other on its stdout.
+//!
 //! ```no_run
 //! use fabric_core::{Access, LocalSlice, RemoteSlice, Transport, WorkRequestId};
 //! use std::sync::Arc;

@@ -23,17 +23,6 @@ const PAGE: u64 = 65536;
 const PAGES: u64 = 256;
 const IMM: u32 = 0xC0FFEE;
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-        .collect()
-}
-
 /// The target process: registers device memory of `XFER_IPC_DEVICE`, prints its address
 /// and descriptor, waits for the writes' immediate data, checks every byte, reports, then
 /// serves until its stdin closes.
@@ -57,7 +46,7 @@ fn child_target() {
     let reg = t.register(mem.clone(), Access::REMOTE_WRITE).unwrap();
     println!(
         "READY {} {} {}",
-        hex(&t.address()),
+        hex::encode(t.address()),
         reg.remote.key.0,
         reg.remote.len
     );
@@ -142,7 +131,11 @@ fn writes_across_processes_then_the_target_exits() {
         }
     };
     let f: Vec<&str> = ready.split(' ').collect();
-    let (addr, key, len) = (unhex(f[0]), f[1].parse().unwrap(), f[2].parse().unwrap());
+    let (addr, key, len) = (
+        hex::decode(f[0]).unwrap(),
+        f[1].parse().unwrap(),
+        f[2].parse().unwrap(),
+    );
     let remote = RemoteRegion {
         addr: 0,
         len,
