@@ -7,6 +7,12 @@
 //! server: {"ok":true,"checked":1000,"mismatches":0,"first_mismatch":null}
 //! ```
 //! Each control connection gets a region of its own, deregistered when it closes.
+//!
+//! The server is bounded against clients that misbehave ([`ServeLimits`]): a cap on clients
+//! at once and on the bytes their regions hold in all, a deadline for the hello and for each
+//! request line once it has begun, and a cap on a request's size. The token, when set, is
+//! checked before anything is allocated. Every refusal is a JSON reply with the reason
+//! (and a log line), then the connection closes.
 
 use crate::backend::{BackendArgs, MemoryKind, TransportKind};
 use crate::placement::CorePin;
@@ -17,12 +23,166 @@ use serde::{Deserialize, Serialize};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 /// Protocol version.
 pub const VERSION: u32 = 1;
-/// Longest request line accepted.
+/// Longest reply line a client accepts.
 const MAX_LINE: u64 = 64 << 20;
+
+/// How much `xfer serve` gives its clients, and how long it waits for them.
+#[derive(clap::Args, Clone, Debug)]
+pub struct ServeLimits {
+    /// Clients served at once; more are refused with the reason.
+    #[arg(long, default_value_t = 16)]
+    pub max_clients: usize,
+    /// Bytes the clients' regions may hold in all (each client gets --region-size).
+    #[arg(long, default_value = "32GiB", value_parser = crate::size::parse_size)]
+    pub max_region_bytes: u64,
+    /// Seconds a new connection has to complete its hello.
+    #[arg(long, default_value_t = 10)]
+    pub hello_timeout: u64,
+    /// Seconds a request line may take once its first byte has arrived.
+    #[arg(long, default_value_t = 30)]
+    pub request_timeout: u64,
+    /// Longest request line accepted.
+    #[arg(long, default_value = "8MiB", value_parser = crate::size::parse_size)]
+    pub max_request_bytes: u64,
+}
+
+/// What the clients of one server hold now, against its [`ServeLimits`].
+struct Budget {
+    limits: ServeLimits,
+    clients: AtomicUsize,
+    region_bytes: AtomicU64,
+}
+
+impl Budget {
+    /// A client's place, or why there is none.
+    fn admit(self: &Arc<Self>) -> Result<ClientSlot, String> {
+        let max = self.limits.max_clients;
+        self.clients
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .map_err(|n| format!("server full: {n} clients already (--max-clients {max})"))?;
+        Ok(ClientSlot {
+            budget: self.clone(),
+            bytes: 0,
+        })
+    }
+}
+
+/// One admitted client: gives its place and its region's bytes back when dropped.
+struct ClientSlot {
+    budget: Arc<Budget>,
+    bytes: u64,
+}
+
+impl ClientSlot {
+    /// Reserves `bytes` for this client's region, or says why not.
+    fn reserve(&mut self, bytes: u64) -> Result<(), String> {
+        let max = self.budget.limits.max_region_bytes;
+        self.budget
+            .region_bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                held.checked_add(bytes).filter(|&t| t <= max)
+            })
+            .map_err(|held| {
+                format!(
+                    "server full: its clients' regions hold {} of {} (--max-region-bytes)",
+                    crate::size::format_size(held),
+                    crate::size::format_size(max)
+                )
+            })?;
+        self.bytes += bytes;
+        Ok(())
+    }
+}
+
+impl Drop for ClientSlot {
+    fn drop(&mut self) {
+        self.budget
+            .region_bytes
+            .fetch_sub(self.bytes, Ordering::AcqRel);
+        self.budget.clients.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Why a request line could not be read.
+#[derive(Debug, thiserror::Error)]
+enum LineError {
+    /// The peer closed the connection between requests.
+    #[error("the client closed the connection")]
+    Closed,
+    /// The line did not end within its cap.
+    #[error("request longer than {0} bytes (--max-request-bytes)")]
+    TooLong(u64),
+    /// The line did not end within its deadline.
+    #[error("request not complete within {0:?} (--hello-timeout / --request-timeout)")]
+    TooSlow(Duration),
+    /// The line is not UTF-8.
+    #[error("request is not UTF-8")]
+    NotText,
+    /// The socket failed.
+    #[error("control connection: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Reads one line of at most `max` bytes. The line must be complete by `deadline`, counted
+/// from now when `deadline` is `Some`, else from its first byte (`within` later): a client
+/// may stay silent between requests for as long as its transfers run, but no request may
+/// trickle in.
+fn read_line(
+    r: &mut BufReader<TcpStream>,
+    max: u64,
+    deadline: Option<Instant>,
+    within: Duration,
+) -> Result<String, LineError> {
+    let mut line = Vec::new();
+    let mut by = deadline;
+    loop {
+        let left = by.map(|t| t.saturating_duration_since(Instant::now()));
+        if left.is_some_and(|l| l.is_zero()) {
+            return Err(LineError::TooSlow(within));
+        }
+        r.get_ref().set_read_timeout(left)?;
+        let chunk = match r.fill_buf() {
+            Ok(c) => c,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Err(LineError::TooSlow(within));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e.into()),
+        };
+        if chunk.is_empty() {
+            return Err(if line.is_empty() {
+                LineError::Closed
+            } else {
+                LineError::Io(std::io::ErrorKind::UnexpectedEof.into())
+            });
+        }
+        by.get_or_insert_with(|| Instant::now() + within);
+        let (take, done) = match chunk.iter().position(|&b| b == b'\n') {
+            Some(at) => (at + 1, true),
+            None => (chunk.len(), false),
+        };
+        if (line.len() + take) as u64 > max {
+            return Err(LineError::TooLong(max));
+        }
+        line.extend_from_slice(&chunk[..take]);
+        r.consume(take);
+        if done {
+            return String::from_utf8(line).map_err(|_| LineError::NotText);
+        }
+    }
+}
 
 /// A client request.
 #[derive(Serialize, Deserialize, Debug)]
@@ -114,7 +274,23 @@ pub fn serve(
     region_size: u64,
     backend: BackendArgs,
     pin: Option<CorePin>,
+    limits: ServeLimits,
 ) -> std::io::Result<()> {
+    let budget = Arc::new(Budget {
+        limits,
+        clients: AtomicUsize::new(0),
+        region_bytes: AtomicU64::new(0),
+    });
+    // Connections over the cap are answered by one thread, one at a time (each read of
+    // their hello bounded by a second), so a flood costs a bounded queue, not a thread each.
+    let (refuse, refused) = crossbeam_channel::bounded::<(TcpStream, String)>(64);
+    std::thread::Builder::new()
+        .name("xfer-refuse".into())
+        .spawn(move || {
+            for (conn, why) in refused {
+                refuse_client(conn, &why);
+            }
+        })?;
     for conn in listener.incoming() {
         let conn = match conn {
             Ok(c) => c,
@@ -123,19 +299,61 @@ pub fn serve(
                 continue;
             }
         };
+        let from = conn.peer_addr().ok();
+        let slot = match budget.admit() {
+            Ok(s) => s,
+            Err(why) => {
+                tracing::warn!(?from, reason = %why, "client refused");
+                // A full refusal queue drops the connection unanswered.
+                let _ = refuse.try_send((conn, why));
+                continue;
+            }
+        };
         let groups = groups.clone();
         let backend = backend.clone();
-        std::thread::spawn(move || {
-            if let Some(p) = pin {
-                p.prefer_memory_here("xfer-control");
-            }
-            let from = conn.peer_addr().ok();
-            if let Err(e) = client(conn, &groups, region_size, &backend) {
-                tracing::info!(?from, error = %e, "control connection ended");
-            }
-        });
+        let spawned = std::thread::Builder::new()
+            .name("xfer-control".into())
+            .spawn(move || {
+                if let Some(p) = pin {
+                    p.prefer_memory_here("xfer-control");
+                }
+                match client(conn, slot, &groups, region_size, &backend) {
+                    Ok(()) => tracing::info!(?from, "control connection ended"),
+                    Err(e) => tracing::warn!(?from, reason = %e, "control connection closed"),
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(?from, error = %e, "no thread for a client");
+        }
     }
     Ok(())
+}
+
+/// Reads and drops what a refused client is still sending (at most 1 MiB, for at most
+/// 200 ms): closing a socket with unread bytes resets it, and the reset can overtake the
+/// reply that says why.
+fn discard_rest(r: &mut BufReader<TcpStream>) {
+    let _ = r.get_ref().shutdown(std::net::Shutdown::Write);
+    let _ = r
+        .get_ref()
+        .set_read_timeout(Some(Duration::from_millis(200)));
+    let _ = std::io::copy(&mut r.take(1 << 20), &mut std::io::sink());
+}
+
+/// Reads what a refused client sent first (at most a line, for a second), answers with
+/// the reason and closes: the reason reaches the client before the connection closes.
+fn refuse_client(conn: TcpStream, why: &str) {
+    let Ok(mut w) = conn.try_clone() else { return };
+    let mut r = BufReader::new(conn);
+    let _ = read_line(
+        &mut r,
+        64 << 10,
+        Some(Instant::now() + Duration::from_secs(1)),
+        Duration::from_secs(1),
+    );
+    let _ = w.set_write_timeout(Some(Duration::from_secs(1)));
+    let _ = reply::<()>(&mut w, Err(why.to_owned()));
+    discard_rest(&mut r);
 }
 
 fn reply<T: Serialize>(w: &mut TcpStream, r: Result<T, String>) -> std::io::Result<()> {
@@ -213,27 +431,50 @@ pub struct ServedGroup {
     pub group: Arc<RailGroup>,
 }
 
+/// Why a control connection was closed by the server.
+#[derive(Debug, thiserror::Error)]
+enum ClientError {
+    /// A request could not be read (and was refused with the reason).
+    #[error(transparent)]
+    Line(#[from] LineError),
+    /// The reply could not be written.
+    #[error("writing the reply: {0}")]
+    Reply(#[from] std::io::Error),
+    /// The region could not be registered.
+    #[error("registering the region: {0}")]
+    Register(#[source] fabric_core::Error),
+}
+
 fn client(
     conn: TcpStream,
+    mut slot_budget: ClientSlot,
     groups: &[ServedGroup],
     region_size: u64,
     backend: &BackendArgs,
-) -> std::io::Result<()> {
+) -> Result<(), ClientError> {
+    let limits = slot_budget.budget.limits.clone();
     let workers = groups.iter().map(|g| g.worker + 1).max().unwrap_or(1);
     let mut chosen: Option<(TransportKind, usize, &RailGroup)> = None;
     let mut w = conn.try_clone()?;
     let mut r = BufReader::new(conn);
     let mut region: Option<(Arc<dyn MemoryRegion>, GroupRegistration)> = None;
+    let hello_by = Instant::now() + Duration::from_secs(limits.hello_timeout);
     let result = (|| loop {
-        let mut line = String::new();
-        let n = (&mut r).take(MAX_LINE).read_line(&mut line)?;
-        if n == 0 {
-            return Ok(());
-        }
-        if !line.ends_with('\n') {
-            reply::<()>(&mut w, Err("request line too long or truncated".into()))?;
-            return Ok(());
-        }
+        // Until the hello, the whole line is due by its deadline; then each request line
+        // has --request-timeout from its first byte.
+        let (deadline, within) = if region.is_none() {
+            (Some(hello_by), Duration::from_secs(limits.hello_timeout))
+        } else {
+            (None, Duration::from_secs(limits.request_timeout))
+        };
+        let line = match read_line(&mut r, limits.max_request_bytes, deadline, within) {
+            Ok(l) => l,
+            Err(LineError::Closed) => return Ok(()),
+            Err(e) => {
+                let _ = reply::<()>(&mut w, Err(e.to_string()));
+                return Err(e.into());
+            }
+        };
         let req: Request = match serde_json::from_str(&line) {
             Ok(r) => r,
             Err(e) => {
@@ -312,6 +553,11 @@ fn client(
                 let group = &*served.group;
                 chosen = Some((kind, slot, group));
                 if region.is_none() {
+                    if let Err(why) = slot_budget.reserve(region_size) {
+                        tracing::warn!(reason = %why, "client refused");
+                        reply::<()>(&mut w, Err(why))?;
+                        return Ok(());
+                    }
                     let buf = match backend.alloc(region_size, slot) {
                         Ok(b) => b,
                         Err(e) => {
@@ -321,7 +567,7 @@ fn client(
                     };
                     let reg = group
                         .register(buf.clone(), Access::REMOTE_WRITE)
-                        .map_err(std::io::Error::other)?;
+                        .map_err(ClientError::Register)?;
                     region = Some((buf, reg));
                 }
                 let reg = &region.as_ref().expect("just set").1;
@@ -373,6 +619,12 @@ fn client(
         && let Err(e) = group.deregister(&reg)
     {
         tracing::warn!(error = %e, "deregister failed");
+    }
+    // The client's place and bytes are free again before its connection closes, so a
+    // client that sees the close may connect again at once.
+    drop(slot_budget);
+    if matches!(result, Err(ClientError::Line(_))) {
+        discard_rest(&mut r);
     }
     result
 }

@@ -133,6 +133,8 @@ struct ServeArgs {
     /// clients' regions on its GPU; `bench --per-gpu` writes to all of them at once.
     #[arg(long)]
     per_gpu: bool,
+    #[command(flatten)]
+    limits: control::ServeLimits,
 }
 
 #[derive(Args)]

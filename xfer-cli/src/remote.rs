@@ -300,6 +300,12 @@ pub fn serve(a: ServeArgs) -> Result<(), CliError> {
     }
     if a.backend.auth_token.is_some() {
         eprintln!("xfer: clients need the same --auth-token (or XFER_AUTH_TOKEN)");
+    } else if !ctl.ip().is_loopback() {
+        eprintln!(
+            "xfer: warning: serving {} without --auth-token: anyone who reaches it can write \
+             the regions it hands out",
+            ctl
+        );
     }
     println!("{}", bench_line(ctl, &a, &kinds));
     use std::io::Write;
@@ -310,6 +316,7 @@ pub fn serve(a: ServeArgs) -> Result<(), CliError> {
         a.region_size,
         a.backend.clone(),
         plans.first().and_then(|p| p.2),
+        a.limits.clone(),
     )
     .map_err(|e| CliError::Failed(e.to_string()))
 }

@@ -304,7 +304,8 @@ impl Server {
             .args(extra)
             .env_remove("RUST_LOG")
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(Stdio::inherit())
+            .env("RUST_LOG", "xfer::control=info")
             .spawn()
             .expect("xfer serve starts");
         let mut line = String::new();
@@ -654,4 +655,129 @@ fn the_bench_line_serve_prints_uses_all_its_rails() {
     // line says what fits, so the printed command runs as it is.
     assert!(printed.contains("--region-size 8MiB"), "{printed}");
     assert!(printed.contains("--pages 128"), "{printed}");
+}
+
+/// The control address of a server, for raw connections.
+fn control_addr(server: &Server) -> std::net::SocketAddr {
+    server
+        .peer
+        .strip_prefix("xfer://")
+        .expect("xfer:// address")
+        .parse()
+        .expect("control address")
+}
+
+/// Reads one reply line from a raw control connection, with a deadline; `None` when the
+/// server closed it without a reply.
+fn reply_line(s: &std::net::TcpStream, within: std::time::Duration) -> Option<Value> {
+    s.set_read_timeout(Some(within)).expect("read timeout");
+    let mut line = String::new();
+    match BufReader::new(s).read_line(&mut line) {
+        Ok(0) => None,
+        Ok(_) => Some(serde_json::from_str(&line).expect("a JSON reply")),
+        Err(e) => panic!("no reply within {within:?}: {e}"),
+    }
+}
+
+const HELLO: &str = "{\"op\":\"hello\",\"version\":1,\"transport\":\"tcp\"}\n";
+
+#[test]
+fn serve_refuses_clients_beyond_its_limits_with_the_reason_and_keeps_serving() {
+    use std::io::Write;
+    use std::net::TcpStream;
+    use std::time::{Duration, Instant};
+    let server = Server::start_with(&[
+        "--max-clients",
+        "2",
+        "--max-region-bytes",
+        "8MiB",
+        "--hello-timeout",
+        "2",
+        "--max-request-bytes",
+        "4KiB",
+    ]);
+    let addr = control_addr(&server);
+
+    // A client whose hello holds the only region the byte cap allows.
+    let mut holder = TcpStream::connect(addr).expect("connect");
+    holder.write_all(HELLO.as_bytes()).expect("hello");
+    let r = reply_line(&holder, Duration::from_secs(10)).expect("a reply");
+    assert_eq!(r["ok"], true, "{r}");
+
+    // A second hello fits the client cap but not the bytes.
+    let mut second = TcpStream::connect(addr).expect("connect");
+    second.write_all(HELLO.as_bytes()).expect("hello");
+    let r = reply_line(&second, Duration::from_secs(10)).expect("a reply");
+    assert_eq!(r["ok"], false, "{r}");
+    assert!(
+        r["error"].as_str().unwrap().contains("--max-region-bytes"),
+        "{r}"
+    );
+    // The server closes it after giving its place back.
+    assert!(reply_line(&second, Duration::from_secs(10)).is_none());
+
+    // A connection that never completes its hello is closed, with the reason, at its
+    // deadline.
+    let silent = TcpStream::connect(addr).expect("connect");
+    let started = Instant::now();
+    let r = reply_line(&silent, Duration::from_secs(10)).expect("the reason before the close");
+    assert_eq!(r["ok"], false, "{r}");
+    assert!(
+        r["error"].as_str().unwrap().contains("--hello-timeout"),
+        "{r}"
+    );
+    let waited = started.elapsed();
+    // Closed after its place is given back.
+    assert!(reply_line(&silent, Duration::from_secs(10)).is_none());
+    assert!(
+        waited >= Duration::from_millis(1500) && waited < Duration::from_secs(8),
+        "closed after {waited:?}, --hello-timeout 2"
+    );
+
+    // An oversized request line is refused, not buffered.
+    let mut big = TcpStream::connect(addr).expect("connect");
+    let mut line = vec![b' '; 64 << 10];
+    line.push(b'\n');
+    let _ = big.write_all(&line);
+    let r = reply_line(&big, Duration::from_secs(10)).expect("a reply");
+    assert_eq!(r["ok"], false, "{r}");
+    assert!(
+        r["error"].as_str().unwrap().contains("--max-request-bytes"),
+        "{r}"
+    );
+    // Closed after its place is given back.
+    assert!(reply_line(&big, Duration::from_secs(10)).is_none());
+
+    // Over the client cap: the holder and one more are in, the next is refused at once.
+    let _other = TcpStream::connect(addr).expect("connect");
+    let mut over = TcpStream::connect(addr).expect("connect");
+    over.write_all(HELLO.as_bytes()).expect("hello");
+    let r = reply_line(&over, Duration::from_secs(10)).expect("a reply");
+    assert_eq!(r["ok"], false, "{r}");
+    assert!(
+        r["error"].as_str().unwrap().contains("--max-clients"),
+        "{r}"
+    );
+    drop(_other);
+
+    // When the holder leaves, its place and bytes come back: a real bench verifies.
+    drop(holder);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let out = Command::new(env!("CARGO_BIN_EXE_xfer"))
+            .args(bench_args(&server.peer))
+            .output()
+            .expect("bench runs");
+        if out.status.success() {
+            assert_bench_verified(&out, "bench after the hostile clients");
+            break;
+        }
+        // The server may not have seen the holder's close yet: the refusal names the cap.
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("server full"), "{err}");
+        assert!(
+            Instant::now() < deadline,
+            "the holder's region never came back: {err}"
+        );
+    }
 }
