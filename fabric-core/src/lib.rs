@@ -33,6 +33,7 @@ pub mod plan;
 pub mod testing;
 pub mod transport;
 pub mod types;
+pub mod wake;
 
 pub use error::{Error, MemoryError, OpError, Result};
 pub use memory::{HostBuffer, MemoryLocation, MemoryRegion, SubRegion};

@@ -17,11 +17,13 @@ use crate::types::{
     Access, LocalKey, LocalSlice, PeerId, Registration, RemoteKey, RemoteRegion, RemoteSlice,
     WorkRequestId,
 };
+use crate::wake::{Signal, Wake};
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Duration;
 
 const PREFIX: &str = "mem://";
 /// Completions a transport holds before posts answer `NoRoom`.
@@ -84,6 +86,9 @@ struct Inbox {
 struct Endpoint {
     id: u64,
     inbox: Mutex<Inbox>,
+    /// Raised when a peer leaves events in the inbox (or the engine has work): `wait`
+    /// sleeps on it.
+    signal: Arc<Signal>,
 }
 
 fn registry() -> &'static Mutex<HashMap<u64, Weak<Endpoint>>> {
@@ -137,6 +142,7 @@ impl MemTransport {
         let me = Arc::new(Endpoint {
             id,
             inbox: Mutex::new(Inbox::default()),
+            signal: Arc::new(Signal::new()),
         });
         lock(registry()).insert(id, Arc::downgrade(&me));
         MemTransport {
@@ -202,6 +208,7 @@ impl MemTransport {
                 continue;
             };
             let mut inbox = lock(&ep.inbox);
+            let events_before = inbox.events.len();
             let mut views = RunViews::default();
             for w in &run[..PREFETCH_AHEAD.min(run.len())] {
                 let (s, d) = views.of(&self.local, &inbox, w);
@@ -241,6 +248,11 @@ impl MemTransport {
                         imm: None,
                     }),
                 }
+            }
+            let notify = inbox.events.len() > events_before;
+            drop(inbox);
+            if notify {
+                ep.signal.wake();
             }
         }
         // Keep the allocation for the next posts.
@@ -453,6 +465,23 @@ impl Transport for MemTransport {
         }
     }
 
+    /// Sleeps on the endpoint's signal, which peers raise when they leave it events (remote
+    /// writes with immediate data, received messages) and the engine raises when it has work.
+    fn wait(&mut self, timeout: Duration) -> Result<()> {
+        if !self.done.is_empty() || !self.writes.is_empty() {
+            return Ok(());
+        }
+        if !lock(&self.me.inbox).events.is_empty() {
+            return Ok(());
+        }
+        self.me.signal.wait_timeout(timeout);
+        Ok(())
+    }
+
+    fn waker(&mut self) -> Arc<dyn Wake> {
+        self.me.signal.clone()
+    }
+
     fn add_peer(&mut self, address: &[u8]) -> Result<PeerId> {
         let s =
             std::str::from_utf8(address).map_err(|_| Error::InvalidAddress("not UTF-8".into()))?;
@@ -558,6 +587,9 @@ impl Transport for MemTransport {
         } else {
             return Ok(PostOutcome::NoRoom);
         };
+        drop(inbox);
+        // The peer's receive completed (or waits for it): wake its worker.
+        ep.signal.wake();
         self.done.push(Completion {
             wr_id,
             op: OpKind::Send,

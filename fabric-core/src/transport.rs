@@ -5,6 +5,7 @@ use crate::memory::MemoryRegion;
 use crate::types::{
     Access, LocalKey, LocalSlice, PeerId, Registration, RemoteSlice, WorkRequestId,
 };
+use crate::wake::{NoWake, Wake};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -132,8 +133,21 @@ pub trait Transport: Send + 'static {
     /// override this, or set [`TransportLimits::busy_poll`]: an idle target engine calls
     /// `wait` between polls, and the default's naps starved libfabric's tcp provider to a
     /// third of its speed.
+    ///
+    /// A call of the [`waker`](Transport::waker)'s [`Wake::wake`] from any thread makes a
+    /// `wait` in progress, or the next one, return at once.
     fn wait(&mut self, timeout: Duration) -> Result<()> {
         std::thread::sleep(timeout.min(Duration::from_micros(50)));
         Ok(())
+    }
+
+    /// The handle that ends a [`wait`](Transport::wait) at once, from any thread: the engine
+    /// calls it when it hands its worker new work, so a sleeping worker starts on it without
+    /// delay. Called once, in the thread that created the transport. The default does
+    /// nothing (the default `wait` only naps); a backend that sleeps longer must return a
+    /// real one (a [`WakeFd`](crate::wake::WakeFd) in its poll set, or a
+    /// [`Signal`](crate::wake::Signal) it waits on).
+    fn waker(&mut self) -> Arc<dyn Wake> {
+        Arc::new(NoWake)
     }
 }

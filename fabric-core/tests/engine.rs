@@ -500,3 +500,59 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
         })
         .collect()
 }
+
+/// An engine whose idle worker would sleep far longer than any wait below: only a wake-up
+/// from the command itself can make these finish in time.
+fn sleepy_mem_engine() -> Engine {
+    let cfg = EngineConfig {
+        idle_wait: Duration::from_secs(600),
+        ..EngineConfig::default()
+    };
+    Engine::spawn(|| Ok(MemTransport::new()), cfg).unwrap()
+}
+
+#[test]
+fn commands_wake_a_sleeping_worker() {
+    let (a, b) = (sleepy_mem_engine(), sleepy_mem_engine());
+    // Let both workers fall asleep (nothing to wait on but time: they are idle at once).
+    std::thread::sleep(Duration::from_millis(50));
+    let short = Duration::from_secs(5);
+    let src = HostBuffer::new_shared(8192).unwrap();
+    src.fill(0, 8192, 3).unwrap();
+    let dst = HostBuffer::new_shared(8192).unwrap();
+    // Control calls wake it too (unwoken, they would time out after 10 s).
+    let s = a.register(src, Access::NONE).unwrap();
+    let d = b.register(dst.clone(), Access::REMOTE_WRITE).unwrap();
+    let peer = a.add_peer(&b.address()).unwrap();
+    for round in 0..3u32 {
+        std::thread::sleep(Duration::from_millis(20));
+        let t = Transfer::new(peer)
+            .segment(Segment {
+                src: s.local,
+                src_offset: 0,
+                dst: d.remote,
+                dst_offset: 4096,
+                len: 4096,
+            })
+            .imm(round);
+        a.submit(t).unwrap().wait(short).unwrap();
+        // The target's worker sleeps too: the peer's write must wake it for the event.
+        assert_eq!(b.next_event(short).unwrap().imm(), Some(round));
+    }
+    assert_eq!(dst.to_vec(4096, 4096).unwrap(), vec![3; 4096]);
+}
+
+#[test]
+fn one_write_carries_the_immediate_data_itself() {
+    let s = setup(mem_engine(), mem_engine(), 1 << 16);
+    let t = Transfer::new(s.peer).segment(page(&s, 1, 2, 4096)).imm(5);
+    let stats = s.a.submit(t).unwrap().wait(T).unwrap();
+    // No extra zero-length write for the immediate data.
+    assert_eq!(stats.ops, 1);
+    assert_eq!(stats.bytes, 4096);
+    assert_eq!(s.b.next_event(T).unwrap().imm(), Some(5));
+    assert_eq!(
+        s.dst.to_vec(2 * 4096, 4096).unwrap(),
+        s.src.to_vec(4096, 4096).unwrap()
+    );
+}

@@ -264,6 +264,11 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
         }
         self.pollfds.clear();
         self.pollfds.push(libc::pollfd {
+            fd: self.wake.fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        });
+        self.pollfds.push(libc::pollfd {
             fd: self.listener.as_raw_fd(),
             events: libc::POLLIN,
             revents: 0,
@@ -282,13 +287,21 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
                 revents: 0,
             });
         }
-        let ms = timeout.as_millis().clamp(0, 1000) as i32;
-        // SAFETY: pollfds is a valid, exclusively borrowed array of pollfd of this length.
+        // Exactly the time asked for (at most a second): the engine wakes us when it has
+        // work, peers' frames through their sockets.
+        let left = timeout.min(Duration::from_secs(1));
+        let ts = libc::timespec {
+            tv_sec: left.as_secs() as libc::time_t,
+            tv_nsec: left.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: pollfds is a valid, exclusively borrowed array of pollfd of this length;
+        // ts is a valid timespec; a null signal mask leaves the mask unchanged.
         let r = unsafe {
-            libc::poll(
+            libc::ppoll(
                 self.pollfds.as_mut_ptr(),
                 self.pollfds.len() as libc::nfds_t,
-                ms,
+                &ts,
+                std::ptr::null(),
             )
         };
         if r < 0 {
@@ -297,6 +310,13 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
                 return Err(Error::io("poll", e));
             }
         }
+        if self.pollfds[0].revents != 0 {
+            self.wake.drain();
+        }
         Ok(())
+    }
+
+    fn waker(&mut self) -> Arc<dyn fabric_core::wake::Wake> {
+        self.wake.waker()
     }
 }

@@ -247,6 +247,8 @@ pub struct CudaIpcTransport<L: Link = CudaLink> {
     done: Vec<Completion>,
     outstanding: usize,
     pollfds: Vec<libc::pollfd>,
+    /// In `wait`'s poll set: the engine makes it readable when it has work for us.
+    wake: fabric_core::wake::WakeFd,
 }
 
 fn op_error(status: u32, op: &WriteOp, region_len: u64) -> OpError {
@@ -319,6 +321,8 @@ impl<L: Link> CudaIpcTransport<L> {
             done: Vec::new(),
             outstanding: 0,
             pollfds: Vec::new(),
+            wake: fabric_core::wake::WakeFd::new()
+                .map_err(|e| Error::io("wake-up socket pair", e))?,
         })
     }
 

@@ -49,6 +49,7 @@ mod staging;
 
 use conn::{Conn, Inflight, Payload, PostedRecv, ReadOutcome, Shared, TargetRegion};
 use fabric_core::memory::check_range;
+use fabric_core::wake::{Wake, WakeFd};
 use fabric_core::{
     Access, Completion, Error, LocalKey, LocalSlice, MemoryRegion, OpError, OpKind, PeerId,
     PostOutcome, Registration, RemoteKey, RemoteRegion, RemoteSlice, Result, Transport,
@@ -160,6 +161,8 @@ pub struct TcpTransport {
     auth: Option<[u8; 16]>,
     /// The CUDA driver, looked for when device memory is first registered.
     cuda: CudaProbe,
+    /// In `wait`'s poll set: the engine makes it readable when it has work for us.
+    wake: WakeFd,
 }
 
 impl TcpTransport {
@@ -201,6 +204,7 @@ impl TcpTransport {
             pollfds: Vec::new(),
             auth: cfg_auth,
             cuda: CudaProbe::default(),
+            wake: WakeFd::new().map_err(|e| Error::io("wake-up socket pair", e))?,
         })
     }
 
@@ -671,6 +675,11 @@ impl Transport for TcpTransport {
 
         self.pollfds.clear();
         self.pollfds.push(libc::pollfd {
+            fd: self.wake.fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        });
+        self.pollfds.push(libc::pollfd {
             fd: self.listener.as_raw_fd(),
             events: libc::POLLIN,
             revents: 0,
@@ -691,17 +700,18 @@ impl Transport for TcpTransport {
                 revents: 0,
             });
         }
-        // While copies run, nap exactly; otherwise whole milliseconds, at least one for a
-        // non-zero timeout (finer wake-ups cost an idle engine CPU for nothing).
-        let limit = if copying {
-            nap.min(timeout)
-        } else if timeout.is_zero() {
-            Duration::ZERO
-        } else {
-            Duration::from_millis(timeout.as_millis().clamp(1, i32::MAX as u128) as u64)
-        };
+        // Exactly the time asked for (ppoll has microsecond resolution): the engine wakes
+        // us through `wake` when it has work, so long idle waits cost nothing.
+        let limit = if copying { nap.min(timeout) } else { timeout };
         io::ppoll_fds(&mut self.pollfds, limit).map_err(|e| Error::io("poll", e))?;
+        if self.pollfds[0].revents != 0 {
+            self.wake.drain();
+        }
         Ok(())
+    }
+
+    fn waker(&mut self) -> Arc<dyn Wake> {
+        self.wake.waker()
     }
 }
 

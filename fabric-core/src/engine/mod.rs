@@ -48,10 +48,11 @@ use crate::memory::{MemoryRegion, check_range};
 use crate::plan::{Segment, plan_transfer};
 use crate::transport::{Transport, TransportLimits};
 use crate::types::{Access, LocalKey, LocalSlice, PeerId, Registration};
+use crate::wake::Wake;
 use crossbeam_channel::{Receiver, Sender};
 use handle::Slot;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -64,8 +65,15 @@ pub struct EngineConfig {
     pub batch: usize,
     /// Commands that may wait in the channel before submitters block (back-pressure).
     pub queue_depth: usize,
-    /// How long an idle worker blocks in the transport's `wait` before checking commands.
+    /// The longest an idle worker sleeps in the transport's `wait`. Commands (submit,
+    /// add/remove peer, register) wake it at once through the transport's
+    /// [`waker`](Transport::waker), and peers' traffic wakes it through the transport; this
+    /// only bounds how often an idle worker looks around (deadlines, housekeeping).
     pub idle_wait: Duration,
+    /// Busy polling: after its last progress, the worker keeps polling (without sleeping)
+    /// for this long before it sleeps in the transport's `wait`. Lower latency for a core
+    /// kept busy meanwhile; zero (the default) sleeps at once, so an idle engine uses no CPU.
+    pub busy_poll: Duration,
     /// Limit for control calls (add_peer, register, ...) and for a full command queue.
     pub control_timeout: Duration,
     /// Name of the worker thread.
@@ -77,7 +85,8 @@ impl Default for EngineConfig {
         EngineConfig {
             batch: 256,
             queue_depth: 4096,
-            idle_wait: Duration::from_micros(200),
+            idle_wait: Duration::from_millis(10),
+            busy_poll: Duration::ZERO,
             control_timeout: Duration::from_secs(10),
             name: "xfer-worker".into(),
         }
@@ -193,6 +202,10 @@ impl Counters {
 /// A handle to a worker thread that owns one transport.
 pub struct Engine {
     tx: Sender<Command>,
+    /// Ends the worker's sleep in the transport's `wait`.
+    waker: Arc<dyn Wake>,
+    /// Set by the worker while it sleeps (or is about to): commands sent meanwhile wake it.
+    sleeping: Arc<AtomicBool>,
     events: Receiver<Event>,
     thread: Option<JoinHandle<()>>,
     address: Vec<u8>,
@@ -218,21 +231,24 @@ impl Engine {
         let counters = Arc::new(Counters::default());
         let c2 = counters.clone();
         let wcfg = cfg.clone();
+        let sleeping = Arc::new(AtomicBool::new(false));
+        let s2 = sleeping.clone();
         let thread = std::thread::Builder::new()
             .name(cfg.name.clone())
             .spawn(move || {
-                let t = match make() {
+                let mut t = match make() {
                     Ok(t) => t,
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
                         return;
                     }
                 };
-                let _ = ready_tx.send(Ok((t.address(), t.name(), t.limits())));
-                worker::Worker::new(t, rx, ev_tx, c2, wcfg).run();
+                let waker = t.waker();
+                let _ = ready_tx.send(Ok((t.address(), t.name(), t.limits(), waker)));
+                worker::Worker::new(t, rx, ev_tx, c2, wcfg, s2).run();
             })
             .map_err(|e| Error::io("spawn worker thread", e))?;
-        let (address, backend, limits) = match ready_rx.recv_timeout(cfg.control_timeout) {
+        let (address, backend, limits, waker) = match ready_rx.recv_timeout(cfg.control_timeout) {
             Ok(r) => r?,
             Err(_) => {
                 return Err(Error::TimedOut(
@@ -243,6 +259,8 @@ impl Engine {
         };
         Ok(Engine {
             tx,
+            waker,
+            sleeping,
             events,
             thread: Some(thread),
             address,
@@ -282,7 +300,20 @@ impl Engine {
                     Error::TimedOut(self.cfg.control_timeout, "room in the engine's queue")
                 }
                 crossbeam_channel::SendTimeoutError::Disconnected(_) => Error::EngineStopped,
-            })
+            })?;
+        self.wake_worker();
+        Ok(())
+    }
+
+    /// Wakes the worker if it sleeps (or is about to). Pairs with the worker's
+    /// announcement in `Worker::sleep`: the command was queued before the fence, the flag
+    /// is read after it, so either the worker sees the command before sleeping or we see
+    /// the flag and wake it.
+    fn wake_worker(&self) {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.sleeping.swap(false, Ordering::SeqCst) {
+            self.waker.wake();
+        }
     }
 
     fn call<R>(
@@ -450,6 +481,7 @@ impl Engine {
         let _ = self
             .tx
             .send_timeout(Command::Shutdown, self.cfg.control_timeout);
+        self.wake_worker();
         if let Some(t) = self.thread.take()
             && t.join().is_err()
         {

@@ -12,7 +12,7 @@ use crate::types::{
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 /// A planned transfer on its way to the worker.
@@ -110,6 +110,10 @@ pub(crate) struct Worker<T: Transport> {
     active: usize,
     /// The transport's `wait` cannot block on readiness.
     busy_poll: bool,
+    /// Raised while the worker sleeps in `wait`, for the engine to wake it (see `sleep`).
+    sleeping: Arc<AtomicBool>,
+    /// When the worker last made progress, for [`EngineConfig::busy_poll`].
+    last_progress: Instant,
 }
 
 fn wr_of(slot: u32, generation: u32) -> WorkRequestId {
@@ -139,6 +143,7 @@ impl<T: Transport> Worker<T> {
         events: Sender<Event>,
         counters: Arc<Counters>,
         cfg: EngineConfig,
+        sleeping: Arc<AtomicBool>,
     ) -> Self {
         let busy_poll = t.limits().busy_poll;
         Worker {
@@ -159,6 +164,8 @@ impl<T: Transport> Worker<T> {
             next_deadline_scan: Instant::now(),
             active: 0,
             busy_poll,
+            sleeping,
+            last_progress: Instant::now(),
         }
     }
 
@@ -184,25 +191,60 @@ impl<T: Transport> Worker<T> {
             if self.deadlines > 0 && Instant::now() >= self.next_deadline_scan {
                 self.expire();
             }
-            if !progressed {
-                let busy = self.active > 0 || !self.queue.is_empty();
-                let wait = if !busy {
-                    self.cfg.idle_wait
-                } else if self.busy_poll {
-                    // Work in flight and nothing to sleep on: keep polling.
-                    std::hint::spin_loop();
-                    continue;
-                } else if self.queue.is_empty() {
-                    // Sockets wake us when the peer answers.
-                    self.cfg.idle_wait
-                } else {
-                    Duration::ZERO
-                };
-                if let Err(e) = self.t.wait(wait) {
-                    tracing::warn!(error = %e, "transport wait failed");
-                    std::thread::sleep(Duration::from_millis(1));
+            if progressed {
+                if !self.cfg.busy_poll.is_zero() {
+                    self.last_progress = Instant::now();
                 }
+                continue;
             }
+            let busy = self.active > 0 || !self.queue.is_empty();
+            if busy && self.busy_poll {
+                // Work in flight and nothing to sleep on: keep polling.
+                std::hint::spin_loop();
+                continue;
+            }
+            if !self.cfg.busy_poll.is_zero() && self.last_progress.elapsed() < self.cfg.busy_poll {
+                // Busy polling: a bounded spin before sleeping.
+                std::hint::spin_loop();
+                continue;
+            }
+            let mut wait = if busy && !self.queue.is_empty() {
+                // Refused posts wait for room, which only polling shows.
+                Duration::ZERO
+            } else {
+                // The transport wakes us when a peer answers, the engine when work comes.
+                self.cfg.idle_wait
+            };
+            if self.deadlines > 0 {
+                wait = wait.min(
+                    self.next_deadline_scan
+                        .saturating_duration_since(Instant::now()),
+                );
+            }
+            self.sleep(wait);
+        }
+    }
+
+    /// Waits in the transport for at most `wait`, announced through `sleeping` so that a
+    /// command sent meanwhile wakes it (the engine's `wake_worker` is the other half).
+    fn sleep(&mut self, wait: Duration) {
+        if wait.is_zero() {
+            if let Err(e) = self.t.wait(wait) {
+                tracing::warn!(error = %e, "transport wait failed");
+            }
+            return;
+        }
+        self.sleeping.store(true, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if !self.rx.is_empty() {
+            self.sleeping.store(false, Ordering::Relaxed);
+            return;
+        }
+        let res = self.t.wait(wait);
+        self.sleeping.store(false, Ordering::Relaxed);
+        if let Err(e) = res {
+            tracing::warn!(error = %e, "transport wait failed");
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
 
@@ -299,6 +341,14 @@ impl<T: Transport> Worker<T> {
             };
             (w, v)
         });
+        let mut job = job;
+        let mut final_imm = final_imm;
+        if let (Some((_, v)), [only]) = (final_imm, job.plan.writes.as_slice()) {
+            // One write: it carries the immediate data itself (a transport delivers it only
+            // after that write's bytes have landed), which saves a round trip.
+            final_imm = Some((*only, v));
+            job.plan.writes.clear();
+        }
         let n = job.plan.writes.len() as u64;
         if n == 0 && final_imm.is_none() {
             self.flush_counters();
