@@ -118,6 +118,11 @@ pub struct BackendArgs {
     /// read from XFER_AUTH_TOKEN; never printed or logged.
     #[arg(long, env = "XFER_AUTH_TOKEN", hide_env_values = true)]
     pub auth_token: Option<String>,
+    /// Busy polling: each engine worker keeps polling for this many microseconds after its
+    /// last progress before it sleeps (lower latency, a busier core). `--busy-poll` alone
+    /// means 1000; the default, 0, sleeps at once.
+    #[arg(long = "busy-poll", value_name = "US", num_args = 0..=1, default_missing_value = "1000", default_value_t = 0)]
+    pub busy_poll_us: u64,
 }
 
 impl BackendArgs {
@@ -153,6 +158,7 @@ impl BackendArgs {
         let pins = Arc::new(pins);
         let cfg = EngineConfig {
             name: name.into(),
+            busy_poll: std::time::Duration::from_micros(self.busy_poll_us),
             ..EngineConfig::default()
         };
         let worker = name.to_string();
