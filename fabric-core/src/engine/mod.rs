@@ -50,7 +50,7 @@ use crate::transport::{Transport, TransportLimits};
 use crate::types::{Access, LocalKey, LocalSlice, PeerId, Registration};
 use crate::wake::Wake;
 use crossbeam_channel::{Receiver, Sender};
-use handle::Slot;
+pub(crate) use handle::Slot;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -199,13 +199,45 @@ impl Counters {
     }
 }
 
-/// A handle to a worker thread that owns one transport.
-pub struct Engine {
+/// What other workers use to hand a worker work: an unbounded channel (a worker never
+/// blocks on another's queue) and the means to wake it. Holds no thread alive: a worker
+/// stops when its [`Engine`] does.
+pub(crate) struct WorkerLink {
     tx: Sender<Command>,
     /// Ends the worker's sleep in the transport's `wait`.
     waker: Arc<dyn Wake>,
     /// Set by the worker while it sleeps (or is about to): commands sent meanwhile wake it.
     sleeping: Arc<AtomicBool>,
+}
+
+impl WorkerLink {
+    /// Queues a transfer without blocking; gives back its slot if the worker has stopped.
+    pub(crate) fn send_transfer(
+        &self,
+        job: Job,
+    ) -> std::result::Result<(), Arc<Slot<TransferResult>>> {
+        let slot = job.slot.clone();
+        self.tx.send(Command::Transfer(job)).map_err(|_| slot)?;
+        self.wake();
+        Ok(())
+    }
+
+    /// Wakes the worker if it sleeps (or is about to). Pairs with the worker's
+    /// announcement in `Worker::sleep`: the command was queued before the fence, the flag
+    /// is read after it, so either the worker sees the command before sleeping or we see
+    /// the flag and wake it.
+    fn wake(&self) {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.sleeping.swap(false, Ordering::SeqCst) {
+            self.waker.wake();
+        }
+    }
+}
+
+/// A handle to a worker thread that owns one transport.
+pub struct Engine {
+    tx: Sender<Command>,
+    link: Arc<WorkerLink>,
     events: Receiver<Event>,
     thread: Option<JoinHandle<()>>,
     address: Vec<u8>,
@@ -233,6 +265,7 @@ impl Engine {
         let wcfg = cfg.clone();
         let sleeping = Arc::new(AtomicBool::new(false));
         let s2 = sleeping.clone();
+        let (internal_tx, internal_rx) = crossbeam_channel::unbounded();
         let thread = std::thread::Builder::new()
             .name(cfg.name.clone())
             .spawn(move || {
@@ -245,7 +278,7 @@ impl Engine {
                 };
                 let waker = t.waker();
                 let _ = ready_tx.send(Ok((t.address(), t.name(), t.limits(), waker)));
-                worker::Worker::new(t, rx, ev_tx, c2, wcfg, s2).run();
+                worker::Worker::new(t, rx, internal_rx, ev_tx, c2, wcfg, s2).run();
             })
             .map_err(|e| Error::io("spawn worker thread", e))?;
         let (address, backend, limits, waker) = match ready_rx.recv_timeout(cfg.control_timeout) {
@@ -259,8 +292,11 @@ impl Engine {
         };
         Ok(Engine {
             tx,
-            waker,
-            sleeping,
+            link: Arc::new(WorkerLink {
+                tx: internal_tx,
+                waker,
+                sleeping,
+            }),
             events,
             thread: Some(thread),
             address,
@@ -292,7 +328,7 @@ impl Engine {
         &self.counters
     }
 
-    fn send_cmd(&self, cmd: Command) -> Result<()> {
+    pub(crate) fn send_cmd(&self, cmd: Command) -> Result<()> {
         self.tx
             .send_timeout(cmd, self.cfg.control_timeout)
             .map_err(|e| match e {
@@ -301,19 +337,13 @@ impl Engine {
                 }
                 crossbeam_channel::SendTimeoutError::Disconnected(_) => Error::EngineStopped,
             })?;
-        self.wake_worker();
+        self.link.wake();
         Ok(())
     }
 
-    /// Wakes the worker if it sleeps (or is about to). Pairs with the worker's
-    /// announcement in `Worker::sleep`: the command was queued before the fence, the flag
-    /// is read after it, so either the worker sees the command before sleeping or we see
-    /// the flag and wake it.
-    fn wake_worker(&self) {
-        std::sync::atomic::fence(Ordering::SeqCst);
-        if self.sleeping.swap(false, Ordering::SeqCst) {
-            self.waker.wake();
-        }
+    /// The link other workers use to hand this one work.
+    pub(crate) fn link(&self) -> Arc<WorkerLink> {
+        self.link.clone()
     }
 
     fn call<R>(
@@ -393,7 +423,7 @@ impl Engine {
         Ok(())
     }
 
-    fn job(&self, t: Transfer, slot: Arc<Slot<TransferResult>>) -> Result<Job> {
+    pub(crate) fn job(&self, t: Transfer, slot: Arc<Slot<TransferResult>>) -> Result<Job> {
         self.check_segments(&t.segments)?;
         let plan = plan_transfer(&t.segments, self.limits.max_msg_size)?;
         let imm = match (t.imm, t.segments.first()) {
@@ -481,7 +511,7 @@ impl Engine {
         let _ = self
             .tx
             .send_timeout(Command::Shutdown, self.cfg.control_timeout);
-        self.wake_worker();
+        self.link.wake();
         if let Some(t) = self.thread.take()
             && t.join().is_err()
         {

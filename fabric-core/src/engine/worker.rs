@@ -93,6 +93,8 @@ const RECV_BIT: u64 = 1 << 63;
 pub(crate) struct Worker<T: Transport> {
     t: T,
     rx: Receiver<Command>,
+    /// Work handed over by other workers (a rail group's immediate data), never blocking.
+    internal: Receiver<Command>,
     events: Sender<Event>,
     counters: Arc<Counters>,
     pending: PendingCounters,
@@ -140,6 +142,7 @@ impl<T: Transport> Worker<T> {
     pub fn new(
         t: T,
         rx: Receiver<Command>,
+        internal: Receiver<Command>,
         events: Sender<Event>,
         counters: Arc<Counters>,
         cfg: EngineConfig,
@@ -149,6 +152,7 @@ impl<T: Transport> Worker<T> {
         Worker {
             t,
             rx,
+            internal,
             events,
             counters,
             pending: PendingCounters::default(),
@@ -184,6 +188,10 @@ impl<T: Transport> Worker<T> {
                     }
                     Err(TryRecvError::Empty) => break,
                 }
+            }
+            while let Ok(cmd) = self.internal.try_recv() {
+                self.command(cmd);
+                progressed = true;
             }
             progressed |= self.post_batch() > 0;
             progressed |= self.poll() > 0;
@@ -236,7 +244,7 @@ impl<T: Transport> Worker<T> {
         }
         self.sleeping.store(true, Ordering::SeqCst);
         std::sync::atomic::fence(Ordering::SeqCst);
-        if !self.rx.is_empty() {
+        if !self.rx.is_empty() || !self.internal.is_empty() {
             self.sleeping.store(false, Ordering::Relaxed);
             return;
         }
@@ -699,6 +707,15 @@ impl<T: Transport> Worker<T> {
         }
         for (_, s) in self.recvs.drain() {
             s.complete(Err(OpError::Cancelled));
+        }
+        // Work other workers handed over (from the callbacks just run, too) fails as well.
+        while let Ok(cmd) = self.internal.try_recv().or_else(|_| self.rx.try_recv()) {
+            match cmd {
+                Command::Transfer(job) => job.slot.complete(Err(OpError::Cancelled)),
+                Command::Send { slot, .. } => slot.complete(Err(OpError::Cancelled)),
+                Command::Recv { slot, .. } => slot.complete(Err(OpError::Cancelled)),
+                _ => {}
+            }
         }
     }
 }
