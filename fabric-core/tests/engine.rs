@@ -439,26 +439,37 @@ fn transfer_times_out_and_removal_fails_pending_ones() {
                 .timeout(Duration::from_millis(50)),
         )
         .unwrap();
+    // Past its deadline, but the transport still holds its write (it may still read the
+    // source): not reported yet, and its region cannot be deregistered.
+    assert!(!h.finished_within(Duration::from_millis(300)));
+    let e = s.a.deregister(s.s.local).unwrap_err();
+    assert!(matches!(e, Error::RegionInUse { transfers: 1, .. }), "{e}");
+    // The transport lets go of it (the peer is removed): now it is reported, with the
+    // first cause, and the region is the caller's again.
+    s.a.remove_peer(s.peer).unwrap();
     let e = h.wait(T).unwrap_err();
     assert!(matches!(e, Error::Op(OpError::TimedOut)), "{e}");
+    let peer = s.a.add_peer(&s.b.address()).unwrap();
 
     let h =
-        s.a.submit(Transfer::new(s.peer).segment(page(&s, 1, 1, 4096)))
+        s.a.submit(Transfer::new(peer).segment(page(&s, 1, 1, 4096)))
             .unwrap();
     assert!(
         matches!(h.wait(Duration::from_millis(30)), Err(Error::TimedOut(..))),
         "nothing completes it yet"
     );
-    s.a.remove_peer(s.peer).unwrap();
+    s.a.remove_peer(peer).unwrap();
     let e = h.wait(T).unwrap_err();
     assert!(matches!(e, Error::Op(OpError::PeerRemoved(_))), "{e}");
     let h =
-        s.a.submit(Transfer::new(s.peer).segment(page(&s, 1, 1, 4096)))
+        s.a.submit(Transfer::new(peer).segment(page(&s, 1, 1, 4096)))
             .unwrap();
     assert!(
         matches!(h.wait(T), Err(Error::Op(OpError::PeerRemoved(_)))),
         "posting to a removed peer fails"
     );
+    // Nothing holds the region any more.
+    s.a.deregister(s.s.local).unwrap();
 }
 
 #[test]

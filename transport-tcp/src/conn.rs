@@ -395,6 +395,10 @@ pub(crate) struct Conn {
     /// Digest of the shared token that an accepted connection's HELLO must carry.
     auth: Option<[u8; 16]>,
     discard: Box<[u8]>,
+    /// Requests answered so far (ACK or NACK).
+    answered: u64,
+    /// `(answered, out_bytes)` as last seen changing, and when: see `check_answers`.
+    unanswered_since: Option<((u64, usize), std::time::Instant)>,
 }
 
 impl Conn {
@@ -426,7 +430,33 @@ impl Conn {
             hello: None,
             opened: std::time::Instant::now(),
             discard: Vec::new().into_boxed_slice(),
+            answered: 0,
+            unanswered_since: None,
         }
+    }
+
+    /// Fails once requests have been outstanding for `limit` with neither an answer from
+    /// the peer nor a byte of ours leaving: the peer's kernel may take our bytes while its
+    /// transport is stopped, which TCP's own timers never notice.
+    pub fn check_answers(&mut self, limit: std::time::Duration) -> Result<(), String> {
+        if self.inflight.is_empty() {
+            self.unanswered_since = None;
+            return Ok(());
+        }
+        let now = std::time::Instant::now();
+        let seen = (self.answered, self.out_bytes);
+        match self.unanswered_since {
+            Some((s, since)) if s == seen => {
+                if now.duration_since(since) > limit {
+                    return Err(format!(
+                        "{} request(s) unanswered for {limit:?}",
+                        self.inflight.len()
+                    ));
+                }
+            }
+            _ => self.unanswered_since = Some((seen, now)),
+        }
+        Ok(())
     }
 
     /// Queues one frame.
@@ -1080,6 +1110,7 @@ impl Conn {
                 }
                 for _ in 0..h.len {
                     let op = self.inflight.pop_front().expect("checked above");
+                    self.answered += 1;
                     shared.completions.push(Completion {
                         wr_id: op.wr_id,
                         op: op.op,
@@ -1094,6 +1125,7 @@ impl Conn {
                     .inflight
                     .pop_front()
                     .ok_or("NACK with no request outstanding")?;
+                self.answered += 1;
                 shared.completions.push(Completion {
                     wr_id: op.wr_id,
                     op: op.op,

@@ -643,6 +643,14 @@ impl Transport for TcpTransport {
             if res.is_ok() && c.reads_paused() && io::peer_hung_up(c.stream.as_raw_fd()) {
                 res = Err("peer closed the connection while it was held back".into());
             }
+            // A peer whose kernel takes our bytes but whose transport never answers (a
+            // stopped process, a hung peer) fails its requests after `peer_timeout`, so
+            // that nothing waits on it for ever (TCP's own timers see a healthy socket).
+            if res.is_ok() {
+                res = c
+                    .check_answers(self.cfg.peer_timeout)
+                    .map(|_| ReadOutcome::Open);
+            }
             if let Err(reason) = res {
                 let peer = c.peer;
                 if c.awaiting_hello {

@@ -122,6 +122,23 @@ impl<T: Clone + Send + 'static> Slot<T> {
 /// ([`on_complete`](Self::on_complete)), or `.await` it from any async runtime; or drop it:
 /// the transfer still runs to its end, immediate data included, since the workers decide
 /// completions and immediate data, never the thread that holds the handle.
+///
+/// # Buffer ownership
+///
+/// From submit until the handle reports a result (success or failure), the source ranges
+/// belong to the engine: do not write them (the bytes that arrive would be undefined), and
+/// do not deregister their region (deregistration fails with
+/// [`Error::RegionInUse`](crate::Error::RegionInUse) while a transfer uses it). Once a
+/// result is reported, no transport touches the source any more, even for a failure: a
+/// transfer past its deadline posts nothing more and is reported
+/// [`TimedOut`](crate::OpError::TimedOut) only after every operation the transport had
+/// accepted has completed or failed (TCP fails a silent peer's operations after its
+/// `peer_timeout`), so a resubmit never races the NIC. A wait that runs out
+/// ([`Error::TimedOut`](crate::Error::TimedOut) from [`wait`](Self::wait)) ends only the
+/// wait: the transfer goes on. The target region may be read once the target has seen the
+/// transfer's immediate data (or a later SEND): the initiator's success says the bytes
+/// were placed, not that the target's application knows. (The EFA backend's peer removal
+/// still reports a removed peer's operations at once, without waiting for the provider.)
 pub struct TransferHandle {
     pub(crate) slot: Arc<Slot<TransferResult>>,
 }

@@ -75,6 +75,8 @@ struct Active {
     /// The planned writes, posted in order from `next`.
     writes: Vec<PlannedWrite>,
     next: usize,
+    /// The local regions it reads (counted in `Worker::in_use` until it finishes).
+    keys: Vec<LocalKey>,
 }
 
 /// Counter increments not yet added to the shared [`Counters`]: the hot path adds here
@@ -116,6 +118,8 @@ pub(crate) struct Worker<T: Transport> {
     sleeping: Arc<AtomicBool>,
     /// When the worker last made progress, for [`EngineConfig::busy_poll`].
     last_progress: Instant,
+    /// Unfinished transfers (and SENDs) per local region: deregistration waits for zero.
+    in_use: HashMap<LocalKey, usize>,
 }
 
 fn wr_of(slot: u32, generation: u32) -> WorkRequestId {
@@ -170,6 +174,7 @@ impl<T: Transport> Worker<T> {
             busy_poll,
             sleeping,
             last_progress: Instant::now(),
+            in_use: HashMap::new(),
         }
     }
 
@@ -270,7 +275,14 @@ impl<T: Transport> Worker<T> {
                 let _ = r.send(self.t.register(m, a));
             }
             Command::Deregister(k, r) => {
-                let _ = r.send(self.t.deregister(k));
+                // Never under operations that may still read or write it.
+                let res = match self.in_use.get(&k) {
+                    Some(&transfers) if transfers > 0 => {
+                        Err(Error::RegionInUse { key: k, transfers })
+                    }
+                    _ => self.t.deregister(k),
+                };
+                let _ = r.send(res);
             }
             Command::Transfer(job) => self.start_transfer(job),
             Command::Send {
@@ -290,6 +302,7 @@ impl<T: Transport> Worker<T> {
                     deadline: None,
                     writes: Vec::new(),
                     next: 0,
+                    keys: vec![src.key],
                 });
                 self.queue.push_back(Queued {
                     slot: idx,
@@ -327,6 +340,9 @@ impl<T: Transport> Worker<T> {
         a.generation = generation;
         if a.deadline.is_some() {
             self.deadlines += 1;
+        }
+        for k in &a.keys {
+            *self.in_use.entry(*k).or_default() += 1;
         }
         self.slots[idx as usize] = Some(a);
         self.active += 1;
@@ -376,6 +392,7 @@ impl<T: Transport> Worker<T> {
             },
             final_imm,
             deadline: job.deadline,
+            keys: keys_of(&job.plan.writes, final_imm.as_ref().map(|(w, _)| w)),
             writes: job.plan.writes,
             next: 0,
         });
@@ -457,6 +474,14 @@ impl<T: Transport> Worker<T> {
         self.free.push(idx);
         if a.deadline.is_some() {
             self.deadlines -= 1;
+        }
+        for k in &a.keys {
+            if let Some(n) = self.in_use.get_mut(k) {
+                *n -= 1;
+                if *n == 0 {
+                    self.in_use.remove(k);
+                }
+            }
         }
         // Whoever sees the transfer finished also sees its operations counted.
         self.flush_counters();
@@ -683,18 +708,33 @@ impl<T: Transport> Worker<T> {
         }
     }
 
+    /// Times out transfers past their deadline: they post nothing more, and finish (with
+    /// `TimedOut`) once every operation they had posted has completed or failed, so that no
+    /// transport still touches their memory when the caller hears of it. A transport fails
+    /// operations whose peer stops answering (TCP: within its `peer_timeout`).
     fn expire(&mut self) {
         let now = Instant::now();
         self.next_deadline_scan = now + Duration::from_millis(1);
+        let mut drained = Vec::new();
         for idx in 0..self.slots.len() {
-            let expired =
-                matches!(&self.slots[idx], Some(a) if a.deadline.is_some_and(|d| d <= now));
-            if expired {
-                if let Some(a) = self.slots[idx].as_mut() {
-                    a.error.get_or_insert(OpError::TimedOut);
-                }
-                self.finish(idx as u32);
+            let Some(a) = self.slots[idx].as_mut() else {
+                continue;
+            };
+            if a.deadline.is_none_or(|d| d > now) {
+                continue;
             }
+            a.deadline = None;
+            self.deadlines -= 1;
+            a.error.get_or_insert(OpError::TimedOut);
+            a.final_imm = None;
+            // Writes not posted yet will never be: count them done now.
+            let unposted = (a.writes.len() - a.next) as u64;
+            a.next = a.writes.len();
+            drained.push((idx as u32, a.generation, unposted));
+        }
+        for (idx, generation, unposted) in drained {
+            // Entries still queued for it are dropped as the queue reaches them.
+            self.ops_done(idx, generation, unposted, Ok(()));
         }
     }
 
@@ -718,4 +758,15 @@ impl<T: Transport> Worker<T> {
             }
         }
     }
+}
+
+/// The distinct local regions that `writes` (and the immediate-data write) read.
+fn keys_of(writes: &[PlannedWrite], imm: Option<&PlannedWrite>) -> Vec<LocalKey> {
+    let mut keys: Vec<LocalKey> = Vec::with_capacity(1);
+    for w in writes.iter().chain(imm) {
+        if keys.last() != Some(&w.src.key) && !keys.contains(&w.src.key) {
+            keys.push(w.src.key);
+        }
+    }
+    keys
 }
