@@ -12,14 +12,15 @@
 //! answer after it, until the copy has completed. Host memory never goes through staging.
 
 use crate::frame::{self, HEADER_LEN, Header, MAX_BATCH, Op};
-use crate::io::{host_slice, host_slice_mut};
+use crate::io::{RawIov, copy_to_region};
 use crate::staging::{CHUNK, Ring, Via};
 use fabric_core::{
     Access, Completion, MemoryRegion, OpError, OpKind, PeerId, RemoteKey, WorkRequestId,
 };
 use std::collections::{HashMap, VecDeque};
-use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::io::Read;
 use std::net::TcpStream;
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 /// Size of the read-ahead buffer of each connection.
@@ -133,16 +134,17 @@ pub(crate) enum Payload {
 }
 
 impl Payload {
-    fn bytes(&self) -> &[u8] {
+    /// The bytes from `skip` on, as an iovec (`None`: nothing to send from here, or a
+    /// region range that fails its check, which posting already made: a bug).
+    fn iov_from(&self, skip: usize) -> Option<RawIov> {
         match self {
-            Payload::None => &[],
-            // The range was checked at post time; an empty slice can only mean a bug.
+            Payload::None => None,
             Payload::Region { mem, offset, len } => {
-                host_slice(&**mem, *offset, *len).unwrap_or(&[])
+                RawIov::of_region(&**mem, *offset + skip as u64, len.checked_sub(skip)?)
             }
-            Payload::Owned(v) => v,
+            Payload::Owned(v) => v.get(skip..).map(RawIov::of_slice),
             // Sent from the staging ring (OutFrame::push_iov).
-            Payload::Device { .. } => &[],
+            Payload::Device { .. } => None,
         }
     }
     fn len(&self) -> usize {
@@ -174,13 +176,13 @@ pub(crate) struct OutFrame {
 impl OutFrame {
     /// The frame's bytes from `written` on, as slices, appended to `iov`. False when the
     /// next frame must not follow: `iov` is full, or a device payload is not copied yet.
-    fn push_iov<'a>(&'a self, iov: &mut Vec<IoSlice<'a>>, ring: Option<&'a Ring>) -> bool {
+    fn push_iov(&self, iov: &mut Vec<RawIov>, ring: Option<&Ring>) -> bool {
         let mut skip = self.written;
         if skip < self.head.len() {
             if iov.len() == MAX_IOV {
                 return false;
             }
-            iov.push(IoSlice::new(&self.head[skip..]));
+            iov.push(RawIov::of_slice(&self.head[skip..]));
             skip = 0;
         } else {
             skip -= self.head.len();
@@ -210,13 +212,13 @@ impl OutFrame {
                     }
                     let s = ring.ready_slice(base + at as u64, ready - at);
                     at += s.len();
-                    iov.push(IoSlice::new(s));
+                    iov.push(RawIov::of_slice(s));
                 }
                 if ready < len {
                     return false;
                 }
-            } else {
-                iov.push(IoSlice::new(&p.bytes()[skip..]));
+            } else if let Some(v) = p.iov_from(skip) {
+                iov.push(v);
             }
             skip = 0;
         }
@@ -283,9 +285,7 @@ impl Dest {
     fn put(&mut self, src: &[u8]) -> Result<(), String> {
         match self {
             Dest::Region { mem, offset } => {
-                if let Some(dst) = host_slice_mut(&**mem, *offset, src.len()) {
-                    dst.copy_from_slice(src);
-                } else {
+                if !copy_to_region(&**mem, *offset, src) {
                     mem.write_from_host(*offset, src)
                         .map_err(|e| format!("cannot place payload: {e}"))?;
                 }
@@ -554,7 +554,7 @@ impl Conn {
             if self.out.is_empty() {
                 return Ok(());
             }
-            let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(64);
+            let mut iov: Vec<RawIov> = Vec::with_capacity(64);
             for f in self.out.iter() {
                 if !f.push_iov(&mut iov, self.out_ring.as_ref()) {
                     break;
@@ -564,7 +564,10 @@ impl Conn {
                 // The next bytes are device bytes still being copied.
                 return Ok(());
             }
-            let n = match self.stream.write_vectored(&iov) {
+            // SAFETY: every entry covers bytes of a frame in `self.out` (its header, its
+            // owned bytes, the staging ring, or a registered region whose Arc the frame
+            // holds), all alive and unchanged until `advance` below; writev only reads.
+            let n = match unsafe { crate::io::writev(self.stream.as_raw_fd(), &iov) } {
                 Ok(0) => return Err("connection closed while writing".into()),
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
@@ -825,20 +828,23 @@ impl Conn {
                     remaining,
                     ..
                 } if *remaining >= DIRECT_MIN && self.rlen == 0 => {
-                    match host_slice_mut(&**mem, *offset, *remaining as usize) {
+                    match RawIov::of_region(&**mem, *offset, *remaining as usize) {
                         Some(direct) => {
                             let direct_len = direct.len();
                             // Only the next header rides along.
-                            let mut iov = [
-                                IoSliceMut::new(direct),
-                                IoSliceMut::new(&mut self.rbuf[..HEADER_LEN]),
-                            ];
-                            self.stream.read_vectored(&mut iov).inspect(|&n| {
-                                let d = n.min(direct_len);
-                                *offset += d as u64;
-                                *remaining -= d as u64;
-                                self.rlen = n - d;
-                            })
+                            let iov = [direct, RawIov::of_slice_mut(&mut self.rbuf[..HEADER_LEN])];
+                            // SAFETY: `direct` covers a checked range of the live region
+                            // (this payload's destination, whose Arc the read state holds;
+                            // one connection places one frame's bytes at a time), the other
+                            // entry our own buffer; they do not overlap.
+                            unsafe { crate::io::readv(self.stream.as_raw_fd(), &iov) }.inspect(
+                                |&n| {
+                                    let d = n.min(direct_len);
+                                    *offset += d as u64;
+                                    *remaining -= d as u64;
+                                    self.rlen = n - d;
+                                },
+                            )
                         }
                         None => read_staged(&mut self.stream, &mut self.rbuf, &mut self.rlen, RBUF),
                     }
@@ -1321,7 +1327,7 @@ fn read_batch(
     discard: &mut [u8],
     ring: &mut Option<Ring>,
 ) -> std::io::Result<(usize, usize)> {
-    let mut iov: Vec<IoSliceMut<'_>> = Vec::with_capacity((items.len() - next + 1).min(MAX_IOV));
+    let mut iov: Vec<RawIov> = Vec::with_capacity((items.len() - next + 1).min(MAX_IOV));
     let mut lens: Vec<usize> = Vec::with_capacity(iov.capacity());
     let mut discard = Some(discard);
     // Device items are read into the in-ring, one after the other from its head.
@@ -1331,14 +1337,14 @@ fn read_batch(
             break;
         }
         let remaining = item.remaining as usize;
-        let slice: Option<&mut [u8]> = match &mut item.dest {
+        let slice: Option<RawIov> = match &mut item.dest {
             Dest::Region { mem, offset } => {
-                host_slice_mut(&**mem, *offset, item.remaining as usize)
+                RawIov::of_region(&**mem, *offset, item.remaining as usize)
             }
             // Only one iovec may point at the discard buffer (it is reused).
             Dest::Discard => discard.take().map(|d| {
                 let n = d.len().min(item.remaining as usize);
-                &mut d[..n]
+                RawIov::of_slice_mut(&mut d[..n])
             }),
             Dest::Device { via, .. } => match ring.as_ref() {
                 Some(r) if r.copies_via(via) => {
@@ -1346,11 +1352,10 @@ fn read_batch(
                     (n > 0).then(|| {
                         let at = r.ptr(r.head + ring_used as u64);
                         ring_used += n;
-                        // SAFETY: `n` bytes from `at` are free room of the staging buffer
+                        // `n` bytes from `at` are free room of the staging buffer
                         // (contiguous() counts from after the room given to the items
-                        // before): no copy reads them and no other iovec covers them. The
-                        // ring outlives this call and is not touched until the slice is gone.
-                        unsafe { std::slice::from_raw_parts_mut(at, n) }
+                        // before): no copy reads them and no other iovec covers them.
+                        RawIov::of_raw(at, n)
                     })
                 }
                 _ => None,
@@ -1360,7 +1365,7 @@ fn read_batch(
         let Some(s) = slice else { break };
         let full = s.len() as u64 == item.remaining;
         lens.push(s.len());
-        iov.push(IoSliceMut::new(s));
+        iov.push(s);
         if !full {
             break;
         }
@@ -1369,8 +1374,12 @@ fn read_batch(
         !iov.is_empty(),
         "callers check that the next item can be read directly"
     );
-    iov.push(IoSliceMut::new(tail));
-    let n = stream.read_vectored(&mut iov)?;
+    iov.push(RawIov::of_slice_mut(tail));
+    // SAFETY: each entry covers a checked range of a live destination region (its Arc is
+    // in `items`), free room of the staging ring (alive in `ring`), the discard buffer (at
+    // most one entry) or `tail`; `destinations_overlap` keeps overlapping destinations of
+    // one batch out of the same call, so no two entries overlap.
+    let n = unsafe { crate::io::readv(stream.as_raw_fd(), &iov) }?;
     drop(iov);
     let mut left = n;
     for (item, l) in items[next..].iter_mut().zip(lens) {
