@@ -89,6 +89,16 @@ pub trait Transport: Send + 'static {
     /// Adds a peer by address. Connection set-up may continue inside `poll`.
     fn add_peer(&mut self, address: &[u8]) -> Result<PeerId>;
 
+    /// Whether a peer that [`add_peer`](Transport::add_peer) returned has finished setting
+    /// up (connections made): `Ok(true)` ready, `Ok(false)` still connecting (set-up goes on
+    /// inside `poll`), or the error that made it fail, after which the peer is gone. The
+    /// engine answers an `add_peer` call only once this is settled, without blocking its
+    /// worker meanwhile. The default: ready at once.
+    fn peer_ready(&mut self, peer: PeerId) -> Result<bool> {
+        let _ = peer;
+        Ok(true)
+    }
+
     /// Removes a peer: its pending operations complete with [`OpError::PeerRemoved`].
     fn remove_peer(&mut self, peer: PeerId) -> Result<()>;
 

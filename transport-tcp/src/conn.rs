@@ -397,6 +397,9 @@ pub(crate) struct Conn {
     discard: Box<[u8]>,
     /// Requests answered so far (ACK or NACK).
     answered: u64,
+    /// Until when a connection we opened may take to connect (`None`: connected, or
+    /// accepted).
+    pub connecting: Option<std::time::Instant>,
     /// `(answered, out_bytes)` as last seen changing, and when: see `check_answers`.
     unanswered_since: Option<((u64, usize), std::time::Instant)>,
 }
@@ -432,6 +435,7 @@ impl Conn {
             discard: Vec::new().into_boxed_slice(),
             answered: 0,
             unanswered_since: None,
+            connecting: None,
         }
     }
 

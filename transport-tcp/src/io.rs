@@ -142,3 +142,24 @@ pub fn peer_hung_up(fd: std::os::fd::RawFd) -> bool {
     matches!(ppoll_fds(&mut p, std::time::Duration::ZERO), Ok(n) if n > 0)
         && p[0].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
 }
+
+/// Whether a non-blocking connect of `stream` has completed: `Ok(true)` connected,
+/// `Ok(false)` still under way, or why it failed.
+pub fn connect_outcome(stream: &std::net::TcpStream) -> std::io::Result<bool> {
+    use std::os::fd::AsRawFd;
+    let mut p = [libc::pollfd {
+        fd: stream.as_raw_fd(),
+        events: libc::POLLOUT,
+        revents: 0,
+    }];
+    if ppoll_fds(&mut p, std::time::Duration::ZERO)? == 0 {
+        return Ok(false);
+    }
+    if let Some(e) = stream.take_error()? {
+        return Err(e);
+    }
+    if p[0].revents & (libc::POLLERR | libc::POLLHUP) != 0 {
+        return Err(std::io::ErrorKind::ConnectionRefused.into());
+    }
+    Ok(true)
+}

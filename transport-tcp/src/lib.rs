@@ -163,6 +163,8 @@ pub struct TcpTransport {
     cuda: CudaProbe,
     /// In `wait`'s poll set: the engine makes it readable when it has work for us.
     wake: WakeFd,
+    /// Added peers whose connection failed, and why, until `peer_ready` reports it.
+    failed_connects: HashMap<PeerId, String>,
 }
 
 impl TcpTransport {
@@ -205,6 +207,7 @@ impl TcpTransport {
             auth: cfg_auth,
             cuda: CudaProbe::default(),
             wake: WakeFd::new().map_err(|e| Error::io("wake-up socket pair", e))?,
+            failed_connects: HashMap::new(),
         })
     }
 
@@ -253,17 +256,23 @@ impl TcpTransport {
     }
 
     /// Connects to `to` for the peer that will be `peer`.
+    /// Starts connecting to `to` for the peer that will be `peer`, without waiting: the
+    /// connection completes (or fails, or times out after `peer_timeout`) inside `poll`,
+    /// so a peer that does not answer never stalls the others.
     fn connect(&self, to: SocketAddr, peer: PeerId) -> Result<TcpStream> {
         let s = Socket::new(Domain::for_address(to), Type::STREAM, Some(Protocol::TCP))
             .map_err(|e| Error::io("socket", e))?;
-        s.connect_timeout(&SockAddr::from(to), self.cfg.peer_timeout)
-            .map_err(|e| {
-                Error::Op(OpError::PeerUnreachable {
+        self.setup_socket(&s)?; // non-blocking from here
+        match s.connect(&SockAddr::from(to)) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
+            Err(e) => {
+                return Err(Error::Op(OpError::PeerUnreachable {
                     peer,
                     reason: format!("connect to {to}: {e}"),
-                })
-            })?;
-        self.setup_socket(&s)?;
+                }));
+            }
+        }
         Ok(s.into())
     }
 
@@ -413,6 +422,23 @@ impl TcpTransport {
         }
     }
 
+    /// A connection of an added peer could not be made: the peer is gone (its other
+    /// connections too, its requests failed), and `peer_ready` reports why.
+    fn fail_connect(&mut self, idx: usize, peer: PeerId, reason: String) {
+        tracing::debug!(%peer, %reason, "connection failed");
+        let err = OpError::PeerUnreachable {
+            peer,
+            reason: reason.clone(),
+        };
+        self.close_conn(idx, err.clone());
+        if let Some(p) = self.peers.remove(&peer) {
+            for i in p.conns {
+                self.close_conn(i, err.clone());
+            }
+        }
+        self.failed_connects.insert(peer, reason);
+    }
+
     fn on_hello(&mut self, idx: usize, rail: u32, instance: u64, address: Vec<u8>) {
         let id = match self.passive.get(&instance) {
             Some(&id) => id,
@@ -475,6 +501,7 @@ impl Transport for TcpTransport {
                 }
             };
             let mut c = Conn::new(stream, id, false, None);
+            c.connecting = Some(std::time::Instant::now() + self.cfg.peer_timeout);
             let mut hello = Vec::with_capacity(12 + self.address.len());
             hello.extend_from_slice(&(rail as u32).to_le_bytes());
             hello.extend_from_slice(&self.instance.to_le_bytes());
@@ -498,6 +525,18 @@ impl Transport for TcpTransport {
         );
         tracing::debug!(peer = %id, %to, rails = self.cfg.rails, "peer added");
         Ok(id)
+    }
+
+    fn peer_ready(&mut self, peer: PeerId) -> Result<bool> {
+        if let Some(reason) = self.failed_connects.remove(&peer) {
+            return Err(Error::Op(OpError::PeerUnreachable { peer, reason }));
+        }
+        let p = self.peers.get(&peer).ok_or(Error::UnknownPeer(peer))?;
+        Ok(p.conns.iter().all(|&i| {
+            self.conns[i]
+                .as_ref()
+                .is_some_and(|c| c.connecting.is_none())
+        }))
     }
 
     fn remove_peer(&mut self, peer: PeerId) -> Result<()> {
@@ -616,6 +655,25 @@ impl Transport for TcpTransport {
             let Some(c) = self.conns[idx].as_mut() else {
                 continue;
             };
+            if let Some(deadline) = c.connecting {
+                match io::connect_outcome(&c.stream) {
+                    Ok(true) => c.connecting = None,
+                    Ok(false) if std::time::Instant::now() < deadline => continue,
+                    Ok(false) => {
+                        let (peer, reason) = (
+                            c.peer,
+                            format!("connect timed out after {:?}", self.cfg.peer_timeout),
+                        );
+                        self.fail_connect(idx, peer, reason);
+                        continue;
+                    }
+                    Err(e) => {
+                        let (peer, reason) = (c.peer, format!("connect: {e}"));
+                        self.fail_connect(idx, peer, reason);
+                        continue;
+                    }
+                }
+            }
             let mut res = c
                 .progress_copies(&mut self.shared)
                 .and_then(|_| c.flush())

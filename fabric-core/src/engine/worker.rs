@@ -120,6 +120,8 @@ pub(crate) struct Worker<T: Transport> {
     last_progress: Instant,
     /// Unfinished transfers (and SENDs) per local region: deregistration waits for zero.
     in_use: HashMap<LocalKey, usize>,
+    /// Peers added whose set-up goes on in `poll`, with who waits for the answer.
+    connecting: Vec<(PeerId, Sender<Result<PeerId>>)>,
 }
 
 fn wr_of(slot: u32, generation: u32) -> WorkRequestId {
@@ -175,6 +177,7 @@ impl<T: Transport> Worker<T> {
             sleeping,
             last_progress: Instant::now(),
             in_use: HashMap::new(),
+            connecting: Vec::new(),
         }
     }
 
@@ -200,6 +203,9 @@ impl<T: Transport> Worker<T> {
             }
             progressed |= self.post_batch() > 0;
             progressed |= self.poll() > 0;
+            if !self.connecting.is_empty() {
+                progressed |= self.settle_connecting();
+            }
             self.flush_counters();
             if self.deadlines > 0 && Instant::now() >= self.next_deadline_scan {
                 self.expire();
@@ -238,6 +244,27 @@ impl<T: Transport> Worker<T> {
         }
     }
 
+    /// Answers the `add_peer` calls whose peers have finished setting up (or failed);
+    /// returns whether any did.
+    fn settle_connecting(&mut self) -> bool {
+        let before = self.connecting.len();
+        let mut i = 0;
+        while i < self.connecting.len() {
+            let p = self.connecting[i].0;
+            let res = match self.t.peer_ready(p) {
+                Ok(false) => {
+                    i += 1;
+                    continue;
+                }
+                Ok(true) => Ok(p),
+                Err(e) => Err(e),
+            };
+            let (_, r) = self.connecting.swap_remove(i);
+            let _ = r.send(res);
+        }
+        self.connecting.len() != before
+    }
+
     /// Waits in the transport for at most `wait`, announced through `sleeping` so that a
     /// command sent meanwhile wakes it (the engine's `wake_worker` is the other half).
     fn sleep(&mut self, wait: Duration) {
@@ -263,9 +290,12 @@ impl<T: Transport> Worker<T> {
 
     fn command(&mut self, cmd: Command) {
         match cmd {
-            Command::AddPeer(a, r) => {
-                let _ = r.send(self.t.add_peer(&a));
-            }
+            Command::AddPeer(a, r) => match self.t.add_peer(&a) {
+                Ok(p) => self.connecting.push((p, r)),
+                Err(e) => {
+                    let _ = r.send(Err(e));
+                }
+            },
             Command::RemovePeer(p, r) => {
                 let res = self.t.remove_peer(p);
                 // Operations that were queued but not posted fail too.
