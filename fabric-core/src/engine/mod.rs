@@ -76,6 +76,10 @@ pub struct EngineConfig {
     pub busy_poll: Duration,
     /// Limit for control calls (add_peer, register, ...) and for a full command queue.
     pub control_timeout: Duration,
+    /// How long dropping (or [`shutdown`](Engine::shutdown) of) an engine waits for its
+    /// worker to stop. A worker stuck in its transport past this is left behind (detached,
+    /// logged) so that the caller never hangs; it exits when the transport returns.
+    pub shutdown_timeout: Duration,
     /// Name of the worker thread.
     pub name: String,
 }
@@ -88,6 +92,7 @@ impl Default for EngineConfig {
             idle_wait: Duration::from_millis(10),
             busy_poll: Duration::ZERO,
             control_timeout: Duration::from_secs(10),
+            shutdown_timeout: Duration::from_secs(5),
             name: "xfer-worker".into(),
         }
     }
@@ -240,6 +245,8 @@ pub struct Engine {
     link: Arc<WorkerLink>,
     events: Receiver<Event>,
     thread: Option<JoinHandle<()>>,
+    /// Disconnects when the worker thread has ended.
+    exited: Receiver<()>,
     address: Vec<u8>,
     backend: &'static str,
     limits: TransportLimits,
@@ -260,6 +267,8 @@ impl Engine {
         let (tx, rx) = crossbeam_channel::bounded(cfg.queue_depth.max(1));
         let (ev_tx, events) = crossbeam_channel::unbounded();
         let (ready_tx, ready_rx) = crossbeam_channel::bounded(1);
+        // Disconnected when the worker thread ends, however it ends.
+        let (exit_tx, exit_rx) = crossbeam_channel::bounded::<()>(0);
         let counters = Arc::new(Counters::default());
         let c2 = counters.clone();
         let wcfg = cfg.clone();
@@ -269,6 +278,7 @@ impl Engine {
         let thread = std::thread::Builder::new()
             .name(cfg.name.clone())
             .spawn(move || {
+                let _exit = exit_tx;
                 let mut t = match make() {
                     Ok(t) => t,
                     Err(e) => {
@@ -299,6 +309,7 @@ impl Engine {
             }),
             events,
             thread: Some(thread),
+            exited: exit_rx,
             address,
             backend,
             limits,
@@ -502,20 +513,37 @@ impl Engine {
         &self.events
     }
 
-    /// Stops the worker: pending transfers fail with `Cancelled`. Also done on drop.
+    /// Stops the worker: pending transfers fail with `Cancelled`. Also done on drop. Returns
+    /// within [`EngineConfig::shutdown_timeout`], even if the transport hangs.
     pub fn shutdown(mut self) {
         self.stop();
     }
 
     fn stop(&mut self) {
+        let deadline = Instant::now() + self.cfg.shutdown_timeout;
         let _ = self
             .tx
-            .send_timeout(Command::Shutdown, self.cfg.control_timeout);
+            .send_timeout(Command::Shutdown, self.cfg.shutdown_timeout);
         self.link.wake();
-        if let Some(t) = self.thread.take()
-            && t.join().is_err()
+        let Some(t) = self.thread.take() else {
+            return;
+        };
+        // Bounded: a transport that hangs must not hang the caller.
+        match self
+            .exited
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
         {
-            tracing::error!("engine worker panicked");
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                tracing::error!(
+                    timeout = ?self.cfg.shutdown_timeout,
+                    "engine worker did not stop in time; left behind"
+                );
+            }
+            _ => {
+                if t.join().is_err() {
+                    tracing::error!("engine worker panicked");
+                }
+            }
         }
     }
 }
