@@ -123,6 +123,10 @@ pub struct BackendArgs {
     /// means 1000; the default, 0, sleeps at once.
     #[arg(long = "busy-poll", value_name = "US", num_args = 0..=1, default_missing_value = "1000", default_value_t = 0)]
     pub busy_poll_us: u64,
+    /// tcp with GPU memory: how long a rail naps between polls while its device copies
+    /// run, in microseconds (0: polls again at once). Was XFER_TCP_COPY_NAP_US.
+    #[arg(long = "tcp-copy-nap", value_name = "US", default_value_t = 0)]
+    pub tcp_copy_nap_us: u64,
 }
 
 impl BackendArgs {
@@ -155,6 +159,7 @@ impl BackendArgs {
             ));
         }
         let auth_token = self.auth_token.clone();
+        let copy_nap = std::time::Duration::from_micros(self.tcp_copy_nap_us);
         let pins = Arc::new(pins);
         let cfg = EngineConfig {
             name: name.into(),
@@ -170,6 +175,7 @@ impl BackendArgs {
                     TcpTransport::new(TcpConfig {
                         listen: SocketAddr::new(ip, 0),
                         auth_token: auth_token.clone(),
+                        copy_nap,
                         ..TcpConfig::default()
                     })
                 },
