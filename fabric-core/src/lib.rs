@@ -29,6 +29,7 @@ mod in_place;
 pub mod mem;
 pub mod memory;
 pub mod plan;
+pub mod recv;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod transport;

@@ -12,13 +12,14 @@
 use crate::error::{Error, OpError, Result};
 use crate::in_place;
 use crate::memory::{MemoryRegion, check_range};
+use crate::recv::{Arrival, PostedRecv, RecvMatch};
 use crate::transport::{Completion, OpKind, PostOutcome, Transport, TransportLimits};
 use crate::types::{
     Access, LocalKey, LocalSlice, PeerId, Registration, RemoteKey, RemoteRegion, RemoteSlice,
     WorkRequestId,
 };
 use crate::wake::{Signal, Wake};
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -67,18 +68,10 @@ struct Target {
     access: Access,
 }
 
-struct PostedRecv {
-    wr_id: WorkRequestId,
-    mem: Arc<dyn MemoryRegion>,
-    offset: u64,
-    cap: u64,
-}
-
-#[derive(Default)]
 struct Inbox {
     targets: KeyMap<u64, Target>,
-    recvs: VecDeque<PostedRecv>,
-    unexpected: VecDeque<(u64, Option<u32>, Vec<u8>)>,
+    /// Posted receives and early arrivals.
+    recv: RecvMatch,
     /// Completions produced by peers' operations (remote writes, receives).
     events: Vec<Completion>,
 }
@@ -141,7 +134,11 @@ impl MemTransport {
         let id = NEXT.fetch_add(1, Ordering::Relaxed);
         let me = Arc::new(Endpoint {
             id,
-            inbox: Mutex::new(Inbox::default()),
+            inbox: Mutex::new(Inbox {
+                targets: KeyMap::default(),
+                recv: RecvMatch::new(MAX_UNEXPECTED, usize::MAX),
+                events: Vec::new(),
+            }),
             signal: Arc::new(Signal::new()),
         });
         lock(registry()).insert(id, Arc::downgrade(&me));
@@ -560,32 +557,12 @@ impl Transport for MemTransport {
         let ep = self.peer(peer)?;
         let data = self.copy_out(&src)?;
         let mut inbox = lock(&ep.inbox);
-        let me = self.me.id;
-        let result = if let Some(r) = inbox.recvs.pop_front() {
-            let res = if src.len > r.cap {
-                Err(OpError::Truncated {
-                    len: src.len,
-                    capacity: r.cap,
-                })
-            } else {
-                r.mem
-                    .write_from_host(r.offset, &data)
-                    .map(|_| src.len)
-                    .map_err(|e| OpError::Transport(e.to_string()))
-            };
-            inbox.events.push(Completion {
-                wr_id: r.wr_id,
-                op: OpKind::Recv,
-                result: res.clone(),
-                peer: Some(PeerId(me)),
-                imm,
-            });
-            res
-        } else if inbox.unexpected.len() < MAX_UNEXPECTED {
-            inbox.unexpected.push_back((me, imm, data));
-            Ok(src.len)
-        } else {
-            return Ok(PostOutcome::NoRoom);
+        let me = Some(PeerId(self.me.id));
+        let Inbox { recv, events, .. } = &mut *inbox;
+        let result = match recv.arrive(me, imm, &data, events) {
+            Arrival::Delivered(res) => res,
+            Arrival::Queued => Ok(src.len),
+            Arrival::Full => return Ok(PostOutcome::NoRoom),
         };
         drop(inbox);
         // The peer's receive completed (or waits for it): wake its worker.
@@ -609,32 +586,14 @@ impl Transport for MemTransport {
             ));
         }
         let mut inbox = lock(&self.me.inbox);
-        if let Some((from, imm, data)) = inbox.unexpected.pop_front() {
-            let res = if data.len() as u64 > dst.len {
-                Err(OpError::Truncated {
-                    len: data.len() as u64,
-                    capacity: dst.len,
-                })
-            } else {
-                m.write_from_host(dst.offset, &data)
-                    .map(|_| data.len() as u64)
-                    .map_err(|e| OpError::Transport(e.to_string()))
-            };
-            inbox.events.push(Completion {
-                wr_id,
-                op: OpKind::Recv,
-                result: res,
-                peer: Some(PeerId(from)),
-                imm,
-            });
-        } else {
-            inbox.recvs.push_back(PostedRecv {
-                wr_id,
-                mem: m,
-                offset: dst.offset,
-                cap: dst.len,
-            });
-        }
+        let Inbox { recv, events, .. } = &mut *inbox;
+        let r = PostedRecv {
+            wr_id,
+            mem: m,
+            offset: dst.offset,
+            cap: dst.len,
+        };
+        recv.post(r, events);
         Ok(PostOutcome::Posted)
     }
 

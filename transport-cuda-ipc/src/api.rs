@@ -2,8 +2,8 @@
 
 use crate::wire::{self, Header, Op};
 use crate::{
-    Conn, CudaIpcTransport, FrameConn, IpcAddress, Link, LocalRegion, Peer, PostedRecv, Role,
-    TargetRegion, WriteOp,
+    Conn, CudaIpcTransport, FrameConn, IpcAddress, Link, LocalRegion, Peer, Role, TargetRegion,
+    WriteOp,
 };
 use fabric_core::{
     Access, Completion, Error, LocalKey, LocalSlice, MemoryRegion, OpError, PeerId, PostOutcome,
@@ -171,21 +171,16 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
         if !r.access.contains(Access::LOCAL_WRITE) {
             return Err(Error::Op(OpError::PermissionDenied));
         }
-        let recv = PostedRecv {
-            wr: wr_id,
+        let recv = fabric_core::recv::PostedRecv {
+            wr_id,
             mem: r.mem.clone(),
             offset: dst.offset,
             cap: dst.len,
         };
-        match self.unexpected.pop_front() {
-            Some(u) => {
-                self.unexpected_bytes -= u.bytes.len();
-                self.deliver(recv, u.peer, u.imm, &u.bytes);
-                for c in self.conns.iter_mut().flatten() {
-                    c.paused = false;
-                }
-            }
-            None => self.recvs.push_back(recv),
+        self.recv.post(recv, &mut self.done);
+        // A SEND held back for room may go on now (it is handled again).
+        for c in self.conns.iter_mut().flatten() {
+            c.paused = false;
         }
         Ok(PostOutcome::Posted)
     }

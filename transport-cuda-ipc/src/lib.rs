@@ -202,19 +202,6 @@ struct TargetRegion {
     export: Option<LinkExport>,
 }
 
-struct PostedRecv {
-    wr: WorkRequestId,
-    mem: Arc<dyn MemoryRegion>,
-    offset: u64,
-    cap: u64,
-}
-
-struct Unexpected {
-    peer: Option<PeerId>,
-    imm: Option<u32>,
-    bytes: Vec<u8>,
-}
-
 /// A batch whose copies run on the stream.
 struct Copying {
     ticket: u64,
@@ -240,9 +227,8 @@ pub struct CudaIpcTransport<L: Link = CudaLink> {
     local: HashMap<LocalKey, LocalRegion>,
     targets: HashMap<u64, TargetRegion>,
     next_local: u64,
-    recvs: VecDeque<PostedRecv>,
-    unexpected: VecDeque<Unexpected>,
-    unexpected_bytes: usize,
+    /// Posted receives and early arrivals (fabric-core's one matching piece).
+    recv: fabric_core::recv::RecvMatch,
     copying: VecDeque<Copying>,
     done: Vec<Completion>,
     outstanding: usize,
@@ -279,6 +265,8 @@ impl CudaIpcTransport<CudaLink> {
 impl<L: Link> CudaIpcTransport<L> {
     /// Creates a transport over `link`, listening on a fresh abstract Unix socket.
     pub fn with_link(link: L, cfg: CudaIpcConfig) -> Result<CudaIpcTransport<L>> {
+        let recv =
+            fabric_core::recv::RecvMatch::new(cfg.max_unexpected_count, cfg.max_unexpected_bytes);
         let pid = std::process::id();
         let boot_id = boot_id()?;
         let (listener, socket) = loop {
@@ -314,9 +302,7 @@ impl<L: Link> CudaIpcTransport<L> {
             local: HashMap::new(),
             targets: HashMap::new(),
             next_local: 1,
-            recvs: VecDeque::new(),
-            unexpected: VecDeque::new(),
-            unexpected_bytes: 0,
+            recv,
             copying: VecDeque::new(),
             done: Vec::new(),
             outstanding: 0,

@@ -14,6 +14,7 @@
 use crate::frame::{self, HEADER_LEN, Header, MAX_BATCH, Op};
 use crate::io::{RawIov, copy_to_region};
 use crate::staging::{CHUNK, Ring, Via};
+use fabric_core::recv::{EarlyArrival, PostedRecv, RecvMatch};
 use fabric_core::{
     Access, Completion, MemoryRegion, OpError, OpKind, PeerId, RemoteKey, WorkRequestId,
 };
@@ -47,65 +48,13 @@ pub(crate) struct TargetRegion {
     pub via: Via,
 }
 
-/// A posted receive.
-pub(crate) struct PostedRecv {
-    pub wr_id: WorkRequestId,
-    pub mem: Arc<dyn MemoryRegion>,
-    pub offset: u64,
-    pub cap: u64,
-}
-
-/// A SEND that arrived before a receive was posted.
-pub(crate) struct Unexpected {
-    pub peer: PeerId,
-    pub imm: Option<u32>,
-    pub data: Vec<u8>,
-}
-
 /// State shared by all connections of a transport, that incoming frames act on.
 pub(crate) struct Shared {
     pub targets: HashMap<u64, TargetRegion>,
-    pub recvs: VecDeque<PostedRecv>,
-    pub unexpected: VecDeque<Unexpected>,
-    pub unexpected_bytes: usize,
-    pub max_unexpected_bytes: usize,
-    pub max_unexpected_count: usize,
+    /// Posted receives and early arrivals (fabric-core's one matching piece).
+    pub recv: RecvMatch,
     pub max_msg_size: u64,
     pub completions: Vec<Completion>,
-}
-
-impl Shared {
-    /// Delivers early arrivals to posted receives, oldest first, while both exist.
-    pub fn match_unexpected(&mut self) {
-        while !self.unexpected.is_empty() && !self.recvs.is_empty() {
-            let m = self.unexpected.pop_front().expect("non-empty");
-            let r = self.recvs.pop_front().expect("non-empty");
-            self.unexpected_bytes -= m.data.len();
-            self.deliver(r, m.peer, m.imm, &m.data);
-        }
-    }
-
-    /// Places `data` into a posted receive and reports it.
-    pub fn deliver(&mut self, r: PostedRecv, peer: PeerId, imm: Option<u32>, data: &[u8]) {
-        let result = if data.len() as u64 > r.cap {
-            Err(OpError::Truncated {
-                len: data.len() as u64,
-                capacity: r.cap,
-            })
-        } else {
-            r.mem
-                .write_from_host(r.offset, data)
-                .map(|_| data.len() as u64)
-                .map_err(|e| OpError::Transport(e.to_string()))
-        };
-        self.completions.push(Completion {
-            wr_id: r.wr_id,
-            op: OpKind::Recv,
-            result,
-            peer: Some(peer),
-            imm,
-        });
-    }
 }
 
 /// What an outgoing frame carries after its header.
@@ -440,8 +389,9 @@ impl Conn {
     }
 
     /// Fails once requests have been outstanding for `limit` with neither an answer from
-    /// the peer nor a byte of ours leaving: the peer's kernel may take our bytes while its
-    /// transport is stopped, which TCP's own timers never notice.
+    /// the peer nor a byte of ours leaving, while the peer's kernel has acknowledged all our
+    /// bytes: it takes them while its transport is stopped, which TCP's own timers never
+    /// notice. (Unacknowledged bytes are TCP_USER_TIMEOUT's to judge.)
     pub fn check_answers(&mut self, limit: std::time::Duration) -> Result<(), String> {
         if self.inflight.is_empty() {
             self.unanswered_since = None;
@@ -452,6 +402,12 @@ impl Conn {
         match self.unanswered_since {
             Some((s, since)) if s == seen => {
                 if now.duration_since(since) > limit {
+                    if crate::io::kernel_unacked(self.stream.as_raw_fd()) == Some(true) {
+                        // Bytes still unacknowledged by the peer's kernel (a partition, a
+                        // slow path): TCP's own timers (TCP_USER_TIMEOUT) judge that.
+                        self.unanswered_since = Some((seen, now));
+                        return Ok(());
+                    }
                     return Err(format!(
                         "{} request(s) unanswered for {limit:?}",
                         self.inflight.len()
@@ -537,11 +493,8 @@ impl Conn {
             std::mem::replace(&mut self.rstate, ReadState::Header)
         {
             match finish {
-                Finish::Recv { recv, .. } => {
-                    shared.recvs.push_front(recv);
-                    shared.match_unexpected();
-                }
-                Finish::Unexpected { len, .. } => shared.unexpected_bytes -= len as usize,
+                Finish::Recv { recv, .. } => shared.recv.put_back(recv, &mut shared.completions),
+                Finish::Unexpected { len, .. } => shared.recv.release(len as usize),
                 _ => {}
             }
         }
@@ -1151,7 +1104,7 @@ impl Conn {
     /// Starts receiving a SEND's payload; false if it must wait for a receive.
     fn start_send(&mut self, h: Header, shared: &mut Shared) -> bool {
         let imm = h.imm();
-        if let Some(r) = shared.recvs.pop_front() {
+        if let Some(r) = shared.recv.take_recv() {
             if h.len > r.cap {
                 let err = OpError::Truncated {
                     len: h.len,
@@ -1186,13 +1139,11 @@ impl Conn {
             }
             return true;
         }
-        let fits = shared.unexpected.len() < shared.max_unexpected_count
-            && shared.unexpected_bytes + h.len as usize <= shared.max_unexpected_bytes;
-        if !fits {
+        // Room in the early-arrival queue, reserved until the bytes are here.
+        if !shared.recv.reserve(h.len as usize) {
             self.rstate = ReadState::SendWaiting(h);
             return false;
         }
-        shared.unexpected_bytes += h.len as usize;
         self.rstate = ReadState::Payload {
             dest: Dest::Buffer(Vec::with_capacity(h.len as usize)),
             remaining: h.len,
@@ -1234,14 +1185,16 @@ impl Conn {
                 let Dest::Buffer(data) = dest else {
                     unreachable!("unexpected SENDs go to a buffer")
                 };
-                shared.unexpected.push_back(Unexpected {
-                    peer: self.peer,
-                    imm,
-                    data,
-                });
-                // A receive posted while this message was arriving is its receive: match
+                // A receive posted while this message was arriving is its receive: matched
                 // now, before the next SEND of this connection can take it.
-                shared.match_unexpected();
+                shared.recv.arrived(
+                    EarlyArrival {
+                        peer: Some(self.peer),
+                        imm,
+                        data,
+                    },
+                    &mut shared.completions,
+                );
             }
             Finish::Hello => {
                 let Dest::Buffer(data) = dest else {

@@ -163,3 +163,23 @@ pub fn connect_outcome(stream: &std::net::TcpStream) -> std::io::Result<bool> {
     }
     Ok(true)
 }
+
+/// Whether the kernel still has bytes of `fd` that the peer's kernel has not acknowledged
+/// (TCP's own retransmission and `TCP_USER_TIMEOUT` then watch the connection). `None` if
+/// the kernel does not say.
+pub fn kernel_unacked(fd: RawFd) -> Option<bool> {
+    // SAFETY: tcp_info is plain old data; all zeroes is a valid value.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: info is writable for len bytes; the kernel writes at most len and sets len.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&raw mut info).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0).then_some(info.tcpi_unacked > 0)
+}

@@ -47,8 +47,9 @@ pub mod frame;
 mod io;
 mod staging;
 
-use conn::{Conn, Inflight, Payload, PostedRecv, ReadOutcome, Shared, TargetRegion};
+use conn::{Conn, Inflight, Payload, ReadOutcome, Shared, TargetRegion};
 use fabric_core::memory::check_range;
+use fabric_core::recv::{PostedRecv, RecvMatch};
 use fabric_core::wake::{Wake, WakeFd};
 use fabric_core::{
     Access, Completion, Error, LocalKey, LocalSlice, MemoryRegion, OpError, OpKind, PeerId,
@@ -58,7 +59,7 @@ use fabric_core::{
 use frame::{FLAG_IMM, Header, Op};
 use socket2::{Domain, Protocol, SockAddr, Socket, TcpKeepalive, Type};
 use staging::{CudaProbe, Via};
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
@@ -188,11 +189,7 @@ impl TcpTransport {
             .map_err(|e| Error::io("local_addr", e))?;
         let shared = Shared {
             targets: HashMap::new(),
-            recvs: VecDeque::new(),
-            unexpected: VecDeque::new(),
-            unexpected_bytes: 0,
-            max_unexpected_bytes: cfg.max_unexpected_bytes,
-            max_unexpected_count: cfg.max_unexpected_count,
+            recv: RecvMatch::new(cfg.max_unexpected_count, cfg.max_unexpected_bytes),
             max_msg_size: cfg.max_msg_size,
             completions: Vec::new(),
         };
@@ -631,8 +628,7 @@ impl Transport for TcpTransport {
             offset: dst.offset,
             cap: dst.len,
         };
-        self.shared.recvs.push_back(recv);
-        self.shared.match_unexpected();
+        self.shared.recv.post(recv, &mut self.shared.completions);
         Ok(PostOutcome::Posted)
     }
 
@@ -708,11 +704,13 @@ impl Transport for TcpTransport {
                 res = Err("peer closed the connection while it was held back".into());
             }
             // A peer whose kernel takes our bytes but whose transport never answers (a
-            // stopped process, a hung peer) fails its requests after `peer_timeout`, so
-            // that nothing waits on it for ever (TCP's own timers see a healthy socket).
+            // stopped process, a hung peer) fails its requests after twice `peer_timeout`,
+            // so that nothing waits on it for ever (TCP's own timers see a healthy socket).
+            // Twice: right after a partition heals, a target was seen silent for over one
+            // peer_timeout with all bytes acknowledged (netns_faults), cause not known yet.
             if res.is_ok() {
                 res = c
-                    .check_answers(self.cfg.peer_timeout)
+                    .check_answers(2 * self.cfg.peer_timeout)
                     .map(|_| ReadOutcome::Open);
             }
             if let Err(reason) = res {
