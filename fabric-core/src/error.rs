@@ -38,7 +38,10 @@ pub enum OpError {
         /// What was observed.
         reason: String,
     },
-    /// The operation did not complete in time.
+    /// The operation did not complete in time. Reported only once the transport no longer
+    /// touches the operation's memory (the engine stops posting a timed-out transfer and
+    /// waits until every operation it had posted has completed or failed), so the source
+    /// is the caller's again and resubmitting does not race the NIC.
     #[error("timed out")]
     TimedOut,
     /// A received message was longer than the posted receive buffer.
@@ -118,6 +121,16 @@ pub enum Error {
     /// The feature is not supported by this backend.
     #[error("not supported: {0}")]
     Unsupported(String),
+    /// The region cannot be deregistered: transfers that use it have not finished. Their
+    /// handles say when they have (a timed-out transfer, too, only once the transport has
+    /// stopped touching its memory); deregister then.
+    #[error("region {key:?} is in use by {transfers} unfinished transfer(s)")]
+    RegionInUse {
+        /// The region.
+        key: crate::LocalKey,
+        /// Transfers (and SENDs) that use it.
+        transfers: usize,
+    },
 }
 
 impl Error {
@@ -130,7 +143,9 @@ impl Error {
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Op(e) => e.is_retryable(),
-            Error::TimedOut(..) => true,
+            // A wait ran out, but what it waited for may still run: wait again, never
+            // resubmit (the first could still be moving the same bytes).
+            Error::TimedOut(..) => false,
             Error::Io { source, .. } => matches!(
                 source.kind(),
                 std::io::ErrorKind::WouldBlock

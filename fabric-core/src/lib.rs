@@ -34,10 +34,12 @@ mod in_place;
 pub mod mem;
 pub mod memory;
 pub mod plan;
+pub mod recv;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod transport;
 pub mod types;
+pub mod wake;
 
 pub use error::{Error, MemoryError, OpError, Result};
 pub use memory::{HostBuffer, MemoryLocation, MemoryRegion, SubRegion};

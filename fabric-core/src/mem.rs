@@ -12,15 +12,18 @@
 use crate::error::{Error, OpError, Result};
 use crate::in_place;
 use crate::memory::{MemoryRegion, check_range};
+use crate::recv::{Arrival, PostedRecv, RecvMatch};
 use crate::transport::{Completion, OpKind, PostOutcome, Transport, TransportLimits};
 use crate::types::{
     Access, LocalKey, LocalSlice, PeerId, Registration, RemoteKey, RemoteRegion, RemoteSlice,
     WorkRequestId,
 };
-use std::collections::{HashMap, VecDeque};
+use crate::wake::{Signal, Wake};
+use std::collections::HashMap;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Duration;
 
 const PREFIX: &str = "mem://";
 /// Completions a transport holds before posts answer `NoRoom`.
@@ -47,18 +50,10 @@ struct Target {
     access: Access,
 }
 
-struct PostedRecv {
-    wr_id: WorkRequestId,
-    mem: Arc<dyn MemoryRegion>,
-    offset: u64,
-    cap: u64,
-}
-
-#[derive(Default)]
 struct Inbox {
     targets: KeyMap<u64, Target>,
-    recvs: VecDeque<PostedRecv>,
-    unexpected: VecDeque<(u64, Option<u32>, Vec<u8>)>,
+    /// Posted receives and early arrivals.
+    recv: RecvMatch,
     /// Completions produced by peers' operations (remote writes, receives).
     events: Vec<Completion>,
 }
@@ -66,6 +61,9 @@ struct Inbox {
 struct Endpoint {
     id: u64,
     inbox: Mutex<Inbox>,
+    /// Raised when a peer leaves events in the inbox (or the engine has work): `wait`
+    /// sleeps on it.
+    signal: Arc<Signal>,
 }
 
 fn registry() -> &'static Mutex<HashMap<u64, Weak<Endpoint>>> {
@@ -118,7 +116,12 @@ impl MemTransport {
         let id = NEXT.fetch_add(1, Ordering::Relaxed);
         let me = Arc::new(Endpoint {
             id,
-            inbox: Mutex::new(Inbox::default()),
+            inbox: Mutex::new(Inbox {
+                targets: KeyMap::default(),
+                recv: RecvMatch::new(MAX_UNEXPECTED, usize::MAX),
+                events: Vec::new(),
+            }),
+            signal: Arc::new(Signal::new()),
         });
         lock(registry()).insert(id, Arc::downgrade(&me));
         MemTransport {
@@ -184,6 +187,7 @@ impl MemTransport {
                 continue;
             };
             let mut inbox = lock(&ep.inbox);
+            let events_before = inbox.events.len();
             let mut views = RunViews::default();
             for w in &run[..PREFETCH_AHEAD.min(run.len())] {
                 let (s, d) = views.of(&self.local, &inbox, w);
@@ -223,6 +227,11 @@ impl MemTransport {
                         imm: None,
                     }),
                 }
+            }
+            let notify = inbox.events.len() > events_before;
+            drop(inbox);
+            if notify {
+                ep.signal.wake();
             }
         }
         // Keep the allocation for the next posts.
@@ -435,6 +444,23 @@ impl Transport for MemTransport {
         }
     }
 
+    /// Sleeps on the endpoint's signal, which peers raise when they leave it events (remote
+    /// writes with immediate data, received messages) and the engine raises when it has work.
+    fn wait(&mut self, timeout: Duration) -> Result<()> {
+        if !self.done.is_empty() || !self.writes.is_empty() {
+            return Ok(());
+        }
+        if !lock(&self.me.inbox).events.is_empty() {
+            return Ok(());
+        }
+        self.me.signal.wait_timeout(timeout);
+        Ok(())
+    }
+
+    fn waker(&mut self) -> Arc<dyn Wake> {
+        self.me.signal.clone()
+    }
+
     fn add_peer(&mut self, address: &[u8]) -> Result<PeerId> {
         let s =
             std::str::from_utf8(address).map_err(|_| Error::InvalidAddress("not UTF-8".into()))?;
@@ -513,33 +539,16 @@ impl Transport for MemTransport {
         let ep = self.peer(peer)?;
         let data = self.copy_out(&src)?;
         let mut inbox = lock(&ep.inbox);
-        let me = self.me.id;
-        let result = if let Some(r) = inbox.recvs.pop_front() {
-            let res = if src.len > r.cap {
-                Err(OpError::Truncated {
-                    len: src.len,
-                    capacity: r.cap,
-                })
-            } else {
-                r.mem
-                    .write_from_host(r.offset, &data)
-                    .map(|_| src.len)
-                    .map_err(|e| OpError::Transport(e.to_string()))
-            };
-            inbox.events.push(Completion {
-                wr_id: r.wr_id,
-                op: OpKind::Recv,
-                result: res.clone(),
-                peer: Some(PeerId(me)),
-                imm,
-            });
-            res
-        } else if inbox.unexpected.len() < MAX_UNEXPECTED {
-            inbox.unexpected.push_back((me, imm, data));
-            Ok(src.len)
-        } else {
-            return Ok(PostOutcome::NoRoom);
+        let me = Some(PeerId(self.me.id));
+        let Inbox { recv, events, .. } = &mut *inbox;
+        let result = match recv.arrive(me, imm, &data, events) {
+            Arrival::Delivered(res) => res,
+            Arrival::Queued => Ok(src.len),
+            Arrival::Full => return Ok(PostOutcome::NoRoom),
         };
+        drop(inbox);
+        // The peer's receive completed (or waits for it): wake its worker.
+        ep.signal.wake();
         self.done.push(Completion {
             wr_id,
             op: OpKind::Send,
@@ -559,32 +568,14 @@ impl Transport for MemTransport {
             ));
         }
         let mut inbox = lock(&self.me.inbox);
-        if let Some((from, imm, data)) = inbox.unexpected.pop_front() {
-            let res = if data.len() as u64 > dst.len {
-                Err(OpError::Truncated {
-                    len: data.len() as u64,
-                    capacity: dst.len,
-                })
-            } else {
-                m.write_from_host(dst.offset, &data)
-                    .map(|_| data.len() as u64)
-                    .map_err(|e| OpError::Transport(e.to_string()))
-            };
-            inbox.events.push(Completion {
-                wr_id,
-                op: OpKind::Recv,
-                result: res,
-                peer: Some(PeerId(from)),
-                imm,
-            });
-        } else {
-            inbox.recvs.push_back(PostedRecv {
-                wr_id,
-                mem: m,
-                offset: dst.offset,
-                cap: dst.len,
-            });
-        }
+        let Inbox { recv, events, .. } = &mut *inbox;
+        let r = PostedRecv {
+            wr_id,
+            mem: m,
+            offset: dst.offset,
+            cap: dst.len,
+        };
+        recv.post(r, events);
         Ok(PostOutcome::Posted)
     }
 

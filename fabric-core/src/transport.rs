@@ -5,6 +5,7 @@ use crate::memory::MemoryRegion;
 use crate::types::{
     Access, LocalKey, LocalSlice, PeerId, Registration, RemoteSlice, WorkRequestId,
 };
+use crate::wake::{NoWake, Wake};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -88,6 +89,16 @@ pub trait Transport: Send + 'static {
     /// Adds a peer by address. Connection set-up may continue inside `poll`.
     fn add_peer(&mut self, address: &[u8]) -> Result<PeerId>;
 
+    /// Whether a peer that [`add_peer`](Transport::add_peer) returned has finished setting
+    /// up (connections made): `Ok(true)` ready, `Ok(false)` still connecting (set-up goes on
+    /// inside `poll`), or the error that made it fail, after which the peer is gone. The
+    /// engine answers an `add_peer` call only once this is settled, without blocking its
+    /// worker meanwhile. The default: ready at once.
+    fn peer_ready(&mut self, peer: PeerId) -> Result<bool> {
+        let _ = peer;
+        Ok(true)
+    }
+
     /// Removes a peer: its pending operations complete with [`OpError::PeerRemoved`].
     fn remove_peer(&mut self, peer: PeerId) -> Result<()>;
 
@@ -132,8 +143,21 @@ pub trait Transport: Send + 'static {
     /// override this, or set [`TransportLimits::busy_poll`]: an idle target engine calls
     /// `wait` between polls, and the default's naps starved libfabric's tcp provider to a
     /// third of its speed.
+    ///
+    /// A call of the [`waker`](Transport::waker)'s [`Wake::wake`] from any thread makes a
+    /// `wait` in progress, or the next one, return at once.
     fn wait(&mut self, timeout: Duration) -> Result<()> {
         std::thread::sleep(timeout.min(Duration::from_micros(50)));
         Ok(())
+    }
+
+    /// The handle that ends a [`wait`](Transport::wait) at once, from any thread: the engine
+    /// calls it when it hands its worker new work, so a sleeping worker starts on it without
+    /// delay. Called once, in the thread that created the transport. The default does
+    /// nothing (the default `wait` only naps); a backend that sleeps longer must return a
+    /// real one (a [`WakeFd`](crate::wake::WakeFd) in its poll set, or a
+    /// [`Signal`](crate::wake::Signal) it waits on).
+    fn waker(&mut self) -> Arc<dyn Wake> {
+        Arc::new(NoWake)
     }
 }

@@ -439,26 +439,37 @@ fn transfer_times_out_and_removal_fails_pending_ones() {
                 .timeout(Duration::from_millis(50)),
         )
         .unwrap();
+    // Past its deadline, but the transport still holds its write (it may still read the
+    // source): not reported yet, and its region cannot be deregistered.
+    assert!(!h.finished_within(Duration::from_millis(300)));
+    let e = s.a.deregister(s.s.local).unwrap_err();
+    assert!(matches!(e, Error::RegionInUse { transfers: 1, .. }), "{e}");
+    // The transport lets go of it (the peer is removed): now it is reported, with the
+    // first cause, and the region is the caller's again.
+    s.a.remove_peer(s.peer).unwrap();
     let e = h.wait(T).unwrap_err();
     assert!(matches!(e, Error::Op(OpError::TimedOut)), "{e}");
+    let peer = s.a.add_peer(&s.b.address()).unwrap();
 
     let h =
-        s.a.submit(Transfer::new(s.peer).segment(page(&s, 1, 1, 4096)))
+        s.a.submit(Transfer::new(peer).segment(page(&s, 1, 1, 4096)))
             .unwrap();
     assert!(
         matches!(h.wait(Duration::from_millis(30)), Err(Error::TimedOut(..))),
         "nothing completes it yet"
     );
-    s.a.remove_peer(s.peer).unwrap();
+    s.a.remove_peer(peer).unwrap();
     let e = h.wait(T).unwrap_err();
     assert!(matches!(e, Error::Op(OpError::PeerRemoved(_))), "{e}");
     let h =
-        s.a.submit(Transfer::new(s.peer).segment(page(&s, 1, 1, 4096)))
+        s.a.submit(Transfer::new(peer).segment(page(&s, 1, 1, 4096)))
             .unwrap();
     assert!(
         matches!(h.wait(T), Err(Error::Op(OpError::PeerRemoved(_)))),
         "posting to a removed peer fails"
     );
+    // Nothing holds the region any more.
+    s.a.deregister(s.s.local).unwrap();
 }
 
 #[test]
@@ -499,4 +510,151 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
             x as u8
         })
         .collect()
+}
+
+/// An engine whose idle worker would sleep far longer than any wait below: only a wake-up
+/// from the command itself can make these finish in time.
+fn sleepy_mem_engine() -> Engine {
+    let cfg = EngineConfig {
+        idle_wait: Duration::from_secs(600),
+        ..EngineConfig::default()
+    };
+    Engine::spawn(|| Ok(MemTransport::new()), cfg).unwrap()
+}
+
+#[test]
+fn commands_wake_a_sleeping_worker() {
+    let (a, b) = (sleepy_mem_engine(), sleepy_mem_engine());
+    // Let both workers fall asleep (nothing to wait on but time: they are idle at once).
+    std::thread::sleep(Duration::from_millis(50));
+    let short = Duration::from_secs(5);
+    let src = HostBuffer::new_shared(8192).unwrap();
+    src.fill(0, 8192, 3).unwrap();
+    let dst = HostBuffer::new_shared(8192).unwrap();
+    // Control calls wake it too (unwoken, they would time out after 10 s).
+    let s = a.register(src, Access::NONE).unwrap();
+    let d = b.register(dst.clone(), Access::REMOTE_WRITE).unwrap();
+    let peer = a.add_peer(&b.address()).unwrap();
+    for round in 0..3u32 {
+        std::thread::sleep(Duration::from_millis(20));
+        let t = Transfer::new(peer)
+            .segment(Segment {
+                src: s.local,
+                src_offset: 0,
+                dst: d.remote,
+                dst_offset: 4096,
+                len: 4096,
+            })
+            .imm(round);
+        a.submit(t).unwrap().wait(short).unwrap();
+        // The target's worker sleeps too: the peer's write must wake it for the event.
+        assert_eq!(b.next_event(short).unwrap().imm(), Some(round));
+    }
+    assert_eq!(dst.to_vec(4096, 4096).unwrap(), vec![3; 4096]);
+}
+
+#[test]
+fn one_write_carries_the_immediate_data_itself() {
+    let s = setup(mem_engine(), mem_engine(), 1 << 16);
+    let t = Transfer::new(s.peer).segment(page(&s, 1, 2, 4096)).imm(5);
+    let stats = s.a.submit(t).unwrap().wait(T).unwrap();
+    // No extra zero-length write for the immediate data.
+    assert_eq!(stats.ops, 1);
+    assert_eq!(stats.bytes, 4096);
+    assert_eq!(s.b.next_event(T).unwrap().imm(), Some(5));
+    assert_eq!(
+        s.dst.to_vec(2 * 4096, 4096).unwrap(),
+        s.src.to_vec(4096, 4096).unwrap()
+    );
+}
+
+/// A transport whose `poll` hangs (for a minute) once `stuck` is raised.
+struct Stuck {
+    inner: MemTransport,
+    stuck: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Transport for Stuck {
+    fn name(&self) -> &'static str {
+        "stuck"
+    }
+    fn address(&self) -> Vec<u8> {
+        self.inner.address()
+    }
+    fn limits(&self) -> TransportLimits {
+        self.inner.limits()
+    }
+    fn add_peer(&mut self, a: &[u8]) -> Result<PeerId> {
+        self.inner.add_peer(a)
+    }
+    fn remove_peer(&mut self, p: PeerId) -> Result<()> {
+        self.inner.remove_peer(p)
+    }
+    fn register(&mut self, m: Arc<dyn MemoryRegion>, a: Access) -> Result<Registration> {
+        self.inner.register(m, a)
+    }
+    fn deregister(&mut self, k: LocalKey) -> Result<()> {
+        self.inner.deregister(k)
+    }
+    fn post_send(
+        &mut self,
+        p: PeerId,
+        w: WorkRequestId,
+        s: LocalSlice,
+        i: Option<u32>,
+    ) -> Result<PostOutcome> {
+        self.inner.post_send(p, w, s, i)
+    }
+    fn post_recv(&mut self, w: WorkRequestId, d: LocalSlice) -> Result<PostOutcome> {
+        self.inner.post_recv(w, d)
+    }
+    fn post_write(
+        &mut self,
+        p: PeerId,
+        w: WorkRequestId,
+        s: LocalSlice,
+        d: RemoteSlice,
+        i: Option<u32>,
+    ) -> Result<PostOutcome> {
+        self.inner.post_write(p, w, s, d, i)
+    }
+    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize> {
+        if self.stuck.load(Ordering::SeqCst) {
+            // A hung provider call: nothing the engine can interrupt.
+            let (_tx, rx) = std::sync::mpsc::channel::<()>();
+            let _ = rx.recv_timeout(Duration::from_secs(60));
+        }
+        self.inner.poll(out)
+    }
+}
+
+#[test]
+fn dropping_an_engine_whose_transport_hangs_returns_in_time() {
+    let stuck = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let s2 = stuck.clone();
+    let cfg = EngineConfig {
+        shutdown_timeout: Duration::from_millis(500),
+        ..EngineConfig::default()
+    };
+    let a = Engine::spawn(
+        move || {
+            Ok(Stuck {
+                inner: MemTransport::new(),
+                stuck: s2,
+            })
+        },
+        cfg,
+    )
+    .unwrap();
+    // The worker runs (a control call answers), then its transport hangs in poll.
+    a.register(HostBuffer::new_shared(4096).unwrap(), Access::NONE)
+        .unwrap();
+    stuck.store(true, Ordering::SeqCst);
+    let t = std::time::Instant::now();
+    drop(a);
+    let took = t.elapsed();
+    assert!(
+        took < Duration::from_secs(5),
+        "drop took {took:?} with a 500 ms shutdown timeout"
+    );
 }

@@ -186,3 +186,97 @@ fn rails_start_at_once() {
     assert_eq!(g.rails().len(), N);
     assert_eq!(*meet.0.lock().unwrap(), N);
 }
+
+/// Two 4-rail groups and a transfer spread over all rails, with immediate data 77.
+fn spread_transfer() -> (
+    RailGroup,
+    RailGroup,
+    fabric_core::engine::GroupPeer,
+    GroupTransfer,
+) {
+    let a = group(4);
+    let b = group(4);
+    let len = 2 << 20;
+    let src = HostBuffer::new_shared(len).unwrap();
+    src.write(0, &pattern(3, len)).unwrap();
+    let dst = HostBuffer::new_shared(len).unwrap();
+    let s = a.register(src, Access::NONE).unwrap();
+    let d = b.register(dst, Access::REMOTE_WRITE).unwrap();
+    let peer = a.add_peer(&b.addresses()).unwrap();
+    // Not adjacent, so not coalesced: 64 writes, sharded over the 4 rails.
+    let pages: Vec<u64> = (0..128).step_by(2).collect();
+    let mut t = GroupTransfer::same_pages(s, d.remote, &pages, 16384);
+    t.imm = Some(77);
+    (a, b, peer, t)
+}
+
+#[test]
+fn group_imm_arrives_when_the_caller_only_registers_a_callback() {
+    let (a, b, peer, t) = spread_transfer();
+    let (tx, rx) = std::sync::mpsc::channel();
+    a.submit_with_callback(&peer, t, move |r| {
+        let _ = tx.send(r);
+    })
+    .unwrap();
+    // Nobody waits on a handle: the workers alone must send the immediate data.
+    b.wait_imm(77, 1, T).unwrap();
+    let r = rx.recv_timeout(T).expect("callback ran");
+    assert_eq!(r.unwrap().bytes, 64 * 16384);
+    assert_eq!(a.rail_counters().iter().filter(|c| c.bytes > 0).count(), 4);
+}
+
+#[test]
+fn group_imm_arrives_when_the_caller_only_polls() {
+    let (a, b, peer, t) = spread_transfer();
+    let h = a.submit(&peer, t).unwrap();
+    let deadline = std::time::Instant::now() + T;
+    while !h.is_finished() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "transfer never finished"
+        );
+        std::thread::yield_now();
+    }
+    assert!(h.failed().is_none());
+    // Finished means the immediate data was placed too; the target's worker reports it.
+    b.wait_imm(77, 1, T).unwrap();
+}
+
+#[test]
+fn group_imm_arrives_when_the_handle_is_dropped() {
+    let (a, b, peer, t) = spread_transfer();
+    drop(a.submit(&peer, t).unwrap());
+    b.wait_imm(77, 1, T).unwrap();
+}
+
+#[test]
+fn group_handles_are_futures() {
+    use std::future::Future;
+    use std::sync::Arc;
+    use std::task::{Context, Poll, Wake, Waker};
+    struct Flag(std::sync::Mutex<bool>, std::sync::Condvar);
+    impl Wake for Flag {
+        fn wake(self: Arc<Self>) {
+            *self.0.lock().unwrap() = true;
+            self.1.notify_all();
+        }
+    }
+    let (a, b, peer, t) = spread_transfer();
+    let flag = Arc::new(Flag(Default::default(), Default::default()));
+    let waker = Waker::from(flag.clone());
+    let mut cx = Context::from_waker(&waker);
+    let mut h = a.submit(&peer, t).unwrap();
+    let r = loop {
+        match std::pin::Pin::new(&mut h).poll(&mut cx) {
+            Poll::Ready(r) => break r,
+            Poll::Pending => {
+                let g = flag.0.lock().unwrap();
+                let (mut g, to) = flag.1.wait_timeout_while(g, T, |woken| !*woken).unwrap();
+                assert!(!to.timed_out(), "the future was never woken");
+                *g = false;
+            }
+        }
+    };
+    assert_eq!(r.unwrap().bytes, 64 * 16384);
+    b.wait_imm(77, 1, T).unwrap();
+}

@@ -2,8 +2,8 @@
 
 use crate::wire::{self, Header, Op};
 use crate::{
-    Conn, CudaIpcTransport, FrameConn, IpcAddress, Link, LocalRegion, Peer, PostedRecv, Role,
-    TargetRegion, WriteOp,
+    Conn, CudaIpcTransport, FrameConn, IpcAddress, Link, LocalRegion, Peer, Role, TargetRegion,
+    WriteOp,
 };
 use fabric_core::{
     Access, Completion, Error, LocalKey, LocalSlice, MemoryRegion, OpError, PeerId, PostOutcome,
@@ -171,21 +171,16 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
         if !r.access.contains(Access::LOCAL_WRITE) {
             return Err(Error::Op(OpError::PermissionDenied));
         }
-        let recv = PostedRecv {
-            wr: wr_id,
+        let recv = fabric_core::recv::PostedRecv {
+            wr_id,
             mem: r.mem.clone(),
             offset: dst.offset,
             cap: dst.len,
         };
-        match self.unexpected.pop_front() {
-            Some(u) => {
-                self.unexpected_bytes -= u.bytes.len();
-                self.deliver(recv, u.peer, u.imm, &u.bytes);
-                for c in self.conns.iter_mut().flatten() {
-                    c.paused = false;
-                }
-            }
-            None => self.recvs.push_back(recv),
+        self.recv.post(recv, &mut self.done);
+        // A SEND held back for room may go on now (it is handled again).
+        for c in self.conns.iter_mut().flatten() {
+            c.paused = false;
         }
         Ok(PostOutcome::Posted)
     }
@@ -264,6 +259,11 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
         }
         self.pollfds.clear();
         self.pollfds.push(libc::pollfd {
+            fd: self.wake.fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        });
+        self.pollfds.push(libc::pollfd {
             fd: self.listener.as_raw_fd(),
             events: libc::POLLIN,
             revents: 0,
@@ -282,13 +282,21 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
                 revents: 0,
             });
         }
-        let ms = timeout.as_millis().clamp(0, 1000) as i32;
-        // SAFETY: pollfds is a valid, exclusively borrowed array of pollfd of this length.
+        // Exactly the time asked for (at most a second): the engine wakes us when it has
+        // work, peers' frames through their sockets.
+        let left = timeout.min(Duration::from_secs(1));
+        let ts = libc::timespec {
+            tv_sec: left.as_secs() as libc::time_t,
+            tv_nsec: left.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: pollfds is a valid, exclusively borrowed array of pollfd of this length;
+        // ts is a valid timespec; a null signal mask leaves the mask unchanged.
         let r = unsafe {
-            libc::poll(
+            libc::ppoll(
                 self.pollfds.as_mut_ptr(),
                 self.pollfds.len() as libc::nfds_t,
-                ms,
+                &ts,
+                std::ptr::null(),
             )
         };
         if r < 0 {
@@ -297,6 +305,13 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
                 return Err(Error::io("poll", e));
             }
         }
+        if self.pollfds[0].revents != 0 {
+            self.wake.drain();
+        }
         Ok(())
+    }
+
+    fn waker(&mut self) -> Arc<dyn fabric_core::wake::Wake> {
+        self.wake.waker()
     }
 }

@@ -209,19 +209,6 @@ struct TargetRegion {
     export: Option<LinkExport>,
 }
 
-struct PostedRecv {
-    wr: WorkRequestId,
-    mem: Arc<dyn MemoryRegion>,
-    offset: u64,
-    cap: u64,
-}
-
-struct Unexpected {
-    peer: Option<PeerId>,
-    imm: Option<u32>,
-    bytes: Vec<u8>,
-}
-
 /// A batch whose copies run on the stream.
 struct Copying {
     ticket: u64,
@@ -247,13 +234,14 @@ pub struct CudaIpcTransport<L: Link = CudaLink> {
     local: HashMap<LocalKey, LocalRegion>,
     targets: HashMap<u64, TargetRegion>,
     next_local: u64,
-    recvs: VecDeque<PostedRecv>,
-    unexpected: VecDeque<Unexpected>,
-    unexpected_bytes: usize,
+    /// Posted receives and early arrivals (fabric-core's one matching piece).
+    recv: fabric_core::recv::RecvMatch,
     copying: VecDeque<Copying>,
     done: Vec<Completion>,
     outstanding: usize,
     pollfds: Vec<libc::pollfd>,
+    /// In `wait`'s poll set: the engine makes it readable when it has work for us.
+    wake: fabric_core::wake::WakeFd,
 }
 
 fn op_error(status: u32, op: &WriteOp, region_len: u64) -> OpError {
@@ -284,6 +272,8 @@ impl CudaIpcTransport<CudaLink> {
 impl<L: Link> CudaIpcTransport<L> {
     /// Creates a transport over `link`, listening on a fresh abstract Unix socket.
     pub fn with_link(link: L, cfg: CudaIpcConfig) -> Result<CudaIpcTransport<L>> {
+        let recv =
+            fabric_core::recv::RecvMatch::new(cfg.max_unexpected_count, cfg.max_unexpected_bytes);
         let pid = std::process::id();
         let boot_id = boot_id()?;
         let (listener, socket) = loop {
@@ -319,13 +309,13 @@ impl<L: Link> CudaIpcTransport<L> {
             local: HashMap::new(),
             targets: HashMap::new(),
             next_local: 1,
-            recvs: VecDeque::new(),
-            unexpected: VecDeque::new(),
-            unexpected_bytes: 0,
+            recv,
             copying: VecDeque::new(),
             done: Vec::new(),
             outstanding: 0,
             pollfds: Vec::new(),
+            wake: fabric_core::wake::WakeFd::new()
+                .map_err(|e| Error::io("wake-up socket pair", e))?,
         })
     }
 

@@ -3,7 +3,8 @@
 //! turned into remote-write completions.
 
 use crate::wire::{self, Grant, Header, KeyInfo, Landed, Op, Reserve, Status, put_frame, records};
-use crate::{Conn, CudaIpcTransport, IpcAddress, Link, PostedRecv, Role, Unexpected};
+use crate::{Conn, CudaIpcTransport, IpcAddress, Link, Role};
+use fabric_core::recv::Arrival;
 use fabric_core::{Access, Completion, MemoryRegion, OpError, OpKind, PeerId, WorkRequestId};
 use std::sync::Arc;
 
@@ -62,24 +63,11 @@ impl<L: Link> CudaIpcTransport<L> {
                 }
             }
             Op::Send => {
-                if self.recvs.is_empty()
-                    && (self.unexpected.len() >= self.cfg.max_unexpected_count
-                        || self.unexpected_bytes + payload.len() > self.cfg.max_unexpected_bytes)
-                {
+                let status = match self.recv.arrive(peer, h.imm, &payload, &mut self.done) {
+                    Arrival::Delivered(Err(OpError::Truncated { .. })) => Status::Truncated,
+                    Arrival::Delivered(_) | Arrival::Queued => Status::Ok,
                     // No room: handle this frame again once receives are posted.
-                    return self.pause_with(idx, h, payload);
-                }
-                let status = match self.recvs.pop_front() {
-                    Some(r) => self.deliver(r, peer, h.imm, &payload),
-                    None => {
-                        self.unexpected_bytes += payload.len();
-                        self.unexpected.push_back(Unexpected {
-                            peer,
-                            imm: h.imm,
-                            bytes: payload,
-                        });
-                        Status::Ok
-                    }
+                    Arrival::Full => return self.pause_with(idx, h, payload),
                 };
                 if let Some(Some(c)) = self.conns.get_mut(idx) {
                     Header::new(Op::SendAck, h.id, status as u64, 0).encode(c.io.out());
@@ -194,41 +182,5 @@ impl<L: Link> CudaIpcTransport<L> {
         }
         let _ = h;
         Ok(())
-    }
-
-    /// Places a message into a posted receive.
-    pub(crate) fn deliver(
-        &mut self,
-        r: PostedRecv,
-        peer: Option<PeerId>,
-        imm: Option<u32>,
-        bytes: &[u8],
-    ) -> Status {
-        let len = bytes.len() as u64;
-        let (status, result) = if len > r.cap {
-            (
-                Status::Truncated,
-                Err(OpError::Truncated {
-                    len,
-                    capacity: r.cap,
-                }),
-            )
-        } else {
-            match r.mem.write_from_host(r.offset, bytes) {
-                Ok(()) => (Status::Ok, Ok(len)),
-                Err(e) => (
-                    Status::Ok,
-                    Err(OpError::Transport(format!("placing a message: {e}"))),
-                ),
-            }
-        };
-        self.done.push(Completion {
-            wr_id: r.wr,
-            op: OpKind::Recv,
-            result,
-            peer,
-            imm,
-        });
-        status
     }
 }

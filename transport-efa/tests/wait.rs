@@ -135,3 +135,46 @@ fn wait_returns_at_its_timeout_when_idle() {
     let mut out = Vec::new();
     assert_eq!(t.poll(&mut out).unwrap(), 0);
 }
+
+/// The engine's waker ends a `wait` at once, from another thread, whether or not the CQ
+/// has a wait descriptor: a submit never waits for the worker's sleep to run out.
+fn waker_ends_a_long_wait(provider: &'static str) {
+    let Some(make) = common::maker(provider) else {
+        return;
+    };
+    let mut t = make();
+    let waker = t.waker();
+    let long = Duration::from_secs(30);
+    for _ in 0..3 {
+        let w = waker.clone();
+        let (go_tx, go_rx) = mpsc::channel::<()>();
+        let poker = std::thread::spawn(move || {
+            go_rx.recv().unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+            w.wake();
+        });
+        go_tx.send(()).unwrap();
+        let start = Instant::now();
+        // A provider whose CQ has no descriptor naps briefly instead; either way the wait
+        // must end long before its 30 s.
+        while start.elapsed() < Duration::from_millis(20) {
+            t.wait(long).unwrap();
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "wait ran {:?} despite the wake-up",
+            start.elapsed()
+        );
+        poker.join().unwrap();
+    }
+}
+
+#[test]
+fn tcp_waker_ends_a_long_wait() {
+    waker_ends_a_long_wait("tcp");
+}
+
+#[test]
+fn sockets_waker_ends_a_long_wait() {
+    waker_ends_a_long_wait("sockets");
+}

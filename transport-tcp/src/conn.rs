@@ -12,14 +12,16 @@
 //! answer after it, until the copy has completed. Host memory never goes through staging.
 
 use crate::frame::{self, HEADER_LEN, Header, MAX_BATCH, Op};
-use crate::io::{host_slice, host_slice_mut};
+use crate::io::{RawIov, copy_to_region};
 use crate::staging::{CHUNK, Ring, Via};
+use fabric_core::recv::{EarlyArrival, PostedRecv, RecvMatch};
 use fabric_core::{
     Access, Completion, MemoryRegion, OpError, OpKind, PeerId, RemoteKey, WorkRequestId,
 };
 use std::collections::{HashMap, VecDeque};
-use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::io::Read;
 use std::net::TcpStream;
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 /// Size of the read-ahead buffer of each connection.
@@ -46,65 +48,13 @@ pub(crate) struct TargetRegion {
     pub via: Via,
 }
 
-/// A posted receive.
-pub(crate) struct PostedRecv {
-    pub wr_id: WorkRequestId,
-    pub mem: Arc<dyn MemoryRegion>,
-    pub offset: u64,
-    pub cap: u64,
-}
-
-/// A SEND that arrived before a receive was posted.
-pub(crate) struct Unexpected {
-    pub peer: PeerId,
-    pub imm: Option<u32>,
-    pub data: Vec<u8>,
-}
-
 /// State shared by all connections of a transport, that incoming frames act on.
 pub(crate) struct Shared {
     pub targets: HashMap<u64, TargetRegion>,
-    pub recvs: VecDeque<PostedRecv>,
-    pub unexpected: VecDeque<Unexpected>,
-    pub unexpected_bytes: usize,
-    pub max_unexpected_bytes: usize,
-    pub max_unexpected_count: usize,
+    /// Posted receives and early arrivals (fabric-core's one matching piece).
+    pub recv: RecvMatch,
     pub max_msg_size: u64,
     pub completions: Vec<Completion>,
-}
-
-impl Shared {
-    /// Delivers early arrivals to posted receives, oldest first, while both exist.
-    pub fn match_unexpected(&mut self) {
-        while !self.unexpected.is_empty() && !self.recvs.is_empty() {
-            let m = self.unexpected.pop_front().expect("non-empty");
-            let r = self.recvs.pop_front().expect("non-empty");
-            self.unexpected_bytes -= m.data.len();
-            self.deliver(r, m.peer, m.imm, &m.data);
-        }
-    }
-
-    /// Places `data` into a posted receive and reports it.
-    pub fn deliver(&mut self, r: PostedRecv, peer: PeerId, imm: Option<u32>, data: &[u8]) {
-        let result = if data.len() as u64 > r.cap {
-            Err(OpError::Truncated {
-                len: data.len() as u64,
-                capacity: r.cap,
-            })
-        } else {
-            r.mem
-                .write_from_host(r.offset, data)
-                .map(|_| data.len() as u64)
-                .map_err(|e| OpError::Transport(e.to_string()))
-        };
-        self.completions.push(Completion {
-            wr_id: r.wr_id,
-            op: OpKind::Recv,
-            result,
-            peer: Some(peer),
-            imm,
-        });
-    }
 }
 
 /// What an outgoing frame carries after its header.
@@ -133,16 +83,17 @@ pub(crate) enum Payload {
 }
 
 impl Payload {
-    fn bytes(&self) -> &[u8] {
+    /// The bytes from `skip` on, as an iovec (`None`: nothing to send from here, or a
+    /// region range that fails its check, which posting already made: a bug).
+    fn iov_from(&self, skip: usize) -> Option<RawIov> {
         match self {
-            Payload::None => &[],
-            // The range was checked at post time; an empty slice can only mean a bug.
+            Payload::None => None,
             Payload::Region { mem, offset, len } => {
-                host_slice(&**mem, *offset, *len).unwrap_or(&[])
+                RawIov::of_region(&**mem, *offset + skip as u64, len.checked_sub(skip)?)
             }
-            Payload::Owned(v) => v,
+            Payload::Owned(v) => v.get(skip..).map(RawIov::of_slice),
             // Sent from the staging ring (OutFrame::push_iov).
-            Payload::Device { .. } => &[],
+            Payload::Device { .. } => None,
         }
     }
     fn len(&self) -> usize {
@@ -174,13 +125,13 @@ pub(crate) struct OutFrame {
 impl OutFrame {
     /// The frame's bytes from `written` on, as slices, appended to `iov`. False when the
     /// next frame must not follow: `iov` is full, or a device payload is not copied yet.
-    fn push_iov<'a>(&'a self, iov: &mut Vec<IoSlice<'a>>, ring: Option<&'a Ring>) -> bool {
+    fn push_iov(&self, iov: &mut Vec<RawIov>, ring: Option<&Ring>) -> bool {
         let mut skip = self.written;
         if skip < self.head.len() {
             if iov.len() == MAX_IOV {
                 return false;
             }
-            iov.push(IoSlice::new(&self.head[skip..]));
+            iov.push(RawIov::of_slice(&self.head[skip..]));
             skip = 0;
         } else {
             skip -= self.head.len();
@@ -210,13 +161,13 @@ impl OutFrame {
                     }
                     let s = ring.ready_slice(base + at as u64, ready - at);
                     at += s.len();
-                    iov.push(IoSlice::new(s));
+                    iov.push(RawIov::of_slice(s));
                 }
                 if ready < len {
                     return false;
                 }
-            } else {
-                iov.push(IoSlice::new(&p.bytes()[skip..]));
+            } else if let Some(v) = p.iov_from(skip) {
+                iov.push(v);
             }
             skip = 0;
         }
@@ -283,9 +234,7 @@ impl Dest {
     fn put(&mut self, src: &[u8]) -> Result<(), String> {
         match self {
             Dest::Region { mem, offset } => {
-                if let Some(dst) = host_slice_mut(&**mem, *offset, src.len()) {
-                    dst.copy_from_slice(src);
-                } else {
+                if !copy_to_region(&**mem, *offset, src) {
                     mem.write_from_host(*offset, src)
                         .map_err(|e| format!("cannot place payload: {e}"))?;
                 }
@@ -395,6 +344,13 @@ pub(crate) struct Conn {
     /// Digest of the shared token that an accepted connection's HELLO must carry.
     auth: Option<[u8; 16]>,
     discard: Box<[u8]>,
+    /// Requests answered so far (ACK or NACK).
+    answered: u64,
+    /// Until when a connection we opened may take to connect (`None`: connected, or
+    /// accepted).
+    pub connecting: Option<std::time::Instant>,
+    /// `(answered, out_bytes)` as last seen changing, and when: see `check_answers`.
+    unanswered_since: Option<((u64, usize), std::time::Instant)>,
 }
 
 impl Conn {
@@ -426,7 +382,41 @@ impl Conn {
             hello: None,
             opened: std::time::Instant::now(),
             discard: Vec::new().into_boxed_slice(),
+            answered: 0,
+            unanswered_since: None,
+            connecting: None,
         }
+    }
+
+    /// Fails once requests have been outstanding for `limit` with neither an answer from
+    /// the peer nor a byte of ours leaving, while the peer's kernel has acknowledged all our
+    /// bytes: it takes them while its transport is stopped, which TCP's own timers never
+    /// notice. (Unacknowledged bytes are TCP_USER_TIMEOUT's to judge.)
+    pub fn check_answers(&mut self, limit: std::time::Duration) -> Result<(), String> {
+        if self.inflight.is_empty() {
+            self.unanswered_since = None;
+            return Ok(());
+        }
+        let now = std::time::Instant::now();
+        let seen = (self.answered, self.out_bytes);
+        match self.unanswered_since {
+            Some((s, since)) if s == seen => {
+                if now.duration_since(since) > limit {
+                    if crate::io::kernel_unacked(self.stream.as_raw_fd()) == Some(true) {
+                        // Bytes still unacknowledged by the peer's kernel (a partition, a
+                        // slow path): TCP's own timers (TCP_USER_TIMEOUT) judge that.
+                        self.unanswered_since = Some((seen, now));
+                        return Ok(());
+                    }
+                    return Err(format!(
+                        "{} request(s) unanswered for {limit:?}",
+                        self.inflight.len()
+                    ));
+                }
+            }
+            _ => self.unanswered_since = Some((seen, now)),
+        }
+        Ok(())
     }
 
     /// Queues one frame.
@@ -503,11 +493,8 @@ impl Conn {
             std::mem::replace(&mut self.rstate, ReadState::Header)
         {
             match finish {
-                Finish::Recv { recv, .. } => {
-                    shared.recvs.push_front(recv);
-                    shared.match_unexpected();
-                }
-                Finish::Unexpected { len, .. } => shared.unexpected_bytes -= len as usize,
+                Finish::Recv { recv, .. } => shared.recv.put_back(recv, &mut shared.completions),
+                Finish::Unexpected { len, .. } => shared.recv.release(len as usize),
                 _ => {}
             }
         }
@@ -524,7 +511,7 @@ impl Conn {
             if self.out.is_empty() {
                 return Ok(());
             }
-            let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(64);
+            let mut iov: Vec<RawIov> = Vec::with_capacity(64);
             for f in self.out.iter() {
                 if !f.push_iov(&mut iov, self.out_ring.as_ref()) {
                     break;
@@ -534,7 +521,10 @@ impl Conn {
                 // The next bytes are device bytes still being copied.
                 return Ok(());
             }
-            let n = match self.stream.write_vectored(&iov) {
+            // SAFETY: every entry covers bytes of a frame in `self.out` (its header, its
+            // owned bytes, the staging ring, or a registered region whose Arc the frame
+            // holds), all alive and unchanged until `advance` below; writev only reads.
+            let n = match unsafe { crate::io::writev(self.stream.as_raw_fd(), &iov) } {
                 Ok(0) => return Err("connection closed while writing".into()),
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
@@ -795,20 +785,23 @@ impl Conn {
                     remaining,
                     ..
                 } if *remaining >= DIRECT_MIN && self.rlen == 0 => {
-                    match host_slice_mut(&**mem, *offset, *remaining as usize) {
+                    match RawIov::of_region(&**mem, *offset, *remaining as usize) {
                         Some(direct) => {
                             let direct_len = direct.len();
                             // Only the next header rides along.
-                            let mut iov = [
-                                IoSliceMut::new(direct),
-                                IoSliceMut::new(&mut self.rbuf[..HEADER_LEN]),
-                            ];
-                            self.stream.read_vectored(&mut iov).inspect(|&n| {
-                                let d = n.min(direct_len);
-                                *offset += d as u64;
-                                *remaining -= d as u64;
-                                self.rlen = n - d;
-                            })
+                            let iov = [direct, RawIov::of_slice_mut(&mut self.rbuf[..HEADER_LEN])];
+                            // SAFETY: `direct` covers a checked range of the live region
+                            // (this payload's destination, whose Arc the read state holds;
+                            // one connection places one frame's bytes at a time), the other
+                            // entry our own buffer; they do not overlap.
+                            unsafe { crate::io::readv(self.stream.as_raw_fd(), &iov) }.inspect(
+                                |&n| {
+                                    let d = n.min(direct_len);
+                                    *offset += d as u64;
+                                    *remaining -= d as u64;
+                                    self.rlen = n - d;
+                                },
+                            )
                         }
                         None => read_staged(&mut self.stream, &mut self.rbuf, &mut self.rlen, RBUF),
                     }
@@ -1080,6 +1073,7 @@ impl Conn {
                 }
                 for _ in 0..h.len {
                     let op = self.inflight.pop_front().expect("checked above");
+                    self.answered += 1;
                     shared.completions.push(Completion {
                         wr_id: op.wr_id,
                         op: op.op,
@@ -1094,6 +1088,7 @@ impl Conn {
                     .inflight
                     .pop_front()
                     .ok_or("NACK with no request outstanding")?;
+                self.answered += 1;
                 shared.completions.push(Completion {
                     wr_id: op.wr_id,
                     op: op.op,
@@ -1109,7 +1104,7 @@ impl Conn {
     /// Starts receiving a SEND's payload; false if it must wait for a receive.
     fn start_send(&mut self, h: Header, shared: &mut Shared) -> bool {
         let imm = h.imm();
-        if let Some(r) = shared.recvs.pop_front() {
+        if let Some(r) = shared.recv.take_recv() {
             if h.len > r.cap {
                 let err = OpError::Truncated {
                     len: h.len,
@@ -1144,13 +1139,11 @@ impl Conn {
             }
             return true;
         }
-        let fits = shared.unexpected.len() < shared.max_unexpected_count
-            && shared.unexpected_bytes + h.len as usize <= shared.max_unexpected_bytes;
-        if !fits {
+        // Room in the early-arrival queue, reserved until the bytes are here.
+        if !shared.recv.reserve(h.len as usize) {
             self.rstate = ReadState::SendWaiting(h);
             return false;
         }
-        shared.unexpected_bytes += h.len as usize;
         self.rstate = ReadState::Payload {
             dest: Dest::Buffer(Vec::with_capacity(h.len as usize)),
             remaining: h.len,
@@ -1192,14 +1185,16 @@ impl Conn {
                 let Dest::Buffer(data) = dest else {
                     unreachable!("unexpected SENDs go to a buffer")
                 };
-                shared.unexpected.push_back(Unexpected {
-                    peer: self.peer,
-                    imm,
-                    data,
-                });
-                // A receive posted while this message was arriving is its receive: match
+                // A receive posted while this message was arriving is its receive: matched
                 // now, before the next SEND of this connection can take it.
-                shared.match_unexpected();
+                shared.recv.arrived(
+                    EarlyArrival {
+                        peer: Some(self.peer),
+                        imm,
+                        data,
+                    },
+                    &mut shared.completions,
+                );
             }
             Finish::Hello => {
                 let Dest::Buffer(data) = dest else {
@@ -1289,7 +1284,7 @@ fn read_batch(
     discard: &mut [u8],
     ring: &mut Option<Ring>,
 ) -> std::io::Result<(usize, usize)> {
-    let mut iov: Vec<IoSliceMut<'_>> = Vec::with_capacity((items.len() - next + 1).min(MAX_IOV));
+    let mut iov: Vec<RawIov> = Vec::with_capacity((items.len() - next + 1).min(MAX_IOV));
     let mut lens: Vec<usize> = Vec::with_capacity(iov.capacity());
     let mut discard = Some(discard);
     // Device items are read into the in-ring, one after the other from its head.
@@ -1299,14 +1294,14 @@ fn read_batch(
             break;
         }
         let remaining = item.remaining as usize;
-        let slice: Option<&mut [u8]> = match &mut item.dest {
+        let slice: Option<RawIov> = match &mut item.dest {
             Dest::Region { mem, offset } => {
-                host_slice_mut(&**mem, *offset, item.remaining as usize)
+                RawIov::of_region(&**mem, *offset, item.remaining as usize)
             }
             // Only one iovec may point at the discard buffer (it is reused).
             Dest::Discard => discard.take().map(|d| {
                 let n = d.len().min(item.remaining as usize);
-                &mut d[..n]
+                RawIov::of_slice_mut(&mut d[..n])
             }),
             Dest::Device { via, .. } => match ring.as_ref() {
                 Some(r) if r.copies_via(via) => {
@@ -1314,11 +1309,10 @@ fn read_batch(
                     (n > 0).then(|| {
                         let at = r.ptr(r.head + ring_used as u64);
                         ring_used += n;
-                        // SAFETY: `n` bytes from `at` are free room of the staging buffer
+                        // `n` bytes from `at` are free room of the staging buffer
                         // (contiguous() counts from after the room given to the items
-                        // before): no copy reads them and no other iovec covers them. The
-                        // ring outlives this call and is not touched until the slice is gone.
-                        unsafe { std::slice::from_raw_parts_mut(at, n) }
+                        // before): no copy reads them and no other iovec covers them.
+                        RawIov::of_raw(at, n)
                     })
                 }
                 _ => None,
@@ -1328,7 +1322,7 @@ fn read_batch(
         let Some(s) = slice else { break };
         let full = s.len() as u64 == item.remaining;
         lens.push(s.len());
-        iov.push(IoSliceMut::new(s));
+        iov.push(s);
         if !full {
             break;
         }
@@ -1337,8 +1331,12 @@ fn read_batch(
         !iov.is_empty(),
         "callers check that the next item can be read directly"
     );
-    iov.push(IoSliceMut::new(tail));
-    let n = stream.read_vectored(&mut iov)?;
+    iov.push(RawIov::of_slice_mut(tail));
+    // SAFETY: each entry covers a checked range of a live destination region (its Arc is
+    // in `items`), free room of the staging ring (alive in `ring`), the discard buffer (at
+    // most one entry) or `tail`; `destinations_overlap` keeps overlapping destinations of
+    // one batch out of the same call, so no two entries overlap.
+    let n = unsafe { crate::io::readv(stream.as_raw_fd(), &iov) }?;
     drop(iov);
     let mut left = n;
     for (item, l) in items[next..].iter_mut().zip(lens) {

@@ -1,34 +1,109 @@
-//! The few places where this crate turns registered memory into byte slices.
+//! The few places where this crate reaches registered memory, always through raw pointers.
 //!
 //! A registered region is shared with the network by design (RDMA semantics): peers' writes
-//! land in it while the application may hold other parts of it. The `MemoryRegion` contract
-//! makes its bytes valid for reads and writes from any thread for as long as the region
-//! lives; callers here hold an `Arc` of the region for at least as long as the slice.
+//! land in it while the application, or another rail's thread, may read or write other
+//! parts, or the same bytes. A Rust reference (`&[u8]`, `&mut [u8]`) over such memory would
+//! assert that nobody else writes (or touches) it meanwhile, which nobody can promise, so
+//! none is ever made: payloads go to `readv`/`writev` as [`RawIov`]s built from the
+//! region's pointer, and staged bytes are copied in with `ptr::copy_nonoverlapping`. The
+//! `MemoryRegion` contract keeps the bytes valid while the region lives; callers hold an
+//! `Arc` of it for at least as long as the call.
 
 use fabric_core::memory::{MemoryRegion, check_range};
+use std::os::fd::RawFd;
 
-/// The host bytes `offset..offset+len` of `region`, or `None` for memory the CPU cannot
-/// address or a range outside the region.
-pub fn host_slice(region: &dyn MemoryRegion, offset: u64, len: usize) -> Option<&[u8]> {
-    check_range(offset, len as u64, region.len() as u64).ok()?;
-    let base = region.host_ptr()?;
-    // SAFETY: the range lies inside the region (checked above), whose bytes the
-    // MemoryRegion contract keeps valid while `region` is borrowed.
-    Some(unsafe { std::slice::from_raw_parts(base.as_ptr().add(offset as usize), len) })
+/// One `iovec`: a pointer and a length, never a reference. Valid only for the call it is
+/// built for (see [`readv`] and [`writev`]).
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub struct RawIov(libc::iovec);
+
+impl RawIov {
+    /// Over bytes this crate owns (headers, buffers).
+    pub fn of_slice(s: &[u8]) -> RawIov {
+        RawIov(libc::iovec {
+            iov_base: s.as_ptr() as *mut libc::c_void,
+            iov_len: s.len(),
+        })
+    }
+
+    /// Over bytes this crate owns, to be written by `readv`.
+    pub fn of_slice_mut(s: &mut [u8]) -> RawIov {
+        RawIov(libc::iovec {
+            iov_base: s.as_mut_ptr().cast(),
+            iov_len: s.len(),
+        })
+    }
+
+    /// Over `len` bytes from `ptr` (staging memory that no reference covers).
+    pub fn of_raw(ptr: *mut u8, len: usize) -> RawIov {
+        RawIov(libc::iovec {
+            iov_base: ptr.cast(),
+            iov_len: len,
+        })
+    }
+
+    /// Over the host bytes `offset..offset+len` of `region`, or `None` for memory the CPU
+    /// cannot address or a range outside the region.
+    pub fn of_region(region: &dyn MemoryRegion, offset: u64, len: usize) -> Option<RawIov> {
+        check_range(offset, len as u64, region.len() as u64).ok()?;
+        let base = region.host_ptr()?;
+        // In bounds (checked above): `wrapping_add` only computes the address.
+        Some(RawIov::of_raw(
+            base.as_ptr().wrapping_add(offset as usize),
+            len,
+        ))
+    }
+
+    /// Bytes covered.
+    pub fn len(&self) -> usize {
+        self.0.iov_len
+    }
 }
 
-/// Mutable host bytes of `region`, as [`host_slice`].
+/// `writev(2)` of `iov` on `fd`.
 ///
-/// The slice aliases memory that other threads may read (RDMA semantics): the engine only
-/// reports a range as written after this slice is gone.
-#[allow(clippy::mut_from_ref)]
-pub fn host_slice_mut(region: &dyn MemoryRegion, offset: u64, len: usize) -> Option<&mut [u8]> {
-    check_range(offset, len as u64, region.len() as u64).ok()?;
-    let base = region.host_ptr()?;
-    // SAFETY: the range lies inside the region (checked above); the contract makes it valid
-    // for writes from any thread while `region` lives. No other slice of this transport
-    // covers the range at the same time: one connection places one frame at a time.
-    Some(unsafe { std::slice::from_raw_parts_mut(base.as_ptr().add(offset as usize), len) })
+/// # Safety
+/// Every entry must be readable for its length for the whole call (its memory alive: the
+/// caller holds the buffers, or the `Arc` of their region).
+pub unsafe fn writev(fd: RawFd, iov: &[RawIov]) -> std::io::Result<usize> {
+    let n = iov.len().min(libc::c_int::MAX as usize) as libc::c_int;
+    // SAFETY: RawIov is a transparent iovec; the entries are readable (the caller's
+    // contract); the kernel only reads them.
+    let r = unsafe { libc::writev(fd, iov.as_ptr().cast(), n) };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(r as usize)
+}
+
+/// `readv(2)` into `iov` from `fd`.
+///
+/// # Safety
+/// Every entry must be writable for its length for the whole call, and no two entries may
+/// overlap; no Rust reference to those bytes may be used during the call.
+pub unsafe fn readv(fd: RawFd, iov: &[RawIov]) -> std::io::Result<usize> {
+    let n = iov.len().min(libc::c_int::MAX as usize) as libc::c_int;
+    // SAFETY: RawIov is a transparent iovec; the entries are writable and unaliased (the
+    // caller's contract).
+    let r = unsafe { libc::readv(fd, iov.as_ptr().cast(), n) };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(r as usize)
+}
+
+/// Copies `src` into the host bytes of `region` at `offset`, through raw pointers; false
+/// (nothing copied) for memory the CPU cannot address or a range outside the region.
+pub fn copy_to_region(region: &dyn MemoryRegion, offset: u64, src: &[u8]) -> bool {
+    let Some(dst) = RawIov::of_region(region, offset, src.len()) else {
+        return false;
+    };
+    // SAFETY: the destination range lies inside the live region (checked by of_region),
+    // valid for writes from any thread by the MemoryRegion contract; `src` is our own
+    // buffer, which registered memory never overlaps.
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.0.iov_base.cast(), src.len()) };
+    true
 }
 
 /// Waits for readiness on `fds` for at most `timeout` (ppoll(2): microsecond resolution).
@@ -66,4 +141,45 @@ pub fn peer_hung_up(fd: std::os::fd::RawFd) -> bool {
     }];
     matches!(ppoll_fds(&mut p, std::time::Duration::ZERO), Ok(n) if n > 0)
         && p[0].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+}
+
+/// Whether a non-blocking connect of `stream` has completed: `Ok(true)` connected,
+/// `Ok(false)` still under way, or why it failed.
+pub fn connect_outcome(stream: &std::net::TcpStream) -> std::io::Result<bool> {
+    use std::os::fd::AsRawFd;
+    let mut p = [libc::pollfd {
+        fd: stream.as_raw_fd(),
+        events: libc::POLLOUT,
+        revents: 0,
+    }];
+    if ppoll_fds(&mut p, std::time::Duration::ZERO)? == 0 {
+        return Ok(false);
+    }
+    if let Some(e) = stream.take_error()? {
+        return Err(e);
+    }
+    if p[0].revents & (libc::POLLERR | libc::POLLHUP) != 0 {
+        return Err(std::io::ErrorKind::ConnectionRefused.into());
+    }
+    Ok(true)
+}
+
+/// Whether the kernel still has bytes of `fd` that the peer's kernel has not acknowledged
+/// (TCP's own retransmission and `TCP_USER_TIMEOUT` then watch the connection). `None` if
+/// the kernel does not say.
+pub fn kernel_unacked(fd: RawFd) -> Option<bool> {
+    // SAFETY: tcp_info is plain old data; all zeroes is a valid value.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: info is writable for len bytes; the kernel writes at most len and sets len.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&raw mut info).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0).then_some(info.tcpi_unacked > 0)
 }

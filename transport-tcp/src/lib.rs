@@ -47,8 +47,10 @@ pub mod frame;
 mod io;
 mod staging;
 
-use conn::{Conn, Inflight, Payload, PostedRecv, ReadOutcome, Shared, TargetRegion};
+use conn::{Conn, Inflight, Payload, ReadOutcome, Shared, TargetRegion};
 use fabric_core::memory::check_range;
+use fabric_core::recv::{PostedRecv, RecvMatch};
+use fabric_core::wake::{Wake, WakeFd};
 use fabric_core::{
     Access, Completion, Error, LocalKey, LocalSlice, MemoryRegion, OpError, OpKind, PeerId,
     PostOutcome, Registration, RemoteKey, RemoteRegion, RemoteSlice, Result, Transport,
@@ -57,7 +59,7 @@ use fabric_core::{
 use frame::{FLAG_IMM, Header, Op};
 use socket2::{Domain, Protocol, SockAddr, Socket, TcpKeepalive, Type};
 use staging::{CudaProbe, Via};
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
@@ -107,6 +109,11 @@ pub struct TcpConfig {
     /// Only a digest travels (never the token), but the digest can be replayed by whoever
     /// sees the traffic: on untrusted networks run inside an encrypted tunnel.
     pub auth_token: Option<String>,
+    /// How long `wait` naps on the sockets while device copies are in flight (they finish
+    /// without a socket event). Zero (the default) polls again at once; a few microseconds
+    /// ease the contention of many rails' threads on one CUDA context. Replaces the
+    /// `XFER_TCP_COPY_NAP_US` environment variable.
+    pub copy_nap: Duration,
 }
 
 impl Default for TcpConfig {
@@ -123,6 +130,7 @@ impl Default for TcpConfig {
             socket_buffer: None,
             max_connections: 4096,
             auth_token: None,
+            copy_nap: Duration::ZERO,
         }
     }
 }
@@ -160,6 +168,10 @@ pub struct TcpTransport {
     auth: Option<[u8; 16]>,
     /// The CUDA driver, looked for when device memory is first registered.
     cuda: CudaProbe,
+    /// In `wait`'s poll set: the engine makes it readable when it has work for us.
+    wake: WakeFd,
+    /// Added peers whose connection failed, and why, until `peer_ready` reports it.
+    failed_connects: HashMap<PeerId, String>,
 }
 
 impl TcpTransport {
@@ -177,11 +189,7 @@ impl TcpTransport {
             .map_err(|e| Error::io("local_addr", e))?;
         let shared = Shared {
             targets: HashMap::new(),
-            recvs: VecDeque::new(),
-            unexpected: VecDeque::new(),
-            unexpected_bytes: 0,
-            max_unexpected_bytes: cfg.max_unexpected_bytes,
-            max_unexpected_count: cfg.max_unexpected_count,
+            recv: RecvMatch::new(cfg.max_unexpected_count, cfg.max_unexpected_bytes),
             max_msg_size: cfg.max_msg_size,
             completions: Vec::new(),
         };
@@ -201,6 +209,8 @@ impl TcpTransport {
             pollfds: Vec::new(),
             auth: cfg_auth,
             cuda: CudaProbe::default(),
+            wake: WakeFd::new().map_err(|e| Error::io("wake-up socket pair", e))?,
+            failed_connects: HashMap::new(),
         })
     }
 
@@ -249,17 +259,23 @@ impl TcpTransport {
     }
 
     /// Connects to `to` for the peer that will be `peer`.
+    /// Starts connecting to `to` for the peer that will be `peer`, without waiting: the
+    /// connection completes (or fails, or times out after `peer_timeout`) inside `poll`,
+    /// so a peer that does not answer never stalls the others.
     fn connect(&self, to: SocketAddr, peer: PeerId) -> Result<TcpStream> {
         let s = Socket::new(Domain::for_address(to), Type::STREAM, Some(Protocol::TCP))
             .map_err(|e| Error::io("socket", e))?;
-        s.connect_timeout(&SockAddr::from(to), self.cfg.peer_timeout)
-            .map_err(|e| {
-                Error::Op(OpError::PeerUnreachable {
+        self.setup_socket(&s)?; // non-blocking from here
+        match s.connect(&SockAddr::from(to)) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
+            Err(e) => {
+                return Err(Error::Op(OpError::PeerUnreachable {
                     peer,
                     reason: format!("connect to {to}: {e}"),
-                })
-            })?;
-        self.setup_socket(&s)?;
+                }));
+            }
+        }
         Ok(s.into())
     }
 
@@ -409,6 +425,23 @@ impl TcpTransport {
         }
     }
 
+    /// A connection of an added peer could not be made: the peer is gone (its other
+    /// connections too, its requests failed), and `peer_ready` reports why.
+    fn fail_connect(&mut self, idx: usize, peer: PeerId, reason: String) {
+        tracing::debug!(%peer, %reason, "connection failed");
+        let err = OpError::PeerUnreachable {
+            peer,
+            reason: reason.clone(),
+        };
+        self.close_conn(idx, err.clone());
+        if let Some(p) = self.peers.remove(&peer) {
+            for i in p.conns {
+                self.close_conn(i, err.clone());
+            }
+        }
+        self.failed_connects.insert(peer, reason);
+    }
+
     fn on_hello(&mut self, idx: usize, rail: u32, instance: u64, address: Vec<u8>) {
         let id = match self.passive.get(&instance) {
             Some(&id) => id,
@@ -471,6 +504,7 @@ impl Transport for TcpTransport {
                 }
             };
             let mut c = Conn::new(stream, id, false, None);
+            c.connecting = Some(std::time::Instant::now() + self.cfg.peer_timeout);
             let mut hello = Vec::with_capacity(12 + self.address.len());
             hello.extend_from_slice(&(rail as u32).to_le_bytes());
             hello.extend_from_slice(&self.instance.to_le_bytes());
@@ -494,6 +528,18 @@ impl Transport for TcpTransport {
         );
         tracing::debug!(peer = %id, %to, rails = self.cfg.rails, "peer added");
         Ok(id)
+    }
+
+    fn peer_ready(&mut self, peer: PeerId) -> Result<bool> {
+        if let Some(reason) = self.failed_connects.remove(&peer) {
+            return Err(Error::Op(OpError::PeerUnreachable { peer, reason }));
+        }
+        let p = self.peers.get(&peer).ok_or(Error::UnknownPeer(peer))?;
+        Ok(p.conns.iter().all(|&i| {
+            self.conns[i]
+                .as_ref()
+                .is_some_and(|c| c.connecting.is_none())
+        }))
     }
 
     fn remove_peer(&mut self, peer: PeerId) -> Result<()> {
@@ -582,8 +628,7 @@ impl Transport for TcpTransport {
             offset: dst.offset,
             cap: dst.len,
         };
-        self.shared.recvs.push_back(recv);
-        self.shared.match_unexpected();
+        self.shared.recv.post(recv, &mut self.shared.completions);
         Ok(PostOutcome::Posted)
     }
 
@@ -612,6 +657,25 @@ impl Transport for TcpTransport {
             let Some(c) = self.conns[idx].as_mut() else {
                 continue;
             };
+            if let Some(deadline) = c.connecting {
+                match io::connect_outcome(&c.stream) {
+                    Ok(true) => c.connecting = None,
+                    Ok(false) if std::time::Instant::now() < deadline => continue,
+                    Ok(false) => {
+                        let (peer, reason) = (
+                            c.peer,
+                            format!("connect timed out after {:?}", self.cfg.peer_timeout),
+                        );
+                        self.fail_connect(idx, peer, reason);
+                        continue;
+                    }
+                    Err(e) => {
+                        let (peer, reason) = (c.peer, format!("connect: {e}"));
+                        self.fail_connect(idx, peer, reason);
+                        continue;
+                    }
+                }
+            }
             let mut res = c
                 .progress_copies(&mut self.shared)
                 .and_then(|_| c.flush())
@@ -639,6 +703,16 @@ impl Transport for TcpTransport {
             if res.is_ok() && c.reads_paused() && io::peer_hung_up(c.stream.as_raw_fd()) {
                 res = Err("peer closed the connection while it was held back".into());
             }
+            // A peer whose kernel takes our bytes but whose transport never answers (a
+            // stopped process, a hung peer) fails its requests after twice `peer_timeout`,
+            // so that nothing waits on it for ever (TCP's own timers see a healthy socket).
+            // Twice: right after a partition heals, a target was seen silent for over one
+            // peer_timeout with all bytes acknowledged (netns_faults), cause not known yet.
+            if res.is_ok() {
+                res = c
+                    .check_answers(2 * self.cfg.peer_timeout)
+                    .map(|_| ReadOutcome::Open);
+            }
             if let Err(reason) = res {
                 let peer = c.peer;
                 if c.awaiting_hello {
@@ -664,12 +738,17 @@ impl Transport for TcpTransport {
         // the driver's event queries from every rail's thread contends on the context's
         // locks, so nap up to `copy_nap` on the sockets instead (0: spin).
         let copying = self.conns.iter().flatten().any(Conn::copies_pending);
-        let nap = copy_nap();
+        let nap = self.cfg.copy_nap;
         if copying && nap.is_zero() {
             return Ok(());
         }
 
         self.pollfds.clear();
+        self.pollfds.push(libc::pollfd {
+            fd: self.wake.fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        });
         self.pollfds.push(libc::pollfd {
             fd: self.listener.as_raw_fd(),
             events: libc::POLLIN,
@@ -691,32 +770,19 @@ impl Transport for TcpTransport {
                 revents: 0,
             });
         }
-        // While copies run, nap exactly; otherwise whole milliseconds, at least one for a
-        // non-zero timeout (finer wake-ups cost an idle engine CPU for nothing).
-        let limit = if copying {
-            nap.min(timeout)
-        } else if timeout.is_zero() {
-            Duration::ZERO
-        } else {
-            Duration::from_millis(timeout.as_millis().clamp(1, i32::MAX as u128) as u64)
-        };
+        // Exactly the time asked for (ppoll has microsecond resolution): the engine wakes
+        // us through `wake` when it has work, so long idle waits cost nothing.
+        let limit = if copying { nap.min(timeout) } else { timeout };
         io::ppoll_fds(&mut self.pollfds, limit).map_err(|e| Error::io("poll", e))?;
+        if self.pollfds[0].revents != 0 {
+            self.wake.drain();
+        }
         Ok(())
     }
-}
 
-/// How long `wait` naps while device copies are in flight: `XFER_TCP_COPY_NAP_US`
-/// microseconds, default 0 (poll again at once).
-fn copy_nap() -> Duration {
-    static NAP: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
-    *NAP.get_or_init(|| {
-        Duration::from_micros(
-            std::env::var("XFER_TCP_COPY_NAP_US")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0),
-        )
-    })
+    fn waker(&mut self) -> Arc<dyn Wake> {
+        self.wake.waker()
+    }
 }
 
 impl std::fmt::Debug for TcpTransport {

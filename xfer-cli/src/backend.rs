@@ -118,6 +118,15 @@ pub struct BackendArgs {
     /// read from XFER_AUTH_TOKEN; never printed or logged.
     #[arg(long, env = "XFER_AUTH_TOKEN", hide_env_values = true)]
     pub auth_token: Option<String>,
+    /// Busy polling: each engine worker keeps polling for this many microseconds after its
+    /// last progress before it sleeps (lower latency, a busier core). `--busy-poll` alone
+    /// means 1000; the default, 0, sleeps at once.
+    #[arg(long = "busy-poll", value_name = "US", num_args = 0..=1, default_missing_value = "1000", default_value_t = 0)]
+    pub busy_poll_us: u64,
+    /// tcp with GPU memory: how long a rail naps between polls while its device copies
+    /// run, in microseconds (0: polls again at once). Was XFER_TCP_COPY_NAP_US.
+    #[arg(long = "tcp-copy-nap", value_name = "US", default_value_t = 0)]
+    pub tcp_copy_nap_us: u64,
 }
 
 impl BackendArgs {
@@ -148,9 +157,11 @@ impl BackendArgs {
             ));
         }
         let auth_token = self.auth_token.clone();
+        let copy_nap = std::time::Duration::from_micros(self.tcp_copy_nap_us);
         let pins = Arc::new(pins);
         let cfg = EngineConfig {
             name: name.into(),
+            busy_poll: std::time::Duration::from_micros(self.busy_poll_us),
             ..EngineConfig::default()
         };
         let worker = name.to_string();
@@ -162,6 +173,7 @@ impl BackendArgs {
                     TcpTransport::new(TcpConfig {
                         listen: SocketAddr::new(ip, 0),
                         auth_token: auth_token.clone(),
+                        copy_nap,
                         ..TcpConfig::default()
                     })
                 },

@@ -2,6 +2,7 @@
 //! one worker per GPU (`--per-gpu`).
 
 use crate::backend::BackendArgs;
+use crate::latency;
 use crate::placement::{self, CorePin, GpuWorkerPins, PinMode, WorkerPins};
 use crate::setup::{CONNECTING, MEMORY, REGISTERING, STARTING, SetUpClock, WARMING_UP};
 use crate::workload::{self, RunReport, Workload};
@@ -23,6 +24,9 @@ pub fn run(a: DemoArgs) -> Result<(), CliError> {
     let b = a.backend.resolved(true, true);
     if a.per_gpu {
         return per_gpu(&a, &b, &w);
+    }
+    if k.latency {
+        return latency(&b, k, &w);
     }
     let pins = WorkerPins::for_this_machine(k.pin);
     let worker = WorkerRails {
@@ -46,6 +50,33 @@ pub fn run(a: DemoArgs) -> Result<(), CliError> {
         summary.ratio_hot = summary.baseline_hot_gbps.map(|h| summary.gbps / h);
     }
     print_summary(&summary, k.json);
+    Ok(())
+}
+
+/// `demo --latency`: one worker, transfers one at a time, and the raw TCP floor.
+fn latency(b: &BackendArgs, k: &Knobs, w: &Workload) -> Result<(), CliError> {
+    let pins = WorkerPins::for_this_machine(k.pin);
+    let rails = WorkerRails {
+        initiator: pins.rail_pins(pins.initiator, k.rails, 0),
+        target: pins.rail_pins(pins.target, k.rails, k.rails),
+        home: pins.initiator,
+    };
+    let (src_group, dst_group, s, d, peer, _dst) = set_up_worker(b, k, rails, (0, 1))?;
+    let count = latency::sample_count(w);
+    let (mut times, mut imm) =
+        latency::run_transfers(&src_group, &s, &peer, &d.remote, Some(&dst_group), w, count)?;
+    let mut raw = latency::raw_round_trips(w.page_size, w.pages, w.region_size, count, w.seed)
+        .map_err(|e| CliError::Failed(format!("raw TCP ping-pong: {e}")))?;
+    latency::summary(
+        b.transport.name(),
+        k.rails,
+        b.busy_poll_us,
+        w,
+        &mut times,
+        &mut imm,
+        &mut raw,
+    )
+    .print(k.json);
     Ok(())
 }
 

@@ -16,6 +16,7 @@ mod baseline;
 mod control;
 mod demo;
 mod info;
+mod latency;
 mod pattern;
 mod placement;
 mod progress;
@@ -106,6 +107,12 @@ struct Knobs {
     /// Pin the engine workers to the placement plan's cores (auto), or not (off).
     #[arg(long, value_enum, default_value = "auto")]
     pin: PinMode,
+    /// Measure latency instead of throughput: transfers one at a time (depth 1), each
+    /// carrying immediate data, as many as --bytes holds (at most 200000); prints
+    /// p50/p90/p99/max per transfer, a raw TCP ping-pong of the same pages (the floor) and
+    /// (demo) the time from submit to the target's immediate-data event.
+    #[arg(long)]
+    latency: bool,
 }
 
 #[derive(Args)]

@@ -182,7 +182,7 @@ pub fn run(
         if let Some(e) = h.failed() {
             return Err(Error::Op(e));
         }
-        if h.wait_shards(Duration::from_millis(100)) {
+        if h.finished_within(Duration::from_millis(100)) {
             let h = inflight.pop_front().expect("front exists");
             moved += h.wait(w.transfer_timeout)?.bytes;
         }

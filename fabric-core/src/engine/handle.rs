@@ -84,6 +84,19 @@ impl<T: Clone + Send + 'static> Slot<T> {
         self.ready.notify_all();
     }
 
+    /// Calls `f` with the value once the slot is complete: at once (in this thread) if it
+    /// already is, else in the thread that completes it. Replaces an earlier callback.
+    pub fn set_callback(&self, f: Box<dyn FnOnce(T) + Send>) {
+        let mut st = self.lock();
+        match st.value.clone() {
+            Some(v) => {
+                drop(st);
+                f(v);
+            }
+            None => st.callback = Some(f),
+        }
+    }
+
     fn wait(&self, timeout: Duration) -> Option<T> {
         let st = self.lock();
         let (st, _) = self
@@ -104,13 +117,55 @@ impl<T: Clone + Send + 'static> Slot<T> {
     }
 }
 
-/// A submitted transfer (or SEND). Wait with a timeout, poll it, or `.await` it from any
-/// async runtime.
+/// A submitted transfer (or SEND), on one engine or a rail group. Wait with a timeout
+/// ([`wait`](Self::wait)), poll it ([`try_result`](Self::try_result)), have a callback run
+/// ([`on_complete`](Self::on_complete)), or `.await` it from any async runtime; or drop it:
+/// the transfer still runs to its end, immediate data included, since the workers decide
+/// completions and immediate data, never the thread that holds the handle.
+///
+/// # Buffer ownership
+///
+/// From submit until the handle reports a result (success or failure), the source ranges
+/// belong to the engine: do not write them (the bytes that arrive would be undefined), and
+/// do not deregister their region (deregistration fails with
+/// [`Error::RegionInUse`](crate::Error::RegionInUse) while a transfer uses it). Once a
+/// result is reported, no transport touches the source any more, even for a failure: a
+/// transfer past its deadline posts nothing more and is reported
+/// [`TimedOut`](crate::OpError::TimedOut) only after every operation the transport had
+/// accepted has completed or failed (TCP fails a silent peer's operations after twice its
+/// `peer_timeout`), so a resubmit never races the NIC. A wait that runs out
+/// ([`Error::TimedOut`](crate::Error::TimedOut) from [`wait`](Self::wait)) ends only the
+/// wait: the transfer goes on. The target region may be read once the target has seen the
+/// transfer's immediate data (or a later SEND): the initiator's success says the bytes
+/// were placed, not that the target's application knows. (The EFA backend's peer removal
+/// still reports a removed peer's operations at once, without waiting for the provider.)
 pub struct TransferHandle {
     pub(crate) slot: Arc<Slot<TransferResult>>,
 }
 
 impl TransferHandle {
+    /// Whether the transfer has finished (either way).
+    pub fn is_finished(&self) -> bool {
+        self.slot.try_get(None).is_some()
+    }
+
+    /// The error, if the transfer has finished and failed.
+    pub fn failed(&self) -> Option<OpError> {
+        self.slot.try_get(None).and_then(|r| r.err())
+    }
+
+    /// Blocks until the transfer finishes, at most `timeout`; returns whether it has.
+    pub fn finished_within(&self, timeout: Duration) -> bool {
+        self.slot.wait(timeout).is_some()
+    }
+
+    /// Runs `f` with the result once the transfer finishes: on the worker thread that
+    /// decides it (keep it short: that worker runs nothing else meanwhile), or at once in
+    /// this thread if it has already finished.
+    pub fn on_complete(self, f: impl FnOnce(TransferResult) + Send + 'static) {
+        self.slot.set_callback(Box::new(f));
+    }
+
     /// Blocks until the transfer finishes, at most `timeout`.
     pub fn wait(&self, timeout: Duration) -> Result<TransferStats, Error> {
         match self.slot.wait(timeout) {

@@ -48,10 +48,11 @@ use crate::memory::{MemoryRegion, check_range};
 use crate::plan::{Segment, plan_transfer};
 use crate::transport::{Transport, TransportLimits};
 use crate::types::{Access, LocalKey, LocalSlice, PeerId, Registration};
+use crate::wake::Wake;
 use crossbeam_channel::{Receiver, Sender};
-use handle::Slot;
+pub(crate) use handle::Slot;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -64,10 +65,21 @@ pub struct EngineConfig {
     pub batch: usize,
     /// Commands that may wait in the channel before submitters block (back-pressure).
     pub queue_depth: usize,
-    /// How long an idle worker blocks in the transport's `wait` before checking commands.
+    /// The longest an idle worker sleeps in the transport's `wait`. Commands (submit,
+    /// add/remove peer, register) wake it at once through the transport's
+    /// [`waker`](Transport::waker), and peers' traffic wakes it through the transport; this
+    /// only bounds how often an idle worker looks around (deadlines, housekeeping).
     pub idle_wait: Duration,
+    /// Busy polling: after its last progress, the worker keeps polling (without sleeping)
+    /// for this long before it sleeps in the transport's `wait`. Lower latency for a core
+    /// kept busy meanwhile; zero (the default) sleeps at once, so an idle engine uses no CPU.
+    pub busy_poll: Duration,
     /// Limit for control calls (add_peer, register, ...) and for a full command queue.
     pub control_timeout: Duration,
+    /// How long dropping (or [`shutdown`](Engine::shutdown) of) an engine waits for its
+    /// worker to stop. A worker stuck in its transport past this is left behind (detached,
+    /// logged) so that the caller never hangs; it exits when the transport returns.
+    pub shutdown_timeout: Duration,
     /// Name of the worker thread.
     pub name: String,
 }
@@ -77,8 +89,10 @@ impl Default for EngineConfig {
         EngineConfig {
             batch: 256,
             queue_depth: 4096,
-            idle_wait: Duration::from_micros(200),
+            idle_wait: Duration::from_millis(10),
+            busy_poll: Duration::ZERO,
             control_timeout: Duration::from_secs(10),
+            shutdown_timeout: Duration::from_secs(5),
             name: "xfer-worker".into(),
         }
     }
@@ -190,11 +204,49 @@ impl Counters {
     }
 }
 
+/// What other workers use to hand a worker work: an unbounded channel (a worker never
+/// blocks on another's queue) and the means to wake it. Holds no thread alive: a worker
+/// stops when its [`Engine`] does.
+pub(crate) struct WorkerLink {
+    tx: Sender<Command>,
+    /// Ends the worker's sleep in the transport's `wait`.
+    waker: Arc<dyn Wake>,
+    /// Set by the worker while it sleeps (or is about to): commands sent meanwhile wake it.
+    sleeping: Arc<AtomicBool>,
+}
+
+impl WorkerLink {
+    /// Queues a transfer without blocking; gives back its slot if the worker has stopped.
+    pub(crate) fn send_transfer(
+        &self,
+        job: Job,
+    ) -> std::result::Result<(), Arc<Slot<TransferResult>>> {
+        let slot = job.slot.clone();
+        self.tx.send(Command::Transfer(job)).map_err(|_| slot)?;
+        self.wake();
+        Ok(())
+    }
+
+    /// Wakes the worker if it sleeps (or is about to). Pairs with the worker's
+    /// announcement in `Worker::sleep`: the command was queued before the fence, the flag
+    /// is read after it, so either the worker sees the command before sleeping or we see
+    /// the flag and wake it.
+    fn wake(&self) {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.sleeping.swap(false, Ordering::SeqCst) {
+            self.waker.wake();
+        }
+    }
+}
+
 /// A handle to a worker thread that owns one transport.
 pub struct Engine {
     tx: Sender<Command>,
+    link: Arc<WorkerLink>,
     events: Receiver<Event>,
     thread: Option<JoinHandle<()>>,
+    /// Disconnects when the worker thread has ended.
+    exited: Receiver<()>,
     address: Vec<u8>,
     backend: &'static str,
     limits: TransportLimits,
@@ -215,24 +267,31 @@ impl Engine {
         let (tx, rx) = crossbeam_channel::bounded(cfg.queue_depth.max(1));
         let (ev_tx, events) = crossbeam_channel::unbounded();
         let (ready_tx, ready_rx) = crossbeam_channel::bounded(1);
+        // Disconnected when the worker thread ends, however it ends.
+        let (exit_tx, exit_rx) = crossbeam_channel::bounded::<()>(0);
         let counters = Arc::new(Counters::default());
         let c2 = counters.clone();
         let wcfg = cfg.clone();
+        let sleeping = Arc::new(AtomicBool::new(false));
+        let s2 = sleeping.clone();
+        let (internal_tx, internal_rx) = crossbeam_channel::unbounded();
         let thread = std::thread::Builder::new()
             .name(cfg.name.clone())
             .spawn(move || {
-                let t = match make() {
+                let _exit = exit_tx;
+                let mut t = match make() {
                     Ok(t) => t,
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
                         return;
                     }
                 };
-                let _ = ready_tx.send(Ok((t.address(), t.name(), t.limits())));
-                worker::Worker::new(t, rx, ev_tx, c2, wcfg).run();
+                let waker = t.waker();
+                let _ = ready_tx.send(Ok((t.address(), t.name(), t.limits(), waker)));
+                worker::Worker::new(t, rx, internal_rx, ev_tx, c2, wcfg, s2).run();
             })
             .map_err(|e| Error::io("spawn worker thread", e))?;
-        let (address, backend, limits) = match ready_rx.recv_timeout(cfg.control_timeout) {
+        let (address, backend, limits, waker) = match ready_rx.recv_timeout(cfg.control_timeout) {
             Ok(r) => r?,
             Err(_) => {
                 return Err(Error::TimedOut(
@@ -243,8 +302,14 @@ impl Engine {
         };
         Ok(Engine {
             tx,
+            link: Arc::new(WorkerLink {
+                tx: internal_tx,
+                waker,
+                sleeping,
+            }),
             events,
             thread: Some(thread),
+            exited: exit_rx,
             address,
             backend,
             limits,
@@ -274,7 +339,7 @@ impl Engine {
         &self.counters
     }
 
-    fn send_cmd(&self, cmd: Command) -> Result<()> {
+    pub(crate) fn send_cmd(&self, cmd: Command) -> Result<()> {
         self.tx
             .send_timeout(cmd, self.cfg.control_timeout)
             .map_err(|e| match e {
@@ -282,7 +347,14 @@ impl Engine {
                     Error::TimedOut(self.cfg.control_timeout, "room in the engine's queue")
                 }
                 crossbeam_channel::SendTimeoutError::Disconnected(_) => Error::EngineStopped,
-            })
+            })?;
+        self.link.wake();
+        Ok(())
+    }
+
+    /// The link other workers use to hand this one work.
+    pub(crate) fn link(&self) -> Arc<WorkerLink> {
+        self.link.clone()
     }
 
     fn call<R>(
@@ -362,7 +434,7 @@ impl Engine {
         Ok(())
     }
 
-    fn job(&self, t: Transfer, slot: Arc<Slot<TransferResult>>) -> Result<Job> {
+    pub(crate) fn job(&self, t: Transfer, slot: Arc<Slot<TransferResult>>) -> Result<Job> {
         self.check_segments(&t.segments)?;
         let plan = plan_transfer(&t.segments, self.limits.max_msg_size)?;
         let imm = match (t.imm, t.segments.first()) {
@@ -441,19 +513,37 @@ impl Engine {
         &self.events
     }
 
-    /// Stops the worker: pending transfers fail with `Cancelled`. Also done on drop.
+    /// Stops the worker: pending transfers fail with `Cancelled`. Also done on drop. Returns
+    /// within [`EngineConfig::shutdown_timeout`], even if the transport hangs.
     pub fn shutdown(mut self) {
         self.stop();
     }
 
     fn stop(&mut self) {
+        let deadline = Instant::now() + self.cfg.shutdown_timeout;
         let _ = self
             .tx
-            .send_timeout(Command::Shutdown, self.cfg.control_timeout);
-        if let Some(t) = self.thread.take()
-            && t.join().is_err()
+            .send_timeout(Command::Shutdown, self.cfg.shutdown_timeout);
+        self.link.wake();
+        let Some(t) = self.thread.take() else {
+            return;
+        };
+        // Bounded: a transport that hangs must not hang the caller.
+        match self
+            .exited
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
         {
-            tracing::error!("engine worker panicked");
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                tracing::error!(
+                    timeout = ?self.cfg.shutdown_timeout,
+                    "engine worker did not stop in time; left behind"
+                );
+            }
+            _ => {
+                if t.join().is_err() {
+                    tracing::error!("engine worker panicked");
+                }
+            }
         }
     }
 }

@@ -1,7 +1,10 @@
 //! Rails: one endpoint made of several engines, each a worker thread that owns one
 //! transport (a NIC, or a TCP connection). A transfer is planned once, sharded over the
 //! rails by bytes (each piece still one contiguous write) and completes when every shard has
-//! landed; its immediate data follows, on rail 0, only after that.
+//! landed; its immediate data follows only after that. Both are decided on the workers: the
+//! worker that completes the last shard sends the immediate data on its own rail, so a
+//! caller that only polls its handle, registers a callback or drops the handle still has
+//! the immediate data delivered.
 //!
 //! Registration registers the memory on every rail, so the descriptor a peer receives holds
 //! one key per rail ([`RemoteDescriptor`]).
@@ -10,7 +13,11 @@
 //! rail at once: each call waits a round trip to its rail's worker, so one rail after
 //! another made set-up time grow as rails times that wait.
 
-use super::{Engine, EngineConfig, Event, Transfer, TransferHandle, TransferStats};
+use super::worker::{Command, Job};
+use super::{
+    Engine, EngineConfig, Event, Slot, Transfer, TransferHandle, TransferResult, TransferStats,
+    WorkerLink,
+};
 use crate::error::{Error, OpError, Result};
 use crate::memory::MemoryRegion;
 use crate::plan::{Segment, plan_transfer, shard_by_bytes};
@@ -18,6 +25,7 @@ use crate::transport::Transport;
 use crate::types::{Access, LocalKey, PeerId, RemoteRegion};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -298,11 +306,20 @@ impl RailGroup {
             .unwrap_or(1);
         let plan = plan_transfer(&segs, limit)?;
         let shards = shard_by_bytes(&plan.writes, n);
-        let mut handles = Vec::with_capacity(n);
-        for (i, shard) in shards.into_iter().enumerate() {
-            if shard.is_empty() {
-                continue;
+        let busy: Vec<usize> = (0..n).filter(|&i| !shards[i].is_empty()).collect();
+        let imm = match (t.imm, t.segments.first()) {
+            (None, _) => None,
+            (Some(_), None) => {
+                return Err(Error::InvalidArgument(
+                    "immediate data needs at least one segment".into(),
+                ));
             }
+            (Some(v), Some(&(so, d_o, _))) => Some((v, so, d_o)),
+        };
+        let slot = Slot::new();
+        let handle = TransferHandle { slot: slot.clone() };
+        // Each rail's shard, as that rail's engine checks and plans it.
+        let shard_transfer = |i: usize, shard: &[crate::plan::PlannedWrite]| -> Result<Transfer> {
             let dst = dst_of(i)?;
             let mut tr = Transfer::new(peer.rails[i]);
             tr.timeout = t.timeout;
@@ -316,17 +333,16 @@ impl RailGroup {
                     len: w.src.len,
                 })
                 .collect();
-            handles.push(self.rails[i].submit(tr)?);
-        }
-        let imm = match (t.imm, t.segments.first()) {
-            (None, _) => None,
-            (Some(_), None) => {
-                return Err(Error::InvalidArgument(
-                    "immediate data needs at least one segment".into(),
-                ));
-            }
-            (Some(v), Some(&(so, d_o, _))) => Some(
-                Transfer::new(peer.rails[0])
+            Ok(tr)
+        };
+        match busy.as_slice() {
+            [] => {
+                // Nothing to move: the immediate data alone, on rail 0.
+                let Some((v, so, d_o)) = imm else {
+                    slot.complete(Ok(TransferStats::default()));
+                    return Ok(handle);
+                };
+                let tr = Transfer::new(peer.rails[0])
                     .segment(Segment {
                         src: t.src.locals[0],
                         src_offset: so,
@@ -334,15 +350,82 @@ impl RailGroup {
                         dst_offset: d_o,
                         len: 0,
                     })
-                    .imm(v),
-            ),
-        };
-        Ok(GroupHandle {
-            shards: handles,
-            imm,
-            rail0: self.rails[0].clone(),
-            bytes: plan.bytes,
-        })
+                    .imm(v);
+                let tr = Transfer {
+                    timeout: t.timeout,
+                    ..tr
+                };
+                let job = self.rails[0].job(tr, slot)?;
+                self.rails[0].send_cmd(Command::Transfer(job))?;
+            }
+            &[only] => {
+                // One rail moves it all: its worker sends the immediate data after its own
+                // writes (or on its one write), with no other worker involved.
+                let mut tr = shard_transfer(only, &shards[only])?;
+                tr.imm = imm.map(|(v, ..)| v);
+                let job = self.rails[only].job(tr, slot)?;
+                self.rails[only].send_cmd(Command::Transfer(job))?;
+            }
+            _ => {
+                // Several rails: the worker that completes the last shard sends the
+                // immediate data on its own rail (see `GroupState::shard_done`).
+                let imm_on = match imm {
+                    None => None,
+                    Some((v, so, d_o)) => {
+                        let mut per_rail = Vec::with_capacity(n);
+                        for i in 0..n {
+                            per_rail.push((
+                                peer.rails[i],
+                                Segment {
+                                    src: t.src.locals[i],
+                                    src_offset: so,
+                                    dst: dst_of(i)?,
+                                    dst_offset: d_o,
+                                    len: 0,
+                                },
+                            ));
+                        }
+                        Some((v, per_rail))
+                    }
+                };
+                let state = Arc::new(GroupState {
+                    left: AtomicUsize::new(busy.len()),
+                    ops: AtomicU64::new(0),
+                    error: Mutex::new(None),
+                    imm: imm_on,
+                    links: self.rails.iter().map(|e| e.link()).collect(),
+                    timeout: t.timeout,
+                    bytes: plan.bytes,
+                    slot,
+                });
+                // Plan every shard first, so that a bad segment fails before anything moves.
+                let mut jobs = Vec::with_capacity(busy.len());
+                for &i in &busy {
+                    let st = state.clone();
+                    let shard_slot = Slot::with_callback(Box::new(move |r| st.shard_done(i, r)));
+                    jobs.push((
+                        i,
+                        self.rails[i].job(shard_transfer(i, &shards[i])?, shard_slot)?,
+                    ));
+                }
+                for (i, job) in jobs {
+                    self.rails[i].send_cmd(Command::Transfer(job))?;
+                }
+            }
+        }
+        Ok(handle)
+    }
+
+    /// Submits a transfer and calls `done` with its result on the worker thread that
+    /// decides it. Keep `done` short: that worker runs nothing else meanwhile.
+    pub fn submit_with_callback(
+        &self,
+        peer: &GroupPeer,
+        t: GroupTransfer,
+        done: impl FnOnce(super::TransferResult) + Send + 'static,
+    ) -> Result<()> {
+        self.submit(peer, t)?.on_complete(done);
+        Ok(())
     }
 
     /// Warm-up: one zero-length write on every rail, carrying [`WARM_UP_IMM`], so that every
@@ -523,61 +606,78 @@ fn at_once<T: Send, R: Send>(items: Vec<T>, f: impl Fn(T) -> R + Sync) -> Vec<R>
         .collect()
 }
 
-/// A transfer submitted to a rail group.
-pub struct GroupHandle {
-    shards: Vec<TransferHandle>,
-    imm: Option<Transfer>,
-    rail0: Arc<Engine>,
+/// A transfer submitted to a rail group: the same handle as one engine's.
+pub type GroupHandle = TransferHandle;
+
+/// A transfer sharded over several rails, shared by its shards' completion callbacks (which
+/// run on the rails' workers).
+struct GroupState {
+    /// Shards not finished yet.
+    left: AtomicUsize,
+    /// Operations of the finished shards.
+    ops: AtomicU64,
+    /// The first error of any shard.
+    error: Mutex<Option<OpError>>,
+    /// The immediate value and, per rail, the peer and zero-length segment that carry it.
+    imm: Option<(u32, Vec<(PeerId, Segment)>)>,
+    /// Every rail's worker, to hand the immediate data to.
+    links: Vec<Arc<WorkerLink>>,
+    timeout: Option<Duration>,
     bytes: u64,
+    slot: Arc<Slot<TransferResult>>,
 }
 
-impl GroupHandle {
-    /// Waits for every shard (and then the immediate data), at most `timeout` in all.
-    /// The first error of any shard is the transfer's error.
-    pub fn wait(mut self, timeout: Duration) -> Result<TransferStats> {
-        let deadline = Instant::now() + timeout;
-        let mut stats = TransferStats::default();
-        let mut first: Option<Error> = None;
-        for h in self.shards.drain(..) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match h.wait(left) {
-                Ok(s) => stats.ops += s.ops,
-                Err(e) => {
-                    first.get_or_insert(e);
-                }
+impl GroupState {
+    /// Shard `rail` finished with `r` (called on that rail's worker). The last one decides
+    /// the transfer: an error ends it, else the immediate data goes out on the same rail
+    /// (queued to its own worker, no thread hop), and the transfer completes when it lands.
+    fn shard_done(self: Arc<Self>, rail: usize, r: TransferResult) {
+        match r {
+            Ok(s) => {
+                self.ops.fetch_add(s.ops, Ordering::Relaxed);
+            }
+            Err(e) => {
+                self.error
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get_or_insert(e);
             }
         }
-        if let Some(e) = first {
-            return Err(e);
+        if self.left.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return;
         }
-        if let Some(t) = self.imm.take() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            stats.ops += self.rail0.submit(t)?.wait(left)?.ops;
+        if let Some(e) = self.error.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            self.slot.complete(Err(e));
+            return;
         }
-        stats.bytes = self.bytes;
-        Ok(stats)
-    }
-
-    /// Blocks until every shard has finished, at most `timeout`; returns whether they all
-    /// have (without consuming the handle: call [`wait`](GroupHandle::wait) after).
-    pub fn wait_shards(&self, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        self.shards.iter().all(|h| {
-            let left = deadline.saturating_duration_since(Instant::now());
-            !matches!(h.wait(left), Err(Error::TimedOut(..)))
-        })
-    }
-
-    /// Whether every shard has finished (the immediate data is sent by `wait`).
-    pub fn is_finished(&self) -> bool {
-        self.shards.iter().all(|h| h.try_result().is_some())
-    }
-
-    /// The first error among finished shards, if any.
-    pub fn failed(&self) -> Option<OpError> {
-        self.shards
-            .iter()
-            .find_map(|h| h.try_result().and_then(|r| r.err()))
+        let stats = TransferStats {
+            bytes: self.bytes,
+            ops: self.ops.load(Ordering::Relaxed),
+        };
+        let Some((v, per_rail)) = &self.imm else {
+            self.slot.complete(Ok(stats));
+            return;
+        };
+        let (peer, seg) = per_rail[rail];
+        let st = self.clone();
+        let job = Job {
+            peer,
+            plan: crate::plan::TransferPlan {
+                writes: Vec::new(),
+                bytes: 0,
+            },
+            imm: Some((*v, seg)),
+            slot: Slot::with_callback(Box::new(move |r: TransferResult| {
+                st.slot.complete(r.map(|s| TransferStats {
+                    bytes: stats.bytes,
+                    ops: stats.ops + s.ops,
+                }))
+            })),
+            deadline: self.timeout.map(|d| Instant::now() + d),
+        };
+        if let Err(slot) = self.links[rail].send_transfer(job) {
+            slot.complete(Err(OpError::Cancelled));
+        }
     }
 }
 

@@ -12,7 +12,7 @@ use crate::types::{
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 /// A planned transfer on its way to the worker.
@@ -75,6 +75,8 @@ struct Active {
     /// The planned writes, posted in order from `next`.
     writes: Vec<PlannedWrite>,
     next: usize,
+    /// The local regions it reads (counted in `Worker::in_use` until it finishes).
+    keys: Vec<LocalKey>,
 }
 
 /// Counter increments not yet added to the shared [`Counters`]: the hot path adds here
@@ -93,6 +95,8 @@ const RECV_BIT: u64 = 1 << 63;
 pub(crate) struct Worker<T: Transport> {
     t: T,
     rx: Receiver<Command>,
+    /// Work handed over by other workers (a rail group's immediate data), never blocking.
+    internal: Receiver<Command>,
     events: Sender<Event>,
     counters: Arc<Counters>,
     pending: PendingCounters,
@@ -110,6 +114,14 @@ pub(crate) struct Worker<T: Transport> {
     active: usize,
     /// The transport's `wait` cannot block on readiness.
     busy_poll: bool,
+    /// Raised while the worker sleeps in `wait`, for the engine to wake it (see `sleep`).
+    sleeping: Arc<AtomicBool>,
+    /// When the worker last made progress, for [`EngineConfig::busy_poll`].
+    last_progress: Instant,
+    /// Unfinished transfers (and SENDs) per local region: deregistration waits for zero.
+    in_use: HashMap<LocalKey, usize>,
+    /// Peers added whose set-up goes on in `poll`, with who waits for the answer.
+    connecting: Vec<(PeerId, Sender<Result<PeerId>>)>,
 }
 
 fn wr_of(slot: u32, generation: u32) -> WorkRequestId {
@@ -136,14 +148,17 @@ impl<T: Transport> Worker<T> {
     pub fn new(
         t: T,
         rx: Receiver<Command>,
+        internal: Receiver<Command>,
         events: Sender<Event>,
         counters: Arc<Counters>,
         cfg: EngineConfig,
+        sleeping: Arc<AtomicBool>,
     ) -> Self {
         let busy_poll = t.limits().busy_poll;
         Worker {
             t,
             rx,
+            internal,
             events,
             counters,
             pending: PendingCounters::default(),
@@ -159,6 +174,10 @@ impl<T: Transport> Worker<T> {
             next_deadline_scan: Instant::now(),
             active: 0,
             busy_poll,
+            sleeping,
+            last_progress: Instant::now(),
+            in_use: HashMap::new(),
+            connecting: Vec::new(),
         }
     }
 
@@ -178,39 +197,105 @@ impl<T: Transport> Worker<T> {
                     Err(TryRecvError::Empty) => break,
                 }
             }
+            while let Ok(cmd) = self.internal.try_recv() {
+                self.command(cmd);
+                progressed = true;
+            }
             progressed |= self.post_batch() > 0;
             progressed |= self.poll() > 0;
+            if !self.connecting.is_empty() {
+                progressed |= self.settle_connecting();
+            }
             self.flush_counters();
             if self.deadlines > 0 && Instant::now() >= self.next_deadline_scan {
                 self.expire();
             }
-            if !progressed {
-                let busy = self.active > 0 || !self.queue.is_empty();
-                let wait = if !busy {
-                    self.cfg.idle_wait
-                } else if self.busy_poll {
-                    // Work in flight and nothing to sleep on: keep polling.
-                    std::hint::spin_loop();
-                    continue;
-                } else if self.queue.is_empty() {
-                    // Sockets wake us when the peer answers.
-                    self.cfg.idle_wait
-                } else {
-                    Duration::ZERO
-                };
-                if let Err(e) = self.t.wait(wait) {
-                    tracing::warn!(error = %e, "transport wait failed");
-                    std::thread::sleep(Duration::from_millis(1));
+            if progressed {
+                if !self.cfg.busy_poll.is_zero() {
+                    self.last_progress = Instant::now();
                 }
+                continue;
             }
+            let busy = self.active > 0 || !self.queue.is_empty();
+            if busy && self.busy_poll {
+                // Work in flight and nothing to sleep on: keep polling.
+                std::hint::spin_loop();
+                continue;
+            }
+            if !self.cfg.busy_poll.is_zero() && self.last_progress.elapsed() < self.cfg.busy_poll {
+                // Busy polling: a bounded spin before sleeping.
+                std::hint::spin_loop();
+                continue;
+            }
+            let mut wait = if busy && !self.queue.is_empty() {
+                // Refused posts wait for room, which only polling shows.
+                Duration::ZERO
+            } else {
+                // The transport wakes us when a peer answers, the engine when work comes.
+                self.cfg.idle_wait
+            };
+            if self.deadlines > 0 {
+                wait = wait.min(
+                    self.next_deadline_scan
+                        .saturating_duration_since(Instant::now()),
+                );
+            }
+            self.sleep(wait);
+        }
+    }
+
+    /// Answers the `add_peer` calls whose peers have finished setting up (or failed);
+    /// returns whether any did.
+    fn settle_connecting(&mut self) -> bool {
+        let before = self.connecting.len();
+        let mut i = 0;
+        while i < self.connecting.len() {
+            let p = self.connecting[i].0;
+            let res = match self.t.peer_ready(p) {
+                Ok(false) => {
+                    i += 1;
+                    continue;
+                }
+                Ok(true) => Ok(p),
+                Err(e) => Err(e),
+            };
+            let (_, r) = self.connecting.swap_remove(i);
+            let _ = r.send(res);
+        }
+        self.connecting.len() != before
+    }
+
+    /// Waits in the transport for at most `wait`, announced through `sleeping` so that a
+    /// command sent meanwhile wakes it (the engine's `wake_worker` is the other half).
+    fn sleep(&mut self, wait: Duration) {
+        if wait.is_zero() {
+            if let Err(e) = self.t.wait(wait) {
+                tracing::warn!(error = %e, "transport wait failed");
+            }
+            return;
+        }
+        self.sleeping.store(true, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if !self.rx.is_empty() || !self.internal.is_empty() {
+            self.sleeping.store(false, Ordering::Relaxed);
+            return;
+        }
+        let res = self.t.wait(wait);
+        self.sleeping.store(false, Ordering::Relaxed);
+        if let Err(e) = res {
+            tracing::warn!(error = %e, "transport wait failed");
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
 
     fn command(&mut self, cmd: Command) {
         match cmd {
-            Command::AddPeer(a, r) => {
-                let _ = r.send(self.t.add_peer(&a));
-            }
+            Command::AddPeer(a, r) => match self.t.add_peer(&a) {
+                Ok(p) => self.connecting.push((p, r)),
+                Err(e) => {
+                    let _ = r.send(Err(e));
+                }
+            },
             Command::RemovePeer(p, r) => {
                 let res = self.t.remove_peer(p);
                 // Operations that were queued but not posted fail too.
@@ -220,7 +305,14 @@ impl<T: Transport> Worker<T> {
                 let _ = r.send(self.t.register(m, a));
             }
             Command::Deregister(k, r) => {
-                let _ = r.send(self.t.deregister(k));
+                // Never under operations that may still read or write it.
+                let res = match self.in_use.get(&k) {
+                    Some(&transfers) if transfers > 0 => {
+                        Err(Error::RegionInUse { key: k, transfers })
+                    }
+                    _ => self.t.deregister(k),
+                };
+                let _ = r.send(res);
             }
             Command::Transfer(job) => self.start_transfer(job),
             Command::Send {
@@ -240,6 +332,7 @@ impl<T: Transport> Worker<T> {
                     deadline: None,
                     writes: Vec::new(),
                     next: 0,
+                    keys: vec![src.key],
                 });
                 self.queue.push_back(Queued {
                     slot: idx,
@@ -278,6 +371,9 @@ impl<T: Transport> Worker<T> {
         if a.deadline.is_some() {
             self.deadlines += 1;
         }
+        for k in &a.keys {
+            *self.in_use.entry(*k).or_default() += 1;
+        }
         self.slots[idx as usize] = Some(a);
         self.active += 1;
         (idx, generation)
@@ -299,6 +395,14 @@ impl<T: Transport> Worker<T> {
             };
             (w, v)
         });
+        let mut job = job;
+        let mut final_imm = final_imm;
+        if let (Some((_, v)), [only]) = (final_imm, job.plan.writes.as_slice()) {
+            // One write: it carries the immediate data itself (a transport delivers it only
+            // after that write's bytes have landed), which saves a round trip.
+            final_imm = Some((*only, v));
+            job.plan.writes.clear();
+        }
         let n = job.plan.writes.len() as u64;
         if n == 0 && final_imm.is_none() {
             self.flush_counters();
@@ -318,6 +422,7 @@ impl<T: Transport> Worker<T> {
             },
             final_imm,
             deadline: job.deadline,
+            keys: keys_of(&job.plan.writes, final_imm.as_ref().map(|(w, _)| w)),
             writes: job.plan.writes,
             next: 0,
         });
@@ -399,6 +504,14 @@ impl<T: Transport> Worker<T> {
         self.free.push(idx);
         if a.deadline.is_some() {
             self.deadlines -= 1;
+        }
+        for k in &a.keys {
+            if let Some(n) = self.in_use.get_mut(k) {
+                *n -= 1;
+                if *n == 0 {
+                    self.in_use.remove(k);
+                }
+            }
         }
         // Whoever sees the transfer finished also sees its operations counted.
         self.flush_counters();
@@ -625,18 +738,33 @@ impl<T: Transport> Worker<T> {
         }
     }
 
+    /// Times out transfers past their deadline: they post nothing more, and finish (with
+    /// `TimedOut`) once every operation they had posted has completed or failed, so that no
+    /// transport still touches their memory when the caller hears of it. A transport fails
+    /// operations whose peer stops answering (TCP: within its `peer_timeout`).
     fn expire(&mut self) {
         let now = Instant::now();
         self.next_deadline_scan = now + Duration::from_millis(1);
+        let mut drained = Vec::new();
         for idx in 0..self.slots.len() {
-            let expired =
-                matches!(&self.slots[idx], Some(a) if a.deadline.is_some_and(|d| d <= now));
-            if expired {
-                if let Some(a) = self.slots[idx].as_mut() {
-                    a.error.get_or_insert(OpError::TimedOut);
-                }
-                self.finish(idx as u32);
+            let Some(a) = self.slots[idx].as_mut() else {
+                continue;
+            };
+            if a.deadline.is_none_or(|d| d > now) {
+                continue;
             }
+            a.deadline = None;
+            self.deadlines -= 1;
+            a.error.get_or_insert(OpError::TimedOut);
+            a.final_imm = None;
+            // Writes not posted yet will never be: count them done now.
+            let unposted = (a.writes.len() - a.next) as u64;
+            a.next = a.writes.len();
+            drained.push((idx as u32, a.generation, unposted));
+        }
+        for (idx, generation, unposted) in drained {
+            // Entries still queued for it are dropped as the queue reaches them.
+            self.ops_done(idx, generation, unposted, Ok(()));
         }
     }
 
@@ -650,5 +778,25 @@ impl<T: Transport> Worker<T> {
         for (_, s) in self.recvs.drain() {
             s.complete(Err(OpError::Cancelled));
         }
+        // Work other workers handed over (from the callbacks just run, too) fails as well.
+        while let Ok(cmd) = self.internal.try_recv().or_else(|_| self.rx.try_recv()) {
+            match cmd {
+                Command::Transfer(job) => job.slot.complete(Err(OpError::Cancelled)),
+                Command::Send { slot, .. } => slot.complete(Err(OpError::Cancelled)),
+                Command::Recv { slot, .. } => slot.complete(Err(OpError::Cancelled)),
+                _ => {}
+            }
+        }
     }
+}
+
+/// The distinct local regions that `writes` (and the immediate-data write) read.
+fn keys_of(writes: &[PlannedWrite], imm: Option<&PlannedWrite>) -> Vec<LocalKey> {
+    let mut keys: Vec<LocalKey> = Vec::with_capacity(1);
+    for w in writes.iter().chain(imm) {
+        if keys.last() != Some(&w.src.key) && !keys.contains(&w.src.key) {
+            keys.push(w.src.key);
+        }
+    }
+    keys
 }

@@ -6,6 +6,7 @@ use crate::fi::{FiError, InfoList, Owned, check};
 use crate::info::{self, ProviderInfo};
 use crate::mr::{self, Registered};
 use crate::ops::{Op, OpTable, Slot};
+use fabric_core::wake::{Wake, WakeFd};
 use fabric_core::{
     Access, Completion, Error, LocalKey, LocalSlice, MemoryRegion, OpError, OpKind, PeerId,
     PostOutcome, Registration, RemoteSlice, Result, Transport, TransportLimits, WorkRequestId,
@@ -103,6 +104,11 @@ pub struct EfaTransport {
     wait_fd: Option<wait::WaitFd>,
     /// Scratch space for the completions `wait` reads.
     waited: Vec<Completion>,
+    /// Polled with the CQ's descriptor in `wait`: the engine makes it readable when it
+    /// has work for us.
+    wake: WakeFd,
+    /// `wait` saw a wake-up from the engine.
+    woken: bool,
 }
 
 impl std::fmt::Debug for EfaTransport {
@@ -255,6 +261,8 @@ impl EfaTransport {
             ready: VecDeque::new(),
             wait_fd,
             waited: Vec::new(),
+            wake: WakeFd::new().map_err(|e| Error::io("wake-up socket pair", e))?,
+            woken: false,
         })
     }
 
@@ -611,5 +619,9 @@ impl Transport for EfaTransport {
     /// it sleeps briefly, as the trait's default does.
     fn wait(&mut self, timeout: Duration) -> Result<()> {
         self.wait_for_progress(timeout)
+    }
+
+    fn waker(&mut self) -> Arc<dyn Wake> {
+        self.wake.waker()
     }
 }

@@ -74,12 +74,13 @@ impl EfaTransport {
     /// descriptor when `fi_trywait` says nothing is pending, and repeats until a completion
     /// arrives or time is up. Without one, it naps as the trait's default does.
     pub(super) fn wait_for_progress(&mut self, timeout: Duration) -> Result<()> {
+        self.woken = false;
         if !self.ready.is_empty() {
             return Ok(());
         }
         let Some(fd) = self.wait_fd else {
-            std::thread::sleep(timeout.min(NAP));
-            return Ok(());
+            // Nothing to sleep on but the engine's wake-ups: nap on those.
+            return self.sleep_on(None, timeout.min(NAP));
         };
         let deadline = Instant::now() + timeout;
         let mut got = std::mem::take(&mut self.waited);
@@ -102,6 +103,11 @@ impl EfaTransport {
             if let Err(e) = self.block_on(fd, deadline - now) {
                 break Err(e);
             }
+            if self.woken {
+                // The engine has work: let it run.
+                self.woken = false;
+                break Ok(());
+            }
         };
         self.ready.extend(got.drain(..));
         self.waited = got;
@@ -118,23 +124,40 @@ impl EfaTransport {
             return Ok(());
         }
         check("fi_trywait", rc as isize)?;
+        self.sleep_on(Some(fd), left)
+    }
+
+    /// Sleeps in `ppoll` on the engine's wake-up descriptor and, if given, the CQ's, for at
+    /// most `left`; notes in `woken` (and consumes) a wake-up.
+    fn sleep_on(&mut self, cq: Option<WaitFd>, left: Duration) -> Result<()> {
         let ts = libc::timespec {
             tv_sec: left.as_secs() as libc::time_t,
             tv_nsec: left.subsec_nanos() as libc::c_long,
         };
-        let mut pfd = libc::pollfd {
-            fd: fd.0,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd for a descriptor the CQ keeps open; ts is valid; no
-        // signal mask.
-        let rc = unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
+        let mut pfds = [
+            libc::pollfd {
+                fd: self.wake.fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: cq.map_or(-1, |c| c.0), // a negative fd is ignored by ppoll
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: two valid pollfds (descriptors the transport and the CQ keep open, or -1,
+        // which ppoll skips); ts is valid; no signal mask.
+        let rc = unsafe { libc::ppoll(pfds.as_mut_ptr(), 2, &ts, std::ptr::null()) };
         if rc < 0 {
             let e = std::io::Error::last_os_error();
             if e.kind() != std::io::ErrorKind::Interrupted {
                 return Err(Error::io("ppoll", e));
             }
+        }
+        if pfds[0].revents != 0 {
+            self.wake.drain();
+            self.woken = true;
         }
         Ok(())
     }

@@ -1,0 +1,179 @@
+//! Waking a worker that sleeps in [`Transport::wait`](crate::Transport::wait).
+//!
+//! An engine's worker sleeps in its transport's `wait` when it has nothing to do, and must
+//! be woken at once when the application hands it work (a submit, a peer to add, memory to
+//! register), never by a timer: latency is paid on every transfer that waits for a sleeping
+//! worker. Each transport hands the engine a [`Wake`] handle, which the engine calls from
+//! the application's threads after queueing a command:
+//!
+//! - transports that sleep on file descriptors (sockets, a CQ's wait descriptor) put a
+//!   [`WakeFd`]'s descriptor into their poll set, as mio's `Waker` does;
+//! - transports with nothing to sleep on wait on a [`Signal`] (a condition variable).
+//!
+//! Both are sticky: a wake that comes before the `wait` makes that `wait` return at once,
+//! so no wake-up is lost between the worker's last look at its queue and its sleep.
+//!
+//! ```
+//! use fabric_core::wake::{Signal, Wake};
+//! use std::sync::Arc;
+//! use std::time::{Duration, Instant};
+//! let s = Arc::new(Signal::new());
+//! let w: Arc<dyn Wake> = s.clone();
+//! w.wake(); // before the wait: the wait returns at once
+//! let t = Instant::now();
+//! assert!(s.wait_timeout(Duration::from_secs(5)));
+//! assert!(t.elapsed() < Duration::from_secs(5));
+//! assert!(!s.wait_timeout(Duration::from_millis(1))); // consumed
+//! ```
+
+use std::io::ErrorKind;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixDatagram;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+/// Something that makes a sleeping (or the next) [`Transport::wait`](crate::Transport::wait)
+/// return at once. Called from any thread; cheap when called often.
+pub trait Wake: Send + Sync {
+    /// Wakes the waiter (or makes its next wait return at once).
+    fn wake(&self);
+}
+
+/// A waker that does nothing: for transports whose `wait` only naps briefly.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoWake;
+
+impl Wake for NoWake {
+    fn wake(&self) {}
+}
+
+/// A sticky flag with a condition variable, for transports that have no descriptor to
+/// sleep on.
+#[derive(Debug, Default)]
+pub struct Signal {
+    set: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl Signal {
+    /// A signal not yet raised.
+    pub fn new() -> Signal {
+        Signal::default()
+    }
+
+    /// Sleeps until the signal is raised or `timeout` passes; returns whether it was
+    /// raised, and lowers it.
+    pub fn wait_timeout(&self, timeout: Duration) -> bool {
+        let g = self.set.lock().unwrap_or_else(|p| p.into_inner());
+        let (mut g, _) = self
+            .cv
+            .wait_timeout_while(g, timeout, |set| !*set)
+            .unwrap_or_else(|p| p.into_inner());
+        std::mem::replace(&mut *g, false)
+    }
+}
+
+impl Wake for Signal {
+    fn wake(&self) {
+        let mut g = self.set.lock().unwrap_or_else(|p| p.into_inner());
+        if !*g {
+            *g = true;
+            self.cv.notify_one();
+        }
+    }
+}
+
+/// A descriptor that becomes readable when woken: add [`fd`](WakeFd::fd) to a poll set
+/// (`POLLIN`) and call [`drain`](WakeFd::drain) once it is readable. Built on a pair of
+/// Unix datagram sockets from `std` (no FFI here); [`waker`](WakeFd::waker) is the other end.
+#[derive(Debug)]
+pub struct WakeFd {
+    rx: UnixDatagram,
+    tx: Arc<WakeSender>,
+}
+
+/// The sending end of a [`WakeFd`].
+#[derive(Debug)]
+struct WakeSender(UnixDatagram);
+
+impl Wake for WakeSender {
+    fn wake(&self) {
+        // A full queue means wake-ups are already pending: nothing is lost.
+        match self.0.send(&[1]) {
+            Ok(_) => {}
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+            Err(e) => tracing::debug!(error = %e, "wake-up not sent"),
+        }
+    }
+}
+
+impl WakeFd {
+    /// A new pair.
+    pub fn new() -> std::io::Result<WakeFd> {
+        let (rx, tx) = UnixDatagram::pair()?;
+        rx.set_nonblocking(true)?;
+        tx.set_nonblocking(true)?;
+        Ok(WakeFd {
+            rx,
+            tx: Arc::new(WakeSender(tx)),
+        })
+    }
+
+    /// The descriptor to poll for `POLLIN`.
+    pub fn fd(&self) -> RawFd {
+        self.rx.as_raw_fd()
+    }
+
+    /// The handle that wakes this descriptor, for the engine.
+    pub fn waker(&self) -> Arc<dyn Wake> {
+        self.tx.clone()
+    }
+
+    /// Consumes pending wake-ups, so that the descriptor polls as not readable again.
+    pub fn drain(&self) {
+        let mut buf = [0u8; 64];
+        loop {
+            match self.rx.recv(&mut buf) {
+                Ok(_) => continue,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(_) => return, // WouldBlock: empty
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    #[test]
+    fn signal_wakes_a_sleeping_waiter_from_another_thread() {
+        let s = Arc::new(Signal::new());
+        let s2 = s.clone();
+        let t = std::thread::spawn(move || {
+            let t0 = Instant::now();
+            let woken = s2.wait_timeout(Duration::from_secs(10));
+            (woken, t0.elapsed())
+        });
+        // Wakes it whether it already sleeps or not (sticky).
+        s.wake();
+        let (woken, took) = t.join().expect("waiter");
+        assert!(woken);
+        assert!(took < Duration::from_secs(10));
+    }
+
+    #[test]
+    fn wake_fd_is_sticky_and_drains() {
+        let w = WakeFd::new().expect("socketpair");
+        let waker = w.waker();
+        let mut buf = [0u8; 8];
+        assert!(w.rx.recv(&mut buf).is_err(), "nothing pending yet");
+        for _ in 0..10_000 {
+            waker.wake(); // more than the socket queue holds: extra wakes are dropped
+        }
+        assert!(w.rx.recv(&mut buf).is_ok(), "pending after wake");
+        w.drain();
+        assert!(w.rx.recv(&mut buf).is_err(), "drained");
+    }
+}

@@ -1,0 +1,284 @@
+//! `--latency`: transfers one at a time (depth 1), each timed from submit to completion,
+//! with percentiles; beside them, in the same run, a raw TCP ping-pong of the same pages
+//! (the floor: a vectored write of the pages, an 8-byte answer), and, where the target is in
+//! this process (`demo`), the time from submit to the target's immediate-data event.
+
+use crate::pattern::Rng;
+use crate::workload::Workload;
+use fabric_core::Error;
+use fabric_core::engine::RemoteDescriptor;
+use fabric_core::engine::{GroupPeer, GroupRegistration, GroupTransfer, RailGroup, WARM_UP_IMM};
+use serde::Serialize;
+use std::io::{IoSlice, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+/// Most transfers timed in one run (whatever `--bytes` asks).
+pub const MAX_SAMPLES: u64 = 200_000;
+
+/// Transfers to time: as many as `--bytes` holds, at least one, at most [`MAX_SAMPLES`].
+pub fn sample_count(w: &Workload) -> u64 {
+    (w.bytes / (w.pages * w.page_size)).clamp(1, MAX_SAMPLES)
+}
+
+/// The summary of a latency run (sorts the samples).
+pub fn summary(
+    transport: &'static str,
+    rails: usize,
+    busy_poll_us: u64,
+    w: &Workload,
+    transfers: &mut [Duration],
+    imm: &mut [Duration],
+    raw: &mut [Duration],
+) -> LatencySummary {
+    let transfer = Percentiles::of(transfers).unwrap_or(Percentiles {
+        count: 0,
+        p50_us: 0.0,
+        p90_us: 0.0,
+        p99_us: 0.0,
+        max_us: 0.0,
+        mean_us: 0.0,
+    });
+    let raw_tcp_round_trip = Percentiles::of(raw);
+    LatencySummary {
+        transport,
+        page_size: w.page_size,
+        pages: w.pages,
+        rails,
+        busy_poll_us,
+        ratio_p50: raw_tcp_round_trip.map(|r| transfer.p50_us / r.p50_us),
+        transfer,
+        imm_event: Percentiles::of(imm),
+        raw_tcp_round_trip,
+    }
+}
+
+/// Percentiles of one series, in microseconds.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Percentiles {
+    /// Samples.
+    pub count: usize,
+    /// Median.
+    pub p50_us: f64,
+    /// 90th percentile.
+    pub p90_us: f64,
+    /// 99th percentile.
+    pub p99_us: f64,
+    /// Largest.
+    pub max_us: f64,
+    /// Mean.
+    pub mean_us: f64,
+}
+
+impl Percentiles {
+    /// Of `samples` (sorted here); `None` for none.
+    pub fn of(samples: &mut [Duration]) -> Option<Percentiles> {
+        if samples.is_empty() {
+            return None;
+        }
+        samples.sort_unstable();
+        let us = |d: Duration| d.as_secs_f64() * 1e6;
+        let at = |q: f64| us(samples[((samples.len() as f64 * q) as usize).min(samples.len() - 1)]);
+        let sum: Duration = samples.iter().sum();
+        Some(Percentiles {
+            count: samples.len(),
+            p50_us: at(0.50),
+            p90_us: at(0.90),
+            p99_us: at(0.99),
+            max_us: us(samples[samples.len() - 1]),
+            mean_us: us(sum) / samples.len() as f64,
+        })
+    }
+
+    fn line(&self) -> String {
+        format!(
+            "p50 {:.1} us, p90 {:.1} us, p99 {:.1} us, max {:.1} us ({} samples)",
+            self.p50_us, self.p90_us, self.p99_us, self.max_us, self.count
+        )
+    }
+}
+
+/// What `--latency` measured.
+#[derive(Debug, Serialize)]
+pub struct LatencySummary {
+    /// The transport.
+    pub transport: &'static str,
+    /// Bytes per page.
+    pub page_size: u64,
+    /// Pages per transfer.
+    pub pages: u64,
+    /// Rails.
+    pub rails: usize,
+    /// The worker's busy-poll spin, microseconds (0: sleeps at once).
+    pub busy_poll_us: u64,
+    /// Submit to completion at the initiator, per transfer.
+    pub transfer: Percentiles,
+    /// Submit to the target's immediate-data event (demo only: the target is in this
+    /// process, so both times come from one clock).
+    pub imm_event: Option<Percentiles>,
+    /// Raw TCP round trip: a vectored write of the same pages, an 8-byte answer.
+    pub raw_tcp_round_trip: Option<Percentiles>,
+    /// `transfer.p50_us / raw_tcp_round_trip.p50_us`.
+    pub ratio_p50: Option<f64>,
+}
+
+impl LatencySummary {
+    /// Prints it (text or one JSON object).
+    pub fn print(&self, json: bool) {
+        if json {
+            println!(
+                "{}",
+                serde_json::to_string(self).expect("summary serialises")
+            );
+            return;
+        }
+        println!(
+            "{} latency, {} page(s) of {} x {} rails, depth 1 (busy-poll {} us):",
+            self.transport,
+            self.pages,
+            crate::size::format_size(self.page_size),
+            self.rails,
+            self.busy_poll_us
+        );
+        println!(
+            "  transfer (submit to completion): {}",
+            self.transfer.line()
+        );
+        if let Some(p) = &self.imm_event {
+            println!("  submit to target's immediate data: {}", p.line());
+        }
+        if let Some(p) = &self.raw_tcp_round_trip {
+            println!("  raw TCP round trip, same pages:  {}", p.line());
+        }
+        if let Some(r) = self.ratio_p50 {
+            println!("  ratio of p50s (transfer / raw round trip): {r:.2}");
+        }
+    }
+}
+
+/// Transfers of `pages` random pages of `page_size`, one at a time; `target`, when the
+/// target group is in this process, is watched for the immediate data of each transfer.
+/// Returns (per-transfer times, submit-to-immediate-data times).
+pub fn run_transfers(
+    group: &RailGroup,
+    src: &GroupRegistration,
+    peer: &GroupPeer,
+    dst: &RemoteDescriptor,
+    target: Option<&RailGroup>,
+    w: &Workload,
+    count: u64,
+) -> Result<(Vec<Duration>, Vec<Duration>), Error> {
+    let timeout = Duration::from_secs(30);
+    let (page_size, pages, region_pages) = (w.page_size, w.pages, w.region_pages());
+    let mut rng = Rng::new(w.seed);
+    let mut times = Vec::with_capacity(count as usize);
+    let mut submitted = Vec::with_capacity(count as usize);
+    let watch = |t: &RailGroup| -> Result<Vec<(u32, Instant)>, Error> {
+        let mut seen = Vec::with_capacity(count as usize);
+        while (seen.len() as u64) < count {
+            let ev = t.next_event(timeout)?;
+            if let Some(v) = ev.imm() {
+                seen.push((v, Instant::now()));
+            }
+        }
+        Ok(seen)
+    };
+    let seen = std::thread::scope(|s| -> Result<Option<Vec<(u32, Instant)>>, Error> {
+        let watcher = target.map(|t| s.spawn(move || watch(t)));
+        for i in 0..count {
+            let mut segments = Vec::with_capacity(pages as usize);
+            for _ in 0..pages {
+                let p = rng.below(region_pages) * page_size;
+                segments.push((p, p, page_size));
+            }
+            let t = GroupTransfer {
+                src: src.clone(),
+                dst: dst.clone(),
+                segments,
+                // Never the warm-up value, which rail groups drop.
+                imm: Some((i % WARM_UP_IMM as u64) as u32),
+                timeout: Some(timeout),
+            };
+            let t0 = Instant::now();
+            let h = group.submit(peer, t)?;
+            h.wait(timeout)?;
+            times.push(t0.elapsed());
+            submitted.push(t0);
+        }
+        match watcher {
+            None => Ok(None),
+            Some(w) => w
+                .join()
+                .map_err(|_| Error::InvalidArgument("the watcher thread panicked".into()))?
+                .map(Some),
+        }
+    })?;
+    let mut imm = Vec::new();
+    if let Some(seen) = seen {
+        for (v, at) in seen {
+            if let Some(t0) = submitted.get(v as usize) {
+                imm.push(at.saturating_duration_since(*t0));
+            }
+        }
+    }
+    Ok((times, imm))
+}
+
+/// The floor: `count` round trips over one loopback TCP connection (TCP_NODELAY), each a
+/// vectored write of `pages` random pages of `page_size` from a `region`-byte buffer,
+/// answered with 8 bytes once the receiver has read them all.
+pub fn raw_round_trips(
+    page_size: u64,
+    pages: u64,
+    region: u64,
+    count: u64,
+    seed: u64,
+) -> std::io::Result<Vec<Duration>> {
+    let region = region.clamp(page_size, 256 << 20) as usize;
+    let page = page_size as usize;
+    let per = page * pages as usize;
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let server = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = listener.accept()?;
+        s.set_nodelay(true)?;
+        let mut buf = vec![0u8; per];
+        for _ in 0..count {
+            s.read_exact(&mut buf)?;
+            s.write_all(&[1u8; 8])?;
+        }
+        Ok(())
+    });
+    let mut c = TcpStream::connect(addr)?;
+    c.set_nodelay(true)?;
+    let src = vec![0x5Au8; region];
+    let region_pages = (region / page) as u64;
+    let mut rng = Rng::new(seed);
+    let mut times = Vec::with_capacity(count as usize);
+    let mut ack = [0u8; 8];
+    for _ in 0..count {
+        let offs: Vec<usize> = (0..pages)
+            .map(|_| rng.below(region_pages) as usize * page)
+            .collect();
+        let t0 = Instant::now();
+        let mut iov: Vec<IoSlice<'_>> = offs
+            .iter()
+            .map(|&o| IoSlice::new(&src[o..o + page]))
+            .collect();
+        let mut slices = &mut iov[..];
+        while !slices.is_empty() {
+            let n = c.write_vectored(slices)?;
+            if n == 0 {
+                return Err(std::io::ErrorKind::WriteZero.into());
+            }
+            IoSlice::advance_slices(&mut slices, n);
+        }
+        c.read_exact(&mut ack)?;
+        times.push(t0.elapsed());
+    }
+    drop(c);
+    server
+        .join()
+        .map_err(|_| std::io::Error::other("ping-pong server panicked"))??;
+    Ok(times)
+}
