@@ -52,7 +52,9 @@ gpu_text=none
 ((ngpu == 0)) || gpu_text="$ngpu x $(head -n 1 <<<"$gpus")"
 
 # Each row: workload | needs (any, gpu, 2gpu, 16cores) | xfer arguments (bytes last, as
-# --bytes N: --quick divides N).
+# --bytes N: --quick divides N). Throughput rows report Gbps and, with --baseline, the
+# ratios to raw streams; latency rows (--latency; --bytes sets how many transfers are
+# timed) report the transfer's p50 and p99 and the raw TCP ping-pong's p50 of the same run.
 rows=(
     "TCP, 64 KiB pages, 1 rail, vs 1 raw stream|any|demo --transport tcp --baseline --json --bytes 8GiB"
     "TCP, 4 KiB pages, 1 rail, vs 1 raw stream|any|demo --transport tcp --page-size 4KiB --baseline --json --bytes 2GiB"
@@ -60,6 +62,9 @@ rows=(
     "TCP, 64 KiB pages, 8 rails, vs 8 raw streams|16cores|demo --transport tcp --rails 8 --baseline --json --bytes 16GiB"
     "EFA backend over libfabric's tcp provider, 64 KiB pages|any|demo --transport efa --provider tcp --json --bytes 4GiB"
     "mem (in-process copies: the engine itself), 64 KiB pages|any|demo --transport mem --json --bytes 8GiB"
+    "latency: TCP, one 4 KiB page a transfer, depth 1|any|demo --latency --transport tcp --page-size 4KiB --pages 1 --json --bytes 80MiB"
+    "latency: mem, one 4 KiB page a transfer, depth 1|any|demo --latency --transport mem --page-size 4KiB --pages 1 --json --bytes 80MiB"
+    "latency: EFA backend over libfabric's tcp provider, one 4 KiB page, depth 1|any|demo --latency --transport efa --provider tcp --page-size 4KiB --pages 1 --json --bytes 80MiB"
     "TCP, GPU0 -> GPU0 memory, 64 KiB, 1 rail|gpu|demo --transport tcp --memory cuda --gpus 0 --rails 1 --pin off --baseline --json --bytes 16GiB"
     "TCP, GPU0 -> GPU0 memory, 64 KiB, 8 rails|gpu|demo --transport tcp --memory cuda --gpus 0 --rails 8 --pin off --baseline --json --bytes 16GiB"
     "cuda-ipc, GPU0 -> GPU0, one process, 64 KiB, 8 rails|gpu|demo --transport cuda-ipc --memory cuda --gpus 0 --rails 8 --pages 10000 --baseline --json --bytes 64GiB"
@@ -90,36 +95,56 @@ for row in "${rows[@]}"; do
     esac
     if ((quick)); then
         bytes=${cmd##*--bytes }
-        cmd="${cmd% --bytes *} --bytes $((${bytes%GiB} * 128))MiB"
+        case $bytes in
+        *GiB) cmd="${cmd% --bytes *} --bytes $((${bytes%GiB} * 128))MiB" ;;
+        *MiB) cmd="${cmd% --bytes *} --bytes $((${bytes%MiB} * 128))KiB" ;;
+        esac
     fi
-    gbps=() ratio=() hot=() ok=1
+    latency=0
+    [[ " $cmd " == *" --latency "* ]] && latency=1
+    a=() b=() c=() ok=1
     for run in 1 2 3; do
         echo "bench: [$run/3] xfer $cmd" >&2
         # shellcheck disable=SC2086 # the row's arguments are words
-        if ! out=$("$X" $cmd 2>/dev/null) || ! grep -q '"verified":true' <<<"$out"; then
+        if ! out=$("$X" $cmd 2>/dev/null) ||
+            { ((!latency)) && ! grep -q '"verified":true' <<<"$out"; }; then
             echo "bench: FAILED: xfer $cmd" >&2
             ok=0
             break
         fi
-        gbps+=("$(field gbps <<<"$out")")
-        ratio+=("$(field ratio <<<"$out")")
-        hot+=("$(field ratio_hot <<<"$out")")
+        if ((latency)); then
+            # The transfer's percentiles come first in the JSON; the raw ping-pong's object
+            # is named.
+            a+=("$(field p50_us <<<"$out")")
+            b+=("$(field p99_us <<<"$out")")
+            c+=("$(grep -o '"raw_tcp_round_trip":{[^}]*}' <<<"$out" | field p50_us)")
+        else
+            a+=("$(field gbps <<<"$out")")
+            b+=("$(field ratio <<<"$out")")
+            c+=("$(field ratio_hot <<<"$out")")
+        fi
     done
     if ((!ok)); then
         failed+=("$what")
         table+=("| $what | \`xfer $cmd\` | FAILED |")
         continue
     fi
-    result="$(printf '%s\n' "${gbps[@]}" | stat) Gbps"
-    r=$(printf '%s\n' "${ratio[@]}" | grep . | stat || true)
-    [[ -z "$r" || "$r" == - ]] || result="$result; ratio $r"
-    h=$(printf '%s\n' "${hot[@]}" | grep . | stat || true)
-    [[ -z "$h" || "$h" == - ]] || result="$result; hot $h"
+    if ((latency)); then
+        result="p50 $(printf '%s\n' "${a[@]}" | stat) µs; p99 $(printf '%s\n' "${b[@]}" | stat) µs"
+        r=$(printf '%s\n' "${c[@]}" | grep . | stat || true)
+        [[ -z "$r" || "$r" == - ]] || result="$result; raw TCP ping-pong p50 $r µs"
+    else
+        result="$(printf '%s\n' "${a[@]}" | stat) Gbps"
+        r=$(printf '%s\n' "${b[@]}" | grep . | stat || true)
+        [[ -z "$r" || "$r" == - ]] || result="$result; ratio $r"
+        h=$(printf '%s\n' "${c[@]}" | grep . | stat || true)
+        [[ -z "$h" || "$h" == - ]] || result="$result; hot $h"
+    fi
     table+=("| $what | \`xfer $cmd\` | $result |")
 done
 
 echo "Measured at commit $commit on $cores cores ($cpu), $mem, GPU: $gpu_text, Linux $(uname -r); $(date -u +%Y-%m-%d)."
-echo "Each figure is the median of 3 runs (min–max); every run verified every written byte.$( ((quick)) && echo ' --quick: transfers 8 times smaller than the README rows.')"
+echo "Each figure is the median of 3 runs (min–max); every throughput run verified every written byte.$( ((quick)) && echo ' --quick: transfers 8 times smaller than the README rows.')"
 echo
 echo "| workload | command | result |"
 echo "|---|---|---|"

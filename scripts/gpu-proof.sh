@@ -14,8 +14,6 @@ hw_tests ./tcp_gpu_tests
 hw_tests ./gpu_mem_cuda_tests
 d() { step "demo $*" $X demo --transport tcp --page-size 64KiB --pages 1000 --bytes 16GiB --baseline --json "$@"; }
 for r in 1 4 8; do d --memory cuda --gpus 0 --rails "$r" --pin off; done
-echo "== one driver copy per page instead of the copy kernel (XFER_TCP_GPU_COPY=stream)"
-XFER_TCP_GPU_COPY=stream d --memory cuda --gpus 0 --rails 8 --pin off
 d --memory host --rails 8
 if ((ngpu >= 2)); then
   step topo $X topo

@@ -3,7 +3,6 @@
 //! (the floor: a vectored write of the pages, an 8-byte answer), and, where the target is in
 //! this process (`demo`), the time from submit to the target's immediate-data event.
 
-use crate::pattern::Rng;
 use crate::workload::Workload;
 use fabric_core::Error;
 use fabric_core::engine::RemoteDescriptor;
@@ -170,7 +169,7 @@ pub fn run_transfers(
 ) -> Result<(Vec<Duration>, Vec<Duration>), Error> {
     let timeout = Duration::from_secs(30);
     let (page_size, pages, region_pages) = (w.page_size, w.pages, w.region_pages());
-    let mut rng = Rng::new(w.seed);
+    let mut rng = fastrand::Rng::with_seed(w.seed);
     let mut times = Vec::with_capacity(count as usize);
     let mut submitted = Vec::with_capacity(count as usize);
     let watch = |t: &RailGroup| -> Result<Vec<(u32, Instant)>, Error> {
@@ -188,7 +187,7 @@ pub fn run_transfers(
         for i in 0..count {
             let mut segments = Vec::with_capacity(pages as usize);
             for _ in 0..pages {
-                let p = rng.below(region_pages) * page_size;
+                let p = rng.u64(..region_pages) * page_size;
                 segments.push((p, p, page_size));
             }
             let t = GroupTransfer {
@@ -253,12 +252,12 @@ pub fn raw_round_trips(
     c.set_nodelay(true)?;
     let src = vec![0x5Au8; region];
     let region_pages = (region / page) as u64;
-    let mut rng = Rng::new(seed);
+    let mut rng = fastrand::Rng::with_seed(seed);
     let mut times = Vec::with_capacity(count as usize);
     let mut ack = [0u8; 8];
     for _ in 0..count {
         let offs: Vec<usize> = (0..pages)
-            .map(|_| rng.below(region_pages) as usize * page)
+            .map(|_| rng.u64(..region_pages) as usize * page)
             .collect();
         let t0 = Instant::now();
         let mut iov: Vec<IoSlice<'_>> = offs
