@@ -6,12 +6,16 @@
 #   bash .carry/gpu/gpu-proof.sh    # TCP with GPU memory: tests and figures
 #   bash .carry/gpu/ipc-proof.sh    # CUDA IPC: tests and figures
 #   bash .carry/gpu/bench.sh        # the README's figures on that machine
+#   .carry/gpu/sim_p5 8 4 3         # the engine alone at p5 scale (see benches/examples)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=.carry/gpu
 rm -rf "$out" && mkdir -p "$out"
 cargo build --release -p xfer-cli
 cp target/release/xfer "$out/xfer"
+# The engine alone at p5 scale (8 workers x 4 rails of a transport that moves no bytes).
+cargo build --release -p xfer-benches --example sim_p5
+cp target/release/examples/sim_p5 "$out/sim_p5"
 # Test executables: `cargo test --no-run` names each one ("Executable tests/x.rs (PATH)").
 copy() { # PACKAGE TEST NAME
     local exe
