@@ -679,6 +679,14 @@ fn reply_line(s: &std::net::TcpStream, within: std::time::Duration) -> Option<Va
     }
 }
 
+/// Asserts that the server answers `s` with a refusal naming `flag`, the limit it hit.
+fn assert_refused(s: &std::net::TcpStream, flag: &str) {
+    let r = reply_line(s, std::time::Duration::from_secs(10)).expect("a refusal before the close");
+    assert_eq!(r["ok"], false, "{r}");
+    let why = r["error"].as_str().expect("a reason");
+    assert!(why.contains(flag), "the reason names {flag}: {r}");
+}
+
 const HELLO: &str = "{\"op\":\"hello\",\"version\":1,\"transport\":\"tcp\"}\n";
 
 #[test]
@@ -707,12 +715,7 @@ fn serve_refuses_clients_beyond_its_limits_with_the_reason_and_keeps_serving() {
     // A second hello fits the client cap but not the bytes.
     let mut second = TcpStream::connect(addr).expect("connect");
     second.write_all(HELLO.as_bytes()).expect("hello");
-    let r = reply_line(&second, Duration::from_secs(10)).expect("a reply");
-    assert_eq!(r["ok"], false, "{r}");
-    assert!(
-        r["error"].as_str().unwrap().contains("--max-region-bytes"),
-        "{r}"
-    );
+    assert_refused(&second, "--max-region-bytes");
     // The server closes it after giving its place back.
     assert!(reply_line(&second, Duration::from_secs(10)).is_none());
 
@@ -720,12 +723,7 @@ fn serve_refuses_clients_beyond_its_limits_with_the_reason_and_keeps_serving() {
     // deadline.
     let silent = TcpStream::connect(addr).expect("connect");
     let started = Instant::now();
-    let r = reply_line(&silent, Duration::from_secs(10)).expect("the reason before the close");
-    assert_eq!(r["ok"], false, "{r}");
-    assert!(
-        r["error"].as_str().unwrap().contains("--hello-timeout"),
-        "{r}"
-    );
+    assert_refused(&silent, "--hello-timeout");
     let waited = started.elapsed();
     // Closed after its place is given back.
     assert!(reply_line(&silent, Duration::from_secs(10)).is_none());
@@ -739,12 +737,7 @@ fn serve_refuses_clients_beyond_its_limits_with_the_reason_and_keeps_serving() {
     let mut line = vec![b' '; 64 << 10];
     line.push(b'\n');
     let _ = big.write_all(&line);
-    let r = reply_line(&big, Duration::from_secs(10)).expect("a reply");
-    assert_eq!(r["ok"], false, "{r}");
-    assert!(
-        r["error"].as_str().unwrap().contains("--max-request-bytes"),
-        "{r}"
-    );
+    assert_refused(&big, "--max-request-bytes");
     // Closed after its place is given back.
     assert!(reply_line(&big, Duration::from_secs(10)).is_none());
 
@@ -752,12 +745,7 @@ fn serve_refuses_clients_beyond_its_limits_with_the_reason_and_keeps_serving() {
     let _other = TcpStream::connect(addr).expect("connect");
     let mut over = TcpStream::connect(addr).expect("connect");
     over.write_all(HELLO.as_bytes()).expect("hello");
-    let r = reply_line(&over, Duration::from_secs(10)).expect("a reply");
-    assert_eq!(r["ok"], false, "{r}");
-    assert!(
-        r["error"].as_str().unwrap().contains("--max-clients"),
-        "{r}"
-    );
+    assert_refused(&over, "--max-clients");
     drop(_other);
 
     // When the holder leaves, its place and bytes come back: a real bench verifies.
