@@ -17,11 +17,12 @@ hw_tests ./ipc_process_tests --nocapture
 d() { step "demo $*" $X demo --transport cuda-ipc --memory cuda --baseline --json "$@"; }
 for r in 1 4 8; do d --gpus 0 --rails "$r" --page-size 64KiB --pages 10000 --bytes 64GiB; done
 d --gpus 0 --rails 8 --page-size 4KiB --pages 100000 --bytes 8GiB
+for m in batch memcpy; do d --gpus 0 --rails 8 --page-size 64KiB --pages 10000 --bytes 16GiB --cuda-copy $m; done
 if ((ngpu >= 2)); then
   for r in 1 4 8; do d --gpus 0,1 --rails "$r" --page-size 64KiB --pages 10000 --bytes 128GiB; done
   d --gpus 0,1 --rails 8 --page-size 4KiB --pages 100000 --bytes 16GiB
   for m in batch memcpy; do
-    XFER_CUDA_COPY=$m d --gpus 0,1 --rails 8 --page-size 64KiB --pages 10000 --bytes 64GiB
+    d --gpus 0,1 --rails 8 --page-size 64KiB --pages 10000 --bytes 64GiB --cuda-copy $m
   done
 fi
 # Two processes (auto picks cuda-ipc): a server per GPU, benches from GPU 0.

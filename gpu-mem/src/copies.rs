@@ -46,7 +46,7 @@ fn batch_fn() -> Option<BatchFn> {
 }
 
 /// How a batch of copies is issued. The default is the first that works here, in this
-/// order; `XFER_CUDA_COPY=kernel|batch|memcpy` forces one (for comparisons).
+/// order; `with_method` constructors (and `xfer --cuda-copy`) force one, for comparisons.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CopyMethod {
     /// One launch of a copy kernel per batch (ranges with 16-byte aligned ends; others
@@ -59,13 +59,20 @@ pub enum CopyMethod {
 }
 
 impl CopyMethod {
-    /// Its name, as `XFER_CUDA_COPY` spells it.
+    /// Its name, as [`CopyMethod::from_name`] and `xfer --cuda-copy` spell it.
     pub fn name(self) -> &'static str {
         match self {
             CopyMethod::Kernel => "kernel",
             CopyMethod::Batch => "batch",
             CopyMethod::Memcpy => "memcpy",
         }
+    }
+
+    /// The method of that name (`kernel`, `batch` or `memcpy`), or `None`.
+    pub fn from_name(name: &str) -> Option<CopyMethod> {
+        [CopyMethod::Kernel, CopyMethod::Batch, CopyMethod::Memcpy]
+            .into_iter()
+            .find(|m| m.name() == name)
     }
 }
 
@@ -114,24 +121,8 @@ unsafe impl Send for RangeCopies {}
 unsafe impl Sync for RangeCopies {}
 
 impl RangeCopies {
-    /// Copies on `device` with the best method that works here, or the one
-    /// `XFER_CUDA_COPY` names.
+    /// Copies on `device` with the best method that works here.
     pub(crate) fn new(device: &Device) -> Result<RangeCopies, GpuMemError> {
-        let forced = std::env::var("XFER_CUDA_COPY").ok();
-        let forced = match forced.as_deref() {
-            None | Some("") => None,
-            Some("kernel") => Some(CopyMethod::Kernel),
-            Some("batch") => Some(CopyMethod::Batch),
-            Some("memcpy") => Some(CopyMethod::Memcpy),
-            Some(other) => {
-                return Err(GpuMemError::WrongMemory(format!(
-                    "XFER_CUDA_COPY={other}: expected kernel, batch or memcpy"
-                )));
-            }
-        };
-        if let Some(m) = forced {
-            return RangeCopies::with_method(device, m);
-        }
         match RangeCopies::with_method(device, CopyMethod::Kernel) {
             Ok(c) => Ok(c),
             Err(e) => {
@@ -425,7 +416,7 @@ pub struct StagedCopies {
 
 impl StagedCopies {
     /// Copies between memory of `device` and `staging` (pinned memory, which every CUDA
-    /// context maps), with the best [`CopyMethod`] here (or `XFER_CUDA_COPY`'s).
+    /// context maps), with the best [`CopyMethod`] here.
     pub fn new(
         device: &Device,
         staging: Arc<crate::PinnedHostBuffer>,
@@ -542,5 +533,20 @@ impl StagedCopies {
         let n = done - self.reported;
         self.reported = done;
         Ok(n as usize)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CopyMethod;
+
+    #[test]
+    fn copy_methods_round_trip_by_name_and_nothing_else_parses() {
+        for m in [CopyMethod::Kernel, CopyMethod::Batch, CopyMethod::Memcpy] {
+            assert_eq!(CopyMethod::from_name(m.name()), Some(m));
+        }
+        for bad in ["", "Kernel", "dma", "memcpy "] {
+            assert_eq!(CopyMethod::from_name(bad), None, "{bad:?}");
+        }
     }
 }

@@ -399,7 +399,7 @@ pub struct PeerCopies {
 
 impl PeerCopies {
     /// A stream for copies issued from `device` (the device whose memory is the source),
-    /// with the best [`CopyMethod`] that works here, or the one `XFER_CUDA_COPY` names.
+    /// with the best [`CopyMethod`] that works here ([`PeerCopies::with_method`] forces one).
     pub fn new(device: &Device) -> Result<PeerCopies, GpuMemError> {
         Ok(PeerCopies {
             copies: RangeCopies::new(device)?,

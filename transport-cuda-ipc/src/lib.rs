@@ -117,6 +117,9 @@ pub struct CudaIpcConfig {
     pub peer_timeout: Duration,
     /// Most open connections.
     pub max_connections: usize,
+    /// How batches of copies are issued (`None`: the best that works here, the copy kernel
+    /// first); forcing one is for comparisons. Was the `XFER_CUDA_COPY` variable.
+    pub copy_method: Option<gpu_mem::CopyMethod>,
 }
 
 impl Default for CudaIpcConfig {
@@ -132,6 +135,7 @@ impl Default for CudaIpcConfig {
             max_unexpected_bytes: 64 << 20,
             peer_timeout: Duration::from_secs(5),
             max_connections: 1024,
+            copy_method: None,
         }
     }
 }
@@ -260,11 +264,12 @@ fn op_error(status: u32, op: &WriteOp, region_len: u64) -> OpError {
 impl CudaIpcTransport<CudaLink> {
     /// Creates a transport on `cfg.device`, listening on a fresh abstract Unix socket.
     pub fn new(cuda: &Cuda, cfg: CudaIpcConfig) -> Result<CudaIpcTransport> {
-        let link = CudaLink::new(cuda, cfg.device).map_err(|e| Error::Backend {
-            call: "open the CUDA device and its copy stream",
-            message: e.to_string(),
-            source: Some(Arc::new(e)),
-        })?;
+        let link =
+            CudaLink::new(cuda, cfg.device, cfg.copy_method).map_err(|e| Error::Backend {
+                call: "open the CUDA device and its copy stream",
+                message: e.to_string(),
+                source: Some(Arc::new(e)),
+            })?;
         CudaIpcTransport::with_link(link, cfg)
     }
 }

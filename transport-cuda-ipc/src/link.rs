@@ -86,10 +86,18 @@ fn text(e: gpu_mem::GpuMemError) -> String {
 }
 
 impl CudaLink {
-    /// A link on device `ordinal`.
-    pub fn new(cuda: &Cuda, ordinal: u32) -> Result<CudaLink, gpu_mem::GpuMemError> {
+    /// A link on device `ordinal`, its copies issued with `method` (the best that works
+    /// here when `None`).
+    pub fn new(
+        cuda: &Cuda,
+        ordinal: u32,
+        method: Option<gpu_mem::CopyMethod>,
+    ) -> Result<CudaLink, gpu_mem::GpuMemError> {
         let device = cuda.device(ordinal)?;
-        let copies = PeerCopies::new(&device)?;
+        let copies = match method {
+            Some(m) => PeerCopies::with_method(&device, m)?,
+            None => PeerCopies::new(&device)?,
+        };
         Ok(CudaLink { device, copies })
     }
 }

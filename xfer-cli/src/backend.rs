@@ -127,6 +127,16 @@ pub struct BackendArgs {
     /// run, in microseconds (0: polls again at once). Was XFER_TCP_COPY_NAP_US.
     #[arg(long = "tcp-copy-nap", value_name = "US", default_value_t = 0)]
     pub tcp_copy_nap_us: u64,
+    /// cuda-ipc: force how batches of copies are issued (kernel, batch or memcpy), for
+    /// comparisons; the default is the best that works here (the copy kernel first).
+    #[arg(long = "cuda-copy", value_name = "METHOD", value_parser = parse_copy_method)]
+    pub cuda_copy: Option<gpu_mem::CopyMethod>,
+}
+
+/// `--cuda-copy`'s value.
+fn parse_copy_method(s: &str) -> Result<gpu_mem::CopyMethod, String> {
+    gpu_mem::CopyMethod::from_name(s)
+        .ok_or_else(|| format!("{s:?}: expected kernel, batch or memcpy"))
 }
 
 impl BackendArgs {
@@ -193,6 +203,7 @@ impl BackendArgs {
                 }
                 let cuda = self.cuda()?;
                 let device = self.gpu(gpu_slot)?;
+                let cuda_copy = self.cuda_copy;
                 RailGroup::spawn(
                     rails,
                     move |i| {
@@ -204,6 +215,7 @@ impl BackendArgs {
                             &cuda,
                             CudaIpcConfig {
                                 device,
+                                copy_method: cuda_copy,
                                 ..CudaIpcConfig::default()
                             },
                         )

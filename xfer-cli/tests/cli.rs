@@ -769,3 +769,14 @@ fn serve_refuses_clients_beyond_its_limits_with_the_reason_and_keeps_serving() {
         );
     }
 }
+
+#[test]
+fn an_unknown_cuda_copy_method_is_a_usage_error_naming_the_choices() {
+    let out = small_demo(&["--cuda-copy", "dma"]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("dma") && err.contains("kernel, batch or memcpy"),
+        "{err}"
+    );
+}
