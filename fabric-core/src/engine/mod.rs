@@ -357,46 +357,75 @@ impl Engine {
         self.link.clone()
     }
 
-    fn call<R>(
+    /// Sends a control command; its answer is read by [`Pending::finish`]. Sending to many
+    /// workers first and then reading every answer lets them work at the same time.
+    fn start<R>(
         &self,
         make: impl FnOnce(Sender<Result<R>>) -> Command,
         what: &'static str,
-    ) -> Result<R> {
+    ) -> Result<Pending<'_, R>> {
         let (rtx, rrx) = crossbeam_channel::bounded(1);
         self.send_cmd(make(rtx))?;
-        match rrx.recv_timeout(self.cfg.control_timeout) {
-            Ok(r) => r,
-            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
-                Err(Error::TimedOut(self.cfg.control_timeout, what))
-            }
-            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Err(Error::EngineStopped),
-        }
+        Ok(Pending {
+            engine: self,
+            rx: rrx,
+            what,
+            after: None,
+        })
     }
 
     /// Adds a peer by its transport address.
     pub fn add_peer(&self, address: &[u8]) -> Result<PeerId> {
+        self.start_add_peer(address)?.finish()
+    }
+
+    /// [`Engine::add_peer`], its answer read later.
+    pub(crate) fn start_add_peer(&self, address: &[u8]) -> Result<Pending<'_, PeerId>> {
         let a = address.to_vec();
-        self.call(|r| Command::AddPeer(a, r), "add_peer")
+        self.start(|r| Command::AddPeer(a, r), "add_peer")
     }
 
     /// Removes a peer; its pending transfers fail with `PeerRemoved`.
     pub fn remove_peer(&self, peer: PeerId) -> Result<()> {
-        self.call(|r| Command::RemovePeer(peer, r), "remove_peer")
+        self.start_remove_peer(peer)?.finish()
+    }
+
+    /// [`Engine::remove_peer`], its answer read later.
+    pub(crate) fn start_remove_peer(&self, peer: PeerId) -> Result<Pending<'_, ()>> {
+        self.start(|r| Command::RemovePeer(peer, r), "remove_peer")
     }
 
     /// Registers memory with the transport.
     pub fn register(&self, mem: Arc<dyn MemoryRegion>, access: Access) -> Result<Registration> {
+        self.start_register(mem, access)?.finish()
+    }
+
+    /// [`Engine::register`], its answer read later.
+    pub(crate) fn start_register(
+        &self,
+        mem: Arc<dyn MemoryRegion>,
+        access: Access,
+    ) -> Result<Pending<'_, Registration>> {
         let len = mem.len() as u64;
-        let reg = self.call(|r| Command::Register(mem, access, r), "register")?;
-        self.lock_regions().insert(reg.local, len);
-        Ok(reg)
+        let mut p = self.start(|r| Command::Register(mem, access, r), "register")?;
+        p.after = Some(Box::new(move |e: &Engine, reg: &Registration| {
+            e.lock_regions().insert(reg.local, len);
+        }));
+        Ok(p)
     }
 
     /// Deregisters memory.
     pub fn deregister(&self, key: LocalKey) -> Result<()> {
-        self.call(|r| Command::Deregister(key, r), "deregister")?;
-        self.lock_regions().remove(&key);
-        Ok(())
+        self.start_deregister(key)?.finish()
+    }
+
+    /// [`Engine::deregister`], its answer read later.
+    pub(crate) fn start_deregister(&self, key: LocalKey) -> Result<Pending<'_, ()>> {
+        let mut p = self.start(|r| Command::Deregister(key, r), "deregister")?;
+        p.after = Some(Box::new(move |e: &Engine, _: &()| {
+            e.lock_regions().remove(&key);
+        }));
+        Ok(p)
     }
 
     fn lock_regions(&self) -> std::sync::MutexGuard<'_, HashMap<LocalKey, u64>> {
@@ -552,6 +581,36 @@ fn local_range_error(what: &str, offset: u64, len: u64, size: u64) -> Error {
     Error::InvalidArgument(format!(
         "{what}: local range {offset}+{len} is outside the {size}-byte region"
     ))
+}
+
+/// A control command sent to an engine's worker, its answer not read yet.
+pub(crate) struct Pending<'e, R> {
+    engine: &'e Engine,
+    rx: Receiver<Result<R>>,
+    what: &'static str,
+    /// What the engine records once the worker said yes.
+    after: Option<AfterOk<'e, R>>,
+}
+
+/// See [`Pending`]'s `after`.
+type AfterOk<'e, R> = Box<dyn FnOnce(&Engine, &R) + 'e>;
+
+impl<R> Pending<'_, R> {
+    /// Waits for the answer, at most the engine's control timeout.
+    pub(crate) fn finish(self) -> Result<R> {
+        let timeout = self.engine.cfg.control_timeout;
+        let r = match self.rx.recv_timeout(timeout) {
+            Ok(r) => r,
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                Err(Error::TimedOut(timeout, self.what))
+            }
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Err(Error::EngineStopped),
+        }?;
+        if let Some(after) = self.after {
+            after(self.engine, &r);
+        }
+        Ok(r)
+    }
 }
 
 impl Drop for Engine {

@@ -9,14 +9,15 @@
 //! Registration registers the memory on every rail, so the descriptor a peer receives holds
 //! one key per rail ([`RemoteDescriptor`]).
 //!
-//! Set-up and tear-down (spawn, add/remove a peer, register, deregister, drop) call every
-//! rail at once: each call waits a round trip to its rail's worker, so one rail after
-//! another made set-up time grow as rails times that wait.
+//! Set-up and tear-down call every rail at once: add/remove a peer, register and deregister
+//! send the command to every rail's worker before reading any answer, and spawn and drop
+//! (whose waits are the worker thread's start and end) run on a thread per rail. One rail
+//! after another made set-up time grow as rails times a worker's round trip.
 
 use super::worker::{Command, Job};
 use super::{
-    Engine, EngineConfig, Event, Slot, Transfer, TransferHandle, TransferResult, TransferStats,
-    WorkerLink,
+    Engine, EngineConfig, Event, Pending, Slot, Transfer, TransferHandle, TransferResult,
+    TransferStats, WorkerLink,
 };
 use crate::error::{Error, OpError, Result};
 use crate::memory::MemoryRegion;
@@ -202,10 +203,8 @@ impl RailGroup {
         }
         let remote_rail: Vec<usize> = (0..self.rails.len()).map(|i| i % remote.len()).collect();
         let added = self.on_every_rail(
-            |i, e| e.add_peer(&remote[remote_rail[i]]),
-            |e, p| {
-                let _ = e.remove_peer(*p);
-            },
+            |i, e| e.start_add_peer(&remote[remote_rail[i]]),
+            |e, p| e.start_remove_peer(*p),
         )?;
         Ok(GroupPeer {
             rails: added,
@@ -213,30 +212,37 @@ impl RailGroup {
         })
     }
 
-    /// `call(i, rail i)` on every rail at once; if any fails, `undo` (at once) on those that
-    /// did not, and the first error.
-    fn on_every_rail<R: Send + Sync>(
-        &self,
-        call: impl Fn(usize, &Engine) -> Result<R> + Sync,
-        undo: impl Fn(&Engine, &R) + Sync,
+    /// `start(i, rail i)` on every rail, then every answer: the workers take the commands at
+    /// the same time, and no thread waits on each. If any fails, `undo` on those that did
+    /// not (the same way), and the first error.
+    fn on_every_rail<'a, R: 'a, U: 'a>(
+        &'a self,
+        start: impl Fn(usize, &'a Engine) -> Result<Pending<'a, R>>,
+        undo: impl Fn(&'a Engine, &R) -> Result<Pending<'a, U>>,
     ) -> Result<Vec<R>> {
-        let done = at_once(self.rails.iter().enumerate().collect(), |(i, e)| call(i, e));
+        let done = answers(self.rails.iter().enumerate().map(|(i, e)| start(i, e)));
         if done.iter().any(Result::is_err) {
-            at_once(self.rails.iter().zip(&done).collect(), |(e, r)| {
-                if let Ok(r) = r {
-                    undo(e, r);
-                }
-            });
+            // Best effort: the first error is what the caller hears.
+            let _ = answers(
+                self.rails
+                    .iter()
+                    .zip(&done)
+                    .filter_map(|(e, r)| r.as_ref().ok().map(|r| undo(e, r))),
+            );
         }
         done.into_iter().collect()
     }
 
     /// Removes a peer from every rail; its pending transfers fail with `PeerRemoved`.
     pub fn remove_peer(&self, peer: &GroupPeer) -> Result<()> {
-        let removed = at_once(self.rails.iter().zip(&peer.rails).collect(), |(e, p)| {
-            e.remove_peer(*p)
-        });
-        removed.into_iter().collect()
+        answers(
+            self.rails
+                .iter()
+                .zip(&peer.rails)
+                .map(|(e, p)| e.start_remove_peer(*p)),
+        )
+        .into_iter()
+        .collect()
     }
 
     /// Registers memory on every rail.
@@ -246,10 +252,8 @@ impl RailGroup {
         access: Access,
     ) -> Result<GroupRegistration> {
         let done = self.on_every_rail(
-            |_, e| e.register(mem.clone(), access),
-            |e, r| {
-                let _ = e.deregister(r.local);
-            },
+            |_, e| e.start_register(mem.clone(), access),
+            |e, r| e.start_deregister(r.local),
         )?;
         let (locals, rails) = done.into_iter().map(|r| (r.local, r.remote)).unzip();
         Ok(GroupRegistration {
@@ -260,10 +264,14 @@ impl RailGroup {
 
     /// Deregisters memory from every rail.
     pub fn deregister(&self, reg: &GroupRegistration) -> Result<()> {
-        let done = at_once(self.rails.iter().zip(&reg.locals).collect(), |(e, k)| {
-            e.deregister(*k)
-        });
-        done.into_iter().collect()
+        answers(
+            self.rails
+                .iter()
+                .zip(&reg.locals)
+                .map(|(e, k)| e.start_deregister(*k)),
+        )
+        .into_iter()
+        .collect()
     }
 
     /// Submits a transfer: planned, sharded by bytes over the rails, submitted to each.
@@ -569,6 +577,14 @@ impl Drop for RailGroup {
     fn drop(&mut self) {
         at_once(std::mem::take(&mut self.rails), drop);
     }
+}
+
+/// Every command sent first (the iterator is drained), then every answer, in order.
+fn answers<'a, R: 'a>(sent: impl Iterator<Item = Result<Pending<'a, R>>>) -> Vec<Result<R>> {
+    let sent: Vec<_> = sent.collect();
+    sent.into_iter()
+        .map(|p| p.and_then(Pending::finish))
+        .collect()
 }
 
 /// `f(item)` for every item at once: a scoped thread per item and this thread take them
