@@ -282,6 +282,11 @@ impl NetPair {
         )
     }
 
+    /// Removes the side's rate limit (the `tbf` of [`rate`](NetPair::rate)).
+    pub fn unrate(&self, side: Side) -> Result<(), String> {
+        self.exec(side, "tc", &["qdisc", "del", "dev", self.dev(side), "root"])
+    }
+
     /// Takes the side's link down (a partition) or up again.
     pub fn link(&self, side: Side, up: bool) -> Result<(), String> {
         let state = if up { "up" } else { "down" };
