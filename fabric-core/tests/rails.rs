@@ -51,7 +51,10 @@ fn a_transfer_is_spread_over_all_rails_and_imm_follows() {
     );
     let max = per_rail.iter().map(|c| c.bytes).max().unwrap();
     let min = per_rail.iter().map(|c| c.bytes).min().unwrap();
-    assert!(max - min <= 16384, "shards balanced by bytes: {per_rail:?}");
+    assert!(
+        max - min <= 16384,
+        "chunks spread evenly when all fit in flight: {per_rail:?}"
+    );
 }
 
 #[test]
@@ -279,4 +282,182 @@ fn group_handles_are_futures() {
     };
     assert_eq!(r.unwrap().bytes, 64 * 16384);
     b.wait_imm(77, 1, T).unwrap();
+}
+
+/// A mem transport whose write completions are held back while its gate is closed: a rail
+/// on a NIC that has stopped moving.
+struct Gated {
+    inner: MemTransport,
+    open: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    held: Vec<fabric_core::Completion>,
+}
+
+impl fabric_core::Transport for Gated {
+    fn name(&self) -> &'static str {
+        "gated-mem"
+    }
+    fn address(&self) -> Vec<u8> {
+        self.inner.address()
+    }
+    fn limits(&self) -> fabric_core::TransportLimits {
+        fabric_core::TransportLimits {
+            busy_poll: true,
+            ..self.inner.limits()
+        }
+    }
+    fn add_peer(&mut self, address: &[u8]) -> fabric_core::Result<fabric_core::PeerId> {
+        self.inner.add_peer(address)
+    }
+    fn remove_peer(&mut self, peer: fabric_core::PeerId) -> fabric_core::Result<()> {
+        self.inner.remove_peer(peer)
+    }
+    fn register(
+        &mut self,
+        mem: std::sync::Arc<dyn fabric_core::MemoryRegion>,
+        access: Access,
+    ) -> fabric_core::Result<fabric_core::Registration> {
+        self.inner.register(mem, access)
+    }
+    fn deregister(&mut self, key: fabric_core::LocalKey) -> fabric_core::Result<()> {
+        self.inner.deregister(key)
+    }
+    fn post_send(
+        &mut self,
+        peer: fabric_core::PeerId,
+        wr_id: fabric_core::WorkRequestId,
+        src: fabric_core::LocalSlice,
+        imm: Option<u32>,
+    ) -> fabric_core::Result<fabric_core::PostOutcome> {
+        self.inner.post_send(peer, wr_id, src, imm)
+    }
+    fn post_recv(
+        &mut self,
+        wr_id: fabric_core::WorkRequestId,
+        dst: fabric_core::LocalSlice,
+    ) -> fabric_core::Result<fabric_core::PostOutcome> {
+        self.inner.post_recv(wr_id, dst)
+    }
+    fn post_write(
+        &mut self,
+        peer: fabric_core::PeerId,
+        wr_id: fabric_core::WorkRequestId,
+        src: fabric_core::LocalSlice,
+        dst: fabric_core::RemoteSlice,
+        imm: Option<u32>,
+    ) -> fabric_core::Result<fabric_core::PostOutcome> {
+        self.inner.post_write(peer, wr_id, src, dst, imm)
+    }
+    fn poll(&mut self, out: &mut Vec<fabric_core::Completion>) -> fabric_core::Result<usize> {
+        let mut got = Vec::new();
+        self.inner.poll(&mut got)?;
+        self.held.append(&mut got);
+        if !self.open.load(std::sync::atomic::Ordering::Acquire) {
+            return Ok(0);
+        }
+        let n = self.held.len();
+        out.append(&mut self.held);
+        Ok(n)
+    }
+}
+
+/// Rails take chunks as they have room: with one rail of four stalled, the three others
+/// carry everything but the stalled rail's first chunks (a split fixed up front would leave
+/// a quarter of the transfer waiting on it), and the transfer completes, verified, once the
+/// stalled rail moves again.
+#[test]
+fn a_stalled_rail_carries_only_its_first_chunks() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let open = Arc::new(AtomicBool::new(false));
+    let gate = open.clone();
+    // Rail 3 is the stalled one; the others are always open.
+    let mut gates: Vec<_> = (0..3).map(|_| Arc::new(AtomicBool::new(true))).collect();
+    gates.push(gate);
+    let a = gated_group(gates);
+    let b = group(2);
+    let len = 64 << 20;
+    let src = HostBuffer::new_shared(len).unwrap();
+    src.write(0, &pattern(5, len)).unwrap();
+    let dst = HostBuffer::new_shared(len).unwrap();
+    let s = a.register(src.clone(), Access::NONE).unwrap();
+    let d = b.register(dst.clone(), Access::REMOTE_WRITE).unwrap();
+    let peer = a.add_peer(&b.addresses()).unwrap();
+    let pages: Vec<u64> = (0..1024).collect();
+    let mut t = GroupTransfer::same_pages(s, d.remote, &pages, 65536);
+    t.imm = Some(9);
+    let balance = a.balance();
+    let chunk = balance.chunk_bytes(len as u64, 4);
+    let first = balance.in_flight as u64 * chunk;
+    let h = a.submit(&peer, t).unwrap();
+    // The three open rails finish everything the stalled one did not take.
+    let deadline = std::time::Instant::now() + T;
+    let fast = |a: &RailGroup| a.rail_counters()[..3].iter().map(|c| c.bytes).sum::<u64>();
+    while fast(&a) < len as u64 - first {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "open rails carried {} of {} bytes",
+            fast(&a),
+            len as u64 - first
+        );
+        std::thread::yield_now();
+    }
+    assert!(!h.is_finished(), "finished before the stalled rail moved");
+    open.store(true, Ordering::Release);
+    let stats = h.wait(T).unwrap();
+    assert_eq!(stats.bytes, len as u64);
+    let per_rail = a.rail_counters();
+    assert_eq!(per_rail[3].bytes, first, "stalled rail: {per_rail:?}");
+    assert_eq!(fast(&a), len as u64 - first, "open rails: {per_rail:?}");
+    b.wait_imm(9, 1, T).unwrap();
+    assert!(dst.to_vec(0, len).unwrap() == src.to_vec(0, len).unwrap());
+}
+
+/// A group of `gates.len()` gated rails, rail `i` held back while `gates[i]` is false.
+fn gated_group(gates: Vec<std::sync::Arc<std::sync::atomic::AtomicBool>>) -> RailGroup {
+    RailGroup::spawn(
+        gates.len(),
+        move |i| {
+            Ok(Gated {
+                inner: MemTransport::new(),
+                open: gates[i].clone(),
+                held: Vec::new(),
+            })
+        },
+        EngineConfig::default(),
+    )
+    .unwrap()
+}
+
+/// Transfers of one chunk go to the rail with the least in flight, not always to rail 0.
+#[test]
+fn small_transfers_go_to_the_least_loaded_rail() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let gates: Vec<_> = (0..4).map(|_| Arc::new(AtomicBool::new(false))).collect();
+    let (a, b) = (gated_group(gates.clone()), group(4));
+    let len = 1 << 20;
+    let src = HostBuffer::new_shared(len).unwrap();
+    let dst = HostBuffer::new_shared(len).unwrap();
+    let s = a.register(src, Access::NONE).unwrap();
+    let d = b.register(dst, Access::REMOTE_WRITE).unwrap();
+    let peer = a.add_peer(&b.addresses()).unwrap();
+    // Every rail holds its completions: each one-page transfer stays in flight, and the
+    // next goes to a rail with nothing in flight.
+    let handles: Vec<_> = (0..4u64)
+        .map(|p| {
+            let t = GroupTransfer::same_pages(s.clone(), d.remote.clone(), &[p], 4096);
+            a.submit(&peer, t).unwrap()
+        })
+        .collect();
+    for g in &gates {
+        g.store(true, Ordering::Release);
+    }
+    for h in handles {
+        h.wait(T).unwrap();
+    }
+    let per_rail = a.rail_counters();
+    assert!(
+        per_rail.iter().all(|c| c.bytes == 4096),
+        "one page on each rail: {per_rail:?}"
+    );
 }

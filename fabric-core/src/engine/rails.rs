@@ -1,8 +1,11 @@
 //! Rails: one endpoint made of several engines, each a worker thread that owns one
-//! transport (a NIC, or a TCP connection). A transfer is planned once, sharded over the
-//! rails by bytes (each piece still one contiguous write) and completes when every shard has
+//! transport (a NIC, or a TCP connection); [`RailGroup::spawn_on`] names the NIC of each.
+//! A transfer is planned once, cut into chunks of whole writes, and the rails take the
+//! chunks as they have room ([`Balance`]): each starts with a few, and a rail whose chunk
+//! lands takes the next from the transfer's queue on its own worker, so a slow NIC carries
+//! less instead of setting the pace of all. The transfer completes when every chunk has
 //! landed; its immediate data follows only after that. Both are decided on the workers: the
-//! worker that completes the last shard sends the immediate data on its own rail, so a
+//! worker that completes the last chunk sends the immediate data on its own rail, so a
 //! caller that only polls its handle, registers a callback or drops the handle still has
 //! the immediate data delivered.
 //!
@@ -21,12 +24,12 @@ use super::{
 };
 use crate::error::{Error, OpError, Result};
 use crate::memory::MemoryRegion;
-use crate::plan::{Segment, plan_transfer, shard_by_bytes};
+use crate::plan::{PlannedWrite, Segment, plan_transfer};
 use crate::transport::Transport;
 use crate::types::{Access, LocalKey, PeerId, RemoteRegion};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -153,6 +156,55 @@ impl GroupTransfer {
 pub struct RailGroup {
     rails: Vec<Arc<Engine>>,
     stash: Mutex<HashMap<u32, u64>>,
+    /// Bytes in flight on each rail (chunks posted and not landed), for choosing rails.
+    load: Arc<[AtomicU64]>,
+    balance: Balance,
+    /// The NIC of each rail, where it was named.
+    nics: Vec<Option<String>>,
+}
+
+/// How a [`RailGroup`] spreads a transfer over its rails: by progress, not by a fixed
+/// split. A transfer is cut into chunks (whole writes, each chunk about
+/// `bytes / (rails * chunks_per_rail)` bytes, within `min_chunk..=max_chunk`); each rail
+/// starts with `in_flight` chunks and takes the next from the transfer's queue when one of
+/// its chunks lands. A rail on a NIC at half speed so carries about half as much, and the
+/// transfer loses only that NIC's missing share. A group of one rail moves each transfer as
+/// one chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Balance {
+    /// Chunks per rail that a large transfer is cut into (the finer, the better the
+    /// balance and the more work items).
+    pub chunks_per_rail: u64,
+    /// Smallest chunk, in bytes (a chunk holds at least one write whatever this says).
+    pub min_chunk: u64,
+    /// Largest chunk, in bytes; writes are cut to at most this, so one large segment also
+    /// spreads over the rails.
+    pub max_chunk: u64,
+    /// Chunks of one transfer a rail holds in flight at once.
+    pub in_flight: usize,
+}
+
+impl Default for Balance {
+    fn default() -> Self {
+        Balance {
+            chunks_per_rail: 8,
+            min_chunk: 256 << 10,
+            max_chunk: 4 << 20,
+            in_flight: 2,
+        }
+    }
+}
+
+impl Balance {
+    /// The chunk size for a transfer of `total` bytes over `rails` rails.
+    pub fn chunk_bytes(&self, total: u64, rails: usize) -> u64 {
+        if rails <= 1 {
+            return u64::MAX;
+        }
+        let min = self.min_chunk.max(1);
+        (total / (rails as u64).saturating_mul(self.chunks_per_rail.max(1)))
+            .clamp(min, self.max_chunk.max(min))
+    }
 }
 
 impl RailGroup {
@@ -180,9 +232,27 @@ impl RailGroup {
         // On a failure the rails that did start stop as they drop.
         let rails = started.into_iter().collect::<Result<Vec<_>>>()?;
         Ok(RailGroup {
+            load: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            nics: vec![None; n],
             rails,
             stash: Mutex::new(HashMap::new()),
+            balance: Balance::default(),
         })
+    }
+
+    /// Starts one rail per entry of `nics`, rail `i` on NIC `nics[i]` (a name several
+    /// entries may share: more endpoints on one NIC). `make(i, nic)` creates rail `i`'s
+    /// transport inside its worker thread, opened on that NIC (for EFA its libfabric domain,
+    /// for TCP the interface it binds to); [`rail_nics`](Self::rail_nics) reports them.
+    pub fn spawn_on<T, F>(nics: Vec<String>, make: F, cfg: EngineConfig) -> Result<RailGroup>
+    where
+        T: Transport,
+        F: Fn(usize, &str) -> Result<T> + Send + Sync + 'static,
+    {
+        let names = nics.clone();
+        let mut g = Self::spawn(nics.len(), move |i| make(i, &names[i]), cfg)?;
+        g.nics = nics.into_iter().map(Some).collect();
+        Ok(g)
     }
 
     /// The engines, one per rail.
@@ -274,47 +344,54 @@ impl RailGroup {
         .collect()
     }
 
-    /// Submits a transfer: planned, sharded by bytes over the rails, submitted to each.
+    /// Submits a transfer: planned once, cut into chunks, and carried by the rails as they
+    /// have room (see [`Balance`]); a transfer of one chunk goes to the rail with the least
+    /// in flight. Bad segments fail here, before anything moves.
     pub fn submit(&self, peer: &GroupPeer, t: GroupTransfer) -> Result<GroupHandle> {
         let n = self.rails.len();
-        if t.src.locals.len() != n || peer.rails.len() != n {
+        if t.src.locals.len() != n || peer.rails.len() != n || peer.remote_rail.len() != n {
             return Err(Error::InvalidArgument(
                 "registration or peer belongs to another rail group".into(),
             ));
         }
-        let dst_of = |i: usize| -> Result<RemoteRegion> {
-            t.dst
-                .rails
-                .get(peer.remote_rail[i])
-                .copied()
-                .ok_or_else(|| {
-                    Error::InvalidArgument(format!(
-                        "the remote descriptor has no rail {}",
-                        peer.remote_rail[i]
-                    ))
-                })
-        };
-        let dst0 = dst_of(0)?;
+        let mut dsts = Vec::with_capacity(n);
+        for &r in &peer.remote_rail {
+            dsts.push(t.dst.rails.get(r).copied().ok_or_else(|| {
+                Error::InvalidArgument(format!("the remote descriptor has no rail {r}"))
+            })?);
+        }
         let segs: Vec<Segment> = t
             .segments
             .iter()
             .map(|&(so, d_o, len)| Segment {
                 src: t.src.locals[0],
                 src_offset: so,
-                dst: dst0,
+                dst: dsts[0],
                 dst_offset: d_o,
                 len,
             })
             .collect();
+        // Every rail's key must be known to its engine; the ranges are checked on rail 0
+        // (the same memory is registered on every rail).
+        self.rails[0].check_segments(&segs)?;
+        for (e, &key) in self.rails.iter().zip(&t.src.locals).skip(1) {
+            if !e.lock_regions().contains_key(&key) {
+                return Err(Error::Op(OpError::LocalKeyInvalid(key)));
+            }
+        }
         let limit = self
             .rails
             .iter()
             .map(|e| e.limits().max_msg_size)
             .min()
             .unwrap_or(1);
-        let plan = plan_transfer(&segs, limit)?;
-        let shards = shard_by_bytes(&plan.writes, n);
-        let busy: Vec<usize> = (0..n).filter(|&i| !shards[i].is_empty()).collect();
+        let total = segs
+            .iter()
+            .try_fold(0u64, |a, s| a.checked_add(s.len))
+            .ok_or_else(|| Error::InvalidArgument("segment lengths overflow".into()))?;
+        let chunk = self.balance.chunk_bytes(total, n);
+        // Writes no longer than a chunk, so that one large segment spreads over the rails.
+        let plan = plan_transfer(&segs, limit.min(chunk))?;
         let imm = match (t.imm, t.segments.first()) {
             (None, _) => None,
             (Some(_), None) => {
@@ -324,104 +401,111 @@ impl RailGroup {
             }
             (Some(v), Some(&(so, d_o, _))) => Some((v, so, d_o)),
         };
+        let deadline = t.timeout.map(|d| Instant::now() + d);
+        let mut chunks = chunks_of(&plan.writes, chunk);
+        if chunks.is_empty() {
+            // Nothing to move: the immediate data alone, on the least loaded rail.
+            chunks.push_back(Vec::new());
+            if imm.is_none() {
+                let slot = Slot::new();
+                slot.complete(Ok(TransferStats::default()));
+                return Ok(TransferHandle { slot });
+            }
+        }
         let slot = Slot::new();
         let handle = TransferHandle { slot: slot.clone() };
-        // Each rail's shard, as that rail's engine checks and plans it.
-        let shard_transfer = |i: usize, shard: &[crate::plan::PlannedWrite]| -> Result<Transfer> {
-            let dst = dst_of(i)?;
-            let mut tr = Transfer::new(peer.rails[i]);
-            tr.timeout = t.timeout;
-            tr.segments = shard
-                .iter()
-                .map(|w| Segment {
-                    src: t.src.locals[i],
-                    src_offset: w.src.offset,
-                    dst,
-                    dst_offset: w.dst.offset,
-                    len: w.src.len,
-                })
-                .collect();
-            Ok(tr)
-        };
-        match busy.as_slice() {
-            [] => {
-                // Nothing to move: the immediate data alone, on rail 0.
-                let Some((v, so, d_o)) = imm else {
-                    slot.complete(Ok(TransferStats::default()));
-                    return Ok(handle);
-                };
-                let tr = Transfer::new(peer.rails[0])
-                    .segment(Segment {
-                        src: t.src.locals[0],
-                        src_offset: so,
-                        dst: dst0,
-                        dst_offset: d_o,
-                        len: 0,
-                    })
-                    .imm(v);
-                let tr = Transfer {
-                    timeout: t.timeout,
-                    ..tr
-                };
-                let job = self.rails[0].job(tr, slot)?;
-                self.rails[0].send_cmd(Command::Transfer(job))?;
+        if chunks.len() == 1 {
+            // One chunk: one rail moves it all and its worker sends the immediate data
+            // right after its writes (or on its one write), with no other worker involved.
+            let r = (0..n)
+                .min_by_key(|&i| (self.load[i].load(Ordering::Relaxed), i))
+                .unwrap_or(0);
+            let writes = chunks.pop_front().unwrap_or_default();
+            let bytes = chunk_len(&writes);
+            let load = self.load.clone();
+            let done = Slot::with_callback(Box::new(move |res: TransferResult| {
+                load[r].fetch_sub(bytes, Ordering::Relaxed);
+                slot.complete(res);
+            }));
+            let job = Job {
+                peer: peer.rails[r],
+                plan: crate::plan::TransferPlan {
+                    writes: on_rail(writes, t.src.locals[r], dsts[r]),
+                    bytes,
+                },
+                imm: imm.map(|(v, so, d_o)| (v, imm_segment(t.src.locals[r], so, dsts[r], d_o))),
+                slot: done,
+                deadline,
+            };
+            self.load[r].fetch_add(bytes, Ordering::Relaxed);
+            if let Err(e) = self.rails[r].send_cmd(Command::Transfer(job)) {
+                self.load[r].fetch_sub(bytes, Ordering::Relaxed);
+                return Err(e);
             }
-            &[only] => {
-                // One rail moves it all: its worker sends the immediate data after its own
-                // writes (or on its one write), with no other worker involved.
-                let mut tr = shard_transfer(only, &shards[only])?;
-                tr.imm = imm.map(|(v, ..)| v);
-                let job = self.rails[only].job(tr, slot)?;
-                self.rails[only].send_cmd(Command::Transfer(job))?;
-            }
-            _ => {
-                // Several rails: the worker that completes the last shard sends the
-                // immediate data on its own rail (see `GroupState::shard_done`).
-                let imm_on = match imm {
-                    None => None,
-                    Some((v, so, d_o)) => {
-                        let mut per_rail = Vec::with_capacity(n);
-                        for i in 0..n {
-                            per_rail.push((
-                                peer.rails[i],
-                                Segment {
-                                    src: t.src.locals[i],
-                                    src_offset: so,
-                                    dst: dst_of(i)?,
-                                    dst_offset: d_o,
-                                    len: 0,
-                                },
-                            ));
-                        }
-                        Some((v, per_rail))
-                    }
-                };
-                let state = Arc::new(GroupState {
-                    left: AtomicUsize::new(busy.len()),
-                    ops: AtomicU64::new(0),
-                    error: Mutex::new(None),
-                    imm: imm_on,
-                    links: self.rails.iter().map(|e| e.link()).collect(),
-                    timeout: t.timeout,
-                    bytes: plan.bytes,
-                    slot,
-                });
-                // Plan every shard first, so that a bad segment fails before anything moves.
-                let mut jobs = Vec::with_capacity(busy.len());
-                for &i in &busy {
-                    let st = state.clone();
-                    let shard_slot = Slot::with_callback(Box::new(move |r| st.shard_done(i, r)));
-                    jobs.push((
-                        i,
-                        self.rails[i].job(shard_transfer(i, &shards[i])?, shard_slot)?,
-                    ));
-                }
-                for (i, job) in jobs {
-                    self.rails[i].send_cmd(Command::Transfer(job))?;
+            return Ok(handle);
+        }
+        let state = Arc::new(GroupState {
+            work: Mutex::new(Work {
+                queue: VecDeque::new(),
+                left: chunks.len(),
+                error: None,
+                ops: 0,
+            }),
+            peers: peer.rails.clone(),
+            srcs: t.src.locals.clone(),
+            dsts,
+            imm,
+            links: self.rails.iter().map(|e| e.link()).collect(),
+            load: self.load.clone(),
+            deadline,
+            bytes: plan.bytes,
+            slot,
+        });
+        // The first chunks go to the rails with the least in flight, `in_flight` rounds of
+        // one each; the rest wait in the transfer's queue for the rails that finish first.
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by_key(|&i| (self.load[i].load(Ordering::Relaxed), i));
+        let mut first = Vec::new();
+        'rounds: for _ in 0..self.balance.in_flight.max(1) {
+            for &r in &order {
+                match chunks.pop_front() {
+                    Some(c) => first.push((r, c)),
+                    None => break 'rounds,
                 }
             }
         }
+        state.lock_work().queue = chunks;
+        for (k, (r, writes)) in first.into_iter().enumerate() {
+            let bytes = chunk_len(&writes);
+            let job = state.chunk_job(r, writes);
+            self.load[r].fetch_add(bytes, Ordering::Relaxed);
+            if let Err(e) = self.rails[r].send_cmd(Command::Transfer(job)) {
+                self.load[r].fetch_sub(bytes, Ordering::Relaxed);
+                if k == 0 {
+                    // Nothing is in flight: the caller hears it here.
+                    return Err(e);
+                }
+                // Some chunks are in flight: the transfer fails once they have landed.
+                state.clone().chunk_done(r, 0, Err(OpError::Cancelled));
+            }
+        }
         Ok(handle)
+    }
+
+    /// How transfers are cut into chunks and spread (see [`Balance`]).
+    pub fn balance(&self) -> Balance {
+        self.balance
+    }
+
+    /// Changes how later transfers are cut into chunks and spread.
+    pub fn set_balance(&mut self, b: Balance) {
+        self.balance = b;
+    }
+
+    /// The NIC each rail runs on, as given to [`RailGroup::spawn_on`] (`None` for rails
+    /// started with [`RailGroup::spawn`]).
+    pub fn rail_nics(&self) -> &[Option<String>] {
+        &self.nics
     }
 
     /// Submits a transfer and calls `done` with its result on the worker thread that
@@ -625,71 +709,167 @@ fn at_once<T: Send, R: Send>(items: Vec<T>, f: impl Fn(T) -> R + Sync) -> Vec<R>
 /// A transfer submitted to a rail group: the same handle as one engine's.
 pub type GroupHandle = TransferHandle;
 
-/// A transfer sharded over several rails, shared by its shards' completion callbacks (which
+/// The writes of `plan` in chunks of about `chunk` bytes (whole writes, at least one each).
+fn chunks_of(writes: &[PlannedWrite], chunk: u64) -> VecDeque<Vec<PlannedWrite>> {
+    let mut out = VecDeque::new();
+    let mut cur: Vec<PlannedWrite> = Vec::new();
+    let mut bytes = 0u64;
+    for w in writes {
+        if !cur.is_empty() && bytes.saturating_add(w.src.len) > chunk {
+            out.push_back(std::mem::take(&mut cur));
+            bytes = 0;
+        }
+        bytes = bytes.saturating_add(w.src.len);
+        cur.push(*w);
+    }
+    if !cur.is_empty() {
+        out.push_back(cur);
+    }
+    out
+}
+
+fn chunk_len(writes: &[PlannedWrite]) -> u64 {
+    writes.iter().map(|w| w.src.len).sum()
+}
+
+/// `writes` (planned with rail 0's keys) as rail `src`/`dst` names the same memory.
+fn on_rail(mut writes: Vec<PlannedWrite>, src: LocalKey, dst: RemoteRegion) -> Vec<PlannedWrite> {
+    for w in &mut writes {
+        w.src.key = src;
+        w.dst.region = dst;
+    }
+    writes
+}
+
+/// The zero-length segment that carries immediate data on a rail.
+fn imm_segment(src: LocalKey, src_offset: u64, dst: RemoteRegion, dst_offset: u64) -> Segment {
+    Segment {
+        src,
+        src_offset,
+        dst,
+        dst_offset,
+        len: 0,
+    }
+}
+
+/// A transfer spread over several rails, shared by its chunks' completion callbacks (which
 /// run on the rails' workers).
 struct GroupState {
-    /// Shards not finished yet.
-    left: AtomicUsize,
-    /// Operations of the finished shards.
-    ops: AtomicU64,
-    /// The first error of any shard.
-    error: Mutex<Option<OpError>>,
-    /// The immediate value and, per rail, the peer and zero-length segment that carry it.
-    imm: Option<(u32, Vec<(PeerId, Segment)>)>,
-    /// Every rail's worker, to hand the immediate data to.
+    work: Mutex<Work>,
+    /// Per local rail: the peer, the local key and the remote region of the same memory.
+    peers: Vec<PeerId>,
+    srcs: Vec<LocalKey>,
+    dsts: Vec<RemoteRegion>,
+    /// The immediate value and the offsets of the segment that carries it.
+    imm: Option<(u32, u64, u64)>,
+    /// Every rail's worker, to hand chunks and the immediate data to.
     links: Vec<Arc<WorkerLink>>,
-    timeout: Option<Duration>,
+    load: Arc<[AtomicU64]>,
+    deadline: Option<Instant>,
     bytes: u64,
     slot: Arc<Slot<TransferResult>>,
 }
 
+/// What is left of a transfer: chunks no rail has taken yet, and chunks not finished.
+struct Work {
+    queue: VecDeque<Vec<PlannedWrite>>,
+    /// Chunks not finished (queued ones included).
+    left: usize,
+    /// The first error of any chunk; once set, no further chunk starts.
+    error: Option<OpError>,
+    ops: u64,
+}
+
 impl GroupState {
-    /// Shard `rail` finished with `r` (called on that rail's worker). The last one decides
-    /// the transfer: an error ends it, else the immediate data goes out on the same rail
-    /// (queued to its own worker, no thread hop), and the transfer completes when it lands.
-    fn shard_done(self: Arc<Self>, rail: usize, r: TransferResult) {
-        match r {
-            Ok(s) => {
-                self.ops.fetch_add(s.ops, Ordering::Relaxed);
-            }
-            Err(e) => {
-                self.error
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .get_or_insert(e);
-            }
+    fn lock_work(&self) -> std::sync::MutexGuard<'_, Work> {
+        self.work.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The job that carries `writes` on rail `rail`; its completion calls
+    /// [`chunk_done`](Self::chunk_done) on that rail's worker.
+    fn chunk_job(self: &Arc<Self>, rail: usize, writes: Vec<PlannedWrite>) -> Job {
+        let bytes = chunk_len(&writes);
+        let st = self.clone();
+        Job {
+            peer: self.peers[rail],
+            plan: crate::plan::TransferPlan {
+                writes: on_rail(writes, self.srcs[rail], self.dsts[rail]),
+                bytes,
+            },
+            imm: None,
+            slot: Slot::with_callback(Box::new(move |r| st.chunk_done(rail, bytes, r))),
+            deadline: self.deadline,
         }
-        if self.left.fetch_sub(1, Ordering::AcqRel) != 1 {
+    }
+
+    /// A chunk of `bytes` finished on `rail` with `r` (on that rail's worker). The rail takes
+    /// the next queued chunk at once, on its own worker; the last chunk decides the
+    /// transfer: an error ends it, else the immediate data goes out on the same rail and
+    /// the transfer completes when it lands.
+    fn chunk_done(self: Arc<Self>, rail: usize, bytes: u64, r: TransferResult) {
+        self.load[rail].fetch_sub(bytes, Ordering::Relaxed);
+        let next = {
+            let mut w = self.lock_work();
+            w.left -= 1;
+            match r {
+                Ok(s) => w.ops += s.ops,
+                Err(e) => {
+                    w.error.get_or_insert(e);
+                    // Chunks not started never will be: they count as finished.
+                    let dropped = w.queue.len();
+                    w.queue.clear();
+                    w.left -= dropped;
+                }
+            }
+            if w.left == 0 {
+                None
+            } else if let Some(next) = w.queue.pop_front() {
+                Some(next)
+            } else {
+                return;
+            }
+        };
+        if let Some(writes) = next {
+            let bytes = chunk_len(&writes);
+            let job = self.chunk_job(rail, writes);
+            self.load[rail].fetch_add(bytes, Ordering::Relaxed);
+            if let Err(slot) = self.links[rail].send_transfer(job) {
+                // The worker stopped: the chunk fails (and decides, if it is the last).
+                slot.complete(Err(OpError::Cancelled));
+            }
             return;
         }
-        if let Some(e) = self.error.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        let (error, ops) = {
+            let mut w = self.lock_work();
+            (w.error.take(), w.ops)
+        };
+        if let Some(e) = error {
             self.slot.complete(Err(e));
             return;
         }
         let stats = TransferStats {
             bytes: self.bytes,
-            ops: self.ops.load(Ordering::Relaxed),
+            ops,
         };
-        let Some((v, per_rail)) = &self.imm else {
+        let Some((v, so, d_o)) = self.imm else {
             self.slot.complete(Ok(stats));
             return;
         };
-        let (peer, seg) = per_rail[rail];
         let st = self.clone();
         let job = Job {
-            peer,
+            peer: self.peers[rail],
             plan: crate::plan::TransferPlan {
                 writes: Vec::new(),
                 bytes: 0,
             },
-            imm: Some((*v, seg)),
+            imm: Some((v, imm_segment(self.srcs[rail], so, self.dsts[rail], d_o))),
             slot: Slot::with_callback(Box::new(move |r: TransferResult| {
                 st.slot.complete(r.map(|s| TransferStats {
                     bytes: stats.bytes,
                     ops: stats.ops + s.ops,
                 }))
             })),
-            deadline: self.timeout.map(|d| Instant::now() + d),
+            deadline: self.deadline,
         };
         if let Err(slot) = self.links[rail].send_transfer(job) {
             slot.complete(Err(OpError::Cancelled));
