@@ -79,6 +79,38 @@ pub const DEVICE_STAGING_BYTES: usize = staging::RING;
 /// Prefix of every TCP transport address.
 pub const ADDRESS_PREFIX: &str = "tcp://";
 
+/// A non-blocking listener on `addr`, bound to the interface `dev` when one is named.
+fn listen_on(addr: SocketAddr, dev: Option<&str>) -> Result<TcpListener> {
+    let s = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))
+        .map_err(|e| Error::io("socket", e))?;
+    s.set_reuse_address(true)
+        .map_err(|e| Error::io("SO_REUSEADDR", e))?;
+    if let Some(dev) = dev {
+        bind_device(&s, dev)?;
+    }
+    s.bind(&SockAddr::from(addr))
+        .map_err(|e| os_error("bind", format!("listen on {addr}"), e))?;
+    s.listen(1024).map_err(|e| Error::io("listen", e))?;
+    s.set_nonblocking(true)
+        .map_err(|e| Error::io("set_nonblocking", e))?;
+    Ok(s.into())
+}
+
+/// Binds `s` to the network interface `dev` (`SO_BINDTODEVICE`).
+fn bind_device(s: &Socket, dev: &str) -> Result<()> {
+    s.bind_device(Some(dev.as_bytes()))
+        .map_err(|e| os_error("SO_BINDTODEVICE", format!("bind to interface {dev:?}"), e))
+}
+
+/// An OS error with what was being done (a name or address the static call name lacks).
+fn os_error(call: &'static str, what: String, e: std::io::Error) -> Error {
+    Error::Backend {
+        call,
+        message: format!("{what}: {e}"),
+        source: Some(Arc::new(e)),
+    }
+}
+
 /// Settings of a [`TcpTransport`].
 #[derive(Clone, Debug)]
 pub struct TcpConfig {
@@ -117,6 +149,12 @@ pub struct TcpConfig {
     /// ease the contention of many rails' threads on one CUDA context. Replaces the
     /// `XFER_TCP_COPY_NAP_US` environment variable.
     pub copy_nap: Duration,
+    /// The network interface (NIC) this transport runs on, by name (`eth0`, `veth1`): the
+    /// listener and every connection are bound to it (`SO_BINDTODEVICE`), and connections
+    /// leave from `listen`'s IP address when that is not the unspecified one, so a rail
+    /// uses its own NIC whatever the routing table prefers. `None` (the default) leaves the
+    /// choice to the routing table. Needs Linux 5.7 or CAP_NET_RAW.
+    pub interface: Option<String>,
 }
 
 impl Default for TcpConfig {
@@ -134,6 +172,7 @@ impl Default for TcpConfig {
             max_connections: 4096,
             auth_token: None,
             copy_nap: Duration::ZERO,
+            interface: None,
         }
     }
 }
@@ -183,10 +222,7 @@ impl TcpTransport {
         if cfg.rails == 0 {
             return Err(Error::InvalidArgument("rails must be at least 1".into()));
         }
-        let listener = TcpListener::bind(cfg.listen).map_err(|e| Error::io("bind", e))?;
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| Error::io("set_nonblocking", e))?;
+        let listener = listen_on(cfg.listen, cfg.interface.as_deref())?;
         let local = listener
             .local_addr()
             .map_err(|e| Error::io("local_addr", e))?;
@@ -268,6 +304,14 @@ impl TcpTransport {
     fn connect(&self, to: SocketAddr, peer: PeerId) -> Result<TcpStream> {
         let s = Socket::new(Domain::for_address(to), Type::STREAM, Some(Protocol::TCP))
             .map_err(|e| Error::io("socket", e))?;
+        if let Some(dev) = &self.cfg.interface {
+            bind_device(&s, dev)?;
+            let ip = self.cfg.listen.ip();
+            if !ip.is_unspecified() && ip.is_ipv4() == to.is_ipv4() {
+                s.bind(&SockAddr::from(SocketAddr::new(ip, 0)))
+                    .map_err(|e| os_error("bind", format!("leave from {ip} on {dev}"), e))?;
+            }
+        }
         self.setup_socket(&s)?; // non-blocking from here
         match s.connect(&SockAddr::from(to)) {
             Ok(()) => {}
