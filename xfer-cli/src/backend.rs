@@ -2,6 +2,7 @@
 //! `--provider`, `--memory`, `--gpus`. Everything past this module is generic.
 
 use crate::CliError;
+use crate::nics::RailNic;
 use crate::placement::{self, CorePin};
 use clap::{Args, ValueEnum};
 use fabric_core::MemoryRegion;
@@ -131,6 +132,11 @@ pub struct BackendArgs {
     /// comparisons; the default is the best that works here (the copy kernel first).
     #[arg(long = "cuda-copy", value_name = "METHOD", value_parser = parse_copy_method)]
     pub cuda_copy: Option<gpu_mem::CopyMethod>,
+    /// The NICs the rails run on: `auto` (the placement plan's NICs for the worker's GPU;
+    /// nothing toward loopback) or names, e.g. `veth0,veth1` (tcp: interfaces; efa: libfabric
+    /// domains). Rail i runs on NIC i mod N; --rails defaults to N.
+    #[arg(long, value_name = "auto|NAME,...", default_value = "auto", value_parser = crate::nics::parse_nics)]
+    pub nics: crate::nics::NicsArg,
 }
 
 /// `--cuda-copy`'s value.
@@ -151,7 +157,9 @@ impl BackendArgs {
     }
 
     /// Starts `rails` engines of the chosen transport, listening on `ip` (TCP); cuda-ipc
-    /// engines copy from the GPU at position `gpu_slot` of --gpus.
+    /// engines copy from the GPU at position `gpu_slot` of --gpus. `nics`, when not empty,
+    /// holds each rail's NIC (see [`crate::nics`]): a tcp rail listens on its address and
+    /// binds to it, an efa rail opens it as its domain.
     pub fn spawn_group(
         &self,
         ip: IpAddr,
@@ -159,8 +167,18 @@ impl BackendArgs {
         name: &str,
         pins: Vec<Option<CorePin>>,
         gpu_slot: usize,
+        nics: &[RailNic],
     ) -> Result<RailGroup, CliError> {
         crate::setup::check_rails(rails).map_err(CliError::Usage)?;
+        if !nics.is_empty() && nics.len() != rails {
+            return Err(CliError::Failed(format!(
+                "internal: {} NICs for {rails} rails",
+                nics.len()
+            )));
+        }
+        let nics: Arc<Vec<RailNic>> = Arc::new(nics.to_vec());
+        let names: Vec<String> = nics.iter().map(|n| n.name.clone()).collect();
+
         if self.auth_token.is_some() && self.transport != TransportKind::Tcp {
             return Err(CliError::Usage(
                 "--auth-token applies to --transport tcp only".into(),
@@ -176,19 +194,24 @@ impl BackendArgs {
         };
         let worker = name.to_string();
         let g = match self.transport {
-            TransportKind::Tcp => RailGroup::spawn(
-                rails,
-                move |i| {
+            TransportKind::Tcp => {
+                let make = move |i: usize| {
                     placement::pin_worker(pins.get(i).copied().flatten(), &format!("{worker}-{i}"));
+                    let nic = nics.get(i);
                     TcpTransport::new(TcpConfig {
-                        listen: SocketAddr::new(ip, 0),
+                        listen: SocketAddr::new(nic.and_then(|n| n.ip).unwrap_or(ip), 0),
+                        interface: nic.map(|n| n.name.clone()),
                         auth_token: auth_token.clone(),
                         copy_nap,
                         ..TcpConfig::default()
                     })
-                },
-                cfg,
-            ),
+                };
+                if names.is_empty() {
+                    RailGroup::spawn(rails, make, cfg)
+                } else {
+                    RailGroup::spawn_on(names, move |i, _| make(i), cfg)
+                }
+            }
             TransportKind::Auto => {
                 return Err(CliError::Failed(
                     "internal: --transport auto reached spawn_group unresolved".into(),
@@ -237,17 +260,18 @@ impl BackendArgs {
                     None => EfaConfig::default(),
                 };
                 ec = ec.hmem(self.memory == MemoryKind::Cuda);
-                RailGroup::spawn(
-                    rails,
-                    move |i| {
-                        placement::pin_worker(
-                            pins.get(i).copied().flatten(),
-                            &format!("{worker}-{i}"),
-                        );
-                        EfaTransport::new(&ec)
-                    },
-                    cfg,
-                )
+                let make = move |i: usize| {
+                    placement::pin_worker(pins.get(i).copied().flatten(), &format!("{worker}-{i}"));
+                    match nics.get(i) {
+                        Some(n) => EfaTransport::new(&ec.clone().domain(n.name.clone())),
+                        None => EfaTransport::new(&ec),
+                    }
+                };
+                if names.is_empty() {
+                    RailGroup::spawn(rails, make, cfg)
+                } else {
+                    RailGroup::spawn_on(names, move |i, _| make(i), cfg)
+                }
             }
         };
         g.map_err(CliError::from)

@@ -3,6 +3,7 @@
 
 use crate::backend::BackendArgs;
 use crate::latency;
+use crate::nics::{self, RailNic};
 use crate::placement::{self, CorePin, GpuWorkerPins, PinMode, WorkerPins};
 use crate::setup::{CONNECTING, MEMORY, REGISTERING, STARTING, SetUpClock, WARMING_UP};
 use crate::workload::{self, RunReport, Workload};
@@ -17,22 +18,35 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::sync::{Arc, Barrier};
 
 /// Runs `xfer demo`.
-pub fn run(a: DemoArgs) -> Result<(), CliError> {
-    let k = &a.knobs;
-    let w = workload_of(k)?;
+pub fn run(mut a: DemoArgs) -> Result<(), CliError> {
+    let w = workload_of(&a.knobs)?;
     // Both endpoints are this process: same host, same kind of memory.
     let b = a.backend.resolved(true, true);
+    // Both ends are on loopback: NICs only where --nics names them.
+    let choice = nics::choose(
+        &b.nics,
+        b.transport,
+        b.provider.as_deref(),
+        IpAddr::V4(Ipv4Addr::LOCALHOST),
+        0,
+    )
+    .map_err(CliError::Usage)?;
+    a.knobs.rails = a.knobs.rails_asked.unwrap_or(choice.default_rails(1));
+    crate::setup::check_rails(a.knobs.rails).map_err(CliError::Usage)?;
+    let k = &a.knobs;
+    let rail_nics = choice.per_rail(k.rails);
     if a.per_gpu {
-        return per_gpu(&a, &b, &w);
+        return per_gpu(&a, &b, &w, &rail_nics);
     }
     if k.latency {
-        return latency(&b, k, &w);
+        return latency(&b, k, &w, &rail_nics);
     }
     let pins = WorkerPins::for_this_machine(k.pin);
     let worker = WorkerRails {
         initiator: pins.rail_pins(pins.initiator, k.rails, 0),
         target: pins.rail_pins(pins.target, k.rails, k.rails),
         home: pins.initiator,
+        nics: rail_nics,
     };
     let (report, verified) = one_worker(&b, k, &w, worker, (0, 1), !k.json, None)?;
     let baseline_gbps = if a.baseline {
@@ -43,7 +57,8 @@ pub fn run(a: DemoArgs) -> Result<(), CliError> {
     } else {
         None
     };
-    let mut summary = Summary::of(&b, a.backend.transport, k, &report, verified, baseline_gbps);
+    let mut summary = Summary::of(&b, a.backend.transport, k, &report, verified, baseline_gbps)
+        .with_nics(&choice);
     if a.baseline {
         summary.baseline_hot_gbps = hot_baseline_for(&b, report.bytes, k)
             .map_err(|e| CliError::Failed(format!("baseline: {e}")))?;
@@ -54,12 +69,13 @@ pub fn run(a: DemoArgs) -> Result<(), CliError> {
 }
 
 /// `demo --latency`: one worker, transfers one at a time, and the raw TCP floor.
-fn latency(b: &BackendArgs, k: &Knobs, w: &Workload) -> Result<(), CliError> {
+fn latency(b: &BackendArgs, k: &Knobs, w: &Workload, nics: &[RailNic]) -> Result<(), CliError> {
     let pins = WorkerPins::for_this_machine(k.pin);
     let rails = WorkerRails {
         initiator: pins.rail_pins(pins.initiator, k.rails, 0),
         target: pins.rail_pins(pins.target, k.rails, k.rails),
         home: pins.initiator,
+        nics: nics.to_vec(),
     };
     let (src_group, dst_group, s, d, peer, _dst) = set_up_worker(b, k, rails, (0, 1))?;
     let count = latency::sample_count(w);
@@ -86,6 +102,8 @@ struct WorkerRails {
     target: Vec<Option<CorePin>>,
     /// Where its regions' memory should come from.
     home: Option<CorePin>,
+    /// The NIC of each rail (both groups), or none.
+    nics: Vec<RailNic>,
 }
 
 /// One worker: an initiator group and a target group on loopback; the source region on the
@@ -157,8 +175,22 @@ fn set_up_worker(
     workload::fill_pattern(&*src, k.seed)?;
     let dst = b.alloc(k.region_size, slots.1)?;
     clock.stage(STARTING);
-    let src_group = b.spawn_group(lo, k.rails, &name("initiator"), rails.initiator, slots.0)?;
-    let dst_group = b.spawn_group(lo, k.rails, &name("target"), rails.target, slots.1)?;
+    let src_group = b.spawn_group(
+        lo,
+        k.rails,
+        &name("initiator"),
+        rails.initiator,
+        slots.0,
+        &rails.nics,
+    )?;
+    let dst_group = b.spawn_group(
+        lo,
+        k.rails,
+        &name("target"),
+        rails.target,
+        slots.1,
+        &rails.nics,
+    )?;
     clock.stage(REGISTERING);
     let s = src_group.register(src, Access::NONE)?;
     let d = dst_group.register(dst.clone(), Access::REMOTE_WRITE)?;
@@ -205,7 +237,7 @@ pub(crate) struct PerGpuSummary {
 }
 
 /// `--per-gpu`: one worker per entry of --gpus, all at once.
-fn per_gpu(a: &DemoArgs, b: &BackendArgs, w: &Workload) -> Result<(), CliError> {
+fn per_gpu(a: &DemoArgs, b: &BackendArgs, w: &Workload, nics: &[RailNic]) -> Result<(), CliError> {
     let k = &a.knobs;
     if a.baseline {
         return Err(CliError::Usage(
@@ -219,6 +251,7 @@ fn per_gpu(a: &DemoArgs, b: &BackendArgs, w: &Workload) -> Result<(), CliError> 
             initiator: pad(&p.initiator, k.rails),
             target: pad(&p.target, k.rails),
             home: p.home,
+            nics: nics.to_vec(),
         };
         one_worker(b, k, w, rails, (slot, slot), false, Some(start))
     });

@@ -17,6 +17,7 @@ mod control;
 mod demo;
 mod info;
 mod latency;
+mod nics;
 mod pattern;
 mod placement;
 mod progress;
@@ -83,8 +84,12 @@ struct Knobs {
     #[arg(long, default_value = "8GiB", value_parser = size::parse_size)]
     bytes: u64,
     /// Rails: engines (worker threads, each with its own connection or NIC) that share
-    /// every transfer; at most 256.
-    #[arg(long, default_value_t = 1)]
+    /// every transfer; at most 256. Default: one per NIC of --nics (bench: at least one per
+    /// NIC of the server), else 1.
+    #[arg(long = "rails", value_name = "N")]
+    rails_asked: Option<usize>,
+    /// The rails this run uses (`--rails`, or its default once the NICs are chosen).
+    #[arg(skip)]
     rails: usize,
     /// Size of the source region (and of the target region in demo).
     #[arg(long, default_value = "1GiB", value_parser = size::parse_size)]
@@ -128,8 +133,11 @@ struct ServeArgs {
     #[arg(long, default_value = "1GiB", value_parser = size::parse_size)]
     region_size: u64,
     /// Rails (engines, each a worker thread with its own listening transport); clients'
-    /// rails are spread over them; at most 256.
-    #[arg(long, default_value_t = 4)]
+    /// rails are spread over them; at most 256. Default: one per NIC of --nics, else 4.
+    #[arg(long = "rails", value_name = "N")]
+    rails_asked: Option<usize>,
+    /// The rails of each group (`--rails`, or its default once the NICs are chosen).
+    #[arg(skip)]
     rails: usize,
     #[command(flatten)]
     backend: BackendArgs,
@@ -235,6 +243,10 @@ pub(crate) struct Summary {
     verified: bool,
     baseline_gbps: Option<f64>,
     ratio: Option<f64>,
+    /// How the rails' NICs were chosen (`--nics`, the plan, or the fallback and why).
+    nics: String,
+    /// What each rail carried: its NIC, bytes, operations, re-posts, errors and Gbps.
+    per_rail: Vec<workload::RailFigures>,
 }
 
 impl Summary {
@@ -259,7 +271,7 @@ impl Summary {
             memory: b.memory.name(),
             page_size: k.page_size,
             pages: k.pages,
-            rails: k.rails,
+            rails: report.rails.len().max(1),
             bytes: report.bytes,
             bytes_asked: bytes_asked(k),
             seconds: report.seconds,
@@ -268,7 +280,15 @@ impl Summary {
             verified,
             baseline_gbps,
             ratio: baseline_gbps.map(|base| gbps / base),
+            nics: String::new(),
+            per_rail: report.rails.clone(),
         }
+    }
+
+    /// With how the NICs were chosen.
+    pub(crate) fn with_nics(mut self, c: &nics::NicChoice) -> Summary {
+        self.nics = format!("{} ({})", c.names(), c.reason);
+        self
     }
 }
 
@@ -330,7 +350,9 @@ pub(crate) fn workload_of(k: &Knobs) -> Result<Workload, CliError> {
     };
     w.validate().map_err(CliError::Usage)?;
     let w = w.whole_pages();
-    setup::check_rails(k.rails).map_err(CliError::Usage)?;
+    if let Some(r) = k.rails_asked {
+        setup::check_rails(r).map_err(CliError::Usage)?;
+    }
     if k.region_size > usize::MAX as u64 {
         return Err(CliError::Usage(
             "--region-size does not fit this machine's address space".into(),
@@ -372,6 +394,23 @@ pub(crate) fn print_summary(s: &Summary, json: bool) {
         if s.verified { "yes" } else { "no" }
     );
     println!("path: {} ({})", s.transport, s.path);
+    if !s.nics.is_empty() {
+        println!("nics: {}", s.nics);
+    }
+    if s.per_rail.len() > 1 {
+        for r in &s.per_rail {
+            println!(
+                "  rail {} on {}: {}, {} ops, {} re-posts, {} errors, {:.2} Gbps",
+                r.rail,
+                r.nic.as_deref().unwrap_or("-"),
+                size::format_size(r.bytes),
+                r.ops,
+                r.reposts,
+                r.errors,
+                r.gbps
+            );
+        }
+    }
     if let Some(note) = rounding_note(s.bytes_asked, s.bytes, s.page_size) {
         println!("{note}");
     }

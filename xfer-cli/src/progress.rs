@@ -8,6 +8,10 @@ use std::time::Duration;
 /// The progress line of a run.
 pub struct Progress {
     bar: ProgressBar,
+    /// The rails' NICs when there are several (per-NIC rates join the line).
+    nics: Vec<String>,
+    /// The last rates line, to which the per-NIC rates are added.
+    rates: String,
 }
 
 impl Progress {
@@ -23,7 +27,11 @@ impl Progress {
         )
         .expect("the template is valid");
         bar.set_style(style);
-        Progress { bar }
+        Progress {
+            bar,
+            nics: Vec::new(),
+            rates: String::new(),
+        }
     }
 
     pub(crate) fn start(&mut self, total: u64) {
@@ -34,7 +42,48 @@ impl Progress {
 
     pub(crate) fn update(&mut self, t: Duration, bytes: u64, ops: u64) {
         self.bar.set_position(bytes);
-        self.bar.set_message(rates(t, bytes, ops));
+        self.rates = rates(t, bytes, ops);
+        self.bar.set_message(self.rates.clone());
+    }
+
+    /// Shows per-NIC rates from now on when `group`'s rails run on more than one NIC.
+    pub(crate) fn per_nic(&mut self, group: &fabric_core::engine::RailGroup) {
+        let mut names: Vec<String> = group.rail_nics().iter().flatten().cloned().collect();
+        names.sort();
+        names.dedup();
+        if names.len() > 1 {
+            self.nics = names;
+        }
+    }
+
+    /// Adds each NIC's rate since `before` (the rails' counters at the start) to the line.
+    pub(crate) fn update_nics(
+        &mut self,
+        group: &fabric_core::engine::RailGroup,
+        before: &[fabric_core::engine::CounterSnapshot],
+        t: Duration,
+    ) {
+        if self.nics.is_empty() || self.bar.is_hidden() {
+            return;
+        }
+        let s = t.as_secs_f64().max(1e-9);
+        let mut per: Vec<(String, u64)> = self.nics.iter().map(|n| (n.clone(), 0)).collect();
+        for ((c, b), nic) in group
+            .rail_counters()
+            .iter()
+            .zip(before)
+            .zip(group.rail_nics())
+        {
+            if let Some(slot) = per.iter_mut().find(|(n, _)| Some(n) == nic.as_ref()) {
+                slot.1 += c.bytes - b.bytes;
+            }
+        }
+        let nics: Vec<String> = per
+            .iter()
+            .map(|(n, b)| format!("{n} {:.1}", *b as f64 * 8.0 / s / 1e9))
+            .collect();
+        self.bar
+            .set_message(format!("{} [{} Gbps]", self.rates, nics.join(", ")));
     }
 
     pub(crate) fn finish(&mut self, t: Duration, bytes: u64, ops: u64) {

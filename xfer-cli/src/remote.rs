@@ -5,6 +5,7 @@
 use crate::backend::{BackendArgs, MemoryKind, TransportKind};
 use crate::control::{self, ServedGroup};
 use crate::demo::{self, check_per_gpu, gpu_worker_pins, pad};
+use crate::nics::{self, NicChoice};
 use crate::placement::{CorePin, GpuWorkerPins, WorkerPins};
 use crate::setup::{ASKING, CONNECTING, MEMORY, REGISTERING, STARTING, SetUpClock, WARMING_UP};
 use crate::workload::{self, RunReport, Workload};
@@ -19,21 +20,47 @@ use std::time::Duration;
 use transport_tcp::TcpTransport;
 
 /// Runs `xfer bench`.
-pub fn bench(a: BenchArgs) -> Result<(), CliError> {
-    let k = &a.knobs;
-    let w = workload_of(k)?;
+pub fn bench(mut a: BenchArgs) -> Result<(), CliError> {
+    let w = workload_of(&a.knobs)?;
     if a.backend.transport == TransportKind::Mem {
         return Err(CliError::Usage(
             "--transport mem works only inside one process: use xfer demo".into(),
         ));
     }
     let ctl_addr = control::parse_peer(&a.peer).map_err(CliError::Usage)?;
+    // The NICs of each worker's rails (auto resolves to tcp unless the server picks
+    // cuda-ipc, which runs on no NIC).
+    let kind = match a.backend.transport {
+        TransportKind::Auto => TransportKind::Tcp,
+        k => k,
+    };
+    let workers = if a.per_gpu { a.backend.gpus.len() } else { 1 };
+    let choices = (0..workers)
+        .map(|slot| {
+            nics::choose(
+                &a.backend.nics,
+                kind,
+                a.backend.provider.as_deref(),
+                ctl_addr.ip(),
+                slot,
+            )
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(CliError::Usage)?;
+    let first = choices
+        .first()
+        .cloned()
+        .unwrap_or_else(|| NicChoice::unbound(""));
+    a.knobs.rails = a.knobs.rails_asked.unwrap_or(first.default_rails(1));
+    crate::setup::check_rails(a.knobs.rails).map_err(CliError::Usage)?;
+    let a = a;
+    let k = &a.knobs;
     if !a.per_gpu {
         let pins = WorkerPins::for_this_machine(k.pin);
         let rails = (pins.rail_pins(pins.initiator, k.rails, 0), pins.initiator);
-        let (b, report, verified) = bench_worker(&a, ctl_addr, &w, None, rails, None)?;
+        let (b, report, verified) = bench_worker(&a, ctl_addr, &w, None, rails, None, &first)?;
         print_summary(
-            &Summary::of(&b, a.backend.transport, k, &report, verified, None),
+            &Summary::of(&b, a.backend.transport, k, &report, verified, None).with_nics(&first),
             k.json,
         );
         return Ok(());
@@ -42,7 +69,15 @@ pub fn bench(a: BenchArgs) -> Result<(), CliError> {
     let pins = gpu_worker_pins(&a.backend, k.pin, k.rails);
     let results = demo::run_workers(&pins, |slot, p, start| {
         let rails = (pad(&p.initiator, k.rails), p.home);
-        bench_worker(&a, ctl_addr, &w, Some(slot), rails, Some(start))
+        bench_worker(
+            &a,
+            ctl_addr,
+            &w,
+            Some(slot),
+            rails,
+            Some(start),
+            &choices[slot],
+        )
     });
     // Every worker took the server's path for its memory; report the first one's.
     let b = match results.iter().find_map(|r| r.as_ref().ok()) {
@@ -68,9 +103,10 @@ fn bench_worker(
     worker: Option<usize>,
     (rail_pins, home): (Vec<Option<CorePin>>, Option<CorePin>),
     start: Option<&Barrier>,
+    nics: &NicChoice,
 ) -> Result<(BackendArgs, RunReport, bool), CliError> {
     let k = &a.knobs;
-    let set_up = set_up_bench_worker(a, ctl_addr, worker, rail_pins, home);
+    let set_up = set_up_bench_worker(a, ctl_addr, worker, rail_pins, home, nics);
     if let Some(barrier) = start {
         barrier.wait();
     }
@@ -113,10 +149,12 @@ fn set_up_bench_worker(
     worker: Option<usize>,
     rail_pins: Vec<Option<CorePin>>,
     home: Option<CorePin>,
+    nics: &NicChoice,
 ) -> Result<BenchSetUp, CliError> {
     let k = &a.knobs;
     let slot = worker.unwrap_or(0);
-    let mut clock = SetUpClock::start(format!("{} rails", k.rails), ASKING);
+    let mut rails = k.rails;
+    let mut clock = SetUpClock::start(format!("{rails} rails"), ASKING);
     let mut ctl = control::ControlClient::connect(ctl_addr, Duration::from_secs(5))
         .map_err(CliError::Failed)?;
     let hello = ctl
@@ -160,6 +198,23 @@ fn set_up_bench_worker(
         }
         addresses.push(a);
     }
+    // Without --rails, rails on NICs reach every NIC of the server: at least one rail per
+    // distinct address it serves on (rail i goes to its rail i mod N).
+    if k.rails_asked.is_none() && !nics.nics.is_empty() {
+        let mut ips: Vec<IpAddr> = addresses
+            .iter()
+            .filter_map(|a| TcpTransport::parse_address(a).ok().map(|s| s.ip()))
+            .collect();
+        ips.sort();
+        ips.dedup();
+        rails = rails.max(ips.len());
+        crate::setup::check_rails(rails).map_err(CliError::Usage)?;
+    }
+    let rail_pins = pad(&rail_pins, rails);
+    let rail_nics = match b.transport {
+        TransportKind::Tcp | TransportKind::Efa => nics.per_rail(rails),
+        _ => Vec::new(),
+    };
     let local_ip = if ctl_addr.is_ipv4() {
         IpAddr::V4(Ipv4Addr::UNSPECIFIED)
     } else {
@@ -176,10 +231,11 @@ fn set_up_bench_worker(
     clock.stage(STARTING);
     let group = b.spawn_group(
         local_ip,
-        k.rails,
+        rails,
         &format!("xfer-initiator-{slot}"),
         rail_pins,
         slot,
+        &rail_nics,
     )?;
     clock.stage(REGISTERING);
     let s = group.register(src, Access::NONE)?;
@@ -196,19 +252,46 @@ fn set_up_bench_worker(
 type ServeWorker = (usize, Vec<Vec<Option<CorePin>>>, Option<CorePin>);
 
 /// Runs `xfer serve` until the process is stopped.
-pub fn serve(a: ServeArgs) -> Result<(), CliError> {
+pub fn serve(mut a: ServeArgs) -> Result<(), CliError> {
     if a.backend.transport == TransportKind::Mem {
         return Err(CliError::Usage(
             "--transport mem works only inside one process: use xfer demo".into(),
         ));
     }
-    crate::setup::check_rails(a.rails).map_err(CliError::Usage)?;
+    if let Some(r) = a.rails_asked {
+        crate::setup::check_rails(r).map_err(CliError::Usage)?;
+    }
     let listener = TcpListener::bind(a.listen)
         .map_err(|e| CliError::Failed(format!("cannot listen on {}: {e}", a.listen)))?;
     let ctl = listener
         .local_addr()
         .map_err(|e| CliError::Failed(e.to_string()))?;
     let data_ip = a.data_listen.unwrap_or(ctl.ip());
+    // The NICs of each worker's tcp or efa rails (cuda-ipc runs on none).
+    let net_kind = match a.backend.transport {
+        TransportKind::Auto | TransportKind::CudaIpc => TransportKind::Tcp,
+        k => k,
+    };
+    let workers = if a.per_gpu { a.backend.gpus.len() } else { 1 };
+    let choices = (0..workers)
+        .map(|slot| {
+            nics::choose_to_serve(
+                &a.backend.nics,
+                net_kind,
+                a.backend.provider.as_deref(),
+                data_ip,
+                slot,
+            )
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(CliError::Usage)?;
+    let first = choices
+        .first()
+        .cloned()
+        .unwrap_or_else(|| NicChoice::unbound(""));
+    a.rails = a.rails_asked.unwrap_or(first.default_rails(4));
+    crate::setup::check_rails(a.rails).map_err(CliError::Usage)?;
+    let a = a;
     // The paths this server offers: `auto` serves tcp to everyone and, with GPU memory,
     // cuda-ipc to clients on this host that hold GPU memory too.
     let kinds = match a.backend.transport {
@@ -263,12 +346,17 @@ pub fn serve(a: ServeArgs) -> Result<(), CliError> {
                 .get(n)
                 .cloned()
                 .unwrap_or_else(|| vec![None; a.rails]);
+            let rail_nics = match kind {
+                TransportKind::Tcp | TransportKind::Efa => choices[*slot].per_rail(a.rails),
+                _ => Vec::new(),
+            };
             let g = b.spawn_group(
                 data_ip,
                 a.rails,
                 &format!("xfer-serve-{}-{slot}", kind.name()),
                 pins,
                 *slot,
+                &rail_nics,
             )?;
             groups.push(ServedGroup {
                 kind: *kind,
@@ -278,6 +366,23 @@ pub fn serve(a: ServeArgs) -> Result<(), CliError> {
         }
     }
     clock.finish();
+    for (slot, c) in choices.iter().enumerate() {
+        if !c.nics.is_empty() {
+            let nics: Vec<String> = c
+                .nics
+                .iter()
+                .map(|n| match n.ip {
+                    Some(ip) => format!("{} ({ip})", n.name),
+                    None => n.name.clone(),
+                })
+                .collect();
+            eprintln!(
+                "xfer: worker {slot}: rails on NICs {}; {}",
+                nics.join(", "),
+                c.reason
+            );
+        }
+    }
     eprintln!(
         "xfer: serving {} on {} rails{}",
         kinds
@@ -366,9 +471,11 @@ mod tests {
 
     fn line_of(args: &[&str], kinds: &[TransportKind]) -> String {
         let cli = crate::Cli::try_parse_from(["xfer", "serve"].iter().chain(args)).unwrap();
-        let crate::Cmd::Serve(a) = cli.cmd else {
+        let crate::Cmd::Serve(mut a) = cli.cmd else {
             panic!("not serve")
         };
+        // What serve makes of --rails on loopback (no NIC chosen).
+        a.rails = a.rails_asked.unwrap_or(4);
         bench_line("127.0.0.1:7471".parse().unwrap(), &a, kinds)
     }
 

@@ -94,6 +94,57 @@ pub struct RunReport {
     pub seconds: f64,
     /// Which pages were written at least once.
     pub written: Vec<bool>,
+    /// What each rail carried in the timed part.
+    pub rails: Vec<RailFigures>,
+}
+
+/// What one rail carried during a run.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct RailFigures {
+    /// Its position in the group.
+    pub rail: usize,
+    /// The NIC it ran on (`None`: not bound to one).
+    pub nic: Option<String>,
+    /// Bytes it wrote.
+    pub bytes: u64,
+    /// Write operations it posted.
+    pub ops: u64,
+    /// Posts it had to repeat (the transport had no room).
+    pub reposts: u64,
+    /// Operations that failed.
+    pub errors: u64,
+    /// Its bytes over the run's time, in Gbit/s.
+    pub gbps: f64,
+}
+
+/// Per-rail figures between two snapshots of a group's rail counters, over `seconds`.
+pub fn rail_figures(
+    group: &RailGroup,
+    before: &[fabric_core::engine::CounterSnapshot],
+    seconds: f64,
+) -> Vec<RailFigures> {
+    let after = group.rail_counters();
+    after
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let b = before.get(i).copied().unwrap_or_default();
+            let bytes = c.bytes - b.bytes;
+            RailFigures {
+                rail: i,
+                nic: group.rail_nics().get(i).cloned().flatten(),
+                bytes,
+                ops: c.ops - b.ops,
+                reposts: c.reposts - b.reposts,
+                errors: c.errors - b.errors,
+                gbps: if seconds > 0.0 {
+                    bytes as f64 * 8.0 / seconds / 1e9
+                } else {
+                    0.0
+                },
+            }
+        })
+        .collect()
 }
 
 impl RunReport {
@@ -151,7 +202,9 @@ pub fn run(
     let mut moved = 0u64;
     let start = Instant::now();
     let c0 = group.counters();
+    let rails0 = group.rail_counters();
     progress.start(w.bytes);
+    progress.per_nic(group);
     loop {
         while inflight.len() < w.depth && left > 0 {
             // Whole pages only (see `Workload::whole_pages`): a partial page left over is
@@ -188,6 +241,7 @@ pub fn run(
         }
         let c = group.counters();
         progress.update(start.elapsed(), c.bytes - c0.bytes, c.ops - c0.ops);
+        progress.update_nics(group, &rails0, start.elapsed());
     }
     let seconds = start.elapsed().as_secs_f64();
     let c = group.counters();
@@ -197,6 +251,7 @@ pub fn run(
         page_writes,
         seconds,
         written,
+        rails: rail_figures(group, &rails0, seconds),
     })
 }
 
