@@ -15,7 +15,7 @@
 //! `lo`, unbound, as before there were NICs to choose.
 //!
 //! `if-addrs` lists the interfaces and their addresses (getifaddrs, without unsafe code of
-//! ours); the kernel's operstate in `/sys/class/net` says whether one is up.
+//! ours); its flags in `/sys/class/net` say whether one is up.
 
 use crate::backend::TransportKind;
 use serde::Serialize;
@@ -112,7 +112,7 @@ impl NicChoice {
 pub struct Interface {
     /// Its name (`eth0`).
     pub name: String,
-    /// Whether the kernel says it is up (operstate `up`, or `unknown` as `lo` reports).
+    /// Whether it is up (its IFF_UP flag: `ip link set NAME up`).
     pub up: bool,
     /// Its addresses.
     pub addrs: Vec<IpAddr>,
@@ -145,9 +145,12 @@ pub fn interfaces() -> Result<Vec<Interface>, String> {
         }
     }
     for i in &mut out {
-        let state = std::fs::read_to_string(format!("/sys/class/net/{}/operstate", i.name))
-            .unwrap_or_default();
-        i.up = matches!(state.trim(), "up" | "unknown");
+        // Administratively up (IFF_UP, what `ip link set X up` sets): a link whose carrier
+        // comes a moment later is still the user's to use.
+        let flags = std::fs::read_to_string(format!("/sys/class/net/{}/flags", i.name))
+            .ok()
+            .and_then(|f| u32::from_str_radix(f.trim().trim_start_matches("0x"), 16).ok());
+        i.up = flags.is_some_and(|f| f & 1 != 0);
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(out)

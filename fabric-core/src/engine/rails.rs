@@ -29,7 +29,7 @@ use crate::transport::Transport;
 use crate::types::{Access, LocalKey, PeerId, RemoteRegion};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -156,20 +156,22 @@ impl GroupTransfer {
 pub struct RailGroup {
     rails: Vec<Arc<Engine>>,
     stash: Mutex<HashMap<u32, u64>>,
-    /// Bytes in flight on each rail (chunks posted and not landed), for choosing rails.
-    load: Arc<[AtomicU64]>,
-    balance: Balance,
+    /// What the rails share to take chunks from (see [`Balance`]).
+    shared: Arc<Shared>,
     /// The NIC of each rail, where it was named.
     nics: Vec<Option<String>>,
 }
 
 /// How a [`RailGroup`] spreads a transfer over its rails: by progress, not by a fixed
 /// split. A transfer is cut into chunks (whole writes, each chunk about
-/// `bytes / (rails * chunks_per_rail)` bytes, within `min_chunk..=max_chunk`); each rail
-/// starts with `in_flight` chunks and takes the next from the transfer's queue when one of
-/// its chunks lands. A rail on a NIC at half speed so carries about half as much, and the
-/// transfer loses only that NIC's missing share. A group of one rail moves each transfer as
-/// one chunk.
+/// `bytes / (rails * chunks_per_rail)` bytes, within `min_chunk..=max_chunk`) that wait in
+/// one queue of the group, oldest transfer first. A rail holds at most `in_flight` chunks
+/// (of all transfers) at once and takes the next from the queue, on its own worker, when
+/// one of its chunks lands. A rail on a NIC at half speed so carries about half as much,
+/// and the transfer loses only that NIC's missing share plus, at its end, the chunks the
+/// slow rail still holds. A transfer of one chunk goes whole to the rail with the fewest
+/// chunks in flight, its immediate data with it; a group of one rail moves each transfer
+/// as one chunk.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Balance {
     /// Chunks per rail that a large transfer is cut into (the finer, the better the
@@ -187,10 +189,87 @@ pub struct Balance {
 impl Default for Balance {
     fn default() -> Self {
         Balance {
-            chunks_per_rail: 8,
+            chunks_per_rail: 16,
             min_chunk: 256 << 10,
-            max_chunk: 4 << 20,
+            max_chunk: 1 << 20,
             in_flight: 2,
+        }
+    }
+}
+
+/// What a group's rails share: the queue of transfers with chunks not taken yet, and each
+/// rail's chunks in flight.
+struct Shared {
+    queue: Mutex<VecDeque<Arc<GroupState>>>,
+    /// Chunks posted and not landed, per rail (one-chunk transfers included).
+    inflight: Vec<AtomicUsize>,
+    links: Vec<Arc<WorkerLink>>,
+    balance: Mutex<Balance>,
+}
+
+impl Shared {
+    fn lock_queue(&self) -> std::sync::MutexGuard<'_, VecDeque<Arc<GroupState>>> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn balance(&self) -> Balance {
+        *self.balance.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The next chunk of the oldest transfer that has one (transfers with none left, or
+    /// failed, leave the queue), counted as posted. Called with the queue locked.
+    fn next_chunk(
+        queue: &mut VecDeque<Arc<GroupState>>,
+    ) -> Option<(Arc<GroupState>, Vec<PlannedWrite>)> {
+        while let Some(st) = queue.front().cloned() {
+            let mut w = st.lock_work();
+            if w.error.is_some() || w.writes.is_empty() {
+                drop(w);
+                queue.pop_front();
+                continue;
+            }
+            let mut chunk = Vec::new();
+            let mut bytes = 0u64;
+            while let Some(next) = w.writes.front() {
+                if !chunk.is_empty() && bytes.saturating_add(next.src.len) > st.chunk {
+                    break;
+                }
+                bytes = bytes.saturating_add(next.src.len);
+                chunk.push(*next);
+                w.writes.pop_front();
+            }
+            w.posted += 1;
+            let empty = w.writes.is_empty();
+            drop(w);
+            if empty {
+                queue.pop_front();
+            }
+            return Some((st, chunk));
+        }
+        None
+    }
+
+    /// Chunks for `rail` until it holds `in_flight`, from the queue.
+    fn fill(&self, rail: usize) {
+        let limit = self.balance().in_flight.max(1);
+        loop {
+            if self.inflight[rail].load(Ordering::Acquire) >= limit {
+                return;
+            }
+            let Some((st, writes)) = Self::next_chunk(&mut self.lock_queue()) else {
+                return;
+            };
+            self.post(st, rail, writes);
+        }
+    }
+
+    /// Posts a chunk of `st` on `rail` (to its worker, without blocking).
+    fn post(&self, st: Arc<GroupState>, rail: usize, writes: Vec<PlannedWrite>) {
+        self.inflight[rail].fetch_add(1, Ordering::AcqRel);
+        let job = st.chunk_job(rail, writes);
+        if let Err(slot) = self.links[rail].send_transfer(job) {
+            // The worker stopped: the chunk fails (and may decide the transfer).
+            slot.complete(Err(OpError::Cancelled));
         }
     }
 }
@@ -232,11 +311,15 @@ impl RailGroup {
         // On a failure the rails that did start stop as they drop.
         let rails = started.into_iter().collect::<Result<Vec<_>>>()?;
         Ok(RailGroup {
-            load: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            shared: Arc::new(Shared {
+                queue: Mutex::new(VecDeque::new()),
+                inflight: (0..n).map(|_| AtomicUsize::new(0)).collect(),
+                links: rails.iter().map(|e| e.link()).collect(),
+                balance: Mutex::new(Balance::default()),
+            }),
             nics: vec![None; n],
             rails,
             stash: Mutex::new(HashMap::new()),
-            balance: Balance::default(),
         })
     }
 
@@ -389,7 +472,7 @@ impl RailGroup {
             .iter()
             .try_fold(0u64, |a, s| a.checked_add(s.len))
             .ok_or_else(|| Error::InvalidArgument("segment lengths overflow".into()))?;
-        let chunk = self.balance.chunk_bytes(total, n);
+        let chunk = self.balance().chunk_bytes(total, n);
         // Writes no longer than a chunk, so that one large segment spreads over the rails.
         let plan = plan_transfer(&segs, limit.min(chunk))?;
         let imm = match (t.imm, t.segments.first()) {
@@ -402,104 +485,111 @@ impl RailGroup {
             (Some(v), Some(&(so, d_o, _))) => Some((v, so, d_o)),
         };
         let deadline = t.timeout.map(|d| Instant::now() + d);
-        let mut chunks = chunks_of(&plan.writes, chunk);
-        if chunks.is_empty() {
-            // Nothing to move: the immediate data alone, on the least loaded rail.
-            chunks.push_back(Vec::new());
-            if imm.is_none() {
-                let slot = Slot::new();
-                slot.complete(Ok(TransferStats::default()));
-                return Ok(TransferHandle { slot });
-            }
-        }
         let slot = Slot::new();
         let handle = TransferHandle { slot: slot.clone() };
-        if chunks.len() == 1 {
-            // One chunk: one rail moves it all and its worker sends the immediate data
-            // right after its writes (or on its one write), with no other worker involved.
+        if plan.writes.is_empty() && imm.is_none() {
+            slot.complete(Ok(TransferStats::default()));
+            return Ok(handle);
+        }
+        let sh = &self.shared;
+        if plan.bytes <= chunk {
+            // One chunk (or only immediate data): one rail moves it all and its worker
+            // sends the immediate data right after its writes (or on its one write), with
+            // no other worker involved.
             let r = (0..n)
-                .min_by_key(|&i| (self.load[i].load(Ordering::Relaxed), i))
+                .min_by_key(|&i| (sh.inflight[i].load(Ordering::Relaxed), i))
                 .unwrap_or(0);
-            let writes = chunks.pop_front().unwrap_or_default();
-            let bytes = chunk_len(&writes);
-            let load = self.load.clone();
+            let shared = sh.clone();
             let done = Slot::with_callback(Box::new(move |res: TransferResult| {
-                load[r].fetch_sub(bytes, Ordering::Relaxed);
+                shared.inflight[r].fetch_sub(1, Ordering::AcqRel);
                 slot.complete(res);
+                // A chunk slot came free on this rail: other transfers' chunks may wait.
+                shared.fill(r);
             }));
             let job = Job {
                 peer: peer.rails[r],
                 plan: crate::plan::TransferPlan {
-                    writes: on_rail(writes, t.src.locals[r], dsts[r]),
-                    bytes,
+                    bytes: plan.bytes,
+                    writes: on_rail(plan.writes, t.src.locals[r], dsts[r]),
                 },
                 imm: imm.map(|(v, so, d_o)| (v, imm_segment(t.src.locals[r], so, dsts[r], d_o))),
                 slot: done,
                 deadline,
             };
-            self.load[r].fetch_add(bytes, Ordering::Relaxed);
+            sh.inflight[r].fetch_add(1, Ordering::AcqRel);
             if let Err(e) = self.rails[r].send_cmd(Command::Transfer(job)) {
-                self.load[r].fetch_sub(bytes, Ordering::Relaxed);
+                sh.inflight[r].fetch_sub(1, Ordering::AcqRel);
                 return Err(e);
             }
             return Ok(handle);
         }
         let state = Arc::new(GroupState {
             work: Mutex::new(Work {
-                queue: VecDeque::new(),
-                left: chunks.len(),
+                writes: plan.writes.into(),
+                posted: 0,
+                finished: false,
                 error: None,
                 ops: 0,
             }),
+            chunk,
             peers: peer.rails.clone(),
             srcs: t.src.locals.clone(),
             dsts,
             imm,
-            links: self.rails.iter().map(|e| e.link()).collect(),
-            load: self.load.clone(),
+            shared: sh.clone(),
             deadline,
             bytes: plan.bytes,
             slot,
         });
-        // The first chunks go to the rails with the least in flight, `in_flight` rounds of
-        // one each; the rest wait in the transfer's queue for the rails that finish first.
+        // The rails with the fewest chunks in flight take theirs first, one round at a
+        // time, all chosen before any is posted (so that a fast rail's completion cannot
+        // take the others' first chunks); the rest wait in the queue.
         let mut order: Vec<usize> = (0..n).collect();
-        order.sort_by_key(|&i| (self.load[i].load(Ordering::Relaxed), i));
+        order.sort_by_key(|&i| (sh.inflight[i].load(Ordering::Relaxed), i));
+        let limit = self.balance().in_flight.max(1);
         let mut first = Vec::new();
-        'rounds: for _ in 0..self.balance.in_flight.max(1) {
-            for &r in &order {
-                match chunks.pop_front() {
-                    Some(c) => first.push((r, c)),
-                    None => break 'rounds,
+        {
+            let mut q = sh.lock_queue();
+            q.push_back(state);
+            let mut taken = vec![0usize; n];
+            'rounds: loop {
+                let mut any = false;
+                for &r in &order {
+                    if sh.inflight[r].load(Ordering::Relaxed) + taken[r] >= limit {
+                        continue;
+                    }
+                    match Shared::next_chunk(&mut q) {
+                        Some(c) => {
+                            taken[r] += 1;
+                            first.push((r, c));
+                            any = true;
+                        }
+                        None => break 'rounds,
+                    }
+                }
+                if !any {
+                    break;
                 }
             }
         }
-        state.lock_work().queue = chunks;
-        for (k, (r, writes)) in first.into_iter().enumerate() {
-            let bytes = chunk_len(&writes);
-            let job = state.chunk_job(r, writes);
-            self.load[r].fetch_add(bytes, Ordering::Relaxed);
-            if let Err(e) = self.rails[r].send_cmd(Command::Transfer(job)) {
-                self.load[r].fetch_sub(bytes, Ordering::Relaxed);
-                if k == 0 {
-                    // Nothing is in flight: the caller hears it here.
-                    return Err(e);
-                }
-                // Some chunks are in flight: the transfer fails once they have landed.
-                state.clone().chunk_done(r, 0, Err(OpError::Cancelled));
-            }
+        for (r, (st, writes)) in first {
+            sh.post(st, r, writes);
         }
         Ok(handle)
     }
 
     /// How transfers are cut into chunks and spread (see [`Balance`]).
     pub fn balance(&self) -> Balance {
-        self.balance
+        self.shared.balance()
     }
 
     /// Changes how later transfers are cut into chunks and spread.
-    pub fn set_balance(&mut self, b: Balance) {
-        self.balance = b;
+    pub fn set_balance(&self, b: Balance) {
+        *self
+            .shared
+            .balance
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = b;
     }
 
     /// The NIC each rail runs on, as given to [`RailGroup::spawn_on`] (`None` for rails
@@ -709,25 +799,6 @@ fn at_once<T: Send, R: Send>(items: Vec<T>, f: impl Fn(T) -> R + Sync) -> Vec<R>
 /// A transfer submitted to a rail group: the same handle as one engine's.
 pub type GroupHandle = TransferHandle;
 
-/// The writes of `plan` in chunks of about `chunk` bytes (whole writes, at least one each).
-fn chunks_of(writes: &[PlannedWrite], chunk: u64) -> VecDeque<Vec<PlannedWrite>> {
-    let mut out = VecDeque::new();
-    let mut cur: Vec<PlannedWrite> = Vec::new();
-    let mut bytes = 0u64;
-    for w in writes {
-        if !cur.is_empty() && bytes.saturating_add(w.src.len) > chunk {
-            out.push_back(std::mem::take(&mut cur));
-            bytes = 0;
-        }
-        bytes = bytes.saturating_add(w.src.len);
-        cur.push(*w);
-    }
-    if !cur.is_empty() {
-        out.push_back(cur);
-    }
-    out
-}
-
 fn chunk_len(writes: &[PlannedWrite]) -> u64 {
     writes.iter().map(|w| w.src.len).sum()
 }
@@ -753,28 +824,31 @@ fn imm_segment(src: LocalKey, src_offset: u64, dst: RemoteRegion, dst_offset: u6
 }
 
 /// A transfer spread over several rails, shared by its chunks' completion callbacks (which
-/// run on the rails' workers).
+/// run on the rails' workers) and the group's queue.
 struct GroupState {
     work: Mutex<Work>,
+    /// Bytes per chunk.
+    chunk: u64,
     /// Per local rail: the peer, the local key and the remote region of the same memory.
     peers: Vec<PeerId>,
     srcs: Vec<LocalKey>,
     dsts: Vec<RemoteRegion>,
     /// The immediate value and the offsets of the segment that carries it.
     imm: Option<(u32, u64, u64)>,
-    /// Every rail's worker, to hand chunks and the immediate data to.
-    links: Vec<Arc<WorkerLink>>,
-    load: Arc<[AtomicU64]>,
+    shared: Arc<Shared>,
     deadline: Option<Instant>,
     bytes: u64,
     slot: Arc<Slot<TransferResult>>,
 }
 
-/// What is left of a transfer: chunks no rail has taken yet, and chunks not finished.
+/// What is left of a transfer.
 struct Work {
-    queue: VecDeque<Vec<PlannedWrite>>,
-    /// Chunks not finished (queued ones included).
-    left: usize,
+    /// Writes no rail has taken yet.
+    writes: VecDeque<PlannedWrite>,
+    /// Chunks posted and not finished.
+    posted: usize,
+    /// Whether the transfer has been decided.
+    finished: bool,
     /// The first error of any chunk; once set, no further chunk starts.
     error: Option<OpError>,
     ops: u64,
@@ -797,52 +871,44 @@ impl GroupState {
                 bytes,
             },
             imm: None,
-            slot: Slot::with_callback(Box::new(move |r| st.chunk_done(rail, bytes, r))),
+            slot: Slot::with_callback(Box::new(move |r| st.chunk_done(rail, r))),
             deadline: self.deadline,
         }
     }
 
-    /// A chunk of `bytes` finished on `rail` with `r` (on that rail's worker). The rail takes
-    /// the next queued chunk at once, on its own worker; the last chunk decides the
-    /// transfer: an error ends it, else the immediate data goes out on the same rail and
-    /// the transfer completes when it lands.
-    fn chunk_done(self: Arc<Self>, rail: usize, bytes: u64, r: TransferResult) {
-        self.load[rail].fetch_sub(bytes, Ordering::Relaxed);
-        let next = {
+    /// A chunk finished on `rail` with `r` (on that rail's worker). The last one decides
+    /// the transfer: an error ends it, else the immediate data goes out on the same rail
+    /// and the transfer completes when it lands. Then the rail takes the next chunks from
+    /// the group's queue, on its own worker.
+    fn chunk_done(self: Arc<Self>, rail: usize, r: TransferResult) {
+        let shared = self.shared.clone();
+        shared.inflight[rail].fetch_sub(1, Ordering::AcqRel);
+        let decided = {
             let mut w = self.lock_work();
-            w.left -= 1;
+            w.posted -= 1;
             match r {
                 Ok(s) => w.ops += s.ops,
                 Err(e) => {
                     w.error.get_or_insert(e);
-                    // Chunks not started never will be: they count as finished.
-                    let dropped = w.queue.len();
-                    w.queue.clear();
-                    w.left -= dropped;
+                    // Writes not taken never will be.
+                    w.writes.clear();
                 }
             }
-            if w.left == 0 {
-                None
-            } else if let Some(next) = w.queue.pop_front() {
-                Some(next)
+            if w.posted == 0 && w.writes.is_empty() && !w.finished {
+                w.finished = true;
+                Some((w.error.take(), w.ops))
             } else {
-                return;
+                None
             }
         };
-        if let Some(writes) = next {
-            let bytes = chunk_len(&writes);
-            let job = self.chunk_job(rail, writes);
-            self.load[rail].fetch_add(bytes, Ordering::Relaxed);
-            if let Err(slot) = self.links[rail].send_transfer(job) {
-                // The worker stopped: the chunk fails (and decides, if it is the last).
-                slot.complete(Err(OpError::Cancelled));
-            }
-            return;
+        if let Some((error, ops)) = decided {
+            self.decide(rail, error, ops);
         }
-        let (error, ops) = {
-            let mut w = self.lock_work();
-            (w.error.take(), w.ops)
-        };
+        shared.fill(rail);
+    }
+
+    /// Completes the transfer with `error`, or sends its immediate data on `rail` first.
+    fn decide(self: Arc<Self>, rail: usize, error: Option<OpError>, ops: u64) {
         if let Some(e) = error {
             self.slot.complete(Err(e));
             return;
@@ -871,7 +937,7 @@ impl GroupState {
             })),
             deadline: self.deadline,
         };
-        if let Err(slot) = self.links[rail].send_transfer(job) {
+        if let Err(slot) = self.shared.links[rail].send_transfer(job) {
             slot.complete(Err(OpError::Cancelled));
         }
     }

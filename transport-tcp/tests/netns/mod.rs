@@ -122,9 +122,96 @@ pub enum Side {
 pub struct NetPair {
     names: [String; 2],
     subnet: u8,
+    /// Extra veth pairs `veth0..vethN-1` ([`NetPair::with_veths`]).
+    veths: usize,
 }
 
 impl NetPair {
+    /// Two namespaces joined by the usual pair and `n` more veth pairs, `veth0` to
+    /// `veth{n-1}` on both sides (four "NICs" each), pair `i` in its own subnet
+    /// 10.(232+i).<n>.0/24; or `None` as [`NetPair::new`].
+    pub fn with_veths(n: usize) -> Option<NetPair> {
+        assert!(n <= 16, "at most 16 veth pairs");
+        let mut pair = NetPair::new()?;
+        pair.veths = n;
+        if let Err(e) = pair.build_veths() {
+            drop(pair);
+            skip(&format!("cannot create veth pairs: {e}"));
+            return None;
+        }
+        Some(pair)
+    }
+
+    fn build_veths(&self) -> Result<(), String> {
+        let [a, b] = &self.names;
+        for i in 0..self.veths {
+            let dev = Self::veth(i);
+            run(
+                "ip",
+                &[
+                    "link", "add", &dev, "netns", a, "type", "veth", "peer", "name", &dev, "netns",
+                    b,
+                ],
+            )?;
+            for side in [Side::A, Side::B] {
+                let cidr = format!("{}/24", self.veth_ip(i, side));
+                self.ip_cmd(side, &["addr", "add", &cidr, "dev", &dev])?;
+                self.ip_cmd(side, &["link", "set", &dev, "up"])?;
+            }
+        }
+        // A veth reports carrier a moment after both ends are up; until then the kernel
+        // queues or drops what is sent on it. Wait (with a deadline) for every end.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        for i in 0..self.veths {
+            for side in [Side::A, Side::B] {
+                let path = format!("/sys/class/net/{}/operstate", Self::veth(i));
+                loop {
+                    let state = output("ip", &["netns", "exec", self.name(side), "cat", &path])?;
+                    if state.trim() == "up" {
+                        break;
+                    }
+                    if std::time::Instant::now() > deadline {
+                        return Err(format!("{} stays {:?}", Self::veth(i), state.trim()));
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The name of extra veth pair `i` (the same on both sides).
+    pub fn veth(i: usize) -> String {
+        format!("veth{i}")
+    }
+
+    /// The side's address on extra veth pair `i`.
+    pub fn veth_ip(&self, i: usize, side: Side) -> Ipv4Addr {
+        Ipv4Addr::new(10, 232 + i as u8, self.subnet, side as u8 + 1)
+    }
+
+    /// Bytes the side's device `dev` has sent: the kernel's own counter
+    /// (`/sys/class/net/DEV/statistics/tx_bytes`, read inside the namespace).
+    pub fn tx_bytes(&self, side: Side, dev: &str) -> Result<u64, String> {
+        let path = format!("/sys/class/net/{dev}/statistics/tx_bytes");
+        let out = output("ip", &["netns", "exec", self.name(side), "cat", &path])?;
+        out.trim()
+            .parse()
+            .map_err(|e| format!("{path}: {e}: {out:?}"))
+    }
+
+    /// Limits the rate at which the side sends on device `dev` (`tc ... tbf`).
+    pub fn rate_dev(&self, side: Side, dev: &str, rate: &str) -> Result<(), String> {
+        self.exec(
+            side,
+            "tc",
+            &[
+                "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", "64kb",
+                "latency", "50ms",
+            ],
+        )
+    }
+
     /// Creates the pair, or prints why it cannot and returns `None` (see the module docs).
     pub fn new() -> Option<NetPair> {
         SWEEP.call_once(sweep_stale);
@@ -136,6 +223,7 @@ impl NetPair {
                 format!("{PREFIX}{pid}-{n}-b"),
             ],
             subnet: (n % 250 + 1) as u8,
+            veths: 0,
         };
         // A pair half made is still deleted by Drop.
         if let Err(e) = pair.build() {

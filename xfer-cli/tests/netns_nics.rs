@@ -1,0 +1,257 @@
+//! Rails are NICs: two network namespaces joined by four veth pairs, each pair its own
+//! subnet (four "NICs" on each side). `xfer serve` runs in one namespace, `xfer bench
+//! --nics veth0,veth1,veth2,veth3` in the other; the kernel's own counters
+//! (`/sys/class/net/IF/statistics/tx_bytes`) say which NIC carried what.
+//!
+//! These tests need root (CI runs as root). Where namespaces cannot be made they print
+//! `skipped: ...` and pass, unless `XFER_REQUIRE_NETNS=1` (or root), as in
+//! `transport-tcp/tests/netns_faults.rs`, whose namespace helpers they share.
+
+#[path = "../../transport-tcp/tests/netns/mod.rs"]
+mod netns;
+
+use netns::{NetPair, Side};
+use serde_json::Value;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Output, Stdio};
+
+const NICS: usize = 4;
+const REGION: &str = "64MiB";
+/// Each NIC's rate: low enough that the links, not this machine's cores (a debug build of
+/// xfer on two of them, verifying), set the pace.
+const RATE: &str = "150mbit";
+/// The slow NIC's: a quarter of [`RATE`].
+const SLOW: &str = "37mbit";
+
+/// `xfer ARGS` inside the side's namespace.
+fn xfer_in(net: &NetPair, side: Side) -> Command {
+    let mut c = Command::new("ip");
+    c.args(["netns", "exec", net.name(side), env!("CARGO_BIN_EXE_xfer")])
+        .env_remove("RUST_LOG")
+        .env("HWLOC_LIBXML_IMPORT", "0");
+    c
+}
+
+/// `veth0,...` of the first `n` NICs.
+fn nic_list(n: usize) -> String {
+    (0..n).map(NetPair::veth).collect::<Vec<_>>().join(",")
+}
+
+/// `xfer serve` in namespace B on its four NICs; killed on drop.
+struct Server {
+    child: Child,
+    peer: String,
+}
+
+impl Server {
+    fn start(net: &NetPair, transport: &[&str]) -> Server {
+        let listen = format!("{}:0", net.veth_ip(0, Side::B));
+        let mut child = xfer_in(net, Side::B)
+            .args(["serve", "--listen", &listen, "--region-size", REGION])
+            .args(["--nics", &nic_list(NICS)])
+            .args(transport)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("xfer serve starts");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("read the serve line");
+        let peer = line
+            .split_whitespace()
+            .find(|w| w.starts_with("xfer://"))
+            .unwrap_or_else(|| panic!("unexpected first line of xfer serve: {line:?}"))
+            .to_string();
+        Server { child, peer }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// What one bench run did: its JSON summary and the bytes each of A's NICs sent meanwhile.
+struct Run {
+    summary: Value,
+    tx: Vec<u64>,
+}
+
+/// `xfer bench` from namespace A over its first `nics` NICs, `bytes` in all.
+fn bench(net: &NetPair, server: &Server, nics: usize, bytes: &str, transport: &[&str]) -> Run {
+    let before: Vec<u64> = (0..NICS)
+        .map(|i| net.tx_bytes(Side::A, &NetPair::veth(i)).unwrap())
+        .collect();
+    let out: Output = xfer_in(net, Side::A)
+        .args(["bench", "--peer", &server.peer, "--region-size", REGION])
+        .args(["--bytes", bytes, "--json", "--nics", &nic_list(nics)])
+        .args(transport)
+        .output()
+        .expect("xfer bench runs");
+    assert!(
+        out.status.success(),
+        "bench over {nics} NICs failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let summary: Value = serde_json::from_str(text.trim())
+        .unwrap_or_else(|e| panic!("not one JSON object ({e}): {text:?}"));
+    assert_eq!(summary["verified"], true, "{summary}");
+    let tx = (0..NICS)
+        .map(|i| net.tx_bytes(Side::A, &NetPair::veth(i)).unwrap() - before[i])
+        .collect();
+    Run { summary, tx }
+}
+
+/// Each NIC's share of the bytes all four sent.
+fn shares(tx: &[u64]) -> Vec<f64> {
+    let total: u64 = tx.iter().sum();
+    tx.iter().map(|&b| b as f64 / total.max(1) as f64).collect()
+}
+
+/// The summary names every rail's NIC, in rail order, and its bytes add up.
+fn check_per_rail(s: &Value, nics: usize) {
+    let rails = s["per_rail"].as_array().expect("per_rail");
+    assert_eq!(rails.len(), nics, "{s}");
+    for (i, r) in rails.iter().enumerate() {
+        assert_eq!(r["nic"], NetPair::veth(i), "{s}");
+        assert!(
+            r["bytes"].as_u64().unwrap() > 0,
+            "rail {i} carried nothing: {s}"
+        );
+    }
+    let sum: u64 = rails.iter().map(|r| r["bytes"].as_u64().unwrap()).sum();
+    assert_eq!(sum, s["bytes"].as_u64().unwrap(), "{s}");
+}
+
+/// Four NICs of the same speed carry a quarter each (± 5 points), for `transport`.
+fn four_nics_share_evenly(transport: &[&str]) {
+    let Some(net) = NetPair::with_veths(NICS) else {
+        return;
+    };
+    if !NetPair::has_tool("tc") {
+        netns::skip("`tc` is not installed (Debian package iproute2)");
+        return;
+    }
+    // The same rate on every NIC: the links, not this machine's two cores, set the pace.
+    for i in 0..NICS {
+        net.rate_dev(Side::A, &NetPair::veth(i), RATE).unwrap();
+    }
+    let server = Server::start(&net, transport);
+    let run = bench(&net, &server, NICS, "96MiB", transport);
+    check_per_rail(&run.summary, NICS);
+    let sh = shares(&run.tx);
+    println!(
+        "{transport:?}: {:.2} Gbps; tx bytes per NIC {:?}, shares {sh:.3?}",
+        run.summary["gbps"], run.tx
+    );
+    let moved = run.summary["bytes"].as_u64().unwrap();
+    assert!(
+        run.tx.iter().sum::<u64>() >= moved,
+        "the four NICs sent less than the data: {:?} < {moved}",
+        run.tx
+    );
+    for (i, s) in sh.iter().enumerate() {
+        assert!(
+            (s - 0.25).abs() <= 0.05,
+            "veth{i} carried {:.1} % of the bytes (shares {sh:.3?})",
+            s * 100.0
+        );
+    }
+}
+
+#[test]
+fn tcp_rails_each_carry_a_quarter_over_four_nics() {
+    four_nics_share_evenly(&["--transport", "tcp"]);
+}
+
+#[test]
+fn efa_over_libfabric_tcp_rails_each_carry_a_quarter_over_four_nics() {
+    four_nics_share_evenly(&["--transport", "efa", "--provider", "tcp"]);
+}
+
+/// One NIC at a quarter of the others' rate: the transfer completes verified, the slow NIC
+/// carries a visibly smaller share, and the four together move at least 0.8 of what the
+/// three fast NICs alone move (measured in the same test).
+#[test]
+fn a_slow_nic_carries_less_and_costs_only_its_share() {
+    let Some(net) = NetPair::with_veths(NICS) else {
+        return;
+    };
+    if !NetPair::has_tool("tc") {
+        netns::skip("`tc` is not installed (Debian package iproute2)");
+        return;
+    }
+    for i in 0..NICS - 1 {
+        net.rate_dev(Side::A, &NetPair::veth(i), RATE).unwrap();
+    }
+    net.rate_dev(Side::A, &NetPair::veth(NICS - 1), SLOW)
+        .unwrap();
+    let server = Server::start(&net, &["--transport", "tcp"]);
+    // Three rails to the server's first three NICs (each veth pair is its own subnet, so
+    // rail i must reach the server's NIC i).
+    let fast = bench(
+        &net,
+        &server,
+        NICS - 1,
+        "160MiB",
+        &["--transport", "tcp", "--rails", "3"],
+    );
+    let all = bench(&net, &server, NICS, "160MiB", &["--transport", "tcp"]);
+    check_per_rail(&all.summary, NICS);
+    let (g3, g4) = (
+        fast.summary["gbps"].as_f64().unwrap(),
+        all.summary["gbps"].as_f64().unwrap(),
+    );
+    let sh = shares(&all.tx);
+    println!("three fast NICs: {g3:.3} Gbps; all four: {g4:.3} Gbps; shares {sh:.3?}");
+    let fast_mean = sh[..NICS - 1].iter().sum::<f64>() / (NICS - 1) as f64;
+    assert!(
+        sh[NICS - 1] < 0.6 * fast_mean,
+        "the slow NIC's share is not visibly smaller: {sh:.3?}"
+    );
+    assert!(
+        g4 >= 0.8 * g3,
+        "four NICs with a slow one moved {g4:.3} Gbps, under 0.8 of the three fast ones' {g3:.3}"
+    );
+}
+
+/// A NIC that does not exist, or is down: one line naming it (and the NICs that exist).
+#[test]
+fn a_missing_or_down_nic_is_one_clear_error() {
+    let Some(net) = NetPair::with_veths(2) else {
+        return;
+    };
+    let run = |nics: &str| {
+        xfer_in(&net, Side::A)
+            .args([
+                "demo",
+                "--bytes",
+                "1MiB",
+                "--region-size",
+                "8MiB",
+                "--pages",
+                "16",
+            ])
+            .args(["--nics", nics])
+            .output()
+            .expect("xfer runs")
+    };
+    let out = run("veth0,veth7");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("\"veth7\"") && err.contains("veth0, veth1"),
+        "{err}"
+    );
+    net.ip_cmd(Side::A, &["link", "set", "veth1", "down"])
+        .unwrap();
+    let out = run("veth1");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("\"veth1\" is down"), "{err}");
+}
