@@ -324,7 +324,7 @@ impl RailGroup {
             }
             (Some(v), Some(&(so, d_o, _))) => Some((v, so, d_o)),
         };
-        let slot = Slot::new();
+        let slot = Slot::spinning(self.rails[0].cfg.wait_spin);
         let handle = TransferHandle { slot: slot.clone() };
         // Each rail's shard, as that rail's engine checks and plans it.
         let shard_transfer = |i: usize, shard: &[crate::plan::PlannedWrite]| -> Result<Transfer> {
