@@ -139,7 +139,7 @@ impl<T: Clone + Send + 'static> Slot<T> {
                 return true;
             }
             turns = turns.wrapping_add(1);
-            if turns % CLOCK_EVERY == 0 {
+            if turns.is_multiple_of(CLOCK_EVERY) {
                 let gone = start.elapsed();
                 if gone >= limit {
                     return false;
