@@ -101,6 +101,9 @@ pub struct MemTransport {
     last_src: Option<(LocalKey, u64)>,
     last_peer: Option<(PeerId, Weak<Endpoint>)>,
     done: Vec<Completion>,
+    /// Peers whose inbox got events in the last `poll`, woken by the next (see
+    /// [`wake_peers`](Self::wake_peers)).
+    wake_later: Vec<Arc<Signal>>,
 }
 
 impl Default for MemTransport {
@@ -134,6 +137,7 @@ impl MemTransport {
             last_src: None,
             last_peer: None,
             done: Vec::new(),
+            wake_later: Vec::new(),
         }
     }
 
@@ -150,6 +154,17 @@ impl MemTransport {
     fn peer(&self, p: PeerId) -> Result<Arc<Endpoint>> {
         let w = self.peers.get(&p).ok_or_else(|| Error::UnknownPeer(p))?;
         w.upgrade().ok_or_else(|| endpoint_dropped(p))
+    }
+
+    /// Wakes the peers that [`run_writes`](Self::run_writes) left events for. `poll` does
+    /// this at its next call, not in the one that copied: waking a sleeping thread is a
+    /// system call of several microseconds, and the engine completes our own transfers in
+    /// between, so the initiator's completion no longer waits for the target's wake-up.
+    /// `wait`, every other call that runs writes, and drop wake them at once.
+    fn wake_peers(&mut self) {
+        for w in self.wake_later.drain(..) {
+            w.wake();
+        }
     }
 
     /// Carries out the pending writes, in posting order: one lock of the target per run
@@ -230,8 +245,8 @@ impl MemTransport {
             }
             let notify = inbox.events.len() > events_before;
             drop(inbox);
-            if notify {
-                ep.signal.wake();
+            if notify && !self.wake_later.iter().any(|w| Arc::ptr_eq(w, &ep.signal)) {
+                self.wake_later.push(ep.signal.clone());
             }
         }
         // Keep the allocation for the next posts.
@@ -251,6 +266,7 @@ impl Drop for MemTransport {
     fn drop(&mut self) {
         // Posted writes land, as they would have on the wire.
         self.run_writes();
+        self.wake_peers();
         lock(registry()).remove(&self.me.id);
     }
 }
@@ -447,6 +463,7 @@ impl Transport for MemTransport {
     /// Sleeps on the endpoint's signal, which peers raise when they leave it events (remote
     /// writes with immediate data, received messages) and the engine raises when it has work.
     fn wait(&mut self, timeout: Duration) -> Result<()> {
+        self.wake_peers();
         if !self.done.is_empty() || !self.writes.is_empty() {
             return Ok(());
         }
@@ -480,6 +497,7 @@ impl Transport for MemTransport {
     fn remove_peer(&mut self, peer: PeerId) -> Result<()> {
         // Pending writes land first, so none is in flight to fail.
         self.run_writes();
+        self.wake_peers();
         self.last_peer = None;
         self.peers
             .remove(&peer)
@@ -515,6 +533,7 @@ impl Transport for MemTransport {
         // Pending writes from this region, or into it (a transport may be its own peer),
         // land first.
         self.run_writes();
+        self.wake_peers();
         self.last_src = None;
         let (_, _, rkey) = self
             .local
@@ -533,6 +552,7 @@ impl Transport for MemTransport {
     ) -> Result<PostOutcome> {
         // A SEND lands after the writes posted before it.
         self.run_writes();
+        self.wake_peers();
         if self.done.len() >= MAX_PENDING {
             return Ok(PostOutcome::NoRoom);
         }
@@ -625,6 +645,7 @@ impl Transport for MemTransport {
     }
 
     fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize> {
+        self.wake_peers();
         self.run_writes();
         let n0 = out.len();
         if out.is_empty() {

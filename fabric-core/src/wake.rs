@@ -48,11 +48,19 @@ impl Wake for NoWake {
 }
 
 /// A sticky flag with a condition variable, for transports that have no descriptor to
-/// sleep on.
+/// sleep on. Raising it notifies the condition variable (a system call) only while a
+/// waiter sleeps on it.
 #[derive(Debug, Default)]
 pub struct Signal {
-    set: Mutex<bool>,
+    state: Mutex<SignalState>,
     cv: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct SignalState {
+    set: bool,
+    /// Threads asleep in `wait_timeout` (counted under the lock, so exact for `wake`).
+    waiters: usize,
 }
 
 impl Signal {
@@ -61,24 +69,35 @@ impl Signal {
         Signal::default()
     }
 
+    fn lock(&self) -> std::sync::MutexGuard<'_, SignalState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Sleeps until the signal is raised or `timeout` passes; returns whether it was
     /// raised, and lowers it.
     pub fn wait_timeout(&self, timeout: Duration) -> bool {
-        let g = self.set.lock().unwrap_or_else(|p| p.into_inner());
-        let (mut g, _) = self
-            .cv
-            .wait_timeout_while(g, timeout, |set| !*set)
-            .unwrap_or_else(|p| p.into_inner());
-        std::mem::replace(&mut *g, false)
+        let mut g = self.lock();
+        if !g.set {
+            g.waiters += 1;
+            g = self
+                .cv
+                .wait_timeout_while(g, timeout, |s| !s.set)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+            g.waiters -= 1;
+        }
+        std::mem::replace(&mut g.set, false)
     }
 }
 
 impl Wake for Signal {
     fn wake(&self) {
-        let mut g = self.set.lock().unwrap_or_else(|p| p.into_inner());
-        if !*g {
-            *g = true;
-            self.cv.notify_one();
+        let mut g = self.lock();
+        if !g.set {
+            g.set = true;
+            if g.waiters > 0 {
+                self.cv.notify_one();
+            }
         }
     }
 }
@@ -161,6 +180,24 @@ mod tests {
         let (woken, took) = t.join().expect("waiter");
         assert!(woken);
         assert!(took < Duration::from_secs(10));
+    }
+
+    #[test]
+    fn signal_notifies_a_parked_waiter_and_counts_it_exactly() {
+        let s = Arc::new(Signal::new());
+        let s2 = s.clone();
+        let t = std::thread::spawn(move || s2.wait_timeout(Duration::from_secs(60)));
+        // Wait (with a deadline) until the waiter is parked, then raise: the notification
+        // must reach it, or it would sleep its 60 s.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while s.lock().waiters == 0 {
+            assert!(Instant::now() < deadline, "the waiter never parked");
+            std::thread::yield_now();
+        }
+        s.wake();
+        assert!(t.join().expect("waiter"));
+        assert_eq!(s.lock().waiters, 0);
+        assert!(!s.lock().set, "the waiter lowered it");
     }
 
     #[test]

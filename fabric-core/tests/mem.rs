@@ -292,3 +292,46 @@ fn writes_between_host_and_device_like_memory_land() {
     assert_eq!(dev.0.lock().unwrap()[96..1096], pattern(4096)[..1000]);
     assert_eq!(host_dst.to_vec(0, 500).unwrap(), pattern(4096)[8..508]);
 }
+
+/// The target's wake-up for a write's immediate data is left for the initiator's next
+/// `poll` (or `wait`), after the initiator has its own completion; it still comes: a target
+/// asleep in `wait` is woken by it.
+#[test]
+fn a_sleeping_target_is_woken_by_the_initiators_next_poll() {
+    use std::time::{Duration, Instant};
+    let (mut a, mut b) = (MemTransport::new(), MemTransport::new());
+    let peer = a.add_peer(&b.address()).unwrap();
+    let (_src, s) = region(&mut a, 4096, Access::NONE);
+    let (_dst, d) = region(&mut b, 4096, Access::REMOTE_WRITE);
+    let (ready_tx, ready) = std::sync::mpsc::channel();
+    let (woke_tx, woke) = std::sync::mpsc::channel();
+    let target = std::thread::spawn(move || {
+        ready_tx.send(()).unwrap();
+        let t0 = Instant::now();
+        b.wait(Duration::from_secs(60)).unwrap();
+        woke_tx.send(t0.elapsed()).unwrap();
+        poll(&mut b)
+    });
+    ready.recv().unwrap();
+    write(
+        &mut a,
+        peer,
+        1,
+        local(&s, 0, 4096),
+        remote(&d, 0, 4096),
+        Some(9),
+    );
+    let done = poll(&mut a);
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].result, Ok(4096));
+    // Nothing more to do: this poll only hands out the wake-up.
+    assert!(poll(&mut a).is_empty());
+    let took = woke
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the target woke long before its 60 s wait ended");
+    assert!(took < Duration::from_secs(30), "{took:?}");
+    let events = target.join().unwrap();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0].op, OpKind::RemoteWrite);
+    assert_eq!(events[0].imm, Some(9));
+}

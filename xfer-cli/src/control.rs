@@ -5,7 +5,14 @@
 //! server: {"ok":true,"transport":"tcp","address":"tcp://127.0.0.1:40123","region":{"addr":0,"len":1073741824,"key":...}}
 //! client: {"op":"verify","seed":1,"page_size":65536,"pages":[3,17,...]}
 //! server: {"ok":true,"checked":1000,"mismatches":0,"first_mismatch":null}
+//! client: {"op":"echo","page_size":4096,"pages":1}
+//! server: {"ok":true,"address":"127.0.0.1:40125"}
 //! ```
+//! `echo` (after hello) opens a raw TCP listener beside the control connection for the floor
+//! of `bench --latency`: the server accepts one connection (within --hello-timeout) and, in
+//! the control thread, answers each `page_size * pages` bytes that arrive with 8 bytes
+//! until the client closes it (each round due within --request-timeout); then the control
+//! connection takes requests again.
 //! Each control connection gets a region of its own, deregistered when it closes.
 //!
 //! The server is bounded against clients that misbehave ([`ServeLimits`]): a cap on clients
@@ -217,6 +224,21 @@ pub enum Request {
         /// Written pages.
         pages: Vec<u64>,
     },
+    /// Open a raw TCP echo for the latency floor: rounds of `page_size * pages` bytes,
+    /// each answered with 8 bytes.
+    Echo {
+        /// Page size.
+        page_size: u64,
+        /// Pages per round.
+        pages: u64,
+    },
+}
+
+/// The answer to `echo`.
+#[derive(Serialize, Deserialize, Debug)]
+pub struct EchoReply {
+    /// Where to connect (`IP:PORT`, the IP the control connection reached).
+    pub address: String,
 }
 
 /// The answer to `hello`.
@@ -443,6 +465,9 @@ enum ClientError {
     /// The region could not be registered.
     #[error("registering the region: {0}")]
     Register(#[source] fabric_core::Error),
+    /// The echo listener could not be opened.
+    #[error("opening the echo listener: {0}")]
+    Echo(#[source] std::io::Error),
 }
 
 fn client(
@@ -613,6 +638,36 @@ fn client(
                     .map_err(|e| e.to_string());
                 reply(&mut w, r2)?;
             }
+            Request::Echo { page_size, pages } => {
+                if region.is_none() {
+                    reply::<()>(&mut w, Err("echo before hello".into()))?;
+                    continue;
+                }
+                // No bigger than the region this client already holds.
+                let per = match crate::latency::round_bytes(page_size, pages) {
+                    Ok(b) if b as u64 <= region_size => b,
+                    _ => {
+                        reply::<()>(
+                            &mut w,
+                            Err(format!(
+                                "echo: {pages} pages of {page_size} bytes do not fit the \
+                                 {region_size}-byte region"
+                            )),
+                        )?;
+                        continue;
+                    }
+                };
+                let ip = w.local_addr()?.ip();
+                let listener = TcpListener::bind((ip, 0)).map_err(ClientError::Echo)?;
+                let address = listener.local_addr()?.to_string();
+                reply(&mut w, Ok(EchoReply { address }))?;
+                echo(
+                    &listener,
+                    per,
+                    Duration::from_secs(limits.hello_timeout),
+                    Duration::from_secs(limits.request_timeout),
+                );
+            }
         }
     })();
     if let (Some((_, reg)), Some((_, _, group))) = (region, chosen)
@@ -627,6 +682,65 @@ fn client(
         discard_rest(&mut r);
     }
     result
+}
+
+/// Answers one client's raw ping-pong (see the module's `echo`): accepts one connection
+/// on `listener` within `accept_within`, then answers rounds of `per` bytes until the
+/// client closes it, a round taking at most `round_within`. Failures end the echo only.
+fn echo(listener: &TcpListener, per: usize, accept_within: Duration, round_within: Duration) {
+    let conn = match accept_within_deadline(listener, accept_within) {
+        Ok(Some(c)) => c,
+        Ok(None) => {
+            tracing::warn!(?accept_within, "echo: nobody connected in time");
+            return;
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "echo: accept failed");
+            return;
+        }
+    };
+    let answered = conn
+        .set_read_timeout(Some(round_within))
+        .and_then(|_| conn.set_write_timeout(Some(round_within)))
+        .and_then(|_| crate::latency::echo_rounds(conn, per));
+    match answered {
+        Ok(rounds) => tracing::info!(rounds, "echo ended"),
+        Err(e) => tracing::warn!(error = %e, "echo ended"),
+    }
+}
+
+/// The next connection to `listener`, or `None` if none comes within `within`.
+fn accept_within_deadline(
+    listener: &TcpListener,
+    within: Duration,
+) -> std::io::Result<Option<TcpStream>> {
+    use std::os::fd::AsRawFd;
+    let deadline = Instant::now() + within;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Ok(None);
+        }
+        let mut fd = libc::pollfd {
+            fd: listener.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = left.as_millis().clamp(1, i32::MAX as u128) as i32;
+        // SAFETY: `fd` is one initialised pollfd that outlives the call, and the count
+        // passed is 1; the descriptor is the listener's, open for the whole call.
+        let n = unsafe { libc::poll(&mut fd, 1, ms) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n > 0 {
+            return listener.accept().map(|(conn, _)| Some(conn));
+        }
+    }
 }
 
 /// A client of the control channel.
@@ -687,6 +801,20 @@ impl ControlClient {
             worker,
             auth: token.map(|t| hex::encode(transport_tcp::auth_digest(t))),
         })
+    }
+
+    /// Asks the server to open a raw TCP echo for rounds of `pages` pages of `page_size`;
+    /// returns where to connect (an unspecified IP replaced by the control connection's).
+    pub fn echo(&mut self, page_size: u64, pages: u64) -> Result<SocketAddr, String> {
+        let r: EchoReply = self.call(&Request::Echo { page_size, pages })?;
+        let mut at: SocketAddr = r
+            .address
+            .parse()
+            .map_err(|e| format!("malformed echo address {:?} from peer: {e}", r.address))?;
+        if at.ip().is_unspecified() {
+            at.set_ip(self.w.peer_addr().map_err(|e| e.to_string())?.ip());
+        }
+        Ok(at)
     }
 
     /// Asks the server to check written pages.

@@ -2,6 +2,9 @@
 //! with percentiles; beside them, in the same run, a raw TCP ping-pong of the same pages
 //! (the floor: a vectored write of the pages, an 8-byte answer), and, where the target is in
 //! this process (`demo`), the time from submit to the target's immediate-data event.
+//! `bench --latency` plays the ping-pong against the server it writes to (the control
+//! channel's `echo` request opens the answering end there), so both series cross the same
+//! path; it has no immediate-data series, the target's clock being another process's.
 
 use crate::workload::Workload;
 use fabric_core::Error;
@@ -49,6 +52,7 @@ pub fn summary(
         transfer,
         imm_event: Percentiles::of(imm),
         raw_tcp_round_trip,
+        peer: None,
     }
 }
 
@@ -119,9 +123,21 @@ pub struct LatencySummary {
     pub raw_tcp_round_trip: Option<Percentiles>,
     /// `transfer.p50_us / raw_tcp_round_trip.p50_us`.
     pub ratio_p50: Option<f64>,
+    /// The server (`bench`): the target is another process, and the raw ping-pong ran
+    /// against it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peer: Option<String>,
 }
 
 impl LatencySummary {
+    /// This summary, for a run against the server at `peer`.
+    pub fn at_peer(self, peer: &str) -> LatencySummary {
+        LatencySummary {
+            peer: Some(peer.to_owned()),
+            ..self
+        }
+    }
+
     /// Prints it (text or one JSON object).
     pub fn print(&self, json: bool) {
         if json {
@@ -132,8 +148,12 @@ impl LatencySummary {
             return;
         }
         println!(
-            "{} latency, {} page(s) of {} x {} rails, depth 1 (busy-poll {} us):",
+            "{} latency{}, {} page(s) of {} x {} rails, depth 1 (busy-poll {} us):",
             self.transport,
+            self.peer
+                .as_deref()
+                .map(|p| format!(" to {p}"))
+                .unwrap_or_default(),
             self.pages,
             crate::size::format_size(self.page_size),
             self.rails,
@@ -143,11 +163,21 @@ impl LatencySummary {
             "  transfer (submit to completion): {}",
             self.transfer.line()
         );
-        if let Some(p) = &self.imm_event {
-            println!("  submit to target's immediate data: {}", p.line());
+        match (&self.imm_event, &self.peer) {
+            (Some(p), _) => println!("  submit to target's immediate data: {}", p.line()),
+            (None, Some(_)) => println!(
+                "  submit to target's immediate data: not measured (the target is another \
+                 process; xfer demo --latency measures it)"
+            ),
+            (None, None) => {}
         }
         if let Some(p) = &self.raw_tcp_round_trip {
-            println!("  raw TCP round trip, same pages:  {}", p.line());
+            let to = if self.peer.is_some() {
+                " to the server"
+            } else {
+                ""
+            };
+            println!("  raw TCP round trip{to}, same pages:  {}", p.line());
         }
         if let Some(r) = self.ratio_p50 {
             println!("  ratio of p50s (transfer / raw round trip): {r:.2}");
@@ -223,6 +253,9 @@ pub fn run_transfers(
     Ok((times, imm))
 }
 
+/// Bytes of the answer to each round of the raw ping-pong.
+const ACK: usize = 8;
+
 /// The floor: `count` round trips over one loopback TCP connection (TCP_NODELAY), each a
 /// vectored write of `pages` random pages of `page_size` from a `region`-byte buffer,
 /// answered with 8 bytes once the receiver has read them all.
@@ -233,28 +266,79 @@ pub fn raw_round_trips(
     count: u64,
     seed: u64,
 ) -> std::io::Result<Vec<Duration>> {
-    let region = region.clamp(page_size, 256 << 20) as usize;
-    let page = page_size as usize;
-    let per = page * pages as usize;
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
-    let server = std::thread::spawn(move || -> std::io::Result<()> {
-        let (mut s, _) = listener.accept()?;
-        s.set_nodelay(true)?;
-        let mut buf = vec![0u8; per];
-        for _ in 0..count {
-            s.read_exact(&mut buf)?;
-            s.write_all(&[1u8; 8])?;
-        }
-        Ok(())
+    let per = round_bytes(page_size, pages)?;
+    let server = std::thread::spawn(move || -> std::io::Result<u64> {
+        let (s, _) = listener.accept()?;
+        echo_rounds(s, per)
     });
     let mut c = TcpStream::connect(addr)?;
+    let times = ping_pong(&mut c, page_size, pages, region, count, seed)?;
+    drop(c);
+    server
+        .join()
+        .map_err(|_| std::io::Error::other("ping-pong server panicked"))??;
+    Ok(times)
+}
+
+/// Bytes of one round: `pages` pages of `page_size`, or an error if that overflows.
+pub fn round_bytes(page_size: u64, pages: u64) -> std::io::Result<usize> {
+    page_size
+        .checked_mul(pages)
+        .and_then(|b| usize::try_from(b).ok())
+        .filter(|&b| b > 0)
+        .ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("{pages} pages of {page_size} bytes is not a round size"),
+            )
+        })
+}
+
+/// The answering end of the raw ping-pong: reads `per` bytes, answers 8, until the peer
+/// closes the connection between rounds. Returns the rounds answered.
+pub fn echo_rounds(mut s: TcpStream, per: usize) -> std::io::Result<u64> {
+    s.set_nodelay(true)?;
+    let mut buf = vec![0u8; per];
+    let mut rounds = 0;
+    loop {
+        // The first read tells a close between rounds (0 bytes) from one within a round.
+        let n = loop {
+            match s.read(&mut buf) {
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                r => break r?,
+            }
+        };
+        if n == 0 {
+            return Ok(rounds);
+        }
+        s.read_exact(&mut buf[n..])?;
+        s.write_all(&[1u8; ACK])?;
+        rounds += 1;
+    }
+}
+
+/// The timing end of the raw ping-pong over `c` (set to TCP_NODELAY here): `count`
+/// rounds, each a vectored write of `pages` random pages of `page_size` from a
+/// `region`-byte buffer, timed until the 8-byte answer has arrived.
+pub fn ping_pong(
+    c: &mut TcpStream,
+    page_size: u64,
+    pages: u64,
+    region: u64,
+    count: u64,
+    seed: u64,
+) -> std::io::Result<Vec<Duration>> {
+    round_bytes(page_size, pages)?;
     c.set_nodelay(true)?;
+    let region = region.clamp(page_size, 256 << 20) as usize;
+    let page = page_size as usize;
     let src = vec![0x5Au8; region];
     let region_pages = (region / page) as u64;
     let mut rng = fastrand::Rng::with_seed(seed);
     let mut times = Vec::with_capacity(count as usize);
-    let mut ack = [0u8; 8];
+    let mut ack = [0u8; ACK];
     for _ in 0..count {
         let offs: Vec<usize> = (0..pages)
             .map(|_| rng.u64(..region_pages) as usize * page)
@@ -275,9 +359,36 @@ pub fn raw_round_trips(
         c.read_exact(&mut ack)?;
         times.push(t0.elapsed());
     }
-    drop(c);
-    server
-        .join()
-        .map_err(|_| std::io::Error::other("ping-pong server panicked"))??;
     Ok(times)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_raw_ping_pong_times_every_round_and_the_echo_counts_them() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let echo = std::thread::spawn(move || echo_rounds(listener.accept().unwrap().0, 3 * 512));
+        let mut c = TcpStream::connect(addr).unwrap();
+        let times = ping_pong(&mut c, 512, 3, 1 << 20, 25, 7).unwrap();
+        assert_eq!(times.len(), 25);
+        assert!(times.iter().all(|t| !t.is_zero()));
+        drop(c);
+        assert_eq!(echo.join().unwrap().unwrap(), 25);
+    }
+
+    #[test]
+    fn a_close_within_a_round_is_an_error_for_the_echo() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let echo = std::thread::spawn(move || echo_rounds(listener.accept().unwrap().0, 4096));
+        let mut c = TcpStream::connect(addr).unwrap();
+        c.write_all(&[0u8; 100]).unwrap();
+        drop(c);
+        let e = echo.join().unwrap().unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+        assert!(round_bytes(0, 1).is_err() && round_bytes(u64::MAX, 2).is_err());
+    }
 }

@@ -114,8 +114,9 @@ struct Knobs {
     pin: PinMode,
     /// Measure latency instead of throughput: transfers one at a time (depth 1), each
     /// carrying immediate data, as many as --bytes holds (at most 200000); prints
-    /// p50/p90/p99/max per transfer, a raw TCP ping-pong of the same pages (the floor) and
-    /// (demo) the time from submit to the target's immediate-data event.
+    /// p50/p90/p99/max per transfer, a raw TCP ping-pong of the same pages (the floor;
+    /// bench plays it against an echo the server opens) and (demo only) the time from
+    /// submit to the target's immediate-data event.
     #[arg(long)]
     latency: bool,
 }

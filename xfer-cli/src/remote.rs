@@ -5,6 +5,7 @@
 use crate::backend::{BackendArgs, MemoryKind, TransportKind};
 use crate::control::{self, ServedGroup};
 use crate::demo::{self, check_per_gpu, gpu_worker_pins, pad};
+use crate::latency;
 use crate::nics::{self, NicChoice};
 use crate::placement::{CorePin, GpuWorkerPins, WorkerPins};
 use crate::setup::{ASKING, CONNECTING, MEMORY, REGISTERING, STARTING, SetUpClock, WARMING_UP};
@@ -14,7 +15,7 @@ use crate::{
     warm_up, workload_of,
 };
 use fabric_core::Access;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 use transport_tcp::TcpTransport;
@@ -55,6 +56,14 @@ pub fn bench(mut a: BenchArgs) -> Result<(), CliError> {
     crate::setup::check_rails(a.knobs.rails).map_err(CliError::Usage)?;
     let a = a;
     let k = &a.knobs;
+    if k.latency {
+        if a.per_gpu {
+            return Err(CliError::Usage(
+                "--latency runs one worker: leave out --per-gpu".into(),
+            ));
+        }
+        return bench_latency(&a, ctl_addr, &w, &first);
+    }
     if !a.per_gpu {
         let pins = WorkerPins::for_this_machine(k.pin);
         let rails = (pins.rail_pins(pins.initiator, k.rails, 0), pins.initiator);
@@ -90,6 +99,42 @@ pub fn bench(mut a: BenchArgs) -> Result<(), CliError> {
         .collect();
     let s = demo::per_gpu_summary(&b, a.backend.transport, k, results, &pins)?;
     demo::print_per_gpu(&s, k.json);
+    Ok(())
+}
+
+/// `bench --latency`: transfers one at a time to the server's region, then the raw TCP
+/// ping-pong against the echo the server opens (the same path's floor).
+fn bench_latency(
+    a: &BenchArgs,
+    ctl_addr: SocketAddr,
+    w: &Workload,
+    nics: &NicChoice,
+) -> Result<(), CliError> {
+    let k = &a.knobs;
+    let pins = WorkerPins::for_this_machine(k.pin);
+    let rail_pins = pins.rail_pins(pins.initiator, k.rails, 0);
+    let (b, mut ctl, group, s, peer, region) =
+        set_up_bench_worker(a, ctl_addr, None, rail_pins, pins.initiator, nics)?;
+    let count = latency::sample_count(w);
+    let (mut times, mut imm) = latency::run_transfers(&group, &s, &peer, &region, None, w, count)?;
+    let echo = ctl.echo(w.page_size, w.pages).map_err(CliError::Failed)?;
+    let raw = TcpStream::connect_timeout(&echo, Duration::from_secs(5)).and_then(|mut c| {
+        c.set_read_timeout(Some(Duration::from_secs(30)))?;
+        latency::ping_pong(&mut c, w.page_size, w.pages, w.region_size, count, w.seed)
+    });
+    let mut raw =
+        raw.map_err(|e| CliError::Failed(format!("raw TCP ping-pong with {echo}: {e}")))?;
+    latency::summary(
+        b.transport.name(),
+        group.rails().len(),
+        b.busy_poll_us,
+        w,
+        &mut times,
+        &mut imm,
+        &mut raw,
+    )
+    .at_peer(&a.peer)
+    .print(k.json);
     Ok(())
 }
 

@@ -780,3 +780,153 @@ fn an_unknown_cuda_copy_method_is_a_usage_error_naming_the_choices() {
         "{err}"
     );
 }
+
+/// `bench --latency` against a server: one JSON object with both series (transfers, and
+/// the raw ping-pong against the echo the server opens), a sample per transfer in each,
+/// ordered percentiles, no immediate-data series (the target is remote); and the server
+/// serves the next client as before.
+#[test]
+fn bench_latency_times_transfers_and_the_raw_floor_against_the_server() {
+    let server = Server::start();
+    let peer = server.peer.clone();
+    let out = xfer(&[
+        "bench",
+        "--peer",
+        &peer,
+        "--latency",
+        "--page-size",
+        "4KiB",
+        "--pages",
+        "2",
+        "--bytes",
+        "400KiB",
+        "--region-size",
+        "8MiB",
+        "--rails",
+        "1",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j = stdout_json(&out);
+    assert_eq!(j["transport"], "tcp", "{j}");
+    assert_eq!(j["peer"], peer.as_str(), "{j}");
+    assert_eq!(j["pages"], 2, "{j}");
+    assert!(
+        j["imm_event"].is_null(),
+        "no imm series for a remote target: {j}"
+    );
+    for series in ["transfer", "raw_tcp_round_trip"] {
+        let s = &j[series];
+        // 400 KiB in transfers of two 4 KiB pages.
+        assert_eq!(s["count"], 50, "{series}: {j}");
+        let at = |k: &str| s[k].as_f64().unwrap_or_else(|| panic!("{series}.{k}: {j}"));
+        let (p50, p90, p99, max, mean) = (
+            at("p50_us"),
+            at("p90_us"),
+            at("p99_us"),
+            at("max_us"),
+            at("mean_us"),
+        );
+        assert!(p50 > 0.0, "{series}: {j}");
+        assert!(p50 <= p90 && p90 <= p99 && p99 <= max, "{series}: {j}");
+        assert!(mean > 0.0 && mean <= max, "{series}: {j}");
+        // Each sample finished within its 30 s limit.
+        assert!(max < 30e6, "{series}: {j}");
+    }
+    let ratio = j["ratio_p50"].as_f64().expect("a ratio");
+    let want = j["transfer"]["p50_us"].as_f64().unwrap()
+        / j["raw_tcp_round_trip"]["p50_us"].as_f64().unwrap();
+    assert!((ratio - want).abs() < 1e-9 * want.max(1.0), "{j}");
+    // The text form says why the immediate-data line is missing.
+    let text = xfer(&[
+        "bench",
+        "--peer",
+        &peer,
+        "--latency",
+        "--page-size",
+        "4KiB",
+        "--pages",
+        "1",
+        "--bytes",
+        "40KiB",
+        "--region-size",
+        "8MiB",
+    ]);
+    assert!(
+        text.status.success(),
+        "{}",
+        String::from_utf8_lossy(&text.stderr)
+    );
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("raw TCP round trip to the server"), "{text}");
+    assert!(text.contains("immediate data: not measured"), "{text}");
+    let out = xfer(
+        &bench_args(&server.peer)
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    );
+    assert_bench_verified(&out, "a bench after the latency runs");
+}
+
+/// The control channel's echo: refused before hello and for rounds larger than the
+/// client's region; else a listener that answers each round with 8 bytes, after which the
+/// control connection takes requests again.
+#[test]
+fn the_echo_request_answers_rounds_and_gives_the_control_connection_back() {
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    use std::time::Duration;
+    let server = Server::start();
+    let addr = control_addr(&server);
+    let echo = |pages: u64| format!("{{\"op\":\"echo\",\"page_size\":4096,\"pages\":{pages}}}\n");
+    let mut early = TcpStream::connect(addr).expect("connect");
+    early.write_all(echo(1).as_bytes()).expect("send");
+    let r = reply_line(&early, Duration::from_secs(10)).expect("a reply");
+    assert_eq!(r["ok"], false, "{r}");
+    assert!(r["error"].as_str().unwrap().contains("before hello"), "{r}");
+
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.write_all(HELLO.as_bytes()).expect("hello");
+    assert_eq!(
+        reply_line(&s, Duration::from_secs(10)).expect("hello reply")["ok"],
+        true
+    );
+    // 8 MiB region: 2048 pages of 4 KiB fit it, 4097 do not.
+    s.write_all(echo(4097).as_bytes()).expect("send");
+    let r = reply_line(&s, Duration::from_secs(10)).expect("a reply");
+    assert_eq!(r["ok"], false, "{r}");
+    assert!(r["error"].as_str().unwrap().contains("do not fit"), "{r}");
+
+    s.write_all(echo(3).as_bytes()).expect("send");
+    let r = reply_line(&s, Duration::from_secs(10)).expect("a reply");
+    assert_eq!(r["ok"], true, "{r}");
+    let at: std::net::SocketAddr = r["address"]
+        .as_str()
+        .expect("address")
+        .parse()
+        .expect("IP:PORT");
+    assert_eq!(at.ip(), addr.ip(), "{r}");
+    let mut e = TcpStream::connect(at).expect("connect to the echo");
+    e.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let mut ack = [0u8; 8];
+    for round in 0..5 {
+        // A round arrives in pieces: the answer comes only once all 12 KiB are in.
+        e.write_all(&[round as u8; 5000]).expect("part");
+        e.write_all(&[round as u8; 3 * 4096 - 5000]).expect("rest");
+        e.read_exact(&mut ack).expect("the answer");
+        assert_eq!(ack, [1u8; 8]);
+    }
+    drop(e);
+    // The control connection answers again once the echo is closed.
+    s.write_all(b"{\"op\":\"verify\",\"seed\":1,\"page_size\":4096,\"pages\":[]}\n")
+        .expect("verify");
+    let r = reply_line(&s, Duration::from_secs(10)).expect("a reply");
+    assert_eq!(r["ok"], true, "{r}");
+    assert_eq!(r["checked"], 0, "{r}");
+}

@@ -4,9 +4,10 @@
 use crate::error::{Error, OpError};
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::task::{Context, Poll, Waker};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// What a finished transfer reports.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -35,23 +36,46 @@ struct SlotState<T> {
     value: Option<T>,
     waker: Option<Waker>,
     callback: Option<Box<dyn FnOnce(T) + Send>>,
+    /// Threads asleep on `ready`: `complete` pays for a notification only when one is.
+    parked: usize,
 }
 
 /// A one-shot cell the worker completes and the application waits on.
+///
+/// A waiter first spins for up to `spin` on `done` (an atomic, no lock), then parks on the
+/// condition variable; the completer stores the value, raises `done`, and notifies only if
+/// someone parked. A spinning waiter thus sees the result without either thread making a
+/// system call, and a parked one is woken as before.
 pub(crate) struct Slot<T> {
     state: Mutex<SlotState<T>>,
     ready: Condvar,
+    /// Raised (with release ordering, after `value` is stored) once the slot is complete.
+    done: AtomicBool,
+    /// How long [`wait`](Slot::wait) spins before it parks.
+    spin: Duration,
 }
 
+/// Spin iterations between two looks at the clock in [`Slot::wait`].
+const CLOCK_EVERY: u32 = 64;
+
 impl<T: Clone + Send + 'static> Slot<T> {
+    /// A slot whose waiters park at once.
     pub fn new() -> Arc<Slot<T>> {
+        Self::spinning(Duration::ZERO)
+    }
+
+    /// A slot whose waiters spin for up to `spin` before they park.
+    pub fn spinning(spin: Duration) -> Arc<Slot<T>> {
         Arc::new(Slot {
             state: Mutex::new(SlotState {
                 value: None,
                 waker: None,
                 callback: None,
+                parked: 0,
             }),
             ready: Condvar::new(),
+            done: AtomicBool::new(false),
+            spin,
         })
     }
 
@@ -78,10 +102,15 @@ impl<T: Clone + Send + 'static> Slot<T> {
             st = self.lock();
         }
         st.value = Some(v);
+        self.done.store(true, Ordering::Release);
         if let Some(w) = st.waker.take() {
             w.wake();
         }
-        self.ready.notify_all();
+        // Waiters park under the lock we hold, so none can be between its check of the
+        // value and its sleep: `parked` is exact.
+        if st.parked > 0 {
+            self.ready.notify_all();
+        }
     }
 
     /// Calls `f` with the value once the slot is complete: at once (in this thread) if it
@@ -97,12 +126,50 @@ impl<T: Clone + Send + 'static> Slot<T> {
         }
     }
 
+    /// Spins until the slot is complete or `limit` has passed; returns whether it is.
+    /// Yields the core on each turn once a few microseconds have gone, so that a spinning
+    /// waiter on a machine with fewer cores than runnable threads lets the workers it
+    /// waits for run.
+    fn spin_until_done(&self, limit: Duration) -> bool {
+        let start = Instant::now();
+        let mut turns = 0u32;
+        let mut yielding = false;
+        loop {
+            if self.done.load(Ordering::Acquire) {
+                return true;
+            }
+            turns = turns.wrapping_add(1);
+            if turns.is_multiple_of(CLOCK_EVERY) {
+                let gone = start.elapsed();
+                if gone >= limit {
+                    return false;
+                }
+                yielding = gone >= YIELD_AFTER;
+            }
+            if yielding {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
     fn wait(&self, timeout: Duration) -> Option<T> {
-        let st = self.lock();
-        let (st, _) = self
-            .ready
-            .wait_timeout_while(st, timeout, |s| s.value.is_none())
-            .unwrap_or_else(|p| p.into_inner());
+        let spin = self.spin.min(timeout);
+        if !spin.is_zero() && !self.done.load(Ordering::Acquire) {
+            self.spin_until_done(spin);
+        }
+        let mut st = self.lock();
+        if st.value.is_none() {
+            let left = timeout.saturating_sub(spin);
+            st.parked += 1;
+            st = self
+                .ready
+                .wait_timeout_while(st, left, |s| s.value.is_none())
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+            st.parked -= 1;
+        }
         st.value.clone()
     }
 
@@ -116,6 +183,9 @@ impl<T: Clone + Send + 'static> Slot<T> {
         st.value.clone()
     }
 }
+
+/// How long [`Slot::wait`] spins with `spin_loop` hints before it yields on each turn.
+const YIELD_AFTER: Duration = Duration::from_micros(5);
 
 /// A submitted transfer (or SEND), on one engine or a rail group. Wait with a timeout
 /// ([`wait`](Self::wait)), poll it ([`try_result`](Self::try_result)), have a callback run
@@ -212,5 +282,69 @@ impl Future for RecvHandle {
             Some(v) => Poll::Ready(v),
             None => Poll::Pending,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Polls `f` until it holds, at most `within`.
+    fn eventually(within: Duration, mut f: impl FnMut() -> bool) -> bool {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if f() {
+                return true;
+            }
+            std::thread::yield_now();
+        }
+        f()
+    }
+
+    #[test]
+    fn a_waiter_that_parks_is_woken_by_the_completion() {
+        let slot: Arc<Slot<u32>> = Slot::new();
+        let s2 = slot.clone();
+        let t = std::thread::spawn(move || s2.wait(Duration::from_secs(60)));
+        assert!(
+            eventually(Duration::from_secs(30), || slot.lock().parked == 1),
+            "a slot without spin parks its waiter"
+        );
+        slot.complete(7);
+        assert_eq!(t.join().unwrap(), Some(7));
+        assert_eq!(slot.lock().parked, 0);
+    }
+
+    #[test]
+    fn a_spinning_waiter_sees_the_completion_without_parking() {
+        let slot: Arc<Slot<u32>> = Slot::spinning(Duration::from_secs(60));
+        let s2 = slot.clone();
+        let started = Arc::new(std::sync::Barrier::new(2));
+        let b2 = started.clone();
+        let t = std::thread::spawn(move || {
+            b2.wait();
+            s2.wait(Duration::from_secs(120))
+        });
+        started.wait();
+        // For 50 ms the waiter spins: it never parks (a slot that parked at once would
+        // show it within microseconds).
+        assert!(!eventually(Duration::from_millis(50), || slot
+            .lock()
+            .parked
+            > 0));
+        slot.complete(8);
+        assert_eq!(t.join().unwrap(), Some(8));
+    }
+
+    #[test]
+    fn a_spin_longer_than_the_timeout_still_times_out() {
+        let slot: Arc<Slot<u32>> = Slot::spinning(Duration::from_secs(60));
+        let t0 = Instant::now();
+        assert_eq!(slot.wait(Duration::from_millis(20)), None);
+        assert!(t0.elapsed() < Duration::from_secs(30));
+        slot.complete(1);
+        // Complete already: no spin, no park.
+        assert_eq!(slot.wait(Duration::ZERO), Some(1));
+        assert_eq!(slot.lock().parked, 0);
     }
 }

@@ -485,7 +485,7 @@ impl RailGroup {
             (Some(v), Some(&(so, d_o, _))) => Some((v, so, d_o)),
         };
         let deadline = t.timeout.map(|d| Instant::now() + d);
-        let slot = Slot::new();
+        let slot = Slot::spinning(self.rails[0].cfg.wait_spin);
         let handle = TransferHandle { slot: slot.clone() };
         if plan.writes.is_empty() && imm.is_none() {
             slot.complete(Ok(TransferStats::default()));

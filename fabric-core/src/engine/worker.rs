@@ -118,6 +118,11 @@ pub(crate) struct Worker<T: Transport> {
     sleeping: Arc<AtomicBool>,
     /// When the worker last made progress, for [`EngineConfig::busy_poll`].
     last_progress: Instant,
+    /// A transfer (or SEND) of ours finished since the loop last looked.
+    finished: bool,
+    /// Until when the worker polls without sleeping after a transfer finished
+    /// ([`EngineConfig::linger`]).
+    linger_until: Option<Instant>,
     /// Unfinished transfers (and SENDs) per local region: deregistration waits for zero.
     in_use: HashMap<LocalKey, usize>,
     /// Peers added whose set-up goes on in `poll`, with who waits for the answer.
@@ -176,6 +181,8 @@ impl<T: Transport> Worker<T> {
             busy_poll,
             sleeping,
             last_progress: Instant::now(),
+            finished: false,
+            linger_until: None,
             in_use: HashMap::new(),
             connecting: Vec::new(),
         }
@@ -214,6 +221,9 @@ impl<T: Transport> Worker<T> {
                 if !self.cfg.busy_poll.is_zero() {
                     self.last_progress = Instant::now();
                 }
+                if std::mem::take(&mut self.finished) && !self.cfg.linger.is_zero() {
+                    self.linger_until = Some(Instant::now() + self.cfg.linger);
+                }
                 continue;
             }
             let busy = self.active > 0 || !self.queue.is_empty();
@@ -226,6 +236,15 @@ impl<T: Transport> Worker<T> {
                 // Busy polling: a bounded spin before sleeping.
                 std::hint::spin_loop();
                 continue;
+            }
+            if let Some(until) = self.linger_until {
+                if Instant::now() < until {
+                    // Lingering after a completion: the next submit finds us awake. Other
+                    // runnable threads (the target's worker, the waiter) go first.
+                    std::thread::yield_now();
+                    continue;
+                }
+                self.linger_until = None;
             }
             let mut wait = if busy && !self.queue.is_empty() {
                 // Refused posts wait for room, which only polling shows.
@@ -499,6 +518,7 @@ impl<T: Transport> Worker<T> {
             return;
         };
         self.active -= 1;
+        self.finished = true;
         self.generations[idx as usize] =
             self.generations[idx as usize].wrapping_add(1) & 0x7fff_ffff;
         self.free.push(idx);
