@@ -11,6 +11,7 @@
 //! once, and holds back the WRITE's acknowledgement (and its immediate data), with every
 //! answer after it, until the copy has completed. Host memory never goes through staging.
 
+use crate::error::TcpError;
 use crate::frame::{self, HEADER_LEN, Header, MAX_BATCH, Op};
 use crate::io::{RawIov, copy_to_region};
 use crate::staging::{CHUNK, Ring, Via};
@@ -231,17 +232,17 @@ enum Dest {
 
 impl Dest {
     /// Copies staged bytes in.
-    fn put(&mut self, src: &[u8]) -> Result<(), String> {
+    fn put(&mut self, src: &[u8]) -> Result<(), TcpError> {
         match self {
             Dest::Region { mem, offset } => {
                 if !copy_to_region(&**mem, *offset, src) {
                     mem.write_from_host(*offset, src)
-                        .map_err(|e| format!("cannot place payload: {e}"))?;
+                        .map_err(TcpError::PlacePayload)?;
                 }
                 *offset += src.len() as u64;
             }
             Dest::Buffer(v) => v.extend_from_slice(src),
-            Dest::Device { .. } => return Err("device bytes go through staging".into()),
+            Dest::Device { .. } => return Err(TcpError::DeviceBytesNotStaged),
             Dest::Discard => {}
         }
         Ok(())
@@ -392,7 +393,7 @@ impl Conn {
     /// the peer nor a byte of ours leaving, while the peer's kernel has acknowledged all our
     /// bytes: it takes them while its transport is stopped, which TCP's own timers never
     /// notice. (Unacknowledged bytes are TCP_USER_TIMEOUT's to judge.)
-    pub fn check_answers(&mut self, limit: std::time::Duration) -> Result<(), String> {
+    pub fn check_answers(&mut self, limit: std::time::Duration) -> Result<(), TcpError> {
         if self.inflight.is_empty() {
             self.unanswered_since = None;
             return Ok(());
@@ -408,10 +409,10 @@ impl Conn {
                         self.unanswered_since = Some((seen, now));
                         return Ok(());
                     }
-                    return Err(format!(
-                        "{} request(s) unanswered for {limit:?}",
-                        self.inflight.len()
-                    ));
+                    return Err(TcpError::Unanswered {
+                        count: self.inflight.len(),
+                        limit,
+                    });
                 }
             }
             _ => self.unanswered_since = Some((seen, now)),
@@ -504,7 +505,7 @@ impl Conn {
     ///
     /// Device payloads leave from the staging ring as their copies complete; the copies of
     /// the next ones run while the socket takes these.
-    pub fn flush(&mut self) -> Result<(), String> {
+    pub fn flush(&mut self) -> Result<(), TcpError> {
         self.flush_acks();
         loop {
             self.stage_out()?;
@@ -525,11 +526,11 @@ impl Conn {
             // owned bytes, the staging ring, or a registered region whose Arc the frame
             // holds), all alive and unchanged until `advance` below; writev only reads.
             let n = match unsafe { crate::io::writev(self.stream.as_raw_fd(), &iov) } {
-                Ok(0) => return Err("connection closed while writing".into()),
+                Ok(0) => return Err(TcpError::ClosedWhileWriting),
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(format!("write failed: {e}")),
+                Err(e) => return Err(TcpError::io("write", e)),
             };
             drop(iov);
             self.advance(n);
@@ -563,7 +564,7 @@ impl Conn {
 
     /// Learns which copies out have completed, and gives the next device payloads room in
     /// the staging ring, in queue order, as far as it has room: their copies start now.
-    fn stage_out(&mut self) -> Result<(), String> {
+    fn stage_out(&mut self) -> Result<(), TcpError> {
         if let Some(r) = self.out_ring.as_mut() {
             r.poll()?;
         }
@@ -625,7 +626,7 @@ impl Conn {
 
     /// Drives the copies into device memory: marks what was queued, learns what completed,
     /// frees its room, and releases the answers (and events) that waited for it.
-    pub fn progress_copies(&mut self, shared: &mut Shared) -> Result<(), String> {
+    pub fn progress_copies(&mut self, shared: &mut Shared) -> Result<(), TcpError> {
         if let Some(r) = self.in_ring.as_mut() {
             r.mark_if(true)?;
             r.poll()?;
@@ -705,7 +706,7 @@ impl Conn {
     }
 
     /// Reads what the socket has (up to about `budget` bytes) and acts on complete frames.
-    pub fn read(&mut self, shared: &mut Shared, budget: usize) -> Result<ReadOutcome, String> {
+    pub fn read(&mut self, shared: &mut Shared, budget: usize) -> Result<ReadOutcome, TcpError> {
         let r = self.read_frames(shared, budget);
         // Bytes read for device memory are copied into place from now on; the answers and
         // events that report them wait for the copies (progress_copies).
@@ -715,7 +716,7 @@ impl Conn {
 
     /// Whether the payload being received goes to device memory and the in-ring has no
     /// room for it now (reading waits for copies to complete).
-    fn stalled(&mut self) -> Result<bool, String> {
+    fn stalled(&mut self) -> Result<bool, TcpError> {
         let dest = match &self.rstate {
             ReadState::Payload {
                 dest, remaining, ..
@@ -734,7 +735,7 @@ impl Conn {
         Ok(device_room(&mut self.in_ring, &via)? == 0)
     }
 
-    fn read_frames(&mut self, shared: &mut Shared, budget: usize) -> Result<ReadOutcome, String> {
+    fn read_frames(&mut self, shared: &mut Shared, budget: usize) -> Result<ReadOutcome, TcpError> {
         let mut read = 0usize;
         loop {
             self.process(shared)?;
@@ -822,13 +823,19 @@ impl Conn {
                 ),
             };
             match res {
-                Ok(0) => return Err("peer closed the connection".into()),
+                Ok(0) => return Err(TcpError::PeerClosed),
                 Ok(n) => read += n,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     return Ok(ReadOutcome::Open);
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(format!("read failed: {e}")),
+                // A copy into device memory that failed inside `read_batch`, or the read.
+                Err(e) => {
+                    return Err(match e.downcast::<TcpError>() {
+                        Ok(copy) => copy,
+                        Err(e) => TcpError::io("read", e),
+                    });
+                }
             }
             // A direct read may have completed items or a payload: act on it.
             if let ReadState::BatchPayloads { .. } = self.rstate {
@@ -838,7 +845,7 @@ impl Conn {
     }
 
     /// Acts on buffered bytes until a frame is incomplete.
-    fn process(&mut self, shared: &mut Shared) -> Result<(), String> {
+    fn process(&mut self, shared: &mut Shared) -> Result<(), TcpError> {
         loop {
             match &mut self.rstate {
                 ReadState::Header => {
@@ -848,7 +855,7 @@ impl Conn {
                     let raw: &[u8; HEADER_LEN] = self.rbuf[self.rpos..self.rpos + HEADER_LEN]
                         .try_into()
                         .expect("header length");
-                    let h = Header::decode(raw).map_err(|e| format!("malformed frame: {e}"))?;
+                    let h = Header::decode(raw).map_err(TcpError::MalformedFrame)?;
                     self.rpos += HEADER_LEN;
                     self.on_header(h, shared)?;
                 }
@@ -869,8 +876,7 @@ impl Conn {
                         let raw: &[u8; HEADER_LEN] = self.rbuf[at..at + HEADER_LEN]
                             .try_into()
                             .expect("header length");
-                        let h = Header::decode(raw)
-                            .map_err(|e| format!("malformed batch entry: {e}"))?;
+                        let h = Header::decode(raw).map_err(TcpError::MalformedBatchEntry)?;
                         items.push(self.batch_item(&h, shared)?);
                     }
                     self.rpos += count * HEADER_LEN;
@@ -938,7 +944,7 @@ impl Conn {
 
     /// Finishes the leading items of a batch whose payload is complete; back to `Header`
     /// when all are done.
-    fn settle_batch(&mut self, shared: &mut Shared) -> Result<(), String> {
+    fn settle_batch(&mut self, shared: &mut Shared) -> Result<(), TcpError> {
         loop {
             let ReadState::BatchPayloads { items, next, .. } = &mut self.rstate else {
                 return Ok(());
@@ -959,15 +965,16 @@ impl Conn {
     }
 
     /// Validates one WRITE of a batch.
-    fn batch_item(&mut self, h: &Header, shared: &Shared) -> Result<Item, String> {
+    fn batch_item(&mut self, h: &Header, shared: &Shared) -> Result<Item, TcpError> {
         if h.op != Op::Write {
-            return Err(format!("{:?} frame inside a batch", h.op));
+            return Err(TcpError::NotAWrite { op: h.op });
         }
         if h.len > shared.max_msg_size {
-            return Err(format!(
-                "WRITE of {} bytes exceeds the {}-byte limit",
-                h.len, shared.max_msg_size
-            ));
+            return Err(TcpError::TooLong {
+                op: Op::Write,
+                len: h.len,
+                limit: shared.max_msg_size,
+            });
         }
         Ok(match validate_write(h, shared) {
             Ok((mem, via)) => Item {
@@ -1012,25 +1019,23 @@ impl Conn {
         })
     }
 
-    fn on_header(&mut self, h: Header, shared: &mut Shared) -> Result<(), String> {
+    fn on_header(&mut self, h: Header, shared: &mut Shared) -> Result<(), TcpError> {
         if self.awaiting_hello && h.op != Op::Hello {
-            return Err(format!("{:?} frame before HELLO", h.op));
+            return Err(TcpError::BeforeHello { op: h.op });
         }
         match h.op {
             Op::Hello => {
                 if !self.awaiting_hello {
-                    return Err("unexpected HELLO".into());
+                    return Err(TcpError::UnexpectedHello);
                 }
                 if h.len > MAX_HELLO || h.len < 12 {
-                    return Err(format!("HELLO of {} bytes", h.len));
+                    return Err(TcpError::HelloLength(h.len));
                 }
                 // Checked before anything else of the peer is read (the token is never logged).
                 if let Some(want) = self.auth
                     && !crate::auth::matches(&want, h.key, h.offset)
                 {
-                    return Err(
-                        "authentication failed: the HELLO carries no token or a wrong one".into(),
-                    );
+                    return Err(TcpError::AuthenticationFailed);
                 }
                 self.rstate = ReadState::Payload {
                     dest: Dest::Buffer(Vec::with_capacity(h.len as usize)),
@@ -1048,7 +1053,7 @@ impl Conn {
             }
             Op::Batch => {
                 if h.len == 0 || h.len > MAX_BATCH as u64 {
-                    return Err(format!("batch of {} writes (at most {MAX_BATCH})", h.len));
+                    return Err(TcpError::BatchSize(h.len));
                 }
                 self.rstate = ReadState::BatchHeaders {
                     count: h.len as usize,
@@ -1056,20 +1061,20 @@ impl Conn {
             }
             Op::Send => {
                 if h.len > shared.max_msg_size {
-                    return Err(format!(
-                        "SEND of {} bytes exceeds the {}-byte limit",
-                        h.len, shared.max_msg_size
-                    ));
+                    return Err(TcpError::TooLong {
+                        op: Op::Send,
+                        len: h.len,
+                        limit: shared.max_msg_size,
+                    });
                 }
                 self.rstate = ReadState::SendWaiting(h);
             }
             Op::Ack => {
                 if h.len > self.inflight.len() as u64 {
-                    return Err(format!(
-                        "ACK for {} requests, {} outstanding",
-                        h.len,
-                        self.inflight.len()
-                    ));
+                    return Err(TcpError::AckOverrun {
+                        acked: h.len,
+                        outstanding: self.inflight.len(),
+                    });
                 }
                 for _ in 0..h.len {
                     let op = self.inflight.pop_front().expect("checked above");
@@ -1084,10 +1089,7 @@ impl Conn {
                 }
             }
             Op::Nack => {
-                let op = self
-                    .inflight
-                    .pop_front()
-                    .ok_or("NACK with no request outstanding")?;
+                let op = self.inflight.pop_front().ok_or(TcpError::NackOverrun)?;
                 self.answered += 1;
                 shared.completions.push(Completion {
                     wr_id: op.wr_id,
@@ -1152,7 +1154,7 @@ impl Conn {
         true
     }
 
-    fn finish(&mut self, dest: Dest, finish: Finish, shared: &mut Shared) -> Result<(), String> {
+    fn finish(&mut self, dest: Dest, finish: Finish, shared: &mut Shared) -> Result<(), TcpError> {
         match finish {
             Finish::Write { imm, len } => {
                 let event = imm.map(|imm| Completion {
@@ -1215,7 +1217,7 @@ impl Conn {
 
 /// Room in the in-ring for bytes that go to device memory through `via` (0: wait for
 /// copies to complete); makes the ring on first use.
-fn device_room(ring: &mut Option<Ring>, via: &Via) -> Result<usize, String> {
+fn device_room(ring: &mut Option<Ring>, via: &Via) -> Result<usize, TcpError> {
     if !Ring::ensure(ring, via)? {
         return Ok(0);
     }
@@ -1224,7 +1226,7 @@ fn device_room(ring: &mut Option<Ring>, via: &Via) -> Result<usize, String> {
 
 /// Puts bytes already received (in the read-ahead buffer) into `dest`; returns how many it
 /// took (fewer than `src.len()` only for device memory, when the in-ring is full).
-fn place(ring: &mut Option<Ring>, dest: &mut Dest, src: &[u8]) -> Result<usize, String> {
+fn place(ring: &mut Option<Ring>, dest: &mut Dest, src: &[u8]) -> Result<usize, TcpError> {
     let Dest::Device {
         mem,
         offset,

@@ -13,6 +13,7 @@
 //! `ACK` with `len = n` completes the next `n` outstanding requests, and a `NACK` fails the
 //! next one with `code`.
 
+pub use crate::error::FrameError;
 use fabric_core::{OpError, RemoteKey};
 
 /// Header size in bytes.
@@ -35,6 +36,20 @@ pub enum Op {
     /// `len` WRITE headers follow back to back, then their payloads in the same order, so
     /// that the target can place all payloads with one vectored read.
     Batch = 6,
+}
+
+impl std::fmt::Display for Op {
+    /// The frame's name as the protocol documents write it (`WRITE`, `ACK`).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Op::Hello => "HELLO",
+            Op::Write => "WRITE",
+            Op::Send => "SEND",
+            Op::Ack => "ACK",
+            Op::Nack => "NACK",
+            Op::Batch => "BATCH",
+        })
+    }
 }
 
 impl Op {
@@ -113,13 +128,13 @@ impl Header {
     }
 
     /// Decodes 40 bytes; `Err` names what is malformed.
-    pub fn decode(b: &[u8; HEADER_LEN]) -> Result<Header, String> {
-        let op = Op::from_u8(b[0]).ok_or_else(|| format!("unknown frame op {}", b[0]))?;
+    pub fn decode(b: &[u8; HEADER_LEN]) -> Result<Header, FrameError> {
+        let op = Op::from_u8(b[0]).ok_or(FrameError::UnknownOp(b[0]))?;
         if b[1] & !FLAG_IMM != 0 {
-            return Err(format!("unknown flags {:#x}", b[1]));
+            return Err(FrameError::UnknownFlags(b[1]));
         }
         if b[3] != 0 {
-            return Err("reserved byte is not zero".into());
+            return Err(FrameError::Reserved(b[3]));
         }
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
         Ok(Header {
@@ -217,13 +232,13 @@ mod tests {
     fn malformed_headers_are_rejected() {
         let mut b = Header::new(Op::Ack, 1).encode();
         b[0] = 99;
-        assert!(Header::decode(&b).unwrap_err().contains("unknown frame op"));
+        assert_eq!(Header::decode(&b), Err(FrameError::UnknownOp(99)));
         let mut b = Header::new(Op::Ack, 1).encode();
         b[1] = 0x80;
-        assert!(Header::decode(&b).is_err());
+        assert_eq!(Header::decode(&b), Err(FrameError::UnknownFlags(0x80)));
         let mut b = Header::new(Op::Ack, 1).encode();
         b[3] = 1;
-        assert!(Header::decode(&b).is_err());
+        assert_eq!(Header::decode(&b), Err(FrameError::Reserved(1)));
     }
 
     #[test]

@@ -43,6 +43,7 @@
 
 mod auth;
 mod conn;
+mod error;
 pub mod frame;
 mod io;
 mod staging;
@@ -64,6 +65,8 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::Duration;
+
+pub use error::{CopyCause, FrameError, TcpError, report};
 
 /// The digest of a shared token as it travels in HELLOs (see [`TcpConfig::auth_token`]);
 /// other channels (a control protocol) may use it to prove the same token.
@@ -667,13 +670,13 @@ impl Transport for TcpTransport {
                     Ok(false) => {
                         let (peer, reason) = (
                             c.peer,
-                            format!("connect timed out after {:?}", self.cfg.peer_timeout),
+                            report(&TcpError::ConnectTimedOut(self.cfg.peer_timeout)),
                         );
                         self.fail_connect(idx, peer, reason);
                         continue;
                     }
                     Err(e) => {
-                        let (peer, reason) = (c.peer, format!("connect: {e}"));
+                        let (peer, reason) = (c.peer, report(&TcpError::Connect(e)));
                         self.fail_connect(idx, peer, reason);
                         continue;
                     }
@@ -684,7 +687,7 @@ impl Transport for TcpTransport {
                 .and_then(|_| c.flush())
                 .map(|_| ReadOutcome::Open);
             if c.awaiting_hello && c.opened.elapsed() > self.cfg.peer_timeout {
-                res = Err(format!("no HELLO within {:?}", self.cfg.peer_timeout));
+                res = Err(TcpError::NoHello(self.cfg.peer_timeout));
             }
             if res.is_ok() {
                 res = c.read(&mut self.shared, 8 << 20);
@@ -704,7 +707,7 @@ impl Transport for TcpTransport {
             }
             // A connection we do not read from cannot see its end by reading: ask the kernel.
             if res.is_ok() && c.reads_paused() && io::peer_hung_up(c.stream.as_raw_fd()) {
-                res = Err("peer closed the connection while it was held back".into());
+                res = Err(TcpError::PeerClosedWhileHeld);
             }
             // A peer whose kernel takes our bytes but whose transport never answers (a
             // stopped process, a hung peer) fails its requests after twice `peer_timeout`,
@@ -716,8 +719,8 @@ impl Transport for TcpTransport {
                     .check_answers(2 * self.cfg.peer_timeout)
                     .map(|_| ReadOutcome::Open);
             }
-            if let Err(reason) = res {
-                let peer = c.peer;
+            if let Err(err) = res {
+                let (peer, reason) = (c.peer, report(&err));
                 if c.awaiting_hello {
                     tracing::warn!(%reason, "closing connection before HELLO");
                 } else if c.inflight.is_empty() && c.out.is_empty() {
