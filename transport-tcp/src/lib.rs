@@ -699,7 +699,15 @@ impl Transport for TcpTransport {
             }) = res
             {
                 self.on_hello(idx, rail, instance, address);
-                res = Ok(ReadOutcome::Open);
+                // The frames that came with the HELLO, now that the peer has its id.
+                res = match self.conns[idx].as_mut() {
+                    Some(c) => c.read(&mut self.shared, 8 << 20),
+                    None => Ok(ReadOutcome::Open),
+                };
+                if let Ok(ReadOutcome::Hello { .. }) = res {
+                    // A second HELLO is refused before it completes (`UnexpectedHello`).
+                    res = Ok(ReadOutcome::Open);
+                }
             }
             let c = self.conns[idx].as_mut().expect("still open");
             if res.is_ok() {

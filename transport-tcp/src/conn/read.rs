@@ -187,6 +187,11 @@ impl Conn {
     /// Acts on buffered bytes until a frame is incomplete.
     pub(super) fn process(&mut self, shared: &mut Shared) -> Result<(), TcpError> {
         loop {
+            if self.hello.is_some() {
+                // The frames after a HELLO wait until the transport has named the peer, so
+                // that what they report carries its id.
+                return Ok(());
+            }
             match &mut self.rstate {
                 ReadState::Header => {
                     if self.rlen - self.rpos < HEADER_LEN {
