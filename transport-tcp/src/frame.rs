@@ -12,6 +12,11 @@
 //! Responses are cumulative: the target handles a connection's requests in order, so an
 //! `ACK` with `len = n` completes the next `n` outstanding requests, and a `NACK` fails the
 //! next one with `code`.
+//!
+//! SEND flow control (protocol version [`PROTOCOL_VERSION`], which a HELLO carries in
+//! `code`): an `ACK` with `code` = [`ACK_CREDIT`] also grants SEND credit, `key` more
+//! messages and `offset` more bytes, and says in `wr_id` the receiver's credit window in
+//! bytes. A HELLO with `code` 0 comes from a peer that knows nothing of credit.
 
 pub use crate::error::FrameError;
 use fabric_core::{OpError, RemoteKey};
@@ -23,7 +28,9 @@ pub const HEADER_LEN: usize = 40;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Op {
-    /// First frame on a connection: payload = rail (u32 LE) + the sender's address.
+    /// First frame on a connection: payload = rail (u32 LE) + instance (u64 LE) + the
+    /// sender's address; `code` = the protocol version, `key` and `offset` = the token's
+    /// proof.
     Hello = 1,
     /// One-sided write into a registered region.
     Write = 2,
@@ -66,6 +73,13 @@ impl Op {
     }
 }
 
+/// The protocol version of this code, in a HELLO's `code` (0: the version before SEND
+/// credit, still served).
+pub const PROTOCOL_VERSION: u8 = 2;
+
+/// The `code` of an ACK that also grants SEND credit (see the module documentation).
+pub const ACK_CREDIT: u8 = 1;
+
 /// The header carries immediate data.
 pub const FLAG_IMM: u8 = 1;
 
@@ -79,15 +93,16 @@ pub struct Header {
     pub op: Op,
     /// Flags (`FLAG_IMM`).
     pub flags: u8,
-    /// Error code of a NACK.
+    /// Error code of a NACK, [`ACK_CREDIT`] on an ACK that grants credit, protocol version
+    /// of a HELLO.
     pub code: u8,
     /// Immediate data.
     pub imm: u32,
     /// The initiator's work-request id (diagnostics only).
     pub wr_id: u64,
-    /// Remote key (WRITE) or detail (NACK).
+    /// Remote key (WRITE), detail (NACK), or messages of SEND credit (ACK).
     pub key: u64,
-    /// Remote offset (WRITE) or detail (NACK).
+    /// Remote offset (WRITE), detail (NACK), or bytes of SEND credit (ACK).
     pub offset: u64,
     /// Payload length (WRITE, SEND, HELLO), count (ACK), or detail (NACK).
     pub len: u64,

@@ -6,7 +6,10 @@
 //! - registered regions with unguessable random 64-bit remote keys;
 //! - one-sided WRITE, optionally with 32-bit immediate data delivered to the target once the
 //!   bytes have landed;
-//! - SEND into receives posted in advance, with a bounded queue for early arrivals;
+//! - SEND into receives posted in advance, with a bounded queue for early arrivals whose
+//!   room the receiver grants to senders as credit: a sender holds SENDs it has no credit
+//!   for (and fails one that waited twice `peer_timeout`), so a receiver never stops reading
+//!   a connection for them and the WRITEs on it go on;
 //! - a polled completion queue; progress happens only inside [`Transport::poll`].
 //!
 //! The target validates key, bounds and permission **before** it touches memory, reads
@@ -50,7 +53,7 @@ mod staging;
 
 use conn::{Conn, Inflight, Payload, ReadOutcome, Shared, TargetRegion};
 use fabric_core::memory::check_range;
-use fabric_core::recv::{PostedRecv, RecvMatch};
+use fabric_core::recv::PostedRecv;
 use fabric_core::wake::{Wake, WakeFd};
 use fabric_core::{
     Access, Completion, Error, LocalKey, LocalSlice, MemoryRegion, OpError, OpKind, PeerId,
@@ -193,12 +196,11 @@ impl TcpTransport {
         let local = listener
             .local_addr()
             .map_err(|e| Error::io("local_addr", e))?;
-        let shared = Shared {
-            targets: HashMap::new(),
-            recv: RecvMatch::new(cfg.max_unexpected_count, cfg.max_unexpected_bytes),
-            max_msg_size: cfg.max_msg_size,
-            completions: Vec::new(),
-        };
+        let shared = Shared::new(
+            cfg.max_unexpected_count,
+            cfg.max_unexpected_bytes,
+            cfg.max_msg_size,
+        );
         let cfg_auth = cfg.auth_token.as_deref().map(auth::digest);
         Ok(TcpTransport {
             address: format!("{ADDRESS_PREFIX}{local}").into_bytes(),
@@ -301,20 +303,22 @@ impl TcpTransport {
             return;
         };
         c.abandon(&mut self.shared);
-        for op in c.inflight {
+        let peer = c.peer;
+        // Sent, and still waiting for SEND credit.
+        for op in c.into_unanswered() {
             self.shared.completions.push(Completion {
                 wr_id: op.wr_id,
                 op: op.op,
                 result: Err(err.clone()),
-                peer: Some(c.peer),
+                peer: Some(peer),
                 imm: None,
             });
         }
-        if let Some(p) = self.peers.get_mut(&c.peer) {
+        if let Some(p) = self.peers.get_mut(&peer) {
             p.conns.retain(|&i| i != idx);
             if p.passive && p.conns.is_empty() {
-                self.peers.remove(&c.peer);
-                self.passive.retain(|_, id| *id != c.peer);
+                self.peers.remove(&peer);
+                self.passive.retain(|_, id| *id != peer);
             }
         }
     }
@@ -383,7 +387,8 @@ impl TcpTransport {
         let idx = self.pick_conn(peer, first_rail)?;
         let full = {
             let c = self.conns[idx].as_ref().expect("peer conns are open");
-            c.inflight.len() >= self.cfg.max_outstanding || c.out_bytes >= self.cfg.max_queued_bytes
+            c.outstanding() >= self.cfg.max_outstanding
+                || c.queued_bytes() >= self.cfg.max_queued_bytes
         };
         if full {
             return Ok(PostOutcome::NoRoom);
@@ -391,16 +396,16 @@ impl TcpTransport {
         let payload = self.payload_of(src)?;
         hdr.wr_id = wr_id.0;
         let c = self.conns[idx].as_mut().expect("peer conns are open");
-        if op == OpKind::Write {
-            c.queue_write(hdr, payload);
-        } else {
-            c.queue(hdr, payload);
-        }
-        c.inflight.push_back(Inflight {
-            wr_id,
-            op,
-            len: src.len,
-        });
+        // A SEND may wait for credit from the peer (see conn::credit).
+        c.post(
+            hdr,
+            payload,
+            Inflight {
+                wr_id,
+                op,
+                len: src.len,
+            },
+        );
         Ok(PostOutcome::Posted)
     }
 
@@ -516,6 +521,7 @@ impl Transport for TcpTransport {
             hello.extend_from_slice(&self.instance.to_le_bytes());
             hello.extend_from_slice(&self.address);
             let mut h = Header::new(Op::Hello, hello.len() as u64);
+            h.code = frame::PROTOCOL_VERSION;
             if let Some(d) = self.auth {
                 (h.key, h.offset) = auth::split(&d);
             }
@@ -634,7 +640,7 @@ impl Transport for TcpTransport {
             offset: dst.offset,
             cap: dst.len,
         };
-        self.shared.recv.post(recv, &mut self.shared.completions);
+        self.shared.post_recv(recv);
         Ok(PostOutcome::Posted)
     }
 
@@ -684,7 +690,7 @@ impl Transport for TcpTransport {
             }
             let mut res = c
                 .progress_copies(&mut self.shared)
-                .and_then(|_| c.flush())
+                .and_then(|_| c.flush(&mut self.shared))
                 .map(|_| ReadOutcome::Open);
             if c.awaiting_hello && c.opened.elapsed() > self.cfg.peer_timeout {
                 res = Err(TcpError::NoHello(self.cfg.peer_timeout));
@@ -711,7 +717,9 @@ impl Transport for TcpTransport {
             }
             let c = self.conns[idx].as_mut().expect("still open");
             if res.is_ok() {
-                res = c.flush().map(|_| ReadOutcome::Open);
+                // Credit that came in lets waiting SENDs go; those that waited too long fail.
+                c.release_sends(2 * self.cfg.peer_timeout, &mut self.shared);
+                res = c.flush(&mut self.shared).map(|_| ReadOutcome::Open);
             }
             // A connection we do not read from cannot see its end by reading: ask the kernel.
             if res.is_ok() && c.reads_paused() && io::peer_hung_up(c.stream.as_raw_fd()) {

@@ -97,15 +97,15 @@ impl Conn {
             return;
         }
         let n = std::mem::take(&mut self.pending_acks);
-        // ACKs are cumulative: an unsent ACK at the end of the queue absorbs this one.
+        // ACKs are cumulative: an unsent ACK at the end of the queue absorbs this one (and
+        // keeps the SEND credit it may carry).
         if let Some(f) = self.out.back_mut()
             && f.response
             && f.written == 0
             && f.head[0] == Op::Ack as u8
         {
-            let mut h = Header::new(Op::Ack, 0);
-            h.len = u64::from_le_bytes(f.head[32..40].try_into().expect("8 bytes")) + n;
-            f.head[..HEADER_LEN].copy_from_slice(&h.encode());
+            let len = u64::from_le_bytes(f.head[32..40].try_into().expect("8 bytes")) + n;
+            f.head[32..40].copy_from_slice(&len.to_le_bytes());
             return;
         }
         self.queue(Header::new(Op::Ack, n), Payload::None);

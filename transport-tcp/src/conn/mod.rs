@@ -22,6 +22,7 @@
 //!   requests we wait on.
 
 mod answer;
+mod credit;
 mod place;
 mod read;
 mod send;
@@ -42,6 +43,7 @@ use std::sync::Arc;
 
 use answer::Held;
 pub(crate) use answer::Inflight;
+use credit::{Credit, EarlyRoom, Granted, WaitingSend};
 use place::Finish;
 pub(crate) use read::ReadOutcome;
 use read::ReadState;
@@ -77,6 +79,8 @@ pub(crate) struct Shared {
     pub targets: HashMap<u64, TargetRegion>,
     /// Posted receives and early arrivals (fabric-core's one matching piece).
     pub recv: RecvMatch,
+    /// Room in the early-arrival queue: what is queued, on its way, or granted as credit.
+    pub early: EarlyRoom,
     pub max_msg_size: u64,
     pub completions: Vec<Completion>,
 }
@@ -116,6 +120,14 @@ pub(crate) struct Conn {
     pub connecting: Option<std::time::Instant>,
     /// `(answered, out_bytes)` as last seen changing, and when: see `check_answers`.
     unanswered_since: Option<((u64, usize), std::time::Instant)>,
+    /// Accepted (the peer opened it), rather than opened by us.
+    accepted: bool,
+    /// The SEND credit the peer granted us, and the SENDs that wait for it.
+    credit: Credit,
+    waiting: VecDeque<WaitingSend>,
+    waiting_bytes: usize,
+    /// The SEND credit we granted the peer (`None`: it does not speak credit, or not yet).
+    granted: Option<Granted>,
 }
 
 impl Conn {
@@ -150,6 +162,11 @@ impl Conn {
             answered: 0,
             unanswered_since: None,
             connecting: None,
+            accepted: awaiting_hello,
+            credit: Credit::Unknown,
+            waiting: VecDeque::new(),
+            waiting_bytes: 0,
+            granted: None,
         }
     }
 
@@ -164,17 +181,21 @@ impl Conn {
 
     /// Gives back what a frame cut short by a closing connection had taken: the posted
     /// receive it was filling (to the front of the queue, where it came from) and its room
-    /// in the early-arrival queue.
+    /// in the early-arrival queue; and the room of the SEND credit the peer still held.
     pub fn abandon(&mut self, shared: &mut Shared) {
         if let ReadState::Payload { finish, .. } =
             std::mem::replace(&mut self.rstate, ReadState::Header)
         {
             match finish {
-                Finish::Recv { recv, .. } => shared.recv.put_back(recv, &mut shared.completions),
-                Finish::Unexpected { len, .. } => shared.recv.release(len as usize),
+                Finish::Recv { recv, .. } => shared.put_back_recv(recv),
+                Finish::Unexpected { len, .. } => {
+                    shared.recv.release(len as usize);
+                    shared.early.give(1, len);
+                }
                 _ => {}
             }
         }
+        self.return_credit(&mut shared.early);
     }
 
     /// Drives the copies into device memory: marks what was queued, learns what completed,

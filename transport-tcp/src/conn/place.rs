@@ -134,10 +134,16 @@ impl Conn {
         })
     }
 
-    /// Starts receiving a SEND's payload; false if it must wait for a receive.
-    pub(super) fn start_send(&mut self, h: Header, shared: &mut Shared) -> bool {
+    /// Starts receiving a SEND's payload; false if it must wait for a receive. A
+    /// `credited` SEND (see `credit`) has its room in the early-arrival queue already, and
+    /// never waits.
+    pub(super) fn start_send(&mut self, h: Header, credited: bool, shared: &mut Shared) -> bool {
         let imm = h.imm();
         if let Some(r) = shared.recv.take_recv() {
+            if credited {
+                // Its room in the queue is not needed: it can be granted again.
+                shared.early.give(1, h.len);
+            }
             if h.len > r.cap {
                 let err = OpError::Truncated {
                     len: h.len,
@@ -172,11 +178,13 @@ impl Conn {
             }
             return true;
         }
-        // Room in the early-arrival queue, reserved until the bytes are here.
-        if !shared.recv.reserve(h.len as usize) {
+        // Room in the early-arrival queue, reserved until the bytes are here (`early`
+        // bounds the queue; `recv`'s own count is unbounded and only keeps its books).
+        if !credited && !shared.early.take(1, h.len) {
             self.rstate = ReadState::SendWaiting(h);
             return false;
         }
+        shared.recv.reserve(h.len as usize);
         self.rstate = ReadState::Payload {
             dest: Dest::Buffer(Vec::with_capacity(h.len as usize)),
             remaining: h.len,
@@ -225,14 +233,11 @@ impl Conn {
                 };
                 // A receive posted while this message was arriving is its receive: matched
                 // now, before the next SEND of this connection can take it.
-                shared.recv.arrived(
-                    EarlyArrival {
-                        peer: Some(self.peer),
-                        imm,
-                        data,
-                    },
-                    &mut shared.completions,
-                );
+                shared.arrived(EarlyArrival {
+                    peer: Some(self.peer),
+                    imm,
+                    data,
+                });
             }
             Finish::Hello => {
                 let Dest::Buffer(data) = dest else {

@@ -4,6 +4,7 @@
 
 use super::place::{Dest, Item, destinations_overlap, device_room, direct, place, read_batch};
 use super::*;
+use crate::frame::ACK_CREDIT;
 
 pub(super) enum ReadState {
     Header,
@@ -206,7 +207,7 @@ impl Conn {
                 }
                 ReadState::SendWaiting(h) => {
                     let h = *h;
-                    if !self.start_send(h, shared) {
+                    if !self.start_send(h, false, shared) {
                         return Ok(());
                     }
                 }
@@ -327,6 +328,7 @@ impl Conn {
                 {
                     return Err(TcpError::AuthenticationFailed);
                 }
+                self.on_hello_version(h.code, shared)?;
                 self.rstate = ReadState::Payload {
                     dest: Dest::Buffer(Vec::with_capacity(h.len as usize)),
                     remaining: h.len,
@@ -357,7 +359,12 @@ impl Conn {
                         limit: shared.max_msg_size,
                     });
                 }
-                self.rstate = ReadState::SendWaiting(h);
+                if self.charge_send(h.len)? {
+                    // Its room is ours already: it never waits.
+                    self.start_send(h, true, shared);
+                } else {
+                    self.rstate = ReadState::SendWaiting(h);
+                }
             }
             Op::Ack => {
                 if h.len > self.inflight.len() as u64 {
@@ -376,6 +383,9 @@ impl Conn {
                         peer: Some(self.peer),
                         imm: None,
                     });
+                }
+                if h.code == ACK_CREDIT {
+                    self.on_credit(&h, shared);
                 }
             }
             Op::Nack => {

@@ -44,7 +44,7 @@ impl Payload {
             Payload::Device { .. } => None,
         }
     }
-    fn len(&self) -> usize {
+    pub(super) fn len(&self) -> usize {
         match self {
             Payload::None => 0,
             Payload::Region { len, .. } | Payload::Device { len, .. } => *len,
@@ -202,8 +202,10 @@ impl Conn {
     ///
     /// Device payloads leave from the staging ring as their copies complete; the copies of
     /// the next ones run while the socket takes these.
-    pub fn flush(&mut self) -> Result<(), TcpError> {
+    pub fn flush(&mut self, shared: &mut Shared) -> Result<(), TcpError> {
         self.flush_acks();
+        // SEND credit rides on the ACK just queued, if any.
+        self.grant_credit(&mut shared.early);
         loop {
             self.stage_out()?;
             if self.out.is_empty() {
