@@ -70,7 +70,7 @@ pub enum TcpError {
     /// A NACK with no request outstanding.
     #[error("NACK with no request outstanding")]
     NackOverrun,
-    /// A SEND beyond the credit we granted (see `crate::credit`).
+    /// A SEND beyond the credit we granted (see [`frame`](crate::frame) on SEND credit).
     #[error("SEND of {len} bytes beyond its credit ({messages} message(s), {bytes} bytes granted)")]
     SendBeyondCredit {
         /// Its length.
