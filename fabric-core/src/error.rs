@@ -58,18 +58,126 @@ pub enum OpError {
     /// The peer reported an error that has no variant here.
     #[error("remote error: {0}")]
     Remote(String),
-    /// A failure inside the transport, with its cause.
-    #[error("transport error: {0}")]
-    Transport(String),
+    /// A failure inside the transport, with its cause (reachable through
+    /// [`std::error::Error::source`] and [`TransportError::downcast_ref`]).
+    #[error(transparent)]
+    Transport(TransportError),
 }
 
 impl OpError {
+    /// A [`Transport`](OpError::Transport) failure caused by `cause` (a transport's own
+    /// error type, a [`MemoryError`], an [`Error`], or a plain message).
+    pub fn transport(cause: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> OpError {
+        OpError::Transport(TransportError::new(cause))
+    }
+
+    /// A [`Transport`](OpError::Transport) failure described by `context` ("device copy
+    /// failed"), caused by `source`.
+    pub fn transport_with(
+        context: impl Into<String>,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> OpError {
+        OpError::Transport(TransportError::with_context(context, source))
+    }
+
     /// Whether retrying the same operation later may succeed (peer trouble, time-outs).
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,
             OpError::PeerUnreachable { .. } | OpError::TimedOut | OpError::Cancelled
         )
+    }
+}
+
+/// The cause of an [`OpError::Transport`]: a transport's own error, kept whole so that
+/// callers can walk its [`source`](std::error::Error::source) chain or downcast it, and
+/// shared so that the completion stays cheap to clone.
+///
+/// Two are equal when they read the same (completions are compared in tests; error types
+/// of other crates need not implement `PartialEq`).
+///
+/// ```
+/// use fabric_core::OpError;
+/// let io = std::io::Error::other("link down");
+/// let e = OpError::transport_with("device copy failed", io);
+/// assert_eq!(e.to_string(), "transport error: device copy failed");
+/// let source = std::error::Error::source(&e).unwrap();
+/// assert_eq!(source.to_string(), "link down");
+/// ```
+#[derive(Clone)]
+pub struct TransportError(Arc<dyn std::error::Error + Send + Sync>);
+
+impl TransportError {
+    /// Wraps `cause`.
+    pub fn new(cause: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> TransportError {
+        TransportError(Arc::from(cause.into()))
+    }
+
+    /// `context` ("device copy failed"), caused by `source`.
+    pub fn with_context(
+        context: impl Into<String>,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> TransportError {
+        TransportError::new(Contextual {
+            context: context.into(),
+            source: source.into(),
+        })
+    }
+
+    /// The transport's error itself.
+    pub fn get_ref(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        &*self.0
+    }
+
+    /// The transport's error, if it is an `E`.
+    pub fn downcast_ref<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        self.0.downcast_ref::<E>()
+    }
+}
+
+impl std::fmt::Display for TransportError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "transport error: {}", self.0)
+    }
+}
+
+impl std::fmt::Debug for TransportError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl std::error::Error for TransportError {
+    // The wrapped error's own cause: its text is already this one's (see Display).
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+impl PartialEq for TransportError {
+    fn eq(&self, other: &TransportError) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.0.to_string() == other.0.to_string()
+    }
+}
+
+impl Eq for TransportError {}
+
+/// A message with the error that caused it (see [`TransportError::with_context`]).
+#[derive(Debug)]
+struct Contextual {
+    context: String,
+    source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+impl std::fmt::Display for Contextual {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.context)
+    }
+}
+
+impl std::error::Error for Contextual {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.source)
     }
 }
 

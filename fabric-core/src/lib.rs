@@ -41,7 +41,7 @@ pub mod transport;
 pub mod types;
 pub mod wake;
 
-pub use error::{Error, MemoryError, OpError, Result};
+pub use error::{Error, MemoryError, OpError, Result, TransportError};
 pub use memory::{HostBuffer, MemoryLocation, MemoryRegion, SubRegion};
 pub use transport::{Completion, OpKind, PostOutcome, Transport, TransportLimits};
 pub use types::{

@@ -390,8 +390,7 @@ fn write_into(
     }
     match (s.base, d.base) {
         (Some(sb), Some(db)) => {
-            check_range(src.offset, src.len, s.len)
-                .map_err(|e| OpError::Transport(e.to_string()))?;
+            check_range(src.offset, src.len, s.len).map_err(OpError::transport)?;
             // SAFETY: both ranges lie inside their regions (checked just above), which
             // are alive and unmoved for the whole run (see `View::base`); `copy` tolerates
             // overlap (a region written to itself).
@@ -424,7 +423,7 @@ fn copy_region(
     d_o: u64,
     len: u64,
 ) -> std::result::Result<(), OpError> {
-    let err = |e: crate::MemoryError| OpError::Transport(e.to_string());
+    let err = |e: crate::MemoryError| OpError::transport(e);
     match (src.host_ptr(), dst.host_ptr()) {
         (Some(_), Some(_)) => {
             let s = crate::memory::checked_host_ptr(src, so, len).map_err(err)?;

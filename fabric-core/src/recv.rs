@@ -194,7 +194,7 @@ pub fn deliver(r: PostedRecv, peer: Option<PeerId>, imm: Option<u32>, data: &[u8
         r.mem
             .write_from_host(r.offset, data)
             .map(|_| data.len() as u64)
-            .map_err(|e| OpError::Transport(e.to_string()))
+            .map_err(OpError::transport)
     };
     Completion {
         wr_id: r.wr_id,

@@ -36,7 +36,7 @@ impl<L: Link> CudaIpcTransport<L> {
                         }
                         Ok(op.len)
                     }
-                    Some(e) => Err(OpError::Transport(format!("device copy failed: {e}"))),
+                    Some(e) => Err(OpError::transport_with("device copy failed", e.clone())),
                 };
                 self.done.push(Completion {
                     wr_id: op.wr,
@@ -175,7 +175,7 @@ impl<L: Link> CudaIpcTransport<L> {
                         Some(Ok(k)) => self
                             .link
                             .push(&op.src, op.src_off, &k.mapping, k.offset + op.off, op.len)
-                            .map_err(|e| OpError::Transport(format!("device copy: {e}"))),
+                            .map_err(|e| OpError::transport_with("device copy failed", e)),
                         Some(Err(why)) => Err(OpError::Remote(format!(
                             "cannot map the peer's memory: {why}"
                         ))),
@@ -214,7 +214,10 @@ impl<L: Link> CudaIpcTransport<L> {
                             self.done.push(Completion {
                                 wr_id: op.wr,
                                 op: OpKind::Write,
-                                result: Err(OpError::Transport(format!("device copy: {e}"))),
+                                result: Err(OpError::transport_with(
+                                    "device copy failed",
+                                    e.clone(),
+                                )),
                                 peer: Some(peer),
                                 imm: None,
                             });

@@ -12,7 +12,13 @@
 //! Responses are cumulative: the target handles a connection's requests in order, so an
 //! `ACK` with `len = n` completes the next `n` outstanding requests, and a `NACK` fails the
 //! next one with `code`.
+//!
+//! SEND flow control (protocol version [`PROTOCOL_VERSION`], which a HELLO carries in
+//! `code`): an `ACK` with `code` = [`ACK_CREDIT`] also grants SEND credit, `key` more
+//! messages and `offset` more bytes, and says in `wr_id` the receiver's credit window in
+//! bytes. A HELLO with `code` 0 comes from a peer that knows nothing of credit.
 
+pub use crate::error::FrameError;
 use fabric_core::{OpError, RemoteKey};
 
 /// Header size in bytes.
@@ -22,7 +28,9 @@ pub const HEADER_LEN: usize = 40;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Op {
-    /// First frame on a connection: payload = rail (u32 LE) + the sender's address.
+    /// First frame on a connection: payload = rail (u32 LE) + instance (u64 LE) + the
+    /// sender's address; `code` = the protocol version, `key` and `offset` = the token's
+    /// proof.
     Hello = 1,
     /// One-sided write into a registered region.
     Write = 2,
@@ -35,6 +43,20 @@ pub enum Op {
     /// `len` WRITE headers follow back to back, then their payloads in the same order, so
     /// that the target can place all payloads with one vectored read.
     Batch = 6,
+}
+
+impl std::fmt::Display for Op {
+    /// The frame's name as the protocol documents write it (`WRITE`, `ACK`).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Op::Hello => "HELLO",
+            Op::Write => "WRITE",
+            Op::Send => "SEND",
+            Op::Ack => "ACK",
+            Op::Nack => "NACK",
+            Op::Batch => "BATCH",
+        })
+    }
 }
 
 impl Op {
@@ -51,6 +73,13 @@ impl Op {
     }
 }
 
+/// The protocol version of this code, in a HELLO's `code` (0: the version before SEND
+/// credit, still served).
+pub const PROTOCOL_VERSION: u8 = 2;
+
+/// The `code` of an ACK that also grants SEND credit (see the module documentation).
+pub const ACK_CREDIT: u8 = 1;
+
 /// The header carries immediate data.
 pub const FLAG_IMM: u8 = 1;
 
@@ -64,15 +93,16 @@ pub struct Header {
     pub op: Op,
     /// Flags (`FLAG_IMM`).
     pub flags: u8,
-    /// Error code of a NACK.
+    /// Error code of a NACK, [`ACK_CREDIT`] on an ACK that grants credit, protocol version
+    /// of a HELLO.
     pub code: u8,
     /// Immediate data.
     pub imm: u32,
     /// The initiator's work-request id (diagnostics only).
     pub wr_id: u64,
-    /// Remote key (WRITE) or detail (NACK).
+    /// Remote key (WRITE), detail (NACK), or messages of SEND credit (ACK).
     pub key: u64,
-    /// Remote offset (WRITE) or detail (NACK).
+    /// Remote offset (WRITE), detail (NACK), or bytes of SEND credit (ACK).
     pub offset: u64,
     /// Payload length (WRITE, SEND, HELLO), count (ACK), or detail (NACK).
     pub len: u64,
@@ -113,13 +143,13 @@ impl Header {
     }
 
     /// Decodes 40 bytes; `Err` names what is malformed.
-    pub fn decode(b: &[u8; HEADER_LEN]) -> Result<Header, String> {
-        let op = Op::from_u8(b[0]).ok_or_else(|| format!("unknown frame op {}", b[0]))?;
+    pub fn decode(b: &[u8; HEADER_LEN]) -> Result<Header, FrameError> {
+        let op = Op::from_u8(b[0]).ok_or(FrameError::UnknownOp(b[0]))?;
         if b[1] & !FLAG_IMM != 0 {
-            return Err(format!("unknown flags {:#x}", b[1]));
+            return Err(FrameError::UnknownFlags(b[1]));
         }
         if b[3] != 0 {
-            return Err("reserved byte is not zero".into());
+            return Err(FrameError::Reserved(b[3]));
         }
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
         Ok(Header {
@@ -217,13 +247,13 @@ mod tests {
     fn malformed_headers_are_rejected() {
         let mut b = Header::new(Op::Ack, 1).encode();
         b[0] = 99;
-        assert!(Header::decode(&b).unwrap_err().contains("unknown frame op"));
+        assert_eq!(Header::decode(&b), Err(FrameError::UnknownOp(99)));
         let mut b = Header::new(Op::Ack, 1).encode();
         b[1] = 0x80;
-        assert!(Header::decode(&b).is_err());
+        assert_eq!(Header::decode(&b), Err(FrameError::UnknownFlags(0x80)));
         let mut b = Header::new(Op::Ack, 1).encode();
         b[3] = 1;
-        assert!(Header::decode(&b).is_err());
+        assert_eq!(Header::decode(&b), Err(FrameError::Reserved(1)));
     }
 
     #[test]

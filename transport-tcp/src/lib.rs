@@ -6,7 +6,10 @@
 //! - registered regions with unguessable random 64-bit remote keys;
 //! - one-sided WRITE, optionally with 32-bit immediate data delivered to the target once the
 //!   bytes have landed;
-//! - SEND into receives posted in advance, with a bounded queue for early arrivals;
+//! - SEND into receives posted in advance, with a bounded queue for early arrivals whose
+//!   room the receiver grants to senders as credit: a sender holds SENDs it has no credit
+//!   for (and fails one that waited twice `peer_timeout`), so a receiver never stops reading
+//!   a connection for them and the WRITEs on it go on;
 //! - a polled completion queue; progress happens only inside [`Transport::poll`].
 //!
 //! The target validates key, bounds and permission **before** it touches memory, reads
@@ -43,13 +46,14 @@
 
 mod auth;
 mod conn;
+mod error;
 pub mod frame;
 mod io;
 mod staging;
 
 use conn::{Conn, Inflight, Payload, ReadOutcome, Shared, TargetRegion};
 use fabric_core::memory::check_range;
-use fabric_core::recv::{PostedRecv, RecvMatch};
+use fabric_core::recv::PostedRecv;
 use fabric_core::wake::{Wake, WakeFd};
 use fabric_core::{
     Access, Completion, Error, LocalKey, LocalSlice, MemoryRegion, OpError, OpKind, PeerId,
@@ -64,6 +68,8 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::Duration;
+
+pub use error::{CopyCause, FrameError, TcpError, report};
 
 /// The digest of a shared token as it travels in HELLOs (see [`TcpConfig::auth_token`]);
 /// other channels (a control protocol) may use it to prove the same token.
@@ -226,12 +232,11 @@ impl TcpTransport {
         let local = listener
             .local_addr()
             .map_err(|e| Error::io("local_addr", e))?;
-        let shared = Shared {
-            targets: HashMap::new(),
-            recv: RecvMatch::new(cfg.max_unexpected_count, cfg.max_unexpected_bytes),
-            max_msg_size: cfg.max_msg_size,
-            completions: Vec::new(),
-        };
+        let shared = Shared::new(
+            cfg.max_unexpected_count,
+            cfg.max_unexpected_bytes,
+            cfg.max_msg_size,
+        );
         let cfg_auth = cfg.auth_token.as_deref().map(auth::digest);
         Ok(TcpTransport {
             address: format!("{ADDRESS_PREFIX}{local}").into_bytes(),
@@ -342,20 +347,22 @@ impl TcpTransport {
             return;
         };
         c.abandon(&mut self.shared);
-        for op in c.inflight {
+        let peer = c.peer;
+        // Sent, and still waiting for SEND credit.
+        for op in c.into_unanswered() {
             self.shared.completions.push(Completion {
                 wr_id: op.wr_id,
                 op: op.op,
                 result: Err(err.clone()),
-                peer: Some(c.peer),
+                peer: Some(peer),
                 imm: None,
             });
         }
-        if let Some(p) = self.peers.get_mut(&c.peer) {
+        if let Some(p) = self.peers.get_mut(&peer) {
             p.conns.retain(|&i| i != idx);
             if p.passive && p.conns.is_empty() {
-                self.peers.remove(&c.peer);
-                self.passive.retain(|_, id| *id != c.peer);
+                self.peers.remove(&peer);
+                self.passive.retain(|_, id| *id != peer);
             }
         }
     }
@@ -424,7 +431,8 @@ impl TcpTransport {
         let idx = self.pick_conn(peer, first_rail)?;
         let full = {
             let c = self.conns[idx].as_ref().expect("peer conns are open");
-            c.inflight.len() >= self.cfg.max_outstanding || c.out_bytes >= self.cfg.max_queued_bytes
+            c.outstanding() >= self.cfg.max_outstanding
+                || c.queued_bytes() >= self.cfg.max_queued_bytes
         };
         if full {
             return Ok(PostOutcome::NoRoom);
@@ -432,16 +440,16 @@ impl TcpTransport {
         let payload = self.payload_of(src)?;
         hdr.wr_id = wr_id.0;
         let c = self.conns[idx].as_mut().expect("peer conns are open");
-        if op == OpKind::Write {
-            c.queue_write(hdr, payload);
-        } else {
-            c.queue(hdr, payload);
-        }
-        c.inflight.push_back(Inflight {
-            wr_id,
-            op,
-            len: src.len,
-        });
+        // A SEND may wait for credit from the peer (see conn::credit).
+        c.post(
+            hdr,
+            payload,
+            Inflight {
+                wr_id,
+                op,
+                len: src.len,
+            },
+        );
         Ok(PostOutcome::Posted)
     }
 
@@ -557,6 +565,7 @@ impl Transport for TcpTransport {
             hello.extend_from_slice(&self.instance.to_le_bytes());
             hello.extend_from_slice(&self.address);
             let mut h = Header::new(Op::Hello, hello.len() as u64);
+            h.code = frame::PROTOCOL_VERSION;
             if let Some(d) = self.auth {
                 (h.key, h.offset) = auth::split(&d);
             }
@@ -675,7 +684,7 @@ impl Transport for TcpTransport {
             offset: dst.offset,
             cap: dst.len,
         };
-        self.shared.recv.post(recv, &mut self.shared.completions);
+        self.shared.post_recv(recv);
         Ok(PostOutcome::Posted)
     }
 
@@ -711,13 +720,13 @@ impl Transport for TcpTransport {
                     Ok(false) => {
                         let (peer, reason) = (
                             c.peer,
-                            format!("connect timed out after {:?}", self.cfg.peer_timeout),
+                            report(&TcpError::ConnectTimedOut(self.cfg.peer_timeout)),
                         );
                         self.fail_connect(idx, peer, reason);
                         continue;
                     }
                     Err(e) => {
-                        let (peer, reason) = (c.peer, format!("connect: {e}"));
+                        let (peer, reason) = (c.peer, report(&TcpError::Connect(e)));
                         self.fail_connect(idx, peer, reason);
                         continue;
                     }
@@ -725,10 +734,10 @@ impl Transport for TcpTransport {
             }
             let mut res = c
                 .progress_copies(&mut self.shared)
-                .and_then(|_| c.flush())
+                .and_then(|_| c.flush(&mut self.shared))
                 .map(|_| ReadOutcome::Open);
             if c.awaiting_hello && c.opened.elapsed() > self.cfg.peer_timeout {
-                res = Err(format!("no HELLO within {:?}", self.cfg.peer_timeout));
+                res = Err(TcpError::NoHello(self.cfg.peer_timeout));
             }
             if res.is_ok() {
                 res = c.read(&mut self.shared, 8 << 20);
@@ -740,15 +749,25 @@ impl Transport for TcpTransport {
             }) = res
             {
                 self.on_hello(idx, rail, instance, address);
-                res = Ok(ReadOutcome::Open);
+                // The frames that came with the HELLO, now that the peer has its id.
+                res = match self.conns[idx].as_mut() {
+                    Some(c) => c.read(&mut self.shared, 8 << 20),
+                    None => Ok(ReadOutcome::Open),
+                };
+                if let Ok(ReadOutcome::Hello { .. }) = res {
+                    // A second HELLO is refused before it completes (`UnexpectedHello`).
+                    res = Ok(ReadOutcome::Open);
+                }
             }
             let c = self.conns[idx].as_mut().expect("still open");
             if res.is_ok() {
-                res = c.flush().map(|_| ReadOutcome::Open);
+                // Credit that came in lets waiting SENDs go; those that waited too long fail.
+                c.release_sends(2 * self.cfg.peer_timeout, &mut self.shared);
+                res = c.flush(&mut self.shared).map(|_| ReadOutcome::Open);
             }
             // A connection we do not read from cannot see its end by reading: ask the kernel.
             if res.is_ok() && c.reads_paused() && io::peer_hung_up(c.stream.as_raw_fd()) {
-                res = Err("peer closed the connection while it was held back".into());
+                res = Err(TcpError::PeerClosedWhileHeld);
             }
             // A peer whose kernel takes our bytes but whose transport never answers (a
             // stopped process, a hung peer) fails its requests after twice `peer_timeout`,
@@ -760,8 +779,8 @@ impl Transport for TcpTransport {
                     .check_answers(2 * self.cfg.peer_timeout)
                     .map(|_| ReadOutcome::Open);
             }
-            if let Err(reason) = res {
-                let peer = c.peer;
+            if let Err(err) = res {
+                let (peer, reason) = (c.peer, report(&err));
                 if c.awaiting_hello {
                     tracing::warn!(%reason, "closing connection before HELLO");
                 } else if c.inflight.is_empty() && c.out.is_empty() {

@@ -23,6 +23,7 @@
 //! methods, run when the engine is polled (memory that only claims to be a device's, such as
 //! the fake devices of the tests, or CUDA memory the driver does not know).
 
+use crate::error::TcpError;
 use fabric_core::{HostBuffer, MemoryLocation, MemoryRegion};
 use std::collections::VecDeque;
 use std::ptr::NonNull;
@@ -119,7 +120,7 @@ pub(crate) trait CopyEngine: Send {
         src_offset: u64,
         at: usize,
         len: usize,
-    ) -> Result<(), String>;
+    ) -> Result<(), TcpError>;
     /// Queues a copy of `len` staging bytes at `at` into `dst` at `dst_offset`.
     fn copy_in(
         &mut self,
@@ -127,11 +128,11 @@ pub(crate) trait CopyEngine: Send {
         dst: &Arc<dyn MemoryRegion>,
         dst_offset: u64,
         len: usize,
-    ) -> Result<(), String>;
+    ) -> Result<(), TcpError>;
     /// Marks the copies queued so far.
-    fn mark(&mut self) -> Result<(), String>;
+    fn mark(&mut self) -> Result<(), TcpError>;
     /// How many more marks, oldest first, have completed (never waits).
-    fn poll_marks(&mut self) -> Result<usize, String>;
+    fn poll_marks(&mut self) -> Result<usize, TcpError>;
 }
 
 /// CUDA copies through pinned staging, batched per mark: one launch of gpu-mem's copy
@@ -156,10 +157,10 @@ impl CopyEngine for CudaEngine {
         src_offset: u64,
         at: usize,
         len: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), TcpError> {
         self.copies
             .copy_out(src, src_offset, at as u64, len as u64)
-            .map_err(|e| format!("cannot copy device memory out: {e}"))
+            .map_err(|e| TcpError::CopyOut(e.into()))
     }
 
     fn copy_in(
@@ -168,22 +169,22 @@ impl CopyEngine for CudaEngine {
         dst: &Arc<dyn MemoryRegion>,
         dst_offset: u64,
         len: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), TcpError> {
         self.copies
             .copy_in(at as u64, dst, dst_offset, len as u64)
-            .map_err(|e| format!("cannot place payload in device memory: {e}"))
+            .map_err(|e| TcpError::CopyIn(e.into()))
     }
 
-    fn mark(&mut self) -> Result<(), String> {
+    fn mark(&mut self) -> Result<(), TcpError> {
         self.copies
             .mark()
-            .map_err(|e| format!("cannot start device copies: {e}"))
+            .map_err(|e| TcpError::StartCopies(e.into()))
     }
 
-    fn poll_marks(&mut self) -> Result<usize, String> {
+    fn poll_marks(&mut self) -> Result<usize, TcpError> {
         self.copies
             .poll_marks()
-            .map_err(|e| format!("device copy failed: {e}"))
+            .map_err(|e| TcpError::CopyFailed(e.into()))
     }
 }
 
@@ -215,9 +216,9 @@ pub(crate) struct RegionEngine {
 }
 
 impl RegionEngine {
-    pub fn new() -> Result<RegionEngine, String> {
+    pub fn new() -> Result<RegionEngine, TcpError> {
         Ok(RegionEngine {
-            staging: HostBuffer::new(RING).map_err(|e| format!("cannot allocate staging: {e}"))?,
+            staging: HostBuffer::new(RING).map_err(|e| TcpError::StagingAlloc(e.into()))?,
             queued: Vec::new(),
             marks: 0,
             due: Vec::new(),
@@ -225,7 +226,7 @@ impl RegionEngine {
         })
     }
 
-    fn run(&mut self) -> Result<(), String> {
+    fn run(&mut self) -> Result<(), TcpError> {
         let queued = std::mem::take(&mut self.due);
         let base = self.staging();
         let mut i = 0;
@@ -253,7 +254,7 @@ impl RegionEngine {
                     .collect();
                 region
                     .read_many_to_host(&mut parts)
-                    .map_err(|e| format!("cannot copy device memory out: {e}"))?;
+                    .map_err(|e| TcpError::CopyOut(e.into()))?;
             } else {
                 let parts: Vec<(u64, &[u8])> = run
                     .iter()
@@ -267,7 +268,7 @@ impl RegionEngine {
                     .collect();
                 region
                     .write_many_from_host(&parts)
-                    .map_err(|e| format!("cannot place payload in device memory: {e}"))?;
+                    .map_err(|e| TcpError::CopyIn(e.into()))?;
             }
             i = j;
         }
@@ -286,7 +287,7 @@ impl CopyEngine for RegionEngine {
         src_offset: u64,
         at: usize,
         len: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), TcpError> {
         self.queued.push(RegionCopy {
             region: src.clone(),
             offset: src_offset,
@@ -303,7 +304,7 @@ impl CopyEngine for RegionEngine {
         dst: &Arc<dyn MemoryRegion>,
         dst_offset: u64,
         len: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), TcpError> {
         self.queued.push(RegionCopy {
             region: dst.clone(),
             offset: dst_offset,
@@ -314,12 +315,12 @@ impl CopyEngine for RegionEngine {
         Ok(())
     }
 
-    fn mark(&mut self) -> Result<(), String> {
+    fn mark(&mut self) -> Result<(), TcpError> {
         self.marks += 1;
         Ok(())
     }
 
-    fn poll_marks(&mut self) -> Result<usize, String> {
+    fn poll_marks(&mut self) -> Result<usize, TcpError> {
         self.run()?;
         let done = std::mem::take(&mut self.due_marks);
         self.due = std::mem::take(&mut self.queued);
@@ -329,14 +330,14 @@ impl CopyEngine for RegionEngine {
 }
 
 /// Makes the engine for `via`.
-fn engine_for(via: &Via) -> Result<Box<dyn CopyEngine>, String> {
+fn engine_for(via: &Via) -> Result<Box<dyn CopyEngine>, TcpError> {
     match via {
         Via::Region => Ok(Box::new(RegionEngine::new()?)),
         Via::Cuda(device) => {
             let staging = Arc::new(
                 device
                     .alloc_pinned(RING)
-                    .map_err(|e| format!("cannot allocate pinned staging: {e}"))?,
+                    .map_err(|e| TcpError::StagingAlloc(e.into()))?,
             );
             // The best copy method here (the copy kernel where it loads), unless
             // XFER_TCP_GPU_COPY=stream asks for one driver copy per page.
@@ -345,7 +346,7 @@ fn engine_for(via: &Via) -> Result<Box<dyn CopyEngine>, String> {
             } else {
                 gpu_mem::StagedCopies::new(device, staging)
             }
-            .map_err(|e| format!("cannot set up device copies: {e}"))?;
+            .map_err(|e| TcpError::CopySetup(e.into()))?;
             tracing::debug!(method = copies.method().name(), "staging copies");
             Ok(Box::new(CudaEngine { copies }))
         }
@@ -371,12 +372,16 @@ pub(crate) struct Ring {
 
 impl Ring {
     /// A ring copying through `via`.
-    pub fn new(via: &Via) -> Result<Ring, String> {
+    pub fn new(via: &Via) -> Result<Ring, TcpError> {
         Ring::with_engine(via.clone(), engine_for(via)?, RING)
     }
 
     /// A ring over `size` bytes of `engine`'s staging (at most [`RING`]).
-    pub fn with_engine(via: Via, engine: Box<dyn CopyEngine>, size: usize) -> Result<Ring, String> {
+    pub fn with_engine(
+        via: Via,
+        engine: Box<dyn CopyEngine>,
+        size: usize,
+    ) -> Result<Ring, TcpError> {
         debug_assert!(size > 0 && size <= RING);
         Ok(Ring {
             engine,
@@ -393,7 +398,7 @@ impl Ring {
     /// Makes `ring` copy through `via`: kept when it already does, replaced when it is idle
     /// (counters carry on, so that positions given out stay comparable). False when a ring
     /// for another engine still has bytes in use: wait for it to drain.
-    pub fn ensure(ring: &mut Option<Ring>, via: &Via) -> Result<bool, String> {
+    pub fn ensure(ring: &mut Option<Ring>, via: &Via) -> Result<bool, TcpError> {
         match ring {
             Some(r) if r.via.same(via) => Ok(true),
             Some(r) if !r.idle() => Ok(false),
@@ -467,7 +472,7 @@ impl Ring {
         src: &Arc<dyn MemoryRegion>,
         mut src_offset: u64,
         len: usize,
-    ) -> Result<u64, String> {
+    ) -> Result<u64, TcpError> {
         debug_assert!(len <= self.free());
         let start = self.head;
         let mut left = len;
@@ -490,7 +495,7 @@ impl Ring {
         dst: &Arc<dyn MemoryRegion>,
         dst_offset: u64,
         len: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), TcpError> {
         let phys = (self.head % self.size as u64) as usize;
         debug_assert!(len <= self.contiguous(0));
         self.head += len as u64;
@@ -500,7 +505,7 @@ impl Ring {
 
     /// Marks the copies queued since the last mark, when there are `CHUNK` bytes of them
     /// (or any, when `force`).
-    pub fn mark_if(&mut self, force: bool) -> Result<(), String> {
+    pub fn mark_if(&mut self, force: bool) -> Result<(), TcpError> {
         let unmarked = self.head - self.marked;
         if unmarked > 0 && (force || unmarked >= CHUNK as u64) {
             self.engine.mark()?;
@@ -511,7 +516,7 @@ impl Ring {
     }
 
     /// Learns which marks have completed (never waits) and moves `ready` past them.
-    pub fn poll(&mut self) -> Result<(), String> {
+    pub fn poll(&mut self) -> Result<(), TcpError> {
         if self.marks.is_empty() {
             return Ok(());
         }
@@ -527,6 +532,7 @@ impl Ring {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use fabric_core::MemoryError;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     /// An engine whose copies complete only when the test says so, and which fails the
@@ -548,15 +554,18 @@ mod tests {
             off: u64,
             at: usize,
             len: usize,
-        ) -> Result<(), String> {
+        ) -> Result<(), TcpError> {
             if self.fail_at == Some(off) {
-                return Err("copy failed".into());
+                return Err(TcpError::CopyOut(
+                    MemoryError::Device("copy failed".into()).into(),
+                ));
             }
             let mut buf = vec![0u8; len];
-            src.read_to_host(off, &mut buf).map_err(|e| e.to_string())?;
+            src.read_to_host(off, &mut buf)
+                .map_err(|e| TcpError::CopyOut(e.into()))?;
             self.staging
                 .write(at as u64, &buf)
-                .map_err(|e| e.to_string())
+                .map_err(|e| TcpError::CopyOut(e.into()))
         }
         fn copy_in(
             &mut self,
@@ -564,14 +573,14 @@ mod tests {
             _: &Arc<dyn MemoryRegion>,
             _: u64,
             _: usize,
-        ) -> Result<(), String> {
+        ) -> Result<(), TcpError> {
             Ok(())
         }
-        fn mark(&mut self) -> Result<(), String> {
+        fn mark(&mut self) -> Result<(), TcpError> {
             self.marks += 1;
             Ok(())
         }
-        fn poll_marks(&mut self) -> Result<usize, String> {
+        fn poll_marks(&mut self) -> Result<usize, TcpError> {
             let n = self.complete.load(Ordering::Relaxed).min(self.marks);
             self.complete.fetch_sub(n, Ordering::Relaxed);
             self.marks -= n;

@@ -924,3 +924,31 @@ fn overlapping_batch_entries_land_in_order() {
     assert_eq!(dst.read(4096, 8192), second);
     dst.assert_canaries();
 }
+
+// 9. Frames that arrive with the HELLO (in the same read) report the peer the HELLO names,
+// not a placeholder id.
+#[test]
+fn frames_read_with_the_hello_carry_the_peer_id() {
+    let (mut target, dst) = target_with_window();
+    let key = dst.remote(0, 16).region.key.0;
+    let mut c = Raw::connect(&target.t);
+    c.send_ok(
+        &concat(&[
+            &hello_frame(),
+            &write_frame(key, 0, &[5u8; 16], Some(42), 1),
+        ]),
+        || target.step(),
+    );
+    target.until("the WRITE's immediate data", |t| {
+        !t.remote_writes().is_empty()
+    });
+    let ev = target.remote_writes()[0].clone();
+    assert_eq!(ev.imm, Some(42));
+    let peer = ev.peer.expect("a peer");
+    assert_ne!(peer.0, 0, "the event names no peer the transport knows");
+    // The id is the one the transport gave the HELLO's sender: it can be removed by it.
+    target
+        .t
+        .remove_peer(peer)
+        .expect("the peer of the event is known");
+}

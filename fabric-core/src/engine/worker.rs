@@ -145,7 +145,7 @@ fn op_error(e: Error) -> OpError {
     match e {
         Error::Op(op) => op,
         Error::UnknownPeer(p) => OpError::PeerRemoved(p),
-        other => OpError::Transport(other.to_string()),
+        other => OpError::transport(other),
     }
 }
 
@@ -366,9 +366,9 @@ impl<T: Transport> Worker<T> {
                     Ok(PostOutcome::Posted) => {
                         self.recvs.insert(id, slot);
                     }
-                    Ok(PostOutcome::NoRoom) => slot.complete(Err(OpError::Transport(
-                        "no room for another receive".into(),
-                    ))),
+                    Ok(PostOutcome::NoRoom) => {
+                        slot.complete(Err(OpError::transport("no room for another receive")))
+                    }
                     Err(e) => slot.complete(Err(op_error(e))),
                 }
             }

@@ -257,9 +257,9 @@ fn map_error(op: &Op, err: &sys::fi_cq_err_entry, text: String) -> OpError {
         | sys::FI_ESHUTDOWN
         | sys::FI_EHOSTDOWN => match op.peer {
             Some(peer) => OpError::PeerUnreachable { peer, reason: text },
-            None => OpError::Transport(text),
+            None => OpError::transport(text),
         },
         _ if op.kind == OpKind::Write => OpError::Remote(text),
-        _ => OpError::Transport(text),
+        _ => OpError::transport(text),
     }
 }

@@ -179,8 +179,7 @@ impl EfaTransport {
                     Err(e) => {
                         self.peers.get_mut(&p).map(|x| x.backlog.pop_front());
                         if let Slot::Active(op) = self.finish_slot(idx) {
-                            self.ready
-                                .push_back(failed(&op, OpError::Transport(e.to_string())));
+                            self.ready.push_back(failed(&op, OpError::transport(e)));
                         }
                     }
                 }

@@ -1,0 +1,438 @@
+//! Receive placement: where the bytes of incoming WRITEs and SENDs land. A WRITE is
+//! validated (key, permission, bounds) before any byte is placed, then read straight into
+//! its registered host region, or into the in-ring for device memory with its copy into
+//! place queued at once; a rejected one is swallowed and NACKed. A SEND goes to the oldest
+//! posted receive, or to the early-arrival queue.
+
+use super::*;
+
+/// Where incoming payload bytes go.
+pub(super) enum Dest {
+    Region {
+        mem: Arc<dyn MemoryRegion>,
+        offset: u64,
+    },
+    /// A WRITE into memory the CPU cannot address: read into the connection's staging
+    /// ring, whose copies into place are queued at once (see `place`).
+    Device {
+        mem: Arc<dyn MemoryRegion>,
+        /// Where the next byte goes.
+        offset: u64,
+        via: Via,
+        /// In-ring counter after the last byte received (0: none yet).
+        end: u64,
+    },
+    Buffer(Vec<u8>),
+    Discard,
+}
+
+impl Dest {
+    /// Copies staged bytes in.
+    fn put(&mut self, src: &[u8]) -> Result<(), TcpError> {
+        match self {
+            Dest::Region { mem, offset } => {
+                if !copy_to_region(&**mem, *offset, src) {
+                    mem.write_from_host(*offset, src)
+                        .map_err(TcpError::PlacePayload)?;
+                }
+                *offset += src.len() as u64;
+            }
+            Dest::Buffer(v) => v.extend_from_slice(src),
+            Dest::Device { .. } => return Err(TcpError::DeviceBytesNotStaged),
+            Dest::Discard => {}
+        }
+        Ok(())
+    }
+}
+
+/// What to do when a payload is complete.
+pub(super) enum Finish {
+    Write {
+        imm: Option<u32>,
+        len: u64,
+    },
+    /// The receive is kept whole, to be given back if the connection breaks mid-payload.
+    Recv {
+        recv: PostedRecv,
+        imm: Option<u32>,
+        len: u64,
+    },
+    Unexpected {
+        imm: Option<u32>,
+        len: u64,
+    },
+    Hello,
+    /// A rejected request: its NACK is sent once its turn comes.
+    Rejected {
+        err: OpError,
+        wr_id: u64,
+    },
+    /// Payload thrown away whose response was already queued.
+    Dropped,
+}
+
+/// One WRITE of a batch being received.
+pub(super) struct Item {
+    pub(super) dest: Dest,
+    pub(super) remaining: u64,
+    pub(super) finish: Finish,
+}
+
+impl Conn {
+    /// Validates one WRITE of a batch.
+    pub(super) fn batch_item(&mut self, h: &Header, shared: &Shared) -> Result<Item, TcpError> {
+        if h.op != Op::Write {
+            return Err(TcpError::NotAWrite { op: h.op });
+        }
+        if h.len > shared.max_msg_size {
+            return Err(TcpError::TooLong {
+                op: Op::Write,
+                len: h.len,
+                limit: shared.max_msg_size,
+            });
+        }
+        Ok(match validate_write(h, shared) {
+            Ok((mem, via)) => Item {
+                dest: if mem.host_ptr().is_some() {
+                    Dest::Region {
+                        mem,
+                        offset: h.offset,
+                    }
+                } else {
+                    // The ring is made by the first device WRITE, even an empty one: the
+                    // engine's warm-up pays for the pinned allocation, not the first transfer.
+                    if self.in_ring.is_none() {
+                        Ring::ensure(&mut self.in_ring, &via)?;
+                    }
+                    Dest::Device {
+                        mem,
+                        offset: h.offset,
+                        via,
+                        end: 0,
+                    }
+                },
+                remaining: h.len,
+                finish: Finish::Write {
+                    imm: h.imm(),
+                    len: h.len,
+                },
+            },
+            Err(err) => {
+                tracing::debug!(peer = %self.peer, error = %err, "rejected WRITE");
+                if self.discard.is_empty() && h.len > 0 {
+                    self.discard = vec![0u8; DISCARD].into_boxed_slice();
+                }
+                Item {
+                    dest: Dest::Discard,
+                    remaining: h.len,
+                    finish: Finish::Rejected {
+                        err,
+                        wr_id: h.wr_id,
+                    },
+                }
+            }
+        })
+    }
+
+    /// Starts receiving a SEND's payload; false if it must wait for a receive. A
+    /// `credited` SEND (see `credit`) has its room in the early-arrival queue already, and
+    /// never waits.
+    pub(super) fn start_send(&mut self, h: Header, credited: bool, shared: &mut Shared) -> bool {
+        let imm = h.imm();
+        if let Some(r) = shared.recv.take_recv() {
+            if credited {
+                // Its room in the queue is not needed: it can be granted again.
+                shared.early.give(1, h.len);
+            }
+            if h.len > r.cap {
+                let err = OpError::Truncated {
+                    len: h.len,
+                    capacity: r.cap,
+                };
+                shared.completions.push(Completion {
+                    wr_id: r.wr_id,
+                    op: OpKind::Recv,
+                    result: Err(err.clone()),
+                    peer: Some(self.peer),
+                    imm,
+                });
+                self.nack(&err, h.wr_id, shared);
+                self.rstate = ReadState::Payload {
+                    dest: Dest::Discard,
+                    remaining: h.len,
+                    finish: Finish::Dropped,
+                };
+            } else {
+                self.rstate = ReadState::Payload {
+                    dest: Dest::Region {
+                        mem: r.mem.clone(),
+                        offset: r.offset,
+                    },
+                    remaining: h.len,
+                    finish: Finish::Recv {
+                        recv: r,
+                        imm,
+                        len: h.len,
+                    },
+                };
+            }
+            return true;
+        }
+        // Room in the early-arrival queue, reserved until the bytes are here (`early`
+        // bounds the queue; `recv`'s own count is unbounded and only keeps its books).
+        if !credited && !shared.early.take(1, h.len) {
+            self.rstate = ReadState::SendWaiting(h);
+            return false;
+        }
+        shared.recv.reserve(h.len as usize);
+        self.rstate = ReadState::Payload {
+            dest: Dest::Buffer(Vec::with_capacity(h.len as usize)),
+            remaining: h.len,
+            finish: Finish::Unexpected { imm, len: h.len },
+        };
+        true
+    }
+
+    pub(super) fn finish(
+        &mut self,
+        dest: Dest,
+        finish: Finish,
+        shared: &mut Shared,
+    ) -> Result<(), TcpError> {
+        match finish {
+            Finish::Write { imm, len } => {
+                let event = imm.map(|imm| Completion {
+                    wr_id: WorkRequestId(0),
+                    op: OpKind::RemoteWrite,
+                    result: Ok(len),
+                    peer: Some(self.peer),
+                    imm: Some(imm),
+                });
+                // Device bytes are acknowledged (and their imm reported) once their copies
+                // into device memory have completed.
+                let until = match dest {
+                    Dest::Device { end, .. } => Some(end),
+                    _ => None,
+                };
+                self.answer(until, None, event, shared);
+            }
+            Finish::Recv { recv, imm, len } => {
+                self.answer(None, None, None, shared);
+                shared.completions.push(Completion {
+                    wr_id: recv.wr_id,
+                    op: OpKind::Recv,
+                    result: Ok(len),
+                    peer: Some(self.peer),
+                    imm,
+                });
+            }
+            Finish::Unexpected { imm, .. } => {
+                self.answer(None, None, None, shared);
+                let Dest::Buffer(data) = dest else {
+                    unreachable!("unexpected SENDs go to a buffer")
+                };
+                // A receive posted while this message was arriving is its receive: matched
+                // now, before the next SEND of this connection can take it.
+                shared.arrived(EarlyArrival {
+                    peer: Some(self.peer),
+                    imm,
+                    data,
+                });
+            }
+            Finish::Hello => {
+                let Dest::Buffer(data) = dest else {
+                    unreachable!("HELLO goes to a buffer")
+                };
+                let rail = u32::from_le_bytes(data[0..4].try_into().expect("len >= 12 checked"));
+                let instance =
+                    u64::from_le_bytes(data[4..12].try_into().expect("len >= 12 checked"));
+                self.awaiting_hello = false;
+                self.hello = Some((rail, instance, data[12..].to_vec()));
+            }
+            Finish::Rejected { err, wr_id } => self.nack(&err, wr_id, shared),
+            Finish::Dropped => {}
+        }
+        Ok(())
+    }
+}
+
+/// Room in the in-ring for bytes that go to device memory through `via` (0: wait for
+/// copies to complete); makes the ring on first use.
+pub(super) fn device_room(ring: &mut Option<Ring>, via: &Via) -> Result<usize, TcpError> {
+    if !Ring::ensure(ring, via)? {
+        return Ok(0);
+    }
+    Ok(ring.as_ref().map_or(0, |r| r.contiguous(0)))
+}
+
+/// Puts bytes already received (in the read-ahead buffer) into `dest`; returns how many it
+/// took (fewer than `src.len()` only for device memory, when the in-ring is full).
+pub(super) fn place(
+    ring: &mut Option<Ring>,
+    dest: &mut Dest,
+    src: &[u8],
+) -> Result<usize, TcpError> {
+    let Dest::Device {
+        mem,
+        offset,
+        via,
+        end,
+    } = dest
+    else {
+        dest.put(src)?;
+        return Ok(src.len());
+    };
+    let n = src.len().min(device_room(ring, via)?);
+    if n == 0 {
+        return Ok(0);
+    }
+    let r = ring.as_mut().expect("device_room made it");
+    // SAFETY: the n bytes at `head` are free room of the staging buffer (contiguous() said
+    // so): no copy reads them and no slice covers them; `src` is the read-ahead buffer.
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), r.ptr(r.head), n) };
+    r.copy_in(mem, *offset, n)?;
+    *offset += n as u64;
+    *end = r.head;
+    Ok(n)
+}
+
+/// Whether bytes for `d` can be read straight into place.
+pub(super) fn direct(d: &Dest) -> bool {
+    match d {
+        Dest::Region { mem, .. } => mem.host_ptr().is_some(),
+        Dest::Discard => true,
+        Dest::Device { .. } => true,
+        Dest::Buffer(_) => false,
+    }
+}
+
+/// One `readv` straight into the destinations of `items[next..]`, plus `tail` for the next
+/// header. Returns bytes read and how many of them landed in `tail`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn read_batch(
+    stream: &mut TcpStream,
+    items: &mut [Item],
+    next: usize,
+    max_items: usize,
+    tail: &mut [u8],
+    discard: &mut [u8],
+    ring: &mut Option<Ring>,
+) -> std::io::Result<(usize, usize)> {
+    let mut iov: Vec<RawIov> = Vec::with_capacity((items.len() - next + 1).min(MAX_IOV));
+    let mut lens: Vec<usize> = Vec::with_capacity(iov.capacity());
+    let mut discard = Some(discard);
+    // Device items are read into the in-ring, one after the other from its head.
+    let mut ring_used = 0usize;
+    for item in items[next..].iter_mut() {
+        if iov.len() == max_items || item.remaining == 0 {
+            break;
+        }
+        let remaining = item.remaining as usize;
+        let slice: Option<RawIov> = match &mut item.dest {
+            Dest::Region { mem, offset } => {
+                RawIov::of_region(&**mem, *offset, item.remaining as usize)
+            }
+            // Only one iovec may point at the discard buffer (it is reused).
+            Dest::Discard => discard.take().map(|d| {
+                let n = d.len().min(item.remaining as usize);
+                RawIov::of_slice_mut(&mut d[..n])
+            }),
+            Dest::Device { via, .. } => match ring.as_ref() {
+                Some(r) if r.copies_via(via) => {
+                    let n = remaining.min(r.contiguous(ring_used));
+                    (n > 0).then(|| {
+                        let at = r.ptr(r.head + ring_used as u64);
+                        ring_used += n;
+                        // `n` bytes from `at` are free room of the staging buffer
+                        // (contiguous() counts from after the room given to the items
+                        // before): no copy reads them and no other iovec covers them.
+                        RawIov::of_raw(at, n)
+                    })
+                }
+                _ => None,
+            },
+            Dest::Buffer(_) => None,
+        };
+        let Some(s) = slice else { break };
+        let full = s.len() as u64 == item.remaining;
+        lens.push(s.len());
+        iov.push(s);
+        if !full {
+            break;
+        }
+    }
+    debug_assert!(
+        !iov.is_empty(),
+        "callers check that the next item can be read directly"
+    );
+    iov.push(RawIov::of_slice_mut(tail));
+    // SAFETY: each entry covers a checked range of a live destination region (its Arc is
+    // in `items`), free room of the staging ring (alive in `ring`), the discard buffer (at
+    // most one entry) or `tail`; `destinations_overlap` keeps overlapping destinations of
+    // one batch out of the same call, so no two entries overlap.
+    let n = unsafe { crate::io::readv(stream.as_raw_fd(), &iov) }?;
+    drop(iov);
+    let mut left = n;
+    for (item, l) in items[next..].iter_mut().zip(lens) {
+        if left == 0 {
+            break;
+        }
+        let d = l.min(left);
+        item.remaining -= d as u64;
+        match &mut item.dest {
+            Dest::Region { offset, .. } => *offset += d as u64,
+            Dest::Device {
+                mem, offset, end, ..
+            } => {
+                // The bytes are in the ring, in order from its head: copy them into place.
+                let r = ring.as_mut().expect("device items were given ring room");
+                r.copy_in(mem, *offset, d).map_err(std::io::Error::other)?;
+                *offset += d as u64;
+                *end = r.head;
+            }
+            _ => {}
+        }
+        left -= d;
+    }
+    Ok((n, left))
+}
+
+/// Whether two destinations of a batch share bytes (a peer may send that; we must then not
+/// hold slices of both at once).
+pub(super) fn destinations_overlap(items: &[Item]) -> bool {
+    let mut ranges: Vec<(u64, u64)> = items
+        .iter()
+        .filter_map(|i| match &i.dest {
+            Dest::Region { mem, offset } if i.remaining > 0 => {
+                let start = (mem.host_ptr()?.as_ptr() as u64).checked_add(*offset)?;
+                Some((start, start.saturating_add(i.remaining)))
+            }
+            _ => None,
+        })
+        .collect();
+    ranges.sort_unstable();
+    ranges.windows(2).any(|w| w[0].1 > w[1].0)
+}
+
+/// Checks a WRITE against the target's registrations before any byte is placed.
+pub(super) fn validate_write(
+    h: &Header,
+    shared: &Shared,
+) -> Result<(Arc<dyn MemoryRegion>, Via), OpError> {
+    let t = shared
+        .targets
+        .get(&h.key)
+        .ok_or(OpError::RemoteKeyInvalid(RemoteKey(h.key)))?;
+    if !t.access.contains(Access::REMOTE_WRITE) {
+        return Err(OpError::PermissionDenied);
+    }
+    let region_len = t.mem.len() as u64;
+    match h.offset.checked_add(h.len) {
+        Some(end) if end <= region_len => Ok((t.mem.clone(), t.via.clone())),
+        _ => Err(OpError::OutOfBounds {
+            offset: h.offset,
+            len: h.len,
+            region_len,
+        }),
+    }
+}

@@ -1,0 +1,418 @@
+//! The incoming state machine of a connection: reads what the socket has (straight into
+//! place where it can), decodes headers, and walks each frame (HELLO, WRITE, BATCH, SEND,
+//! ACK, NACK) to its end; [`place`](super::place) says where payload bytes go.
+
+use super::place::{Dest, Item, destinations_overlap, device_room, direct, place, read_batch};
+use super::*;
+use crate::frame::ACK_CREDIT;
+
+pub(super) enum ReadState {
+    Header,
+    Payload {
+        dest: Dest,
+        remaining: u64,
+        finish: Finish,
+    },
+    /// A SEND whose payload waits for a receive (or room in the early-arrival queue).
+    SendWaiting(Header),
+    /// The headers of a batch of `count` WRITEs are being read.
+    BatchHeaders {
+        count: usize,
+    },
+    /// The payloads of a batch, in order, from `next` on.
+    BatchPayloads {
+        items: Vec<Item>,
+        next: usize,
+        /// Some destinations overlap: read one item per call, so that no two live slices
+        /// alias the same bytes.
+        one_at_a_time: bool,
+    },
+}
+
+/// Outcome of reading a connection.
+pub(crate) enum ReadOutcome {
+    /// Keep going.
+    Open,
+    /// A HELLO arrived: rail and the sender's address.
+    Hello {
+        rail: u32,
+        instance: u64,
+        address: Vec<u8>,
+    },
+}
+
+impl Conn {
+    /// Reads what the socket has (up to about `budget` bytes) and acts on complete frames.
+    pub fn read(&mut self, shared: &mut Shared, budget: usize) -> Result<ReadOutcome, TcpError> {
+        let r = self.read_frames(shared, budget);
+        // Bytes read for device memory are copied into place from now on; the answers and
+        // events that report them wait for the copies (progress_copies).
+        self.progress_copies(shared)?;
+        r
+    }
+
+    /// Whether the payload being received goes to device memory and the in-ring has no
+    /// room for it now (reading waits for copies to complete).
+    pub(super) fn stalled(&mut self) -> Result<bool, TcpError> {
+        let dest = match &self.rstate {
+            ReadState::Payload {
+                dest, remaining, ..
+            } if *remaining > 0 => dest,
+            ReadState::BatchPayloads { items, next, .. }
+                if *next < items.len() && items[*next].remaining > 0 =>
+            {
+                &items[*next].dest
+            }
+            _ => return Ok(false),
+        };
+        let Dest::Device { via, .. } = dest else {
+            return Ok(false);
+        };
+        let via = via.clone();
+        Ok(device_room(&mut self.in_ring, &via)? == 0)
+    }
+
+    pub(super) fn read_frames(
+        &mut self,
+        shared: &mut Shared,
+        budget: usize,
+    ) -> Result<ReadOutcome, TcpError> {
+        let mut read = 0usize;
+        loop {
+            self.process(shared)?;
+            if let Some((rail, instance, address)) = self.hello.take() {
+                return Ok(ReadOutcome::Hello {
+                    rail,
+                    instance,
+                    address,
+                });
+            }
+            if self.reads_paused() || read >= budget || self.stalled()? {
+                return Ok(ReadOutcome::Open);
+            }
+            // Everything buffered was consumed except part of a header block (or nothing).
+            if self.rpos > 0 {
+                self.rbuf.copy_within(self.rpos..self.rlen, 0);
+                self.rlen -= self.rpos;
+                self.rpos = 0;
+            }
+            let res = match &mut self.rstate {
+                ReadState::BatchPayloads { items, next, .. } if !direct(&items[*next].dest) => {
+                    // Memory the CPU cannot address: stage, then copy (Dest::put).
+                    let want = (items[*next].remaining as usize).saturating_add(HEADER_READ);
+                    read_staged(&mut self.stream, &mut self.rbuf, &mut self.rlen, want)
+                }
+                ReadState::BatchPayloads {
+                    items,
+                    next,
+                    one_at_a_time,
+                } => {
+                    debug_assert_eq!(self.rlen, 0);
+                    read_batch(
+                        &mut self.stream,
+                        items,
+                        *next,
+                        if *one_at_a_time { 1 } else { MAX_IOV - 1 },
+                        &mut self.rbuf[..HEADER_LEN],
+                        &mut self.discard,
+                        &mut self.in_ring,
+                    )
+                    .map(|(n, tail)| {
+                        self.rlen = tail;
+                        n
+                    })
+                }
+                ReadState::Payload {
+                    dest: Dest::Region { mem, offset },
+                    remaining,
+                    ..
+                } if *remaining >= DIRECT_MIN && self.rlen == 0 => {
+                    match RawIov::of_region(&**mem, *offset, *remaining as usize) {
+                        Some(direct) => {
+                            let direct_len = direct.len();
+                            // Only the next header rides along.
+                            let iov = [direct, RawIov::of_slice_mut(&mut self.rbuf[..HEADER_LEN])];
+                            // SAFETY: `direct` covers a checked range of the live region
+                            // (this payload's destination, whose Arc the read state holds;
+                            // one connection places one frame's bytes at a time), the other
+                            // entry our own buffer; they do not overlap.
+                            unsafe { crate::io::readv(self.stream.as_raw_fd(), &iov) }.inspect(
+                                |&n| {
+                                    let d = n.min(direct_len);
+                                    *offset += d as u64;
+                                    *remaining -= d as u64;
+                                    self.rlen = n - d;
+                                },
+                            )
+                        }
+                        None => read_staged(&mut self.stream, &mut self.rbuf, &mut self.rlen, RBUF),
+                    }
+                }
+                ReadState::BatchHeaders { count } => {
+                    let want = (*count * HEADER_LEN).saturating_sub(self.rlen).max(1);
+                    read_staged(&mut self.stream, &mut self.rbuf, &mut self.rlen, want)
+                }
+                ReadState::Payload { remaining, .. } => {
+                    let want = (*remaining as usize).saturating_add(HEADER_READ);
+                    read_staged(&mut self.stream, &mut self.rbuf, &mut self.rlen, want)
+                }
+                _ => read_staged(
+                    &mut self.stream,
+                    &mut self.rbuf,
+                    &mut self.rlen,
+                    HEADER_READ,
+                ),
+            };
+            match res {
+                Ok(0) => return Err(TcpError::PeerClosed),
+                Ok(n) => read += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    return Ok(ReadOutcome::Open);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                // A copy into device memory that failed inside `read_batch`, or the read.
+                Err(e) => {
+                    return Err(match e.downcast::<TcpError>() {
+                        Ok(copy) => copy,
+                        Err(e) => TcpError::io("read", e),
+                    });
+                }
+            }
+            // A direct read may have completed items or a payload: act on it.
+            if let ReadState::BatchPayloads { .. } = self.rstate {
+                self.settle_batch(shared)?;
+            }
+        }
+    }
+
+    /// Acts on buffered bytes until a frame is incomplete.
+    pub(super) fn process(&mut self, shared: &mut Shared) -> Result<(), TcpError> {
+        loop {
+            if self.hello.is_some() {
+                // The frames after a HELLO wait until the transport has named the peer, so
+                // that what they report carries its id.
+                return Ok(());
+            }
+            match &mut self.rstate {
+                ReadState::Header => {
+                    if self.rlen - self.rpos < HEADER_LEN {
+                        return Ok(());
+                    }
+                    let raw: &[u8; HEADER_LEN] = self.rbuf[self.rpos..self.rpos + HEADER_LEN]
+                        .try_into()
+                        .expect("header length");
+                    let h = Header::decode(raw).map_err(TcpError::MalformedFrame)?;
+                    self.rpos += HEADER_LEN;
+                    self.on_header(h, shared)?;
+                }
+                ReadState::SendWaiting(h) => {
+                    let h = *h;
+                    if !self.start_send(h, false, shared) {
+                        return Ok(());
+                    }
+                }
+                ReadState::BatchHeaders { count } => {
+                    let count = *count;
+                    if self.rlen - self.rpos < count * HEADER_LEN {
+                        return Ok(());
+                    }
+                    let mut items = Vec::with_capacity(count);
+                    for i in 0..count {
+                        let at = self.rpos + i * HEADER_LEN;
+                        let raw: &[u8; HEADER_LEN] = self.rbuf[at..at + HEADER_LEN]
+                            .try_into()
+                            .expect("header length");
+                        let h = Header::decode(raw).map_err(TcpError::MalformedBatchEntry)?;
+                        items.push(self.batch_item(&h, shared)?);
+                    }
+                    self.rpos += count * HEADER_LEN;
+                    let one_at_a_time = destinations_overlap(&items);
+                    self.rstate = ReadState::BatchPayloads {
+                        items,
+                        next: 0,
+                        one_at_a_time,
+                    };
+                    self.settle_batch(shared)?;
+                }
+                ReadState::BatchPayloads { items, next, .. } => {
+                    let avail = self.rlen - self.rpos;
+                    if avail == 0 {
+                        return Ok(());
+                    }
+                    let item = &mut items[*next];
+                    let take = item.remaining.min(avail as u64) as usize;
+                    let took = place(
+                        &mut self.in_ring,
+                        &mut item.dest,
+                        &self.rbuf[self.rpos..self.rpos + take],
+                    )?;
+                    item.remaining -= took as u64;
+                    self.rpos += took;
+                    if took == 0 {
+                        // No room in the in-ring: wait for copies.
+                        return Ok(());
+                    }
+                    self.settle_batch(shared)?;
+                }
+                ReadState::Payload {
+                    dest, remaining, ..
+                } => {
+                    if *remaining > 0 {
+                        let avail = self.rlen - self.rpos;
+                        if avail == 0 {
+                            return Ok(());
+                        }
+                        let take = (*remaining).min(avail as u64) as usize;
+                        let took = place(
+                            &mut self.in_ring,
+                            dest,
+                            &self.rbuf[self.rpos..self.rpos + take],
+                        )?;
+                        self.rpos += took;
+                        *remaining -= took as u64;
+                        if took == 0 {
+                            // No room in the in-ring: wait for copies.
+                            return Ok(());
+                        }
+                    }
+                    if *remaining == 0 {
+                        let ReadState::Payload { dest, finish, .. } =
+                            std::mem::replace(&mut self.rstate, ReadState::Header)
+                        else {
+                            unreachable!("matched Payload above")
+                        };
+                        self.finish(dest, finish, shared)?;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Finishes the leading items of a batch whose payload is complete; back to `Header`
+    /// when all are done.
+    pub(super) fn settle_batch(&mut self, shared: &mut Shared) -> Result<(), TcpError> {
+        loop {
+            let ReadState::BatchPayloads { items, next, .. } = &mut self.rstate else {
+                return Ok(());
+            };
+            if *next == items.len() {
+                self.rstate = ReadState::Header;
+                return Ok(());
+            }
+            if items[*next].remaining > 0 {
+                return Ok(());
+            }
+            let i = *next;
+            *next += 1;
+            let dest = std::mem::replace(&mut items[i].dest, Dest::Discard);
+            let finish = std::mem::replace(&mut items[i].finish, Finish::Dropped);
+            self.finish(dest, finish, shared)?;
+        }
+    }
+
+    pub(super) fn on_header(&mut self, h: Header, shared: &mut Shared) -> Result<(), TcpError> {
+        if self.awaiting_hello && h.op != Op::Hello {
+            return Err(TcpError::BeforeHello { op: h.op });
+        }
+        match h.op {
+            Op::Hello => {
+                if !self.awaiting_hello {
+                    return Err(TcpError::UnexpectedHello);
+                }
+                if h.len > MAX_HELLO || h.len < 12 {
+                    return Err(TcpError::HelloLength(h.len));
+                }
+                // Checked before anything else of the peer is read (the token is never logged).
+                if let Some(want) = self.auth
+                    && !crate::auth::matches(&want, h.key, h.offset)
+                {
+                    return Err(TcpError::AuthenticationFailed);
+                }
+                self.on_hello_version(h.code, shared)?;
+                self.rstate = ReadState::Payload {
+                    dest: Dest::Buffer(Vec::with_capacity(h.len as usize)),
+                    remaining: h.len,
+                    finish: Finish::Hello,
+                };
+            }
+            Op::Write => {
+                let item = self.batch_item(&h, shared)?;
+                self.rstate = ReadState::Payload {
+                    dest: item.dest,
+                    remaining: item.remaining,
+                    finish: item.finish,
+                };
+            }
+            Op::Batch => {
+                if h.len == 0 || h.len > MAX_BATCH as u64 {
+                    return Err(TcpError::BatchSize(h.len));
+                }
+                self.rstate = ReadState::BatchHeaders {
+                    count: h.len as usize,
+                };
+            }
+            Op::Send => {
+                if h.len > shared.max_msg_size {
+                    return Err(TcpError::TooLong {
+                        op: Op::Send,
+                        len: h.len,
+                        limit: shared.max_msg_size,
+                    });
+                }
+                if self.charge_send(h.len)? {
+                    // Its room is ours already: it never waits.
+                    self.start_send(h, true, shared);
+                } else {
+                    self.rstate = ReadState::SendWaiting(h);
+                }
+            }
+            Op::Ack => {
+                if h.len > self.inflight.len() as u64 {
+                    return Err(TcpError::AckOverrun {
+                        acked: h.len,
+                        outstanding: self.inflight.len(),
+                    });
+                }
+                for _ in 0..h.len {
+                    let op = self.inflight.pop_front().expect("checked above");
+                    self.answered += 1;
+                    shared.completions.push(Completion {
+                        wr_id: op.wr_id,
+                        op: op.op,
+                        result: Ok(op.len),
+                        peer: Some(self.peer),
+                        imm: None,
+                    });
+                }
+                if h.code == ACK_CREDIT {
+                    self.on_credit(&h, shared);
+                }
+            }
+            Op::Nack => {
+                let op = self.inflight.pop_front().ok_or(TcpError::NackOverrun)?;
+                self.answered += 1;
+                shared.completions.push(Completion {
+                    wr_id: op.wr_id,
+                    op: op.op,
+                    result: Err(frame::error_of_nack(&h)),
+                    peer: Some(self.peer),
+                    imm: None,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Reads into the staging buffer, at most `want` more bytes.
+pub(super) fn read_staged(
+    stream: &mut TcpStream,
+    rbuf: &mut [u8],
+    rlen: &mut usize,
+    want: usize,
+) -> std::io::Result<usize> {
+    let end = rbuf.len().min(*rlen + want.max(1));
+    let n = stream.read(&mut rbuf[*rlen..end])?;
+    *rlen += n;
+    Ok(n)
+}

@@ -1,0 +1,325 @@
+//! The outgoing side of a connection: frames queued in order (one header, or a BATCH of
+//! WRITE headers followed by their payloads), written with vectored writes as the socket
+//! takes them; device payloads are copied into the out-ring as it has room and leave once
+//! their copies have completed.
+
+use super::*;
+
+/// What an outgoing frame carries after its header.
+pub(crate) enum Payload {
+    None,
+    /// Bytes of a registered host region (zero copy).
+    Region {
+        mem: Arc<dyn MemoryRegion>,
+        offset: u64,
+        len: usize,
+    },
+    /// Bytes owned by the frame (HELLO).
+    Owned(Vec<u8>),
+    /// Device memory, sent out of the connection's staging ring: copied there in order as
+    /// room frees up (`Conn::stage_out`), sent as the copies complete.
+    Device {
+        mem: Arc<dyn MemoryRegion>,
+        offset: u64,
+        len: usize,
+        via: Via,
+        /// Ring counter of the first byte, once it has room.
+        staged: Option<u64>,
+        /// Bytes given room in the ring (their copies queued).
+        assigned: usize,
+    },
+}
+
+impl Payload {
+    /// The bytes from `skip` on, as an iovec (`None`: nothing to send from here, or a
+    /// region range that fails its check, which posting already made: a bug).
+    fn iov_from(&self, skip: usize) -> Option<RawIov> {
+        match self {
+            Payload::None => None,
+            Payload::Region { mem, offset, len } => {
+                RawIov::of_region(&**mem, *offset + skip as u64, len.checked_sub(skip)?)
+            }
+            Payload::Owned(v) => v.get(skip..).map(RawIov::of_slice),
+            // Sent from the staging ring (OutFrame::push_iov).
+            Payload::Device { .. } => None,
+        }
+    }
+    pub(super) fn len(&self) -> usize {
+        match self {
+            Payload::None => 0,
+            Payload::Region { len, .. } | Payload::Device { len, .. } => *len,
+            Payload::Owned(v) => v.len(),
+        }
+    }
+}
+
+/// A frame on its way out: header bytes, then payloads.
+pub(crate) struct OutFrame {
+    /// One header, or a BATCH header followed by its WRITE headers.
+    pub(super) head: Vec<u8>,
+    pub(super) payloads: Vec<Payload>,
+    /// WRITEs in this batch (0: not a batch).
+    pub(super) batch: usize,
+    /// An ACK or NACK (counted in `Conn::responses`).
+    pub(super) response: bool,
+    pub(super) total: usize,
+    /// Bytes already written.
+    pub(super) written: usize,
+    /// Device payloads, and how many of them still lack room in the staging ring.
+    pub(super) device: usize,
+    pub(super) unstaged: usize,
+}
+
+impl OutFrame {
+    /// The frame's bytes from `written` on, as slices, appended to `iov`. False when the
+    /// next frame must not follow: `iov` is full, or a device payload is not copied yet.
+    fn push_iov(&self, iov: &mut Vec<RawIov>, ring: Option<&Ring>) -> bool {
+        let mut skip = self.written;
+        if skip < self.head.len() {
+            if iov.len() == MAX_IOV {
+                return false;
+            }
+            iov.push(RawIov::of_slice(&self.head[skip..]));
+            skip = 0;
+        } else {
+            skip -= self.head.len();
+        }
+        for p in &self.payloads {
+            if iov.len() == MAX_IOV {
+                return false;
+            }
+            let len = p.len();
+            if skip >= len {
+                skip -= len;
+                continue;
+            }
+            if let Payload::Device {
+                staged, assigned, ..
+            } = p
+            {
+                let (Some(base), Some(ring)) = (*staged, ring) else {
+                    return false;
+                };
+                // Bytes whose copies have completed.
+                let ready = (ring.ready.saturating_sub(base) as usize).min(*assigned);
+                let mut at = skip;
+                while at < ready {
+                    if iov.len() == MAX_IOV {
+                        return false;
+                    }
+                    let s = ring.ready_slice(base + at as u64, ready - at);
+                    at += s.len();
+                    iov.push(RawIov::of_slice(s));
+                }
+                if ready < len {
+                    return false;
+                }
+            } else if let Some(v) = p.iov_from(skip) {
+                iov.push(v);
+            }
+            skip = 0;
+        }
+        true
+    }
+
+    /// How many of the frame's bytes `from..to` belong to device payloads.
+    fn device_bytes(&self, from: usize, to: usize) -> usize {
+        let mut at = self.head.len();
+        let mut n = 0;
+        for p in &self.payloads {
+            if at >= to {
+                break;
+            }
+            let len = p.len();
+            if let Payload::Device { .. } = p {
+                n += (at + len).min(to).saturating_sub(at.max(from));
+            }
+            at += len;
+        }
+        n
+    }
+}
+
+impl Conn {
+    /// Queues one frame.
+    pub fn queue(&mut self, hdr: Header, payload: Payload) {
+        let device = matches!(payload, Payload::Device { .. }) as usize;
+        self.unstaged += device;
+        let total = HEADER_LEN + payload.len();
+        self.out_bytes += total;
+        let response = matches!(hdr.op, Op::Ack | Op::Nack);
+        self.responses += response as usize;
+        self.out.push_back(OutFrame {
+            head: hdr.encode().to_vec(),
+            payloads: vec![payload],
+            batch: 0,
+            response,
+            total,
+            written: 0,
+            device,
+            unstaged: device,
+        });
+    }
+
+    /// Queues a WRITE, joining the batch at the end of the queue if it has not started.
+    pub fn queue_write(&mut self, hdr: Header, payload: Payload) {
+        let device = matches!(payload, Payload::Device { .. }) as usize;
+        self.unstaged += device;
+        let plen = payload.len();
+        self.out_bytes += HEADER_LEN + plen;
+        if let Some(f) = self.out.back_mut()
+            && f.batch > 0
+            && f.batch < MAX_BATCH
+            && f.written == 0
+        {
+            // Headers stay contiguous: payloads follow all of them.
+            f.head.extend_from_slice(&hdr.encode());
+            f.payloads.push(payload);
+            f.batch += 1;
+            f.device += device;
+            f.unstaged += device;
+            f.total += HEADER_LEN + plen;
+            f.head[..HEADER_LEN].copy_from_slice(&Header::new(Op::Batch, f.batch as u64).encode());
+            return;
+        }
+        self.out_bytes += HEADER_LEN;
+        let mut head = Vec::with_capacity(HEADER_LEN * 16);
+        head.extend_from_slice(&Header::new(Op::Batch, 1).encode());
+        head.extend_from_slice(&hdr.encode());
+        self.out.push_back(OutFrame {
+            head,
+            payloads: vec![payload],
+            batch: 1,
+            response: false,
+            total: 2 * HEADER_LEN + plen,
+            written: 0,
+            device,
+            unstaged: device,
+        });
+    }
+
+    /// Writes as much of the queue as the socket takes. `Err` = connection broken.
+    ///
+    /// Device payloads leave from the staging ring as their copies complete; the copies of
+    /// the next ones run while the socket takes these.
+    pub fn flush(&mut self, shared: &mut Shared) -> Result<(), TcpError> {
+        self.flush_acks();
+        // SEND credit rides on the ACK just queued, if any.
+        self.grant_credit(&mut shared.early);
+        loop {
+            self.stage_out()?;
+            if self.out.is_empty() {
+                return Ok(());
+            }
+            let mut iov: Vec<RawIov> = Vec::with_capacity(64);
+            for f in self.out.iter() {
+                if !f.push_iov(&mut iov, self.out_ring.as_ref()) {
+                    break;
+                }
+            }
+            if iov.is_empty() {
+                // The next bytes are device bytes still being copied.
+                return Ok(());
+            }
+            // SAFETY: every entry covers bytes of a frame in `self.out` (its header, its
+            // owned bytes, the staging ring, or a registered region whose Arc the frame
+            // holds), all alive and unchanged until `advance` below; writev only reads.
+            let n = match unsafe { crate::io::writev(self.stream.as_raw_fd(), &iov) } {
+                Ok(0) => return Err(TcpError::ClosedWhileWriting),
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(TcpError::io("write", e)),
+            };
+            drop(iov);
+            self.advance(n);
+        }
+    }
+
+    pub(super) fn advance(&mut self, mut n: usize) {
+        self.out_bytes -= n;
+        while n > 0 {
+            let f = self
+                .out
+                .front_mut()
+                .expect("written bytes belong to queued frames");
+            let take = (f.total - f.written).min(n);
+            if f.device > 0
+                && let Some(r) = self.out_ring.as_mut()
+            {
+                // The socket took these staged bytes: their room is free again.
+                r.tail += f.device_bytes(f.written, f.written + take) as u64;
+            }
+            f.written += take;
+            n -= take;
+            if f.written == f.total {
+                if f.response {
+                    self.responses -= 1;
+                }
+                self.out.pop_front();
+            }
+        }
+    }
+
+    /// Learns which copies out have completed, and gives the next device payloads room in
+    /// the staging ring, in queue order, as far as it has room: their copies start now.
+    pub(super) fn stage_out(&mut self) -> Result<(), TcpError> {
+        if let Some(r) = self.out_ring.as_mut() {
+            r.poll()?;
+        }
+        if self.unstaged == 0 {
+            return Ok(());
+        }
+        let Conn {
+            out,
+            out_ring,
+            unstaged,
+            ..
+        } = self;
+        'frames: for f in out.iter_mut() {
+            if f.unstaged == 0 {
+                continue;
+            }
+            for p in f.payloads.iter_mut() {
+                let Payload::Device {
+                    mem,
+                    offset,
+                    len,
+                    via,
+                    staged,
+                    assigned,
+                } = p
+                else {
+                    continue;
+                };
+                if staged.is_some() && *assigned == *len {
+                    continue;
+                }
+                // A ring of another device must drain first (bytes leave in order).
+                if !Ring::ensure(out_ring, via)? {
+                    break 'frames;
+                }
+                let ring = out_ring.as_mut().expect("ensured above");
+                if staged.is_none() {
+                    *staged = Some(ring.head);
+                }
+                while *assigned < *len {
+                    let n = (*len - *assigned).min(ring.free()).min(CHUNK);
+                    if n == 0 {
+                        break 'frames;
+                    }
+                    ring.copy_out(mem, *offset + *assigned as u64, n)?;
+                    *assigned += n;
+                }
+                f.unstaged -= 1;
+                *unstaged -= 1;
+            }
+        }
+        if let Some(r) = out_ring.as_mut() {
+            r.mark_if(true)?;
+            // Copies that complete at once (or synchronous ones) can leave in this flush.
+            r.poll()?;
+        }
+        Ok(())
+    }
+}

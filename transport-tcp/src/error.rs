@@ -1,0 +1,209 @@
+//! The crate's error type: why a connection was closed (a malformed or unexpected frame, a
+//! HELLO problem, the peer gone, a socket call failing), why a device copy through staging
+//! failed, or why a SEND was given up.
+//!
+//! Errors that end a connection reach callers as [`OpError::PeerUnreachable`]
+//! (fabric_core::OpError) with the error's whole chain as the reason (see [`report`]).
+
+use crate::frame::Op;
+use fabric_core::MemoryError;
+use std::time::Duration;
+
+/// Why a connection, a frame, a copy or a SEND failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TcpError {
+    /// A header that does not decode.
+    #[error("malformed frame")]
+    MalformedFrame(#[source] FrameError),
+    /// A header inside a BATCH that does not decode.
+    #[error("malformed batch entry")]
+    MalformedBatchEntry(#[source] FrameError),
+    /// An accepted connection sent something other than HELLO first.
+    #[error("{op} frame before HELLO")]
+    BeforeHello {
+        /// What it sent.
+        op: Op,
+    },
+    /// A HELLO on a connection that is past its HELLO (or one we opened).
+    #[error("unexpected HELLO")]
+    UnexpectedHello,
+    /// A HELLO payload shorter than its fixed part or longer than the limit.
+    #[error("HELLO of {0} bytes (12 to 4096 expected)")]
+    HelloLength(u64),
+    /// A HELLO that names a protocol version we do not speak.
+    #[error("HELLO of protocol version {0}, which this side does not speak")]
+    HelloVersion(u8),
+    /// A HELLO without the proof of the shared token, or with a wrong one.
+    #[error("authentication failed: the HELLO carries no token or a wrong one")]
+    AuthenticationFailed,
+    /// An accepted connection sent no HELLO in time.
+    #[error("no HELLO within {0:?}")]
+    NoHello(Duration),
+    /// A BATCH of no WRITE, or of more than [`MAX_BATCH`](crate::frame::MAX_BATCH).
+    #[error("batch of {0} writes (at most {max})", max = crate::frame::MAX_BATCH)]
+    BatchSize(u64),
+    /// A frame other than WRITE among a batch's headers.
+    #[error("{op} frame inside a batch")]
+    NotAWrite {
+        /// What the entry was.
+        op: Op,
+    },
+    /// A WRITE or SEND longer than the largest message.
+    #[error("{op} of {len} bytes exceeds the {limit}-byte limit")]
+    TooLong {
+        /// WRITE or SEND.
+        op: Op,
+        /// Its length.
+        len: u64,
+        /// The largest message.
+        limit: u64,
+    },
+    /// An ACK for more requests than are outstanding.
+    #[error("ACK for {acked} requests, {outstanding} outstanding")]
+    AckOverrun {
+        /// Requests the ACK answers.
+        acked: u64,
+        /// Requests outstanding.
+        outstanding: usize,
+    },
+    /// A NACK with no request outstanding.
+    #[error("NACK with no request outstanding")]
+    NackOverrun,
+    /// A SEND beyond the credit we granted (see [`frame`](crate::frame) on SEND credit).
+    #[error("SEND of {len} bytes beyond its credit ({messages} message(s), {bytes} bytes granted)")]
+    SendBeyondCredit {
+        /// Its length.
+        len: u64,
+        /// Messages the peer still held.
+        messages: u64,
+        /// Bytes the peer still held.
+        bytes: u64,
+    },
+    /// The peer closed the connection (end of stream).
+    #[error("peer closed the connection")]
+    PeerClosed,
+    /// The peer closed a connection we had stopped reading.
+    #[error("peer closed the connection while it was held back")]
+    PeerClosedWhileHeld,
+    /// The socket took no byte: the connection is gone.
+    #[error("connection closed while writing")]
+    ClosedWhileWriting,
+    /// A socket call failed.
+    #[error("{call} failed")]
+    Io {
+        /// The call (`read`, `write`).
+        call: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The connection could not be made.
+    #[error("connect failed")]
+    Connect(#[source] std::io::Error),
+    /// The connection was not made in time.
+    #[error("connect timed out after {0:?}")]
+    ConnectTimedOut(Duration),
+    /// Requests outstanding with no answer while the peer's kernel took all our bytes.
+    #[error("{count} request(s) unanswered for {limit:?}")]
+    Unanswered {
+        /// Requests outstanding.
+        count: usize,
+        /// How long nothing moved.
+        limit: Duration,
+    },
+    /// A SEND waited too long for credit: the peer posts no receives and its early-arrival
+    /// queue stays full.
+    #[error(
+        "SEND of {len} bytes waited {waited:?} for credit: the peer posts no receive and its early-arrival queue is full"
+    )]
+    NoSendCredit {
+        /// Its length.
+        len: u64,
+        /// How long it waited.
+        waited: Duration,
+    },
+    /// Bytes received could not be placed in host memory.
+    #[error("cannot place payload")]
+    PlacePayload(#[source] MemoryError),
+    /// Device bytes reached the host-memory path (a bug: they go through staging).
+    #[error("device bytes must go through staging")]
+    DeviceBytesNotStaged,
+    /// A copy out of device memory into staging could not be queued.
+    #[error("cannot copy device memory out")]
+    CopyOut(#[source] CopyCause),
+    /// A copy from staging into device memory could not be queued.
+    #[error("cannot place payload in device memory")]
+    CopyIn(#[source] CopyCause),
+    /// The copies queued could not be marked (started).
+    #[error("cannot start device copies")]
+    StartCopies(#[source] CopyCause),
+    /// A device copy failed after it was queued.
+    #[error("device copy failed")]
+    CopyFailed(#[source] CopyCause),
+    /// Staging memory (pinned or host) could not be allocated.
+    #[error("cannot allocate staging")]
+    StagingAlloc(#[source] CopyCause),
+    /// The device's copy engine could not be set up.
+    #[error("cannot set up device copies")]
+    CopySetup(#[source] CopyCause),
+}
+
+impl TcpError {
+    /// Shorthand for a failed socket call.
+    pub(crate) fn io(call: &'static str, source: std::io::Error) -> TcpError {
+        TcpError::Io { call, source }
+    }
+}
+
+/// What is wrong with a header that does not decode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum FrameError {
+    /// The op byte names no frame kind.
+    #[error("unknown frame op {0}")]
+    UnknownOp(u8),
+    /// Flags this side does not know.
+    #[error("unknown flags {0:#x}")]
+    UnknownFlags(u8),
+    /// The reserved byte is not zero.
+    #[error("reserved byte is {0}, not zero")]
+    Reserved(u8),
+}
+
+/// The error under a failed copy: the CUDA driver's, or the memory layer's.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CopyCause {
+    /// From gpu-mem (the CUDA driver).
+    #[error(transparent)]
+    Cuda(#[from] gpu_mem::GpuMemError),
+    /// From the region's own copy methods or a host allocation.
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+}
+
+/// `e` and its sources, as one line ("read failed: Connection reset by peer").
+pub fn report(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn report_walks_the_chain() {
+        let e = TcpError::io("read", std::io::Error::other("reset"));
+        assert_eq!(report(&e), "read failed: reset");
+        let e = TcpError::MalformedFrame(FrameError::UnknownOp(99));
+        assert_eq!(report(&e), "malformed frame: unknown frame op 99");
+    }
+}
