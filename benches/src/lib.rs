@@ -488,9 +488,11 @@ mod tests {
 
     #[test]
     fn a_mem_rail_group_moves_the_right_bytes() {
+        // 1 MiB transfers: several chunks each, so every rail takes some (a transfer of
+        // one chunk goes whole to one rail).
         let pair = GroupPair::new(&Backend::Mem, 3, 1 << 20).unwrap();
         let layout = PageLayout::dense(4096, 1 << 20);
-        let ts = pair.transfers(&layout, 32, 3, 9);
+        let ts = pair.transfers(&layout, 256, 3, 9);
         pair.run(&ts, 3, 2).unwrap();
         for &(so, d_o, len) in ts.iter().flat_map(|t| &t.segments) {
             let want = pair.src_buf.to_vec(so, len as usize).unwrap();

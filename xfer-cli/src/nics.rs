@@ -94,10 +94,10 @@ impl NicChoice {
             .collect()
     }
 
-    /// The names, comma-separated (`lo` when unbound), for summaries.
+    /// The names, comma-separated (`unbound` when there are none), for summaries.
     pub fn names(&self) -> String {
         if self.nics.is_empty() {
-            return "lo/unbound".into();
+            return "unbound".into();
         }
         self.nics
             .iter()
@@ -254,6 +254,9 @@ pub fn efa_auto(t: &Topology, worker: &WorkerPlacement, domains: &[String]) -> N
         .filter_map(|n| domain_of(t, n, domains))
         .map(|name| RailNic { name, ip: None })
         .collect();
+    if domains.is_empty() {
+        return NicChoice::unbound("auto: the provider lists no domain on this machine");
+    }
     if nics.is_empty() {
         return NicChoice::unbound(format!(
             "auto: none of the plan's NICs for this worker is a domain of the provider; its \
@@ -461,6 +464,67 @@ fn efa_domains(provider: Option<&str>) -> Result<Vec<String>, String> {
         }
     }
     Ok(domains)
+}
+
+/// The rails `--nics auto` gives one worker of the plan, for `xfer topo`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct WorkerRails {
+    /// The worker's position in the plan (`--per-gpu` worker, `--gpus` position).
+    pub worker: usize,
+    /// Its GPU (topology index), `None` for the host-only worker.
+    pub gpu: Option<u32>,
+    /// efa: the NICs (libfabric domains where the provider lists them) and why.
+    pub efa: NicChoice,
+    /// tcp: the interfaces, toward a peer off this host, and why.
+    pub tcp: NicChoice,
+}
+
+/// What `bench --nics auto` would run each worker's rails on. `live`: `t` is this machine
+/// (its interfaces and libfabric's efa domains are asked); else (a replayed topology) the
+/// plan's NICs as they are named, efa domains spelled `<NIC>-rdm` as the efa provider does.
+pub fn rail_map(t: &Topology, plan: &PlacementPlan, live: bool) -> Vec<WorkerRails> {
+    let efa_domains: Vec<String> = if live {
+        efa_domains(Some(transport_efa::DEFAULT_PROVIDER)).unwrap_or_default()
+    } else {
+        t.nics
+            .iter()
+            .filter(|n| n.kind.is_rdma())
+            .map(|n| format!("{}-rdm", n.name))
+            .collect()
+    };
+    let ifaces: Vec<Interface> = if live {
+        interfaces().unwrap_or_default()
+    } else {
+        // A replay knows names, not addresses: pretend every plan NIC with an interface
+        // has one (in the documentation range), so the map shows what the plan would give.
+        t.nics
+            .iter()
+            .filter_map(|n| n.netdev.clone())
+            .map(|name| Interface {
+                name,
+                up: true,
+                addrs: vec![IpAddr::from([192, 0, 2, 1])],
+            })
+            .collect()
+    };
+    // A peer off this host: the documentation address (a routing decision, nothing sent).
+    let toward = IpAddr::from([192, 0, 2, 7]);
+    plan.workers
+        .iter()
+        .enumerate()
+        .map(|(i, w)| WorkerRails {
+            worker: i,
+            gpu: w.gpu.map(|g| g.0),
+            efa: efa_auto(t, w, &efa_domains),
+            tcp: match tcp_auto(Some(t), Some(w), &ifaces, toward) {
+                c if !live && c.nics.is_empty() => NicChoice::unbound(
+                    "replayed topology: no NIC of the plan has a network interface; on the \
+                     machine itself tcp takes the interface of the route to the peer",
+                ),
+                c => c,
+            },
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -27,6 +27,8 @@ pub struct TopoArgs {
 struct TopoReport<'a> {
     topology: &'a Topology,
     plan: &'a PlacementPlan,
+    /// The NICs `bench --nics auto` runs each worker's rails on, for efa and tcp.
+    rails: Vec<crate::nics::WorkerRails>,
 }
 
 /// An error and its sources on one line: `a: b: c`.
@@ -77,10 +79,12 @@ pub fn run(a: TopoArgs) -> Result<(), CliError> {
         None => Topology::discover().map_err(|e| topology_error(&e))?,
     };
     let plan = t.plan();
+    let rails = crate::nics::rail_map(&t, &plan, a.xml.is_none());
     if a.json {
         let report = TopoReport {
             topology: &t,
             plan: &plan,
+            rails,
         };
         println!(
             "{}",
@@ -88,6 +92,21 @@ pub fn run(a: TopoArgs) -> Result<(), CliError> {
         );
     } else {
         print!("{}", topology::render_table(&t, &plan));
+        println!();
+        println!("Rails with --nics auto (rail i on NIC i mod N; --rails defaults to N):");
+        for r in &rails {
+            let who = r
+                .gpu
+                .map_or_else(|| "host".to_string(), |g| format!("GPU {g}"));
+            println!(
+                "  worker {} ({who}): efa: {} [{}]; tcp: {} [{}]",
+                r.worker,
+                r.efa.names(),
+                r.efa.reason,
+                r.tcp.names(),
+                r.tcp.reason
+            );
+        }
     }
     Ok(())
 }

@@ -92,6 +92,18 @@ fn topo_replays_p5_as_json_with_four_nics_per_gpu() {
     cores.sort_unstable();
     cores.dedup();
     assert_eq!(cores.len(), 8, "workers share cores");
+    // The rail map: each GPU's efa rails are its 4 switch-local NICs, 32 distinct in all.
+    let rails = v["rails"].as_array().expect("rails");
+    assert_eq!(rails.len(), 8);
+    let mut domains = Vec::new();
+    for r in rails {
+        let nics = r["efa"]["nics"].as_array().expect("efa nics");
+        assert_eq!(nics.len(), 4, "{r}");
+        domains.extend(nics.iter().map(|n| n["name"].as_str().unwrap().to_string()));
+    }
+    domains.sort();
+    domains.dedup();
+    assert_eq!(domains.len(), 32, "{domains:?}");
 }
 
 #[test]
