@@ -251,12 +251,18 @@ fn baseline_streams(
     k: &crate::Knobs,
 ) -> Result<f64, CliError> {
     let rails = rails.max(1);
+    let per_stream = bytes / rails as u64;
+    if per_stream == 0 {
+        return Err(CliError::Usage(format!(
+            "--baseline: {bytes} bytes do not make a byte for each of {rails} streams"
+        )));
+    }
     let sinks = ctl
         .sink(rails as u32)
         .map_err(|e| CliError::Failed(format!("baseline: {e}")))?;
     let streams = crate::sink::pair(server_rails, &sinks, rails, rail_nics)
         .map_err(|e| CliError::Failed(format!("baseline: {e}")))?;
-    let sent = crate::sink::send(&streams, bytes / rails as u64, k.region_size)
+    let sent = crate::sink::send(&streams, per_stream, k.region_size)
         .map_err(|e| CliError::Failed(format!("baseline: {e}")))?;
     Ok(sent.gbps())
 }
