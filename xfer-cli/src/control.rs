@@ -7,12 +7,21 @@
 //! server: {"ok":true,"checked":1000,"mismatches":0,"first_mismatch":null}
 //! client: {"op":"echo","page_size":4096,"pages":1}
 //! server: {"ok":true,"address":"127.0.0.1:40125"}
+//! client: {"op":"sink","streams":4}
+//! server: {"ok":true,"addresses":["10.0.0.1:40127","10.0.1.1:40129"]}
 //! ```
 //! `echo` (after hello) opens a raw TCP listener beside the control connection for the floor
 //! of `bench --latency`: the server accepts one connection (within --hello-timeout) and, in
 //! the control thread, answers each `page_size * pages` bytes that arrive with 8 bytes
 //! until the client closes it (each round due within --request-timeout); then the control
 //! connection takes requests again.
+//! `sink` (after hello) opens the server's end of `bench --baseline`
+//! ([`crate::sink`]): a raw TCP listener per distinct IP its rails serve on, in the order of
+//! their first rail; the server accepts `streams` connections (at most
+//! [`crate::sink::MAX_STREAMS`], within --hello-timeout), reads each to EOF and answers it
+//! with the 8-byte count (each read due within --request-timeout, all bounded in bytes and
+//! time); then the control connection takes requests again. A sink that fails is logged
+//! and ends; the control connection stays.
 //! Each control connection gets a region of its own, deregistered when it closes.
 //!
 //! The server is bounded against clients that misbehave ([`ServeLimits`]): a cap on clients
@@ -232,6 +241,20 @@ pub enum Request {
         /// Pages per round.
         pages: u64,
     },
+    /// Open raw TCP listeners for `bench --baseline`: `streams` connections, each read to
+    /// EOF and answered with its byte count.
+    Sink {
+        /// Connections the client will open (1 to [`crate::sink::MAX_STREAMS`]).
+        streams: u32,
+    },
+}
+
+/// The answer to `sink`.
+#[derive(Serialize, Deserialize, Debug)]
+pub struct SinkReply {
+    /// The listeners (`IP:PORT`), one per distinct IP of the server's rails, in the order
+    /// of their first rail.
+    pub addresses: Vec<String>,
 }
 
 /// The answer to `echo`.
@@ -668,6 +691,47 @@ fn client(
                     Duration::from_secs(limits.request_timeout),
                 );
             }
+            Request::Sink { streams } => {
+                let Some((_, _, group)) = chosen else {
+                    reply::<()>(&mut w, Err("sink before hello".into()))?;
+                    continue;
+                };
+                let max = crate::sink::MAX_STREAMS;
+                if streams == 0 || streams > max {
+                    reply::<()>(
+                        &mut w,
+                        Err(format!("sink: {streams} streams (from 1 to {max})")),
+                    )?;
+                    continue;
+                }
+                let opened = crate::sink::listen(&group.addresses(), w.local_addr()?.ip())
+                    .and_then(|ls| {
+                        let at = ls
+                            .iter()
+                            .map(|l| l.local_addr().map(|a| a.to_string()))
+                            .collect::<std::io::Result<Vec<_>>>()?;
+                        Ok((ls, at))
+                    });
+                let (listeners, addresses) = match opened {
+                    Ok(l) => l,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "sink: cannot listen");
+                        reply::<()>(&mut w, Err(format!("sink: cannot listen: {e}")))?;
+                        continue;
+                    }
+                };
+                reply(&mut w, Ok(SinkReply { addresses }))?;
+                let sink_limits = crate::sink::SinkLimits {
+                    accept_within: Duration::from_secs(limits.hello_timeout),
+                    stall: Duration::from_secs(limits.request_timeout),
+                    total: crate::sink::MAX_DURATION,
+                    max_bytes: crate::sink::MAX_BYTES,
+                };
+                match crate::sink::drain(&listeners, streams as usize, sink_limits) {
+                    Ok(bytes) => tracing::info!(streams, bytes, "sink ended"),
+                    Err(e) => tracing::warn!(error = %e, "sink ended"),
+                }
+            }
         }
     })();
     if let (Some((_, reg)), Some((_, _, group))) = (region, chosen)
@@ -688,7 +752,10 @@ fn client(
 /// on `listener` within `accept_within`, then answers rounds of `per` bytes until the
 /// client closes it, a round taking at most `round_within`. Failures end the echo only.
 fn echo(listener: &TcpListener, per: usize, accept_within: Duration, round_within: Duration) {
-    let conn = match accept_within_deadline(listener, accept_within) {
+    let conn = match crate::sink::accept_any(
+        std::slice::from_ref(listener),
+        Instant::now() + accept_within,
+    ) {
         Ok(Some(c)) => c,
         Ok(None) => {
             tracing::warn!(?accept_within, "echo: nobody connected in time");
@@ -706,40 +773,6 @@ fn echo(listener: &TcpListener, per: usize, accept_within: Duration, round_withi
     match answered {
         Ok(rounds) => tracing::info!(rounds, "echo ended"),
         Err(e) => tracing::warn!(error = %e, "echo ended"),
-    }
-}
-
-/// The next connection to `listener`, or `None` if none comes within `within`.
-fn accept_within_deadline(
-    listener: &TcpListener,
-    within: Duration,
-) -> std::io::Result<Option<TcpStream>> {
-    use std::os::fd::AsRawFd;
-    let deadline = Instant::now() + within;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Ok(None);
-        }
-        let mut fd = libc::pollfd {
-            fd: listener.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let ms = left.as_millis().clamp(1, i32::MAX as u128) as i32;
-        // SAFETY: `fd` is one initialised pollfd that outlives the call, and the count
-        // passed is 1; the descriptor is the listener's, open for the whole call.
-        let n = unsafe { libc::poll(&mut fd, 1, ms) };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if n > 0 {
-            return listener.accept().map(|(conn, _)| Some(conn));
-        }
     }
 }
 
@@ -815,6 +848,26 @@ impl ControlClient {
             at.set_ip(self.w.peer_addr().map_err(|e| e.to_string())?.ip());
         }
         Ok(at)
+    }
+
+    /// Asks the server to open its end of `bench --baseline` for `streams` raw streams;
+    /// returns its listeners (an unspecified IP replaced by the control connection's), one
+    /// per distinct IP of its rails, in the order of their first rail.
+    pub fn sink(&mut self, streams: u32) -> Result<Vec<SocketAddr>, String> {
+        let r: SinkReply = self.call(&Request::Sink { streams })?;
+        let peer = self.w.peer_addr().map_err(|e| e.to_string())?.ip();
+        r.addresses
+            .iter()
+            .map(|a| {
+                let mut at: SocketAddr = a
+                    .parse()
+                    .map_err(|e| format!("malformed sink address {a:?} from peer: {e}"))?;
+                if at.ip().is_unspecified() {
+                    at.set_ip(peer);
+                }
+                Ok(at)
+            })
+            .collect()
     }
 
     /// Asks the server to check written pages.

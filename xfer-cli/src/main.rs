@@ -23,6 +23,7 @@ mod placement;
 mod progress;
 mod remote;
 mod setup;
+mod sink;
 mod size;
 mod topo;
 mod workload;
@@ -166,6 +167,11 @@ struct BenchArgs {
     /// the same position (start the server with `serve --per-gpu`).
     #[arg(long)]
     per_gpu: bool,
+    /// After the run, plain TCP streams to the server with the same bytes, one per rail
+    /// on its NIC toward the server rail it writes to, and report the ratio (tcp and efa;
+    /// not with --per-gpu or --latency).
+    #[arg(long)]
+    baseline: bool,
 }
 
 #[derive(Args)]

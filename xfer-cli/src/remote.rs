@@ -56,6 +56,20 @@ pub fn bench(mut a: BenchArgs) -> Result<(), CliError> {
     crate::setup::check_rails(a.knobs.rails).map_err(CliError::Usage)?;
     let a = a;
     let k = &a.knobs;
+    if a.baseline {
+        let why = if a.per_gpu {
+            Some("--baseline runs one worker: leave out --per-gpu")
+        } else if k.latency {
+            Some("--baseline measures throughput: leave out --latency")
+        } else if a.backend.transport == TransportKind::CudaIpc {
+            Some("--baseline compares with TCP streams; cuda-ipc is not a network path")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(CliError::Usage(why.into()));
+        }
+    }
     if k.latency {
         if a.per_gpu {
             return Err(CliError::Usage(
@@ -67,11 +81,21 @@ pub fn bench(mut a: BenchArgs) -> Result<(), CliError> {
     if !a.per_gpu {
         let pins = WorkerPins::for_this_machine(k.pin);
         let rails = (pins.rail_pins(pins.initiator, k.rails, 0), pins.initiator);
-        let (b, report, verified) = bench_worker(&a, ctl_addr, &w, None, rails, None, &first)?;
-        print_summary(
-            &Summary::of(&b, a.backend.transport, k, &report, verified, None).with_nics(&first),
-            k.json,
-        );
+        let (b, report, verified, baseline) =
+            bench_worker(&a, ctl_addr, &w, None, rails, None, &first)?;
+        let mut summary = Summary::of(
+            &b,
+            a.backend.transport,
+            k,
+            &report,
+            verified,
+            baseline.map(|(gbps, _)| gbps),
+        )
+        .with_nics(&first);
+        if let Some((_, kind)) = baseline {
+            summary.baseline_kind = Some(kind);
+        }
+        print_summary(&summary, k.json);
         return Ok(());
     }
     check_per_gpu(&a.backend)?;
@@ -90,12 +114,12 @@ pub fn bench(mut a: BenchArgs) -> Result<(), CliError> {
     });
     // Every worker took the server's path for its memory; report the first one's.
     let b = match results.iter().find_map(|r| r.as_ref().ok()) {
-        Some((b, _, _)) => b.clone(),
+        Some((b, _, _, _)) => b.clone(),
         None => a.backend.clone(),
     };
     let results = results
         .into_iter()
-        .map(|r| r.map(|(_, report, verified)| (report, verified)))
+        .map(|r| r.map(|(_, report, verified, _)| (report, verified)))
         .collect();
     let s = demo::per_gpu_summary(&b, a.backend.transport, k, results, &pins)?;
     demo::print_per_gpu(&s, k.json);
@@ -113,7 +137,7 @@ fn bench_latency(
     let k = &a.knobs;
     let pins = WorkerPins::for_this_machine(k.pin);
     let rail_pins = pins.rail_pins(pins.initiator, k.rails, 0);
-    let (b, mut ctl, group, s, peer, region) =
+    let (b, mut ctl, group, s, peer, region, _) =
         set_up_bench_worker(a, ctl_addr, None, rail_pins, pins.initiator, nics)?;
     let count = latency::sample_count(w);
     let (mut times, mut imm) = latency::run_transfers(&group, &s, &peer, &region, None, w, count)?;
@@ -138,9 +162,14 @@ fn bench_latency(
     Ok(())
 }
 
+/// What a bench worker measured: the backend as the server resolved it, the run, whether
+/// the peer checked the bytes, and with `--baseline` the raw streams' Gbps and what they
+/// were.
+type BenchResult = (BackendArgs, RunReport, bool, Option<(f64, &'static str)>);
+
 /// One bench worker: its own control connection (to server worker `worker`), rails, source
-/// region (on `--gpus[worker]`, or the first), run and verification. Returns the backend as
-/// the server resolved it, the run, and whether the peer checked the bytes.
+/// region (on `--gpus[worker]`, or the first), run and verification, then with
+/// `--baseline` (one worker only) the raw streams ([`baseline_streams`]).
 fn bench_worker(
     a: &BenchArgs,
     ctl_addr: SocketAddr,
@@ -149,13 +178,20 @@ fn bench_worker(
     (rail_pins, home): (Vec<Option<CorePin>>, Option<CorePin>),
     start: Option<&Barrier>,
     nics: &NicChoice,
-) -> Result<(BackendArgs, RunReport, bool), CliError> {
+) -> Result<BenchResult, CliError> {
     let k = &a.knobs;
     let set_up = set_up_bench_worker(a, ctl_addr, worker, rail_pins, home, nics);
     if let Some(barrier) = start {
         barrier.wait();
     }
-    let (b, mut ctl, group, s, peer, region) = set_up?;
+    let (b, mut ctl, group, s, peer, region, server_rails) = set_up?;
+    if a.baseline && b.transport == TransportKind::CudaIpc {
+        return Err(CliError::Usage(
+            "--baseline compares with TCP streams, and the server chose cuda-ipc (not a \
+             network path): ask for --transport tcp, or leave out --baseline"
+                .into(),
+        ));
+    }
     let mut progress = progress::Progress::new(k.json || worker.is_some());
     let report = workload::run(&group, &s, &peer, &region, w, &mut progress)?;
     let verified = if k.no_verify {
@@ -175,10 +211,64 @@ fn bench_worker(
         }
         true
     };
-    Ok((b, report, verified))
+    let baseline = if a.baseline {
+        let rails = group.rails().len();
+        // Rails on tcp NICs leave on them; efa NICs are no sockets, so its streams leave
+        // unbound, toward the server's control address (where its sink listens).
+        let (rail_nics, kind) = match b.transport {
+            TransportKind::Tcp => (
+                nics.per_rail(rails),
+                "plain TCP streams, one per rail on its NIC, to the server, same bytes",
+            ),
+            _ => (
+                Vec::new(),
+                "plain TCP streams, one per rail (unbound: its NICs are not sockets), to the \
+                 server, same bytes",
+            ),
+        };
+        // The engine's rails stop first: their workers take no CPU from the streams, and
+        // the source region's memory is free for the streams' buffers.
+        drop(peer);
+        drop(s);
+        drop(group);
+        let gbps = baseline_streams(&mut ctl, &server_rails, &rail_nics, rails, report.bytes, k)?;
+        Some((gbps, kind))
+    } else {
+        None
+    };
+    Ok((b, report, verified, baseline))
 }
 
-/// What a bench worker holds once connected.
+/// `bench --baseline`: one raw TCP stream per rail (rail `i` on `rail_nics[i]`, unbound
+/// when empty) to the server's sink listener on the IP of server rail `i mod N`, together
+/// moving `bytes` (less what does not divide among the streams); returns their Gbps.
+fn baseline_streams(
+    ctl: &mut control::ControlClient,
+    server_rails: &[Vec<u8>],
+    rail_nics: &[nics::RailNic],
+    rails: usize,
+    bytes: u64,
+    k: &crate::Knobs,
+) -> Result<f64, CliError> {
+    let rails = rails.max(1);
+    let per_stream = bytes / rails as u64;
+    if per_stream == 0 {
+        return Err(CliError::Usage(format!(
+            "--baseline: {bytes} bytes do not make a byte for each of {rails} streams"
+        )));
+    }
+    let sinks = ctl
+        .sink(rails as u32)
+        .map_err(|e| CliError::Failed(format!("baseline: {e}")))?;
+    let streams = crate::sink::pair(server_rails, &sinks, rails, rail_nics)
+        .map_err(|e| CliError::Failed(format!("baseline: {e}")))?;
+    let sent = crate::sink::send(&streams, per_stream, k.region_size)
+        .map_err(|e| CliError::Failed(format!("baseline: {e}")))?;
+    Ok(sent.gbps())
+}
+
+/// What a bench worker holds once connected (last: the server's rail addresses as its
+/// hello gave them).
 type BenchSetUp = (
     BackendArgs,
     control::ControlClient,
@@ -186,6 +276,7 @@ type BenchSetUp = (
     fabric_core::engine::GroupRegistration,
     fabric_core::engine::GroupPeer,
     fabric_core::engine::RemoteDescriptor,
+    Vec<Vec<u8>>,
 );
 
 fn set_up_bench_worker(
@@ -228,8 +319,10 @@ fn set_up_bench_worker(
         )));
     }
     let mut addresses = Vec::with_capacity(hello.addresses.len());
+    let mut server_rails = Vec::with_capacity(hello.addresses.len());
     for text in &hello.addresses {
         let mut a = address_from_text(text).map_err(CliError::Failed)?;
+        server_rails.push(a.clone());
         // A server listening on every interface reports 0.0.0.0: use the control address.
         if let Ok(sa) = TcpTransport::parse_address(&a)
             && sa.ip().is_unspecified()
@@ -289,7 +382,7 @@ fn set_up_bench_worker(
     clock.stage(WARMING_UP);
     warm_up(&group, &s, &peer, &hello.region, k)?;
     clock.finish();
-    Ok((b, ctl, group, s, peer, hello.region))
+    Ok((b, ctl, group, s, peer, hello.region, server_rails))
 }
 
 /// A serving worker: its position in --gpus, pins for each of its groups (one per path),

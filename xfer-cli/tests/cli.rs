@@ -942,3 +942,144 @@ fn the_echo_request_answers_rounds_and_gives_the_control_connection_back() {
     assert_eq!(r["ok"], true, "{r}");
     assert_eq!(r["checked"], 0, "{r}");
 }
+
+/// `bench --baseline` against a server: the run verifies, then raw TCP streams (one per
+/// rail) to the sink the server opens move the same bytes, and the summary carries their
+/// Gbps, the ratio and what they were, in JSON and in text.
+#[test]
+fn bench_baseline_streams_to_the_server_and_reports_the_ratio() {
+    let server = Server::start();
+    let mut args = bench_args(&server.peer);
+    args.extend(["--baseline", "--rails", "2"].map(String::from));
+    let out = xfer(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_bench_verified(&out, "bench --baseline");
+    let j = stdout_json(&out);
+    let base = j["baseline_gbps"].as_f64().expect("baseline_gbps");
+    assert!(base > 0.0 && base.is_finite(), "{j}");
+    let ratio = j["ratio"].as_f64().expect("a ratio");
+    assert!(ratio.is_finite() && ratio > 0.0, "{j}");
+    let want = j["gbps"].as_f64().unwrap() / base;
+    assert!((ratio - want).abs() < 1e-9 * want.max(1.0), "{j}");
+    let kind = j["baseline_kind"].as_str().expect("baseline_kind");
+    assert!(
+        kind.contains("one per rail") && kind.contains("to the server"),
+        "{j}"
+    );
+    // Text: the baseline line, and the server serves the next client as before.
+    args.retain(|a| a != "--json");
+    let out = xfer(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("baseline: plain TCP streams, one per rail") && text.contains("ratio"),
+        "{text}"
+    );
+    let out = xfer(
+        &bench_args(&server.peer)
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    );
+    assert_bench_verified(&out, "a bench after the baseline runs");
+}
+
+/// `--baseline` is for one worker's throughput over a network path: with --per-gpu,
+/// --latency or cuda-ipc it is a usage error that names --baseline.
+#[test]
+fn bench_baseline_with_per_gpu_latency_or_cuda_ipc_is_a_usage_error() {
+    for extra in [
+        &["--per-gpu"][..],
+        &["--latency"][..],
+        &["--transport", "cuda-ipc", "--memory", "cuda"][..],
+    ] {
+        let mut args = vec!["bench", "--peer", "xfer://127.0.0.1:1", "--baseline"];
+        args.extend_from_slice(extra);
+        let line = assert_fails_with_one_line(&xfer(&args), 2);
+        assert!(line.contains("--baseline"), "{extra:?}: {line}");
+    }
+}
+
+/// The control channel's sink: refused before hello and for no or too many streams; else
+/// a listener per rail IP that counts each stream to EOF and answers with the count. A
+/// sink whose streams do not all come ends at --hello-timeout, and the control connection
+/// takes requests again.
+#[test]
+fn the_sink_request_counts_streams_and_refuses_before_hello_and_too_many() {
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    use std::time::Duration;
+    let server = Server::start_with(&["--hello-timeout", "2"]);
+    let addr = control_addr(&server);
+    let sink = |n: u32| format!("{{\"op\":\"sink\",\"streams\":{n}}}\n");
+    let mut early = TcpStream::connect(addr).expect("connect");
+    early.write_all(sink(1).as_bytes()).expect("send");
+    let r = reply_line(&early, Duration::from_secs(10)).expect("a reply");
+    assert_eq!(r["ok"], false, "{r}");
+    assert!(r["error"].as_str().unwrap().contains("before hello"), "{r}");
+
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.write_all(HELLO.as_bytes()).expect("hello");
+    assert_eq!(
+        reply_line(&s, Duration::from_secs(10)).expect("hello reply")["ok"],
+        true
+    );
+    for n in [0, 257, 100_000] {
+        s.write_all(sink(n).as_bytes()).expect("send");
+        let r = reply_line(&s, Duration::from_secs(10)).expect("a reply");
+        assert_eq!(r["ok"], false, "{n}: {r}");
+        assert!(
+            r["error"]
+                .as_str()
+                .unwrap()
+                .contains(&format!("{n} streams")),
+            "{r}"
+        );
+    }
+
+    let open = |s: &mut TcpStream, n: u32| -> std::net::SocketAddr {
+        s.write_all(sink(n).as_bytes()).expect("send");
+        let r = reply_line(s, Duration::from_secs(10)).expect("a reply");
+        assert_eq!(r["ok"], true, "{r}");
+        // Four rails, all on the control IP: one listener.
+        let at = r["addresses"].as_array().expect("addresses");
+        assert_eq!(at.len(), 1, "{r}");
+        let at: std::net::SocketAddr = at[0].as_str().unwrap().parse().expect("IP:PORT");
+        assert_eq!(at.ip(), addr.ip(), "{r}");
+        at
+    };
+    let count = |e: &mut TcpStream, bytes: usize| -> u64 {
+        e.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        for _ in 0..bytes / 1000 {
+            e.write_all(&[7u8; 1000]).expect("write");
+        }
+        e.write_all(&vec![7u8; bytes % 1000]).expect("write");
+        e.shutdown(std::net::Shutdown::Write).expect("shutdown");
+        let mut n = [0u8; 8];
+        e.read_exact(&mut n).expect("the count");
+        u64::from_le_bytes(n)
+    };
+    let at = open(&mut s, 2);
+    let mut a = TcpStream::connect(at).expect("connect stream a");
+    let mut b = TcpStream::connect(at).expect("connect stream b");
+    assert_eq!(count(&mut b, 12_345), 12_345);
+    assert_eq!(count(&mut a, 3 << 20), 3 << 20);
+    let verify = b"{\"op\":\"verify\",\"seed\":1,\"page_size\":4096,\"pages\":[]}\n";
+    s.write_all(verify).expect("verify");
+    let r = reply_line(&s, Duration::from_secs(10)).expect("a reply");
+    assert_eq!(r["ok"], true, "{r}");
+
+    // Two asked for, one comes: it is counted, the sink ends at --hello-timeout (2 s),
+    // and the control connection answers again.
+    let at = open(&mut s, 2);
+    let mut a = TcpStream::connect(at).expect("connect stream a");
+    assert_eq!(count(&mut a, 5000), 5000);
+    s.write_all(verify).expect("verify");
+    let r = reply_line(&s, Duration::from_secs(10)).expect("a reply after the sink ended");
+    assert_eq!(r["ok"], true, "{r}");
+    assert_eq!(r["checked"], 0, "{r}");
+}

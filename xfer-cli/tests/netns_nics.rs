@@ -1,7 +1,8 @@
 //! Rails are NICs: two network namespaces joined by four veth pairs, each pair its own
 //! subnet (four "NICs" on each side). `xfer serve` runs in one namespace, `xfer bench
 //! --nics veth0,veth1,veth2,veth3` in the other; the kernel's own counters
-//! (`/sys/class/net/IF/statistics/tx_bytes`) say which NIC carried what.
+//! (`/sys/class/net/IF/statistics/tx_bytes`) say which NIC carried what: the engine's
+//! rails, and with `bench --baseline` the raw TCP stream of each rail after them.
 //!
 //! These tests need root (CI runs as root). Where namespaces cannot be made they print
 //! `skipped: ...` and pass, unless `XFER_REQUIRE_NETNS=1` (or root), as in
@@ -127,8 +128,11 @@ fn check_per_rail(s: &Value, nics: usize) {
     assert_eq!(sum, s["bytes"].as_u64().unwrap(), "{s}");
 }
 
-/// Four NICs of the same speed carry a quarter each (± 5 points), for `transport`.
-fn four_nics_share_evenly(transport: &[&str]) {
+/// Four NICs of the same speed carry a quarter each (± 5 points), for `transport`. With
+/// `baseline`, the bench also runs `--baseline`: after the engine's run, a raw TCP stream
+/// per rail on its NIC moves the same bytes, and each NIC's counter must show its rail's
+/// bytes and its stream's (no speed ratio is asserted; the figures are printed).
+fn four_nics_share_evenly(transport: &[&str], baseline: bool) {
     let Some(net) = NetPair::with_veths(NICS) else {
         return;
     };
@@ -141,7 +145,11 @@ fn four_nics_share_evenly(transport: &[&str]) {
         net.rate_dev(Side::A, &NetPair::veth(i), RATE).unwrap();
     }
     let server = Server::start(&net, transport);
-    let run = bench(&net, &server, NICS, "96MiB", transport);
+    let mut args = transport.to_vec();
+    if baseline {
+        args.push("--baseline");
+    }
+    let run = bench(&net, &server, NICS, "96MiB", &args);
     check_per_rail(&run.summary, NICS);
     let sh = shares(&run.tx);
     println!(
@@ -149,6 +157,37 @@ fn four_nics_share_evenly(transport: &[&str]) {
         run.summary["gbps"], run.tx
     );
     let moved = run.summary["bytes"].as_u64().unwrap();
+    if baseline {
+        let s = &run.summary;
+        let base = s["baseline_gbps"]
+            .as_f64()
+            .unwrap_or_else(|| panic!("no baseline_gbps: {s}"));
+        let ratio = s["ratio"]
+            .as_f64()
+            .unwrap_or_else(|| panic!("no ratio: {s}"));
+        assert!(base > 0.0 && ratio.is_finite(), "{s}");
+        assert!(
+            s["baseline_kind"]
+                .as_str()
+                .is_some_and(|k| k.contains("one per rail on its NIC")),
+            "{s}"
+        );
+        println!(
+            "{transport:?} --baseline: engine {:.3} Gbps, four raw streams {base:.3} Gbps, \
+             ratio {ratio:.3}",
+            s["gbps"].as_f64().unwrap()
+        );
+        // Each NIC sent its rail's bytes and then its stream's (a quarter of the bytes).
+        let stream = moved / NICS as u64;
+        for (i, r) in s["per_rail"].as_array().unwrap().iter().enumerate() {
+            let rail = r["bytes"].as_u64().unwrap();
+            assert!(
+                run.tx[i] >= rail + stream,
+                "veth{i} sent {} bytes, less than its rail's {rail} and its stream's {stream}",
+                run.tx[i]
+            );
+        }
+    }
     assert!(
         run.tx.iter().sum::<u64>() >= moved,
         "the four NICs sent less than the data: {:?} < {moved}",
@@ -165,12 +204,12 @@ fn four_nics_share_evenly(transport: &[&str]) {
 
 #[test]
 fn tcp_rails_each_carry_a_quarter_over_four_nics() {
-    four_nics_share_evenly(&["--transport", "tcp"]);
+    four_nics_share_evenly(&["--transport", "tcp"], true);
 }
 
 #[test]
 fn efa_over_libfabric_tcp_rails_each_carry_a_quarter_over_four_nics() {
-    four_nics_share_evenly(&["--transport", "efa", "--provider", "tcp"]);
+    four_nics_share_evenly(&["--transport", "efa", "--provider", "tcp"], false);
 }
 
 /// One NIC at a quarter of the others' rate: the transfer completes verified, the slow NIC
