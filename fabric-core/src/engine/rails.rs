@@ -29,7 +29,7 @@ use crate::transport::Transport;
 use crate::types::{Access, LocalKey, PeerId, RemoteRegion};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -165,13 +165,15 @@ pub struct RailGroup {
 /// How a [`RailGroup`] spreads a transfer over its rails: by progress, not by a fixed
 /// split. A transfer is cut into chunks (whole writes, each chunk about
 /// `bytes / (rails * chunks_per_rail)` bytes, within `min_chunk..=max_chunk`) that wait in
-/// one queue of the group, oldest transfer first. A rail holds at most `in_flight` chunks
-/// (of all transfers) at once and takes the next from the queue, on its own worker, when
-/// one of its chunks lands. A rail on a NIC at half speed so carries about half as much,
-/// and the transfer loses only that NIC's missing share plus, at its end, the chunks the
-/// slow rail still holds. A transfer of one chunk goes whole to the rail with the fewest
-/// chunks in flight, its immediate data with it; a group of one rail moves each transfer
-/// as one chunk.
+/// one queue of the group, oldest transfer first. A rail takes the next chunk from the
+/// queue, on its own worker, when one of its chunks lands, as long as it holds fewer than
+/// `in_flight` chunks or fewer bytes than it moves in `horizon` at the rate it has shown
+/// (at most `max_in_flight_bytes`): a fast rail keeps its pipe full, a slow one holds
+/// little. A rail on a NIC at half speed so carries about half as much, and the transfer
+/// loses only that NIC's missing share plus, at its end, what the slow rail still holds
+/// (about `horizon`). A transfer of one chunk goes whole to the rail with the fewest chunks
+/// in flight, its immediate data with it; a group of one rail moves each transfer as one
+/// chunk.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Balance {
     /// Chunks per rail that a large transfer is cut into (the finer, the better the
@@ -182,8 +184,13 @@ pub struct Balance {
     /// Largest chunk, in bytes; writes are cut to at most this, so one large segment also
     /// spreads over the rails.
     pub max_chunk: u64,
-    /// Chunks of one transfer a rail holds in flight at once.
+    /// Chunks a rail may always hold in flight (of all transfers), whatever its rate.
     pub in_flight: usize,
+    /// Beyond `in_flight` chunks, a rail holds what it moves in this long at the rate its
+    /// completed chunks show.
+    pub horizon: Duration,
+    /// The most bytes a rail holds in flight.
+    pub max_in_flight_bytes: u64,
 }
 
 impl Default for Balance {
@@ -193,8 +200,19 @@ impl Default for Balance {
             min_chunk: 256 << 10,
             max_chunk: 1 << 20,
             in_flight: 2,
+            horizon: Duration::from_millis(4),
+            max_in_flight_bytes: 64 << 20,
         }
     }
+}
+
+/// A rail's rate, as its completed chunks show it (updated on its own worker).
+#[derive(Default)]
+struct Rate {
+    /// When its last chunk landed.
+    last: Option<Instant>,
+    /// Bytes per second, smoothed; 0 until a chunk has landed.
+    bytes_per_s: f64,
 }
 
 /// What a group's rails share: the queue of transfers with chunks not taken yet, and each
@@ -203,6 +221,10 @@ struct Shared {
     queue: Mutex<VecDeque<Arc<GroupState>>>,
     /// Chunks posted and not landed, per rail (one-chunk transfers included).
     inflight: Vec<AtomicUsize>,
+    /// Their bytes.
+    inflight_bytes: Vec<AtomicU64>,
+    /// Each rail's rate.
+    rates: Vec<Mutex<Rate>>,
     links: Vec<Arc<WorkerLink>>,
     balance: Mutex<Balance>,
 }
@@ -249,11 +271,24 @@ impl Shared {
         None
     }
 
-    /// Chunks for `rail` until it holds `in_flight`, from the queue.
+    /// Whether `rail` has room for another chunk (see [`Balance`]).
+    fn has_room(&self, rail: usize, b: &Balance) -> bool {
+        if self.inflight[rail].load(Ordering::Acquire) < b.in_flight.max(1) {
+            return true;
+        }
+        let rate = self.rates[rail]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .bytes_per_s;
+        let budget = (rate * b.horizon.as_secs_f64()).min(b.max_in_flight_bytes as f64);
+        (self.inflight_bytes[rail].load(Ordering::Acquire) as f64) < budget
+    }
+
+    /// Chunks for `rail` from the queue while it has room.
     fn fill(&self, rail: usize) {
-        let limit = self.balance().in_flight.max(1);
+        let b = self.balance();
         loop {
-            if self.inflight[rail].load(Ordering::Acquire) >= limit {
+            if !self.has_room(rail, &b) {
                 return;
             }
             let Some((st, writes)) = Self::next_chunk(&mut self.lock_queue()) else {
@@ -263,9 +298,36 @@ impl Shared {
         }
     }
 
+    /// Counts a chunk of `bytes` in flight on `rail`.
+    fn add(&self, rail: usize, bytes: u64) {
+        self.inflight[rail].fetch_add(1, Ordering::AcqRel);
+        self.inflight_bytes[rail].fetch_add(bytes, Ordering::AcqRel);
+    }
+
+    /// A chunk of `bytes` posted at `posted` landed on `rail` (called on its worker): no
+    /// longer in flight, and the rail's rate learns from it. The interval is from the
+    /// rail's previous landing, or from the post when the rail sat idle in between.
+    fn landed(&self, rail: usize, bytes: u64, posted: Instant, ok: bool) {
+        self.inflight[rail].fetch_sub(1, Ordering::AcqRel);
+        self.inflight_bytes[rail].fetch_sub(bytes, Ordering::AcqRel);
+        let now = Instant::now();
+        let mut r = self.rates[rail].lock().unwrap_or_else(|p| p.into_inner());
+        let from = r.last.map_or(posted, |l| l.max(posted));
+        r.last = Some(now);
+        let dt = now.saturating_duration_since(from).as_secs_f64();
+        if ok && bytes > 0 && dt > 0.0 {
+            let inst = bytes as f64 / dt;
+            r.bytes_per_s = if r.bytes_per_s == 0.0 {
+                inst
+            } else {
+                0.75 * r.bytes_per_s + 0.25 * inst
+            };
+        }
+    }
+
     /// Posts a chunk of `st` on `rail` (to its worker, without blocking).
     fn post(&self, st: Arc<GroupState>, rail: usize, writes: Vec<PlannedWrite>) {
-        self.inflight[rail].fetch_add(1, Ordering::AcqRel);
+        self.add(rail, chunk_len(&writes));
         let job = st.chunk_job(rail, writes);
         if let Err(slot) = self.links[rail].send_transfer(job) {
             // The worker stopped: the chunk fails (and may decide the transfer).
@@ -314,6 +376,8 @@ impl RailGroup {
             shared: Arc::new(Shared {
                 queue: Mutex::new(VecDeque::new()),
                 inflight: (0..n).map(|_| AtomicUsize::new(0)).collect(),
+                inflight_bytes: (0..n).map(|_| AtomicU64::new(0)).collect(),
+                rates: (0..n).map(|_| Mutex::new(Rate::default())).collect(),
                 links: rails.iter().map(|e| e.link()).collect(),
                 balance: Mutex::new(Balance::default()),
             }),
@@ -500,8 +564,10 @@ impl RailGroup {
                 .min_by_key(|&i| (sh.inflight[i].load(Ordering::Relaxed), i))
                 .unwrap_or(0);
             let shared = sh.clone();
+            let bytes = plan.bytes;
+            let posted = Instant::now();
             let done = Slot::with_callback(Box::new(move |res: TransferResult| {
-                shared.inflight[r].fetch_sub(1, Ordering::AcqRel);
+                shared.landed(r, bytes, posted, res.is_ok());
                 slot.complete(res);
                 // A chunk slot came free on this rail: other transfers' chunks may wait.
                 shared.fill(r);
@@ -516,9 +582,10 @@ impl RailGroup {
                 slot: done,
                 deadline,
             };
-            sh.inflight[r].fetch_add(1, Ordering::AcqRel);
+            sh.add(r, bytes);
             if let Err(e) = self.rails[r].send_cmd(Command::Transfer(job)) {
                 sh.inflight[r].fetch_sub(1, Ordering::AcqRel);
+                sh.inflight_bytes[r].fetch_sub(bytes, Ordering::AcqRel);
                 return Err(e);
             }
             return Ok(handle);
@@ -864,6 +931,7 @@ impl GroupState {
     fn chunk_job(self: &Arc<Self>, rail: usize, writes: Vec<PlannedWrite>) -> Job {
         let bytes = chunk_len(&writes);
         let st = self.clone();
+        let posted = Instant::now();
         Job {
             peer: self.peers[rail],
             plan: crate::plan::TransferPlan {
@@ -871,7 +939,7 @@ impl GroupState {
                 bytes,
             },
             imm: None,
-            slot: Slot::with_callback(Box::new(move |r| st.chunk_done(rail, r))),
+            slot: Slot::with_callback(Box::new(move |r| st.chunk_done(rail, bytes, posted, r))),
             deadline: self.deadline,
         }
     }
@@ -880,9 +948,9 @@ impl GroupState {
     /// the transfer: an error ends it, else the immediate data goes out on the same rail
     /// and the transfer completes when it lands. Then the rail takes the next chunks from
     /// the group's queue, on its own worker.
-    fn chunk_done(self: Arc<Self>, rail: usize, r: TransferResult) {
+    fn chunk_done(self: Arc<Self>, rail: usize, bytes: u64, posted: Instant, r: TransferResult) {
         let shared = self.shared.clone();
-        shared.inflight[rail].fetch_sub(1, Ordering::AcqRel);
+        shared.landed(rail, bytes, posted, r.is_ok());
         let decided = {
             let mut w = self.lock_work();
             w.posted -= 1;
