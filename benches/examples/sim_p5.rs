@@ -4,8 +4,12 @@
 //! Each worker thread submits transfers of `P` scattered 64 KiB pages, `D` in flight.
 //!
 //! ```text
-//! cargo run --release -p xfer-benches --example sim_p5 -- [workers 8] [rails 4] [seconds 3] [pages 1000] [depth 8]
+//! cargo run --release -p xfer-benches --example sim_p5 -- [workers 8] [rails 4] [seconds 3] [pages 1000] [depth 8] [wait_spin_us 200] [linger_us 50] [max_chunk_kib 1024]
 //! ```
+//!
+//! The last three set `EngineConfig::wait_spin`, `EngineConfig::linger` and
+//! `Balance::max_chunk` (with `chunks_per_rail` 1 when it is larger than the default), to
+//! see what spinning and chunking cost the engine at this scale.
 //!
 //! Prints writes per second in all (and the Gbit/s they would be at 64 KiB per write); the
 //! reference's 3200 Gbps of 64 KiB pages is 6.1 M writes/s. Run it on as many cores as
@@ -125,6 +129,9 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let seconds = arg(3, 3);
     let pages = arg(4, 1000);
     let depth = arg(5, 8) as usize;
+    let spin = Duration::from_micros(arg(6, 200));
+    let linger = Duration::from_micros(arg(7, 50));
+    let max_chunk = arg(8, 1024) << 10;
     // Pages two apart, so that none coalesce: one write each.
     let region = HostBuffer::new_shared((2 * pages * PAGE) as usize)?;
     let start = Arc::new(Barrier::new(workers + 1));
@@ -135,9 +142,17 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         threads.push(std::thread::spawn(move || -> Result<(u64, f64)> {
             let cfg = EngineConfig {
                 name: format!("sim-gpu{w}"),
+                wait_spin: spin,
+                linger,
                 ..EngineConfig::default()
             };
             let group = RailGroup::spawn(rails, |_| Ok(NullTransport::default()), cfg)?;
+            let mut b = group.balance();
+            if max_chunk > b.max_chunk {
+                b.chunks_per_rail = 1;
+            }
+            b.max_chunk = max_chunk;
+            group.set_balance(b);
             let src = group.register(region, Access::NONE)?;
             let peer = group.add_peer(&[b"null://".to_vec()])?;
             let dst = RemoteDescriptor {

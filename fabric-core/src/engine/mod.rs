@@ -37,7 +37,7 @@ pub mod rails;
 mod worker;
 
 pub use rails::{
-    GroupHandle, GroupPeer, GroupRegistration, GroupTransfer, RailGroup, RemoteDescriptor,
+    Balance, GroupHandle, GroupPeer, GroupRegistration, GroupTransfer, RailGroup, RemoteDescriptor,
     WARM_UP_IMM,
 };
 

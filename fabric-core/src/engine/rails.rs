@@ -191,6 +191,10 @@ pub struct Balance {
     pub horizon: Duration,
     /// The most bytes a rail holds in flight.
     pub max_in_flight_bytes: u64,
+    /// A rail whose rate is known takes chunks of up to half a `horizon` of its work, at
+    /// most this many bytes (never less than the transfer's chunk): fewer, larger chunks
+    /// for fast rails, whose tail stays within the horizon.
+    pub max_rail_chunk: u64,
 }
 
 impl Default for Balance {
@@ -202,6 +206,7 @@ impl Default for Balance {
             in_flight: 2,
             horizon: Duration::from_millis(4),
             max_in_flight_bytes: 64 << 20,
+            max_rail_chunk: 16 << 20,
         }
     }
 }
@@ -242,6 +247,7 @@ impl Shared {
     /// failed, leave the queue), counted as posted. Called with the queue locked.
     fn next_chunk(
         queue: &mut VecDeque<Arc<GroupState>>,
+        rail_chunk: u64,
     ) -> Option<(Arc<GroupState>, Vec<PlannedWrite>)> {
         while let Some(st) = queue.front().cloned() {
             let mut w = st.lock_work();
@@ -250,10 +256,11 @@ impl Shared {
                 queue.pop_front();
                 continue;
             }
+            let limit = st.chunk.max(rail_chunk);
             let mut chunk = Vec::new();
             let mut bytes = 0u64;
             while let Some(next) = w.writes.front() {
-                if !chunk.is_empty() && bytes.saturating_add(next.src.len) > st.chunk {
+                if !chunk.is_empty() && bytes.saturating_add(next.src.len) > limit {
                     break;
                 }
                 bytes = bytes.saturating_add(next.src.len);
@@ -271,17 +278,26 @@ impl Shared {
         None
     }
 
+    fn rate(&self, rail: usize) -> f64 {
+        self.rates[rail]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .bytes_per_s
+    }
+
     /// Whether `rail` has room for another chunk (see [`Balance`]).
     fn has_room(&self, rail: usize, b: &Balance) -> bool {
         if self.inflight[rail].load(Ordering::Acquire) < b.in_flight.max(1) {
             return true;
         }
-        let rate = self.rates[rail]
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .bytes_per_s;
-        let budget = (rate * b.horizon.as_secs_f64()).min(b.max_in_flight_bytes as f64);
+        let budget = (self.rate(rail) * b.horizon.as_secs_f64()).min(b.max_in_flight_bytes as f64);
         (self.inflight_bytes[rail].load(Ordering::Acquire) as f64) < budget
+    }
+
+    /// The chunk size `rail` may take beyond a transfer's own: half a horizon of its work
+    /// (at most `max_rail_chunk`), so a fast rail takes few large chunks.
+    fn rail_chunk(&self, rail: usize, b: &Balance) -> u64 {
+        ((self.rate(rail) * b.horizon.as_secs_f64() / 2.0) as u64).min(b.max_rail_chunk)
     }
 
     /// Chunks for `rail` from the queue while it has room.
@@ -291,7 +307,8 @@ impl Shared {
             if !self.has_room(rail, &b) {
                 return;
             }
-            let Some((st, writes)) = Self::next_chunk(&mut self.lock_queue()) else {
+            let rail_chunk = self.rail_chunk(rail, &b);
+            let Some((st, writes)) = Self::next_chunk(&mut self.lock_queue(), rail_chunk) else {
                 return;
             };
             self.post(st, rail, writes);
@@ -613,7 +630,8 @@ impl RailGroup {
         // take the others' first chunks); the rest wait in the queue.
         let mut order: Vec<usize> = (0..n).collect();
         order.sort_by_key(|&i| (sh.inflight[i].load(Ordering::Relaxed), i));
-        let limit = self.balance().in_flight.max(1);
+        let b = self.balance();
+        let limit = b.in_flight.max(1);
         let mut first = Vec::new();
         {
             let mut q = sh.lock_queue();
@@ -625,7 +643,7 @@ impl RailGroup {
                     if sh.inflight[r].load(Ordering::Relaxed) + taken[r] >= limit {
                         continue;
                     }
-                    match Shared::next_chunk(&mut q) {
+                    match Shared::next_chunk(&mut q, sh.rail_chunk(r, &b)) {
                         Some(c) => {
                             taken[r] += 1;
                             first.push((r, c));
