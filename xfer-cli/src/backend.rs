@@ -137,6 +137,11 @@ pub struct BackendArgs {
     /// domains). Rail i runs on NIC i mod N; --rails defaults to N.
     #[arg(long, value_name = "auto|NAME,...", default_value = "auto", value_parser = crate::nics::parse_nics)]
     pub nics: crate::nics::NicsArg,
+    /// Several rails: each holds in flight what it moves in this many microseconds at its
+    /// measured rate (at least 2 chunks), and takes chunks of half that (see the library's
+    /// `Balance`). Larger keeps fast pipes fuller; smaller ends a slow NIC's tail sooner.
+    #[arg(long = "rail-horizon", value_name = "US")]
+    pub rail_horizon_us: Option<u64>,
 }
 
 /// `--cuda-copy`'s value.
@@ -274,7 +279,13 @@ impl BackendArgs {
                 }
             }
         };
-        g.map_err(CliError::from)
+        let g = g.map_err(CliError::from)?;
+        if let Some(us) = self.rail_horizon_us {
+            let mut b = g.balance();
+            b.horizon = std::time::Duration::from_micros(us);
+            g.set_balance(b);
+        }
+        Ok(g)
     }
 
     /// The CUDA driver, or the one-line reason there is none.
