@@ -142,6 +142,14 @@ pub struct BackendArgs {
     /// `Balance`). Larger keeps fast pipes fuller; smaller ends a slow NIC's tail sooner.
     #[arg(long = "rail-horizon", value_name = "US")]
     pub rail_horizon_us: Option<u64>,
+    /// How long a wait for a transfer spins before it sleeps, in microseconds (the
+    /// engine's `wait_spin`; default 200).
+    #[arg(long = "wait-spin", value_name = "US")]
+    pub wait_spin_us: Option<u64>,
+    /// How long an engine worker keeps polling after a completion before it sleeps, in
+    /// microseconds (the engine's `linger`; default 50).
+    #[arg(long = "linger", value_name = "US")]
+    pub linger_us: Option<u64>,
 }
 
 /// `--cuda-copy`'s value.
@@ -192,10 +200,14 @@ impl BackendArgs {
         let auth_token = self.auth_token.clone();
         let copy_nap = std::time::Duration::from_micros(self.tcp_copy_nap_us);
         let pins = Arc::new(pins);
+        let d = EngineConfig::default();
+        let us = std::time::Duration::from_micros;
         let cfg = EngineConfig {
             name: name.into(),
-            busy_poll: std::time::Duration::from_micros(self.busy_poll_us),
-            ..EngineConfig::default()
+            busy_poll: us(self.busy_poll_us),
+            wait_spin: self.wait_spin_us.map_or(d.wait_spin, us),
+            linger: self.linger_us.map_or(d.linger, us),
+            ..d
         };
         let worker = name.to_string();
         let g = match self.transport {

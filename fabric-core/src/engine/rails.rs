@@ -204,7 +204,7 @@ impl Default for Balance {
             min_chunk: 256 << 10,
             max_chunk: 1 << 20,
             in_flight: 2,
-            horizon: Duration::from_millis(4),
+            horizon: Duration::from_millis(16),
             max_in_flight_bytes: 64 << 20,
             max_rail_chunk: 16 << 20,
         }
@@ -256,7 +256,9 @@ impl Shared {
                 queue.pop_front();
                 continue;
             }
-            let limit = st.chunk.max(rail_chunk);
+            // A fast rail's larger chunks stay within the transfer's fair share per rail,
+            // so one transfer still spreads over every rail.
+            let limit = st.chunk.max(rail_chunk.min(st.share));
             let mut chunk = Vec::new();
             let mut bytes = 0u64;
             while let Some(next) = w.writes.front() {
@@ -616,6 +618,7 @@ impl RailGroup {
                 ops: 0,
             }),
             chunk,
+            share: plan.bytes / n as u64,
             peers: peer.rails.clone(),
             srcs: t.src.locals.clone(),
             dsts,
@@ -914,6 +917,8 @@ struct GroupState {
     work: Mutex<Work>,
     /// Bytes per chunk.
     chunk: u64,
+    /// The transfer's bytes over the rails: the most a fast rail's chunk takes.
+    share: u64,
     /// Per local rail: the peer, the local key and the remote region of the same memory.
     peers: Vec<PeerId>,
     srcs: Vec<LocalKey>,
