@@ -42,9 +42,11 @@ pub(crate) struct Op {
 pub(crate) enum Slot {
     Free,
     Active(Op),
-    /// Its peer was removed and its failure reported; the provider may still hand it back,
-    /// and then it is dropped silently. It keeps its local region registered until then.
-    Orphaned(LocalKey),
+    /// Its peer was removed while the provider held it: it fails with `PeerRemoved` when
+    /// the provider hands it back (completed or not), not before, because until then the
+    /// NIC may still read or write its memory. It keeps its local region registered until
+    /// then.
+    Orphaned(Op, PeerId),
 }
 
 /// Operations by context.
@@ -107,14 +109,15 @@ impl OpTable {
         s
     }
 
-    /// Marks the active operation in slot `i` orphaned and returns it.
-    pub(crate) fn orphan(&mut self, i: usize) -> Option<Op> {
+    /// Marks the active operation in slot `i` orphaned (its peer `peer` was removed);
+    /// whether it was active.
+    pub(crate) fn orphan(&mut self, i: usize, peer: PeerId) -> bool {
         match self.slots[i] {
             Slot::Active(op) => {
-                self.slots[i] = Slot::Orphaned(op.local);
-                Some(op)
+                self.slots[i] = Slot::Orphaned(op, peer);
+                true
             }
-            _ => None,
+            _ => false,
         }
     }
 
@@ -168,8 +171,8 @@ mod tests {
         assert!(matches!(t.release(5), Slot::Active(_)));
         assert_eq!(t.in_use(), 599);
         assert_eq!(t.insert(op(9)), 5);
-        assert!(t.orphan(7).is_some());
-        assert!(t.orphan(7).is_none());
+        assert!(t.orphan(7, PeerId(1)));
+        assert!(!t.orphan(7, PeerId(1)));
         assert_eq!(t.posted_for(PeerId(1)).len(), 599);
     }
 }

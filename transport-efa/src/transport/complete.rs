@@ -115,10 +115,12 @@ impl EfaTransport {
                     imm,
                 })
             }
-            Some(idx) if matches!(self.ops.get(idx), Slot::Orphaned(_)) => {
-                // Its peer was removed and its failure already reported: swallow it.
-                self.finish_slot(idx);
-                None
+            Some(idx) if matches!(self.ops.get(idx), Slot::Orphaned(..)) => {
+                // Its peer was removed: now that the provider is done with it, it fails.
+                match self.finish_slot(idx) {
+                    Slot::Orphaned(op, peer) => Some(failed(&op, OpError::PeerRemoved(peer))),
+                    _ => None,
+                }
             }
             // Not an operation in flight: a peer's write with immediate data (whose
             // context, where the provider fills it at all, means nothing to us).
@@ -167,11 +169,17 @@ impl EfaTransport {
                     if self.retry_after_break(idx, err.err) {
                         continue;
                     }
-                    if let Slot::Active(op) = self.finish_slot(idx) {
-                        let error = map_error(&op, &err, text);
-                        out.push(failed(&op, error));
+                    match self.finish_slot(idx) {
+                        Slot::Active(op) => {
+                            let error = map_error(&op, &err, text);
+                            out.push(failed(&op, error));
+                        }
+                        // Its peer was removed; the provider has let go of it now.
+                        Slot::Orphaned(op, peer) => {
+                            out.push(failed(&op, OpError::PeerRemoved(peer)));
+                        }
+                        Slot::Free => {}
                     }
-                    // An orphaned operation's failure was reported at removal: swallow.
                 }
                 None => {
                     // An error without one of our contexts: a failed remote access

@@ -371,7 +371,7 @@ impl EfaTransport {
         let slot = self.ops.release(idx);
         let key = match &slot {
             Slot::Active(op) => Some(op.local),
-            Slot::Orphaned(key) => Some(*key),
+            Slot::Orphaned(op, _) => Some(op.local),
             Slot::Free => None,
         };
         if let Some(key) = key {
@@ -470,11 +470,10 @@ impl Transport for EfaTransport {
                     .push_back(failed(&op, OpError::PeerRemoved(peer)));
             }
         }
+        // Operations the provider holds fail when it hands them back (see Slot::Orphaned):
+        // reporting them now would give their memory back while the NIC may still use it.
         for idx in self.ops.posted_for(peer) {
-            if let Some(op) = self.ops.orphan(idx) {
-                self.ready
-                    .push_back(failed(&op, OpError::PeerRemoved(peer)));
-            }
+            self.ops.orphan(idx, peer);
         }
         self.av_remove(p.fi_addr)
     }
