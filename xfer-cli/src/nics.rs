@@ -448,6 +448,33 @@ pub fn choose_to_serve(
     choose(arg, kind, provider, listen, slot)
 }
 
+/// The NICs of every worker's rails (one worker, or one per `--gpus` entry with
+/// `--per-gpu`) toward `toward`: the peer for bench, the listen address for serve
+/// (`serving`, see [`choose_to_serve`]). `auto` and cuda-ipc choose as tcp: cuda-ipc runs
+/// on no NIC, and `auto` is tcp unless it picks cuda-ipc.
+pub fn per_worker(
+    b: &crate::backend::BackendArgs,
+    per_gpu: bool,
+    toward: IpAddr,
+    serving: bool,
+) -> Result<Vec<NicChoice>, String> {
+    let kind = match b.transport {
+        TransportKind::Auto | TransportKind::CudaIpc => TransportKind::Tcp,
+        k => k,
+    };
+    let workers = if per_gpu { b.gpus.len() } else { 1 };
+    (0..workers)
+        .map(|slot| {
+            let provider = b.provider.as_deref();
+            if serving {
+                choose_to_serve(&b.nics, kind, provider, toward, slot)
+            } else {
+                choose(&b.nics, kind, provider, toward, slot)
+            }
+        })
+        .collect()
+}
+
 /// The domains the libfabric provider lists, in its order.
 fn efa_domains(provider: Option<&str>) -> Result<Vec<String>, String> {
     let cfg = match provider {

@@ -31,23 +31,8 @@ pub fn bench(mut a: BenchArgs) -> Result<(), CliError> {
     let ctl_addr = control::parse_peer(&a.peer).map_err(CliError::Usage)?;
     // The NICs of each worker's rails (auto resolves to tcp unless the server picks
     // cuda-ipc, which runs on no NIC).
-    let kind = match a.backend.transport {
-        TransportKind::Auto => TransportKind::Tcp,
-        k => k,
-    };
-    let workers = if a.per_gpu { a.backend.gpus.len() } else { 1 };
-    let choices = (0..workers)
-        .map(|slot| {
-            nics::choose(
-                &a.backend.nics,
-                kind,
-                a.backend.provider.as_deref(),
-                ctl_addr.ip(),
-                slot,
-            )
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(CliError::Usage)?;
+    let choices =
+        nics::per_worker(&a.backend, a.per_gpu, ctl_addr.ip(), false).map_err(CliError::Usage)?;
     let first = choices
         .first()
         .cloned()
@@ -406,23 +391,8 @@ pub fn serve(mut a: ServeArgs) -> Result<(), CliError> {
         .map_err(|e| CliError::Failed(e.to_string()))?;
     let data_ip = a.data_listen.unwrap_or(ctl.ip());
     // The NICs of each worker's tcp or efa rails (cuda-ipc runs on none).
-    let net_kind = match a.backend.transport {
-        TransportKind::Auto | TransportKind::CudaIpc => TransportKind::Tcp,
-        k => k,
-    };
-    let workers = if a.per_gpu { a.backend.gpus.len() } else { 1 };
-    let choices = (0..workers)
-        .map(|slot| {
-            nics::choose_to_serve(
-                &a.backend.nics,
-                net_kind,
-                a.backend.provider.as_deref(),
-                data_ip,
-                slot,
-            )
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(CliError::Usage)?;
+    let choices =
+        nics::per_worker(&a.backend, a.per_gpu, data_ip, true).map_err(CliError::Usage)?;
     let first = choices
         .first()
         .cloned()

@@ -20,9 +20,16 @@ const NICS: usize = 4;
 const REGION: &str = "64MiB";
 /// Each NIC's rate: low enough that the links, not this machine's cores (a debug build of
 /// xfer on two of them, verifying), set the pace.
-const RATE: &str = "150mbit";
+const RATE: &str = "100mbit";
 /// The slow NIC's: a quarter of [`RATE`].
-const SLOW: &str = "37mbit";
+const SLOW: &str = "25mbit";
+
+/// The tests measure shares and rates: one at a time, so that they do not share the cores.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// `xfer ARGS` inside the side's namespace.
 fn xfer_in(net: &NetPair, side: Side) -> Command {
@@ -204,11 +211,13 @@ fn four_nics_share_evenly(transport: &[&str], baseline: bool) {
 
 #[test]
 fn tcp_rails_each_carry_a_quarter_over_four_nics() {
+    let _one = one_at_a_time();
     four_nics_share_evenly(&["--transport", "tcp"], true);
 }
 
 #[test]
 fn efa_over_libfabric_tcp_rails_each_carry_a_quarter_over_four_nics() {
+    let _one = one_at_a_time();
     four_nics_share_evenly(&["--transport", "efa", "--provider", "tcp"], false);
 }
 
@@ -217,6 +226,7 @@ fn efa_over_libfabric_tcp_rails_each_carry_a_quarter_over_four_nics() {
 /// three fast NICs alone move (measured in the same test).
 #[test]
 fn a_slow_nic_carries_less_and_costs_only_its_share() {
+    let _one = one_at_a_time();
     let Some(net) = NetPair::with_veths(NICS) else {
         return;
     };
@@ -261,6 +271,7 @@ fn a_slow_nic_carries_less_and_costs_only_its_share() {
 /// A NIC that does not exist, or is down: one line naming it (and the NICs that exist).
 #[test]
 fn a_missing_or_down_nic_is_one_clear_error() {
+    let _one = one_at_a_time();
     let Some(net) = NetPair::with_veths(2) else {
         return;
     };

@@ -289,17 +289,7 @@ impl Future for RecvHandle {
 mod tests {
     use super::*;
 
-    /// Polls `f` until it holds, at most `within`.
-    fn eventually(within: Duration, mut f: impl FnMut() -> bool) -> bool {
-        let deadline = Instant::now() + within;
-        while Instant::now() < deadline {
-            if f() {
-                return true;
-            }
-            std::thread::yield_now();
-        }
-        f()
-    }
+    use crate::engine::eventually;
 
     #[test]
     fn a_waiter_that_parks_is_woken_by_the_completion() {

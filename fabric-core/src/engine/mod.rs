@@ -644,23 +644,24 @@ impl std::fmt::Debug for Engine {
     }
 }
 
+/// Polls `f` until it holds, at most `within` (for this module's tests).
+#[cfg(test)]
+pub(crate) fn eventually(within: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if f() {
+            return true;
+        }
+        std::thread::yield_now();
+    }
+    f()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::HostBuffer;
     use crate::mem::MemTransport;
-
-    /// Polls `f` until it holds, at most `within`.
-    fn eventually(within: Duration, mut f: impl FnMut() -> bool) -> bool {
-        let deadline = Instant::now() + within;
-        while Instant::now() < deadline {
-            if f() {
-                return true;
-            }
-            std::thread::yield_now();
-        }
-        f()
-    }
 
     /// One 4 KiB write from an engine with `cfg` to another; returns the initiator.
     fn one_transfer(cfg: EngineConfig) -> Engine {
