@@ -522,11 +522,22 @@ fn sleepy_mem_engine() -> Engine {
     Engine::spawn(|| Ok(MemTransport::new()), cfg).unwrap()
 }
 
+/// Waits (at most 10 s) until both workers sleep in their transports' waits.
+fn both_asleep(a: &Engine, b: &Engine) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !(a.is_asleep() && b.is_asleep()) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the idle workers never went to sleep"
+        );
+        std::thread::yield_now();
+    }
+}
+
 #[test]
 fn commands_wake_a_sleeping_worker() {
     let (a, b) = (sleepy_mem_engine(), sleepy_mem_engine());
-    // Let both workers fall asleep (nothing to wait on but time: they are idle at once).
-    std::thread::sleep(Duration::from_millis(50));
+    both_asleep(&a, &b);
     let short = Duration::from_secs(5);
     let src = HostBuffer::new_shared(8192).unwrap();
     src.fill(0, 8192, 3).unwrap();
@@ -536,7 +547,7 @@ fn commands_wake_a_sleeping_worker() {
     let d = b.register(dst.clone(), Access::REMOTE_WRITE).unwrap();
     let peer = a.add_peer(&b.address()).unwrap();
     for round in 0..3u32 {
-        std::thread::sleep(Duration::from_millis(20));
+        both_asleep(&a, &b);
         let t = Transfer::new(peer)
             .segment(Segment {
                 src: s.local,

@@ -28,7 +28,14 @@ fn a_sleeping_tcp_worker_starts_on_a_submit_at_once() {
     let peer = a.add_peer(&b.address()).unwrap();
     for round in 0..5u32 {
         // Both workers idle, asleep in ppoll with nothing readable.
-        std::thread::sleep(Duration::from_millis(20));
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !(a.is_asleep() && b.is_asleep()) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the idle workers never went to sleep"
+            );
+            std::thread::yield_now();
+        }
         let t = Transfer::new(peer)
             .segment(Segment {
                 src: s.local,

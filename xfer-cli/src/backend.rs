@@ -223,11 +223,7 @@ impl BackendArgs {
                         ..TcpConfig::default()
                     })
                 };
-                if names.is_empty() {
-                    RailGroup::spawn(rails, make, cfg)
-                } else {
-                    RailGroup::spawn_on(names, move |i, _| make(i), cfg)
-                }
+                spawn_rails(rails, names, make, cfg)
             }
             TransportKind::Auto => {
                 return Err(CliError::Failed(
@@ -284,11 +280,7 @@ impl BackendArgs {
                         None => EfaTransport::new(&ec),
                     }
                 };
-                if names.is_empty() {
-                    RailGroup::spawn(rails, make, cfg)
-                } else {
-                    RailGroup::spawn_on(names, move |i, _| make(i), cfg)
-                }
+                spawn_rails(rails, names, make, cfg)
             }
         };
         let g = g.map_err(CliError::from)?;
@@ -338,5 +330,24 @@ impl BackendArgs {
                 Ok(Arc::new(buf))
             }
         }
+    }
+}
+
+/// `rails` rails made by `make`: on the NICs `names` (one per rail) when there are any
+/// ([`RailGroup::spawn_on`]), else unnamed.
+fn spawn_rails<T, F>(
+    rails: usize,
+    names: Vec<String>,
+    make: F,
+    cfg: EngineConfig,
+) -> Result<RailGroup, fabric_core::Error>
+where
+    T: fabric_core::Transport,
+    F: Fn(usize) -> Result<T, fabric_core::Error> + Send + Sync + 'static,
+{
+    if names.is_empty() {
+        RailGroup::spawn(rails, make, cfg)
+    } else {
+        RailGroup::spawn_on(names, move |i, _| make(i), cfg)
     }
 }

@@ -231,8 +231,7 @@ pub fn plan_worker(plan: &PlacementPlan, slot: usize) -> Option<&WorkerPlacement
 
 /// The efa domain of a plan NIC: `name` itself, or `name-rdm` / `name-dgrm` as the efa
 /// provider spells it, or (socket providers) its network interface.
-fn domain_of(t: &Topology, nic: &topology::Nic, domains: &[String]) -> Option<String> {
-    let _ = t;
+fn domain_of(nic: &topology::Nic, domains: &[String]) -> Option<String> {
     domains
         .iter()
         .find(|d| {
@@ -251,7 +250,7 @@ pub fn efa_auto(t: &Topology, worker: &WorkerPlacement, domains: &[String]) -> N
         .nics
         .iter()
         .filter_map(|&i| t.nic(i))
-        .filter_map(|n| domain_of(t, n, domains))
+        .filter_map(|n| domain_of(n, domains))
         .map(|name| RailNic { name, ip: None })
         .collect();
     if domains.is_empty() {

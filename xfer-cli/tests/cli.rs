@@ -1,12 +1,15 @@
 //! The `xfer` binary as a user runs it: exit codes, one-line errors, JSON output, and a
 //! served region written by several bench clients, in turn and at once.
 
+mod common;
+
+use common::Server;
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 
-fn xfer(args: &[&str]) -> Output {
+fn xfer<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_xfer"))
         .args(args)
         .env_remove("RUST_LOG")
@@ -297,52 +300,18 @@ fn bench_with_nobody_listening_cannot_reach() {
     assert!(line.contains("cannot reach"), "{line}");
 }
 
-/// A running `xfer serve`, killed on drop.
-struct Server {
-    child: Child,
-    peer: String,
-    /// The bench command it printed, less the leading `xfer`.
-    bench: Vec<String>,
-}
-
 impl Server {
     fn start() -> Server {
         Server::start_with(&[])
     }
 
     fn start_with(extra: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_xfer"))
+        let mut serve = Command::new(env!("CARGO_BIN_EXE_xfer"));
+        serve
             .args(["serve", "--listen", "127.0.0.1:0", "--region-size", "8MiB"])
             .args(extra)
-            .env_remove("RUST_LOG")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .env("RUST_LOG", "xfer::control=info")
-            .spawn()
-            .expect("xfer serve starts");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().expect("stdout"))
-            .read_line(&mut line)
-            .expect("read the serve line");
-        // The line is printed once the control socket listens: `xfer bench --peer xfer://...`.
-        let bench: Vec<String> = line
-            .trim()
-            .strip_prefix("xfer ")
-            .filter(|rest| rest.starts_with("bench --peer "))
-            .unwrap_or_else(|| panic!("unexpected first line of xfer serve: {line:?}"))
-            .split_whitespace()
-            .map(str::to_owned)
-            .collect();
-        let peer = bench[2].clone();
-        assert!(peer.starts_with("xfer://"), "{peer}");
-        Server { child, peer, bench }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+            .env("RUST_LOG", "xfer::control=info");
+        Server::spawn(serve)
     }
 }
 
@@ -876,12 +845,7 @@ fn bench_latency_times_transfers_and_the_raw_floor_against_the_server() {
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(text.contains("raw TCP round trip to the server"), "{text}");
     assert!(text.contains("immediate data: not measured"), "{text}");
-    let out = xfer(
-        &bench_args(&server.peer)
-            .iter()
-            .map(String::as_str)
-            .collect::<Vec<_>>(),
-    );
+    let out = xfer(&bench_args(&server.peer));
     assert_bench_verified(&out, "a bench after the latency runs");
 }
 
@@ -951,7 +915,7 @@ fn bench_baseline_streams_to_the_server_and_reports_the_ratio() {
     let server = Server::start();
     let mut args = bench_args(&server.peer);
     args.extend(["--baseline", "--rails", "2"].map(String::from));
-    let out = xfer(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let out = xfer(&args);
     assert_bench_verified(&out, "bench --baseline");
     let j = stdout_json(&out);
     let base = j["baseline_gbps"].as_f64().expect("baseline_gbps");
@@ -967,7 +931,7 @@ fn bench_baseline_streams_to_the_server_and_reports_the_ratio() {
     );
     // Text: the baseline line, and the server serves the next client as before.
     args.retain(|a| a != "--json");
-    let out = xfer(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let out = xfer(&args);
     assert!(
         out.status.success(),
         "{}",
@@ -978,12 +942,7 @@ fn bench_baseline_streams_to_the_server_and_reports_the_ratio() {
         text.contains("baseline: plain TCP streams, one per rail") && text.contains("ratio"),
         "{text}"
     );
-    let out = xfer(
-        &bench_args(&server.peer)
-            .iter()
-            .map(String::as_str)
-            .collect::<Vec<_>>(),
-    );
+    let out = xfer(&bench_args(&server.peer));
     assert_bench_verified(&out, "a bench after the baseline runs");
 }
 

@@ -8,13 +8,14 @@
 //! `skipped: ...` and pass, unless `XFER_REQUIRE_NETNS=1` (or root), as in
 //! `transport-tcp/tests/netns_faults.rs`, whose namespace helpers they share.
 
+mod common;
 #[path = "../../transport-tcp/tests/netns/mod.rs"]
 mod netns;
 
+use common::Server;
 use netns::{NetPair, Side};
 use serde_json::Value;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output};
 
 const NICS: usize = 4;
 const REGION: &str = "64MiB";
@@ -46,40 +47,13 @@ fn nic_list(n: usize) -> String {
 }
 
 /// `xfer serve` in namespace B on its four NICs; killed on drop.
-struct Server {
-    child: Child,
-    peer: String,
-}
-
-impl Server {
-    fn start(net: &NetPair, transport: &[&str]) -> Server {
-        let listen = format!("{}:0", net.veth_ip(0, Side::B));
-        let mut child = xfer_in(net, Side::B)
-            .args(["serve", "--listen", &listen, "--region-size", REGION])
-            .args(["--nics", &nic_list(NICS)])
-            .args(transport)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("xfer serve starts");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().expect("stdout"))
-            .read_line(&mut line)
-            .expect("read the serve line");
-        let peer = line
-            .split_whitespace()
-            .find(|w| w.starts_with("xfer://"))
-            .unwrap_or_else(|| panic!("unexpected first line of xfer serve: {line:?}"))
-            .to_string();
-        Server { child, peer }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+fn serve(net: &NetPair, transport: &[&str]) -> Server {
+    let listen = format!("{}:0", net.veth_ip(0, Side::B));
+    let mut c = xfer_in(net, Side::B);
+    c.args(["serve", "--listen", &listen, "--region-size", REGION])
+        .args(["--nics", &nic_list(NICS)])
+        .args(transport);
+    Server::spawn(c)
 }
 
 /// What one bench run did: its JSON summary and the bytes each of A's NICs sent meanwhile.
@@ -151,7 +125,7 @@ fn four_nics_share_evenly(transport: &[&str], baseline: bool) {
     for i in 0..NICS {
         net.rate_dev(Side::A, &NetPair::veth(i), RATE).unwrap();
     }
-    let server = Server::start(&net, transport);
+    let server = serve(&net, transport);
     let mut args = transport.to_vec();
     if baseline {
         args.push("--baseline");
@@ -239,7 +213,7 @@ fn a_slow_nic_carries_less_and_costs_only_its_share() {
     }
     net.rate_dev(Side::A, &NetPair::veth(NICS - 1), SLOW)
         .unwrap();
-    let server = Server::start(&net, &["--transport", "tcp"]);
+    let server = serve(&net, &["--transport", "tcp"]);
     // Three rails to the server's first three NICs (each veth pair is its own subnet, so
     // rail i must reach the server's NIC i).
     let fast = bench(

@@ -350,6 +350,12 @@ impl Engine {
         self.limits
     }
 
+    /// Whether the worker sleeps in its transport's wait (or is about to), with nothing
+    /// queued: a diagnostic, and what tests of wake-ups wait for before they send work.
+    pub fn is_asleep(&self) -> bool {
+        self.link.sleeping.load(Ordering::SeqCst)
+    }
+
     /// Live counters.
     pub fn counters(&self) -> &Counters {
         &self.counters
