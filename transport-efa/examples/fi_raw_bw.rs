@@ -22,9 +22,8 @@ type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
 fn check(call: &str, rc: isize) -> Res<isize> {
     if rc < 0 {
-        // SAFETY: fi_strerror accepts any number and returns a static string.
-        let text = unsafe { std::ffi::CStr::from_ptr(sys::fi_strerror(-rc as i32)) };
-        return Err(format!("{call}: {}", text.to_string_lossy()).into());
+        let text = sys::loaded().map_or_else(|| format!("error {rc}"), |l| l.strerror(rc as i32));
+        return Err(format!("{call}: {text}").into());
     }
     Ok(rc)
 }
@@ -42,9 +41,10 @@ struct Ep {
 unsafe impl Send for Ep {}
 
 fn open(provider: &str, dc: bool) -> Res<Ep> {
-    // SAFETY: fi_allocinfo returns a zeroed fi_info with its attribute structs allocated;
-    // strings put in it are malloc'ed (strdup) as fi_freeinfo expects.
-    let hints = unsafe { sys::fi_allocinfo() };
+    let lib = sys::libfabric()?;
+    // fi_allocinfo returns a zeroed fi_info with its attribute structs allocated; strings
+    // put in it are malloc'ed (strdup) as fi_freeinfo expects.
+    let hints = lib.fi_allocinfo();
     let name = CString::new(provider)?;
     // SAFETY: hints is valid; see above.
     unsafe {
@@ -69,8 +69,8 @@ fn open(provider: &str, dc: bool) -> Res<Ep> {
     let mut info = std::ptr::null_mut();
     // SAFETY: hints is a valid fi_info; info receives a list.
     let rc = unsafe {
-        sys::fi_getinfo(
-            sys::FI_VERSION(1, 17).min(sys::fi_version()),
+        lib.fi_getinfo(
+            sys::FI_VERSION(1, 20).min(lib.version()),
             std::ptr::null(),
             std::ptr::null(),
             0,
@@ -84,7 +84,7 @@ fn open(provider: &str, dc: bool) -> Res<Ep> {
         let mut fabric = std::ptr::null_mut();
         check(
             "fi_fabric",
-            sys::fi_fabric((*info).fabric_attr, &mut fabric, std::ptr::null_mut()) as isize,
+            lib.fi_fabric((*info).fabric_attr, &mut fabric, std::ptr::null_mut()) as isize,
         )?;
         let mut domain = std::ptr::null_mut();
         check(

@@ -29,18 +29,13 @@ impl FiError {
         self.code
     }
 
-    /// libfabric's description of the error (`fi_strerror`).
+    /// libfabric's description of the error (`fi_strerror`; the number alone if no
+    /// libfabric is loaded).
     pub fn message(&self) -> String {
-        // SAFETY: fi_strerror accepts any number and returns a pointer to a static,
-        // NUL-terminated string (or a generic text for unknown numbers).
-        let text = unsafe { sys::fi_strerror(self.code) };
-        if text.is_null() {
-            return format!("libfabric error {}", self.code);
+        match sys::loaded() {
+            Some(lib) => lib.strerror(self.code),
+            None => format!("libfabric error {}", self.code),
         }
-        // SAFETY: text is non-null and points to a static NUL-terminated string.
-        unsafe { CStr::from_ptr(text) }
-            .to_string_lossy()
-            .into_owned()
     }
 }
 
@@ -51,6 +46,16 @@ impl fmt::Display for FiError {
 }
 
 impl std::error::Error for FiError {}
+
+/// The libfabric of this process, loaded on first use (see [`libfabric_sys::libfabric`]);
+/// the error names every place looked at and how to install it.
+pub(crate) fn lib() -> Result<&'static sys::Libfabric> {
+    sys::libfabric().map_err(|e| Error::Backend {
+        call: "loading libfabric",
+        message: e.to_string(),
+        source: Some(Arc::new(e)),
+    })
+}
 
 /// The error of a failed `fi_*` call: [`Error::Backend`] with fi_strerror's text.
 pub(crate) fn backend_error(call: &'static str, code: i32) -> Error {
@@ -170,23 +175,24 @@ impl<T: FidObject> Drop for Owned<T> {
 
 /// A list of `fi_info` returned by `fi_getinfo` (or one made by `fi_allocinfo`), freed
 /// with `fi_freeinfo`. Used only inside one call; never stored, so never sent.
-pub(crate) struct InfoList(NonNull<sys::fi_info>);
+pub(crate) struct InfoList(NonNull<sys::fi_info>, &'static sys::Libfabric);
 
 impl InfoList {
     /// An empty `fi_info` (with its attribute structs allocated) to fill in as hints.
-    pub(crate) fn alloc() -> Result<InfoList> {
-        // SAFETY: fi_allocinfo has no preconditions; it returns null on failure.
-        let p = unsafe { sys::fi_allocinfo() };
-        NonNull::new(p).map(InfoList).ok_or_else(|| Error::Backend {
-            call: "fi_allocinfo",
-            message: "out of memory".into(),
-            source: None,
-        })
+    pub(crate) fn alloc(lib: &'static sys::Libfabric) -> Result<InfoList> {
+        let p = lib.fi_allocinfo();
+        NonNull::new(p)
+            .map(|p| InfoList(p, lib))
+            .ok_or_else(|| Error::Backend {
+                call: "fi_allocinfo",
+                message: "out of memory".into(),
+                source: None,
+            })
     }
 
-    /// Wraps a list that `fi_getinfo` returned (null means an empty list).
-    pub(crate) fn from_raw(p: *mut sys::fi_info) -> Option<InfoList> {
-        NonNull::new(p).map(InfoList)
+    /// Wraps a list that `lib`'s `fi_getinfo` returned (null means an empty list).
+    pub(crate) fn from_raw(lib: &'static sys::Libfabric, p: *mut sys::fi_info) -> Option<InfoList> {
+        NonNull::new(p).map(|p| InfoList(p, lib))
     }
 
     pub(crate) fn as_ptr(&self) -> *mut sys::fi_info {
@@ -208,8 +214,8 @@ impl InfoList {
 
 impl Drop for InfoList {
     fn drop(&mut self) {
-        // SAFETY: the list was allocated by libfabric and is freed once.
-        unsafe { sys::fi_freeinfo(self.0.as_ptr()) };
+        // SAFETY: the list was allocated by this library and is freed once.
+        unsafe { self.1.fi_freeinfo(self.0.as_ptr()) };
     }
 }
 

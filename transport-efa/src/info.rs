@@ -1,39 +1,69 @@
 //! Provider discovery: what `fi_getinfo` offers for FI_EP_RDM with FI_MSG | FI_RMA, the
 //! hints this crate asks with, and the API version it requests.
 
-use crate::fi::{InfoList, c_str, c_strdup, check};
+use crate::fi::{InfoList, c_str, c_strdup, check, lib};
 use fabric_core::{Error, Result};
 use libfabric_sys as sys;
 use serde::Serialize;
 use std::fmt;
 
+/// The libfabric this process loaded (see [`libfabric_sys::libfabric`] for where it is
+/// looked for), for `xfer info`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct Library {
+    /// The file as it was named (`XFER_LIBFABRIC`'s value, an `/opt/amazon/efa` path, or
+    /// `libfabric.so.1`).
+    pub path: String,
+    /// The file the loader mapped, with symbolic links resolved, where known.
+    pub resolved: Option<String>,
+    /// The library's version (`fi_version`), `(major, minor)`.
+    pub version: (u32, u32),
+    /// The API version this crate asks it for (see [`requested_api_version`]).
+    pub api: (u32, u32),
+    /// Whether its functions were found at the symbol versions the bindings describe.
+    pub versioned: bool,
+}
+
+/// Loads libfabric (once per process) and says which file, version and API version.
+///
+/// Fails with [`Error::Backend`] (call `"loading libfabric"`) naming every place looked at
+/// and how to install it.
+pub fn library() -> Result<Library> {
+    let lib = lib()?;
+    let v = lib.version();
+    let a = api_version(lib);
+    Ok(Library {
+        path: lib.path().to_string(),
+        resolved: lib.resolved_path().map(|p| p.display().to_string()),
+        version: (sys::FI_MAJOR(v), sys::FI_MINOR(v)),
+        api: (sys::FI_MAJOR(a), sys::FI_MINOR(a)),
+        versioned: lib.versioned(),
+    })
+}
+
 /// The version of the libfabric library loaded at run time, as `(major, minor)`.
-pub fn libfabric_version() -> (u32, u32) {
-    // SAFETY: fi_version takes no arguments and returns a constant.
-    let v = unsafe { sys::fi_version() };
-    (sys::FI_MAJOR(v), sys::FI_MINOR(v))
+pub fn libfabric_version() -> Result<(u32, u32)> {
+    library().map(|l| l.version)
 }
 
-/// The API version this crate asks `fi_getinfo` for: 1.18 (the first where the EFA
-/// provider uses the device's RDMA write instead of emulating it; 1.20 when built against
-/// headers with dmabuf registration), but never above the library loaded at run time
-/// (a newer request fails with `-FI_ENOSYS`) nor above the headers this crate was built
-/// with (their structs are what we pass).
-pub fn requested_api_version() -> (u32, u32) {
-    let v = api_version();
-    (sys::FI_MAJOR(v), sys::FI_MINOR(v))
+/// The API version this crate asks `fi_getinfo` for: 1.20 (1.18 is the first where the EFA
+/// provider uses the device's RDMA write instead of emulating it; 1.20 adds dmabuf
+/// registration), but never above the library loaded at run time (a newer request fails
+/// with `-FI_ENOSYS`). The structs passed to the library are those of 1.20 (see
+/// `libfabric_sys`), which an older library reads a prefix of.
+pub fn requested_api_version() -> Result<(u32, u32)> {
+    library().map(|l| l.api)
 }
 
-pub(crate) fn api_version() -> u32 {
-    let wanted = if cfg!(fi_mr_dmabuf) {
-        sys::FI_VERSION(1, 20)
-    } else {
-        sys::FI_VERSION(1, 18)
-    };
-    let headers = sys::FI_VERSION(sys::FI_MAJOR_VERSION, sys::FI_MINOR_VERSION);
-    // SAFETY: fi_version takes no arguments and returns a constant.
-    let runtime = unsafe { sys::fi_version() };
-    wanted.min(headers).min(runtime)
+/// The API version we request from `lib`.
+pub(crate) fn api_version(lib: &sys::Libfabric) -> u32 {
+    sys::FI_VERSION(1, 20).min(lib.version())
+}
+
+/// Whether `lib`, asked for our API version, takes dmabuf registrations (FI_MR_DMABUF).
+pub(crate) fn has_dmabuf(lib: &sys::Libfabric) -> bool {
+    api_version(lib) >= sys::FI_VERSION(1, 20)
 }
 
 /// A provider's progress model (`fi_progress`).
@@ -141,8 +171,8 @@ pub(crate) fn supported_mr_mode(hmem: bool) -> u64 {
 }
 
 /// Builds the hints for FI_EP_RDM with FI_MSG | FI_RMA (and FI_HMEM when asked).
-fn hints(hmem: bool, provider: Option<&str>) -> Result<InfoList> {
-    let hints = InfoList::alloc()?;
+fn hints(lib: &'static sys::Libfabric, hmem: bool, provider: Option<&str>) -> Result<InfoList> {
+    let hints = InfoList::alloc(lib)?;
     let p = hints.as_ptr();
     // SAFETY: fi_allocinfo returned an fi_info whose attribute pointers are all allocated;
     // we are its only user. Strings we put in are malloc'ed, as fi_freeinfo expects.
@@ -168,12 +198,14 @@ fn hints(hmem: bool, provider: Option<&str>) -> Result<InfoList> {
 
 /// Calls `fi_getinfo` with our hints; `Ok(None)` when nothing matches (-FI_ENODATA).
 pub(crate) fn getinfo(hmem: bool, provider: Option<&str>) -> Result<Option<InfoList>> {
-    let hints = hints(hmem, provider)?;
+    let lib = lib()?;
+    let hints = hints(lib, hmem, provider)?;
     let mut out: *mut sys::fi_info = std::ptr::null_mut();
-    // SAFETY: hints is a valid fi_info; out receives a list we own (freed by InfoList).
+    // SAFETY: hints is a valid fi_info of this library; out receives a list we own (freed
+    // by InfoList).
     let rc = unsafe {
-        sys::fi_getinfo(
-            api_version(),
+        lib.fi_getinfo(
+            api_version(lib),
             std::ptr::null(),
             std::ptr::null(),
             0,
@@ -185,7 +217,7 @@ pub(crate) fn getinfo(hmem: bool, provider: Option<&str>) -> Result<Option<InfoL
         return Ok(None);
     }
     check("fi_getinfo", rc as isize)?;
-    Ok(InfoList::from_raw(out))
+    Ok(InfoList::from_raw(lib, out))
 }
 
 /// Reads the attributes of one `fi_info` entry (hmem set to `hmem`).

@@ -150,5 +150,7 @@ mod transport;
 pub use address::ADDRESS_TAG;
 pub use config::{DEFAULT_PROVIDER, EfaConfig};
 pub use fi::FiError;
-pub use info::{Progress, ProviderInfo, info, libfabric_version, requested_api_version};
+pub use info::{
+    Library, Progress, ProviderInfo, info, libfabric_version, library, requested_api_version,
+};
 pub use transport::EfaTransport;

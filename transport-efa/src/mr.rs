@@ -61,6 +61,8 @@ pub(crate) struct Target<'a> {
     pub mr_key_size: usize,
     /// Whether the endpoint was opened with FI_HMEM.
     pub hmem: bool,
+    /// Whether the library takes FI_MR_DMABUF registrations (API 1.20+).
+    pub dmabuf: bool,
     pub provider: &'a str,
 }
 
@@ -175,23 +177,9 @@ pub(crate) fn register(
     })
 }
 
-/// `fi_mr_regattr` of one iovec (headers before 1.20: `mr_iov` is a plain field).
-#[cfg(not(fi_mr_dmabuf))]
-fn regattr(
-    t: &Target<'_>,
-    attr: &mut sys::fi_mr_attr,
-    iov: &sys::iovec,
-    _mem: &dyn MemoryRegion,
-    _len: u64,
-) -> Result<*mut sys::fid_mr> {
-    attr.mr_iov = iov;
-    mr_regattr(t, attr, 0)
-}
-
-/// `fi_mr_regattr` (headers from 1.20: `mr_iov` and `dmabuf` share a union). Device
-/// memory with a dmabuf export is registered through it (FI_MR_DMABUF) first; if the
-/// provider refuses, through its address.
-#[cfg(fi_mr_dmabuf)]
+/// `fi_mr_regattr` of one iovec. Device memory with a dmabuf export is registered
+/// through it (FI_MR_DMABUF, libfabric 1.20+) first; if the provider refuses, through its
+/// address.
 fn regattr(
     t: &Target<'_>,
     attr: &mut sys::fi_mr_attr,
@@ -199,20 +187,20 @@ fn regattr(
     mem: &dyn MemoryRegion,
     len: u64,
 ) -> Result<*mut sys::fid_mr> {
-    if let (MemoryLocation::Cuda { .. }, Some(d)) = (mem.location(), mem.dmabuf()) {
+    if let (MemoryLocation::Cuda { .. }, Some(d), true) = (mem.location(), mem.dmabuf(), t.dmabuf) {
         let dmabuf = sys::fi_mr_dmabuf {
             fd: d.fd,
             offset: d.offset,
             len: len as usize,
             base_addr: iov.iov_base,
         };
-        attr.__bindgen_anon_1.dmabuf = &dmabuf;
+        attr.mem.dmabuf = &dmabuf;
         match mr_regattr(t, attr, sys::FI_MR_DMABUF) {
             Ok(mr) => return Ok(mr),
             Err(e) => tracing::warn!("dmabuf registration failed ({e}); registering by address"),
         }
     }
-    attr.__bindgen_anon_1.mr_iov = iov;
+    attr.mem.mr_iov = iov;
     mr_regattr(t, attr, 0)
 }
 

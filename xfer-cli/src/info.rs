@@ -22,10 +22,16 @@ struct Info {
     topology_error: Option<String>,
 }
 
-/// The libfabric part (`--transport efa`): its version and each provider's attributes.
+/// The libfabric part (`--transport efa`): which file was loaded, its version and each
+/// provider's attributes.
 #[derive(Serialize)]
 struct LibfabricReport {
-    /// Version of the libfabric loaded.
+    /// The file loaded (as named, and as the loader resolved it), if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    path: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    resolved: Option<String>,
+    /// Version of the libfabric loaded ("none" if it could not be).
     version: String,
     /// API version requested from it.
     api: String,
@@ -36,24 +42,47 @@ struct LibfabricReport {
 }
 
 fn libfabric_report() -> LibfabricReport {
-    let (maj, min) = transport_efa::libfabric_version();
-    let (amaj, amin) = transport_efa::requested_api_version();
+    let lib = match transport_efa::library() {
+        Ok(lib) => lib,
+        Err(e) => {
+            return LibfabricReport {
+                path: None,
+                resolved: None,
+                version: "none".into(),
+                api: "none".into(),
+                providers: Vec::new(),
+                error: Some(e.to_string()),
+            };
+        }
+    };
     let (providers, error) = match transport_efa::info(None) {
         Ok(p) => (p, None),
-        Err(e) => (Vec::new(), Some(e.to_string())),
+        Err(e) => (Vec::new(), Some(format!("no provider: {e}"))),
     };
     LibfabricReport {
-        version: format!("{maj}.{min}"),
-        api: format!("{amaj}.{amin}"),
+        path: Some(lib.path),
+        resolved: lib.resolved,
+        version: format!("{}.{}", lib.version.0, lib.version.1),
+        api: format!("{}.{}", lib.api.0, lib.api.1),
         providers,
         error,
     }
 }
 
 fn libfabric_lines(l: &LibfabricReport) -> Vec<String> {
-    let mut lines = vec![format!("libfabric {} (API {} requested)", l.version, l.api)];
+    let mut lines = vec![match (&l.path, &l.resolved) {
+        (Some(p), Some(r)) if p != r => format!(
+            "libfabric {} (API {} requested), loaded from {p} ({r})",
+            l.version, l.api
+        ),
+        (Some(p), _) => format!(
+            "libfabric {} (API {} requested), loaded from {p}",
+            l.version, l.api
+        ),
+        (None, _) => "libfabric: not loaded".to_string(),
+    }];
     if let Some(e) = &l.error {
-        lines.push(format!("  no provider: {e}"));
+        lines.push(format!("  {e}"));
     }
     for p in &l.providers {
         lines.push(format!(

@@ -88,6 +88,8 @@ pub struct EfaTransport {
     tag_cq_data: bool,
     mr_mode: u64,
     hmem: bool,
+    /// Whether the library takes dmabuf registrations (API 1.20+).
+    dmabuf: bool,
     addr_format: u32,
     /// What `fi_getname` returned.
     raw_address: Vec<u8>,
@@ -175,8 +177,11 @@ impl EfaTransport {
         let entry_ptr = std::ptr::from_ref(entry).cast_mut();
 
         let mut fabric = std::ptr::null_mut();
-        // SAFETY: fabric_attr comes from a live fi_info; fabric receives the new object.
-        let rc = unsafe { sys::fi_fabric(entry.fabric_attr, &mut fabric, std::ptr::null_mut()) };
+        // SAFETY: fabric_attr comes from a live fi_info of this library (getinfo loaded
+        // it); fabric receives the new object.
+        let rc = unsafe {
+            crate::fi::lib()?.fi_fabric(entry.fabric_attr, &mut fabric, std::ptr::null_mut())
+        };
         check("fi_fabric", rc as isize)?;
         let fabric = Owned::new("fi_fabric", fabric)?;
 
@@ -251,6 +256,7 @@ impl EfaTransport {
             info: summary,
             mr_mode,
             hmem,
+            dmabuf: crate::fi::lib().is_ok_and(info::has_dmabuf),
             addr_format,
             raw_address,
             peers: HashMap::new(),
@@ -487,6 +493,7 @@ impl Transport for EfaTransport {
                 mr_mode: self.mr_mode,
                 mr_key_size: self.info.mr_key_size,
                 hmem: self.hmem,
+                dmabuf: self.dmabuf,
                 provider: &self.info.provider,
             },
             mem,
