@@ -2,13 +2,14 @@
 # What xfer needs to build and test, installed on Debian/Ubuntu when missing.
 # Sourced by scripts/test.sh and scripts/demo.sh; defines functions and runs nothing.
 
-# System packages: libfabric (transport-efa, libfabric-sys) and its headers for bindgen
-# (libclang, clang), hwloc with udev (topology), pkg-config to find them, the tools
-# fi_info and lstopo, and ip, tc and nft for the network-namespace fault tests
-# (transport-tcp/tests/netns_faults.rs).
+# System packages: a C toolchain (Rust's linker; building libfabric 2.6 for the tests),
+# libfabric (loaded at run time by transport-efa; the tests run against it, and fi_info),
+# hwloc with udev (topology) and pkg-config to find it, lstopo, and ip, tc and nft for the
+# network-namespace fault tests (transport-tcp/tests/netns_faults.rs).
 XFER_DEB_PACKAGES=(
-    libfabric-dev libfabric-bin
-    libclang-dev clang pkg-config
+    gcc libc6-dev make
+    libfabric1 libfabric-bin
+    pkg-config
     libhwloc-dev libudev-dev hwloc
     iproute2 nftables
 )
@@ -28,13 +29,13 @@ xfer_missing_packages() {
 xfer_install_deps() {
     if ! command -v dpkg-query >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1; then
         # Not Debian/Ubuntu: go on if pkg-config finds the libraries, else say what is needed.
-        if command -v pkg-config >/dev/null 2>&1 && command -v clang >/dev/null 2>&1 &&
-            pkg-config --exists libfabric hwloc libudev 2>/dev/null; then
+        if command -v pkg-config >/dev/null 2>&1 && command -v cc >/dev/null 2>&1 &&
+            pkg-config --exists hwloc libudev 2>/dev/null; then
             return 0
         fi
         echo "error: not a Debian/Ubuntu system and the build dependencies are not all found." >&2
-        echo "Install: libfabric (>= 1.17, with headers), hwloc (>= 2.8, with headers), libudev" >&2
-        echo "(headers), libclang and clang (for bindgen), pkg-config." >&2
+        echo "Install: a C compiler and make, hwloc (>= 2.8, with headers), libudev (headers)," >&2
+        echo "pkg-config; libfabric (>= 1.17) to run --transport efa and its tests." >&2
         return 1
     fi
     local missing

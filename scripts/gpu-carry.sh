@@ -5,6 +5,8 @@
 # `carry: [".carry"]`):
 #   bash .carry/gpu/gpu-proof.sh    # TCP with GPU memory: tests and figures
 #   bash .carry/gpu/ipc-proof.sh    # CUDA IPC: tests and figures
+#   bash .carry/gpu/efa-hmem-proof.sh LF   # libfabric with FI_HMEM (LF: a CUDA-enabled
+#                                          # libfabric prefix, see the script)
 #   bash .carry/gpu/bench.sh        # the README's figures on that machine
 #   .carry/gpu/sim_p5 8 4 3         # the engine alone at p5 scale (see benches/examples)
 set -euo pipefail
@@ -29,7 +31,9 @@ copy transport-tcp gpu tcp_gpu_tests
 copy transport-cuda-ipc conformance ipc_conformance_tests
 copy transport-cuda-ipc processes ipc_process_tests
 copy transport-efa hmem_cuda efa_hmem_tests
+copy transport-efa conformance_shm_cuda efa_hmem_conformance
 strip "$out"/* 2>/dev/null || true
-cp scripts/gpu-proof.sh scripts/ipc-proof.sh scripts/proof-lib.sh scripts/bench.sh "$out/"
+cp scripts/gpu-proof.sh scripts/ipc-proof.sh scripts/efa-hmem-proof.sh scripts/proof-lib.sh \
+    scripts/bench.sh "$out/"
 echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' (with uncommitted changes)')" >"$out/COMMIT"
 du -sh "$out"

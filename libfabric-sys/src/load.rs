@@ -155,8 +155,14 @@ fn open(candidate: &str) -> Result<libloading::os::unix::Library, String> {
     let flags = libc::RTLD_NOW | libc::RTLD_LOCAL;
     // SAFETY: loading libfabric runs its constructors, which only initialise its own
     // state (locks, logging, provider tables); nothing of ours runs in them.
-    unsafe { libloading::os::unix::Library::open(Some(candidate), flags) }
-        .map_err(|e| e.to_string().replace(&format!("{candidate}: "), ""))
+    unsafe { libloading::os::unix::Library::open(Some(candidate), flags) }.map_err(|e| {
+        let text = e.to_string();
+        // The loader's text starts with the name tried, which the error lists already.
+        match text.strip_prefix(&format!("{candidate}: ")) {
+            Some(rest) => rest.to_string(),
+            None => text,
+        }
+    })
 }
 
 fn bind(path: String, library: libloading::os::unix::Library) -> Result<Libfabric, LoadError> {

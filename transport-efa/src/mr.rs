@@ -195,13 +195,24 @@ fn regattr(
             base_addr: iov.iov_base,
         };
         attr.mem.dmabuf = &dmabuf;
-        match mr_regattr(t, attr, sys::FI_MR_DMABUF) {
+        match mr_regattr(t, attr, sys::FI_MR_DMABUF | device_only(mem)) {
             Ok(mr) => return Ok(mr),
             Err(e) => tracing::warn!("dmabuf registration failed ({e}); registering by address"),
         }
     }
     attr.mem.mr_iov = iov;
-    mr_regattr(t, attr, 0)
+    mr_regattr(t, attr, device_only(mem))
+}
+
+/// FI_HMEM_DEVICE_ONLY for device memory: it is allocated with the device API (not managed
+/// nor host-allocated), which lets shm move it with the device's IPC (a copy engine)
+/// instead of bouncing it through host buffers. `XFER_EFA_DEVICE_ONLY=0` leaves it out.
+fn device_only(mem: &dyn MemoryRegion) -> u64 {
+    let off = std::env::var("XFER_EFA_DEVICE_ONLY").is_ok_and(|v| v == "0");
+    match mem.location() {
+        MemoryLocation::Cuda { .. } if !off => sys::FI_HMEM_DEVICE_ONLY,
+        _ => 0,
+    }
 }
 
 fn mr_regattr(t: &Target<'_>, attr: &sys::fi_mr_attr, flags: u64) -> Result<*mut sys::fid_mr> {

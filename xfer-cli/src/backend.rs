@@ -159,6 +159,16 @@ fn parse_copy_method(s: &str) -> Result<gpu_mem::CopyMethod, String> {
 }
 
 impl BackendArgs {
+    /// Fails at once, before any memory is allocated, when the chosen transport cannot run
+    /// here at all: `--transport efa` without a loadable libfabric (the error names where
+    /// it was looked for and how to install it).
+    pub fn check_available(&self) -> Result<(), CliError> {
+        if self.transport == TransportKind::Efa {
+            transport_efa::library().map_err(CliError::from)?;
+        }
+        Ok(())
+    }
+
     /// This with `--transport auto` resolved for two endpoints (see
     /// [`TransportKind::resolve`]).
     pub fn resolved(&self, peer_gpu: bool, same_host: bool) -> BackendArgs {

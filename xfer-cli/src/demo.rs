@@ -20,6 +20,7 @@ use std::sync::{Arc, Barrier};
 /// Runs `xfer demo`.
 pub fn run(mut a: DemoArgs) -> Result<(), CliError> {
     let w = workload_of(&a.knobs)?;
+    a.backend.check_available()?;
     // Both endpoints are this process: same host, same kind of memory.
     let b = a.backend.resolved(true, true);
     // Both ends are on loopback: NICs only where --nics names them.

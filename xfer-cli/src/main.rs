@@ -315,8 +315,12 @@ impl From<Error> for CliError {
         let mut msg = e.to_string();
         let mut src = std::error::Error::source(&e);
         while let Some(s) = src {
-            msg.push_str(": ");
-            msg.push_str(&s.to_string());
+            // Errors that carry their source's text in their own message would say it twice.
+            let text = s.to_string();
+            if !msg.contains(&text) {
+                msg.push_str(": ");
+                msg.push_str(&text);
+            }
             src = s.source();
         }
         CliError::Failed(msg)

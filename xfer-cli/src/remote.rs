@@ -29,6 +29,7 @@ pub fn bench(mut a: BenchArgs) -> Result<(), CliError> {
         ));
     }
     let ctl_addr = control::parse_peer(&a.peer).map_err(CliError::Usage)?;
+    a.backend.check_available()?;
     // The NICs of each worker's rails (auto resolves to tcp unless the server picks
     // cuda-ipc, which runs on no NIC).
     let choices =
@@ -384,6 +385,7 @@ pub fn serve(mut a: ServeArgs) -> Result<(), CliError> {
     if let Some(r) = a.rails_asked {
         crate::setup::check_rails(r).map_err(CliError::Usage)?;
     }
+    a.backend.check_available()?;
     let listener = TcpListener::bind(a.listen)
         .map_err(|e| CliError::Failed(format!("cannot listen on {}: {e}", a.listen)))?;
     let ctl = listener

@@ -63,8 +63,18 @@ pub(super) fn open_cq(
     Ok((open(sys::FI_WAIT_NONE)?, None))
 }
 
-/// How long `wait` sleeps at most when the CQ has no descriptor (the trait's default).
-const NAP: Duration = Duration::from_micros(50);
+/// How long `wait` sleeps at most when the CQ has no descriptor (the trait's default),
+/// unless `XFER_EFA_IDLE_NAP_US` says otherwise (0: read the CQ without sleeping).
+fn nap() -> Duration {
+    static NAP: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *NAP.get_or_init(|| {
+        let us = std::env::var("XFER_EFA_IDLE_NAP_US")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(50);
+        Duration::from_micros(us)
+    })
+}
 
 impl EfaTransport {
     /// [`Transport::wait`](fabric_core::Transport::wait): returns once a completion is
@@ -79,8 +89,12 @@ impl EfaTransport {
             return Ok(());
         }
         let Some(fd) = self.wait_fd else {
+            let nap = nap();
+            if nap.is_zero() && self.info.data_progress == crate::info::Progress::Manual {
+                return self.spin_for_progress(timeout);
+            }
             // Nothing to sleep on but the engine's wake-ups: nap on those.
-            return self.sleep_on(None, timeout.min(NAP));
+            return self.sleep_on(None, timeout.min(nap));
         };
         let deadline = Instant::now() + timeout;
         let mut got = std::mem::take(&mut self.waited);
@@ -108,6 +122,36 @@ impl EfaTransport {
                 self.woken = false;
                 break Ok(());
             }
+        };
+        self.ready.extend(got.drain(..));
+        self.waited = got;
+        result
+    }
+
+    /// Reads the CQ (which drives a manual-progress provider such as shm, whose peers'
+    /// writes need this side's progress to land) without sleeping, yielding the core
+    /// between reads, until a completion arrives, the engine wakes us, or `timeout`.
+    fn spin_for_progress(&mut self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut got = std::mem::take(&mut self.waited);
+        let result = loop {
+            if !self.backlogged.is_empty() {
+                self.flush_backlogs();
+            }
+            if let Err(e) = self.read_cq(&mut got) {
+                break Err(e);
+            }
+            if !got.is_empty() || !self.ready.is_empty() || Instant::now() >= deadline {
+                break Ok(());
+            }
+            if let Err(e) = self.sleep_on(None, Duration::ZERO) {
+                break Err(e);
+            }
+            if self.woken {
+                self.woken = false;
+                break Ok(());
+            }
+            std::thread::yield_now();
         };
         self.ready.extend(got.drain(..));
         self.waited = got;

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# The GPU proof of the libfabric path (transport-efa with FI_HMEM), for a machine with an
+# NVIDIA GPU and no Rust toolchain: CUDA memory through libfabric's shm provider, tested and
+# measured against the provider's own benchmark (fabtests' fi_rma_bw) in the same run.
+#
+#   bash .carry/gpu/efa-hmem-proof.sh LF_PREFIX
+#
+# LF_PREFIX is a libfabric built with CUDA and fabtests by
+# ../shared/vendor/build-libfabric-cuda.sh (carried as a .tgz and unpacked). Build the rest
+# here with scripts/gpu-carry.sh. Every step is counted; the script exits non-zero when a
+# test fails, a run does not verify, or a step hangs past its timeout.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+# shellcheck source=scripts/proof-lib.sh
+source ./proof-lib.sh
+LF=$(cd "${1:?usage: efa-hmem-proof.sh LF_PREFIX}" && pwd)
+export XFER_LIBFABRIC=$LF/lib/libfabric.so.1
+export FI_PROVIDER_PATH=$LF/lib/libfabric
+export XFER_REQUIRE_HMEM=1 XFER_REQUIRE_LIBFABRIC=1
+X=./xfer
+RUNS=${RUNS:-3}
+proof_machine
+step "fi_info shm FI_HMEM" env LD_LIBRARY_PATH="$LF/lib" "$LF/bin/fi_info" -p shm -c FI_HMEM -t FI_EP_RDM
+step "xfer info" $X info
+
+# Tests, each bounded: a hang fails its step instead of the run.
+step "tests efa_hmem" timeout 300 ./efa_hmem_tests --include-ignored --test-threads=1
+step "tests efa_hmem_conformance" timeout 600 ./efa_hmem_conformance --include-ignored --test-threads=1
+
+# fi_rma_bw, one run: two processes over shm, 64 KiB writes with remote CQ data, a window of
+# 64. Prints MB/s (fabtests' MB is 10^6 bytes).
+rma_bw() { # extra args...
+    local port=$((9300 + RANDOM % 500)) out
+    env LD_LIBRARY_PATH="$LF/lib" timeout 60 "$LF/bin/fi_rma_bw" -p shm -E"$port" -o writedata -S 65536 -W 64 -I 20000 "$@" >/dev/null 2>&1 &
+    local srv=$!
+    sleep 0.5
+    out=$(env LD_LIBRARY_PATH="$LF/lib" timeout 60 "$LF/bin/fi_rma_bw" -p shm -E"$port" -o writedata -S 65536 -W 64 -I 20000 "$@" 127.0.0.1 2>&1 | awk '/^64k/ {print $5}')
+    wait $srv || true
+    echo "${out:-0}"
+}
+
+# xfer bench against xfer serve, two processes, one run: prints Gbps, or fails.
+bench() { # memory rails [env...]
+    local mem=$1 rails=$2 port=$((7500 + RANDOM % 400))
+    shift 2
+    local gpus=()
+    [[ $mem == cuda ]] && gpus=(--gpus 0)
+    env "$@" timeout 120 $X serve --transport efa --provider shm --memory "$mem" "${gpus[@]}" \
+        --listen 127.0.0.1:$port --region-size 256MiB >serve.log 2>&1 &
+    local srv=$!
+    for _ in $(seq 100); do grep -q "xfer bench" serve.log && break; sleep 0.1; done
+    local json
+    json=$(env "$@" timeout 120 $X bench --peer xfer://127.0.0.1:$port --transport efa --provider shm \
+        --memory "$mem" "${gpus[@]}" --rails "$rails" --region-size 256MiB --page-size 64KiB --pages 1000 --bytes 8GiB --json 2>bench.err) || {
+        kill $srv 2>/dev/null; cat bench.err serve.log >&2; return 1; }
+    kill $srv 2>/dev/null; wait $srv 2>/dev/null || true
+    python3 -c 'import json,sys; d=json.loads(sys.argv[1]); assert d["verified"], d; print(round(d["gbps"],2))' "$json"
+}
+
+median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
+
+# One comparison row: fi_rma_bw and our bench interleaved, RUNS times each.
+row() { # memory rails [env...]
+    local mem=$1 rails=$2
+    shift 2
+    local fi=() us=() d=()
+    [[ $mem == cuda ]] && d=(-D cuda)
+    for _ in $(seq "$RUNS"); do
+        fi+=("$(rma_bw "${d[@]}")")
+        us+=("$(bench "$mem" "$rails" "$@")") || { proof_failed+=("bench $mem x$rails $*"); return; }
+    done
+    local fim usm
+    fim=$(median "${fi[@]}")
+    usm=$(median "${us[@]}")
+    python3 - "$mem" "$rails" "$fim" "$usm" "${fi[*]}" "${us[*]}" "$*" <<'PY'
+import sys
+mem, rails, fi, us, fis, uss, env = sys.argv[1:]
+fi_gbps = float(fi) * 8 / 1000
+print(f"| {mem} | {rails} | {env or '-'} | fi_rma_bw {fi_gbps:.1f} Gbps ({fis} MB/s) | xfer {float(us):.1f} Gbps ({uss}) | ratio {float(us)/fi_gbps if fi_gbps else 0:.2f} |")
+PY
+}
+
+echo "== speed: 64 KiB writes, two processes over shm, medians of $RUNS (MB/s of fi_rma_bw are 10^6 B/s)"
+for v in ${VARIANTS:-"-"}; do
+    e=()
+    [[ $v != - ]] && IFS=, read -r -a e <<<"$v"
+    for mem in host cuda; do
+        for rails in 1 4; do row "$mem" "$rails" "${e[@]}"; done
+    done
+done
+proof_verdict
