@@ -197,7 +197,7 @@ fn bind(path: String, library: libloading::os::unix::Library) -> Result<Libfabri
     let fabric = sym("fi_fabric", "FABRIC_1.1")?;
     let version = sym("fi_version", "FABRIC_1.0")?;
     let strerror = sym("fi_strerror", "FABRIC_1.0")?;
-    // SAFETY (all six): each pointer is the address of the libfabric function of that
+    // SAFETY: each of the six pointers is the address of the libfabric function of that
     // name and ABI version, whose C signature (fabric.h) is the one transmuted to.
     unsafe {
         Ok(Libfabric {

@@ -54,9 +54,22 @@
 //! ## Memory registration
 //! FI_MR_PROV_KEY (else unique requested keys), FI_MR_VIRT_ADDR (else offsets: then
 //! [`RemoteRegion::addr`](fabric_core::RemoteRegion::addr) is 0), FI_MR_LOCAL descriptors,
-//! FI_MR_ENDPOINT binding. CUDA memory needs [`EfaConfig::hmem`] and a provider with
-//! FI_HMEM; it is registered with `fi_mr_regattr` (FI_HMEM_CUDA), from its dmabuf when the
-//! libfabric headers have FI_MR_DMABUF (1.20+) and the memory layer exports one.
+//! FI_MR_ENDPOINT binding (decided in one place from the provider's attributes; p5's `efa`
+//! attributes are checked by unit tests). CUDA memory needs [`EfaConfig::hmem`] and a
+//! provider with FI_HMEM; a CUDA region on an endpoint without it is refused at `register`,
+//! never handed to the provider as host memory (libfabric would quietly treat it as such).
+//! It is registered with `fi_mr_regattr` (FI_HMEM_CUDA, FI_HMEM_DEVICE_ONLY: shm then moves
+//! it with CUDA IPC instead of bouncing it through host buffers; `XFER_EFA_DEVICE_ONLY=0`
+//! leaves that flag out), from its dmabuf first (FI_MR_DMABUF) when the library loaded
+//! takes API 1.20 and the memory layer exports one, else by address.
+//!
+//! ## libfabric at run time
+//! Nothing links against libfabric: `libfabric-sys` loads it on first use, from
+//! `XFER_LIBFABRIC`, then `/opt/amazon/efa`, then the system's (see [`library`]), and asks
+//! it for API 1.20 or its own version if older. Its suites run in CI against Debian's 1.17
+//! and against 2.6 built from `../shared/vendor` (`scripts/libfabric-2.6.sh`). 2.x also
+//! offers FI_EP_RDM over tcp as provider `tcp` itself (auto progress) besides `tcp;ofi_rxm`;
+//! asking for `tcp` takes the first that libfabric lists.
 //!
 //! ## Choices, and provider quirks they absorb
 //! Checked with libfabric 1.17's `tcp;ofi_rxm`, `sockets` and `shm` (the test files say
@@ -112,9 +125,15 @@
 //!   holds with every provider and is safe: a zero-length write places nothing, and the
 //!   engine's immediate-data write goes out only after the writes it follows were placed.
 //! - `efa` does not order RMA writes (the device's SRD transport is unordered), so
-//!   placement must be known before the immediate-data write goes out. Asking for delivery
-//!   completion costs nothing there: with device RDMA write (API 1.18+), the provider
-//!   posts the same RDMA write whether or not it is asked for it.
+//!   placement must be known before the immediate-data write goes out. What delivery
+//!   completion costs there, from the provider's source (libfabric 2.6,
+//!   `prov/efa/src/rdm/efa_rdm_rma.c`, `efa_rdm_rma_post_write`): when the write goes out as
+//!   the device's RDMA write (API 1.18+, p5's devices, after the handshake with the peer),
+//!   the flag is not consulted at all: the same RDMA write is posted and its completion
+//!   already means the data is in the target's memory. Only the emulated protocols (no
+//!   device RDMA write, or a peer before its handshake) switch to their `DC_` variants
+//!   (`DC_EAGER_RTW`, `DC_LONGCTS_RTW`), which wait for a receipt packet from the target: one
+//!   more trip, on a path p5 does not take for data.
 //!
 //! ## Progress
 //! tcp and shm have manual data progress: bytes move, at the initiator and at the target,
@@ -126,7 +145,11 @@
 //! sends), so peers' writes land as they arrive without a spinning thread. Such a transport
 //! reports [`busy_poll`](fabric_core::TransportLimits::busy_poll) `false`. Elsewhere (shm
 //! offers no descriptor; efa and sockets progress on their own) `wait` naps 50 µs as the
-//! trait's default does and `busy_poll` is `true`. A target that only napped held the tcp
+//! trait's default does and `busy_poll` is `true`. `XFER_EFA_IDLE_NAP_US=0` makes such a
+//! `wait` read the CQ without sleeping (yielding the core) when the provider's progress is
+//! manual: shm in one process (`xfer demo`) then moves 25 Gbps instead of 4.6 on the H200
+//! (libfabric 2.6), because its target copies a peer's write only inside its own progress;
+//! between processes it changed nothing measurable, so it is not the default. A target that only napped held the tcp
 //! provider at about 2 Gbps in `xfer demo` (64 KiB pages) where it reaches 6–10 now.
 //!
 //! ## Discovery
@@ -140,6 +163,7 @@
 #![warn(missing_docs)]
 
 mod address;
+mod attrs;
 mod config;
 mod fi;
 mod info;

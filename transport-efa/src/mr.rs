@@ -57,7 +57,7 @@ impl Registered {
 pub(crate) struct Target<'a> {
     pub domain: &'a Owned<sys::fid_domain>,
     pub ep: &'a Owned<sys::fid_ep>,
-    pub mr_mode: u64,
+    pub policy: crate::attrs::Policy,
     pub mr_key_size: usize,
     /// Whether the endpoint was opened with FI_HMEM.
     pub hmem: bool,
@@ -118,7 +118,7 @@ pub(crate) fn register(
             (sys::FI_HMEM_CUDA, device, mem.device_addr())
         }
     };
-    let requested_key = if t.mr_mode & sys::FI_MR_PROV_KEY != 0 {
+    let requested_key = if t.policy.provider_keys {
         0
     } else {
         fit_key(requested_key, t.mr_key_size)
@@ -137,7 +137,7 @@ pub(crate) fn register(
     attr.device.cuda = device as i32;
     let mr = regattr(&t, &mut attr, &iov, &*mem, len)?;
     let mr = Owned::new("fi_mr_regattr", mr)?;
-    if t.mr_mode & sys::FI_MR_ENDPOINT != 0 {
+    if t.policy.bind_to_endpoint {
         // SAFETY: mr and ep are open objects of the same domain.
         let rc = unsafe { sys::fi_mr_bind(mr.as_ptr(), t.ep.fid(), 0) };
         check("fi_mr_bind", rc as isize)?;
@@ -145,7 +145,7 @@ pub(crate) fn register(
         let rc = unsafe { sys::fi_mr_enable(mr.as_ptr()) };
         check("fi_mr_enable", rc as isize)?;
     }
-    let key = if t.mr_mode & sys::FI_MR_PROV_KEY != 0 {
+    let key = if t.policy.provider_keys {
         // SAFETY: mr is open.
         let k = unsafe { sys::fi_mr_key(mr.as_ptr()) };
         if k == sys::FI_KEY_NOTAVAIL {
@@ -159,11 +159,7 @@ pub(crate) fn register(
     } else {
         requested_key
     };
-    let remote_addr = if t.mr_mode & sys::FI_MR_VIRT_ADDR != 0 {
-        base
-    } else {
-        0
-    };
+    let remote_addr = t.policy.remote_addr(base);
     Ok(Registered {
         mr,
         _mem: mem,

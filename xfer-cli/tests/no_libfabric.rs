@@ -10,7 +10,6 @@
 //! root, as the namespace tests do.
 
 #[path = "../../transport-tcp/tests/netns/mod.rs"]
-#[allow(dead_code)]
 mod netns;
 
 use std::collections::BTreeSet;

@@ -1,6 +1,7 @@
 //! [`EfaTransport`]: the [`Transport`] over one libfabric FI_EP_RDM endpoint.
 
 use crate::address;
+use crate::attrs::Policy;
 use crate::config::EfaConfig;
 use crate::fi::{FiError, InfoList, Owned, check};
 use crate::info::{self, ProviderInfo};
@@ -84,9 +85,10 @@ pub struct EfaTransport {
     fabric: Owned<sys::fid_fabric>,
 
     info: ProviderInfo,
+    /// What the provider's attributes decide (keys, addressing, immediate data, sizes).
+    policy: Policy,
     /// Whether SENDs tag their CQ data (see [`SEND_IMM`]).
     tag_cq_data: bool,
-    mr_mode: u64,
     hmem: bool,
     /// Whether the library takes dmabuf registrations (API 1.20+).
     dmabuf: bool,
@@ -166,14 +168,9 @@ impl EfaTransport {
         let entry = choose(&list, config)?;
         let summary = info::summarize(entry, config.hmem);
         // SAFETY: entries from fi_getinfo have valid attribute pointers.
-        let (dom_attr, tx_attr) = unsafe { (&*entry.domain_attr, &*entry.tx_attr) };
-        if tx_attr.iov_limit == 0 || tx_attr.rma_iov_limit == 0 {
-            return Err(Error::Unsupported(format!(
-                "provider {} reports iov_limit {} / rma_iov_limit {}",
-                summary.provider, tx_attr.iov_limit, tx_attr.rma_iov_limit
-            )));
-        }
+        let dom_attr = unsafe { &*entry.domain_attr };
         let mr_mode = dom_attr.mr_mode as u32 as u64;
+        let policy = Policy::of(&summary, mr_mode)?;
         let entry_ptr = std::ptr::from_ref(entry).cast_mut();
 
         let mut fabric = std::ptr::null_mut();
@@ -252,9 +249,9 @@ impl EfaTransport {
             cq,
             domain,
             fabric,
-            tag_cq_data: summary.cq_data_size >= 8,
+            tag_cq_data: policy.tag_sends,
+            policy,
             info: summary,
-            mr_mode,
             hmem,
             dmabuf: crate::fi::lib().is_ok_and(info::has_dmabuf),
             addr_format,
@@ -317,7 +314,7 @@ impl EfaTransport {
     }
 
     fn check_imm(&self, imm: Option<u32>) -> Result<()> {
-        if imm.is_some() && self.info.cq_data_size < 4 {
+        if imm.is_some() && !self.policy.imm {
             return Err(Error::Unsupported(format!(
                 "immediate data needs 4 bytes of CQ data; provider {} offers {}",
                 self.info.provider, self.info.cq_data_size
@@ -414,15 +411,11 @@ impl Transport for EfaTransport {
     }
 
     fn limits(&self) -> TransportLimits {
-        TransportLimits {
-            max_msg_size: self.info.max_msg_size,
-            max_outstanding: self.info.tx_size.max(1),
-            write_imm: self.info.cq_data_size >= 4,
-            // With a wait descriptor, `wait` sleeps until the provider has something to do;
-            // without one (efa and sockets progress on their own, shm offers none), the CQ
-            // is read in a busy loop while operations are in flight.
-            busy_poll: self.wait_fd.is_none(),
-        }
+        // With a wait descriptor, `wait` sleeps until the provider has something to do;
+        // without one (efa and sockets progress on their own, shm offers none), the CQ is
+        // read in a busy loop while operations are in flight.
+        self.policy
+            .limits(self.info.tx_size, self.wait_fd.is_none())
     }
 
     fn add_peer(&mut self, addr: &[u8]) -> Result<PeerId> {
@@ -490,7 +483,7 @@ impl Transport for EfaTransport {
             mr::Target {
                 domain: &self.domain,
                 ep: &self.ep,
-                mr_mode: self.mr_mode,
+                policy: self.policy,
                 mr_key_size: self.info.mr_key_size,
                 hmem: self.hmem,
                 dmabuf: self.dmabuf,
