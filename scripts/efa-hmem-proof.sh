@@ -80,6 +80,12 @@ print(f"| {mem} | {rails} | {env or '-'} | fi_rma_bw {fi_gbps:.1f} Gbps ({fis} M
 PY
 }
 
+# Which registration path CUDA memory took (dmabuf first, then by address): the bench's
+# regions come from gpu-mem, which exports a dmabuf; the tests' own buffers have none.
+echo "== registration paths (RUST_LOG=transport_efa=debug)"
+bench cuda 1 RUST_LOG=transport_efa=debug >/dev/null 2>&1 || true
+grep -ho 'CUDA memory registered [a-z ]*' serve.log bench.err | sort | uniq -c || true
+
 echo "== speed: 64 KiB writes, two processes over shm, medians of $RUNS (MB/s of fi_rma_bw are 10^6 B/s)"
 for v in ${VARIANTS:-"-"}; do
     e=()

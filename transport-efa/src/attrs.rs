@@ -122,7 +122,10 @@ mod tests {
         let (info, mr_mode) = p5_efa();
         let p = Policy::of(&info, mr_mode).unwrap();
         assert!(p.imm && p.limits(info.tx_size, false).write_imm);
-        assert!(!p.tag_sends, "4 bytes of CQ data leave no room for the send tag");
+        assert!(
+            !p.tag_sends,
+            "4 bytes of CQ data leave no room for the send tag"
+        );
     }
 
     #[test]

@@ -192,12 +192,27 @@ fn regattr(
         };
         attr.mem.dmabuf = &dmabuf;
         match mr_regattr(t, attr, sys::FI_MR_DMABUF | device_only(mem)) {
-            Ok(mr) => return Ok(mr),
+            Ok(mr) => {
+                tracing::debug!(
+                    len,
+                    provider = t.provider,
+                    "CUDA memory registered from its dmabuf"
+                );
+                return Ok(mr);
+            }
             Err(e) => tracing::warn!("dmabuf registration failed ({e}); registering by address"),
         }
     }
     attr.mem.mr_iov = iov;
-    mr_regattr(t, attr, device_only(mem))
+    let mr = mr_regattr(t, attr, device_only(mem))?;
+    if attr.iface != sys::FI_HMEM_SYSTEM {
+        tracing::debug!(
+            len,
+            provider = t.provider,
+            "CUDA memory registered by address"
+        );
+    }
+    Ok(mr)
 }
 
 /// FI_HMEM_DEVICE_ONLY for device memory: it is allocated with the device API (not managed

@@ -8,8 +8,16 @@
 //! (`scripts/gpu-proof.sh`, with `XFER_LIBFABRIC` pointing at that build), and each fails
 //! naming what is missing. The provider can be changed with `XFER_HMEM_PROVIDER`.
 //!
-//! The cases shm cannot complete on host memory (see `conformance_shm.rs`) are left out
-//! here for the same reason: the provider never completes them.
+//! Left out, because the provider cannot complete them here:
+//! - the cases shm cannot complete on host memory either (see `conformance_shm.rs`);
+//! - every case that writes into device memory (`write_without_imm`, `write_with_imm`,
+//!   `many_operations_in_flight`, `zero_and_large_segments`,
+//!   `idle_target_progresses_through_wait`): with both endpoints in one process, libfabric
+//!   2.6's shm (CMA is off with FI_HMEM, so it copies through its bounce buffers) reported a
+//!   write into GPU memory complete while the bytes were not there, and never delivered the
+//!   immediate data of others (H200, with and without FI_HMEM_DEVICE_ONLY). Between two
+//!   processes, as shm is used, the same writes land and verify: `hmem_cuda.rs` and
+//!   `xfer bench` against `xfer serve` (`scripts/efa-hmem-proof.sh`).
 
 mod common;
 
@@ -65,12 +73,7 @@ macro_rules! cases {
 cases!(
     send_recv_order_and_lengths,
     send_before_recv_is_posted,
-    write_without_imm,
-    write_with_imm,
     out_of_bounds_write_fails,
     local_errors_fail_at_post,
     remove_peer_with_ops_in_flight,
-    many_operations_in_flight,
-    zero_and_large_segments,
-    idle_target_progresses_through_wait,
 );
