@@ -12,7 +12,7 @@
 use crate::bindings::{fi_hmem_iface, fid_mr, iovec};
 use core::ffi::c_void;
 
-/// `FI_MR_DMABUF` (1.20): the registration's memory is a dmabuf ([`fi_mr_attr::dmabuf`]).
+/// `FI_MR_DMABUF` (1.20): the registration's memory is a dmabuf (`fi_mr_attr.mem.dmabuf`).
 pub const FI_MR_DMABUF: u64 = 1 << 40;
 
 /// `struct fi_mr_dmabuf` (1.20).

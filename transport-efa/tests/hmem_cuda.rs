@@ -185,14 +185,15 @@ fn hmem_is_there_when_required() {
 /// Lines a process of the two-process round trip says to the other start with this.
 const SAY: &str = "XFER ";
 
-/// Reads lines of `input` in a thread, forwarding those that start with [`SAY`].
+/// Reads lines of `input` in a thread, forwarding what follows [`SAY`] in those that hold
+/// it (the test harness may print its own text before it on the same line).
 fn said_lines(input: impl std::io::Read + Send + 'static) -> std::sync::mpsc::Receiver<String> {
     use std::io::BufRead;
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         for line in std::io::BufReader::new(input).lines().map_while(Result::ok) {
-            if let Some(rest) = line.strip_prefix(SAY)
-                && tx.send(rest.to_string()).is_err()
+            if let Some(at) = line.find(SAY)
+                && tx.send(line[at + SAY.len()..].to_string()).is_err()
             {
                 break;
             }
@@ -258,27 +259,47 @@ fn pattern(len: usize, seed: usize) -> Vec<u8> {
 const LENGTHS: [usize; 3] = [1000, 64 << 10, 4 << 20];
 
 /// Host memory in this process, CUDA memory in a child process (this test binary again,
-/// `XFER_HMEM_CHILD=1`): shm between two processes, as it is used. Host -> device writes
-/// are checked in the child, device -> host writes here, every byte.
+/// `XFER_HMEM_CHILD=cuda`): shm between two processes, as it is used. Host -> device
+/// writes are checked in the child, device -> host writes here, every byte.
 #[test]
 #[ignore = "needs a CUDA GPU and a libfabric with FI_HMEM (--include-ignored runs it; scripts/efa-hmem-proof.sh)"]
 fn cuda_memory_round_trip_between_processes() {
-    if std::env::var_os("XFER_HMEM_CHILD").is_some() {
-        return hmem_child();
+    round_trip_between_processes(true);
+}
+
+/// The same two processes with host memory on both sides, which any machine with shm can
+/// run: it checks the protocol of the CUDA case (and shm between processes) in CI.
+#[test]
+fn host_memory_round_trip_between_processes() {
+    if std::env::var_os("XFER_HMEM_CHILD").is_none() && common::maker("shm").is_none() {
+        return;
     }
-    let provider = provider();
-    let cfg = EfaConfig::with_provider(provider.clone()).hmem(true);
+    round_trip_between_processes(false);
+}
+
+fn round_trip_between_processes(cuda: bool) {
+    let test = if cuda {
+        "cuda_memory_round_trip_between_processes"
+    } else {
+        "host_memory_round_trip_between_processes"
+    };
+    if std::env::var_os("XFER_HMEM_CHILD").is_some() {
+        return hmem_child(cuda);
+    }
+    let provider = if cuda { provider() } else { "shm".into() };
+    let cfg = EfaConfig::with_provider(provider.clone()).hmem(cuda);
     let mut a = EfaTransport::new(&cfg)
         .unwrap_or_else(|e| missing(format!("{provider} with FI_HMEM: {e}")));
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "cuda_memory_round_trip_between_processes",
+            test,
             "--include-ignored",
             "--nocapture",
             "--test-threads=1",
         ])
         .env("XFER_HMEM_CHILD", "1")
+        .env_remove("XFER_REQUIRE_HMEM")
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .spawn()
@@ -287,7 +308,7 @@ fn cuda_memory_round_trip_between_processes() {
     let mut to_child = child.stdin.take().unwrap();
     let mut tell = |s: String| {
         use std::io::Write;
-        writeln!(to_child, "{s}").expect("tell the child");
+        writeln!(to_child, "{SAY}{s}").expect("tell the child");
     };
     let max = *LENGTHS.iter().max().unwrap();
     let src = fabric_core::HostBuffer::new_shared(max).unwrap();
@@ -342,20 +363,28 @@ fn cuda_memory_round_trip_between_processes() {
             back.to_vec(0, len).unwrap() == pattern(len, i),
             "device -> host: {len} bytes differ"
         );
-        eprintln!("{provider}, two processes: {len} bytes host -> device -> host ok");
+        eprintln!(
+            "{provider}, two processes: {len} bytes to the peer's {} memory and back ok",
+            if cuda { "CUDA" } else { "host" }
+        );
     }
     tell("quit".into());
     assert!(child.wait().unwrap().success(), "the child failed");
 }
 
-/// The child of [`cuda_memory_round_trip_between_processes`]: CUDA memory on a transport
-/// of its own, driven by the parent's lines on stdin.
-fn hmem_child() {
-    let cuda = Arc::new(Cuda::load().unwrap_or_else(|e| missing(e)));
-    let cfg = EfaConfig::with_provider(provider()).hmem(true);
-    let mut b = EfaTransport::new(&cfg).unwrap();
+/// The child of [`round_trip_between_processes`]: CUDA (or host) memory on a transport of
+/// its own, driven by the parent's lines on stdin.
+fn hmem_child(cuda: bool) {
     let max = *LENGTHS.iter().max().unwrap();
-    let dev = Arc::new(DeviceBuffer::new(&cuda, max));
+    let (cfg, dev): (EfaConfig, Arc<dyn MemoryRegion>) = if cuda {
+        let driver = Arc::new(Cuda::load().unwrap_or_else(|e| missing(e)));
+        let cfg = EfaConfig::with_provider(provider()).hmem(true);
+        (cfg, Arc::new(DeviceBuffer::new(&driver, max)))
+    } else {
+        let buf: Arc<dyn MemoryRegion> = fabric_core::HostBuffer::new_shared(max).unwrap();
+        (EfaConfig::with_provider("shm"), buf)
+    };
+    let mut b = EfaTransport::new(&cfg).unwrap();
     dev.write_from_host(0, &vec![0; max]).unwrap();
     let r = b
         .register(dev.clone(), Access::REMOTE_WRITE | Access::LOCAL_WRITE)
