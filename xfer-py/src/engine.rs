@@ -146,7 +146,6 @@ pub struct Registration {
     reg: GroupRegistration,
     descriptor: Vec<u8>,
     nbytes: u64,
-    obj: Py<PyAny>,
     cuda: bool,
     closed: AtomicBool,
 }
@@ -388,7 +387,6 @@ impl Engine {
             descriptor: wire::encode_descriptor(&reg.remote),
             reg,
             nbytes,
-            obj: obj.clone().unbind(),
             cuda,
             closed: AtomicBool::new(false),
         })
@@ -624,10 +622,13 @@ impl Registration {
         PyBytes::new(py, &self.descriptor)
     }
 
-    /// The registered object.
+    /// The registered object, or None once the registration is closed (it no longer
+    /// holds the object then).
     #[getter]
-    fn obj(&self, py: Python<'_>) -> Py<PyAny> {
-        self.obj.clone_ref(py)
+    fn obj(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        lock(&self.shared.regs)
+            .get(&self.id)
+            .map(|h| h.obj().clone_ref(py))
     }
 
     /// Length of the registered memory in bytes.

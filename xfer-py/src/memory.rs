@@ -92,6 +92,8 @@ enum Keep {
 pub struct Held {
     region: Arc<dyn MemoryRegion>,
     keep: Keep,
+    /// The registered object (what `Registration.obj` returns while it is open).
+    obj: Py<PyAny>,
 }
 
 impl Held {
@@ -100,16 +102,22 @@ impl Held {
         self.region.clone()
     }
 
+    /// The registered object.
+    pub fn obj(&self) -> &Py<PyAny> {
+        &self.obj
+    }
+
     /// Gives the memory back if no transport holds the region any more (only this `Held`
     /// does), else returns itself, to be tried again later. Call with the GIL held.
     pub fn release(self) -> Result<(), Held> {
         if Arc::strong_count(&self.region) > 1 {
             return Err(self);
         }
-        let Held { region, keep } = self;
+        let Held { region, keep, obj } = self;
         // The region goes first: nothing can reach the memory once the view is gone.
         drop(region);
         drop(keep);
+        drop(obj);
         Ok(())
     }
 
@@ -202,6 +210,7 @@ pub fn take(obj: &Bound<'_, PyAny>, remote_write: bool, accept: Accept) -> PyRes
     Ok(Held {
         region: Arc::new(PyHostRegion { ptr, len }),
         keep: Keep::View(buf),
+        obj: obj.clone().unbind(),
     })
 }
 
@@ -298,6 +307,7 @@ fn cuda_region(obj: &Bound<'_, PyAny>, remote_write: bool, accept: Accept) -> Py
             device: accept.gpu,
         }),
         keep: Keep::Object(obj.clone().unbind()),
+        obj: obj.clone().unbind(),
     })
 }
 
