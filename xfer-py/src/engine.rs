@@ -305,6 +305,7 @@ impl Engine {
             .detach(|| opts.spawn("xfer-py"))
             .map_err(|e| build_error(&e))?;
         let address = EngineAddress {
+            process: std::process::id(),
             transport: kind.name().into(),
             rails: group.addresses(),
         }
@@ -402,6 +403,13 @@ impl Engine {
                  engines with the same transport",
                 a.transport,
                 core.kind.name()
+            )));
+        }
+        if core.kind == TransportKind::Mem && a.process != std::process::id() {
+            return Err(invalid(format!(
+                "transport=\"mem\" connects engines of one process, and this address is from \
+                 process {}: use transport=\"tcp\" between processes",
+                a.process
             )));
         }
         let peer = py

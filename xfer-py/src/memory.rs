@@ -1,5 +1,6 @@
 //! Python memory as engine regions: host buffers taken through the buffer protocol, CUDA
-//! tensors through `__cuda_array_interface__`.
+//! tensors through `__cuda_array_interface__`, and other tensors (CPU or CUDA) through
+//! DLPack (`__dlpack__`).
 //!
 //! A region reaches the transports as a raw pointer and a length ([`MemoryRegion`]); what
 //! keeps the memory alive is held next to it in a [`Held`]: the buffer-protocol view
@@ -144,7 +145,7 @@ pub fn take(obj: &Bound<'_, PyAny>, remote_write: bool, accept: Accept) -> PyRes
         return cuda_region(obj, remote_write, accept);
     }
     let type_name = obj.get_type().name()?.to_string();
-    if accept.kind == TransportKind::CudaIpc {
+    if accept.kind == TransportKind::CudaIpc && !dlpack_on_cuda(obj)? {
         return Err(invalid(format!(
             "this engine (transport=\"cuda-ipc\") moves GPU memory, and {type_name} is host memory: \
              register a CUDA tensor (tensor.cuda()), or make the engine with transport=\"tcp\" for host memory"
@@ -153,27 +154,20 @@ pub fn take(obj: &Bound<'_, PyAny>, remote_write: bool, accept: Accept) -> PyRes
     let builtins = obj.py().import("builtins")?;
     let view = match builtins.getattr("memoryview")?.call1((obj,)) {
         Ok(v) => v,
+        Err(_) if obj.hasattr("__dlpack__")? => return dlpack_region(obj, remote_write, accept),
         Err(_) => {
             if obj.hasattr("__dlpack_device__")? {
-                let dev: (i64, i64) = obj.call_method0("__dlpack_device__")?.extract()?;
-                if dev.0 == 1 {
-                    return Err(invalid(format!(
-                        "{type_name} is a CPU tensor without the buffer protocol: register \
-                         tensor.numpy() for host memory, or move it to the GPU with tensor.cuda() \
-                         (cuda:{}) for device memory",
-                        accept.gpu
-                    )));
-                }
                 return Err(invalid(format!(
-                    "{type_name} offers only DLPack for its device memory (device type {}), which \
-                     this build does not read yet: pass an object with __cuda_array_interface__ \
-                     (torch and cupy CUDA tensors have it)",
-                    dev.0
+                    "{type_name} offers __dlpack_device__ but no __dlpack__ nor the buffer \
+                     protocol: for a CPU tensor register tensor.numpy() (host memory), for GPU \
+                     memory move it with tensor.cuda() (cuda:{})",
+                    accept.gpu
                 )));
             }
             return Err(invalid(format!(
                 "cannot register {type_name}: it offers neither the buffer protocol (numpy arrays, \
-                 bytearray, memoryview) nor __cuda_array_interface__ (torch or cupy CUDA tensors)"
+                 bytearray, memoryview) nor __cuda_array_interface__ or __dlpack__ (torch, cupy, \
+                 jax tensors)"
             )));
         }
     };
@@ -222,12 +216,6 @@ fn item_size(typestr: &str) -> Option<usize> {
 /// A CUDA tensor's memory, from `__cuda_array_interface__`.
 fn cuda_region(obj: &Bound<'_, PyAny>, remote_write: bool, accept: Accept) -> PyResult<Held> {
     let type_name = obj.get_type().name()?.to_string();
-    if accept.kind == TransportKind::Mem {
-        return Err(invalid(format!(
-            "transport=\"mem\" moves host memory only, and this {type_name} is CUDA memory: \
-             make the engine with transport=\"cuda-ipc\" or \"tcp\" and memory=\"cuda\""
-        )));
-    }
     let iface = obj.getattr("__cuda_array_interface__")?;
     let iface = iface.cast::<PyDict>().map_err(|_| {
         invalid(format!(
@@ -276,6 +264,12 @@ fn cuda_region(obj: &Bound<'_, PyAny>, remote_write: bool, accept: Accept) -> Py
             "the {type_name} is empty: register at least one byte"
         )));
     }
+    cuda_held(obj, obj.clone().unbind(), ptr, len, accept)
+}
+
+/// Checks with the driver that `ptr..ptr+len` is device memory of the engine's GPU.
+fn on_engine_gpu(obj: &Bound<'_, PyAny>, ptr: u64, len: usize, accept: Accept) -> PyResult<()> {
+    let type_name = obj.get_type().name()?.to_string();
     let cuda = gpu_mem::Cuda::probe()
         .map_err(|e| crate::errors::Unsupported::new_err(format!("CUDA: {e}")))?
         .ok_or_else(|| {
@@ -300,15 +294,214 @@ fn cuda_region(obj: &Bound<'_, PyAny>, remote_write: bool, accept: Accept) -> Py
             g = accept.gpu
         )));
     }
+    Ok(())
+}
+
+/// A CUDA region of `len` bytes at `ptr`, kept alive by `keep` (and `obj`).
+fn cuda_held(
+    obj: &Bound<'_, PyAny>,
+    keep: Py<PyAny>,
+    ptr: u64,
+    len: usize,
+    accept: Accept,
+) -> PyResult<Held> {
+    let type_name = obj.get_type().name()?.to_string();
+    if accept.kind == TransportKind::Mem {
+        return Err(invalid(format!(
+            "transport=\"mem\" moves host memory only, and this {type_name} is CUDA memory: \
+             make the engine with transport=\"cuda-ipc\" or \"tcp\" and memory=\"cuda\""
+        )));
+    }
+    on_engine_gpu(obj, ptr, len, accept)?;
     Ok(Held {
         region: Arc::new(CudaTensorRegion {
             ptr,
             len,
             device: accept.gpu,
         }),
-        keep: Keep::Object(obj.clone().unbind()),
+        keep: Keep::Object(keep),
         obj: obj.clone().unbind(),
     })
+}
+
+/// DLPack's device types this module reads.
+const DL_CPU: i32 = 1;
+const DL_CUDA: i32 = 2;
+const DL_CUDA_HOST: i32 = 3;
+
+/// DLPack's `DLDevice`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DlDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+/// DLPack's `DLDataType`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DlDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+/// DLPack's `DLTensor`.
+#[repr(C)]
+struct DlTensor {
+    data: *mut std::ffi::c_void,
+    device: DlDevice,
+    ndim: i32,
+    dtype: DlDataType,
+    shape: *const i64,
+    strides: *const i64,
+    byte_offset: u64,
+}
+
+/// DLPack's `DLManagedTensor` (the unversioned capsule, named "dltensor").
+#[repr(C)]
+struct DlManagedTensor {
+    dl_tensor: DlTensor,
+    manager_ctx: *mut std::ffi::c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DlManagedTensor)>,
+}
+
+/// Whether `obj` is a DLPack tensor on a CUDA device (asked without exporting it).
+fn dlpack_on_cuda(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    if !obj.hasattr("__dlpack_device__")? {
+        return Ok(false);
+    }
+    let (kind, _): (i32, i32) = obj.call_method0("__dlpack_device__")?.extract()?;
+    Ok(kind == DL_CUDA)
+}
+
+/// What a DLPack capsule describes, read while the capsule is alive.
+struct DlView {
+    ptr: u64,
+    len: usize,
+    device: DlDevice,
+    contiguous: bool,
+}
+
+/// Reads the tensor description of a "dltensor" capsule.
+fn read_capsule(capsule: &Bound<'_, pyo3::types::PyCapsule>) -> PyResult<DlView> {
+    use pyo3::types::PyCapsuleMethods;
+    let p = capsule
+        .pointer_checked(Some(c"dltensor"))
+        .map_err(|_| invalid("__dlpack__ returned a capsule that is not an unused \"dltensor\""))?;
+    // SAFETY: a capsule named "dltensor" holds a DLManagedTensor (the DLPack protocol),
+    // owned by the capsule and alive while it is (we hold `capsule`); it is only read here,
+    // and its shape and strides arrays hold `ndim` entries each (strides may be null).
+    let (t, shape, strides) = unsafe {
+        let m = &*p.as_ptr().cast::<DlManagedTensor>();
+        let t = &m.dl_tensor;
+        let n = usize::try_from(t.ndim).unwrap_or(0);
+        let shape = if n == 0 || t.shape.is_null() {
+            Vec::new()
+        } else {
+            std::slice::from_raw_parts(t.shape, n).to_vec()
+        };
+        let strides = if n == 0 || t.strides.is_null() {
+            None
+        } else {
+            Some(std::slice::from_raw_parts(t.strides, n).to_vec())
+        };
+        (
+            (t.data as u64, t.byte_offset, t.device, t.dtype),
+            shape,
+            strides,
+        )
+    };
+    let (data, offset, device, dtype) = t;
+    let item_bits = u64::from(dtype.bits) * u64::from(dtype.lanes.max(1));
+    if item_bits == 0 || item_bits % 8 != 0 {
+        return Err(invalid(format!(
+            "the tensor's items are {item_bits} bits: only whole bytes can be registered"
+        )));
+    }
+    let item = (item_bits / 8) as usize;
+    let mut count = 1usize;
+    for &d in &shape {
+        let d = usize::try_from(d).map_err(|_| invalid("the tensor has a negative dimension"))?;
+        count = count
+            .checked_mul(d)
+            .ok_or_else(|| invalid("the tensor's shape overflows"))?;
+    }
+    let len = count
+        .checked_mul(item)
+        .ok_or_else(|| invalid("the tensor's size overflows"))?;
+    let dims: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
+    let contiguous = match strides {
+        None => true,
+        Some(s) => {
+            let bytes: Vec<i64> = s.iter().map(|&x| x.saturating_mul(item as i64)).collect();
+            c_contiguous(&dims, &bytes, item)
+        }
+    };
+    Ok(DlView {
+        ptr: data.wrapping_add(offset),
+        len,
+        device,
+        contiguous,
+    })
+}
+
+/// A tensor's memory through DLPack: host memory (CPU, CUDA-pinned) or the engine's GPU.
+/// The capsule is kept (unconsumed, so its own destructor frees the tensor's reference
+/// when the registration lets go of it).
+fn dlpack_region(obj: &Bound<'_, PyAny>, remote_write: bool, accept: Accept) -> PyResult<Held> {
+    let type_name = obj.get_type().name()?.to_string();
+    let capsule = obj.call_method0("__dlpack__")?;
+    let cap = capsule
+        .cast::<pyo3::types::PyCapsule>()
+        .map_err(|_| invalid(format!("{type_name}.__dlpack__() did not return a capsule")))?;
+    let v = read_capsule(cap)?;
+    let _ = remote_write; // DLPack has no read-only flag: the memory is taken as writable.
+    if !v.contiguous {
+        return Err(invalid(format!(
+            "the {type_name} is not contiguous: register tensor.contiguous()"
+        )));
+    }
+    if v.len == 0 {
+        return Err(invalid(format!(
+            "the {type_name} is empty: register at least one byte"
+        )));
+    }
+    match v.device.device_type {
+        DL_CUDA => {
+            if u32::try_from(v.device.device_id).ok() != Some(accept.gpu) {
+                return Err(invalid(format!(
+                    "the {type_name} is on cuda:{} and the engine's GPU is gpu={g}: move it with \
+                     tensor.to(\"cuda:{g}\"), or make the engine with gpu={}",
+                    v.device.device_id,
+                    v.device.device_id,
+                    g = accept.gpu
+                )));
+            }
+            cuda_held(obj, capsule.clone().unbind(), v.ptr, v.len, accept)
+        }
+        DL_CPU | DL_CUDA_HOST => {
+            if accept.kind == TransportKind::CudaIpc {
+                return Err(invalid(format!(
+                    "this engine (transport=\"cuda-ipc\") moves GPU memory, and this {type_name} \
+                     is a CPU tensor: move it with tensor.cuda() (cuda:{}), or make the engine \
+                     with transport=\"tcp\" for host memory",
+                    accept.gpu
+                )));
+            }
+            let ptr = NonNull::new(v.ptr as *mut u8)
+                .ok_or_else(|| invalid(format!("the {type_name} has a null data pointer")))?;
+            Ok(Held {
+                region: Arc::new(PyHostRegion { ptr, len: v.len }),
+                keep: Keep::Object(capsule.clone().unbind()),
+                obj: obj.clone().unbind(),
+            })
+        }
+        other => Err(invalid(format!(
+            "the {type_name} lives on DLPack device type {other}, which xfer cannot move \
+             (CPU and CUDA only)"
+        ))),
+    }
 }
 
 /// Whether `strides` (in bytes) are those of a C-contiguous array of `shape`.

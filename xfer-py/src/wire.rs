@@ -7,7 +7,8 @@
 //! input's own size.
 //!
 //! ```text
-//! address:    "XFA" 1 | transport name: u8 len + bytes | rails: u16 | per rail: u32 len + bytes
+//! address:    "XFA" 1 | process id: u32 | transport name: u8 len + bytes | rails: u16 |
+//!             per rail: u32 len + bytes
 //! descriptor: "XFD" 1 | rails: u16 | per rail: addr u64, len u64, key u64
 //! ```
 
@@ -75,6 +76,9 @@ pub enum WireError {
 /// An engine's address as peers receive it: its transport and one address per rail.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EngineAddress {
+    /// The id of the process that made it (the in-process `mem` transport connects
+    /// engines of one process only, and says so instead of reaching another engine).
+    pub process: u32,
     /// The transport's name ("tcp", "mem", "cuda-ipc").
     pub transport: String,
     /// The transport address of each rail.
@@ -88,6 +92,7 @@ impl EngineAddress {
             8 + self.transport.len() + self.rails.iter().map(|r| 4 + r.len()).sum::<usize>(),
         );
         out.extend_from_slice(ADDRESS_MAGIC);
+        out.extend_from_slice(&self.process.to_le_bytes());
         let name = &self.transport.as_bytes()[..self.transport.len().min(255)];
         out.push(name.len() as u8);
         out.extend_from_slice(name);
@@ -103,6 +108,7 @@ impl EngineAddress {
     pub fn decode(bytes: &[u8]) -> Result<EngineAddress, WireError> {
         let mut r = Reader::new(bytes, "address");
         r.magic(ADDRESS_MAGIC)?;
+        let process = r.u32()?;
         let name_len = r.u8()? as usize;
         let transport = std::str::from_utf8(r.take(name_len)?)
             .map_err(|_| WireError::BadName)?
@@ -120,7 +126,11 @@ impl EngineAddress {
             rails.push(r.take(len)?.to_vec());
         }
         r.finish()?;
-        Ok(EngineAddress { transport, rails })
+        Ok(EngineAddress {
+            process,
+            transport,
+            rails,
+        })
     }
 }
 
@@ -251,6 +261,7 @@ mod tests {
     #[test]
     fn addresses_round_trip() {
         let a = EngineAddress {
+            process: 4242,
             transport: "tcp".into(),
             rails: vec![b"127.0.0.1:4000".to_vec(), b"127.0.0.1:4001".to_vec()],
         };
@@ -289,6 +300,7 @@ mod tests {
     #[test]
     fn every_truncation_of_an_address_is_a_typed_error() {
         let bytes = EngineAddress {
+            process: 1,
             transport: "mem".into(),
             rails: vec![vec![1, 2, 3]],
         }
@@ -309,6 +321,7 @@ mod tests {
             Err(WireError::BadMagic { .. })
         ));
         let a = EngineAddress {
+            process: 1,
             transport: "tcp".into(),
             rails: vec![vec![0; 24]],
         }
@@ -328,6 +341,7 @@ mod tests {
             Err(WireError::RailCount { .. })
         ));
         let mut a = ADDRESS_MAGIC.to_vec();
+        a.extend_from_slice(&7u32.to_le_bytes());
         a.extend_from_slice(&[3, b't', b'c', b'p', 1, 0]);
         a.extend_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(

@@ -338,3 +338,41 @@ def test_help_reads_well():
     for name in ("wait", "done", "exception"):
         assert getattr(xfer.Handle, name).__doc__, name
     assert issubclass(xfer.PeerUnreachable, xfer.Error) and issubclass(xfer.Error, Exception)
+
+
+def test_the_mem_transport_refuses_another_process(tmp_path):
+    proc, addr, _ = spawn_peer("--transport", "mem", "--bytes", str(PAGE))
+    try:
+        with xfer.Engine(transport="mem") as e:
+            with pytest.raises(xfer.InvalidArgument, match="one process"):
+                e.add_peer(addr)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+class DlpackOnly:
+    """An object that offers its memory through DLPack only (like a torch CPU tensor)."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, stream=None):
+        return self.array.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+def test_dlpack_host_tensors_are_registered_without_copies(pair):
+    a, b, p = pair
+    src = pattern(8 * PAGE, seed=21)
+    dst = np.zeros((8, PAGE // 4), dtype=np.float32)  # a 2-D float tensor, seen as bytes
+    rs, rd = a.register(DlpackOnly(src)), b.register(DlpackOnly(dst))
+    assert rd.nbytes == dst.nbytes
+    a.write_pages(p, rs, rd.descriptor, [1, 2], [6, 0], PAGE, imm=4).wait(timeout=10)
+    b.wait_imm(4, timeout=10)
+    got = dst.view(np.uint8).reshape(8, PAGE)
+    assert np.array_equal(got[6], src[PAGE : 2 * PAGE]) and np.array_equal(got[0], src[2 * PAGE : 3 * PAGE])
+    with pytest.raises(xfer.InvalidArgument, match=r"contiguous\(\)"):
+        a.register(DlpackOnly(np.zeros((8, 8), dtype=np.float32)[:, ::2]))
