@@ -86,7 +86,7 @@ class Cache:
     def fill(self, request, blocks):
         for layer in range(self.args.layers):
             for j, b in enumerate(blocks):
-                self.bytes[layer, b] = self.expected(request, layer, j)
+                self.bytes[layer, int(b)] = self.expected(request, layer, j)
         if self.args.device == "cuda":
             self.torch.cuda.synchronize(self.dev)
 
@@ -96,11 +96,8 @@ class Cache:
         for layer in range(self.args.layers):
             for j, b in enumerate(blocks):
                 want = self.expected(request, layer, j)
-                same = (
-                    bool(self.torch.equal(self.bytes[layer, b], want))
-                    if self.args.device == "cuda"
-                    else np.array_equal(self.bytes[layer, b], want)
-                )
+                got = self.bytes[layer, int(b)]
+                same = bool(self.torch.equal(got, want)) if self.args.device == "cuda" else np.array_equal(got, want)
                 if not same:
                     bad.append((layer, int(b)))
         return bad

@@ -112,9 +112,6 @@ where
 
 /// The transfer engine. Keyword arguments mirror the `xfer` command's flags.
 ///
-/// Engine(transport="auto", provider=None, rails=1, nics=None, memory="host", gpu=0,
-///        auth_token=None, timeout=10.0, listen="127.0.0.1")
-///
 /// - transport: "tcp" (any two hosts, host or GPU memory), "cuda-ipc" (GPU memory between
 ///   processes of one host), "mem" (engines of one process), or "auto": "cuda-ipc" when
 ///   memory="cuda" and a CUDA driver is present, "tcp" otherwise. "auto" does not look at
@@ -128,6 +125,8 @@ where
 ///   before its transfers fail with PeerUnreachable.
 /// - listen: the IP address tcp rails listen on (e.g. "0.0.0.0" or the host's address
 ///   for peers on other hosts).
+/// - wait_spin_us: how long a wait spins before it sleeps (default 200): lower latency for
+///   short transfers, at the cost of the waiting thread's core.
 ///
 /// An engine is a context manager; close() (or leaving the `with` block) stops it and
 /// gives back every registered buffer.
@@ -353,8 +352,9 @@ impl Engine {
     /// Registers `obj`'s memory and returns its Registration.
     ///
     /// obj: a numpy array, bytearray, memoryview or any C-contiguous buffer-protocol
-    /// object (host memory), or a torch / cupy CUDA tensor (__cuda_array_interface__) on
-    /// the engine's gpu. remote_write: whether peers may write into it (needs a writable
+    /// object (host memory), a torch / cupy CUDA tensor (__cuda_array_interface__) on
+    /// the engine's gpu, or a DLPack tensor (__dlpack__: CPU, or CUDA on the engine's
+    /// gpu). No copy is made. remote_write: whether peers may write into it (needs a writable
     /// buffer); a source-only region may be read-only.
     #[pyo3(signature = (obj, remote_write=true))]
     fn register(

@@ -4,6 +4,7 @@ and a GPU; XFER_REQUIRE_CUDA=1 makes them fail instead (scripts/py-gpu-proof.sh)
 
 import gc
 import json
+import os
 import weakref
 
 import numpy as np
@@ -79,6 +80,8 @@ def test_bad_gpu_memory_is_refused_with_the_fix_named():
         with pytest.raises(xfer.InvalidArgument, match="not memory of the engine's GPU"):
             e.register(FakeCuda())
     if torch.cuda.device_count() < 2:
+        if os.environ.get("XFER_REQUIRE_GPUS") == "2":
+            pytest.fail("XFER_REQUIRE_GPUS=2 but torch sees one GPU")
         pytest.skip("the other-GPU case needs two GPUs")
     with xfer.Engine(transport="tcp", memory="cuda", gpu=0) as e:
         with pytest.raises(xfer.InvalidArgument, match=r'to\("cuda:0"\)'):
