@@ -72,7 +72,8 @@ pub struct EngineOptions {
     pub provider: Option<String>,
     /// Rails (engines, each a worker thread with its transport).
     pub rails: usize,
-    /// Network interfaces the tcp rails bind to (rail i on `nics[i % n]`).
+    /// Network interfaces the tcp rails bind to (rail i on `nics[i % n]`); each rail
+    /// listens on its interface's address of `listen`'s family.
     pub nics: Vec<String>,
     /// What memory the engine registers.
     pub memory: MemoryKind,
@@ -178,7 +179,7 @@ impl EngineOptions {
         };
         let group = match kind {
             TransportKind::Tcp => {
-                let nics = Arc::new(self.nics.clone());
+                let nics = Arc::new(nic_addresses(&self.nics, self.listen)?);
                 let base = TcpConfig {
                     listen: SocketAddr::new(self.listen, 0),
                     auth_token: self.auth_token.clone(),
@@ -187,12 +188,13 @@ impl EngineOptions {
                 };
                 RailGroup::spawn(
                     self.rails,
-                    move |i| {
-                        let interface = (!nics.is_empty()).then(|| nics[i % nics.len()].clone());
-                        TcpTransport::new(TcpConfig {
-                            interface,
+                    move |i| match nics.get(i % nics.len().max(1)) {
+                        Some((name, ip)) => TcpTransport::new(TcpConfig {
+                            interface: Some(name.clone()),
+                            listen: SocketAddr::new(*ip, 0),
                             ..base.clone()
-                        })
+                        }),
+                        None => TcpTransport::new(base.clone()),
                     },
                     cfg,
                 )?
@@ -225,6 +227,29 @@ impl EngineOptions {
         };
         Ok((kind, group))
     }
+}
+
+/// Each interface of `nics` with its first address of `toward`'s family (IPv4 or IPv6).
+fn nic_addresses(nics: &[String], toward: IpAddr) -> Result<Vec<(String, IpAddr)>, BuildError> {
+    if nics.is_empty() {
+        return Ok(Vec::new());
+    }
+    let addrs = if_addrs::get_if_addrs()
+        .map_err(|e| BuildError::Usage(format!("nics: cannot list the interfaces: {e}")))?;
+    nics.iter()
+        .map(|name| {
+            addrs
+                .iter()
+                .find(|a| &a.name == name && a.ip().is_ipv4() == toward.is_ipv4())
+                .map(|a| (name.clone(), a.ip()))
+                .ok_or_else(|| {
+                    BuildError::Usage(format!(
+                        "nics: {name:?} is not an interface of this machine with an {} address",
+                        if toward.is_ipv4() { "IPv4" } else { "IPv6" }
+                    ))
+                })
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -273,6 +298,16 @@ mod tests {
                 "{o:?} was accepted"
             );
         }
+    }
+
+    #[test]
+    fn nics_are_interfaces_with_an_address() {
+        let lo = nic_addresses(&["lo".into()], IpAddr::from([127, 0, 0, 1])).unwrap();
+        assert_eq!(lo, vec![("lo".to_string(), IpAddr::from([127, 0, 0, 1]))]);
+        assert!(matches!(
+            nic_addresses(&["no-such-nic0".into()], IpAddr::from([127, 0, 0, 1])),
+            Err(BuildError::Usage(_))
+        ));
     }
 
     #[test]

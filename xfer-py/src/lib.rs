@@ -25,7 +25,8 @@
 //!
 //! Dependencies: `pyo3` (the binding; `abi3-py311` because the buffer protocol is in the
 //! stable ABI from Python 3.11, the version of Debian 12), the workspace's backend crates,
-//! and `thiserror` for the crate's error enums.
+//! `thiserror` for the crate's error enums, and `if-addrs` (as the CLI) to find the address
+//! of each NIC named in `nics`.
 #![warn(missing_docs)]
 
 pub mod backend;

@@ -192,6 +192,19 @@ def test_bad_arguments_are_invalid_argument(pair):
     assert a.write(p, rs, rd.descriptor, [(0, 0, PAGE)]).wait(timeout=10) == PAGE
 
 
+def test_rails_on_named_nics():
+    with xfer.Engine(transport="tcp", rails=2, nics=["lo"]) as a, xfer.Engine(transport="tcp") as b:
+        assert a.rails == 2
+        p = a.add_peer(b.address)
+        src, dst = pattern(32 * PAGE, seed=8), np.zeros(32 * PAGE, dtype=np.uint8)
+        rs, rd = a.register(src), b.register(dst)
+        a.write(p, rs, rd.descriptor, [(0, 0, 32 * PAGE)], imm=1).wait(timeout=10)
+        b.wait_imm(1, timeout=10)
+        assert np.array_equal(dst, src)
+    with pytest.raises(xfer.InvalidArgument, match="no-such-nic0"):
+        xfer.Engine(transport="tcp", nics=["no-such-nic0"])
+
+
 def test_mixing_transports_is_refused():
     with xfer.Engine(transport="mem") as m, xfer.Engine(transport="tcp") as t:
         with pytest.raises(xfer.InvalidArgument, match="same transport"):
