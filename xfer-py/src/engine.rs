@@ -165,11 +165,22 @@ pub struct Handle {
     handle: Arc<GroupHandle>,
 }
 
-/// Segments as `(src_off, dst_off, len)` from Python, checked for negatives.
+/// Segments as `(src_off, dst_off, len)` from Python (tuples, or an `(n, 3)` int64 numpy
+/// array read through the buffer protocol), checked for negatives.
 fn triples(segments: &Bound<'_, PyAny>) -> PyResult<Vec<(u64, u64, u64)>> {
-    let raw: Vec<(i64, i64, i64)> = segments.extract().map_err(|_| {
-        invalid("segments must be a sequence of (src_offset, dst_offset, length) int tuples")
-    })?;
+    let raw: Vec<(i64, i64, i64)> = match PyBuffer::<i64>::get(segments) {
+        Ok(b) if b.dimensions() == 2 && b.shape()[1] == 3 => b
+            .to_vec(segments.py())?
+            .chunks_exact(3)
+            .map(|c| (c[0], c[1], c[2]))
+            .collect(),
+        _ => segments.extract().map_err(|_| {
+            invalid(
+                "segments must be a sequence of (src_offset, dst_offset, length) int tuples, \
+                 or an (n, 3) int64 numpy array",
+            )
+        })?,
+    };
     raw.into_iter()
         .enumerate()
         .map(|(i, (s, d, l))| {

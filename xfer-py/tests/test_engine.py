@@ -31,6 +31,11 @@ def test_explicit_segments_land_where_they_are_sent(pair):
     for s, d, n in segs:
         want[d : d + n] = src[s : s + n]
     assert np.array_equal(dst, want), "every byte sent, and no other byte touched"
+    # The same segments as an (n, 3) int64 array, into a fresh target.
+    dst2 = np.zeros_like(dst)
+    rd2 = b.register(dst2)
+    a.write(p, rs, rd2.descriptor, np.array(segs, dtype=np.int64)).wait(timeout=10)
+    assert np.array_equal(dst2, want)
 
 
 def test_paged_writes_with_strides_and_numpy_page_lists(pair):

@@ -132,7 +132,7 @@ class Engine:
         peer: Peer,
         registration: Registration,
         remote_descriptor: bytes,
-        segments: Sequence[tuple[int, int, int]],
+        segments: Sequence[tuple[int, int, int]] | Any,  # or an (n, 3) int64 numpy array
         imm: int | None = None,
         timeout: float | None = None,
     ) -> Handle:
