@@ -31,11 +31,12 @@ unsafe impl Send for PyHostRegion {}
 // SAFETY: as above; &PyHostRegion exposes no reference into the bytes.
 unsafe impl Sync for PyHostRegion {}
 
-// SAFETY: ptr and len come from a buffer-protocol view of a C-contiguous buffer (checked
-// in `host_region`). The view is held by the same `Held` as the region's Arc and is given
-// back only when that Arc is the last one (no transport holds the region: `Held::release`),
-// so for as long as any transport can reach this value the exporter keeps the bytes where
-// they are (numpy refuses to resize an array with exported views).
+// SAFETY: ptr and len come from a buffer-protocol view of a C-contiguous buffer, or from
+// the DLPack capsule of a contiguous CPU tensor (both checked in `take`). The view (or the
+// capsule, which holds the tensor) is held by the same `Held` as the region's Arc and is
+// given back only when that Arc is the last one (no transport holds the region:
+// `Held::release`), so for as long as any transport can reach this value the exporter
+// keeps the bytes where they are (numpy refuses to resize an array with exported views).
 unsafe impl MemoryRegion for PyHostRegion {
     fn len(&self) -> usize {
         self.len
