@@ -2,9 +2,8 @@
 //! `--nics`, `--memory`, `--gpus`, `--auth-token` flags, as keyword arguments).
 //!
 //! The `xfer` command's own builder lives in its binary crate (no library target), so this
-//! is a small one over the same backend crates: tcp, cuda-ipc and the in-process `mem`
-//! transport. EFA is not built into the Python package yet (it would link libfabric at
-//! build time; see the crate documentation).
+//! is a small one over the same backend crates: tcp, cuda-ipc, efa (cargo feature `efa`,
+//! on by default; libfabric is loaded at run time) and the in-process `mem` transport.
 
 use fabric_core::engine::{EngineConfig, RailGroup};
 use fabric_core::mem::MemTransport;
@@ -23,6 +22,8 @@ pub enum TransportKind {
     CudaIpc,
     /// In-process copies: engines of one process (tests, measuring the engine itself).
     Mem,
+    /// libfabric FI_EP_RDM: EFA on AWS, or the provider named by `provider`.
+    Efa,
 }
 
 impl TransportKind {
@@ -32,6 +33,7 @@ impl TransportKind {
             TransportKind::Tcp => "tcp",
             TransportKind::CudaIpc => "cuda-ipc",
             TransportKind::Mem => "mem",
+            TransportKind::Efa => "efa",
         }
     }
 }
@@ -121,8 +123,10 @@ impl EngineOptions {
                 Ok(TransportKind::CudaIpc)
             }
             "auto" => Ok(TransportKind::Tcp),
+            "efa" if cfg!(feature = "efa") => Ok(TransportKind::Efa),
             "efa" => Err(BuildError::Unsupported(
-                "this build of the xfer package has no efa transport yet: use transport=\"tcp\""
+                "this build of the xfer package has no efa transport (built without the cargo \
+                 feature efa): use transport=\"tcp\""
                     .into(),
             )),
             other => Err(BuildError::Usage(format!(
@@ -139,7 +143,7 @@ impl EngineOptions {
                 self.rails
             )));
         }
-        if self.provider.is_some() {
+        if self.provider.is_some() && kind != TransportKind::Efa {
             return Err(BuildError::Usage(
                 "provider applies to transport=\"efa\" only".into(),
             ));
@@ -149,9 +153,9 @@ impl EngineOptions {
                 "auth_token applies to transport=\"tcp\" only".into(),
             ));
         }
-        if !self.nics.is_empty() && kind != TransportKind::Tcp {
+        if !self.nics.is_empty() && !matches!(kind, TransportKind::Tcp | TransportKind::Efa) {
             return Err(BuildError::Usage(
-                "nics applies to transport=\"tcp\" only".into(),
+                "nics applies to transport=\"tcp\" and \"efa\" only".into(),
             ));
         }
         if kind == TransportKind::CudaIpc && self.memory != MemoryKind::Cuda {
@@ -200,6 +204,7 @@ impl EngineOptions {
                 )?
             }
             TransportKind::Mem => RailGroup::spawn(self.rails, |_| Ok(MemTransport::new()), cfg)?,
+            TransportKind::Efa => self.spawn_efa(cfg)?,
             TransportKind::CudaIpc => {
                 let cuda = gpu_mem::Cuda::probe()?.ok_or_else(|| {
                     BuildError::Unsupported(
@@ -226,6 +231,36 @@ impl EngineOptions {
             }
         };
         Ok((kind, group))
+    }
+}
+
+impl EngineOptions {
+    /// Starts efa rails: rail i opens NIC `nics[i % n]` as its libfabric domain.
+    #[cfg(feature = "efa")]
+    fn spawn_efa(&self, cfg: EngineConfig) -> Result<RailGroup, BuildError> {
+        use transport_efa::{EfaConfig, EfaTransport};
+        let ec = match &self.provider {
+            Some(p) => EfaConfig::with_provider(p.clone()),
+            None => EfaConfig::default(),
+        }
+        .hmem(self.memory == MemoryKind::Cuda);
+        let nics = self.nics.clone();
+        Ok(RailGroup::spawn(
+            self.rails,
+            move |i| match nics.get(i % nics.len().max(1)) {
+                Some(n) => EfaTransport::new(&ec.clone().domain(n.clone())),
+                None => EfaTransport::new(&ec),
+            },
+            cfg,
+        )?)
+    }
+
+    /// Unreachable: `kind` refuses "efa" without the feature.
+    #[cfg(not(feature = "efa"))]
+    fn spawn_efa(&self, _cfg: EngineConfig) -> Result<RailGroup, BuildError> {
+        Err(BuildError::Unsupported(
+            "built without the efa transport".into(),
+        ))
     }
 }
 
@@ -257,14 +292,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn auto_is_tcp_for_host_memory_and_efa_is_refused() {
+    fn auto_is_tcp_for_host_memory_and_unknown_names_are_refused() {
         let o = EngineOptions::default();
         assert_eq!(o.kind().unwrap(), TransportKind::Tcp);
         let efa = EngineOptions {
             transport: "efa".into(),
             ..EngineOptions::default()
         };
-        assert!(matches!(efa.kind(), Err(BuildError::Unsupported(_))));
+        assert_eq!(efa.kind().is_ok(), cfg!(feature = "efa"));
         let bad = EngineOptions {
             transport: "carrier-pigeon".into(),
             ..EngineOptions::default()

@@ -113,12 +113,15 @@ where
 /// The transfer engine. Keyword arguments mirror the `xfer` command's flags.
 ///
 /// - transport: "tcp" (any two hosts, host or GPU memory), "cuda-ipc" (GPU memory between
-///   processes of one host), "mem" (engines of one process), or "auto": "cuda-ipc" when
+///   processes of one host), "efa" (libfabric: EFA on AWS, or the provider named by
+///   `provider`), "mem" (engines of one process), or "auto": "cuda-ipc" when
 ///   memory="cuda" and a CUDA driver is present, "tcp" otherwise. "auto" does not look at
 ///   the peer: for GPU memory on two hosts, pass transport="tcp".
-/// - provider: the libfabric provider of transport="efa" (not in this build).
+/// - provider: the libfabric provider of transport="efa" ("efa" by default; "tcp",
+///   "sockets", "shm" elsewhere).
 /// - rails: worker threads, each with its own connection; transfers spread over them.
-/// - nics: network interfaces the tcp rails bind to (rail i on nics[i % len]).
+/// - nics: the NICs the rails run on (rail i on nics[i % len]): tcp interfaces, or efa
+///   libfabric domains.
 /// - memory: "host" or "cuda", what this engine registers; gpu: the CUDA device ordinal.
 /// - auth_token: a shared secret that tcp peers must know.
 /// - timeout: seconds; the limit of control calls and how long a silent tcp peer is given
@@ -342,7 +345,7 @@ impl Engine {
         Ok(PyBytes::new(py, &self.shared.core()?.address))
     }
 
-    /// The transport in use: "tcp", "cuda-ipc" or "mem" ("auto" resolved).
+    /// The transport in use: "tcp", "cuda-ipc", "efa" or "mem" ("auto" resolved).
     #[getter]
     fn transport(&self) -> PyResult<&'static str> {
         Ok(self.shared.core()?.kind.name())

@@ -18,10 +18,10 @@
 //! assert!(_xfer::wire::decode_descriptor(&bytes[..5]).is_err());
 //! ```
 //!
-//! Transports: tcp, cuda-ipc and the in-process mem transport. EFA is left out for now:
-//! transport-efa links libfabric at build time, which a wheel built on one machine cannot
-//! assume on another (and the crate is being rewritten); `transport="efa"` raises
-//! `xfer.Unsupported`.
+//! Transports: tcp, cuda-ipc, efa (cargo feature `efa`, on by default: transport-efa loads
+//! libfabric at run time, so the wheel imports on machines without it, and
+//! `Engine(transport="efa")` there fails with the loader's message) and the in-process mem
+//! transport.
 //!
 //! Dependencies: `pyo3` (the binding; `abi3-py311` because the buffer protocol is in the
 //! stable ABI from Python 3.11, the version of Debian 12), the workspace's backend crates,

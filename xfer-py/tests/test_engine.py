@@ -191,8 +191,6 @@ def test_bad_arguments_are_invalid_argument(pair):
         with pytest.raises(xfer.InvalidArgument):
             call()
             pytest.fail(f"bad call {i} was accepted")
-    with pytest.raises(xfer.Unsupported):
-        xfer.Engine(transport="efa")
     # Nothing was lost: the pair still works.
     assert a.write(p, rs, rd.descriptor, [(0, 0, PAGE)]).wait(timeout=10) == PAGE
 
@@ -208,6 +206,26 @@ def test_rails_on_named_nics():
         assert np.array_equal(dst, src)
     with pytest.raises(xfer.InvalidArgument, match="no-such-nic0"):
         xfer.Engine(transport="tcp", nics=["no-such-nic0"])
+
+
+@pytest.mark.parametrize("provider", ["tcp", "sockets"])
+def test_the_efa_transport_on_a_libfabric_provider(provider):
+    try:
+        a = xfer.Engine(transport="efa", provider=provider)
+    except (xfer.Unsupported, xfer.TransportFailed) as e:
+        if os.environ.get("XFER_REQUIRE_LIBFABRIC") == "1":
+            raise
+        pytest.skip(f"libfabric's {provider} provider cannot be opened here: {e}")
+    with a, xfer.Engine(transport="efa", provider=provider) as b:
+        p = a.add_peer(b.address)
+        src, dst = pattern(16 * PAGE, seed=31), np.zeros(16 * PAGE, dtype=np.uint8)
+        rs, rd = a.register(src), b.register(dst)
+        a.write_pages(p, rs, rd.descriptor, [15, 0, 7], [1, 2, 3], PAGE, imm=12).wait(timeout=20)
+        b.wait_imm(12, timeout=20)
+        for s, d in ((15, 1), (0, 2), (7, 3)):
+            assert np.array_equal(dst[d * PAGE : (d + 1) * PAGE], src[s * PAGE : (s + 1) * PAGE])
+    with pytest.raises(xfer.Error, match="no-such-provider"):
+        xfer.Engine(transport="efa", provider="no-such-provider")
 
 
 def test_mixing_transports_is_refused():
