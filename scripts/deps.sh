@@ -4,14 +4,17 @@
 
 # System packages: a C toolchain (Rust's linker; building libfabric 2.6 for the tests),
 # libfabric (loaded at run time by transport-efa; the tests run against it, and fi_info),
-# hwloc with udev (topology) and pkg-config to find it, lstopo, and ip, tc and nft for the
-# network-namespace fault tests (transport-tcp/tests/netns_faults.rs).
+# hwloc with udev (topology) and pkg-config to find it, lstopo, ip, tc and nft for the
+# network-namespace fault tests (transport-tcp/tests/netns_faults.rs), and python3 with
+# venv (the xfer-py package's test venv) and its development files (libpython, which
+# `cargo test` links xfer-py's unit tests against; the extension module does not link it).
 XFER_DEB_PACKAGES=(
     gcc libc6-dev make
     libfabric1 libfabric-bin
     pkg-config
     libhwloc-dev libudev-dev hwloc
     iproute2 nftables
+    python3 python3-venv python3-dev
 )
 
 # Prints the Debian packages of XFER_DEB_PACKAGES that are not installed, one a line.

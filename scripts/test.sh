@@ -53,10 +53,28 @@ efa_on_libfabric_2_6() {
     XFER_LIBFABRIC="$lib" cargo test -p libfabric-sys -p transport-efa --no-fail-fast
 }
 
+# The Python package (xfer-py): a venv under target/ with maturin, numpy and pytest from
+# PyPI; the package built by pip through its pyproject.toml with cargo's dev profile (it
+# shares the debug build of the workspace that cargo test uses: a release build would
+# compile everything a second time), then its pytest suite. CUDA cases are reported as
+# skipped here; scripts/py-gpu-proof.sh runs them on a GPU machine.
+py_test() {
+    local venv=target/pyvenv
+    if [[ ! -x $venv/bin/python ]]; then
+        python3 -m venv "$venv" || return 1
+    fi
+    "$venv/bin/pip" install -q --disable-pip-version-check maturin numpy pytest || return 1
+    PATH="$PWD/$venv/bin:$PATH" "$venv/bin/pip" install -q --disable-pip-version-check \
+        --force-reinstall --no-deps --no-build-isolation \
+        --config-settings=build-args="--profile dev" ./xfer-py || return 1
+    (cd xfer-py && "../$venv/bin/python" -m pytest -q -rs tests)
+}
+
 step fmt cargo fmt --all -- --check
 step clippy cargo clippy --workspace --all-targets -- -D warnings
 step doc env RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
 step efa-libfabric-2.6 efa_on_libfabric_2_6
+step python py_test
 # Last, so that cargo test's summary closes the output.
 step test cargo test --workspace --no-fail-fast
 

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GPU proof of the Python package (xfer-py), for a machine with NVIDIA GPUs, torch and
+# no Rust toolchain. Build the wheel here (`cd xfer-py && maturin build --release -o
+# ../.carry/py`, or scripts/gpu-carry.sh's .carry folder), carry it and this repository's
+# xfer-py/tests, xfer-py/examples and scripts over, and there run:
+#
+#   bash scripts/py-gpu-proof.sh .carry/py/xfer-*.whl [WHEELHOUSE]
+#
+# It makes a venv that sees the system's packages (torch, numpy, pytest where installed;
+# WHEELHOUSE, a folder of wheels, supplies the missing ones without a network), installs
+# the wheel, runs the whole pytest suite with XFER_REQUIRE_CUDA=1 (so the CUDA cases fail
+# instead of skipping), then the KV-cache example GPU -> GPU over cuda-ipc and over tcp (and
+# GPU 0 -> GPU 1 where there are two). Exits non-zero when any step failed.
+set -euo pipefail
+if (($# < 1)) || [[ ! -f $1 ]]; then
+    echo "usage: $0 WHEEL [WHEELHOUSE]" >&2
+    exit 2
+fi
+wheel=$(realpath "$1")
+house=${2:+$(realpath "$2")}
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=scripts/proof-lib.sh
+source scripts/proof-lib.sh # step, proof_verdict; exports XFER_REQUIRE_CUDA=1
+proof_machine
+
+venv=$(mktemp -d)/venv
+"${PYTHON:-python3}" -m venv --system-site-packages "$venv"
+py=$venv/bin/python
+pip_args=(-q --disable-pip-version-check)
+[[ -n $house ]] && pip_args+=(--no-index --find-links "$house")
+for m in numpy pytest torch; do
+    "$py" -c "import $m" 2>/dev/null || "$py" -m pip install "${pip_args[@]}" "$m"
+done
+"$py" -m pip install "${pip_args[@]}" --no-deps --force-reinstall "$wheel"
+"$py" -c 'import torch, xfer; assert torch.cuda.is_available(), "torch sees no GPU"; print("xfer", xfer.__version__, "torch", torch.__version__, torch.cuda.device_count(), "GPU(s)")'
+
+step "pytest (CUDA cases required)" "$py" -m pytest -q -rs xfer-py/tests
+kv() { step "kv_cache $*" "$py" xfer-py/examples/kv_cache.py "$@"; }
+kv --device cpu
+kv --device cuda                   # auto: cuda-ipc between the two processes
+kv --device cuda --transport tcp   # the network path
+kv --device cuda --transport tcp --rails 4
+if ((ngpu >= 2)); then
+    kv --device cuda --gpus 0,1
+    kv --device cuda --gpus 0,1 --transport tcp --rails 4
+fi
+proof_verdict

@@ -1,0 +1,63 @@
+"""xfer: move non-contiguous (GPU) memory between processes and machines.
+
+A thin layer over the Rust transfer engine. An :class:`Engine` registers memory (numpy
+arrays, bytearrays and other buffer-protocol objects, or torch / cupy CUDA tensors),
+adds peers by address, and writes ranges or pages of its memory into a peer's registered
+memory, optionally with a 32-bit immediate value that the peer waits for with
+:meth:`Engine.wait_imm`. Every blocking call releases the GIL.
+
+>>> import numpy as np, xfer
+>>> a, b = xfer.Engine(transport="mem"), xfer.Engine(transport="mem")
+>>> src = np.arange(4096, dtype=np.uint8); dst = np.zeros(4096, dtype=np.uint8)
+>>> rs, rd = a.register(src, remote_write=False), b.register(dst)
+>>> p = a.add_peer(b.address)
+>>> a.write(p, rs, rd.descriptor, [(0, 0, 4096)], imm=7).wait(timeout=5)
+4096
+>>> b.wait_imm(7, timeout=5); bool((dst == src).all())
+True
+
+Errors are subclasses of :class:`Error`, one per kind (``TimedOut``,
+``PeerUnreachable``, ``PeerRemoved``, ``RemoteKeyInvalid``, ``OutOfBounds``,
+``PermissionDenied``, ``InvalidArgument``, ...), raised with the engine's message.
+"""
+
+from ._xfer import (  # noqa: F401
+    Cancelled,
+    Engine,
+    EngineClosed,
+    Error,
+    Handle,
+    InvalidArgument,
+    OutOfBounds,
+    Peer,
+    PeerRemoved,
+    PeerUnreachable,
+    PermissionDenied,
+    Registration,
+    RegionInUse,
+    RemoteKeyInvalid,
+    TimedOut,
+    TransportFailed,
+    Unsupported,
+    __version__,
+)
+
+__all__ = [
+    "Engine",
+    "Registration",
+    "Peer",
+    "Handle",
+    "Error",
+    "TimedOut",
+    "PeerUnreachable",
+    "PeerRemoved",
+    "RemoteKeyInvalid",
+    "OutOfBounds",
+    "PermissionDenied",
+    "InvalidArgument",
+    "Cancelled",
+    "EngineClosed",
+    "RegionInUse",
+    "Unsupported",
+    "TransportFailed",
+]

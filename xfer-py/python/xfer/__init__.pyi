@@ -1,0 +1,166 @@
+"""Type stubs of the xfer package (see the module docstring of xfer/__init__.py)."""
+
+from collections.abc import Generator, Sequence
+from types import TracebackType
+from typing import Any, Literal
+
+__version__: str
+
+Pages = Sequence[int] | Any  # a list of ints or a 1-D int64 numpy array
+
+class Error(Exception):
+    """Base class of every error the xfer engine raises."""
+
+class TimedOut(Error):
+    """A wait or a transfer ran out of time; a wait that timed out ends only the wait."""
+
+class PeerUnreachable(Error):
+    """The peer does not answer or its connection broke (retryable)."""
+
+class PeerRemoved(Error):
+    """The peer was removed while the transfer was pending."""
+
+class RemoteKeyInvalid(Error):
+    """The target knows no region with this descriptor's key (never registered, or closed)."""
+
+class OutOfBounds(Error):
+    """A range falls outside the target's region."""
+
+class PermissionDenied(Error):
+    """The target region was not registered with remote_write=True."""
+
+class InvalidArgument(Error):
+    """An argument is wrong; the message names the fix."""
+
+class Cancelled(Error):
+    """The transfer was cancelled (the engine shut down)."""
+
+class EngineClosed(Error):
+    """The engine is closed (or its worker stopped)."""
+
+class RegionInUse(Error):
+    """The registration cannot be closed yet: transfers that use it have not finished."""
+
+class Unsupported(Error):
+    """This build, transport or machine cannot do what was asked."""
+
+class TransportFailed(Error):
+    """The transport failed in its own way (OS, provider or device error)."""
+
+class Registration:
+    """Memory registered with an engine; the object stays alive until close()."""
+
+    @property
+    def descriptor(self) -> bytes:
+        """What a peer needs to write into this memory: send it to the peer."""
+    @property
+    def obj(self) -> Any:
+        """The registered object."""
+    @property
+    def nbytes(self) -> int:
+        """Length of the registered memory in bytes."""
+    @property
+    def is_cuda(self) -> bool:
+        """Whether this is CUDA device memory."""
+    @property
+    def closed(self) -> bool:
+        """Whether the registration is closed."""
+    def close(self) -> None:
+        """Deregisters and lets go of the object; RegionInUse while transfers use it."""
+    def __enter__(self) -> Registration: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+class Peer:
+    """A peer of an engine, from Engine.add_peer."""
+
+    @property
+    def removed(self) -> bool:
+        """Whether the peer was removed."""
+
+class Handle:
+    """A submitted transfer: wait(), done(), or await it."""
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Blocks (GIL released) until the transfer finishes; returns the bytes moved."""
+    def done(self) -> bool:
+        """Whether the transfer has finished (either way); never blocks."""
+    def exception(self) -> Error | None:
+        """The transfer's error if it finished and failed, else None."""
+    def __await__(self) -> Generator[Any, None, int]: ...
+
+class Engine:
+    """The transfer engine. Keyword arguments mirror the xfer command's flags."""
+
+    def __init__(
+        self,
+        transport: Literal["auto", "tcp", "cuda-ipc", "mem", "efa"] = "auto",
+        provider: str | None = None,
+        rails: int = 1,
+        nics: Sequence[str] | None = None,
+        memory: Literal["host", "cuda"] = "host",
+        gpu: int = 0,
+        auth_token: str | None = None,
+        timeout: float = 10.0,
+        listen: str = "127.0.0.1",
+        wait_spin_us: int | None = None,
+    ) -> None: ...
+    @property
+    def address(self) -> bytes:
+        """This engine's address: give it to peers."""
+    @property
+    def transport(self) -> str:
+        """The transport in use ("auto" resolved)."""
+    @property
+    def rails(self) -> int:
+        """The number of rails."""
+    @property
+    def closed(self) -> bool:
+        """Whether the engine is closed."""
+    def register(self, obj: Any, remote_write: bool = True) -> Registration:
+        """Registers a buffer-protocol object or a CUDA tensor."""
+    def add_peer(self, address: bytes) -> Peer:
+        """Adds a peer by its Engine.address."""
+    def remove_peer(self, peer: Peer) -> None:
+        """Removes a peer; its pending transfers fail with PeerRemoved."""
+    def write(
+        self,
+        peer: Peer,
+        registration: Registration,
+        remote_descriptor: bytes,
+        segments: Sequence[tuple[int, int, int]] | Any,  # or an (n, 3) int64 numpy array
+        imm: int | None = None,
+        timeout: float | None = None,
+    ) -> Handle:
+        """Writes (src_offset, dst_offset, length) ranges into the peer's region."""
+    def write_pages(
+        self,
+        peer: Peer,
+        registration: Registration,
+        remote_descriptor: bytes,
+        src_pages: Pages,
+        dst_pages: Pages,
+        page_size: int,
+        src_stride: int | None = None,
+        dst_stride: int | None = None,
+        imm: int | None = None,
+        timeout: float | None = None,
+    ) -> Handle:
+        """Writes local page src_pages[i] to the peer's page dst_pages[i]."""
+    def wait_imm(self, value: int, count: int = 1, timeout: float | None = None) -> None:
+        """Blocks until `count` transfers with immediate `value` have landed here."""
+    def counters(self) -> dict[str, int]:
+        """Sums of the rails' counters."""
+    def close(self) -> None:
+        """Stops the engine and gives back every registration's memory."""
+    def __enter__(self) -> Engine: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...

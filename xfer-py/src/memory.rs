@@ -1,0 +1,551 @@
+//! Python memory as engine regions: host buffers taken through the buffer protocol, CUDA
+//! tensors through `__cuda_array_interface__`, and other tensors (CPU or CUDA) through
+//! DLPack (`__dlpack__`).
+//!
+//! A region reaches the transports as a raw pointer and a length ([`MemoryRegion`]); what
+//! keeps the memory alive is held next to it in a [`Held`]: the buffer-protocol view
+//! (which holds the exporting object and keeps numpy from resizing or freeing it) or a
+//! reference to the tensor. A `Held` gives the view back only once no transport holds the
+//! region any more ([`Held::release`]), so deleting the array in Python while it is
+//! registered is safe.
+
+use crate::backend::TransportKind;
+use crate::errors::invalid;
+use fabric_core::{MemoryLocation, MemoryRegion};
+use pyo3::buffer::PyBuffer;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+/// Host memory a Python object exports through the buffer protocol.
+pub struct PyHostRegion {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the region is a plain address range; every access through it is a raw-pointer
+// copy by a transport, which the MemoryRegion contract already makes the application
+// synchronise (it reads a range only once the transfer writing it has completed).
+unsafe impl Send for PyHostRegion {}
+// SAFETY: as above; &PyHostRegion exposes no reference into the bytes.
+unsafe impl Sync for PyHostRegion {}
+
+// SAFETY: ptr and len come from a buffer-protocol view of a C-contiguous buffer, or from
+// the DLPack capsule of a contiguous CPU tensor (both checked in `take`). The view (or the
+// capsule, which holds the tensor) is held by the same `Held` as the region's Arc and is
+// given back only when that Arc is the last one (no transport holds the region:
+// `Held::release`), so for as long as any transport can reach this value the exporter
+// keeps the bytes where they are (numpy refuses to resize an array with exported views).
+unsafe impl MemoryRegion for PyHostRegion {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn location(&self) -> MemoryLocation {
+        MemoryLocation::Host
+    }
+    fn host_ptr(&self) -> Option<NonNull<u8>> {
+        Some(self.ptr)
+    }
+    fn device_addr(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+}
+
+/// Device memory of a CUDA tensor (torch, cupy, ...), by address.
+pub struct CudaTensorRegion {
+    ptr: u64,
+    len: usize,
+    device: u32,
+}
+
+// SAFETY: ptr..ptr+len is device memory on `device` (checked with the driver in
+// `cuda_region`), allocated by the tensor's library; the tensor is held by the same `Held`
+// as this region's Arc and released only when no transport holds the region. host_ptr is
+// None: transports reach the bytes with device copies only.
+unsafe impl MemoryRegion for CudaTensorRegion {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn location(&self) -> MemoryLocation {
+        MemoryLocation::Cuda {
+            device: self.device,
+        }
+    }
+    fn host_ptr(&self) -> Option<NonNull<u8>> {
+        None
+    }
+    fn device_addr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+/// What keeps a registered region's memory alive. Never read: held for its drop, which
+/// gives the view (or the reference) back.
+#[allow(dead_code)]
+enum Keep {
+    /// The buffer-protocol view (it holds the exporting object).
+    View(PyBuffer<u8>),
+    /// The tensor itself.
+    Object(Py<PyAny>),
+}
+
+/// A region and what keeps its memory alive.
+pub struct Held {
+    region: Arc<dyn MemoryRegion>,
+    keep: Keep,
+    /// The registered object (what `Registration.obj` returns while it is open).
+    obj: Py<PyAny>,
+}
+
+impl Held {
+    /// The region, to register.
+    pub fn region(&self) -> Arc<dyn MemoryRegion> {
+        self.region.clone()
+    }
+
+    /// The registered object.
+    pub fn obj(&self) -> &Py<PyAny> {
+        &self.obj
+    }
+
+    /// Gives the memory back if no transport holds the region any more (only this `Held`
+    /// does), else returns itself, to be tried again later. Call with the GIL held.
+    pub fn release(self) -> Result<(), Held> {
+        if Arc::strong_count(&self.region) > 1 {
+            return Err(self);
+        }
+        let Held { region, keep, obj } = self;
+        // The region goes first: nothing can reach the memory once the view is gone.
+        drop(region);
+        drop(keep);
+        drop(obj);
+        Ok(())
+    }
+
+    /// Whether this is device memory.
+    pub fn is_cuda(&self) -> bool {
+        matches!(self.keep, Keep::Object(_))
+    }
+}
+
+/// What an engine accepts.
+#[derive(Clone, Copy, Debug)]
+pub struct Accept {
+    /// The engine's transport.
+    pub kind: TransportKind,
+    /// The engine's GPU.
+    pub gpu: u32,
+}
+
+/// Takes `obj`'s memory: a CUDA tensor by `__cuda_array_interface__`, anything else through
+/// the buffer protocol. Every way an object can be unfit is an `InvalidArgument` that
+/// names the fix.
+pub fn take(obj: &Bound<'_, PyAny>, remote_write: bool, accept: Accept) -> PyResult<Held> {
+    if obj.hasattr("__cuda_array_interface__")? {
+        return cuda_region(obj, remote_write, accept);
+    }
+    let type_name = obj.get_type().name()?.to_string();
+    if accept.kind == TransportKind::CudaIpc && !dlpack_on_cuda(obj)? {
+        return Err(invalid(format!(
+            "this engine (transport=\"cuda-ipc\") moves GPU memory, and {type_name} is host memory: \
+             register a CUDA tensor (tensor.cuda()), or make the engine with transport=\"tcp\" for host memory"
+        )));
+    }
+    let builtins = obj.py().import("builtins")?;
+    let view = match builtins.getattr("memoryview")?.call1((obj,)) {
+        Ok(v) => v,
+        Err(_) if obj.hasattr("__dlpack__")? => return dlpack_region(obj, remote_write, accept),
+        Err(_) => {
+            if obj.hasattr("__dlpack_device__")? {
+                return Err(invalid(format!(
+                    "{type_name} offers __dlpack_device__ but no __dlpack__ nor the buffer \
+                     protocol: for a CPU tensor register tensor.numpy() (host memory), for GPU \
+                     memory move it with tensor.cuda() (cuda:{})",
+                    accept.gpu
+                )));
+            }
+            return Err(invalid(format!(
+                "cannot register {type_name}: it offers neither the buffer protocol (numpy arrays, \
+                 bytearray, memoryview) nor __cuda_array_interface__ or __dlpack__ (torch, cupy, \
+                 jax tensors)"
+            )));
+        }
+    };
+    if !view.getattr("c_contiguous")?.extract::<bool>()? {
+        return Err(invalid(format!(
+            "the {type_name} is not C-contiguous (a strided view or slice): register \
+             numpy.ascontiguousarray(a), or register the whole base array and address the \
+             pieces with offsets"
+        )));
+    }
+    if remote_write && view.getattr("readonly")?.extract::<bool>()? {
+        return Err(invalid(format!(
+            "the {type_name} is read-only, and remote_write=True lets peers write into it: \
+             register a writable buffer (bytearray(b), a.copy()), or pass remote_write=False \
+             for memory that is only a source"
+        )));
+    }
+    let nbytes: usize = view.getattr("nbytes")?.extract()?;
+    if nbytes == 0 {
+        return Err(invalid(format!(
+            "the {type_name} is empty: register at least one byte"
+        )));
+    }
+    let flat = view.call_method1("cast", ("B",)).map_err(|e| {
+        invalid(format!(
+            "the {type_name}'s items cannot be viewed as bytes ({e}): register a plain view of \
+             it, e.g. a.view(numpy.uint8)"
+        ))
+    })?;
+    let buf = PyBuffer::<u8>::get(&flat)?;
+    let ptr = NonNull::new(buf.buf_ptr().cast::<u8>())
+        .ok_or_else(|| invalid(format!("the {type_name} exports a null pointer")))?;
+    let len = buf.len_bytes();
+    Ok(Held {
+        region: Arc::new(PyHostRegion { ptr, len }),
+        keep: Keep::View(buf),
+        obj: obj.clone().unbind(),
+    })
+}
+
+/// Item sizes of `__cuda_array_interface__` type strings (`<f4`, `|u1`, `<c8`, ...).
+fn item_size(typestr: &str) -> Option<usize> {
+    typestr.get(2..)?.parse().ok().filter(|&n| n > 0)
+}
+
+/// A CUDA tensor's memory, from `__cuda_array_interface__`.
+fn cuda_region(obj: &Bound<'_, PyAny>, remote_write: bool, accept: Accept) -> PyResult<Held> {
+    let type_name = obj.get_type().name()?.to_string();
+    let iface = obj.getattr("__cuda_array_interface__")?;
+    let iface = iface.cast::<PyDict>().map_err(|_| {
+        invalid(format!(
+            "{type_name}.__cuda_array_interface__ is not a dict"
+        ))
+    })?;
+    let get = |k: &str| -> PyResult<Bound<'_, PyAny>> {
+        iface
+            .get_item(k)?
+            .ok_or_else(|| invalid(format!("{type_name}.__cuda_array_interface__ has no {k:?}")))
+    };
+    let (ptr, readonly): (u64, bool) = get("data")?.extract()?;
+    let shape: Vec<usize> = get("shape")?.extract()?;
+    let typestr: String = get("typestr")?.extract()?;
+    let item = item_size(&typestr).ok_or_else(|| {
+        invalid(format!(
+            "{type_name} has an item type {typestr:?} this build cannot size"
+        ))
+    })?;
+    let count = shape
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .ok_or_else(|| invalid("the tensor's shape overflows"))?;
+    let len = count
+        .checked_mul(item)
+        .ok_or_else(|| invalid("the tensor's size overflows"))?;
+    if let Some(strides) = iface.get_item("strides")?
+        && !strides.is_none()
+    {
+        let strides: Vec<i64> = strides.extract()?;
+        if !c_contiguous(&shape, &strides, item) {
+            return Err(invalid(format!(
+                "the {type_name} is not contiguous (strides {strides:?}): register \
+                 tensor.contiguous()"
+            )));
+        }
+    }
+    if remote_write && readonly {
+        return Err(invalid(format!(
+            "the {type_name} is read-only, and remote_write=True lets peers write into it: \
+             register a writable tensor, or pass remote_write=False"
+        )));
+    }
+    if len == 0 {
+        return Err(invalid(format!(
+            "the {type_name} is empty: register at least one byte"
+        )));
+    }
+    cuda_held(obj, obj.clone().unbind(), ptr, len, accept)
+}
+
+/// Checks with the driver that `ptr..ptr+len` is device memory of the engine's GPU.
+fn on_engine_gpu(obj: &Bound<'_, PyAny>, ptr: u64, len: usize, accept: Accept) -> PyResult<()> {
+    let type_name = obj.get_type().name()?.to_string();
+    let cuda = gpu_mem::Cuda::probe()
+        .map_err(|e| crate::errors::Unsupported::new_err(format!("CUDA: {e}")))?
+        .ok_or_else(|| {
+            crate::errors::Unsupported::new_err(
+                "a CUDA tensor, but no CUDA driver could be loaded in this process",
+            )
+        })?;
+    let device = cuda.device(accept.gpu).map_err(|e| {
+        invalid(format!(
+            "the engine's gpu={} cannot be used: {e}",
+            accept.gpu
+        ))
+    })?;
+    let on_ours = obj
+        .py()
+        .detach(|| device.holds_range(ptr, len as u64))
+        .map_err(|e| crate::errors::TransportFailed::new_err(e.to_string()))?;
+    if !on_ours {
+        return Err(invalid(format!(
+            "the {type_name} is not memory of the engine's GPU (gpu={g}): move it with \
+             tensor.to(\"cuda:{g}\"), or make the engine with the tensor's gpu",
+            g = accept.gpu
+        )));
+    }
+    Ok(())
+}
+
+/// A CUDA region of `len` bytes at `ptr`, kept alive by `keep` (and `obj`).
+fn cuda_held(
+    obj: &Bound<'_, PyAny>,
+    keep: Py<PyAny>,
+    ptr: u64,
+    len: usize,
+    accept: Accept,
+) -> PyResult<Held> {
+    let type_name = obj.get_type().name()?.to_string();
+    if accept.kind == TransportKind::Mem {
+        return Err(invalid(format!(
+            "transport=\"mem\" moves host memory only, and this {type_name} is CUDA memory: \
+             make the engine with transport=\"cuda-ipc\" or \"tcp\" and memory=\"cuda\""
+        )));
+    }
+    on_engine_gpu(obj, ptr, len, accept)?;
+    Ok(Held {
+        region: Arc::new(CudaTensorRegion {
+            ptr,
+            len,
+            device: accept.gpu,
+        }),
+        keep: Keep::Object(keep),
+        obj: obj.clone().unbind(),
+    })
+}
+
+/// DLPack's device types this module reads.
+const DL_CPU: i32 = 1;
+const DL_CUDA: i32 = 2;
+const DL_CUDA_HOST: i32 = 3;
+
+/// DLPack's `DLDevice`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DlDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+/// DLPack's `DLDataType`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DlDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+/// DLPack's `DLTensor`.
+#[repr(C)]
+struct DlTensor {
+    data: *mut std::ffi::c_void,
+    device: DlDevice,
+    ndim: i32,
+    dtype: DlDataType,
+    shape: *const i64,
+    strides: *const i64,
+    byte_offset: u64,
+}
+
+/// DLPack's `DLManagedTensor` (the unversioned capsule, named "dltensor").
+#[repr(C)]
+struct DlManagedTensor {
+    dl_tensor: DlTensor,
+    manager_ctx: *mut std::ffi::c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DlManagedTensor)>,
+}
+
+/// Whether `obj` is a DLPack tensor on a CUDA device (asked without exporting it).
+fn dlpack_on_cuda(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    if !obj.hasattr("__dlpack_device__")? {
+        return Ok(false);
+    }
+    let (kind, _): (i32, i32) = obj.call_method0("__dlpack_device__")?.extract()?;
+    Ok(kind == DL_CUDA)
+}
+
+/// What a DLPack capsule describes, read while the capsule is alive.
+struct DlView {
+    ptr: u64,
+    len: usize,
+    device: DlDevice,
+    contiguous: bool,
+}
+
+/// Reads the tensor description of a "dltensor" capsule.
+fn read_capsule(capsule: &Bound<'_, pyo3::types::PyCapsule>) -> PyResult<DlView> {
+    use pyo3::types::PyCapsuleMethods;
+    let p = capsule
+        .pointer_checked(Some(c"dltensor"))
+        .map_err(|_| invalid("__dlpack__ returned a capsule that is not an unused \"dltensor\""))?;
+    // SAFETY: a capsule named "dltensor" holds a DLManagedTensor (the DLPack protocol),
+    // owned by the capsule and alive while it is (we hold `capsule`); it is only read here,
+    // and its shape and strides arrays hold `ndim` entries each (strides may be null).
+    let (t, shape, strides) = unsafe {
+        let m = &*p.as_ptr().cast::<DlManagedTensor>();
+        let t = &m.dl_tensor;
+        let n = usize::try_from(t.ndim).unwrap_or(0);
+        let shape = if n == 0 || t.shape.is_null() {
+            Vec::new()
+        } else {
+            std::slice::from_raw_parts(t.shape, n).to_vec()
+        };
+        let strides = if n == 0 || t.strides.is_null() {
+            None
+        } else {
+            Some(std::slice::from_raw_parts(t.strides, n).to_vec())
+        };
+        (
+            (t.data as u64, t.byte_offset, t.device, t.dtype),
+            shape,
+            strides,
+        )
+    };
+    let (data, offset, device, dtype) = t;
+    let item_bits = u64::from(dtype.bits) * u64::from(dtype.lanes.max(1));
+    if item_bits == 0 || item_bits % 8 != 0 {
+        return Err(invalid(format!(
+            "the tensor's items are {item_bits} bits: only whole bytes can be registered"
+        )));
+    }
+    let item = (item_bits / 8) as usize;
+    let mut count = 1usize;
+    for &d in &shape {
+        let d = usize::try_from(d).map_err(|_| invalid("the tensor has a negative dimension"))?;
+        count = count
+            .checked_mul(d)
+            .ok_or_else(|| invalid("the tensor's shape overflows"))?;
+    }
+    let len = count
+        .checked_mul(item)
+        .ok_or_else(|| invalid("the tensor's size overflows"))?;
+    let dims: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
+    let contiguous = match strides {
+        None => true,
+        Some(s) => {
+            let bytes: Vec<i64> = s.iter().map(|&x| x.saturating_mul(item as i64)).collect();
+            c_contiguous(&dims, &bytes, item)
+        }
+    };
+    Ok(DlView {
+        ptr: data.wrapping_add(offset),
+        len,
+        device,
+        contiguous,
+    })
+}
+
+/// A tensor's memory through DLPack: host memory (CPU, CUDA-pinned) or the engine's GPU.
+/// The capsule is kept (unconsumed, so its own destructor frees the tensor's reference
+/// when the registration lets go of it).
+fn dlpack_region(obj: &Bound<'_, PyAny>, remote_write: bool, accept: Accept) -> PyResult<Held> {
+    let type_name = obj.get_type().name()?.to_string();
+    let capsule = obj.call_method0("__dlpack__")?;
+    let cap = capsule
+        .cast::<pyo3::types::PyCapsule>()
+        .map_err(|_| invalid(format!("{type_name}.__dlpack__() did not return a capsule")))?;
+    let v = read_capsule(cap)?;
+    let _ = remote_write; // DLPack has no read-only flag: the memory is taken as writable.
+    if !v.contiguous {
+        return Err(invalid(format!(
+            "the {type_name} is not contiguous: register tensor.contiguous()"
+        )));
+    }
+    if v.len == 0 {
+        return Err(invalid(format!(
+            "the {type_name} is empty: register at least one byte"
+        )));
+    }
+    match v.device.device_type {
+        DL_CUDA => {
+            if u32::try_from(v.device.device_id).ok() != Some(accept.gpu) {
+                return Err(invalid(format!(
+                    "the {type_name} is on cuda:{} and the engine's GPU is gpu={g}: move it with \
+                     tensor.to(\"cuda:{g}\"), or make the engine with gpu={}",
+                    v.device.device_id,
+                    v.device.device_id,
+                    g = accept.gpu
+                )));
+            }
+            cuda_held(obj, capsule.clone().unbind(), v.ptr, v.len, accept)
+        }
+        DL_CPU | DL_CUDA_HOST => {
+            if accept.kind == TransportKind::CudaIpc {
+                return Err(invalid(format!(
+                    "this engine (transport=\"cuda-ipc\") moves GPU memory, and this {type_name} \
+                     is a CPU tensor: move it with tensor.cuda() (cuda:{}), or make the engine \
+                     with transport=\"tcp\" for host memory",
+                    accept.gpu
+                )));
+            }
+            let ptr = NonNull::new(v.ptr as *mut u8)
+                .ok_or_else(|| invalid(format!("the {type_name} has a null data pointer")))?;
+            Ok(Held {
+                region: Arc::new(PyHostRegion { ptr, len: v.len }),
+                keep: Keep::Object(capsule.clone().unbind()),
+                obj: obj.clone().unbind(),
+            })
+        }
+        other => Err(invalid(format!(
+            "the {type_name} lives on DLPack device type {other}, which xfer cannot move \
+             (CPU and CUDA only)"
+        ))),
+    }
+}
+
+/// Whether `strides` (in bytes) are those of a C-contiguous array of `shape`.
+fn c_contiguous(shape: &[usize], strides: &[i64], item: usize) -> bool {
+    if shape.len() != strides.len() {
+        return false;
+    }
+    let mut want = item as i64;
+    for (&d, &s) in shape.iter().zip(strides).rev() {
+        // A dimension of length 1 may have any stride.
+        if d != 1 && s != want {
+            return false;
+        }
+        want = want.saturating_mul(d as i64);
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn c_contiguity_from_strides() {
+        assert!(c_contiguous(&[2, 3], &[12, 4], 4));
+        assert!(!c_contiguous(&[2, 3], &[4, 8], 4), "Fortran order");
+        assert!(
+            !c_contiguous(&[2, 3], &[24, 4], 4),
+            "a slice of every other row"
+        );
+        assert!(
+            c_contiguous(&[1, 3], &[999, 4], 4),
+            "length-1 dims have any stride"
+        );
+        assert!(!c_contiguous(&[3], &[4, 4], 4));
+    }
+
+    #[test]
+    fn item_sizes_of_type_strings() {
+        assert_eq!(item_size("<f4"), Some(4));
+        assert_eq!(item_size("|u1"), Some(1));
+        assert_eq!(item_size("<c16"), Some(16));
+        assert_eq!(item_size("<f"), None);
+        assert_eq!(item_size("<f0"), None);
+    }
+}

@@ -1,0 +1,108 @@
+"""The xfer package on CUDA memory (torch tensors): one process over tcp, two processes
+over cuda-ipc and tcp, and the bad inputs of GPU memory. Skipped (visibly) without torch
+and a GPU; XFER_REQUIRE_CUDA=1 makes them fail instead (scripts/py-gpu-proof.sh)."""
+
+import gc
+import json
+import os
+import weakref
+
+import numpy as np
+import pytest
+from conftest import cuda_or_skip, pattern
+from test_engine import PAGE, spawn_peer
+
+import xfer
+
+pytestmark = pytest.mark.cuda
+
+
+def test_gpu_pages_over_tcp_in_one_process():
+    torch = cuda_or_skip()
+    with xfer.Engine(transport="tcp", memory="cuda") as a, xfer.Engine(transport="tcp", memory="cuda") as b:
+        p = a.add_peer(b.address)
+        src = torch.from_numpy(pattern(64 * PAGE, seed=11)).cuda()
+        dst = torch.zeros(64 * PAGE, dtype=torch.uint8, device="cuda:0")
+        rs, rd = a.register(src, remote_write=False), b.register(dst)
+        assert rs.is_cuda and rd.is_cuda
+        sp, dp = list(range(0, 64, 2)), list(range(63, 0, -2))
+        assert a.write_pages(p, rs, rd.descriptor, sp, dp, PAGE, imm=3).wait(timeout=30) == 32 * PAGE
+        b.wait_imm(3, timeout=30)
+        s, d = src.view(64, PAGE), dst.view(64, PAGE)
+        assert torch.equal(d[dp], s[sp])
+        untouched = [i for i in range(64) if i not in dp]
+        assert not d[untouched].any()
+
+
+@pytest.mark.parametrize("transport", ["cuda-ipc", "tcp"])
+def test_gpu_to_gpu_between_two_processes(transport):
+    torch = cuda_or_skip()
+    proc, addr, desc = spawn_peer("--transport", transport, "--device", "cuda", "--bytes", str(256 * PAGE))
+    try:
+        with xfer.Engine(transport=transport, memory="cuda", timeout=10.0) as e:
+            p = e.add_peer(addr)
+            src = torch.from_numpy(pattern(64 * PAGE, seed=12)).cuda()
+            rs = e.register(src, remote_write=False)
+            dst_pages = [int(x) for x in np.random.default_rng(6).permutation(256)[:64]]
+            e.write_pages(p, rs, desc, list(range(64)), dst_pages, PAGE, imm=9).wait(timeout=30)
+            cmd = {"imm": 9, "count": 1, "pages": dst_pages, "page_size": PAGE, "seed": 12}
+            proc.stdin.write(json.dumps({"expect": cmd}) + "\n")
+            proc.stdin.flush()
+            assert json.loads(proc.stdout.readline())["ok"]
+        proc.stdin.write(json.dumps({"exit": True}) + "\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+
+
+def test_bad_gpu_memory_is_refused_with_the_fix_named():
+    torch = cuda_or_skip()
+    with xfer.Engine(transport="cuda-ipc", memory="cuda") as e:
+        with pytest.raises(xfer.InvalidArgument, match=r"contiguous\(\)"):
+            e.register(torch.zeros(64, 64, device="cuda:0")[:, ::2])
+        with pytest.raises(xfer.InvalidArgument, match=r"tensor\.cuda\(\)"):
+            e.register(torch.zeros(64))  # a CPU tensor on an engine of GPU memory
+        with pytest.raises(xfer.InvalidArgument, match="host memory"):
+            e.register(np.zeros(64, dtype=np.uint8))
+
+        class FakeCuda:  # claims to be CUDA memory, but the pointer is host memory
+            def __init__(self):
+                self.host = np.zeros(4096, dtype=np.uint8)
+                self.__cuda_array_interface__ = {
+                    "data": (self.host.ctypes.data, False),
+                    "shape": (4096,),
+                    "typestr": "|u1",
+                    "strides": None,
+                    "version": 3,
+                }
+
+        with pytest.raises(xfer.InvalidArgument, match="not memory of the engine's GPU"):
+            e.register(FakeCuda())
+    if torch.cuda.device_count() < 2:
+        if os.environ.get("XFER_REQUIRE_GPUS") == "2":
+            pytest.fail("XFER_REQUIRE_GPUS=2 but torch sees one GPU")
+        pytest.skip("the other-GPU case needs two GPUs")
+    with xfer.Engine(transport="tcp", memory="cuda", gpu=0) as e:
+        with pytest.raises(xfer.InvalidArgument, match=r'to\("cuda:0"\)'):
+            e.register(torch.zeros(64, device="cuda:1"))
+
+
+def test_a_cuda_registration_keeps_its_tensor_alive():
+    torch = cuda_or_skip()
+    with xfer.Engine(transport="tcp", memory="cuda") as a, xfer.Engine(transport="tcp", memory="cuda") as b:
+        p = a.add_peer(b.address)
+        dst = torch.zeros(16 * PAGE, dtype=torch.uint8, device="cuda:0")
+        alive = weakref.ref(dst)
+        rd = b.register(dst)
+        del dst
+        gc.collect()
+        assert alive() is not None
+        src = torch.from_numpy(pattern(16 * PAGE, seed=13)).cuda()
+        rs = a.register(src)
+        a.write(p, rs, rd.descriptor, [(0, 0, 16 * PAGE)], imm=2).wait(timeout=30)
+        b.wait_imm(2, timeout=30)
+        assert torch.equal(rd.obj, src)
+        rd.close()
+        gc.collect()
+        assert alive() is None

@@ -1,0 +1,414 @@
+"""The xfer package on host memory: two engines of one process (mem and tcp), two
+processes (tcp), bad inputs, a peer killed mid-transfer, and registration lifetime."""
+
+import asyncio
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+import weakref
+
+import numpy as np
+import pytest
+from conftest import pattern
+
+import xfer
+
+PEER = os.path.join(os.path.dirname(__file__), "peer.py")
+PAGE = 4096
+
+
+def test_explicit_segments_land_where_they_are_sent(pair):
+    a, b, p = pair
+    src = pattern(64 * 1024, seed=1)
+    dst = np.zeros(64 * 1024, dtype=np.uint8)
+    rs, rd = a.register(src, remote_write=False), b.register(dst)
+    segs = [(0, 40_000, 1000), (5000, 0, 3), (20_000, 10_000, 9000)]
+    assert a.write(p, rs, rd.descriptor, segs).wait(timeout=10) == 10_003
+    want = np.zeros_like(dst)
+    for s, d, n in segs:
+        want[d : d + n] = src[s : s + n]
+    assert np.array_equal(dst, want), "every byte sent, and no other byte touched"
+    # The same segments as an (n, 3) int64 array, into a fresh target.
+    dst2 = np.zeros_like(dst)
+    rd2 = b.register(dst2)
+    a.write(p, rs, rd2.descriptor, np.array(segs, dtype=np.int64)).wait(timeout=10)
+    assert np.array_equal(dst2, want)
+
+
+def test_paged_writes_with_strides_and_numpy_page_lists(pair):
+    a, b, p = pair
+    # A vLLM-like layout: pages of 4 KiB at a stride of 8 KiB on the source side.
+    src = pattern(16 * 8192, seed=2)
+    dst = np.zeros(32 * PAGE, dtype=np.uint8)
+    rs, rd = a.register(src), b.register(dst)
+    sp, dp = np.array([7, 0, 15, 3], dtype=np.int64), [30, 2, 11, 12]
+    h = a.write_pages(p, rs, rd.descriptor, sp, dp, PAGE, src_stride=8192, imm=77)
+    assert h.wait(timeout=10) == 4 * PAGE
+    b.wait_imm(77, timeout=10)
+    for s, d in zip(sp, dp):
+        assert np.array_equal(dst[d * PAGE : (d + 1) * PAGE], src[s * 8192 : s * 8192 + PAGE])
+    untouched = np.ones(32, dtype=bool)
+    untouched[dp] = False
+    assert not dst.reshape(32, PAGE)[untouched].any()
+
+
+def test_immediate_data_is_counted_per_value(pair):
+    a, b, p = pair
+    src, dst = np.ones(PAGE, dtype=np.uint8), np.zeros(4 * PAGE, dtype=np.uint8)
+    rs, rd = a.register(src), b.register(dst)
+    hs = [a.write_pages(p, rs, rd.descriptor, [0], [i], PAGE, imm=5) for i in range(3)]
+    hs.append(a.write_pages(p, rs, rd.descriptor, [0], [3], PAGE, imm=6))
+    for h in hs:
+        h.wait(timeout=10)
+    b.wait_imm(5, count=3, timeout=10)
+    with pytest.raises(xfer.TimedOut):
+        b.wait_imm(5, count=1, timeout=0.2)  # all three were taken
+    b.wait_imm(6, timeout=10)  # kept aside while waiting for 5
+    assert dst.all()
+
+
+def test_a_handle_is_awaitable(pair):
+    a, b, p = pair
+    src, dst = pattern(8 * PAGE, seed=3), np.zeros(8 * PAGE, dtype=np.uint8)
+    rs, rd = a.register(src), b.register(dst)
+
+    async def main():
+        hs = [a.write_pages(p, rs, rd.descriptor, [i], [7 - i], PAGE) for i in range(8)]
+        return await asyncio.wait_for(asyncio.gather(*hs), timeout=10)
+
+    assert asyncio.run(main()) == [PAGE] * 8
+    assert np.array_equal(dst.reshape(8, PAGE)[::-1], src.reshape(8, PAGE))
+
+
+def test_a_failed_transfer_raises_from_await_and_wait(pair):
+    a, b, p = pair
+    rs, rd = a.register(np.ones(2 * PAGE, dtype=np.uint8)), b.register(np.zeros(PAGE, dtype=np.uint8))
+    with pytest.raises(xfer.InvalidArgument, match="outside the remote region"):
+        a.write(p, rs, rd.descriptor, [(0, PAGE, PAGE)])  # the descriptor says it does not fit
+    # A descriptor that lies about its length: the target itself refuses the write.
+    lying = bytearray(rd.descriptor)
+    lying[14:22] = (2 * PAGE).to_bytes(8, "little")
+    h = a.write(p, rs, bytes(lying), [(0, PAGE, PAGE)])
+
+    async def main():
+        return await h
+
+    with pytest.raises(xfer.OutOfBounds):
+        asyncio.run(main())
+    with pytest.raises(xfer.OutOfBounds):
+        h.wait(timeout=10)
+    assert h.done() and isinstance(h.exception(), xfer.OutOfBounds)
+
+
+def test_the_target_refuses_writes_it_did_not_allow(pair):
+    a, b, p = pair
+    rs = a.register(np.ones(PAGE, dtype=np.uint8))
+    ro = b.register(np.zeros(PAGE, dtype=np.uint8), remote_write=False)
+    with pytest.raises(xfer.PermissionDenied):
+        a.write(p, rs, ro.descriptor, [(0, 0, PAGE)]).wait(timeout=10)
+    closed = b.register(np.zeros(PAGE, dtype=np.uint8))
+    desc = closed.descriptor
+    closed.close()
+    with pytest.raises(xfer.RemoteKeyInvalid):
+        a.write(p, rs, desc, [(0, 0, PAGE)]).wait(timeout=10)
+
+
+def test_bad_memory_is_refused_with_the_fix_named():
+    with xfer.Engine(transport="mem") as e:
+        with pytest.raises(xfer.InvalidArgument, match="ascontiguousarray"):
+            e.register(np.zeros((8, 8))[:, ::2])
+        with pytest.raises(xfer.InvalidArgument, match="read-only"):
+            e.register(b"immutable bytes", remote_write=True)
+        e.register(b"immutable bytes", remote_write=False).close()  # fine as a source
+        ro = np.zeros(16, dtype=np.uint8)
+        ro.flags.writeable = False
+        with pytest.raises(xfer.InvalidArgument, match="read-only"):
+            e.register(ro)
+        with pytest.raises(xfer.InvalidArgument, match="empty"):
+            e.register(bytearray())
+        with pytest.raises(xfer.InvalidArgument, match="buffer protocol"):
+            e.register(object())
+
+        class CpuTensor:  # what a torch CPU tensor offers: DLPack, no buffer protocol
+            def __dlpack_device__(self):
+                return (1, 0)
+
+        with pytest.raises(xfer.InvalidArgument, match=r"tensor\.numpy\(\)"):
+            e.register(CpuTensor())
+
+        class FakeCuda:  # a "CUDA" array whose pointer is host memory
+            def __init__(self):
+                self.host = np.zeros(64, dtype=np.uint8)
+                self.__cuda_array_interface__ = {
+                    "data": (self.host.ctypes.data, False),
+                    "shape": (64,),
+                    "typestr": "|u1",
+                    "strides": None,
+                    "version": 3,
+                }
+
+        with pytest.raises(xfer.InvalidArgument, match="host memory only"):
+            e.register(FakeCuda())  # the mem transport moves host memory only
+    with xfer.Engine(transport="tcp") as t:
+        # Without CUDA there is no driver to ask; with it, the driver says it is not ours.
+        with pytest.raises((xfer.InvalidArgument, xfer.Unsupported)):
+            t.register(FakeCuda())
+
+
+def test_bad_arguments_are_invalid_argument(pair):
+    a, b, p = pair
+    rs, rd = a.register(np.ones(PAGE, dtype=np.uint8)), b.register(np.zeros(PAGE, dtype=np.uint8))
+    bad = [
+        lambda: a.add_peer(b"not an address"),
+        lambda: a.add_peer(b.address[:-1]),
+        lambda: a.write(p, rs, b"junk", [(0, 0, 1)]),
+        lambda: a.write(p, rs, rd.descriptor[:10], [(0, 0, 1)]),
+        lambda: a.write(p, rs, rd.descriptor + b"x", [(0, 0, 1)]),
+        lambda: a.write(p, rs, rd.descriptor, [(0, 0, PAGE + 1)]),  # past the local region
+        lambda: a.write(p, rs, rd.descriptor, [(-1, 0, 1)]),
+        lambda: a.write(p, rs, rd.descriptor, [(0, 0)]),
+        lambda: a.write(p, rs, rd.descriptor, [(0, 0, 1)], imm=-1),
+        lambda: a.write(p, rs, rd.descriptor, [(0, 0, 1)], imm=1 << 32),
+        lambda: a.write(p, rs, rd.descriptor, [(0, 0, 1)], timeout=-1),
+        lambda: a.write_pages(p, rs, rd.descriptor, [0, 1], [0], PAGE),
+        lambda: a.write_pages(p, rs, rd.descriptor, [-1], [0], PAGE),
+        lambda: a.write_pages(p, rs, rd.descriptor, [0], [0], 0),
+        lambda: a.write_pages(p, rs, rd.descriptor, [0], [0], PAGE, src_stride=PAGE // 2),
+        lambda: a.write_pages(p, rs, rd.descriptor, ["x"], [0], PAGE),
+        lambda: b.write(p, rd, rs.descriptor, [(0, 0, 1)]),  # a's peer used on b
+        lambda: a.write(p, rd, rd.descriptor, [(0, 0, 1)]),  # b's registration used on a
+        lambda: b.wait_imm(1, count=-1),
+        lambda: xfer.Engine(transport="carrier-pigeon"),
+        lambda: xfer.Engine(transport="mem", rails=0),
+        lambda: xfer.Engine(transport="mem", auth_token="secret"),
+        lambda: xfer.Engine(transport="tcp", listen="localhost:1"),
+        lambda: xfer.Engine(transport="cuda-ipc"),  # needs memory="cuda"
+    ]
+    for i, call in enumerate(bad):
+        with pytest.raises(xfer.InvalidArgument):
+            call()
+            pytest.fail(f"bad call {i} was accepted")
+    # Nothing was lost: the pair still works.
+    assert a.write(p, rs, rd.descriptor, [(0, 0, PAGE)]).wait(timeout=10) == PAGE
+
+
+def test_rails_on_named_nics():
+    with xfer.Engine(transport="tcp", rails=2, nics=["lo"]) as a, xfer.Engine(transport="tcp") as b:
+        assert a.rails == 2
+        p = a.add_peer(b.address)
+        src, dst = pattern(32 * PAGE, seed=8), np.zeros(32 * PAGE, dtype=np.uint8)
+        rs, rd = a.register(src), b.register(dst)
+        a.write(p, rs, rd.descriptor, [(0, 0, 32 * PAGE)], imm=1).wait(timeout=10)
+        b.wait_imm(1, timeout=10)
+        assert np.array_equal(dst, src)
+    with pytest.raises(xfer.InvalidArgument, match="no-such-nic0"):
+        xfer.Engine(transport="tcp", nics=["no-such-nic0"])
+
+
+@pytest.mark.parametrize("provider", ["tcp", "sockets"])
+def test_the_efa_transport_on_a_libfabric_provider(provider):
+    try:
+        a = xfer.Engine(transport="efa", provider=provider)
+    except (xfer.Unsupported, xfer.TransportFailed) as e:
+        if os.environ.get("XFER_REQUIRE_LIBFABRIC") == "1":
+            raise
+        pytest.skip(f"libfabric's {provider} provider cannot be opened here: {e}")
+    with a, xfer.Engine(transport="efa", provider=provider) as b:
+        p = a.add_peer(b.address)
+        src, dst = pattern(16 * PAGE, seed=31), np.zeros(16 * PAGE, dtype=np.uint8)
+        rs, rd = a.register(src), b.register(dst)
+        a.write_pages(p, rs, rd.descriptor, [15, 0, 7], [1, 2, 3], PAGE, imm=12).wait(timeout=20)
+        b.wait_imm(12, timeout=20)
+        for s, d in ((15, 1), (0, 2), (7, 3)):
+            assert np.array_equal(dst[d * PAGE : (d + 1) * PAGE], src[s * PAGE : (s + 1) * PAGE])
+    with pytest.raises(xfer.Error, match="no-such-provider"):
+        xfer.Engine(transport="efa", provider="no-such-provider")
+
+
+def test_mixing_transports_is_refused():
+    with xfer.Engine(transport="mem") as m, xfer.Engine(transport="tcp") as t:
+        with pytest.raises(xfer.InvalidArgument, match="same transport"):
+            m.add_peer(t.address)
+
+
+def test_closed_things_say_so(pair):
+    a, b, p = pair
+    rs, rd = a.register(np.ones(PAGE, dtype=np.uint8)), b.register(np.zeros(PAGE, dtype=np.uint8))
+    rs.close()
+    rs.close()  # twice is fine
+    with pytest.raises(xfer.InvalidArgument, match="closed"):
+        a.write(p, rs, rd.descriptor, [(0, 0, 1)])
+    a.remove_peer(p)
+    rs2 = a.register(np.ones(PAGE, dtype=np.uint8))
+    with pytest.raises(xfer.InvalidArgument, match="removed"):
+        a.write(p, rs2, rd.descriptor, [(0, 0, 1)])
+    a.close()
+    assert a.closed
+    with pytest.raises(xfer.EngineClosed):
+        a.register(np.ones(PAGE, dtype=np.uint8))
+    with pytest.raises(xfer.EngineClosed):
+        _ = a.address
+
+
+def test_a_registration_keeps_its_memory_alive_until_closed():
+    with xfer.Engine(transport="tcp") as a, xfer.Engine(transport="tcp") as b:
+        p = a.add_peer(b.address)
+        dst = np.zeros(16 * PAGE, dtype=np.uint8)
+        alive = weakref.ref(dst)
+        rd = b.register(dst)
+        del dst
+        gc.collect()
+        assert alive() is not None, "the registration holds the array"
+        src = pattern(16 * PAGE, seed=4)
+        rs = a.register(src)
+        a.write(p, rs, rd.descriptor, [(0, 0, 16 * PAGE)], imm=1).wait(timeout=10)
+        b.wait_imm(1, timeout=10)
+        assert np.array_equal(rd.obj, src), "the bytes landed in the deleted array's memory"
+        rd.close()
+        assert rd.obj is None
+        gc.collect()
+        assert alive() is None, "closing gave the array back"
+        # Registrations dropped without close, and an engine closed with some open.
+        dst2 = np.zeros(PAGE, dtype=np.uint8)
+        alive2 = weakref.ref(dst2)
+        r2 = b.register(dst2)
+        del dst2
+        b.close()
+        del r2
+        gc.collect()
+        assert alive2() is None, "the engine's close gave the array back"
+
+
+def test_a_registration_in_use_cannot_be_closed_and_loses_nothing(pair):
+    a, b, p = pair
+    src = np.ones(64 << 20, dtype=np.uint8)
+    rs, rd = a.register(src), b.register(np.zeros(64 << 20, dtype=np.uint8))
+    h = a.write(p, rs, rd.descriptor, [(0, 0, 64 << 20)])
+    try:
+        rs.close()
+    except xfer.RegionInUse:
+        assert not rs.closed  # still open, still usable
+    h.wait(timeout=30)
+    rs.close()
+    assert rs.closed
+
+
+def spawn_peer(*args):
+    proc = subprocess.Popen(
+        [sys.executable, PEER, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    hello = json.loads(proc.stdout.readline())
+    return proc, bytes.fromhex(hello["address"]), bytes.fromhex(hello["descriptor"])
+
+
+def test_two_processes_over_tcp():
+    proc, addr, desc = spawn_peer("--transport", "tcp", "--bytes", str(256 * PAGE))
+    try:
+        with xfer.Engine(transport="tcp", timeout=5.0) as e:
+            p = e.add_peer(addr)
+            src = pattern(64 * PAGE, seed=9)
+            rs = e.register(src, remote_write=False)
+            dst_pages = list(np.random.default_rng(5).permutation(256)[:64])
+            for layer in range(4):  # four transfers with the same immediate value
+                part = slice(layer * 16, (layer + 1) * 16)
+                e.write_pages(p, rs, desc, list(range(64))[part], dst_pages[part], PAGE, imm=42).wait(timeout=10)
+            cmd = {"imm": 42, "count": 4, "pages": [int(x) for x in dst_pages], "page_size": PAGE, "seed": 9}
+            proc.stdin.write(json.dumps({"expect": cmd}) + "\n")
+            proc.stdin.flush()
+            assert json.loads(proc.stdout.readline()) == {"ok": True, "why": "pages differ: []"}
+        proc.stdin.write(json.dumps({"exit": True}) + "\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+
+
+def test_a_peer_killed_mid_transfer_is_unreachable_within_the_timeout():
+    size = 64 << 20
+    proc, addr, desc = spawn_peer("--transport", "tcp", "--bytes", str(size))
+    timeout = 2.0
+    with xfer.Engine(transport="tcp", timeout=timeout) as e:
+        p = e.add_peer(addr)
+        rs = e.register(np.ones(size, dtype=np.uint8))
+        e.write(p, rs, desc, [(0, 0, size)]).wait(timeout=30)  # connected and moving
+        handles = [e.write(p, rs, desc, [(0, 0, size)]) for _ in range(4)]
+        proc.kill()
+        killed = time.monotonic()
+        proc.wait(timeout=10)
+        err = None
+        deadline = killed + 4 * timeout + 5
+        while err is None and time.monotonic() < deadline:
+            for h in handles:
+                try:
+                    h.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except xfer.Error as x:
+                    err = x
+                    break
+            else:  # all had landed before the kill: new writes must fail
+                try:
+                    handles = [e.write(p, rs, desc, [(0, 0, size)])]
+                except xfer.Error as x:
+                    err = x
+        took = time.monotonic() - killed
+        assert isinstance(err, xfer.PeerUnreachable), f"{type(err).__name__}: {err}"
+        assert took < 4 * timeout + 5, f"reported after {took:.1f}s"
+        # The engine is still usable for other peers.
+        with xfer.Engine(transport="tcp") as other:
+            q = e.add_peer(other.address)
+            ro = other.register(np.zeros(PAGE, dtype=np.uint8))
+            assert e.write(q, rs, ro.descriptor, [(0, 0, PAGE)]).wait(timeout=10) == PAGE
+
+
+def test_help_reads_well():
+    doc = xfer.Engine.__doc__
+    for word in ("transport", "rails", "nics", "memory", "gpu", "auth_token", "timeout"):
+        assert word in doc, word
+    for name in ("register", "add_peer", "remove_peer", "write", "write_pages", "wait_imm", "close"):
+        assert getattr(xfer.Engine, name).__doc__, name
+    for name in ("wait", "done", "exception"):
+        assert getattr(xfer.Handle, name).__doc__, name
+    assert issubclass(xfer.PeerUnreachable, xfer.Error) and issubclass(xfer.Error, Exception)
+
+
+def test_the_mem_transport_refuses_another_process(tmp_path):
+    proc, addr, _ = spawn_peer("--transport", "mem", "--bytes", str(PAGE))
+    try:
+        with xfer.Engine(transport="mem") as e:
+            with pytest.raises(xfer.InvalidArgument, match="one process"):
+                e.add_peer(addr)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+class DlpackOnly:
+    """An object that offers its memory through DLPack only (like a torch CPU tensor)."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, stream=None):
+        return self.array.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+def test_dlpack_host_tensors_are_registered_without_copies(pair):
+    a, b, p = pair
+    src = pattern(8 * PAGE, seed=21)
+    dst = np.zeros((8, PAGE // 4), dtype=np.float32)  # a 2-D float tensor, seen as bytes
+    rs, rd = a.register(DlpackOnly(src)), b.register(DlpackOnly(dst))
+    assert rd.nbytes == dst.nbytes
+    a.write_pages(p, rs, rd.descriptor, [1, 2], [6, 0], PAGE, imm=4).wait(timeout=10)
+    b.wait_imm(4, timeout=10)
+    got = dst.view(np.uint8).reshape(8, PAGE)
+    assert np.array_equal(got[6], src[PAGE : 2 * PAGE]) and np.array_equal(got[0], src[2 * PAGE : 3 * PAGE])
+    with pytest.raises(xfer.InvalidArgument, match=r"contiguous\(\)"):
+        a.register(DlpackOnly(np.zeros((8, 8), dtype=np.float32)[:, ::2]))
