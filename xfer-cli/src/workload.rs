@@ -218,6 +218,7 @@ pub fn run(
                 segments: Vec::with_capacity(n as usize),
                 imm: None,
                 timeout: Some(w.transfer_timeout),
+                direction: fabric_core::engine::Direction::Write,
             };
             // Partial Fisher-Yates: n distinct pages.
             for i in 0..n as usize {
