@@ -60,7 +60,7 @@ pub(crate) struct OutFrame {
     pub(super) payloads: Vec<Payload>,
     /// WRITEs in this batch (0: not a batch).
     pub(super) batch: usize,
-    /// An ACK or NACK (counted in `Conn::responses`).
+    /// An ACK, NACK or READ_REPLY (counted in `Conn::responses`).
     pub(super) response: bool,
     pub(super) total: usize,
     /// Bytes already written.
@@ -147,7 +147,7 @@ impl Conn {
         self.unstaged += device;
         let total = HEADER_LEN + payload.len();
         self.out_bytes += total;
-        let response = matches!(hdr.op, Op::Ack | Op::Nack);
+        let response = matches!(hdr.op, Op::Ack | Op::Nack | Op::ReadReply);
         self.responses += response as usize;
         self.out.push_back(OutFrame {
             head: hdr.encode().to_vec(),
