@@ -382,7 +382,9 @@ mod tests {
         let peer = a.add_peer(&b.addresses()).expect("peer");
         let report = run(&a, &l, &peer, &r.remote, &w, &mut Progress::new(true)).expect("run");
         let pages = report.written_pages();
-        assert_eq!(pages.len(), 64);
+        // 64 pages moved; a page may be chosen by more than one transfer.
+        assert_eq!(report.bytes, 64 * 4096);
+        assert!(!pages.is_empty() && pages.len() <= 64, "{}", pages.len());
         assert_eq!(
             verify_pages(&*local, 4096, w.seed, &pages).expect("verify"),
             (0, None)
