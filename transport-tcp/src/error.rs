@@ -47,7 +47,7 @@ pub enum TcpError {
     /// A BATCH of no WRITE, or of more than [`MAX_BATCH`](crate::frame::MAX_BATCH).
     #[error("batch of {0} writes (at most {max})", max = crate::frame::MAX_BATCH)]
     BatchSize(u64),
-    /// A frame other than WRITE among a batch's headers.
+    /// A frame other than WRITE, READ or READ_REPLY among a batch's headers.
     #[error("{op} frame inside a batch")]
     NotAWrite {
         /// What the entry was.

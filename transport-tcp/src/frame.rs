@@ -18,6 +18,9 @@
 //! answers in request order, like any request: a `READ_REPLY` whose `len` payload bytes
 //! are sent straight from the registered region (and placed straight into the initiator's),
 //! or a `NACK`. An `ACK` never answers a READ, and a READ_REPLY answers nothing else.
+//! READs and READ_REPLYs travel in batches like WRITEs: a batch's headers may be WRITEs,
+//! READs (no payload: served in their turn) and READ_REPLYs, its payloads those of its
+//! WRITEs and READ_REPLYs in order.
 //!
 //! SEND flow control (protocol version [`PROTOCOL_VERSION`], which a HELLO carries in
 //! `code`): an `ACK` with `code` = [`ACK_CREDIT`] also grants SEND credit, `key` more
@@ -46,8 +49,8 @@ pub enum Op {
     Ack = 4,
     /// The next request failed with `code`.
     Nack = 5,
-    /// `len` WRITE headers follow back to back, then their payloads in the same order, so
-    /// that the target can place all payloads with one vectored read.
+    /// `len` WRITE (READ, READ_REPLY) headers follow back to back, then their payloads in
+    /// the same order, so that the target can place all payloads with one vectored read.
     Batch = 6,
     /// One-sided read of `len` bytes of region `key` at `offset` (no payload).
     Read = 7,

@@ -785,6 +785,9 @@ proptest! {
         let h = fake.read_header(|| a.step());
         prop_assert_eq!(h.op, Op::Hello);
         let _ = fake.read_bytes(h.len as usize, || a.step());
+        // The k READs leave as one batch (no payloads).
+        let h = fake.read_header(|| a.step());
+        prop_assert_eq!((h.op, h.len), (Op::Batch, k as u64));
         for i in 0..k as u64 {
             let h = fake.read_header(|| a.step());
             prop_assert_eq!(h.op, Op::Read);

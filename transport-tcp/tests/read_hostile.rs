@@ -44,6 +44,32 @@ fn next_answer(c: &mut Raw, t: &mut Node) -> Header {
     }
 }
 
+/// The next `n` answers to requests (NACKs, ACKs of requests, READ_REPLYs with their
+/// payloads, whether they come alone or in batches); grants of SEND credit are skipped.
+fn answers(c: &mut Raw, t: &mut Node, n: usize) -> Vec<(Header, Vec<u8>)> {
+    let mut got = Vec::new();
+    let d = Deadline::new("answers");
+    while got.len() < n {
+        d.check();
+        let h = next_answer(c, t);
+        match h.op {
+            Op::Batch => {
+                let heads: Vec<Header> = (0..h.len).map(|_| c.read_header(|| t.step())).collect();
+                for r in heads {
+                    let body = c.read_bytes(r.len as usize, || t.step());
+                    got.push((r, body));
+                }
+            }
+            Op::ReadReply => {
+                let body = c.read_bytes(h.len as usize, || t.step());
+                got.push((h, body));
+            }
+            _ => got.push((h, Vec::new())),
+        }
+    }
+    got
+}
+
 /// An owner with a readable region (pattern 31), and one that allows only writes.
 fn owner() -> (Node, Canaried, Canaried) {
     let mut t = Node::small();
@@ -81,21 +107,21 @@ fn refused_reads_are_nacked_before_any_byte_leaves_and_good_ones_are_served() {
         ]),
         || t.step(),
     );
-    let nack = |c: &mut Raw, t: &mut Node, want: u8, wr: u64| {
-        let h = next_answer(c, t);
+    let got = answers(&mut c, &mut t, 6);
+    for (i, (want, wr)) in [code::KEY, code::BOUNDS, code::BOUNDS, code::PERMISSION]
+        .into_iter()
+        .zip(1..)
+        .enumerate()
+    {
+        let h = got[i].0;
         assert_eq!((h.op, h.code, h.wr_id), (Op::Nack, want, wr), "{h:?}");
-    };
-    nack(&mut c, &mut t, code::KEY, 1);
-    nack(&mut c, &mut t, code::BOUNDS, 2);
-    nack(&mut c, &mut t, code::BOUNDS, 3);
-    nack(&mut c, &mut t, code::PERMISSION, 4);
+    }
     // Only the valid READ's bytes leave, exactly the range asked for.
-    let h = next_answer(&mut c, &mut t);
+    let (h, body) = &got[4];
     assert_eq!((h.op, h.len, h.wr_id), (Op::ReadReply, 5000, 5), "{h:?}");
-    let got = c.read_bytes(5000, || t.step());
-    assert!(got == pattern(31, LEN as usize)[100..5100], "reply bytes");
+    assert!(*body == pattern(31, LEN as usize)[100..5100], "reply bytes");
     // A zero-length READ at the very end is in bounds.
-    let h = next_answer(&mut c, &mut t);
+    let (h, _) = &got[5];
     assert_eq!((h.op, h.len, h.wr_id), (Op::ReadReply, 0, 6), "{h:?}");
     for _ in 0..50 {
         t.step();
@@ -143,18 +169,26 @@ fn malformed_read_frames_close_the_connection() {
         "unsolicited READ_REPLY",
         &concat(&[&h3(), &frame(Header::new(Op::ReadReply, 4), &[1, 2, 3, 4])]),
     );
-    // A READ inside a BATCH (only WRITEs go there).
+    // A READ_REPLY inside a BATCH, with no READ outstanding.
     let mut batch = Header::new(Op::Batch, 1).encode().to_vec();
-    batch.extend(read_frame(key, 0, 16, 1));
-    expect_closed(&mut t, "READ inside a BATCH", &concat(&[&h3(), &batch]));
+    batch.extend(Header::new(Op::ReadReply, 0).encode());
+    expect_closed(
+        &mut t,
+        "READ_REPLY inside a BATCH",
+        &concat(&[&h3(), &batch]),
+    );
+    // A SEND inside a BATCH (WRITEs, READs and READ_REPLYs go there).
+    let mut batch = Header::new(Op::Batch, 1).encode().to_vec();
+    batch.extend(Header::new(Op::Send, 0).encode());
+    expect_closed(&mut t, "SEND inside a BATCH", &concat(&[&h3(), &batch]));
     // A READ before the HELLO.
     expect_closed(&mut t, "READ before HELLO", &read_frame(key, 0, 16, 1));
     // The owner still serves a well-behaved reader.
     let mut c = Raw::connect(&t.t);
     c.send_ok(&concat(&[&h3(), &read_frame(key, 0, 64, 9)]), || t.step());
-    let h = next_answer(&mut c, &mut t);
+    let (h, body) = answers(&mut c, &mut t, 1).remove(0);
     assert_eq!((h.op, h.len), (Op::ReadReply, 64));
-    assert!(c.read_bytes(64, || t.step()) == pattern(31, 64));
+    assert!(body == pattern(31, 64));
     readable.assert_canaries();
 }
 
@@ -226,4 +260,39 @@ fn a_peer_of_version_2_is_served_but_never_read_from() {
         c.rx
     );
     assert!(t.done.iter().all(|c| c.wr_id.0 != 1), "{:?}", t.done);
+}
+
+#[test]
+fn reads_inside_a_batch_are_answered_in_order_with_the_writes_around_them() {
+    let mut t = Node::small();
+    let readable = Canaried::new(&mut t.t, LEN, Access::REMOTE_READ | Access::REMOTE_WRITE, 0);
+    readable.write(0, &pattern(31, LEN as usize));
+    let key = readable.remote(0, 0).region.key.0;
+    let mut c = Raw::connect(&t.t);
+    // [WRITE 0..16 := 9s, READ 0..32, READ of a bad key, READ 100..164], then the
+    // WRITE's payload: the first READ must see the WRITE, answers in order.
+    let mut batch = Header::new(Op::Batch, 4).encode().to_vec();
+    batch.extend(common::write_header(key, 0, 16, None, 1).encode());
+    batch.extend(read_frame(key, 0, 32, 2));
+    batch.extend(read_frame(key ^ 1, 0, 32, 3));
+    batch.extend(read_frame(key, 100, 64, 4));
+    batch.extend([9u8; 16]);
+    c.send_ok(
+        &concat(&[&hello(PROTOCOL_VERSION, 0xEAD0_0003), &batch]),
+        || t.step(),
+    );
+    // The WRITE's ACK comes first; then the answers, in order.
+    let got: Vec<(Op, u64, Vec<u8>)> = answers(&mut c, &mut t, 4)
+        .into_iter()
+        .map(|(h, b)| (h.op, h.wr_id, b))
+        .collect();
+    assert_eq!(got[0].0, Op::Ack);
+    assert_eq!((got[1].0, got[1].1), (Op::ReadReply, 2));
+    let mut want = pattern(31, 32);
+    want[..16].fill(9);
+    assert_eq!(got[1].2, want, "the READ after the WRITE sees it");
+    assert_eq!((got[2].0, got[2].1), (Op::Nack, 3));
+    assert_eq!((got[3].0, got[3].1), (Op::ReadReply, 4));
+    assert!(got[3].2 == pattern(31, LEN as usize)[100..164]);
+    readable.assert_canaries();
 }

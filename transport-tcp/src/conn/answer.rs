@@ -104,7 +104,9 @@ impl Conn {
             }
             Answer::Reply(h, payload) => {
                 self.flush_acks();
-                self.queue(h, payload);
+                // Replies leave in batches, like WRITEs: the initiator reads every header
+                // of a batch, then all payloads straight into place with one readv.
+                self.queue_write(h, payload);
             }
             Answer::ReadDone(c) => shared.completions.push(c),
         }

@@ -202,7 +202,8 @@ impl Conn {
             return;
         }
         if hdr.op == Op::Read {
-            self.queue(hdr, payload);
+            // READ headers join the batch too: the owner learns many at once.
+            self.queue_write(hdr, payload);
             self.inflight.push_back(inflight);
             return;
         }

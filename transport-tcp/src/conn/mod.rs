@@ -209,10 +209,8 @@ impl Conn {
     /// READ whose reply was cut short goes back to the front of the requests outstanding,
     /// to fail with them.
     pub fn abandon(&mut self, shared: &mut Shared) {
-        if let ReadState::Payload { finish, .. } =
-            std::mem::replace(&mut self.rstate, ReadState::Header)
-        {
-            match finish {
+        match std::mem::replace(&mut self.rstate, ReadState::Header) {
+            ReadState::Payload { finish, .. } => match finish {
                 Finish::Recv { recv, .. } => shared.put_back_recv(recv),
                 Finish::Unexpected { len, .. } => {
                     shared.recv.release(len as usize);
@@ -220,7 +218,12 @@ impl Conn {
                 }
                 Finish::ReadReply(op) => self.inflight.push_front(op),
                 _ => {}
+            },
+            // The entries not finished: their READs fail with the others.
+            ReadState::BatchPayloads { items, next, .. } => {
+                self.unpop_replies(items.into_iter().skip(next))
             }
+            _ => {}
         }
         self.return_credit(&mut shared.early);
     }

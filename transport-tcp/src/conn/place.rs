@@ -72,6 +72,9 @@ pub(super) enum Finish {
     Dropped,
     /// The reply to one of our READs: complete once its bytes are in place.
     ReadReply(Inflight),
+    /// A peer's READ inside a batch: served when its turn comes (after the entries before
+    /// it), so that answers stay in request order.
+    Serve(Header),
 }
 
 /// One WRITE of a batch being received.
@@ -254,6 +257,7 @@ impl Conn {
             }
             Finish::Rejected { err, wr_id } => self.nack(&err, wr_id, shared),
             Finish::Dropped => {}
+            Finish::Serve(h) => self.serve_read(&h, shared)?,
             Finish::ReadReply(op) => {
                 self.answered += 1;
                 let done = Completion {
@@ -321,6 +325,39 @@ impl Conn {
 
     /// Starts placing the reply to the READ at the front of the requests outstanding.
     pub(super) fn start_read_reply(&mut self, h: &Header) -> Result<(), TcpError> {
+        let item = self.reply_item(h)?;
+        self.rstate = ReadState::Payload {
+            dest: item.dest,
+            remaining: item.remaining,
+            finish: item.finish,
+        };
+        Ok(())
+    }
+
+    /// A peer's READ as an entry of a batch: no payload, served in its turn.
+    pub(super) fn read_item(&self, h: &Header) -> Result<Item, TcpError> {
+        if h.flags != 0 {
+            return Err(TcpError::UnexpectedFlags {
+                op: h.op,
+                flags: h.flags,
+            });
+        }
+        Ok(Item {
+            dest: Dest::Discard,
+            remaining: 0,
+            finish: Finish::Serve(*h),
+        })
+    }
+
+    /// Where the reply to the READ at the front of the requests outstanding lands (taken
+    /// off the front: a batch that fails gives it back, see `unpop_replies`).
+    pub(super) fn reply_item(&mut self, h: &Header) -> Result<Item, TcpError> {
+        if h.flags != 0 {
+            return Err(TcpError::UnexpectedFlags {
+                op: h.op,
+                flags: h.flags,
+            });
+        }
         let asked = match self.inflight.front() {
             Some(op) if op.read.is_some() => op.len,
             _ => return Err(TcpError::UnexpectedReadReply),
@@ -346,12 +383,31 @@ impl Conn {
                 end: 0,
             }
         };
-        self.rstate = ReadState::Payload {
+        Ok(Item {
             dest,
             remaining: h.len,
             finish: Finish::ReadReply(op),
-        };
-        Ok(())
+        })
+    }
+
+    /// Gives the READs whose replies `items` were to place back to the front of the
+    /// requests outstanding, in order (a batch cut short, or refused).
+    pub(super) fn unpop_replies(&mut self, items: impl DoubleEndedIterator<Item = Item>) {
+        for item in items.rev() {
+            if let Finish::ReadReply(op) = item.finish {
+                self.inflight.push_front(op);
+            }
+        }
+    }
+
+    /// One entry of a batch: a WRITE, a peer's READ, or the reply to one of ours.
+    pub(super) fn batch_entry(&mut self, h: &Header, shared: &Shared) -> Result<Item, TcpError> {
+        match h.op {
+            Op::Write => self.batch_item(h, shared),
+            Op::Read => self.read_item(h),
+            Op::ReadReply => self.reply_item(h),
+            op => Err(TcpError::NotAWrite { op }),
+        }
     }
 }
 

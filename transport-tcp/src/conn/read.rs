@@ -226,8 +226,17 @@ impl Conn {
                         let raw: &[u8; HEADER_LEN] = self.rbuf[at..at + HEADER_LEN]
                             .try_into()
                             .expect("header length");
-                        let h = Header::decode(raw).map_err(TcpError::MalformedBatchEntry)?;
-                        items.push(self.batch_item(&h, shared)?);
+                        let entry = Header::decode(raw)
+                            .map_err(TcpError::MalformedBatchEntry)
+                            .and_then(|h| self.batch_entry(&h, shared));
+                        match entry {
+                            Ok(item) => items.push(item),
+                            Err(e) => {
+                                // Replies taken off the requests go back, to fail with them.
+                                self.unpop_replies(items.into_iter());
+                                return Err(e);
+                            }
+                        }
                     }
                     self.rpos += count * HEADER_LEN;
                     let one_at_a_time = destinations_overlap(&items);
@@ -379,15 +388,7 @@ impl Conn {
                 }
                 self.serve_read(&h, shared)?;
             }
-            Op::ReadReply => {
-                if h.flags != 0 {
-                    return Err(TcpError::UnexpectedFlags {
-                        op: h.op,
-                        flags: h.flags,
-                    });
-                }
-                self.start_read_reply(&h)?;
-            }
+            Op::ReadReply => self.start_read_reply(&h)?,
             Op::Ack => {
                 if h.len > self.inflight.len() as u64 {
                     return Err(TcpError::AckOverrun {
