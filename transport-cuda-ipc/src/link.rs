@@ -128,8 +128,8 @@ impl Link for CudaLink {
     fn export(&mut self, mem: &Arc<dyn MemoryRegion>) -> Result<LinkExport, String> {
         if mem.location() == MemoryLocation::Host {
             return Err(
-                "the cuda-ipc transport writes only into device memory: register host \
-                        memory that peers write on the tcp transport"
+                "the cuda-ipc transport reaches only device memory: register host \
+                        memory that peers write or read on the tcp transport"
                     .into(),
             );
         }

@@ -126,7 +126,7 @@ fn one_worker(
     }
     // The target group stays alive (its engines place the bytes) until the run ends.
     let (src_group, target_group, s, d, peer, landed) = set_up?;
-    let mut progress = progress::Progress::new(!show_progress);
+    let mut progress = progress::Progress::new(!show_progress).label(k.op.direction().name());
     let report = workload::run(&src_group, &s, &peer, &d.remote, w, &mut progress)?;
     // Every byte has landed: stop the rails, whose idle workers would slow the check.
     drop((src_group, target_group));

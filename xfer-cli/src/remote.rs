@@ -177,7 +177,8 @@ fn bench_worker(
                 .into(),
         ));
     }
-    let mut progress = progress::Progress::new(k.json || worker.is_some());
+    let mut progress =
+        progress::Progress::new(k.json || worker.is_some()).label(k.op.direction().name());
     let report = workload::run(&group, &s, &peer, &region, w, &mut progress)?;
     let verified = if k.no_verify {
         false
