@@ -293,6 +293,7 @@ impl GroupPair {
                     .collect(),
                 imm: None,
                 timeout: Some(TRANSFER_TIMEOUT),
+                direction: Default::default(),
             })
             .collect()
     }

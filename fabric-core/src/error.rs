@@ -229,6 +229,15 @@ pub enum Error {
     /// The feature is not supported by this backend.
     #[error("not supported: {0}")]
     Unsupported(String),
+    /// The backend does not implement this operation (READ, on a backend that offers only
+    /// WRITE and SEND).
+    #[error("the {backend} backend does not support {op}")]
+    UnsupportedOp {
+        /// The backend's name ([`Transport::name`](crate::Transport::name)).
+        backend: &'static str,
+        /// The operation ("READ").
+        op: &'static str,
+    },
     /// The region cannot be deregistered: transfers that use it have not finished. Their
     /// handles say when they have (a timed-out transfer, too, only once the transport has
     /// stopped touching its memory); deregister then.

@@ -46,5 +46,5 @@ pub use memory::{HostBuffer, MemoryLocation, MemoryRegion, SubRegion};
 pub use transport::{Completion, OpKind, PostOutcome, Transport, TransportLimits};
 pub use types::{
     Access, LocalKey, LocalSlice, PeerId, Registration, RemoteKey, RemoteRegion, RemoteSlice,
-    WorkRequestId, check_write_lengths, random_u64,
+    WorkRequestId, check_read_lengths, check_write_lengths, random_u64,
 };

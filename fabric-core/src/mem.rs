@@ -5,7 +5,9 @@
 //! against the target's registrations (key, permission, bounds) and copied in the next
 //! [`poll`](Transport::poll), together with the other writes posted since, under one lock
 //! of the target per run of writes; any call that could observe a pending write (SEND,
-//! peer removal, deregistration, drop) carries them out first. SENDs go to the target's
+//! peer removal, deregistration, drop) carries them out first. READs take the same path the
+//! other way (checked against the owner's REMOTE_READ, copied into the local region), in
+//! posting order with the writes. SENDs go to the target's
 //! posted receives or its bounded early-arrival queue at once. Used to test the engine
 //! and to measure its own overhead (`xfer demo --transport mem`).
 
@@ -78,13 +80,18 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// A registered region: the memory, its access, its remote key.
 type LocalRegion = (Arc<dyn MemoryRegion>, Access, u64);
 
-/// A write accepted by `post_write`, carried out by [`MemTransport::run_writes`].
+/// A write accepted by `post_write` (or a read accepted by `post_read`), carried out by
+/// [`MemTransport::run_writes`].
 struct PendingWrite {
     peer: PeerId,
     wr_id: WorkRequestId,
+    /// The local range: a write's source, a read's destination.
     src: LocalSlice,
+    /// The peer's range: a write's destination, a read's source.
     dst: RemoteSlice,
     imm: Option<u32>,
+    /// A READ: bytes go from `dst` (the peer's) into `src` (ours).
+    read: bool,
 }
 
 /// The in-memory transport.
@@ -378,7 +385,12 @@ fn write_into(
     // Deregistration runs pending writes first, so the source is still there.
     let s = s.ok_or(OpError::LocalKeyInvalid(src.key))?;
     let d = d.ok_or(OpError::RemoteKeyInvalid(dst.region.key))?;
-    if !d.access.contains(Access::REMOTE_WRITE) {
+    let need = if w.read {
+        Access::REMOTE_READ
+    } else {
+        Access::REMOTE_WRITE
+    };
+    if !d.access.contains(need) {
         return Err(OpError::PermissionDenied);
     }
     if check_range(dst.offset, dst.len, d.len).is_err() {
@@ -391,21 +403,25 @@ fn write_into(
     match (s.base, d.base) {
         (Some(sb), Some(db)) => {
             check_range(src.offset, src.len, s.len).map_err(OpError::transport)?;
+            let local = sb.as_ptr().wrapping_add(src.offset as usize);
+            let remote = db.as_ptr().wrapping_add(dst.offset as usize);
+            let (from, to) = if w.read {
+                (remote, local)
+            } else {
+                (local, remote)
+            };
             // SAFETY: both ranges lie inside their regions (checked just above), which
             // are alive and unmoved for the whole run (see `View::base`); `copy` tolerates
             // overlap (a region written to itself).
-            unsafe {
-                std::ptr::copy(
-                    sb.as_ptr().add(src.offset as usize),
-                    db.as_ptr().add(dst.offset as usize),
-                    dst.len as usize,
-                )
-            };
+            unsafe { std::ptr::copy(from, to, dst.len as usize) };
             Ok(dst.len)
         }
         _ => {
             // Views exist only for registered regions, so both lookups succeed.
             match (local.get(&src.key), inbox.targets.get(&dst.region.key.0)) {
+                (Some(sm), Some(t)) if w.read => {
+                    copy_region(&*t.mem, dst.offset, &*sm.0, src.offset, dst.len).map(|_| dst.len)
+                }
                 (Some(sm), Some(t)) => {
                     copy_region(&*sm.0, src.offset, &*t.mem, dst.offset, dst.len).map(|_| dst.len)
                 }
@@ -639,8 +655,42 @@ impl Transport for MemTransport {
             src,
             dst,
             imm,
+            read: false,
         });
         Ok(PostOutcome::Posted)
+    }
+
+    fn post_read(
+        &mut self,
+        peer: PeerId,
+        wr_id: WorkRequestId,
+        dst: LocalSlice,
+        src: RemoteSlice,
+    ) -> Result<PostOutcome> {
+        crate::types::check_read_lengths(&dst, &src)?;
+        if self.done.len() + self.writes.len() >= MAX_PENDING {
+            return Ok(PostOutcome::NoRoom);
+        }
+        self.src(&dst)?;
+        if !self.local[&dst.key].1.contains(Access::LOCAL_WRITE) {
+            return Err(Error::InvalidArgument(
+                "read into a region registered without LOCAL_WRITE".into(),
+            ));
+        }
+        self.peer(peer)?;
+        self.writes.push(PendingWrite {
+            peer,
+            wr_id,
+            src: dst,
+            dst: src,
+            imm: None,
+            read: true,
+        });
+        Ok(PostOutcome::Posted)
+    }
+
+    fn supports_read(&self) -> bool {
+        true
     }
 
     fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize> {

@@ -1,14 +1,46 @@
-//! Transfer planning: pure functions from a list of segments to the writes to post.
+//! Transfer planning: pure functions from a list of segments to the writes (or reads) to
+//! post.
 //!
 //! Planning coalesces neighbouring segments that are adjacent on both sides, splits what
-//! exceeds the transport's largest message, and shards the writes over rails by bytes.
+//! exceeds the transport's largest message, and shards the writes over rails by bytes. A
+//! READ plans the same way ([`plan_directed`]): its operations are [`PlannedWrite`]s whose
+//! bytes flow the other way, and the ranges that must not overlap are the local ones.
 
 use crate::error::{Error, Result};
 use crate::in_place;
 use crate::memory::check_range;
 use crate::types::{LocalKey, LocalSlice, RemoteRegion, RemoteSlice};
 
-/// One piece of a transfer: `len` bytes from a local region to a remote one.
+/// Which way a transfer's bytes flow.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Direction {
+    /// WRITE: from the local regions into the peer's (the default).
+    #[default]
+    Write,
+    /// READ: from the peer's regions into the local ones
+    /// ([`Transport::post_read`](crate::Transport::post_read)); the owner does nothing.
+    Read,
+}
+
+impl Direction {
+    /// `"write"` or `"read"`, as the CLI and its JSON name them.
+    pub fn name(self) -> &'static str {
+        match self {
+            Direction::Write => "write",
+            Direction::Read => "read",
+        }
+    }
+}
+
+impl std::fmt::Display for Direction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One piece of a transfer: `len` bytes between a local region and a remote one. The
+/// fields name a WRITE's flow; in a READ (see [`Direction`]) the bytes go from `dst` (the
+/// peer's) into `src` (ours).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Segment {
     /// Local registered region.
@@ -23,12 +55,12 @@ pub struct Segment {
     pub len: u64,
 }
 
-/// One write of a plan.
+/// One write of a plan (or one read: then the bytes go from `dst` into `src`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PlannedWrite {
-    /// Source bytes.
+    /// Source bytes (a read's destination).
     pub src: LocalSlice,
-    /// Destination bytes.
+    /// Destination bytes (a read's source).
     pub dst: RemoteSlice,
 }
 
@@ -53,6 +85,54 @@ pub fn plan_transfer(segments: &[Segment], max_msg_size: u64) -> Result<Transfer
         return Err(Error::InvalidArgument("max_msg_size is 0".into()));
     }
     check_destinations(segments)?;
+    Ok(build_plan(segments, max_msg_size))
+}
+
+/// Plans `segments` for a transfer in `direction`: [`plan_transfer`] for a WRITE; for a
+/// READ the same coalescing and splitting, with the checks turned round: the remote ranges
+/// (the read's sources) must lie inside their regions, and the local ranges (its
+/// destinations) must not overlap each other.
+pub fn plan_directed(
+    segments: &[Segment],
+    max_msg_size: u64,
+    direction: Direction,
+) -> Result<TransferPlan> {
+    match direction {
+        Direction::Write => plan_transfer(segments, max_msg_size),
+        Direction::Read => {
+            if max_msg_size == 0 {
+                return Err(Error::InvalidArgument("max_msg_size is 0".into()));
+            }
+            check_read_ranges(segments)?;
+            Ok(build_plan(segments, max_msg_size))
+        }
+    }
+}
+
+/// A READ's checks: remote ranges inside their regions, local ranges without overlap.
+fn check_read_ranges(segments: &[Segment]) -> Result<()> {
+    check_bounds(segments, "source")?;
+    // The overlap check works on destinations: hand it the local ranges as such (one
+    // "region" per local key, unbounded: the engine checks local bounds itself).
+    let local: Vec<Segment> = segments
+        .iter()
+        .map(|s| Segment {
+            src: s.src,
+            src_offset: s.dst_offset,
+            dst: RemoteRegion {
+                addr: 0,
+                len: u64::MAX,
+                key: crate::types::RemoteKey(s.src.0),
+            },
+            dst_offset: s.src_offset,
+            len: s.len,
+        })
+        .collect();
+    check_overlaps(&local)
+}
+
+/// Coalesces and splits checked segments.
+fn build_plan(segments: &[Segment], max_msg_size: u64) -> TransferPlan {
     // One write per segment unless segments merge or split: reserve for that.
     let mut plan = TransferPlan {
         writes: Vec::with_capacity(segments.len()),
@@ -76,7 +156,7 @@ pub fn plan_transfer(segments: &[Segment], max_msg_size: u64) -> Result<Transfer
     if let Some(done) = pending {
         push_writes(&mut plan, &done, max_msg_size);
     }
-    Ok(plan)
+    plan
 }
 
 /// Appends the writes of one (merged) segment, split at `max_msg_size`.
@@ -103,17 +183,29 @@ fn push_writes(plan: &mut TransferPlan, s: &Segment, max_msg_size: u64) {
 
 /// Rejects destination ranges outside their region, overflowing ranges, and overlaps.
 fn check_destinations(segments: &[Segment]) -> Result<()> {
+    check_bounds(segments, "destination")?;
+    check_overlaps(segments)
+}
+
+/// Rejects remote ranges outside their region (`what` the remote side is: a write's
+/// destination, a read's source) and overflowing local ranges.
+fn check_bounds(segments: &[Segment], what: &str) -> Result<()> {
     for (i, s) in segments.iter().enumerate() {
         check_range(s.dst_offset, s.len, s.dst.len).map_err(|_| {
             Error::InvalidArgument(format!(
-                "segment {i}: destination {}+{} is outside the remote region of {} bytes",
+                "segment {i}: {what} {}+{} is outside the remote region of {} bytes",
                 s.dst_offset, s.len, s.dst.len
             ))
         })?;
-        s.src_offset.checked_add(s.len).ok_or_else(|| {
-            Error::InvalidArgument(format!("segment {i}: source range overflows"))
-        })?;
+        s.src_offset
+            .checked_add(s.len)
+            .ok_or_else(|| Error::InvalidArgument(format!("segment {i}: local range overflows")))?;
     }
+    Ok(())
+}
+
+/// Rejects destinations that share bytes.
+fn check_overlaps(segments: &[Segment]) -> Result<()> {
     if !overlap_possible(segments) {
         return Ok(());
     }

@@ -6,6 +6,10 @@
 //! fabric_core::conformance_suite!(|| MyTransport::new().unwrap(), fabric_core::testing::SuiteOptions::default());
 //! ```
 //!
+//! A backend that implements READ ([`Transport::supports_read`]) also runs the READ cases
+//! through [`read_conformance_suite!`](crate::read_conformance_suite), with the same
+//! arguments; each of them fails at once on a backend that says it has no READ.
+//!
 //! Two transports are driven step by step from one thread (no sleeps): each step polls both.
 #![allow(missing_docs)]
 #![allow(clippy::missing_panics_doc)]
@@ -233,6 +237,22 @@ impl<T: Transport> Pair<T> {
         let c = self.take_a(1, "write completion").remove(0);
         assert_eq!(c.wr_id, WorkRequestId(77));
         assert_eq!(c.op, OpKind::Write);
+        c
+    }
+}
+
+impl<T: Transport> Pair<T> {
+    /// Reads `src` (b's memory) into `dst` (a's) and returns a's completion.
+    pub fn read_once(&mut self, dst: LocalSlice, src: RemoteSlice) -> Completion {
+        let peer = self.b_at_a;
+        self.post_a(|t| t.post_read(peer, WorkRequestId(78), dst, src));
+        let c = self.take_a(1, "read completion").remove(0);
+        assert_eq!(c.wr_id, WorkRequestId(78));
+        assert_eq!(
+            c.op,
+            OpKind::Write,
+            "a READ completes as a one-sided operation"
+        );
         c
     }
 }
@@ -734,6 +754,503 @@ pub fn idle_target_progresses_through_wait<T: Transport>(make: &dyn Fn() -> T, o
     );
     assert!(dst.read(0, data.len()) == data, "target bytes differ");
     dst.assert_canaries();
+}
+
+/// The READ cases' common start: a pair whose side a reads, after checking that the
+/// backend says it can.
+fn read_pair<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) -> Pair<T> {
+    let p = Pair::new(make, opts);
+    assert!(
+        p.a.supports_read(),
+        "the {} backend says it has no READ (Transport::supports_read): do not run the READ \
+         cases on it",
+        p.a.name()
+    );
+    p
+}
+
+/// READ: the owner's bytes land in the initiator's region, the owner sees no completion
+/// and its memory is unchanged.
+pub fn read_lands_in_initiator<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
+    let mut p = read_pair(make, opts);
+    let dst = Canaried::with(opts.alloc, &mut p.a, 64 * 1024, Access::LOCAL_WRITE, 0);
+    let src = Canaried::with(opts.alloc, &mut p.b, 64 * 1024, Access::REMOTE_READ, 0);
+    let data = pattern(43, 64 * 1024);
+    src.write(0, &data);
+    for (i, (off, len)) in [(0u64, 4096u64), (10_000, 1), (30_000, 30_000)]
+        .into_iter()
+        .enumerate()
+    {
+        let c = p.read_once(dst.local(off, len), src.remote(off, len));
+        assert_eq!(c.result, Ok(len), "read {i}");
+        assert_eq!(
+            dst.read(off, len as usize),
+            data[off as usize..(off + len) as usize],
+            "read {i} placed wrong bytes"
+        );
+    }
+    assert_eq!(
+        dst.read(4096, 100),
+        vec![0; 100],
+        "bytes between reads untouched"
+    );
+    for _ in 0..100 {
+        p.step();
+    }
+    assert!(
+        p.done_b.is_empty(),
+        "a READ must not complete at the owner: {:?}",
+        p.done_b
+    );
+    assert!(src.read(0, data.len()) == data, "the owner's bytes changed");
+    dst.assert_canaries();
+    src.assert_canaries();
+}
+
+/// A READ with a wrong remote key fails at the initiator; its region is untouched.
+pub fn read_bad_remote_key_fails<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
+    let mut p = read_pair(make, opts);
+    let dst = Canaried::with(opts.alloc, &mut p.a, 4096, Access::LOCAL_WRITE, 0);
+    let src = Canaried::with(opts.alloc, &mut p.b, 4096, Access::REMOTE_READ, 0x55);
+    let mut bad = src.remote(0, 4096);
+    bad.region.key.0 ^= 0x5A5A_0000_0001;
+    let c = p.read_once(dst.local(0, 4096), bad);
+    assert_remote_error(
+        &c,
+        opts.exact_remote_errors,
+        |e| matches!(e, OpError::RemoteKeyInvalid(_)),
+        "read with a bad key",
+    );
+    assert_eq!(dst.read(0, 4096), vec![0; 4096]);
+    dst.assert_canaries();
+    // The connection still works afterwards.
+    let c = p.read_once(dst.local(0, 4096), src.remote(0, 4096));
+    assert_eq!(c.result, Ok(4096));
+    assert_eq!(dst.read(0, 4096), vec![0x55; 4096]);
+}
+
+/// A READ past the end of the owner's region fails; nothing of the initiator changes.
+pub fn read_out_of_bounds_fails<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
+    let mut p = read_pair(make, opts);
+    let dst = Canaried::with(opts.alloc, &mut p.a, 8192, Access::LOCAL_WRITE, 0);
+    let src = Canaried::with(opts.alloc, &mut p.b, 4096, Access::REMOTE_READ, 0x66);
+    let mut oob = src.remote(4000, 200);
+    oob.len = 200;
+    let c = p.read_once(dst.local(0, 200), oob);
+    assert_remote_error(
+        &c,
+        opts.exact_remote_errors,
+        |e| matches!(e, OpError::OutOfBounds { .. }),
+        "read oob",
+    );
+    let mut huge = src.remote(u64::MAX - 10, 100);
+    huge.len = 100;
+    let c = p.read_once(dst.local(0, 100), huge);
+    assert_remote_error(
+        &c,
+        opts.exact_remote_errors,
+        |e| matches!(e, OpError::OutOfBounds { .. }),
+        "read at an overflowing offset",
+    );
+    assert_eq!(dst.read(0, 8192), vec![0; 8192]);
+    dst.assert_canaries();
+}
+
+/// A READ of a region registered without REMOTE_READ (but with REMOTE_WRITE) fails.
+pub fn read_without_permission_fails<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
+    assert!(
+        opts.enforces_permissions,
+        "SuiteOptions say this backend does not enforce remote permissions: list this case \
+         under `ignore` in its read_conformance_suite!, with the reason"
+    );
+    let mut p = read_pair(make, opts);
+    let dst = Canaried::with(opts.alloc, &mut p.a, 4096, Access::LOCAL_WRITE, 0);
+    let src = Canaried::with(opts.alloc, &mut p.b, 4096, Access::REMOTE_WRITE, 0x77);
+    let c = p.read_once(dst.local(0, 4096), src.remote(0, 4096));
+    assert_remote_error(
+        &c,
+        opts.exact_remote_errors,
+        |e| matches!(e, OpError::PermissionDenied),
+        "read permission",
+    );
+    assert_eq!(dst.read(0, 4096), vec![0; 4096]);
+    dst.assert_canaries();
+}
+
+/// A READ with the key of a deregistered region fails.
+pub fn read_after_deregister_fails<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
+    let mut p = read_pair(make, opts);
+    let dst = Canaried::with(opts.alloc, &mut p.a, 4096, Access::LOCAL_WRITE, 0);
+    let src = Canaried::with(opts.alloc, &mut p.b, 4096, Access::REMOTE_READ, 0x77);
+    let c = p.read_once(dst.local(0, 16), src.remote(0, 16));
+    assert_eq!(c.result, Ok(16));
+    p.b.deregister(src.reg.local).expect("deregister");
+    let c = p.read_once(dst.local(0, 4096), src.remote(0, 4096));
+    assert_remote_error(
+        &c,
+        opts.exact_remote_errors,
+        |e| matches!(e, OpError::RemoteKeyInvalid(_)),
+        "read with a stale key",
+    );
+    assert_eq!(dst.read(16, 4080), vec![0; 4080]);
+    dst.assert_canaries();
+}
+
+/// Local mistakes of a READ fail the post call itself, with nothing posted.
+pub fn read_local_errors_fail_at_post<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
+    let mut p = read_pair(make, opts);
+    let dst = Canaried::with(opts.alloc, &mut p.a, 4096, Access::LOCAL_WRITE, 0);
+    let no_write = Canaried::with(opts.alloc, &mut p.a, 4096, Access::NONE, 0);
+    let src = Canaried::with(opts.alloc, &mut p.b, 4096, Access::REMOTE_READ, 0x12);
+    let peer = p.b_at_a;
+    let mut bogus = dst.local(0, 16);
+    bogus.key.0 += 1000;
+    assert!(
+        p.a.post_read(peer, wr(0), bogus, src.remote(0, 16))
+            .is_err(),
+        "unknown local key"
+    );
+    assert!(
+        p.a.post_read(peer, wr(0), dst.local(4090, 16), src.remote(0, 16))
+            .is_err(),
+        "local oob"
+    );
+    assert!(
+        p.a.post_read(peer, wr(0), dst.local(0, 16), src.remote(0, 32))
+            .is_err(),
+        "length mismatch"
+    );
+    assert!(
+        p.a.post_read(peer, wr(0), no_write.local(0, 16), src.remote(0, 16))
+            .is_err(),
+        "read into a region without LOCAL_WRITE"
+    );
+    assert!(
+        p.a.post_read(PeerId(999_999), wr(0), dst.local(0, 16), src.remote(0, 16))
+            .is_err(),
+        "unknown peer"
+    );
+    for _ in 0..100 {
+        p.step();
+    }
+    assert!(
+        p.done_a.is_empty(),
+        "rejected posts must not complete: {:?}",
+        p.done_a
+    );
+    assert_eq!(dst.read(0, 4096), vec![0; 4096]);
+    assert_eq!(no_write.read(0, 4096), vec![0; 4096]);
+}
+
+/// Removing a peer with READs in flight completes every one (success, with its bytes
+/// placed, or `PeerRemoved`), and later READs from it fail.
+pub fn read_remove_peer_with_ops_in_flight<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
+    let mut p = read_pair(make, opts);
+    let n = 64u64;
+    let page = 65536u64;
+    let dst = Canaried::with(opts.alloc, &mut p.a, page * n, Access::LOCAL_WRITE, 0);
+    let src = Canaried::with(opts.alloc, &mut p.b, page * n, Access::REMOTE_READ, 0);
+    let data = pattern(61, (page * n) as usize);
+    src.write(0, &data);
+    let peer = p.b_at_a;
+    let mut posted = 0;
+    for i in 0..n as usize {
+        let at = i as u64 * page;
+        match p
+            .a
+            .post_read(peer, wr(i), dst.local(at, page), src.remote(at, page))
+        {
+            Ok(PostOutcome::Posted) => posted += 1,
+            Ok(PostOutcome::NoRoom) => break,
+            Err(e) => panic!("post {i}: {e}"),
+        }
+    }
+    assert!(posted > 0);
+    // Let some of them start moving (the owner serves them in its poll).
+    p.step();
+    p.a.remove_peer(peer).expect("remove_peer");
+    let done = p.take_a(posted, "completions of all posted reads");
+    for c in &done {
+        let i = (c.wr_id.0 - 1000) as usize;
+        let at = i * page as usize;
+        match &c.result {
+            Ok(len) => {
+                assert_eq!(*len, page);
+                assert!(
+                    dst.read(at as u64, page as usize) == data[at..at + page as usize],
+                    "read {i} completed before its bytes were placed"
+                );
+            }
+            Err(OpError::PeerRemoved(_)) => {}
+            Err(e) => panic!("unexpected error after removal: {e:?}"),
+        }
+    }
+    let mut ids: Vec<_> = done.iter().map(|c| c.wr_id).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), posted, "every read completes exactly once");
+    assert!(
+        p.a.post_read(peer, wr(0), dst.local(0, 1), src.remote(0, 1))
+            .is_err()
+    );
+    // The same address can be added again and reads work.
+    let again = p.a.add_peer(&p.b.address()).expect("re-add");
+    p.b_at_a = again;
+    let c = p.read_once(dst.local(0, 100), src.remote(0, 100));
+    assert_eq!(c.result, Ok(100));
+    assert_eq!(dst.read(0, 100), data[..100]);
+    dst.assert_canaries();
+}
+
+/// Thousands of READs in flight, all complete and land.
+pub fn read_many_in_flight<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
+    let mut p = read_pair(make, opts);
+    let n = opts.many;
+    let page = 1024u64;
+    let dst = Canaried::with(
+        opts.alloc,
+        &mut p.a,
+        page * n as u64,
+        Access::LOCAL_WRITE,
+        0,
+    );
+    let src = Canaried::with(
+        opts.alloc,
+        &mut p.b,
+        page * n as u64,
+        Access::REMOTE_READ,
+        0,
+    );
+    let data = pattern(98, (page * n as u64) as usize);
+    src.write(0, &data);
+    let peer = p.b_at_a;
+    let mut done = Vec::new();
+    for i in 0..n {
+        // Reverse order on the owner, so that nothing is accidentally contiguous.
+        let j = (n - 1 - i) as u64;
+        p.post_a(|t| {
+            t.post_read(
+                peer,
+                wr(i),
+                dst.local(j * page, page),
+                src.remote(j * page, page),
+            )
+        });
+        done.append(&mut p.done_a);
+    }
+    let rest = n - done.len();
+    done.extend(p.take_a(rest, "all read completions"));
+    assert!(
+        done.iter().all(|c| c.result == Ok(page)),
+        "all reads succeed"
+    );
+    let mut ids: Vec<_> = done.iter().map(|c| c.wr_id.0).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), n);
+    assert!(dst.read(0, data.len()) == data, "initiator bytes differ");
+    dst.assert_canaries();
+}
+
+/// A zero-length READ completes with 0 bytes and changes nothing; a READ of the largest
+/// size (the backend's maximum, at most 16 MiB) lands whole.
+pub fn read_zero_and_large<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
+    let mut p = read_pair(make, opts);
+    let big = p.a.limits().max_msg_size.min(16 << 20);
+    let dst = Canaried::with(opts.alloc, &mut p.a, big, Access::LOCAL_WRITE, 0);
+    let src = Canaried::with(opts.alloc, &mut p.b, big, Access::REMOTE_READ, 0);
+    let data = pattern(4, big as usize);
+    src.write(0, &data);
+    let c = p.read_once(dst.local(0, 0), src.remote(0, 0));
+    assert_eq!(c.result, Ok(0));
+    assert_eq!(dst.read(0, 16), vec![0; 16]);
+    let c = p.read_once(dst.local(0, big), src.remote(0, big));
+    assert_eq!(c.result, Ok(big));
+    assert!(dst.read(0, big as usize) == data, "large read landed wrong");
+    dst.assert_canaries();
+    // One byte more than the local region holds: refused at post.
+    let peer = p.b_at_a;
+    let r =
+        p.a.post_read(peer, wr(9), dst.local(0, big + 1), src.remote(0, big + 1));
+    assert!(
+        r.is_err(),
+        "a read past the local region was accepted: {r:?}"
+    );
+    for _ in 0..10 {
+        p.step();
+    }
+    assert!(
+        p.done_a.is_empty(),
+        "a refused read completed: {:?}",
+        p.done_a
+    );
+}
+
+/// READs and WRITEs mixed on one connection, in flight together: all land; and a READ
+/// posted after a WRITE's completion sees that WRITE's bytes.
+pub fn read_write_mixed_traffic<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
+    let mut p = read_pair(make, opts);
+    let page = 16 * 1024u64;
+    let n = 128usize;
+    let len = page * n as u64;
+    // a: `out` is written to b, `back` receives the reads.
+    let out = Canaried::with(opts.alloc, &mut p.a, len, Access::NONE, 0);
+    let back = Canaried::with(opts.alloc, &mut p.a, len, Access::LOCAL_WRITE, 0);
+    // b: `sink` takes the writes, `source` is read.
+    let sink = Canaried::with(
+        opts.alloc,
+        &mut p.b,
+        len,
+        Access::REMOTE_WRITE | Access::REMOTE_READ,
+        0,
+    );
+    let source = Canaried::with(opts.alloc, &mut p.b, len, Access::REMOTE_READ, 0);
+    let wdata = pattern(71, len as usize);
+    let rdata = pattern(72, len as usize);
+    out.write(0, &wdata);
+    source.write(0, &rdata);
+    let peer = p.b_at_a;
+    for i in 0..n {
+        let at = i as u64 * page;
+        if i % 2 == 0 {
+            p.post_a(|t| {
+                t.post_write(
+                    peer,
+                    wr(i),
+                    out.local(at, page),
+                    sink.remote(at, page),
+                    None,
+                )
+            });
+            p.post_a(|t| {
+                t.post_read(
+                    peer,
+                    wr(n + i),
+                    back.local(at, page),
+                    source.remote(at, page),
+                )
+            });
+        } else {
+            p.post_a(|t| {
+                t.post_read(
+                    peer,
+                    wr(n + i),
+                    back.local(at, page),
+                    source.remote(at, page),
+                )
+            });
+            p.post_a(|t| {
+                t.post_write(
+                    peer,
+                    wr(i),
+                    out.local(at, page),
+                    sink.remote(at, page),
+                    None,
+                )
+            });
+        }
+    }
+    let done = p.take_a(2 * n, "all write and read completions");
+    assert!(
+        done.iter().all(|c| c.result == Ok(page)),
+        "all succeed: {:?}",
+        done.iter().find(|c| c.result != Ok(page))
+    );
+    let mut ids: Vec<_> = done.iter().map(|c| c.wr_id.0).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 2 * n);
+    assert!(sink.read(0, len as usize) == wdata, "written bytes differ");
+    assert!(back.read(0, len as usize) == rdata, "read bytes differ");
+    // Read back what a completed write placed.
+    p.post_a(|t| {
+        t.post_write(
+            peer,
+            wr(0),
+            out.local(0, page),
+            sink.remote(page, page),
+            None,
+        )
+    });
+    let w = p.take_a(1, "write completion").remove(0);
+    assert_eq!(w.result, Ok(page));
+    let c = p.read_once(back.local(0, page), sink.remote(page, page));
+    assert_eq!(c.result, Ok(page));
+    assert!(
+        back.read(0, page as usize) == wdata[..page as usize],
+        "a read missed a completed write"
+    );
+    for c in [&out, &back, &sink, &source] {
+        c.assert_canaries();
+    }
+}
+
+/// An owner that only alternates `wait` and `poll` (as an idle engine does) serves the
+/// reads: the application at the owner does nothing else.
+pub fn read_idle_owner_serves_through_wait<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
+    let mut p = read_pair(make, opts);
+    let page = 65536u64;
+    let n = 64u64;
+    let dst = Canaried::with(opts.alloc, &mut p.a, page * n, Access::LOCAL_WRITE, 0);
+    let src = Canaried::with(opts.alloc, &mut p.b, page * n, Access::REMOTE_READ, 0);
+    let data = pattern(18, (page * n) as usize);
+    src.write(0, &data);
+    let peer = p.b_at_a;
+    let deadline = Instant::now() + opts.timeout;
+    let mut posted = 0u64;
+    while p.done_a.len() < n as usize {
+        assert!(
+            Instant::now() < deadline,
+            "no progress with an owner driven by wait + poll"
+        );
+        if posted < n {
+            let at = posted * page;
+            let r =
+                p.a.post_read(
+                    peer,
+                    wr(posted as usize),
+                    dst.local(at, page),
+                    src.remote(at, page),
+                )
+                .expect("post_read");
+            if r == PostOutcome::Posted {
+                posted += 1;
+            }
+        }
+        p.a.poll(&mut p.done_a).expect("poll a");
+        p.b.wait(Duration::from_millis(5)).expect("wait b");
+        p.b.poll(&mut p.done_b).expect("poll b");
+    }
+    assert!(
+        p.done_a.iter().all(|c| c.result == Ok(page)),
+        "all reads succeed"
+    );
+    assert!(
+        p.done_b.is_empty(),
+        "the owner saw completions: {:?}",
+        p.done_b
+    );
+    assert!(dst.read(0, data.len()) == data, "initiator bytes differ");
+    dst.assert_canaries();
+}
+
+/// Generates one `#[test]` per READ conformance case, as
+/// [`conformance_suite!`](crate::conformance_suite) does for the others (same arguments,
+/// same `@cases ...; ignore ...` form). A backend opts in once its
+/// [`Transport::supports_read`] is true.
+#[macro_export]
+macro_rules! read_conformance_suite {
+    ($make:expr, $opts:expr) => {
+        $crate::conformance_suite!(@cases $make, $opts;
+            read_lands_in_initiator, read_bad_remote_key_fails, read_out_of_bounds_fails,
+            read_without_permission_fails, read_after_deregister_fails,
+            read_local_errors_fail_at_post, read_remove_peer_with_ops_in_flight,
+            read_many_in_flight, read_zero_and_large, read_write_mixed_traffic,
+            read_idle_owner_serves_through_wait);
+    };
+    (@cases $($rest:tt)*) => {
+        $crate::conformance_suite!(@cases $($rest)*);
+    };
 }
 
 /// Generates one `#[test]` per conformance case for a backend.

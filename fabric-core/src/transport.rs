@@ -26,7 +26,10 @@ pub enum OpKind {
     Send,
     /// A local receive was filled.
     Recv,
-    /// A local WRITE was placed in the peer's memory.
+    /// A local WRITE was placed in the peer's memory, or a local READ's bytes were placed
+    /// in ours ([`Transport::post_read`]). One-sided operations share this kind until every
+    /// backend knows READ (a variant of its own would break the backends that match on
+    /// this enum); the work-request id tells them apart.
     Write,
     /// A peer's WRITE with immediate data landed in our memory (no local work request:
     /// `wr_id` is [`WorkRequestId(0)`](WorkRequestId)).
@@ -132,6 +135,36 @@ pub trait Transport: Send + 'static {
         dst: RemoteSlice,
         imm: Option<u32>,
     ) -> Result<PostOutcome>;
+
+    /// Reads the peer's memory at `src` into the local range `dst` (one-sided: the owner's
+    /// application does nothing; its transport serves the read inside its own `poll`).
+    /// `dst.len` must equal `src.len`; `dst`'s region must be registered with
+    /// [`Access::LOCAL_WRITE`], the peer's with [`Access::REMOTE_READ`]. The completion
+    /// (kind [`OpKind::Write`], with the bytes read) comes only once every byte has been
+    /// placed in `dst`; remote failures (key, bounds, permission) come as error completions,
+    /// and nothing of `dst` changes then.
+    ///
+    /// The default refuses with [`Error::UnsupportedOp`](crate::Error::UnsupportedOp):
+    /// a backend that implements READ overrides this and [`supports_read`](Self::supports_read).
+    fn post_read(
+        &mut self,
+        peer: PeerId,
+        wr_id: WorkRequestId,
+        dst: LocalSlice,
+        src: RemoteSlice,
+    ) -> Result<PostOutcome> {
+        let _ = (peer, wr_id, dst, src);
+        Err(crate::Error::UnsupportedOp {
+            backend: self.name(),
+            op: "READ",
+        })
+    }
+
+    /// Whether [`post_read`](Self::post_read) is implemented. The engine refuses READ
+    /// transfers on a backend without it, and the READ conformance cases require it.
+    fn supports_read(&self) -> bool {
+        false
+    }
 
     /// Drives progress and appends finished operations to `out`; returns how many.
     fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize>;

@@ -171,3 +171,16 @@ pub fn check_write_lengths(src: &LocalSlice, dst: &RemoteSlice) -> crate::Result
         )))
     }
 }
+
+/// Checks that a READ's destination and source have the same length, as
+/// [`Transport::post_read`](crate::Transport::post_read) requires of every backend.
+pub fn check_read_lengths(dst: &LocalSlice, src: &RemoteSlice) -> crate::Result<()> {
+    if dst.len == src.len {
+        Ok(())
+    } else {
+        Err(crate::Error::InvalidArgument(format!(
+            "read of {} remote bytes into {} local bytes: the lengths must be equal",
+            src.len, dst.len
+        )))
+    }
+}

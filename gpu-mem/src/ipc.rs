@@ -385,8 +385,8 @@ pub fn enable_peer_access(from: &Device, to: &Device) -> Result<(), GpuMemError>
     }
 }
 
-/// Asynchronous copies from local memory into peers' [`IpcMapping`]s, on one stream of one
-/// device.
+/// Asynchronous copies from local memory into peers' [`IpcMapping`]s (and, with
+/// [`pull`](Self::pull), from them into local memory), on one stream of one device.
 ///
 /// [`push`](Self::push) checks and queues a copy; [`submit`](Self::submit) starts what was
 /// queued (one launch of the copy kernel, or see [`CopyMethod`]) and returns a ticket;
@@ -472,6 +472,66 @@ impl PeerCopies {
                     },
                     |source| GpuMemError::Copy {
                         direction: CopyDirection::HostToDevice,
+                        len,
+                        source,
+                    },
+                )?;
+            }
+            (MemoryLocation::Host, None) => {
+                return Err(GpuMemError::WrongMemory(
+                    "host region without a host pointer".into(),
+                ));
+            }
+        }
+        self.copies.keep(src);
+        self.copies.keep(dst);
+        Ok(())
+    }
+
+    /// Queues a copy of `len` bytes the other way: from the peer's allocation `src` at
+    /// `src_offset` into local memory `dst` at `dst_offset` (a one-sided READ). Both ranges
+    /// are checked. `dst` must not be touched by the caller until the copy's ticket has
+    /// completed (device destinations are copied at [`submit`](Self::submit), host ones, in
+    /// pageable memory, at once); it is kept alive until then.
+    pub fn pull(
+        &mut self,
+        src: &Arc<IpcMapping>,
+        src_offset: u64,
+        dst: &Arc<dyn MemoryRegion>,
+        dst_offset: u64,
+        len: u64,
+    ) -> Result<(), GpuMemError> {
+        check_range(src_offset, len, src.size)?;
+        check_range(dst_offset, len, dst.len() as u64)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let from = src.base + src_offset;
+        match (dst.location(), dst.host_ptr()) {
+            // cuMemcpyAsync: the copy kernel writes only mappings, not this device's memory
+            // from a peer's.
+            (MemoryLocation::Cuda { .. }, _) => {
+                self.copies
+                    .queue(dst.device_addr() + dst_offset, from, len, false);
+            }
+            (MemoryLocation::Host, Some(p)) => {
+                self.copies.device().bind()?;
+                check(
+                    // SAFETY: p + dst_offset .. + len lies in the live host region (checked
+                    // above; host_ptr is valid per MemoryRegion's contract, and the caller
+                    // leaves it alone until the ticket completes); the source lies in the
+                    // mapped allocation (checked above), kept alive until the copy's event
+                    // completes; the context is current.
+                    unsafe {
+                        sys::cuMemcpyDtoHAsync_v2(
+                            p.as_ptr().add(dst_offset as usize).cast::<c_void>(),
+                            from,
+                            len as usize,
+                            self.copies.stream(),
+                        )
+                    },
+                    |source| GpuMemError::Copy {
+                        direction: CopyDirection::DeviceToHost,
                         len,
                         source,
                     },

@@ -85,11 +85,12 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
     }
 
     fn register(&mut self, mem: Arc<dyn MemoryRegion>, access: Access) -> Result<Registration> {
-        let export = if access.contains(Access::REMOTE_WRITE) {
-            Some(self.link.export(&mem).map_err(Error::Unsupported)?)
-        } else {
-            None
-        };
+        let export =
+            if access.contains(Access::REMOTE_WRITE) || access.contains(Access::REMOTE_READ) {
+                Some(self.link.export(&mem).map_err(Error::Unsupported)?)
+            } else {
+                None
+            };
         let rkey = RemoteKey::random(|k| self.targets.contains_key(&k)).0;
         let local = LocalKey(self.next_local);
         self.next_local += 1;
@@ -213,9 +214,53 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
             off: dst.offset,
             len: dst.len,
             imm,
+            read: false,
         });
         self.outstanding += 1;
         Ok(PostOutcome::Posted)
+    }
+
+    fn post_read(
+        &mut self,
+        peer: PeerId,
+        wr_id: WorkRequestId,
+        dst: LocalSlice,
+        src: RemoteSlice,
+    ) -> Result<PostOutcome> {
+        fabric_core::check_read_lengths(&dst, &src)?;
+        if dst.len > self.cfg.max_msg_size {
+            return Err(Error::InvalidArgument(format!(
+                "a {}-byte READ exceeds the {}-byte limit",
+                dst.len, self.cfg.max_msg_size
+            )));
+        }
+        let r = self.local_slice(dst)?;
+        if !r.access.contains(Access::LOCAL_WRITE) {
+            return Err(Error::InvalidArgument(
+                "read into a region registered without LOCAL_WRITE".into(),
+            ));
+        }
+        let mem = r.mem.clone();
+        self.live_peer(peer)?;
+        if self.outstanding >= self.cfg.max_outstanding {
+            return Ok(PostOutcome::NoRoom);
+        }
+        self.live_peer(peer)?.pending.push_back(WriteOp {
+            wr: wr_id,
+            src: mem,
+            src_off: dst.offset,
+            key: src.region.key.0,
+            off: src.offset,
+            len: src.len,
+            imm: None,
+            read: true,
+        });
+        self.outstanding += 1;
+        Ok(PostOutcome::Posted)
+    }
+
+    fn supports_read(&self) -> bool {
+        true
     }
 
     fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize> {

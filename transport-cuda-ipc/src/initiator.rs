@@ -1,7 +1,8 @@
 //! The initiator's half of the protocol: reservations out, grants in, copies queued on the
-//! link, completions and DONE frames once the copies have finished.
+//! link (into the peer's mapping for WRITEs, out of it for READs), completions and DONE
+//! frames once the copies have finished.
 
-use crate::wire::{Grant, Header, KeyInfo, Landed, Op, Reserve, Status, put_frame, records};
+use crate::wire::{self, Grant, Header, KeyInfo, Landed, Op, Reserve, Status, put_frame, records};
 use crate::{Copying, CudaIpcTransport, KeyMap, Link, WriteOp, op_error};
 use fabric_core::{Completion, OpError, OpKind, PeerId, WorkRequestId};
 use std::time::Instant;
@@ -69,7 +70,14 @@ impl<L: Link> CudaIpcTransport<L> {
                 continue;
             };
             while !p.pending.is_empty() && p.in_flight < window {
-                let n = p.pending.len().min(max_batch);
+                // A batch is all writes or all reads (its reservation says which).
+                let read = p.pending.front().is_some_and(|o| o.read);
+                let n = p
+                    .pending
+                    .iter()
+                    .take(max_batch)
+                    .take_while(|o| o.read == read)
+                    .count();
                 let ops: Vec<WriteOp> = p.pending.drain(..n).collect();
                 let entries: Vec<Reserve> = ops
                     .iter()
@@ -81,7 +89,8 @@ impl<L: Link> CudaIpcTransport<L> {
                     .collect();
                 let batch = p.next_batch;
                 p.next_batch += 1;
-                put_frame(c.io.out(), Op::Reserve, batch, 0, &entries);
+                let kind = if read { wire::RESERVE_READS } else { 0 };
+                put_frame(c.io.out(), Op::Reserve, batch, kind, &entries);
                 p.reserving.insert(batch, (Instant::now(), ops));
                 p.in_flight += 1;
             }
@@ -172,6 +181,10 @@ impl<L: Link> CudaIpcTransport<L> {
                         continue;
                     }
                     let pushed = match p.keys.get(&op.key) {
+                        Some(Ok(k)) if op.read => self
+                            .link
+                            .pull(&k.mapping, k.offset + op.off, &op.src, op.src_off, op.len)
+                            .map_err(|e| OpError::transport_with("device copy failed", e)),
                         Some(Ok(k)) => self
                             .link
                             .push(&op.src, op.src_off, &k.mapping, k.offset + op.off, op.len)

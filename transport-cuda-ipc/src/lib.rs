@@ -20,6 +20,10 @@
 //!   per batch where the driver has it), completed by an event; then the initiator's
 //!   completion, and a DONE frame carrying the immediate values, which the target reports
 //!   as [`OpKind::RemoteWrite`] completions after the bytes have landed.
+//! - **READ** takes the same path the other way: a reservation of the ranges to read,
+//!   checked by the owner for REMOTE_READ (its application does nothing; its transport
+//!   answers inside `poll`), then a copy from the peer's mapping into the local region;
+//!   the READ completes once its copy has finished.
 //! - **Peers** are identified by their host's boot id: an address from another host is
 //!   refused at `add_peer`; a peer whose process exits fails its pending operations with
 //!   [`OpError::PeerUnreachable`]; removing a peer waits for its copies in flight, then
@@ -143,12 +147,15 @@ impl Default for CudaIpcConfig {
 /// One WRITE on its way.
 struct WriteOp {
     wr: WorkRequestId,
+    /// The local region: a write's source, a read's destination.
     src: Arc<dyn MemoryRegion>,
     src_off: u64,
     key: u64,
     off: u64,
     len: u64,
     imm: Option<u32>,
+    /// A READ: the copy goes from the peer's range into `src`.
+    read: bool,
 }
 
 /// A peer's region as this side reaches it.

@@ -51,6 +51,18 @@ pub trait Link: Send + 'static {
         len: u64,
     ) -> Result<(), String>;
 
+    /// Queues a copy the other way, for a READ: `len` bytes of the peer's mapping `src` at
+    /// `src_offset` into local memory `dst` at `dst_offset`; both ranges are checked. `dst`
+    /// is written until the ticket of the next [`submit`](Self::submit) completes.
+    fn pull(
+        &mut self,
+        src: &Arc<Self::Mapping>,
+        src_offset: u64,
+        dst: &Arc<dyn MemoryRegion>,
+        dst_offset: u64,
+        len: u64,
+    ) -> Result<(), String>;
+
     /// Starts what was queued; returns its ticket.
     fn submit(&mut self) -> Result<u64, String>;
 
@@ -116,8 +128,8 @@ impl Link for CudaLink {
     fn export(&mut self, mem: &Arc<dyn MemoryRegion>) -> Result<LinkExport, String> {
         if mem.location() == MemoryLocation::Host {
             return Err(
-                "the cuda-ipc transport writes only into device memory: register host \
-                        memory that peers write on the tcp transport"
+                "the cuda-ipc transport reaches only device memory: register host \
+                        memory that peers write or read on the tcp transport"
                     .into(),
             );
         }
@@ -149,6 +161,19 @@ impl Link for CudaLink {
     ) -> Result<(), String> {
         self.copies
             .push(src, src_offset, dst, dst_offset, len)
+            .map_err(text)
+    }
+
+    fn pull(
+        &mut self,
+        src: &Arc<IpcMapping>,
+        src_offset: u64,
+        dst: &Arc<dyn MemoryRegion>,
+        dst_offset: u64,
+        len: u64,
+    ) -> Result<(), String> {
+        self.copies
+            .pull(src, src_offset, dst, dst_offset, len)
             .map_err(text)
     }
 
@@ -195,8 +220,16 @@ impl Drop for LoopbackGuard {
     }
 }
 
-/// One queued loopback copy.
-type LoopbackCopy = (Arc<dyn MemoryRegion>, u64, Arc<LoopbackMapping>, u64, u64);
+/// One queued loopback copy: local region and offset, mapping and offset, length, and
+/// whether it goes from the mapping into the region (a READ).
+type LoopbackCopy = (
+    Arc<dyn MemoryRegion>,
+    u64,
+    Arc<LoopbackMapping>,
+    u64,
+    u64,
+    bool,
+);
 
 /// Host memory between transports of one process, copied with the CPU. Copies run when
 /// [`completed`](Link::completed) is next called, not at submit, so completions are as
@@ -224,12 +257,23 @@ impl LoopbackLink {
     fn run(&mut self) -> Result<u64, String> {
         let mut buf = Vec::new();
         for (ticket, copies) in self.submitted.drain(..) {
-            for (src, so, dst, d_o, len) in copies {
+            for (local, lo, mapping, mo, len, pull) in copies {
                 buf.resize(len as usize, 0);
-                src.read_to_host(so, &mut buf).map_err(|e| e.to_string())?;
-                dst.0
-                    .write_from_host(d_o, &buf)
-                    .map_err(|e| e.to_string())?;
+                if pull {
+                    mapping
+                        .0
+                        .read_to_host(mo, &mut buf)
+                        .map_err(|e| e.to_string())?;
+                    local.write_from_host(lo, &buf).map_err(|e| e.to_string())?;
+                } else {
+                    local
+                        .read_to_host(lo, &mut buf)
+                        .map_err(|e| e.to_string())?;
+                    mapping
+                        .0
+                        .write_from_host(mo, &buf)
+                        .map_err(|e| e.to_string())?;
+                }
             }
             self.done = ticket;
         }
@@ -292,7 +336,24 @@ impl Link for LoopbackLink {
         fabric_core::memory::check_range(dst_offset, len, dst.0.len() as u64)
             .map_err(|e| e.to_string())?;
         self.queued
-            .push((src.clone(), src_offset, dst.clone(), dst_offset, len));
+            .push((src.clone(), src_offset, dst.clone(), dst_offset, len, false));
+        Ok(())
+    }
+
+    fn pull(
+        &mut self,
+        src: &Arc<LoopbackMapping>,
+        src_offset: u64,
+        dst: &Arc<dyn MemoryRegion>,
+        dst_offset: u64,
+        len: u64,
+    ) -> Result<(), String> {
+        fabric_core::memory::check_range(src_offset, len, src.0.len() as u64)
+            .map_err(|e| e.to_string())?;
+        fabric_core::memory::check_range(dst_offset, len, dst.len() as u64)
+            .map_err(|e| e.to_string())?;
+        self.queued
+            .push((dst.clone(), dst_offset, src.clone(), src_offset, len, true));
         Ok(())
     }
 

@@ -1,6 +1,6 @@
-//! The target's half of the protocol: HELLO, SEND delivery, reservations checked against
-//! the registered regions (key, bounds, permission) before any grant, and DONE frames
-//! turned into remote-write completions.
+//! The target's half of the protocol: HELLO, SEND delivery, reservations (for WRITEs or
+//! READs) checked against the registered regions (key, bounds, permission) before any
+//! grant, and DONE frames turned into remote-write completions.
 
 use crate::wire::{self, Grant, Header, KeyInfo, Landed, Op, Reserve, Status, put_frame, records};
 use crate::{Conn, CudaIpcTransport, IpcAddress, Link, Role};
@@ -95,6 +95,11 @@ impl<L: Link> CudaIpcTransport<L> {
                 if granted.contains_key(&h.id) {
                     return Err(format!("batch {} reserved twice", h.id));
                 }
+                let need = match h.x {
+                    0 => Access::REMOTE_WRITE,
+                    wire::RESERVE_READS => Access::REMOTE_READ,
+                    x => return Err(format!("reservation of unknown kind {x}")),
+                };
                 let mut verdicts = Vec::with_capacity(entries.len());
                 let mut keep: Vec<Arc<dyn MemoryRegion>> = Vec::new();
                 let mut ok = 0usize;
@@ -103,7 +108,7 @@ impl<L: Link> CudaIpcTransport<L> {
                         None => (Status::BadKey, 0),
                         Some(t) => {
                             let len = t.mem.len() as u64;
-                            let status = if !t.access.contains(Access::REMOTE_WRITE) {
+                            let status = if !t.access.contains(need) {
                                 Status::NoPermission
                             } else if e.offset.checked_add(e.len).is_none_or(|end| end > len) {
                                 Status::OutOfBounds

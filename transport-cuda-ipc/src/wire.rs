@@ -22,9 +22,10 @@ pub enum Op {
     Send = 2,
     /// Target → initiator: the SEND `id` was taken; `x` = [`Status`].
     SendAck = 3,
-    /// Initiator → target: "I am about to write these ranges": `id` = batch, payload =
-    /// [`Reserve`] entries. The target checks key, bounds and permission, and keeps the
-    /// regions alive until [`Op::Done`].
+    /// Initiator → target: "I am about to write (or, `x` = [`RESERVE_READS`], read) these
+    /// ranges": `id` = batch, payload = [`Reserve`] entries. The target checks key, bounds
+    /// and permission (REMOTE_WRITE, or REMOTE_READ), and keeps the regions alive until
+    /// [`Op::Done`].
     Reserve = 4,
     /// Target → initiator: the handle of a region, sent once per connection before the
     /// first grant that needs it: `x` = key, payload = [`KeyInfo`].
@@ -84,8 +85,12 @@ impl Status {
     }
 }
 
-/// The version this code speaks.
-pub const VERSION: u64 = 1;
+/// The version this code speaks (2: reservations for READ). A peer of another version is
+/// refused at its HELLO.
+pub const VERSION: u64 = 2;
+
+/// The `x` of a [`Op::Reserve`] whose ranges the initiator reads (0: writes).
+pub const RESERVE_READS: u64 = 1;
 
 /// A frame header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -50,6 +50,17 @@ cases!(
     many_operations_in_flight,
     zero_and_large_segments,
     idle_target_progresses_through_wait,
+    read_lands_in_initiator,
+    read_bad_remote_key_fails,
+    read_out_of_bounds_fails,
+    read_without_permission_fails,
+    read_after_deregister_fails,
+    read_local_errors_fail_at_post,
+    read_remove_peer_with_ops_in_flight,
+    read_many_in_flight,
+    read_zero_and_large,
+    read_write_mixed_traffic,
+    read_idle_owner_serves_through_wait,
 );
 
 #[test]

@@ -9,3 +9,8 @@ fabric_core::conformance_suite!(
     || CudaIpcTransport::with_link(LoopbackLink::new(), CudaIpcConfig::default()).unwrap(),
     SuiteOptions::default()
 );
+
+fabric_core::read_conformance_suite!(
+    || CudaIpcTransport::with_link(LoopbackLink::new(), CudaIpcConfig::default()).unwrap(),
+    SuiteOptions::default()
+);

@@ -360,3 +360,41 @@ fn a_done_claiming_more_writes_than_were_granted_closes_the_connection() {
         "a forged DONE produced completions: {done:?}"
     );
 }
+
+#[test]
+fn reservations_of_an_unknown_kind_or_version_close_the_connection() {
+    let mut t = make();
+    let reserve = |kind: u64| {
+        let mut v = hello(&make().address());
+        put_frame(
+            &mut v,
+            Op::Reserve,
+            1,
+            kind,
+            &[Reserve {
+                key: 1,
+                offset: 0,
+                len: 1,
+            }],
+        );
+        v
+    };
+    let old_hello = {
+        let from = make().address();
+        let mut v = Vec::new();
+        Header::new(Op::Hello, 0, 1, from.len() as u64).encode(&mut v);
+        v.extend_from_slice(&from);
+        v
+    };
+    for (what, bytes) in [
+        ("reservation of kind 2", reserve(2)),
+        ("reservation of kind u64::MAX", reserve(u64::MAX)),
+        ("HELLO of version 1 (no READ)", old_hello),
+    ] {
+        let mut s = raw_connect(&t);
+        s.write_all(&bytes).unwrap();
+        let got = until_closed(&mut t, &mut s);
+        assert!(got.is_empty(), "{what}: the target answered {got:?}");
+    }
+    still_serves(t);
+}

@@ -32,7 +32,11 @@ pub enum TcpError {
     #[error("HELLO of {0} bytes (12 to 4096 expected)")]
     HelloLength(u64),
     /// A HELLO that names a protocol version we do not speak.
-    #[error("HELLO of protocol version {0}, which this side does not speak")]
+    #[error(
+        "HELLO of protocol version {0}, which this side does not speak (it speaks {ours}, and serves 0 and {credit})",
+        ours = crate::frame::PROTOCOL_VERSION,
+        credit = crate::frame::CREDIT_VERSION
+    )]
     HelloVersion(u8),
     /// A HELLO without the proof of the shared token, or with a wrong one.
     #[error("authentication failed: the HELLO carries no token or a wrong one")]
@@ -43,16 +47,16 @@ pub enum TcpError {
     /// A BATCH of no WRITE, or of more than [`MAX_BATCH`](crate::frame::MAX_BATCH).
     #[error("batch of {0} writes (at most {max})", max = crate::frame::MAX_BATCH)]
     BatchSize(u64),
-    /// A frame other than WRITE among a batch's headers.
+    /// A frame other than WRITE, READ or READ_REPLY among a batch's headers.
     #[error("{op} frame inside a batch")]
     NotAWrite {
         /// What the entry was.
         op: Op,
     },
-    /// A WRITE or SEND longer than the largest message.
+    /// A WRITE, SEND or READ longer than the largest message.
     #[error("{op} of {len} bytes exceeds the {limit}-byte limit")]
     TooLong {
-        /// WRITE or SEND.
+        /// WRITE, SEND or READ.
         op: Op,
         /// Its length.
         len: u64,
@@ -70,6 +74,28 @@ pub enum TcpError {
     /// A NACK with no request outstanding.
     #[error("NACK with no request outstanding")]
     NackOverrun,
+    /// A READ_REPLY when the next outstanding request is not a READ (or none is).
+    #[error("READ_REPLY when the next outstanding request is not a READ")]
+    UnexpectedReadReply,
+    /// A READ_REPLY whose length is not the length its READ asked for.
+    #[error("READ_REPLY of {got} bytes for a READ of {asked}")]
+    ReadReplyLength {
+        /// Bytes the reply carries.
+        got: u64,
+        /// Bytes the READ asked for.
+        asked: u64,
+    },
+    /// An ACK that would answer a READ (only a READ_REPLY or a NACK does).
+    #[error("ACK that answers a READ")]
+    AckForRead,
+    /// A READ or READ_REPLY with flags set (they carry no immediate data).
+    #[error("{op} frame with flags {flags:#x}")]
+    UnexpectedFlags {
+        /// The frame.
+        op: Op,
+        /// Its flags.
+        flags: u8,
+    },
     /// A SEND beyond the credit we granted (see [`frame`](crate::frame) on SEND credit).
     #[error("SEND of {len} bytes beyond its credit ({messages} message(s), {bytes} bytes granted)")]
     SendBeyondCredit {

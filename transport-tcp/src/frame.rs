@@ -1,5 +1,5 @@
 //! The wire format: a fixed 40-byte little-endian header, then `len` payload bytes for
-//! WRITE and SEND (and HELLO).
+//! WRITE, SEND and READ_REPLY (and HELLO); a READ carries none.
 //!
 //! ```text
 //! 0      1       2      3      4        8        16      24       32      40
@@ -12,6 +12,15 @@
 //! Responses are cumulative: the target handles a connection's requests in order, so an
 //! `ACK` with `len = n` completes the next `n` outstanding requests, and a `NACK` fails the
 //! next one with `code`.
+//!
+//! READ (protocol version 3): a `READ` header asks for `len` bytes of the region `key` at
+//! `offset`. The owner checks key, bounds and REMOTE_READ before any byte leaves, and
+//! answers in request order, like any request: a `READ_REPLY` whose `len` payload bytes
+//! are sent straight from the registered region (and placed straight into the initiator's),
+//! or a `NACK`. An `ACK` never answers a READ, and a READ_REPLY answers nothing else.
+//! READs and READ_REPLYs travel in batches like WRITEs: a batch's headers may be WRITEs,
+//! READs (no payload: served in their turn) and READ_REPLYs, its payloads those of its
+//! WRITEs and READ_REPLYs in order.
 //!
 //! SEND flow control (protocol version [`PROTOCOL_VERSION`], which a HELLO carries in
 //! `code`): an `ACK` with `code` = [`ACK_CREDIT`] also grants SEND credit, `key` more
@@ -40,9 +49,13 @@ pub enum Op {
     Ack = 4,
     /// The next request failed with `code`.
     Nack = 5,
-    /// `len` WRITE headers follow back to back, then their payloads in the same order, so
-    /// that the target can place all payloads with one vectored read.
+    /// `len` WRITE (READ, READ_REPLY) headers follow back to back, then their payloads in
+    /// the same order, so that the target can place all payloads with one vectored read.
     Batch = 6,
+    /// One-sided read of `len` bytes of region `key` at `offset` (no payload).
+    Read = 7,
+    /// The answer to the next outstanding request, a READ: its `len` bytes follow.
+    ReadReply = 8,
 }
 
 impl std::fmt::Display for Op {
@@ -55,6 +68,8 @@ impl std::fmt::Display for Op {
             Op::Ack => "ACK",
             Op::Nack => "NACK",
             Op::Batch => "BATCH",
+            Op::Read => "READ",
+            Op::ReadReply => "READ_REPLY",
         })
     }
 }
@@ -68,14 +83,24 @@ impl Op {
             4 => Op::Ack,
             5 => Op::Nack,
             6 => Op::Batch,
+            7 => Op::Read,
+            8 => Op::ReadReply,
             _ => return None,
         })
     }
 }
 
-/// The protocol version of this code, in a HELLO's `code` (0: the version before SEND
-/// credit, still served).
-pub const PROTOCOL_VERSION: u8 = 2;
+/// The protocol version of this code, in a HELLO's `code`: 3 adds READ. A target also
+/// serves peers of version 2 (SEND credit, no READ: they never send one, and are never
+/// sent one) and 0 (before SEND credit); other versions are refused with
+/// [`TcpError::HelloVersion`](crate::TcpError::HelloVersion).
+pub const PROTOCOL_VERSION: u8 = 3;
+
+/// The first protocol version with READ.
+pub const READ_VERSION: u8 = 3;
+
+/// The version of SEND credit without READ, still served.
+pub const CREDIT_VERSION: u8 = 2;
 
 /// The `code` of an ACK that also grants SEND credit (see the module documentation).
 pub const ACK_CREDIT: u8 = 1;
@@ -100,11 +125,12 @@ pub struct Header {
     pub imm: u32,
     /// The initiator's work-request id (diagnostics only).
     pub wr_id: u64,
-    /// Remote key (WRITE), detail (NACK), or messages of SEND credit (ACK).
+    /// Remote key (WRITE, READ), detail (NACK), or messages of SEND credit (ACK).
     pub key: u64,
-    /// Remote offset (WRITE), detail (NACK), or bytes of SEND credit (ACK).
+    /// Remote offset (WRITE, READ), detail (NACK), or bytes of SEND credit (ACK).
     pub offset: u64,
-    /// Payload length (WRITE, SEND, HELLO), count (ACK), or detail (NACK).
+    /// Payload length (WRITE, SEND, HELLO, READ_REPLY), bytes asked for (READ), count
+    /// (ACK), or detail (NACK).
     pub len: u64,
 }
 
@@ -171,7 +197,7 @@ pub mod code {
     pub const KEY: u8 = 1;
     /// Out of bounds (`offset`, `len` as requested; `key` = region length).
     pub const BOUNDS: u8 = 2;
-    /// Region lacks REMOTE_WRITE.
+    /// Region lacks the access the request needs (REMOTE_WRITE, REMOTE_READ).
     pub const PERMISSION: u8 = 3;
     /// Message longer than the receive buffer (`len`, `offset` = capacity).
     pub const TRUNCATED: u8 = 4;
@@ -254,6 +280,19 @@ mod tests {
         let mut b = Header::new(Op::Ack, 1).encode();
         b[3] = 1;
         assert_eq!(Header::decode(&b), Err(FrameError::Reserved(1)));
+    }
+
+    #[test]
+    fn read_frames_round_trip() {
+        let mut h = Header::new(Op::Read, 4096);
+        h.key = 0x1234_5678_9ABC_DEF0;
+        h.offset = 1 << 33;
+        h.wr_id = 9;
+        assert_eq!(Header::decode(&h.encode()), Ok(h));
+        let r = Header::new(Op::ReadReply, 4096);
+        assert_eq!(Header::decode(&r.encode()), Ok(r));
+        assert_eq!(Op::Read.to_string(), "READ");
+        assert_eq!(Op::ReadReply.to_string(), "READ_REPLY");
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //!
 //! - registered regions with unguessable random 64-bit remote keys;
 //! - one-sided WRITE, optionally with 32-bit immediate data delivered to the target once the
-//!   bytes have landed;
+//!   bytes have landed, and one-sided READ, served by the owner's transport inside its own
+//!   `poll` (its application does nothing);
 //! - SEND into receives posted in advance, with a bounded queue for early arrivals whose
 //!   room the receiver grants to senders as credit: a sender holds SENDs it has no credit
 //!   for (and fails one that waited twice `peer_timeout`), so a receiver never stops reading
@@ -51,7 +52,7 @@ pub mod frame;
 mod io;
 mod staging;
 
-use conn::{Conn, Inflight, Payload, ReadOutcome, Shared, TargetRegion};
+use conn::{Conn, Inflight, Payload, ReadInto, ReadOutcome, Shared, TargetRegion};
 use fabric_core::memory::check_range;
 use fabric_core::recv::PostedRecv;
 use fabric_core::wake::{Wake, WakeFd};
@@ -348,6 +349,17 @@ impl TcpTransport {
         };
         c.abandon(&mut self.shared);
         let peer = c.peer;
+        // READs fail only once no copy into their device memory is in flight.
+        c.settle_copies(self.cfg.peer_timeout);
+        for wr_id in c.held_reads() {
+            self.shared.completions.push(Completion {
+                wr_id,
+                op: OpKind::Write,
+                result: Err(err.clone()),
+                peer: Some(peer),
+                imm: None,
+            });
+        }
         // Sent, and still waiting for SEND credit.
         for op in c.into_unanswered() {
             self.shared.completions.push(Completion {
@@ -448,6 +460,7 @@ impl TcpTransport {
                 wr_id,
                 op,
                 len: src.len,
+                read: None,
             },
         );
         Ok(PostOutcome::Posted)
@@ -705,6 +718,69 @@ impl Transport for TcpTransport {
             h.imm = v;
         }
         self.post_request(peer, false, h, &src, OpKind::Write, wr_id)
+    }
+
+    /// A READ request leaves at once (no payload); the owner's transport validates it and
+    /// sends the bytes straight from its registered region, and they are placed straight
+    /// into `dst` (device memory through the connection's staging ring). Peers that
+    /// connected to us with protocol version 2 have no READ: refused here.
+    fn post_read(
+        &mut self,
+        peer: PeerId,
+        wr_id: WorkRequestId,
+        dst: LocalSlice,
+        src: RemoteSlice,
+    ) -> Result<PostOutcome> {
+        fabric_core::check_read_lengths(&dst, &src)?;
+        if dst.len > self.cfg.max_msg_size {
+            return Err(Error::InvalidArgument(format!(
+                "{} bytes exceed the largest message ({} bytes)",
+                dst.len, self.cfg.max_msg_size
+            )));
+        }
+        let r = self.local_region(&dst)?;
+        if !r.access.contains(Access::LOCAL_WRITE) {
+            return Err(Error::InvalidArgument(
+                "read into a region registered without LOCAL_WRITE".into(),
+            ));
+        }
+        let into = ReadInto {
+            mem: r.mem.clone(),
+            offset: dst.offset,
+            via: r.via.clone(),
+        };
+        let idx = self.pick_conn(peer, false)?;
+        let c = self.conns[idx].as_mut().expect("peer conns are open");
+        if let Some(v) = c.version_without_read() {
+            return Err(Error::Unsupported(format!(
+                "{peer} speaks TCP protocol version {v}, which has no READ (version {} has)",
+                frame::READ_VERSION
+            )));
+        }
+        if c.outstanding() >= self.cfg.max_outstanding
+            || c.queued_bytes() >= self.cfg.max_queued_bytes
+        {
+            return Ok(PostOutcome::NoRoom);
+        }
+        let mut h = Header::new(Op::Read, dst.len);
+        h.key = src.region.key.0;
+        h.offset = src.offset;
+        h.wr_id = wr_id.0;
+        c.post(
+            h,
+            Payload::None,
+            Inflight {
+                wr_id,
+                op: OpKind::Write,
+                len: dst.len,
+                read: Some(into),
+            },
+        );
+        Ok(PostOutcome::Posted)
+    }
+
+    fn supports_read(&self) -> bool {
+        true
     }
 
     fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize> {

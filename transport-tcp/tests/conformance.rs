@@ -8,6 +8,7 @@ fn make() -> TcpTransport {
 }
 
 fabric_core::conformance_suite!(make, SuiteOptions::default());
+fabric_core::read_conformance_suite!(make, SuiteOptions::default());
 
 mod four_rails {
     use super::*;
@@ -19,4 +20,5 @@ mod four_rails {
         .expect("listen")
     }
     fabric_core::conformance_suite!(make4, SuiteOptions::default());
+    fabric_core::read_conformance_suite!(make4, SuiteOptions::default());
 }

@@ -461,3 +461,26 @@ fn removing_a_peer_with_chunks_in_flight_fails_its_writes_only() {
     assert!(done.iter().all(|c| c.result == Ok(PAGE)), "{done:?}");
     assert!((0..64).all(|i| landed(&dst2, &data, 64, i)));
 }
+
+/// The READ conformance cases with every region in fake device memory: the owner's replies
+/// leave through its out-ring, and land through the initiator's in-ring, the completion
+/// held until the copies into place have run.
+mod reads_through_staging {
+    use super::*;
+
+    fn fake(len: usize) -> Arc<dyn MemoryRegion> {
+        FakeDevice::new(len)
+    }
+
+    fn make() -> TcpTransport {
+        TcpTransport::new(TcpConfig::default()).unwrap()
+    }
+
+    fabric_core::read_conformance_suite!(
+        make,
+        SuiteOptions {
+            alloc: fake,
+            ..SuiteOptions::default()
+        }
+    );
+}

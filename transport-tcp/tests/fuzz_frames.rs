@@ -52,7 +52,7 @@ fn config() -> ProptestConfig {
 /// 40 bytes, biased towards well-formed headers so that both paths of `decode` run.
 fn header_bytes() -> impl Strategy<Value = Vec<u8>> {
     (
-        prop_oneof![3 => 0u8..8, 1 => any::<u8>()],
+        prop_oneof![3 => 0u8..10, 1 => any::<u8>()],
         prop_oneof![3 => 0u8..2, 1 => any::<u8>()],
         prop_oneof![3 => Just(0u8), 1 => any::<u8>()],
         vec(any::<u8>(), HEADER_LEN),
@@ -66,12 +66,14 @@ fn header_bytes() -> impl Strategy<Value = Vec<u8>> {
 }
 
 fn op_of(v: u8) -> Op {
-    match v % 6 {
+    match v % 8 {
         0 => Op::Hello,
         1 => Op::Write,
         2 => Op::Send,
         3 => Op::Ack,
         4 => Op::Nack,
+        5 => Op::Read,
+        6 => Op::ReadReply,
         _ => Op::Batch,
     }
 }
@@ -82,7 +84,7 @@ proptest! {
     #[test]
     fn decode_accepts_exactly_well_formed_headers(b in header_bytes()) {
         let raw: [u8; HEADER_LEN] = b[..].try_into().unwrap();
-        let well_formed = (1..=6).contains(&raw[0]) && raw[1] & !FLAG_IMM == 0 && raw[3] == 0;
+        let well_formed = (1..=8).contains(&raw[0]) && raw[1] & !FLAG_IMM == 0 && raw[3] == 0;
         match Header::decode(&raw) {
             Ok(h) => {
                 prop_assert!(well_formed, "accepted {raw:?}");
@@ -450,6 +452,9 @@ fn frame_spec() -> impl Strategy<Value = FrameSpec> {
                 1 => Just(Op::Ack as u8),
                 1 => Just(Op::Nack as u8),
                 1 => Just(Op::Hello as u8),
+                // Refused: no region of the fixture allows REMOTE_READ (answered by NACKs).
+                2 => Just(Op::Read as u8),
+                1 => Just(Op::ReadReply as u8),
                 1 => any::<u8>(),
             ],
             prop_oneof![19 => 0u8..=1, 1 => any::<u8>()],
@@ -696,5 +701,161 @@ proptest! {
         }
         prop_assert_eq!(&a.done[0].result, &Ok(4096));
         prop_assert_eq!(dst.read(0, 4096), src.read(0, 4096));
+    }
+}
+
+/// What a hostile owner answers to READs.
+#[derive(Clone, Debug)]
+enum ReadAnswer {
+    Ack(u64),
+    Nack(u8),
+    /// A READ_REPLY of `len` bytes (right or wrong), with `flags`, and as many bytes of
+    /// `seed`'s pattern as it announces (or fewer: the stream then ends).
+    Reply {
+        len: u64,
+        flags: u8,
+        seed: u64,
+    },
+    Bytes(Vec<u8>),
+}
+
+fn read_answer() -> impl Strategy<Value = ReadAnswer> {
+    prop_oneof![
+        6 => (
+            prop_oneof![6 => Just(4096u64), 1 => 0u64..8192, 1 => edge_u64()],
+            prop_oneof![9 => Just(0u8), 1 => any::<u8>()],
+            any::<u64>()
+        )
+            .prop_map(|(len, flags, seed)| ReadAnswer::Reply { len, flags, seed }),
+        1 => (0u64..3).prop_map(ReadAnswer::Ack),
+        2 => any::<u8>().prop_map(ReadAnswer::Nack),
+        1 => vec(any::<u8>(), 1..80).prop_map(ReadAnswer::Bytes),
+    ]
+}
+
+fn encode_read_answers(answers: &[ReadAnswer]) -> Vec<u8> {
+    let mut b = Vec::new();
+    for r in answers {
+        match r {
+            ReadAnswer::Ack(n) => b.extend(Header::new(Op::Ack, *n).encode()),
+            ReadAnswer::Nack(c) => {
+                let mut h = Header::new(Op::Nack, 0);
+                h.code = *c;
+                b.extend(h.encode());
+            }
+            ReadAnswer::Reply { len, flags, seed } => {
+                let mut h = Header::new(Op::ReadReply, *len);
+                h.flags = *flags;
+                b.extend(h.encode());
+                b.extend(pattern(*seed, (*len).min(8192) as usize));
+            }
+            ReadAnswer::Bytes(v) => b.extend(v),
+        }
+    }
+    b
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    /// A hostile owner's answers to READs (wrong lengths, ACKs, flags, garbage, a stream cut
+    /// short) complete every READ exactly once; bytes land only inside the READ's own
+    /// range, and a READ that succeeds holds exactly what its reply carried.
+    #[test]
+    fn hostile_read_replies_complete_every_read_once(
+        k in 1usize..6,
+        answers in vec(read_answer(), 0..8),
+        muts in vec(mutation(), 0..2),
+    ) {
+        let mut a = Node::new(TcpConfig {
+            max_msg_size: MAX_MSG,
+            ..TcpConfig::default()
+        });
+        let dst = Canaried::new(&mut a.t, 64 * 1024, Access::LOCAL_WRITE, 0x5A);
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = format!("tcp://{}", listener.local_addr().unwrap());
+        let fake_peer = a.t.add_peer(addr.as_bytes()).unwrap();
+        let mut fake = Raw::from_stream(listener.accept().unwrap().0);
+        let region = RemoteRegion { addr: 0, len: 1 << 20, key: RemoteKey(0xFA6E) };
+        for i in 0..k as u64 {
+            let src = RemoteSlice { region, offset: i * 4096, len: 4096 };
+            let r = a.t.post_read(fake_peer, WorkRequestId(i), dst.local(i * 4096, 4096), src).unwrap();
+            prop_assert_eq!(r, PostOutcome::Posted);
+        }
+        let h = fake.read_header(|| a.step());
+        prop_assert_eq!(h.op, Op::Hello);
+        let _ = fake.read_bytes(h.len as usize, || a.step());
+        // The k READs leave as one batch (no payloads).
+        let h = fake.read_header(|| a.step());
+        prop_assert_eq!((h.op, h.len), (Op::Batch, k as u64));
+        for i in 0..k as u64 {
+            let h = fake.read_header(|| a.step());
+            prop_assert_eq!(h.op, Op::Read);
+            prop_assert_eq!((h.key, h.offset, h.len), (0xFA6E, i * 4096, 4096));
+        }
+        let mutated = !muts.is_empty();
+        let _ = fake.send(&mutate(encode_read_answers(&answers), &muts), || a.step());
+        fake.shutdown_write();
+        let d = Deadline::new("every read to complete");
+        while a.done.len() < k {
+            fake.pump();
+            a.step();
+            d.check();
+        }
+        for _ in 0..20 {
+            a.step();
+        }
+        let mut seen = HashMap::new();
+        for c in a.done.drain(..) {
+            prop_assert_eq!(c.op, OpKind::Write);
+            prop_assert!(c.wr_id.0 < k as u64);
+            prop_assert!(seen.insert(c.wr_id.0, c.result.clone()).is_none(), "read {} twice", c.wr_id.0);
+        }
+        prop_assert_eq!(seen.len(), k);
+        // Unmutated, well-formed answers say exactly what each read must hold.
+        if !mutated {
+            let mut i = 0u64;
+            for r in &answers {
+                if i >= k as u64 {
+                    break;
+                }
+                match r {
+                    ReadAnswer::Reply { len: 4096, flags: 0, seed } => {
+                        prop_assert_eq!(&seen[&i], &Ok(4096));
+                        prop_assert_eq!(dst.read(i * 4096, 4096), pattern(*seed, 4096));
+                        i += 1;
+                    }
+                    // Answers nothing.
+                    ReadAnswer::Ack(0) => {}
+                    ReadAnswer::Nack(_) => {
+                        prop_assert!(seen[&i].is_err());
+                        prop_assert_eq!(dst.read(i * 4096, 4096), vec![0x5A; 4096]);
+                        i += 1;
+                    }
+                    // Anything else breaks the connection: the rest fail.
+                    _ => break,
+                }
+            }
+            for j in i..k as u64 {
+                prop_assert!(seen[&j].is_err(), "read {j} succeeded after a broken answer");
+            }
+        }
+        dst.assert_canaries();
+        prop_assert!(dst.read(k as u64 * 4096, 4096).iter().all(|&b| b == 0x5A), "bytes past the reads changed");
+        drop(fake);
+        // The initiator still reads from a real peer.
+        let mut real = Node::new(TcpConfig::default());
+        let src = Canaried::new(&mut real.t, 4096, Access::REMOTE_READ, 0x3C);
+        let peer = a.t.add_peer(&real.t.address()).unwrap();
+        let r = a.t.post_read(peer, WorkRequestId(100), dst.local(0, 4096), src.remote(0, 4096)).unwrap();
+        prop_assert_eq!(r, PostOutcome::Posted);
+        let d = Deadline::new("a read from a real peer");
+        while a.done.is_empty() {
+            a.step();
+            real.step();
+            d.check();
+        }
+        prop_assert_eq!(&a.done[0].result, &Ok(4096));
+        prop_assert_eq!(dst.read(0, 4096), vec![0x3C; 4096]);
     }
 }

@@ -230,3 +230,49 @@ fn each_imm_is_reported_once_its_bytes_are_in_device_memory() {
     let done = p.take_a(n as usize, "write completions");
     assert!(done.iter().all(|c| c.result == Ok(page)), "{done:?}");
 }
+
+/// The READ conformance cases with every region in device memory: replies leave through
+/// the owner's out-ring and land through the initiator's in-ring, on CUDA streams.
+mod reads_of_device_memory {
+    use super::*;
+
+    fn device_alloc(len: usize) -> Arc<dyn MemoryRegion> {
+        Arc::new(gpu().alloc_zeroed(len).expect("device memory"))
+    }
+
+    fn make() -> TcpTransport {
+        TcpTransport::new(TcpConfig::default()).unwrap()
+    }
+
+    macro_rules! cases {
+        ($($case:ident),* $(,)?) => {
+            $(
+                #[test]
+                #[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/gpu-proof.sh)"]
+                fn $case() {
+                    fabric_core::testing::$case(
+                        &make,
+                        SuiteOptions {
+                            alloc: device_alloc,
+                            ..SuiteOptions::default()
+                        },
+                    );
+                }
+            )*
+        };
+    }
+
+    cases!(
+        read_lands_in_initiator,
+        read_bad_remote_key_fails,
+        read_out_of_bounds_fails,
+        read_without_permission_fails,
+        read_after_deregister_fails,
+        read_local_errors_fail_at_post,
+        read_remove_peer_with_ops_in_flight,
+        read_many_in_flight,
+        read_zero_and_large,
+        read_write_mixed_traffic,
+        read_idle_owner_serves_through_wait,
+    );
+}

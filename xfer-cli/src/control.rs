@@ -233,6 +233,12 @@ pub enum Request {
         /// Written pages.
         pages: Vec<u64>,
     },
+    /// Fill the client's region with the pattern of `seed`, for `bench --op read` (the
+    /// client reads it and checks its own copy).
+    Fill {
+        /// Pattern seed.
+        seed: u64,
+    },
     /// Open a raw TCP echo for the latency floor: rounds of `page_size * pages` bytes,
     /// each answered with 8 bytes.
     Echo {
@@ -275,6 +281,13 @@ pub struct HelloReply {
     pub addresses: Vec<String>,
     /// The region the client may write, one key per rail.
     pub region: RemoteDescriptor,
+}
+
+/// The answer to `fill`.
+#[derive(Serialize, Deserialize, Debug)]
+pub struct FillReply {
+    /// Bytes filled (the whole region).
+    pub bytes: u64,
 }
 
 /// The answer to `verify`.
@@ -613,8 +626,9 @@ fn client(
                             return Ok(());
                         }
                     };
+                    // Clients write it (`bench`) or read it back (`bench --op read`).
                     let reg = group
-                        .register(buf.clone(), Access::REMOTE_WRITE)
+                        .register(buf.clone(), Access::REMOTE_WRITE | Access::REMOTE_READ)
                         .map_err(ClientError::Register)?;
                     region = Some((buf, reg));
                 }
@@ -657,6 +671,18 @@ fn client(
                         checked: pages.len() as u64,
                         mismatches,
                         first_mismatch,
+                    })
+                    .map_err(|e| e.to_string());
+                reply(&mut w, r2)?;
+            }
+            Request::Fill { seed } => {
+                let Some((buf, _)) = &region else {
+                    reply::<()>(&mut w, Err("fill before hello".into()))?;
+                    continue;
+                };
+                let r2 = workload::fill_pattern(&**buf, seed)
+                    .map(|()| FillReply {
+                        bytes: buf.len() as u64,
                     })
                     .map_err(|e| e.to_string());
                 reply(&mut w, r2)?;
@@ -868,6 +894,11 @@ impl ControlClient {
                 Ok(at)
             })
             .collect()
+    }
+
+    /// Asks the server to fill this client's region with the pattern of `seed`.
+    pub fn fill(&mut self, seed: u64) -> Result<FillReply, String> {
+        self.call(&Request::Fill { seed })
     }
 
     /// Asks the server to check written pages.

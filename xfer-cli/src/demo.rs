@@ -126,16 +126,17 @@ fn one_worker(
         barrier.wait();
     }
     // The target group stays alive (its engines place the bytes) until the run ends.
-    let (src_group, target_group, s, d, peer, dst) = set_up?;
-    let mut progress = progress::Progress::new(!show_progress);
+    let (src_group, target_group, s, d, peer, landed) = set_up?;
+    let mut progress = progress::Progress::new(!show_progress).label(k.op.direction().name());
     let report = workload::run(&src_group, &s, &peer, &d.remote, w, &mut progress)?;
     // Every byte has landed: stop the rails, whose idle workers would slow the check.
     drop((src_group, target_group));
     let verified = if k.no_verify {
         false
     } else {
+        // Where the bytes landed: the target's region (write), the initiator's (read).
         let pages = report.written_pages();
-        let (bad, first) = workload::verify_pages(&*dst, k.page_size, k.seed, &pages)?;
+        let (bad, first) = workload::verify_pages(&*landed, k.page_size, k.seed, &pages)?;
         if bad > 0 {
             return Err(CliError::Mismatch(format!(
                 "{bad} of {} pages differ (first: page {})",
@@ -148,7 +149,8 @@ fn one_worker(
     Ok((report, verified))
 }
 
-/// What a worker holds once set up: its groups, registrations, peer and target region.
+/// What a worker holds once set up: its groups, registrations, peer and the region the
+/// bytes land in (the target's for a write, the initiator's for a read).
 type WorkerSetUp = (
     RailGroup,
     RailGroup,
@@ -172,9 +174,12 @@ fn set_up_worker(
     if let Some(p) = rails.home {
         p.prefer_memory_here(&name("main"));
     }
+    let read = w_reads(k);
     let src = b.alloc(k.region_size, slots.0)?;
-    workload::fill_pattern(&*src, k.seed)?;
     let dst = b.alloc(k.region_size, slots.1)?;
+    // The pattern is where the bytes come from: the initiator's region for a write, the
+    // target's for a read.
+    workload::fill_pattern(if read { &*dst } else { &*src }, k.seed)?;
     clock.stage(STARTING);
     let src_group = b.spawn_group(
         lo,
@@ -193,14 +198,30 @@ fn set_up_worker(
         &rails.nics,
     )?;
     clock.stage(REGISTERING);
-    let s = src_group.register(src, Access::NONE)?;
-    let d = dst_group.register(dst.clone(), Access::REMOTE_WRITE)?;
+    let (s, d) = if read {
+        // The warm-up's zero-length writes still need REMOTE_WRITE at the target.
+        (
+            src_group.register(src.clone(), Access::LOCAL_WRITE)?,
+            dst_group.register(dst.clone(), Access::REMOTE_READ | Access::REMOTE_WRITE)?,
+        )
+    } else {
+        (
+            src_group.register(src.clone(), Access::NONE)?,
+            dst_group.register(dst.clone(), Access::REMOTE_WRITE)?,
+        )
+    };
     clock.stage(CONNECTING);
     let peer = src_group.add_peer(&dst_group.addresses())?;
     clock.stage(WARMING_UP);
     warm_up(&src_group, &s, &peer, &d.remote, k)?;
     clock.finish();
-    Ok((src_group, dst_group, s, d, peer, dst))
+    let landed = if read { src } else { dst };
+    Ok((src_group, dst_group, s, d, peer, landed))
+}
+
+/// Whether the run reads (`--op read`).
+fn w_reads(k: &Knobs) -> bool {
+    k.op == crate::OpArg::Read
 }
 
 /// One worker's line of a `--per-gpu` summary.
@@ -220,6 +241,8 @@ pub(crate) struct WorkerSummary {
 #[derive(Serialize)]
 pub(crate) struct PerGpuSummary {
     transport: &'static str,
+    /// `write` or `read` (`--op`).
+    op: &'static str,
     path: &'static str,
     memory: &'static str,
     page_size: u64,
@@ -317,6 +340,7 @@ pub(crate) fn per_gpu_summary(
     let seconds = workers.iter().map(|w| w.seconds).fold(0.0, f64::max);
     Ok(PerGpuSummary {
         transport: b.transport.name(),
+        op: k.op.direction().name(),
         path: b.transport.why(asked),
         memory: b.memory.name(),
         page_size: k.page_size,

@@ -227,6 +227,7 @@ pub fn run_transfers(
                 // Never the warm-up value, which rail groups drop.
                 imm: Some((i % WARM_UP_IMM as u64) as u32),
                 timeout: Some(timeout),
+                direction: fabric_core::engine::Direction::Write,
             };
             let t0 = Instant::now();
             let h = group.submit(peer, t)?;

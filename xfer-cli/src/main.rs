@@ -31,7 +31,7 @@ mod workload;
 use backend::{BackendArgs, TransportKind};
 use clap::{Args, Parser, Subcommand};
 use fabric_core::Error;
-use fabric_core::engine::{GroupPeer, GroupRegistration, RailGroup, RemoteDescriptor};
+use fabric_core::engine::{Direction, GroupPeer, GroupRegistration, RailGroup, RemoteDescriptor};
 use placement::PinMode;
 use serde::Serialize;
 use std::net::{IpAddr, SocketAddr};
@@ -120,6 +120,44 @@ struct Knobs {
     /// submit to the target's immediate-data event.
     #[arg(long)]
     latency: bool,
+    /// What the transfers do: `write` the pages into the peer's region (the default), or
+    /// `read` them from it (one-sided READ: the peer's application does nothing; its
+    /// region holds the pattern, and the check is of this side's region after the run).
+    #[arg(long, value_enum, default_value = "write")]
+    op: OpArg,
+}
+
+/// `--op`: which way the pages move.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum OpArg {
+    /// WRITE into the peer's region.
+    Write,
+    /// READ from the peer's region.
+    Read,
+}
+
+impl OpArg {
+    /// The engine's direction.
+    pub(crate) fn direction(self) -> Direction {
+        match self {
+            OpArg::Write => Direction::Write,
+            OpArg::Read => Direction::Read,
+        }
+    }
+}
+
+impl Knobs {
+    /// Refuses what `--op read` cannot do (immediate data, hence `--latency`).
+    pub(crate) fn check_op(&self) -> Result<(), CliError> {
+        if self.op == OpArg::Read && self.latency {
+            return Err(CliError::Usage(
+                "--latency times transfers by their immediate data, which a READ has not: \
+                 leave out --op read or --latency"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
 }
 
 #[derive(Args)]
@@ -227,6 +265,8 @@ pub(crate) fn hot_baseline_for(
 #[derive(Serialize)]
 pub(crate) struct Summary {
     transport: &'static str,
+    /// `write` or `read` (`--op`).
+    op: &'static str,
     /// Why that transport (`as asked`, or what `auto` saw).
     path: &'static str,
     /// What the baseline measured.
@@ -268,6 +308,7 @@ impl Summary {
         let gbps = report.gbps();
         Summary {
             transport: b.transport.name(),
+            op: k.op.direction().name(),
             path: b.transport.why(asked),
             baseline_kind: baseline_gbps.map(|_| match b.transport {
                 TransportKind::CudaIpc => "plain cuMemcpyAsync device to device, same bytes",
@@ -358,8 +399,10 @@ pub(crate) fn workload_of(k: &Knobs) -> Result<Workload, CliError> {
         depth: k.depth,
         seed: k.seed,
         transfer_timeout: Duration::from_secs(60),
+        direction: k.op.direction(),
     };
     w.validate().map_err(CliError::Usage)?;
+    k.check_op()?;
     let w = w.whole_pages();
     if let Some(r) = k.rails_asked {
         setup::check_rails(r).map_err(CliError::Usage)?;
@@ -393,8 +436,9 @@ pub(crate) fn print_summary(s: &Summary, json: bool) {
         return;
     }
     println!(
-        "{} {} pages of {} x {} rails: {} in {:.3}s = {:.2} Gbps, {:.3} Mpps, verified: {}",
+        "{} {} {} pages of {} x {} rails: {} in {:.3}s = {:.2} Gbps, {:.3} Mpps, verified: {}",
         s.transport,
+        s.op,
         s.pages,
         size::format_size(s.page_size),
         s.rails,

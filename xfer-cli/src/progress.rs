@@ -34,6 +34,18 @@ impl Progress {
         }
     }
 
+    /// Names the run's operation (`write`, `read`) at the head of the line.
+    pub fn label(self, op: &str) -> Progress {
+        let template = format!(
+            "[{{elapsed}}] {} {{percent:>3}}% {{binary_bytes}}/{{binary_total_bytes}}, {{msg}}",
+            op.to_uppercase()
+        );
+        if let Ok(style) = ProgressStyle::with_template(&template) {
+            self.bar.set_style(style);
+        }
+        self
+    }
+
     pub(crate) fn start(&mut self, total: u64) {
         self.bar.set_length(total.max(1));
         self.bar.set_position(0);

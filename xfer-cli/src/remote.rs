@@ -123,7 +123,7 @@ fn bench_latency(
     let k = &a.knobs;
     let pins = WorkerPins::for_this_machine(k.pin);
     let rail_pins = pins.rail_pins(pins.initiator, k.rails, 0);
-    let (b, mut ctl, group, s, peer, region, _) =
+    let (b, mut ctl, group, s, peer, region, _, _) =
         set_up_bench_worker(a, ctl_addr, None, rail_pins, pins.initiator, nics)?;
     let count = latency::sample_count(w);
     let (mut times, mut imm) = latency::run_transfers(&group, &s, &peer, &region, None, w, count)?;
@@ -170,7 +170,7 @@ fn bench_worker(
     if let Some(barrier) = start {
         barrier.wait();
     }
-    let (b, mut ctl, group, s, peer, region, server_rails) = set_up?;
+    let (b, mut ctl, group, s, peer, region, server_rails, local) = set_up?;
     if a.baseline && b.transport == TransportKind::CudaIpc {
         return Err(CliError::Usage(
             "--baseline compares with TCP streams, and the server chose cuda-ipc (not a \
@@ -178,10 +178,23 @@ fn bench_worker(
                 .into(),
         ));
     }
-    let mut progress = progress::Progress::new(k.json || worker.is_some());
+    let mut progress =
+        progress::Progress::new(k.json || worker.is_some()).label(k.op.direction().name());
     let report = workload::run(&group, &s, &peer, &region, w, &mut progress)?;
     let verified = if k.no_verify {
         false
+    } else if k.op == crate::OpArg::Read {
+        // Read: the bytes landed here.
+        let pages = report.written_pages();
+        let (bad, first) = workload::verify_pages(&*local, k.page_size, k.seed, &pages)?;
+        if bad > 0 {
+            return Err(CliError::Mismatch(format!(
+                "{bad} of {} pages read differ from the peer's pattern (first: page {})",
+                pages.len(),
+                first.unwrap_or(0)
+            )));
+        }
+        true
     } else {
         let pages = report.written_pages();
         let v = ctl
@@ -263,6 +276,8 @@ type BenchSetUp = (
     fabric_core::engine::GroupPeer,
     fabric_core::engine::RemoteDescriptor,
     Vec<Vec<u8>>,
+    // The local region (where a READ's bytes land).
+    std::sync::Arc<dyn fabric_core::MemoryRegion>,
 );
 
 fn set_up_bench_worker(
@@ -350,8 +365,14 @@ fn set_up_bench_worker(
     if let Some(p) = home {
         p.prefer_memory_here(&format!("xfer-main-{slot}"));
     }
+    let read = k.op == crate::OpArg::Read;
     let src = b.alloc(k.region_size, slot)?;
-    workload::fill_pattern(&*src, k.seed)?;
+    if read {
+        // The peer's region holds the pattern; ours receives it.
+        ctl.fill(k.seed).map_err(CliError::Failed)?;
+    } else {
+        workload::fill_pattern(&*src, k.seed)?;
+    }
     clock.stage(STARTING);
     let group = b.spawn_group(
         local_ip,
@@ -362,13 +383,18 @@ fn set_up_bench_worker(
         &rail_nics,
     )?;
     clock.stage(REGISTERING);
-    let s = group.register(src, Access::NONE)?;
+    let access = if read {
+        Access::LOCAL_WRITE
+    } else {
+        Access::NONE
+    };
+    let s = group.register(src.clone(), access)?;
     clock.stage(CONNECTING);
     let peer = group.add_peer(&addresses)?;
     clock.stage(WARMING_UP);
     warm_up(&group, &s, &peer, &hello.region, k)?;
     clock.finish();
-    Ok((b, ctl, group, s, peer, hello.region, server_rails))
+    Ok((b, ctl, group, s, peer, hello.region, server_rails, src))
 }
 
 /// A serving worker: its position in --gpus, pins for each of its groups (one per path),

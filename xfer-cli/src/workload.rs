@@ -1,6 +1,7 @@
 //! The bench workload of the reference program: transfers of N pages chosen at random from a
-//! large region, written to the same page indices of the remote region, until enough bytes
-//! have moved; then every written page is checked.
+//! large region, written to the same page indices of the remote region (or, `--op read`,
+//! read from them into the local region), until enough bytes have moved; then every page
+//! moved is checked where it landed.
 //!
 //! Only whole pages move: `--bytes` that is not a whole number of pages is rounded up (see
 //! [`Workload::whole_pages`]), so that every page checked was written whole.
@@ -8,7 +9,8 @@
 use crate::pattern;
 use crate::progress::Progress;
 use fabric_core::engine::{
-    GroupHandle, GroupPeer, GroupRegistration, GroupTransfer, RailGroup, RemoteDescriptor,
+    Direction, GroupHandle, GroupPeer, GroupRegistration, GroupTransfer, RailGroup,
+    RemoteDescriptor,
 };
 use fabric_core::{Error, MemoryRegion};
 use std::collections::VecDeque;
@@ -31,6 +33,8 @@ pub struct Workload {
     pub seed: u64,
     /// A transfer that takes longer than this fails the run.
     pub transfer_timeout: Duration,
+    /// WRITE the pages into the remote region, or READ them from it (`--op`).
+    pub direction: Direction,
 }
 
 impl Workload {
@@ -182,7 +186,8 @@ pub fn fill_pattern(region: &dyn MemoryRegion, seed: u64) -> Result<(), Error> {
     Ok(())
 }
 
-/// Runs the workload from `src` to `dst` at `peer`, over every rail of `group`.
+/// Runs the workload from `src` to `dst` at `peer` (for a READ, from `dst` into `src`), over
+/// every rail of `group`.
 pub fn run(
     group: &RailGroup,
     src: &GroupRegistration,
@@ -218,6 +223,7 @@ pub fn run(
                 segments: Vec::with_capacity(n as usize),
                 imm: None,
                 timeout: Some(w.transfer_timeout),
+                direction: w.direction,
             };
             // Partial Fisher-Yates: n distinct pages.
             for i in 0..n as usize {
@@ -304,6 +310,7 @@ mod tests {
             depth: 2,
             seed: 9,
             transfer_timeout: Duration::from_secs(10),
+            direction: Direction::Write,
         };
         w.validate().expect("valid knobs");
         w.whole_pages()
@@ -354,6 +361,42 @@ mod tests {
                 "{page} {bytes}"
             );
         }
+    }
+
+    #[test]
+    fn a_read_run_lands_the_remote_pattern_in_the_local_region() {
+        let mut w = workload(4096, 256 << 10, 1 << 20);
+        w.direction = Direction::Read;
+        let spawn = || {
+            RailGroup::spawn(2, |_| Ok(MemTransport::new()), EngineConfig::default())
+                .expect("mem rails start")
+        };
+        let (a, b) = (spawn(), spawn());
+        let local = HostBuffer::new_shared(w.region_size as usize).expect("local");
+        let remote = HostBuffer::new_shared(w.region_size as usize).expect("remote");
+        fill_pattern(&*remote, w.seed).expect("fill");
+        let l = a
+            .register(local.clone(), Access::LOCAL_WRITE)
+            .expect("register");
+        let r = b.register(remote, Access::REMOTE_READ).expect("register");
+        let peer = a.add_peer(&b.addresses()).expect("peer");
+        let report = run(&a, &l, &peer, &r.remote, &w, &mut Progress::new(true)).expect("run");
+        let pages = report.written_pages();
+        // 64 pages moved; a page may be chosen by more than one transfer.
+        assert_eq!(report.bytes, 64 * 4096);
+        assert!(!pages.is_empty() && pages.len() <= 64, "{}", pages.len());
+        assert_eq!(
+            verify_pages(&*local, 4096, w.seed, &pages).expect("verify"),
+            (0, None)
+        );
+        // A page not read holds no pattern.
+        let other = (0..w.region_pages()).find(|p| !pages.contains(p)).unwrap();
+        assert_eq!(
+            verify_pages(&*local, 4096, w.seed, &[other])
+                .expect("verify")
+                .0,
+            1
+        );
     }
 
     #[test]

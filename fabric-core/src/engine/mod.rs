@@ -41,11 +41,12 @@ pub use rails::{
     WARM_UP_IMM,
 };
 
+pub use crate::plan::Direction;
 pub use handle::{Received, RecvHandle, TransferHandle, TransferResult, TransferStats};
 
 use crate::error::{Error, OpError, Result};
 use crate::memory::{MemoryRegion, check_range};
-use crate::plan::{Segment, plan_transfer};
+use crate::plan::{Segment, plan_directed};
 use crate::transport::{Transport, TransportLimits};
 use crate::types::{Access, LocalKey, LocalSlice, PeerId, Registration};
 use crate::wake::Wake;
@@ -114,11 +115,16 @@ impl Default for EngineConfig {
     }
 }
 
-/// A transfer: segments from local regions to one peer's regions, optionally with
-/// immediate data delivered to the peer once every byte has landed.
+/// A transfer: segments from local regions to one peer's regions (a WRITE, the default),
+/// or from the peer's regions into local ones (a READ, see [`Direction`]), optionally with
+/// immediate data delivered to the peer once every byte has landed (WRITE only).
+///
+/// A READ's handle completes only once every byte of every segment has been placed in the
+/// local regions; those regions must be registered with [`Access::LOCAL_WRITE`], the peer's
+/// with [`Access::REMOTE_READ`].
 #[derive(Clone, Debug)]
 pub struct Transfer {
-    /// The destination peer.
+    /// The peer.
     pub peer: PeerId,
     /// What to move.
     pub segments: Vec<Segment>,
@@ -126,6 +132,8 @@ pub struct Transfer {
     pub imm: Option<u32>,
     /// Fail with `TimedOut` if not finished by then.
     pub timeout: Option<Duration>,
+    /// Which way the bytes flow.
+    pub direction: Direction,
 }
 
 impl Transfer {
@@ -136,7 +144,18 @@ impl Transfer {
             segments: Vec::new(),
             imm: None,
             timeout: None,
+            direction: Direction::Write,
         }
+    }
+    /// Makes it a READ: the segments' bytes go from the peer's regions into ours.
+    pub fn read(mut self) -> Transfer {
+        self.direction = Direction::Read;
+        self
+    }
+    /// Sets the direction.
+    pub fn direction(mut self, d: Direction) -> Transfer {
+        self.direction = d;
+        self
     }
     /// Adds a segment.
     pub fn segment(mut self, s: Segment) -> Transfer {
@@ -266,7 +285,10 @@ pub struct Engine {
     address: Vec<u8>,
     backend: &'static str,
     limits: TransportLimits,
-    regions: Mutex<HashMap<LocalKey, u64>>,
+    /// Whether the transport implements READ.
+    reads: bool,
+    /// Length and access of every registered region.
+    regions: Mutex<HashMap<LocalKey, (u64, Access)>>,
     counters: Arc<Counters>,
     cfg: EngineConfig,
 }
@@ -303,19 +325,26 @@ impl Engine {
                     }
                 };
                 let waker = t.waker();
-                let _ = ready_tx.send(Ok((t.address(), t.name(), t.limits(), waker)));
+                let _ = ready_tx.send(Ok((
+                    t.address(),
+                    t.name(),
+                    t.limits(),
+                    t.supports_read(),
+                    waker,
+                )));
                 worker::Worker::new(t, rx, internal_rx, ev_tx, c2, wcfg, s2).run();
             })
             .map_err(|e| Error::io("spawn worker thread", e))?;
-        let (address, backend, limits, waker) = match ready_rx.recv_timeout(cfg.control_timeout) {
-            Ok(r) => r?,
-            Err(_) => {
-                return Err(Error::TimedOut(
-                    cfg.control_timeout,
-                    "the transport to start",
-                ));
-            }
-        };
+        let (address, backend, limits, reads, waker) =
+            match ready_rx.recv_timeout(cfg.control_timeout) {
+                Ok(r) => r?,
+                Err(_) => {
+                    return Err(Error::TimedOut(
+                        cfg.control_timeout,
+                        "the transport to start",
+                    ));
+                }
+            };
         Ok(Engine {
             tx,
             link: Arc::new(WorkerLink {
@@ -329,6 +358,7 @@ impl Engine {
             address,
             backend,
             limits,
+            reads,
             regions: Mutex::new(HashMap::new()),
             counters,
             cfg,
@@ -348,6 +378,12 @@ impl Engine {
     /// The backend's limits.
     pub fn limits(&self) -> TransportLimits {
         self.limits
+    }
+
+    /// Whether the backend implements READ ([`Transport::supports_read`]): READ transfers
+    /// on one that does not fail at submission with [`Error::UnsupportedOp`].
+    pub fn supports_read(&self) -> bool {
+        self.reads
     }
 
     /// Whether the worker sleeps in its transport's wait (or is about to), with nothing
@@ -431,7 +467,7 @@ impl Engine {
         let len = mem.len() as u64;
         let mut p = self.start(|r| Command::Register(mem, access, r), "register")?;
         p.after = Some(Box::new(move |e: &Engine, reg: &Registration| {
-            e.lock_regions().insert(reg.local, len);
+            e.lock_regions().insert(reg.local, (len, access));
         }));
         Ok(p)
     }
@@ -450,12 +486,12 @@ impl Engine {
         Ok(p)
     }
 
-    fn lock_regions(&self) -> std::sync::MutexGuard<'_, HashMap<LocalKey, u64>> {
+    fn lock_regions(&self) -> std::sync::MutexGuard<'_, HashMap<LocalKey, (u64, Access)>> {
         self.regions.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn check_local(&self, key: LocalKey, offset: u64, len: u64, what: &str) -> Result<()> {
-        let size = *self
+        let (size, _) = *self
             .lock_regions()
             .get(&key)
             .ok_or_else(|| Error::Op(OpError::LocalKeyInvalid(key)))?;
@@ -463,17 +499,25 @@ impl Engine {
     }
 
     /// As [`check_local`](Engine::check_local) for every segment, under one lock and with
-    /// one map lookup per run of segments from the same region.
-    fn check_segments(&self, segments: &[Segment]) -> Result<()> {
+    /// one map lookup per run of segments from the same region; a READ's local regions must
+    /// also allow LOCAL_WRITE.
+    fn check_segments(&self, segments: &[Segment], direction: Direction) -> Result<()> {
         let regions = self.lock_regions();
         let mut last: Option<(LocalKey, u64)> = None;
         for (i, s) in segments.iter().enumerate() {
             let size = match last {
                 Some((key, size)) if key == s.src => size,
                 _ => {
-                    let size = *regions
+                    let (size, access) = *regions
                         .get(&s.src)
                         .ok_or_else(|| Error::Op(OpError::LocalKeyInvalid(s.src)))?;
+                    if direction == Direction::Read && !access.contains(Access::LOCAL_WRITE) {
+                        return Err(Error::InvalidArgument(format!(
+                            "segment {i}: a READ lands in local region {:?}, registered \
+                             without LOCAL_WRITE",
+                            s.src
+                        )));
+                    }
                     last = Some((s.src, size));
                     size
                 }
@@ -485,9 +529,28 @@ impl Engine {
         Ok(())
     }
 
+    /// Refuses what a READ cannot be: on a backend without READ, or with immediate data.
+    pub(crate) fn check_direction(&self, direction: Direction, imm: Option<u32>) -> Result<()> {
+        if direction == Direction::Read {
+            if !self.reads {
+                return Err(Error::UnsupportedOp {
+                    backend: self.backend,
+                    op: "READ",
+                });
+            }
+            if imm.is_some() {
+                return Err(Error::InvalidArgument(
+                    "a READ carries no immediate data (the owner hears nothing of it)".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     pub(crate) fn job(&self, t: Transfer, slot: Arc<Slot<TransferResult>>) -> Result<Job> {
-        self.check_segments(&t.segments)?;
-        let plan = plan_transfer(&t.segments, self.limits.max_msg_size)?;
+        self.check_direction(t.direction, t.imm)?;
+        self.check_segments(&t.segments, t.direction)?;
+        let plan = plan_directed(&t.segments, self.limits.max_msg_size, t.direction)?;
         let imm = match (t.imm, t.segments.first()) {
             (None, _) => None,
             (Some(_), None) => {
@@ -500,6 +563,7 @@ impl Engine {
         Ok(Job {
             peer: t.peer,
             plan,
+            direction: t.direction,
             imm,
             slot,
             deadline: t.timeout.map(|d| Instant::now() + d),
@@ -507,7 +571,8 @@ impl Engine {
     }
 
     /// Submits a transfer. Bad segments (out of the remote region, overlapping
-    /// destinations, unknown local region) fail here, before anything moves.
+    /// destinations, unknown local region) fail here, before anything moves, and so does a
+    /// READ on a backend without it ([`Error::UnsupportedOp`]).
     pub fn submit(&self, t: Transfer) -> Result<TransferHandle> {
         let slot = Slot::spinning(self.cfg.wait_spin);
         let job = self.job(t, slot.clone())?;

@@ -24,7 +24,7 @@ use super::{
 };
 use crate::error::{Error, OpError, Result};
 use crate::memory::MemoryRegion;
-use crate::plan::{PlannedWrite, Segment, plan_transfer};
+use crate::plan::{Direction, PlannedWrite, Segment, plan_directed};
 use crate::transport::Transport;
 use crate::types::{Access, LocalKey, PeerId, RemoteRegion};
 use serde::{Deserialize, Serialize};
@@ -73,7 +73,9 @@ pub struct GroupPeer {
     pub remote_rail: Vec<usize>,
 }
 
-/// A transfer between two rail groups: segments of one local region to one remote region.
+/// A transfer between two rail groups: segments of one local region to one remote region
+/// (a WRITE), or of the remote region into the local one (a READ, see [`Direction`]).
+/// Chunking, rails and NICs are the same both ways.
 #[derive(Clone, Debug)]
 pub struct GroupTransfer {
     /// Local region.
@@ -86,9 +88,23 @@ pub struct GroupTransfer {
     pub imm: Option<u32>,
     /// Deadline for each shard.
     pub timeout: Option<Duration>,
+    /// Which way the bytes flow (`Write` by default).
+    pub direction: Direction,
 }
 
 impl GroupTransfer {
+    /// Makes it a READ: the remote region's bytes land in the local one.
+    pub fn read(mut self) -> GroupTransfer {
+        self.direction = Direction::Read;
+        self
+    }
+
+    /// Sets the direction.
+    pub fn with_direction(mut self, d: Direction) -> GroupTransfer {
+        self.direction = d;
+        self
+    }
+
     /// Pages of `page_size` bytes: local page `i` goes to remote page `i` for each index.
     pub fn same_pages(
         src: GroupRegistration,
@@ -106,6 +122,7 @@ impl GroupTransfer {
             segments,
             imm: None,
             timeout: None,
+            direction: Direction::Write,
         }
     }
 
@@ -148,6 +165,7 @@ impl GroupTransfer {
             segments,
             imm: None,
             timeout: None,
+            direction: Direction::Write,
         })
     }
 }
@@ -539,7 +557,10 @@ impl RailGroup {
             .collect();
         // Every rail's key must be known to its engine; the ranges are checked on rail 0
         // (the same memory is registered on every rail).
-        self.rails[0].check_segments(&segs)?;
+        for e in &self.rails {
+            e.check_direction(t.direction, t.imm)?;
+        }
+        self.rails[0].check_segments(&segs, t.direction)?;
         for (e, &key) in self.rails.iter().zip(&t.src.locals).skip(1) {
             if !e.lock_regions().contains_key(&key) {
                 return Err(Error::Op(OpError::LocalKeyInvalid(key)));
@@ -557,7 +578,7 @@ impl RailGroup {
             .ok_or_else(|| Error::InvalidArgument("segment lengths overflow".into()))?;
         let chunk = self.balance().chunk_bytes(total, n);
         // Writes no longer than a chunk, so that one large segment spreads over the rails.
-        let plan = plan_transfer(&segs, limit.min(chunk))?;
+        let plan = plan_directed(&segs, limit.min(chunk), t.direction)?;
         let imm = match (t.imm, t.segments.first()) {
             (None, _) => None,
             (Some(_), None) => {
@@ -597,6 +618,7 @@ impl RailGroup {
                     bytes: plan.bytes,
                     writes: on_rail(plan.writes, t.src.locals[r], dsts[r]),
                 },
+                direction: t.direction,
                 imm: imm.map(|(v, so, d_o)| (v, imm_segment(t.src.locals[r], so, dsts[r], d_o))),
                 slot: done,
                 deadline,
@@ -623,6 +645,7 @@ impl RailGroup {
             srcs: t.src.locals.clone(),
             dsts,
             imm,
+            direction: t.direction,
             shared: sh.clone(),
             deadline,
             bytes: plan.bytes,
@@ -925,6 +948,8 @@ struct GroupState {
     dsts: Vec<RemoteRegion>,
     /// The immediate value and the offsets of the segment that carries it.
     imm: Option<(u32, u64, u64)>,
+    /// Every chunk's direction.
+    direction: Direction,
     shared: Arc<Shared>,
     deadline: Option<Instant>,
     bytes: u64,
@@ -961,6 +986,7 @@ impl GroupState {
                 writes: on_rail(writes, self.srcs[rail], self.dsts[rail]),
                 bytes,
             },
+            direction: self.direction,
             imm: None,
             slot: Slot::with_callback(Box::new(move |r| st.chunk_done(rail, bytes, posted, r))),
             deadline: self.deadline,
@@ -1019,6 +1045,7 @@ impl GroupState {
                 writes: Vec::new(),
                 bytes: 0,
             },
+            direction: Direction::Write,
             imm: Some((v, imm_segment(self.srcs[rail], so, self.dsts[rail], d_o))),
             slot: Slot::with_callback(Box::new(move |r: TransferResult| {
                 st.slot.complete(r.map(|s| TransferStats {

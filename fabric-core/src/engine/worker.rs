@@ -4,7 +4,7 @@ use super::handle::{Received, Slot, TransferResult, TransferStats};
 use super::{Counters, EngineConfig, Event};
 use crate::error::{Error, OpError, Result};
 use crate::memory::MemoryRegion;
-use crate::plan::{PlannedWrite, Segment, TransferPlan};
+use crate::plan::{Direction, PlannedWrite, Segment, TransferPlan};
 use crate::transport::{Completion, OpKind, PostOutcome, Transport};
 use crate::types::{
     Access, LocalKey, LocalSlice, PeerId, Registration, RemoteSlice, WorkRequestId,
@@ -19,6 +19,8 @@ use std::time::{Duration, Instant};
 pub(crate) struct Job {
     pub peer: PeerId,
     pub plan: TransferPlan,
+    /// WRITE (planned writes) or READ (the same, the bytes flowing in).
+    pub direction: Direction,
     /// Immediate value and the segment whose region carries it.
     pub imm: Option<(u32, Segment)>,
     pub slot: Arc<Slot<TransferResult>>,
@@ -72,9 +74,12 @@ struct Active {
     /// The zero-length write that carries the immediate data, sent once all else landed.
     final_imm: Option<(PlannedWrite, u32)>,
     deadline: Option<Instant>,
-    /// The planned writes, posted in order from `next`.
+    /// The planned writes (or reads), posted in order from `next`.
     writes: Vec<PlannedWrite>,
     next: usize,
+    /// Whether `writes` are READs: their local ranges are written by the transport, and
+    /// the transfer completes only once each has been placed (its completion says so).
+    direction: Direction,
     /// The local regions it reads (counted in `Worker::in_use` until it finishes).
     keys: Vec<LocalKey>,
 }
@@ -351,6 +356,7 @@ impl<T: Transport> Worker<T> {
                     deadline: None,
                     writes: Vec::new(),
                     next: 0,
+                    direction: Direction::Write,
                     keys: vec![src.key],
                 });
                 self.queue.push_back(Queued {
@@ -444,6 +450,7 @@ impl<T: Transport> Worker<T> {
             keys: keys_of(&job.plan.writes, final_imm.as_ref().map(|(w, _)| w)),
             writes: job.plan.writes,
             next: 0,
+            direction: job.direction,
         });
         if n == 0 {
             self.release_imm(idx);
@@ -607,12 +614,18 @@ impl<T: Transport> Worker<T> {
             return (0, false);
         }
         let peer = a.peer;
+        let read = a.direction == Direction::Read;
         let mut posted = 0;
         let mut no_room = false;
         let mut failed = None;
         while posted < room && a.next < a.writes.len() {
             let w = a.writes[a.next];
-            match self.t.post_write(peer, wr, w.src, w.dst, None) {
+            let r = if read {
+                self.t.post_read(peer, wr, w.src, w.dst)
+            } else {
+                self.t.post_write(peer, wr, w.src, w.dst, None)
+            };
+            match r {
                 Ok(PostOutcome::Posted) => {
                     a.next += 1;
                     posted += 1;

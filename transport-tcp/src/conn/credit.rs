@@ -27,7 +27,7 @@
 //! protocol: the connection is closed ([`TcpError::SendBeyondCredit`]).
 
 use super::*;
-use crate::frame::{ACK_CREDIT, PROTOCOL_VERSION};
+use crate::frame::{ACK_CREDIT, CREDIT_VERSION, PROTOCOL_VERSION};
 use std::time::{Duration, Instant};
 /// A connection's credit window is this share of the early-arrival queue (so that a few
 /// peers may each hold a window before one has to wait for another's to come back).
@@ -193,10 +193,16 @@ impl Shared {
 }
 
 impl Conn {
-    /// Queues a request (WRITE or SEND) and waits for its answer; a SEND without credit
-    /// waits in `waiting` first.
+    /// Queues a request (WRITE, READ or SEND) and waits for its answer; a SEND without
+    /// credit waits in `waiting` first.
     pub fn post(&mut self, hdr: Header, payload: Payload, inflight: Inflight) {
         if hdr.op == Op::Write {
+            self.queue_write(hdr, payload);
+            self.inflight.push_back(inflight);
+            return;
+        }
+        if hdr.op == Op::Read {
+            // READ headers join the batch too: the owner learns many at once.
             self.queue_write(hdr, payload);
             self.inflight.push_back(inflight);
             return;
@@ -289,9 +295,10 @@ impl Conn {
     ) -> Result<(), TcpError> {
         match version {
             0 => self.credit = Credit::Legacy,
-            PROTOCOL_VERSION => self.granted = Some(Granted::new(&shared.early)),
+            CREDIT_VERSION | PROTOCOL_VERSION => self.granted = Some(Granted::new(&shared.early)),
             v => return Err(TcpError::HelloVersion(v)),
         }
+        self.peer_version = Some(version);
         Ok(())
     }
 

@@ -18,8 +18,14 @@
 //!   received);
 //! - [`place`]: where incoming bytes land (validation of WRITEs, registered regions, device
 //!   memory through staging, posted receives and the early-arrival queue);
-//! - [`answer`]: the answers we owe (ACKs, NACKs, held back behind device copies) and the
-//!   requests we wait on.
+//! - [`answer`]: the answers we owe (ACKs, NACKs, READ_REPLYs, held back behind device
+//!   copies) and the requests we wait on.
+//!
+//! READ: the owner validates a READ header like a WRITE's (key, bounds, REMOTE_READ) and
+//! owes a READ_REPLY in request order, sent straight from the registered region (device
+//! memory through the out-ring); the initiator places the reply's payload like a WRITE's
+//! (straight into its region, or through the in-ring into device memory) and reports the
+//! READ once every byte is there.
 
 mod answer;
 mod credit;
@@ -41,8 +47,8 @@ use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
-use answer::Held;
-pub(crate) use answer::Inflight;
+use answer::{Answer, Held};
+pub(crate) use answer::{Inflight, ReadInto};
 use credit::{Credit, EarlyRoom, Granted, WaitingSend};
 use place::Finish;
 pub(crate) use read::ReadOutcome;
@@ -118,8 +124,11 @@ pub(crate) struct Conn {
     /// Until when a connection we opened may take to connect (`None`: connected, or
     /// accepted).
     pub connecting: Option<std::time::Instant>,
-    /// `(answered, out_bytes)` as last seen changing, and when: see `check_answers`.
-    unanswered_since: Option<((u64, usize), std::time::Instant)>,
+    /// Bytes read from the socket so far (progress of READ replies, for `check_answers`).
+    received: u64,
+    /// `(answered, out_bytes, received)` as last seen changing, and when: see
+    /// `check_answers`.
+    unanswered_since: Option<((u64, usize, u64), std::time::Instant)>,
     /// Accepted (the peer opened it), rather than opened by us.
     accepted: bool,
     /// The SEND credit the peer granted us, and the SENDs that wait for it.
@@ -128,6 +137,9 @@ pub(crate) struct Conn {
     waiting_bytes: usize,
     /// The SEND credit we granted the peer (`None`: it does not speak credit, or not yet).
     granted: Option<Granted>,
+    /// The protocol version of an accepted connection's HELLO (`None`: not yet, or a
+    /// connection we opened, whose peer accepted our version).
+    peer_version: Option<u8>,
 }
 
 impl Conn {
@@ -160,6 +172,7 @@ impl Conn {
             opened: std::time::Instant::now(),
             discard: Vec::new().into_boxed_slice(),
             answered: 0,
+            received: 0,
             unanswered_since: None,
             connecting: None,
             accepted: awaiting_hello,
@@ -167,6 +180,17 @@ impl Conn {
             waiting: VecDeque::new(),
             waiting_bytes: 0,
             granted: None,
+            peer_version: None,
+        }
+    }
+
+    /// The peer's protocol version if it has no READ (`None`: it has). Every peer that
+    /// accepted our HELLO has READ (a target without it refuses our version); a peer that
+    /// connected to us has it if its HELLO named a version with READ.
+    pub fn version_without_read(&self) -> Option<u8> {
+        match self.peer_version {
+            Some(v) if v < frame::READ_VERSION => Some(v),
+            _ => None,
         }
     }
 
@@ -181,19 +205,25 @@ impl Conn {
 
     /// Gives back what a frame cut short by a closing connection had taken: the posted
     /// receive it was filling (to the front of the queue, where it came from) and its room
-    /// in the early-arrival queue; and the room of the SEND credit the peer still held.
+    /// in the early-arrival queue; and the room of the SEND credit the peer still held. A
+    /// READ whose reply was cut short goes back to the front of the requests outstanding,
+    /// to fail with them.
     pub fn abandon(&mut self, shared: &mut Shared) {
-        if let ReadState::Payload { finish, .. } =
-            std::mem::replace(&mut self.rstate, ReadState::Header)
-        {
-            match finish {
+        match std::mem::replace(&mut self.rstate, ReadState::Header) {
+            ReadState::Payload { finish, .. } => match finish {
                 Finish::Recv { recv, .. } => shared.put_back_recv(recv),
                 Finish::Unexpected { len, .. } => {
                     shared.recv.release(len as usize);
                     shared.early.give(1, len);
                 }
+                Finish::ReadReply(op) => self.inflight.push_front(op),
                 _ => {}
+            },
+            // The entries not finished: their READs fail with the others.
+            ReadState::BatchPayloads { items, next, .. } => {
+                self.unpop_replies(items.into_iter().skip(next))
             }
+            _ => {}
         }
         self.return_credit(&mut shared.early);
     }
@@ -209,7 +239,7 @@ impl Conn {
         let ready = self.in_ring.as_ref().map_or(u64::MAX, |r| r.ready);
         while self.held.front().is_some_and(|h| h.until <= ready) {
             let h = self.held.pop_front().expect("non-empty");
-            self.apply(h.nack, h.event, shared);
+            self.apply(h.answer, h.event, shared);
         }
         Ok(())
     }

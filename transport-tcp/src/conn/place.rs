@@ -2,7 +2,8 @@
 //! validated (key, permission, bounds) before any byte is placed, then read straight into
 //! its registered host region, or into the in-ring for device memory with its copy into
 //! place queued at once; a rejected one is swallowed and NACKed. A SEND goes to the oldest
-//! posted receive, or to the early-arrival queue.
+//! posted receive, or to the early-arrival queue. A READ is validated the same way (with
+//! REMOTE_READ) and answered from its region; the reply to one of ours lands like a WRITE.
 
 use super::*;
 
@@ -69,6 +70,11 @@ pub(super) enum Finish {
     },
     /// Payload thrown away whose response was already queued.
     Dropped,
+    /// The reply to one of our READs: complete once its bytes are in place.
+    ReadReply(Inflight),
+    /// A peer's READ inside a batch: served when its turn comes (after the entries before
+    /// it), so that answers stay in request order.
+    Serve(Header),
 }
 
 /// One WRITE of a batch being received.
@@ -91,7 +97,7 @@ impl Conn {
                 limit: shared.max_msg_size,
             });
         }
-        Ok(match validate_write(h, shared) {
+        Ok(match validate(h, shared, Access::REMOTE_WRITE) {
             Ok((mem, via)) => Item {
                 dest: if mem.host_ptr().is_some() {
                     Dest::Region {
@@ -214,10 +220,10 @@ impl Conn {
                     Dest::Device { end, .. } => Some(end),
                     _ => None,
                 };
-                self.answer(until, None, event, shared);
+                self.answer(until, Answer::Ack, event, shared);
             }
             Finish::Recv { recv, imm, len } => {
-                self.answer(None, None, None, shared);
+                self.answer(None, Answer::Ack, None, shared);
                 shared.completions.push(Completion {
                     wr_id: recv.wr_id,
                     op: OpKind::Recv,
@@ -227,7 +233,7 @@ impl Conn {
                 });
             }
             Finish::Unexpected { imm, .. } => {
-                self.answer(None, None, None, shared);
+                self.answer(None, Answer::Ack, None, shared);
                 let Dest::Buffer(data) = dest else {
                     unreachable!("unexpected SENDs go to a buffer")
                 };
@@ -251,8 +257,157 @@ impl Conn {
             }
             Finish::Rejected { err, wr_id } => self.nack(&err, wr_id, shared),
             Finish::Dropped => {}
+            Finish::Serve(h) => self.serve_read(&h, shared)?,
+            Finish::ReadReply(op) => {
+                self.answered += 1;
+                let done = Completion {
+                    wr_id: op.wr_id,
+                    op: op.op,
+                    result: Ok(op.len),
+                    peer: Some(self.peer),
+                    imm: None,
+                };
+                match dest {
+                    // Reported once the copies into device memory have completed (and
+                    // after the answers held before it).
+                    Dest::Device { end, .. } => {
+                        self.answer(Some(end), Answer::ReadDone(done), None, shared)
+                    }
+                    _ if self.held.is_empty() => shared.completions.push(done),
+                    _ => self.answer(None, Answer::ReadDone(done), None, shared),
+                }
+            }
         }
         Ok(())
+    }
+
+    /// Serves a peer's READ: validated (key, bounds, REMOTE_READ) before any byte leaves,
+    /// then answered in request order with a READ_REPLY sent straight from the registered
+    /// region (device memory through the out-ring), or with a NACK.
+    pub(super) fn serve_read(&mut self, h: &Header, shared: &mut Shared) -> Result<(), TcpError> {
+        if h.len > shared.max_msg_size {
+            return Err(TcpError::TooLong {
+                op: Op::Read,
+                len: h.len,
+                limit: shared.max_msg_size,
+            });
+        }
+        match validate(h, shared, Access::REMOTE_READ) {
+            Ok((mem, via)) => {
+                let len = h.len as usize;
+                let payload = if mem.host_ptr().is_some() {
+                    Payload::Region {
+                        mem,
+                        offset: h.offset,
+                        len,
+                    }
+                } else {
+                    Payload::Device {
+                        mem,
+                        offset: h.offset,
+                        len,
+                        via,
+                        staged: None,
+                        assigned: 0,
+                    }
+                };
+                let mut reply = Header::new(Op::ReadReply, h.len);
+                reply.wr_id = h.wr_id;
+                self.answer(None, Answer::Reply(reply, payload), None, shared);
+            }
+            Err(err) => {
+                tracing::debug!(peer = %self.peer, error = %err, "rejected READ");
+                self.nack(&err, h.wr_id, shared);
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts placing the reply to the READ at the front of the requests outstanding.
+    pub(super) fn start_read_reply(&mut self, h: &Header) -> Result<(), TcpError> {
+        let item = self.reply_item(h)?;
+        self.rstate = ReadState::Payload {
+            dest: item.dest,
+            remaining: item.remaining,
+            finish: item.finish,
+        };
+        Ok(())
+    }
+
+    /// A peer's READ as an entry of a batch: no payload, served in its turn.
+    pub(super) fn read_item(&self, h: &Header) -> Result<Item, TcpError> {
+        if h.flags != 0 {
+            return Err(TcpError::UnexpectedFlags {
+                op: h.op,
+                flags: h.flags,
+            });
+        }
+        Ok(Item {
+            dest: Dest::Discard,
+            remaining: 0,
+            finish: Finish::Serve(*h),
+        })
+    }
+
+    /// Where the reply to the READ at the front of the requests outstanding lands (taken
+    /// off the front: a batch that fails gives it back, see `unpop_replies`).
+    pub(super) fn reply_item(&mut self, h: &Header) -> Result<Item, TcpError> {
+        if h.flags != 0 {
+            return Err(TcpError::UnexpectedFlags {
+                op: h.op,
+                flags: h.flags,
+            });
+        }
+        let asked = match self.inflight.front() {
+            Some(op) if op.read.is_some() => op.len,
+            _ => return Err(TcpError::UnexpectedReadReply),
+        };
+        if h.len != asked {
+            return Err(TcpError::ReadReplyLength { got: h.len, asked });
+        }
+        let op = self.inflight.pop_front().expect("checked above");
+        let into = op.read.as_ref().expect("checked above");
+        let dest = if into.mem.host_ptr().is_some() {
+            Dest::Region {
+                mem: into.mem.clone(),
+                offset: into.offset,
+            }
+        } else {
+            if self.in_ring.is_none() {
+                Ring::ensure(&mut self.in_ring, &into.via)?;
+            }
+            Dest::Device {
+                mem: into.mem.clone(),
+                offset: into.offset,
+                via: into.via.clone(),
+                end: 0,
+            }
+        };
+        Ok(Item {
+            dest,
+            remaining: h.len,
+            finish: Finish::ReadReply(op),
+        })
+    }
+
+    /// Gives the READs whose replies `items` were to place back to the front of the
+    /// requests outstanding, in order (a batch cut short, or refused).
+    pub(super) fn unpop_replies(&mut self, items: impl DoubleEndedIterator<Item = Item>) {
+        for item in items.rev() {
+            if let Finish::ReadReply(op) = item.finish {
+                self.inflight.push_front(op);
+            }
+        }
+    }
+
+    /// One entry of a batch: a WRITE, a peer's READ, or the reply to one of ours.
+    pub(super) fn batch_entry(&mut self, h: &Header, shared: &Shared) -> Result<Item, TcpError> {
+        match h.op {
+            Op::Write => self.batch_item(h, shared),
+            Op::Read => self.read_item(h),
+            Op::ReadReply => self.reply_item(h),
+            op => Err(TcpError::NotAWrite { op }),
+        }
     }
 }
 
@@ -414,16 +569,18 @@ pub(super) fn destinations_overlap(items: &[Item]) -> bool {
     ranges.windows(2).any(|w| w[0].1 > w[1].0)
 }
 
-/// Checks a WRITE against the target's registrations before any byte is placed.
-pub(super) fn validate_write(
+/// Checks a WRITE (`need` = REMOTE_WRITE) or a READ (REMOTE_READ) against the target's
+/// registrations before any byte is placed or leaves.
+pub(super) fn validate(
     h: &Header,
     shared: &Shared,
+    need: Access,
 ) -> Result<(Arc<dyn MemoryRegion>, Via), OpError> {
     let t = shared
         .targets
         .get(&h.key)
         .ok_or(OpError::RemoteKeyInvalid(RemoteKey(h.key)))?;
-    if !t.access.contains(Access::REMOTE_WRITE) {
+    if !t.access.contains(need) {
         return Err(OpError::PermissionDenied);
     }
     let region_len = t.mem.len() as u64;

@@ -1,6 +1,6 @@
 //! The incoming state machine of a connection: reads what the socket has (straight into
 //! place where it can), decodes headers, and walks each frame (HELLO, WRITE, BATCH, SEND,
-//! ACK, NACK) to its end; [`place`](super::place) says where payload bytes go.
+//! READ, READ_REPLY, ACK, NACK) to its end; [`place`](super::place) says where payload bytes go.
 
 use super::place::{Dest, Item, destinations_overlap, device_room, direct, place, read_batch};
 use super::*;
@@ -165,7 +165,11 @@ impl Conn {
             };
             match res {
                 Ok(0) => return Err(TcpError::PeerClosed),
-                Ok(n) => read += n,
+                Ok(n) => {
+                    read += n;
+                    // Progress for `check_answers`: a READ's reply may take long to arrive.
+                    self.received = self.received.wrapping_add(n as u64);
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     return Ok(ReadOutcome::Open);
                 }
@@ -222,8 +226,17 @@ impl Conn {
                         let raw: &[u8; HEADER_LEN] = self.rbuf[at..at + HEADER_LEN]
                             .try_into()
                             .expect("header length");
-                        let h = Header::decode(raw).map_err(TcpError::MalformedBatchEntry)?;
-                        items.push(self.batch_item(&h, shared)?);
+                        let entry = Header::decode(raw)
+                            .map_err(TcpError::MalformedBatchEntry)
+                            .and_then(|h| self.batch_entry(&h, shared));
+                        match entry {
+                            Ok(item) => items.push(item),
+                            Err(e) => {
+                                // Replies taken off the requests go back, to fail with them.
+                                self.unpop_replies(items.into_iter());
+                                return Err(e);
+                            }
+                        }
                     }
                     self.rpos += count * HEADER_LEN;
                     let one_at_a_time = destinations_overlap(&items);
@@ -366,12 +379,31 @@ impl Conn {
                     self.rstate = ReadState::SendWaiting(h);
                 }
             }
+            Op::Read => {
+                if h.flags != 0 {
+                    return Err(TcpError::UnexpectedFlags {
+                        op: h.op,
+                        flags: h.flags,
+                    });
+                }
+                self.serve_read(&h, shared)?;
+            }
+            Op::ReadReply => self.start_read_reply(&h)?,
             Op::Ack => {
                 if h.len > self.inflight.len() as u64 {
                     return Err(TcpError::AckOverrun {
                         acked: h.len,
                         outstanding: self.inflight.len(),
                     });
+                }
+                // Only a READ_REPLY (or a NACK) answers a READ: its bytes must be placed.
+                if self
+                    .inflight
+                    .iter()
+                    .take(h.len as usize)
+                    .any(|op| op.read.is_some())
+                {
+                    return Err(TcpError::AckForRead);
                 }
                 for _ in 0..h.len {
                     let op = self.inflight.pop_front().expect("checked above");

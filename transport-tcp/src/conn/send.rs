@@ -60,8 +60,10 @@ pub(crate) struct OutFrame {
     pub(super) payloads: Vec<Payload>,
     /// WRITEs in this batch (0: not a batch).
     pub(super) batch: usize,
-    /// An ACK or NACK (counted in `Conn::responses`).
+    /// An ACK, NACK or READ_REPLY (counted in `Conn::responses`).
     pub(super) response: bool,
+    /// READ_REPLYs in this batch (each counted in `Conn::responses`).
+    pub(super) replies: usize,
     pub(super) total: usize,
     /// Bytes already written.
     pub(super) written: usize,
@@ -147,13 +149,14 @@ impl Conn {
         self.unstaged += device;
         let total = HEADER_LEN + payload.len();
         self.out_bytes += total;
-        let response = matches!(hdr.op, Op::Ack | Op::Nack);
+        let response = matches!(hdr.op, Op::Ack | Op::Nack | Op::ReadReply);
         self.responses += response as usize;
         self.out.push_back(OutFrame {
             head: hdr.encode().to_vec(),
             payloads: vec![payload],
             batch: 0,
             response,
+            replies: 0,
             total,
             written: 0,
             device,
@@ -161,8 +164,11 @@ impl Conn {
         });
     }
 
-    /// Queues a WRITE, joining the batch at the end of the queue if it has not started.
+    /// Queues a WRITE (or a READ, or a READ_REPLY), joining the batch at the end of the
+    /// queue if it has not started.
     pub fn queue_write(&mut self, hdr: Header, payload: Payload) {
+        let reply = (hdr.op == Op::ReadReply) as usize;
+        self.responses += reply;
         let device = matches!(payload, Payload::Device { .. }) as usize;
         self.unstaged += device;
         let plen = payload.len();
@@ -176,6 +182,7 @@ impl Conn {
             f.head.extend_from_slice(&hdr.encode());
             f.payloads.push(payload);
             f.batch += 1;
+            f.replies += reply;
             f.device += device;
             f.unstaged += device;
             f.total += HEADER_LEN + plen;
@@ -191,6 +198,7 @@ impl Conn {
             payloads: vec![payload],
             batch: 1,
             response: false,
+            replies: reply,
             total: 2 * HEADER_LEN + plen,
             written: 0,
             device,
@@ -253,9 +261,7 @@ impl Conn {
             f.written += take;
             n -= take;
             if f.written == f.total {
-                if f.response {
-                    self.responses -= 1;
-                }
+                self.responses -= f.response as usize + f.replies;
                 self.out.pop_front();
             }
         }
