@@ -33,6 +33,9 @@ pub(crate) struct Op {
     pub remote_addr: u64,
     pub remote_key: RemoteKey,
     pub imm: Option<u32>,
+    /// A READ (`fi_readmsg`: the remote range into the local one); reported, like the
+    /// other backends do, as [`OpKind::Write`] with `kind` `Write`.
+    pub read: bool,
     /// Whether the provider has accepted it (false while it waits in a peer's backlog).
     pub posted: bool,
 }
@@ -147,6 +150,7 @@ mod tests {
         Op {
             wr_id: WorkRequestId(i),
             kind: OpKind::Write,
+            read: false,
             peer: Some(PeerId(1)),
             local: LocalKey(1),
             offset: 0,

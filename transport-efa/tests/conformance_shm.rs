@@ -37,3 +37,20 @@ fabric_core::conformance_suite!(@cases
     write_without_permission_fails = "libfabric 1.17's shm does not enforce REMOTE_WRITE",
     recv_too_small_is_truncated = "libfabric 1.17's shm never completes a send longer than its receive"
 );
+
+// READ (fi_readmsg): the cases shm can complete; like writes, a read with an unknown or
+// stale key or from a region without REMOTE_READ is never completed by shm.
+fabric_core::read_conformance_suite!(@cases
+    match common::maker("shm") {
+        Some(make) => make,
+        None => return,
+    },
+    OPTS;
+    read_lands_in_initiator, read_out_of_bounds_fails, read_local_errors_fail_at_post,
+    read_remove_peer_with_ops_in_flight, read_many_in_flight, read_zero_and_large,
+    read_write_mixed_traffic, read_idle_owner_serves_through_wait;
+    ignore
+    read_bad_remote_key_fails = "libfabric's shm never completes a read with an unknown key",
+    read_after_deregister_fails = "libfabric's shm never completes a read with a stale key",
+    read_without_permission_fails = "libfabric's shm does not enforce REMOTE_READ"
+);

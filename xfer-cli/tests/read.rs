@@ -131,13 +131,19 @@ fn read_with_what_a_read_cannot_do_is_one_clear_line() {
 }
 
 #[test]
-fn read_over_a_backend_without_read_is_one_clear_line() {
-    // transport-efa has no READ yet (its Transport::supports_read is false): the engine
-    // refuses at submission, before anything moves. Once efa implements READ, this case
-    // becomes a verified run (see `demo_read_verifies_the_initiators_region`).
+fn read_over_efa_verifies_the_initiators_region() {
+    // transport-efa reads with fi_readmsg (libfabric's tcp provider here).
     let out = small_demo(&["--op", "read", "--transport", "efa", "--provider", "tcp"]);
-    let line = one_line(&out, 1);
-    assert!(line.contains("efa backend does not support READ"), "{line}");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.starts_with("efa read ") && text.contains("verified: yes"),
+        "{text}"
+    );
 }
 
 #[test]

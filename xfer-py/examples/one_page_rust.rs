@@ -31,6 +31,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         segments: vec![(0, 0, page)],
         imm: imm.then_some(1),
         timeout: None,
+        direction: fabric_core::engine::Direction::Write,
     };
     let mut times = Vec::with_capacity(samples);
     for i in 0..samples + 200 {

@@ -472,6 +472,7 @@ impl Engine {
             segments: triples(segments)?,
             imm: imm_value(imm)?,
             timeout: seconds(timeout, "timeout")?,
+            direction: fabric_core::engine::Direction::Write,
         };
         self.submit(py, peer, registration, t)
     }

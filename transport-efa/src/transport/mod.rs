@@ -528,6 +528,7 @@ impl Transport for EfaTransport {
             remote_addr: 0,
             remote_key: fabric_core::RemoteKey(0),
             imm,
+            read: false,
             posted: false,
         })
     }
@@ -544,6 +545,7 @@ impl Transport for EfaTransport {
             remote_addr: 0,
             remote_key: fabric_core::RemoteKey(0),
             imm: None,
+            read: false,
             posted: false,
         })
     }
@@ -578,6 +580,7 @@ impl Transport for EfaTransport {
             remote_addr: dst.region.addr.wrapping_add(dst.offset),
             remote_key: dst.region.key,
             imm,
+            read: false,
             posted: false,
         };
         // The descriptor says how long the region is: a range outside it fails as the
@@ -598,6 +601,56 @@ impl Transport for EfaTransport {
             return Ok(PostOutcome::Posted);
         }
         self.submit(op)
+    }
+
+    /// `fi_readmsg` of one remote range into one local iovec (registered with
+    /// `LOCAL_WRITE`, which is FI_READ access; the owner's region needs `REMOTE_READ`,
+    /// FI_REMOTE_READ). Its completion, an [`OpKind::Write`] as on the other backends,
+    /// means every byte is in the local region. A failure at the owner (key, permission,
+    /// range) fails it.
+    fn post_read(
+        &mut self,
+        peer: PeerId,
+        wr_id: WorkRequestId,
+        dst: LocalSlice,
+        src: RemoteSlice,
+    ) -> Result<PostOutcome> {
+        self.peer(peer)?;
+        fabric_core::check_read_lengths(&dst, &src)?;
+        self.local_range(dst, Access::LOCAL_WRITE)?;
+        let op = Op {
+            wr_id,
+            kind: OpKind::Write,
+            peer: Some(peer),
+            local: dst.key,
+            offset: dst.offset,
+            len: dst.len,
+            remote_addr: src.region.addr.wrapping_add(src.offset),
+            remote_key: src.region.key,
+            imm: None,
+            read: true,
+            posted: false,
+        };
+        if src
+            .offset
+            .checked_add(src.len)
+            .is_none_or(|end| end > src.region.len)
+        {
+            self.ready.push_back(failed(
+                &op,
+                OpError::OutOfBounds {
+                    offset: src.offset,
+                    len: src.len,
+                    region_len: src.region.len,
+                },
+            ));
+            return Ok(PostOutcome::Posted);
+        }
+        self.submit(op)
+    }
+
+    fn supports_read(&self) -> bool {
+        true
     }
 
     fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize> {

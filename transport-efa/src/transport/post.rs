@@ -135,6 +135,27 @@ impl EfaTransport {
                 let rc = unsafe { sys::fi_sendmsg(ep, &msg, flags) };
                 check_post("fi_sendmsg", rc)
             }
+            OpKind::Write if op.read => {
+                let rma = sys::fi_rma_iov {
+                    addr: op.remote_addr,
+                    len: op.len as usize,
+                    key: op.remote_key.0,
+                };
+                let msg = sys::fi_msg_rma {
+                    msg_iov: &mut iov,
+                    desc: desc.as_mut_ptr(),
+                    iov_count,
+                    addr: fi_addr,
+                    rma_iov: &rma,
+                    rma_iov_count: 1,
+                    context,
+                    data: 0,
+                };
+                // SAFETY: as for fi_writemsg; the local iovec lies in a region registered
+                // for FI_READ (checked at post time) that stays alive until the completion.
+                let rc = unsafe { sys::fi_readmsg(ep, &msg, sys::FI_COMPLETION) };
+                check_post("fi_readmsg", rc)
+            }
             OpKind::Write => {
                 let rma = sys::fi_rma_iov {
                     addr: op.remote_addr,
