@@ -139,11 +139,10 @@ fn read_over_efa_verifies_the_initiators_region() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        text.starts_with("efa read ") && text.contains("verified: yes"),
-        "{text}"
-    );
+    let v = json_of(&out);
+    assert_eq!(v["transport"], "efa", "{v}");
+    assert_eq!(v["op"], "read", "{v}");
+    assert_eq!(v["verified"], true, "{v}");
 }
 
 #[test]
