@@ -6,9 +6,9 @@
 #
 #   bash scripts/py-gpu-proof.sh .carry/py/xfer-*.whl [WHEELHOUSE]
 #
-# It makes a venv that sees the system's packages (torch, numpy, pytest where installed;
-# WHEELHOUSE, a folder of wheels, supplies the missing ones without a network), installs
-# the wheel, runs the whole pytest suite with XFER_REQUIRE_CUDA=1 (so the CUDA cases fail
+# It installs the wheel into a folder on PYTHONPATH for the machine's python3 (which holds
+# torch, numpy and pytest there; WHEELHOUSE, a folder of wheels, supplies missing ones
+# without a network), runs the whole pytest suite with XFER_REQUIRE_CUDA=1 (so the CUDA cases fail
 # instead of skipping), then the KV-cache example GPU -> GPU over cuda-ipc and over tcp (and
 # GPU 0 -> GPU 1 where there are two). Exits non-zero when any step failed.
 set -euo pipefail
@@ -23,10 +23,13 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/proof-lib.sh # step, proof_verdict; exports XFER_REQUIRE_CUDA=1
 proof_machine
 
-venv=$(mktemp -d)/venv
-"${PYTHON:-python3}" -m venv --system-site-packages "$venv"
-py=$venv/bin/python
-pip_args=(-q --disable-pip-version-check)
+# The machine's own python3 (on the GPU machines a venv that holds torch, numpy and pytest):
+# the wheel and whatever WHEELHOUSE supplies go into a folder of their own on PYTHONPATH, so
+# nothing of that interpreter changes (a venv made from a venv would not see its packages).
+py=${PYTHON:-python3}
+site=$(mktemp -d)/site
+export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+pip_args=(-q --disable-pip-version-check --target "$site")
 [[ -n $house ]] && pip_args+=(--no-index --find-links "$house")
 for m in numpy pytest torch; do
     "$py" -c "import $m" 2>/dev/null || "$py" -m pip install "${pip_args[@]}" "$m"
