@@ -508,11 +508,13 @@ impl PeerCopies {
         }
         let from = src.base + src_offset;
         match (dst.location(), dst.host_ptr()) {
-            // cuMemcpyAsync: the copy kernel writes only mappings, not this device's memory
-            // from a peer's.
-            (MemoryLocation::Cuda { .. }, _) => {
+            // The copy kernel, as for pushes the other way: it reads the mapping (which this
+            // device's kernels reach when peer access is direct) and writes this device's
+            // memory, a batch of pages in one launch; cuMemcpyAsync moves the rest.
+            (MemoryLocation::Cuda { device }, _) => {
+                let kernel_ok = device == self.copies.device().ordinal() && src.direct;
                 self.copies
-                    .queue(dst.device_addr() + dst_offset, from, len, false);
+                    .queue(dst.device_addr() + dst_offset, from, len, kernel_ok);
             }
             (MemoryLocation::Host, Some(p)) => {
                 self.copies.device().bind()?;
