@@ -369,21 +369,27 @@ impl Engine {
     /// object (host memory), a torch / cupy CUDA tensor (__cuda_array_interface__) on
     /// the engine's gpu, or a DLPack tensor (__dlpack__: CPU, or CUDA on the engine's
     /// gpu). No copy is made. remote_write: whether peers may write into it (needs a writable
-    /// buffer); a source-only region may be read-only.
-    #[pyo3(signature = (obj, remote_write=true))]
+    /// buffer; such a registration can also be the destination of this engine's reads); a
+    /// source-only region may be read-only. remote_read: whether peers may read it.
+    #[pyo3(signature = (obj, remote_write=true, remote_read=false))]
     fn register(
         &self,
         py: Python<'_>,
         obj: &Bound<'_, PyAny>,
         remote_write: bool,
+        remote_read: bool,
     ) -> PyResult<Registration> {
         let core = self.shared.core()?;
         let held = memory::take(obj, remote_write, core.accept)?;
-        let access = if remote_write {
-            Access::REMOTE_WRITE
+        // A writable registration may also receive this engine's READs (LOCAL_WRITE).
+        let mut access = if remote_write {
+            Access::REMOTE_WRITE | Access::LOCAL_WRITE
         } else {
             Access::NONE
         };
+        if remote_read {
+            access = access | Access::REMOTE_READ;
+        }
         let region = held.region();
         let nbytes = region.len() as u64;
         let cuda = held.is_cuda();
@@ -511,6 +517,72 @@ impl Engine {
         let mut t = GroupTransfer::paged(registration.reg.clone(), dst, &sp, ss, &dp, ds, len)
             .map_err(|e| engine_error(&e))?;
         t.imm = imm_value(imm)?;
+        t.timeout = seconds(timeout, "timeout")?;
+        self.submit(py, peer, registration, t)
+    }
+
+    /// Reads ranges of a peer's region into a local registration (one-sided: the peer
+    /// does nothing but progress).
+    ///
+    /// segments: (local_offset, remote_offset, length) in bytes; registration: local, made
+    /// with remote_write=True (a writable buffer); remote_descriptor: the peer's
+    /// Registration.descriptor, registered with remote_read=True; timeout: seconds. Returns
+    /// a Handle, done once every byte is in the local memory.
+    #[pyo3(signature = (peer, registration, remote_descriptor, segments, timeout=None))]
+    fn read(
+        &self,
+        py: Python<'_>,
+        peer: &Peer,
+        registration: &Registration,
+        remote_descriptor: &[u8],
+        segments: &Bound<'_, PyAny>,
+        timeout: Option<f64>,
+    ) -> PyResult<Handle> {
+        let remote = wire::decode_descriptor(remote_descriptor).map_err(|e| wire_error(&e))?;
+        let t = GroupTransfer {
+            src: registration.reg.clone(),
+            dst: remote,
+            segments: triples(segments)?,
+            imm: None,
+            timeout: seconds(timeout, "timeout")?,
+            direction: fabric_core::engine::Direction::Read,
+        };
+        self.submit(py, peer, registration, t)
+    }
+
+    /// Reads pages: the peer's page remote_pages[i] lands in local page local_pages[i],
+    /// page_size bytes each, at offsets page * stride (strides default to page_size). See
+    /// read for the rest.
+    #[pyo3(signature = (peer, registration, remote_descriptor, local_pages, remote_pages, page_size, local_stride=None, remote_stride=None, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn read_pages(
+        &self,
+        py: Python<'_>,
+        peer: &Peer,
+        registration: &Registration,
+        remote_descriptor: &[u8],
+        local_pages: &Bound<'_, PyAny>,
+        remote_pages: &Bound<'_, PyAny>,
+        page_size: i64,
+        local_stride: Option<i64>,
+        remote_stride: Option<i64>,
+        timeout: Option<f64>,
+    ) -> PyResult<Handle> {
+        let positive = |v: i64, what: &str| {
+            u64::try_from(v)
+                .ok()
+                .filter(|&v| v > 0)
+                .ok_or_else(|| invalid(format!("{what}={v}: expected a positive size")))
+        };
+        let len = positive(page_size, "page_size")?;
+        let ls = positive(local_stride.unwrap_or(page_size), "local_stride")?;
+        let rs = positive(remote_stride.unwrap_or(page_size), "remote_stride")?;
+        let remote = wire::decode_descriptor(remote_descriptor).map_err(|e| wire_error(&e))?;
+        let lp = pages(local_pages, "local_pages")?;
+        let rp = pages(remote_pages, "remote_pages")?;
+        let mut t = GroupTransfer::paged(registration.reg.clone(), remote, &lp, ls, &rp, rs, len)
+            .map_err(|e| engine_error(&e))?
+            .read();
         t.timeout = seconds(timeout, "timeout")?;
         self.submit(py, peer, registration, t)
     }

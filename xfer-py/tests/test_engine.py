@@ -103,6 +103,37 @@ def test_a_failed_transfer_raises_from_await_and_wait(pair):
     assert h.done() and isinstance(h.exception(), xfer.OutOfBounds)
 
 
+def test_reads_pull_pages_and_ranges_from_the_peer(pair):
+    a, b, p = pair
+    # The owner (b) allows reads and does nothing else; a pulls its pages.
+    remote = pattern(16 * PAGE, seed=9)
+    owner = b.register(remote, remote_write=False, remote_read=True)
+    local = np.zeros(8 * PAGE, dtype=np.uint8)
+    mine = a.register(local)
+    lp, rp = [5, 0, 7], np.array([15, 2, 9], dtype=np.int64)
+    assert a.read_pages(p, mine, owner.descriptor, lp, rp, PAGE).wait(timeout=10) == 3 * PAGE
+    for l, r in zip(lp, rp):
+        assert np.array_equal(local[l * PAGE : (l + 1) * PAGE], remote[r * PAGE : (r + 1) * PAGE])
+    untouched = np.ones(8, dtype=bool)
+    untouched[lp] = False
+    assert not local.reshape(8, PAGE)[untouched].any(), "no other page touched"
+    assert a.read(p, mine, owner.descriptor, [(10, 3 * PAGE + 7, 100)]).wait(timeout=10) == 100
+    assert np.array_equal(local[10:110], remote[3 * PAGE + 7 : 3 * PAGE + 107])
+
+
+def test_reads_the_owner_did_not_allow_are_refused(pair):
+    a, b, p = pair
+    mine = a.register(np.zeros(PAGE, dtype=np.uint8))
+    no_read = b.register(np.ones(PAGE, dtype=np.uint8))  # remote_read defaults to False
+    with pytest.raises(xfer.PermissionDenied):
+        a.read(p, mine, no_read.descriptor, [(0, 0, PAGE)]).wait(timeout=10)
+    readable = b.register(np.ones(PAGE, dtype=np.uint8), remote_write=False, remote_read=True)
+    source_only = a.register(np.zeros(PAGE, dtype=np.uint8), remote_write=False)
+    with pytest.raises(xfer.Error):
+        # A read-only local registration cannot receive a read.
+        a.read(p, source_only, readable.descriptor, [(0, 0, PAGE)]).wait(timeout=10)
+
+
 def test_the_target_refuses_writes_it_did_not_allow(pair):
     a, b, p = pair
     rs = a.register(np.ones(PAGE, dtype=np.uint8))

@@ -121,7 +121,9 @@ class Engine:
     @property
     def closed(self) -> bool:
         """Whether the engine is closed."""
-    def register(self, obj: Any, remote_write: bool = True) -> Registration:
+    def register(
+        self, obj: Any, remote_write: bool = True, remote_read: bool = False
+    ) -> Registration:
         """Registers a buffer-protocol object or a CUDA tensor."""
     def add_peer(self, address: bytes) -> Peer:
         """Adds a peer by its Engine.address."""
@@ -151,6 +153,28 @@ class Engine:
         timeout: float | None = None,
     ) -> Handle:
         """Writes local page src_pages[i] to the peer's page dst_pages[i]."""
+    def read(
+        self,
+        peer: Peer,
+        registration: Registration,
+        remote_descriptor: bytes,
+        segments: Sequence[tuple[int, int, int]] | Any,  # or an (n, 3) int64 numpy array
+        timeout: float | None = None,
+    ) -> Handle:
+        """Reads (local_offset, remote_offset, length) ranges of the peer's region."""
+    def read_pages(
+        self,
+        peer: Peer,
+        registration: Registration,
+        remote_descriptor: bytes,
+        local_pages: Pages,
+        remote_pages: Pages,
+        page_size: int,
+        local_stride: int | None = None,
+        remote_stride: int | None = None,
+        timeout: float | None = None,
+    ) -> Handle:
+        """Reads the peer's remote_pages[i] into local page local_pages[i]."""
     def wait_imm(self, value: int, count: int = 1, timeout: float | None = None) -> None:
         """Blocks until `count` transfers with immediate `value` have landed here."""
     def counters(self) -> dict[str, int]:
