@@ -128,8 +128,24 @@ impl std::fmt::Debug for EfaTransport {
     }
 }
 
+/// The provider that a request for `tcp` takes when libfabric lists it: libfabric 2.x
+/// offers FI_EP_RDM over tcp both natively (`tcp`, listed first) and through rxm
+/// (`tcp;ofi_rxm`, 1.x's only one). Through the native one this backend moved 2.4 Gbps where
+/// rxm moved 12.8 (`xfer demo --transport efa --provider tcp`, 2-core VM, libfabric 2.6;
+/// 4.1 against 12.1 at one rail on the H200), so `tcp` means rxm where both exist; name
+/// `tcp;ofi_rxm` or set `FI_PROVIDER` to choose explicitly.
+const TCP_PREFERRED: &str = "tcp;ofi_rxm";
+
 /// Picks the `fi_info` entry for `config` from a list.
 fn choose<'a>(list: &'a InfoList, config: &EfaConfig) -> Result<&'a sys::fi_info> {
+    if config.provider_name().as_deref() == Some("tcp")
+        && let Some(e) = list.iter().find(|e| {
+            let s = info::summarize(e, config.hmem);
+            s.provider == TCP_PREFERRED && config.domain.as_ref().is_none_or(|d| *d == s.domain)
+        })
+    {
+        return Ok(e);
+    }
     let mut domains = Vec::new();
     for e in list.iter() {
         let s = info::summarize(e, config.hmem);
