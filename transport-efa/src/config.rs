@@ -1,5 +1,7 @@
 //! How to choose the provider and domain of an [`EfaTransport`](crate::EfaTransport).
 
+use std::time::Duration;
+
 /// The default provider: AWS's Elastic Fabric Adapter.
 pub const DEFAULT_PROVIDER: &str = "efa";
 
@@ -11,7 +13,7 @@ pub const DEFAULT_PROVIDER: &str = "efa";
 /// cfg.domain = Some("lo".into());
 /// assert_eq!(cfg.provider_name().as_deref(), Some("tcp"));
 /// ```
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct EfaConfig {
     /// The libfabric provider (`efa`, `tcp`, `sockets`, `shm`, `verbs`, ...), matched the
@@ -27,6 +29,27 @@ pub struct EfaConfig {
     /// Ask for FI_HMEM, needed to register device (CUDA) memory. Off by default: providers
     /// without it (tcp, sockets) answer nothing at all to a request that names it.
     pub hmem: bool,
+    /// Register CUDA memory with FI_HMEM_DEVICE_ONLY (it is allocated with the device API):
+    /// shm then moves it with CUDA IPC instead of bouncing it through host buffers. On by
+    /// default.
+    pub hmem_device_only: bool,
+    /// How long [`wait`](fabric_core::Transport::wait) sleeps at most where the CQ has no
+    /// descriptor to sleep on (shm, efa, sockets); 50 µs by default. Zero makes a provider
+    /// of manual progress (shm) read its CQ without sleeping, yielding the core, which a
+    /// target in the same process as its initiator needs for speed (see the crate docs).
+    pub idle_nap: Duration,
+}
+
+impl Default for EfaConfig {
+    fn default() -> EfaConfig {
+        EfaConfig {
+            provider: None,
+            domain: None,
+            hmem: false,
+            hmem_device_only: true,
+            idle_nap: Duration::from_micros(50),
+        }
+    }
 }
 
 impl EfaConfig {
@@ -47,6 +70,18 @@ impl EfaConfig {
     /// Sets whether to ask for FI_HMEM.
     pub fn hmem(mut self, hmem: bool) -> EfaConfig {
         self.hmem = hmem;
+        self
+    }
+
+    /// Sets whether CUDA registrations say FI_HMEM_DEVICE_ONLY.
+    pub fn hmem_device_only(mut self, on: bool) -> EfaConfig {
+        self.hmem_device_only = on;
+        self
+    }
+
+    /// Sets [`idle_nap`](EfaConfig::idle_nap).
+    pub fn idle_nap(mut self, nap: Duration) -> EfaConfig {
+        self.idle_nap = nap;
         self
     }
 

@@ -59,8 +59,8 @@
 //! provider with FI_HMEM; a CUDA region on an endpoint without it is refused at `register`,
 //! never handed to the provider as host memory (libfabric would quietly treat it as such).
 //! It is registered with `fi_mr_regattr` (FI_HMEM_CUDA, FI_HMEM_DEVICE_ONLY: shm then moves
-//! it with CUDA IPC instead of bouncing it through host buffers; `XFER_EFA_DEVICE_ONLY=0`
-//! leaves that flag out), from its dmabuf first (FI_MR_DMABUF) when the library loaded
+//! it with CUDA IPC instead of bouncing it through host buffers;
+//! [`EfaConfig::hmem_device_only`] leaves that flag out), from its dmabuf first (FI_MR_DMABUF) when the library loaded
 //! takes API 1.20 and the memory layer exports one, else by address.
 //!
 //! ## libfabric at run time
@@ -145,7 +145,7 @@
 //! sends), so peers' writes land as they arrive without a spinning thread. Such a transport
 //! reports [`busy_poll`](fabric_core::TransportLimits::busy_poll) `false`. Elsewhere (shm
 //! offers no descriptor; efa and sockets progress on their own) `wait` naps 50 µs as the
-//! trait's default does and `busy_poll` is `true`. `XFER_EFA_IDLE_NAP_US=0` makes such a
+//! trait's default does and `busy_poll` is `true`. [`EfaConfig::idle_nap`] zero makes such a
 //! `wait` read the CQ without sleeping (yielding the core) when the provider's progress is
 //! manual: shm in one process (`xfer demo`) then moves 25 Gbps instead of 4.6 on the H200
 //! (libfabric 2.6), because its target copies a peer's write only inside its own progress;

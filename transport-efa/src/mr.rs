@@ -63,6 +63,8 @@ pub(crate) struct Target<'a> {
     pub hmem: bool,
     /// Whether the library takes FI_MR_DMABUF registrations (API 1.20+).
     pub dmabuf: bool,
+    /// Whether CUDA registrations say FI_HMEM_DEVICE_ONLY ([`crate::EfaConfig::hmem_device_only`]).
+    pub device_only: bool,
     pub provider: &'a str,
 }
 
@@ -191,7 +193,7 @@ fn regattr(
             base_addr: iov.iov_base,
         };
         attr.mem.dmabuf = &dmabuf;
-        match mr_regattr(t, attr, sys::FI_MR_DMABUF | device_only(mem)) {
+        match mr_regattr(t, attr, sys::FI_MR_DMABUF | device_only(t, mem)) {
             Ok(mr) => {
                 tracing::debug!(
                     len,
@@ -204,7 +206,7 @@ fn regattr(
         }
     }
     attr.mem.mr_iov = iov;
-    let mr = mr_regattr(t, attr, device_only(mem))?;
+    let mr = mr_regattr(t, attr, device_only(t, mem))?;
     if attr.iface != sys::FI_HMEM_SYSTEM {
         tracing::debug!(
             len,
@@ -217,11 +219,10 @@ fn regattr(
 
 /// FI_HMEM_DEVICE_ONLY for device memory: it is allocated with the device API (not managed
 /// nor host-allocated), which lets shm move it with the device's IPC (a copy engine)
-/// instead of bouncing it through host buffers. `XFER_EFA_DEVICE_ONLY=0` leaves it out.
-fn device_only(mem: &dyn MemoryRegion) -> u64 {
-    let off = std::env::var("XFER_EFA_DEVICE_ONLY").is_ok_and(|v| v == "0");
+/// instead of bouncing it through host buffers, unless the configuration leaves it out.
+fn device_only(t: &Target<'_>, mem: &dyn MemoryRegion) -> u64 {
     match mem.location() {
-        MemoryLocation::Cuda { .. } if !off => sys::FI_HMEM_DEVICE_ONLY,
+        MemoryLocation::Cuda { .. } if t.device_only => sys::FI_HMEM_DEVICE_ONLY,
         _ => 0,
     }
 }

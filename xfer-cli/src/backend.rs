@@ -150,6 +150,22 @@ pub struct BackendArgs {
     /// microseconds (the engine's `linger`; default 50).
     #[arg(long = "linger", value_name = "US")]
     pub linger_us: Option<u64>,
+    /// efa: how long an idle rail sleeps between CQ reads where the provider gives no
+    /// descriptor to sleep on, in microseconds (default 50); 0 reads the CQ of a
+    /// manual-progress provider (shm) without sleeping, which one process needs for speed.
+    #[arg(long = "efa-idle-nap", value_name = "US", env = "XFER_EFA_IDLE_NAP_US")]
+    pub efa_idle_nap_us: Option<u64>,
+    /// efa with --memory cuda: register GPU memory with FI_HMEM_DEVICE_ONLY (shm then copies
+    /// it with CUDA IPC); `false` leaves the flag out.
+    #[arg(
+        long = "efa-device-only",
+        value_name = "BOOL",
+        env = "XFER_EFA_DEVICE_ONLY",
+        default_value_t = true,
+        action = clap::ArgAction::Set,
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    pub efa_device_only: bool,
 }
 
 /// `--cuda-copy`'s value.
@@ -282,7 +298,12 @@ impl BackendArgs {
                     Some(p) => EfaConfig::with_provider(p.clone()),
                     None => EfaConfig::default(),
                 };
-                ec = ec.hmem(self.memory == MemoryKind::Cuda);
+                ec = ec
+                    .hmem(self.memory == MemoryKind::Cuda)
+                    .hmem_device_only(self.efa_device_only);
+                if let Some(us) = self.efa_idle_nap_us {
+                    ec = ec.idle_nap(std::time::Duration::from_micros(us));
+                }
                 let make = move |i: usize| {
                     placement::pin_worker(pins.get(i).copied().flatten(), &format!("{worker}-{i}"));
                     match nics.get(i) {

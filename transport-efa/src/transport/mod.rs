@@ -92,6 +92,10 @@ pub struct EfaTransport {
     hmem: bool,
     /// Whether the library takes dmabuf registrations (API 1.20+).
     dmabuf: bool,
+    /// [`EfaConfig::hmem_device_only`].
+    device_only: bool,
+    /// [`EfaConfig::idle_nap`].
+    idle_nap: Duration,
     addr_format: u32,
     /// What `fi_getname` returned.
     raw_address: Vec<u8>,
@@ -270,6 +274,8 @@ impl EfaTransport {
             info: summary,
             hmem,
             dmabuf: crate::fi::lib().is_ok_and(info::has_dmabuf),
+            device_only: config.hmem_device_only,
+            idle_nap: config.idle_nap,
             addr_format,
             raw_address,
             peers: HashMap::new(),
@@ -503,6 +509,7 @@ impl Transport for EfaTransport {
                 mr_key_size: self.info.mr_key_size,
                 hmem: self.hmem,
                 dmabuf: self.dmabuf,
+                device_only: self.device_only,
                 provider: &self.info.provider,
             },
             mem,

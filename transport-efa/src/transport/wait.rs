@@ -63,19 +63,6 @@ pub(super) fn open_cq(
     Ok((open(sys::FI_WAIT_NONE)?, None))
 }
 
-/// How long `wait` sleeps at most when the CQ has no descriptor (the trait's default),
-/// unless `XFER_EFA_IDLE_NAP_US` says otherwise (0: read the CQ without sleeping).
-fn nap() -> Duration {
-    static NAP: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
-    *NAP.get_or_init(|| {
-        let us = std::env::var("XFER_EFA_IDLE_NAP_US")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(50);
-        Duration::from_micros(us)
-    })
-}
-
 impl EfaTransport {
     /// [`Transport::wait`](fabric_core::Transport::wait): returns once a completion is
     /// ready for the next `poll` (kept in `self.ready`), or after `timeout`.
@@ -89,7 +76,7 @@ impl EfaTransport {
             return Ok(());
         }
         let Some(fd) = self.wait_fd else {
-            let nap = nap();
+            let nap = self.idle_nap;
             if nap.is_zero() && self.info.data_progress == crate::info::Progress::Manual {
                 return self.spin_for_progress(timeout);
             }
