@@ -69,6 +69,14 @@ impl Shared {
     }
 }
 
+/// A size argument that must be positive (`what` names it in the error).
+fn positive(v: i64, what: &str) -> PyResult<u64> {
+    u64::try_from(v)
+        .ok()
+        .filter(|&v| v > 0)
+        .ok_or_else(|| invalid(format!("{what}={v}: expected a positive size")))
+}
+
 fn seconds(t: Option<f64>, what: &str) -> PyResult<Option<Duration>> {
     match t {
         None => Ok(None),
@@ -502,12 +510,6 @@ impl Engine {
         imm: Option<i64>,
         timeout: Option<f64>,
     ) -> PyResult<Handle> {
-        let positive = |v: i64, what: &str| {
-            u64::try_from(v)
-                .ok()
-                .filter(|&v| v > 0)
-                .ok_or_else(|| invalid(format!("{what}={v}: expected a positive size")))
-        };
         let len = positive(page_size, "page_size")?;
         let ss = positive(src_stride.unwrap_or(page_size), "src_stride")?;
         let ds = positive(dst_stride.unwrap_or(page_size), "dst_stride")?;
@@ -568,12 +570,6 @@ impl Engine {
         remote_stride: Option<i64>,
         timeout: Option<f64>,
     ) -> PyResult<Handle> {
-        let positive = |v: i64, what: &str| {
-            u64::try_from(v)
-                .ok()
-                .filter(|&v| v > 0)
-                .ok_or_else(|| invalid(format!("{what}={v}: expected a positive size")))
-        };
         let len = positive(page_size, "page_size")?;
         let ls = positive(local_stride.unwrap_or(page_size), "local_stride")?;
         let rs = positive(remote_stride.unwrap_or(page_size), "remote_stride")?;
