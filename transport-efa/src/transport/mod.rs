@@ -384,6 +384,28 @@ impl EfaTransport {
         Ok(())
     }
 
+    /// Submits a WRITE or READ of `remote`'s range. The descriptor says how long the
+    /// region is: a range outside it fails as the peer would fail it, without a round trip
+    /// (the peer checks again anyway).
+    fn submit_in_bounds(&mut self, op: Op, remote: RemoteSlice) -> Result<PostOutcome> {
+        if remote
+            .offset
+            .checked_add(remote.len)
+            .is_none_or(|end| end > remote.region.len)
+        {
+            self.ready.push_back(failed(
+                &op,
+                OpError::OutOfBounds {
+                    offset: remote.offset,
+                    len: remote.len,
+                    region_len: remote.region.len,
+                },
+            ));
+            return Ok(PostOutcome::Posted);
+        }
+        self.submit(op)
+    }
+
     /// Counts an operation on a registration (keeps it open while in flight).
     fn hold(&mut self, key: LocalKey) {
         if let Some(r) = self.regs.get_mut(&key) {
@@ -606,24 +628,7 @@ impl Transport for EfaTransport {
             read: false,
             posted: false,
         };
-        // The descriptor says how long the region is: a range outside it fails as the
-        // target would fail it, without a round trip (the target checks again anyway).
-        if dst
-            .offset
-            .checked_add(dst.len)
-            .is_none_or(|end| end > dst.region.len)
-        {
-            self.ready.push_back(failed(
-                &op,
-                OpError::OutOfBounds {
-                    offset: dst.offset,
-                    len: dst.len,
-                    region_len: dst.region.len,
-                },
-            ));
-            return Ok(PostOutcome::Posted);
-        }
-        self.submit(op)
+        self.submit_in_bounds(op, dst)
     }
 
     /// `fi_readmsg` of one remote range into one local iovec (registered with
@@ -654,22 +659,7 @@ impl Transport for EfaTransport {
             read: true,
             posted: false,
         };
-        if src
-            .offset
-            .checked_add(src.len)
-            .is_none_or(|end| end > src.region.len)
-        {
-            self.ready.push_back(failed(
-                &op,
-                OpError::OutOfBounds {
-                    offset: src.offset,
-                    len: src.len,
-                    region_len: src.region.len,
-                },
-            ));
-            return Ok(PostOutcome::Posted);
-        }
-        self.submit(op)
+        self.submit_in_bounds(op, src)
     }
 
     fn supports_read(&self) -> bool {

@@ -135,27 +135,6 @@ impl EfaTransport {
                 let rc = unsafe { sys::fi_sendmsg(ep, &msg, flags) };
                 check_post("fi_sendmsg", rc)
             }
-            OpKind::Write if op.read => {
-                let rma = sys::fi_rma_iov {
-                    addr: op.remote_addr,
-                    len: op.len as usize,
-                    key: op.remote_key.0,
-                };
-                let msg = sys::fi_msg_rma {
-                    msg_iov: &mut iov,
-                    desc: desc.as_mut_ptr(),
-                    iov_count,
-                    addr: fi_addr,
-                    rma_iov: &rma,
-                    rma_iov_count: 1,
-                    context,
-                    data: 0,
-                };
-                // SAFETY: as for fi_writemsg; the local iovec lies in a region registered
-                // for FI_READ (checked at post time) that stays alive until the completion.
-                let rc = unsafe { sys::fi_readmsg(ep, &msg, sys::FI_COMPLETION) };
-                check_post("fi_readmsg", rc)
-            }
             OpKind::Write => {
                 let rma = sys::fi_rma_iov {
                     addr: op.remote_addr,
@@ -170,12 +149,20 @@ impl EfaTransport {
                     rma_iov: &rma,
                     rma_iov_count: 1,
                     context,
-                    data,
+                    data, // 0 for a read: it carries no immediate data
                 };
-                flags |= delivery;
-                // SAFETY: as for fi_sendmsg; the remote range is checked by the target.
-                let rc = unsafe { sys::fi_writemsg(ep, &msg, flags) };
-                check_post("fi_writemsg", rc)
+                if op.read {
+                    // SAFETY: as for fi_sendmsg; the local iovec lies in a region
+                    // registered for FI_READ (checked at post time) that stays alive until
+                    // the completion; the remote range is checked by the owner.
+                    let rc = unsafe { sys::fi_readmsg(ep, &msg, sys::FI_COMPLETION) };
+                    check_post("fi_readmsg", rc)
+                } else {
+                    flags |= delivery;
+                    // SAFETY: as for fi_sendmsg; the remote range is checked by the target.
+                    let rc = unsafe { sys::fi_writemsg(ep, &msg, flags) };
+                    check_post("fi_writemsg", rc)
+                }
             }
             OpKind::RemoteWrite => unreachable!("remote writes are not posted"),
         }
