@@ -1,0 +1,81 @@
+//! The directory's errors.
+
+use crate::record::RecordError;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Why a directory call failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The directory URL is not one this crate opens.
+    #[error("directory {url:?}: {why}")]
+    Url {
+        /// The URL given.
+        url: String,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// etcd did not answer at all.
+    #[error("etcd at {endpoint} is unreachable (no answer within {after:?}): {source}")]
+    Unreachable {
+        /// The endpoints tried.
+        endpoint: String,
+        /// How long it was given.
+        after: Duration,
+        /// What the client saw.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// A call did not complete within its timeout.
+    #[error("etcd at {endpoint}: {what} did not complete within {after:?}")]
+    TimedOut {
+        /// The endpoints.
+        endpoint: String,
+        /// The call.
+        what: &'static str,
+        /// Its timeout.
+        after: Duration,
+    },
+    /// etcd refused or failed a call.
+    #[error("etcd at {endpoint}: {what}: {source}")]
+    Etcd {
+        /// The endpoints.
+        endpoint: String,
+        /// The call.
+        what: &'static str,
+        /// The client's error.
+        #[source]
+        source: etcd_client::Error,
+    },
+    /// A record that cannot be published (or read back).
+    #[error(transparent)]
+    Record(#[from] RecordError),
+    /// The directory file could not be read or written.
+    #[error("directory file {path}: {source}")]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// The failure.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The directory file is not a JSON object with a `members` list.
+    #[error("directory file {path}: not a members file: {source}")]
+    FileFormat {
+        /// The file.
+        path: PathBuf,
+        /// What the parser said.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The async runtime the etcd client needs could not start.
+    #[error("starting the etcd client's runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+    /// The publication was withdrawn already.
+    #[error("{0}: withdrawn already")]
+    Withdrawn(String),
+    /// The watch's backend stopped.
+    #[error("the directory watch ended")]
+    WatchEnded,
+}

@@ -1,0 +1,489 @@
+//! The etcd backend: records under leases renewed by keep-alives, watches from the
+//! revision of their listing, re-publishing and re-listing after etcd comes back.
+
+use crate::record::{Record, members_prefix};
+use crate::track::Tracker;
+use crate::{Directory, Error, Event, Listing, Member, Publication, Published, Result, Watch};
+use crossbeam_channel::{Sender, TrySendError};
+use etcd_client::{
+    Client, ConnectOptions, EventType, GetOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions,
+    WatchOptions,
+};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::runtime::Runtime;
+use tokio::sync::{mpsc, oneshot};
+
+/// Events a watch holds for a consumer that is slow to read them; past this the watcher
+/// waits (etcd holds the rest).
+const WATCH_QUEUE: usize = 4096;
+
+/// Timeouts of an [`EtcdDirectory`].
+#[derive(Clone, Debug)]
+pub struct EtcdOptions {
+    /// How long the first contact with etcd may take before it is called unreachable.
+    pub connect_timeout: Duration,
+    /// How long any one call may take.
+    pub call_timeout: Duration,
+    /// How long publishers and watchers wait between attempts while etcd is away.
+    pub retry: Duration,
+}
+
+impl Default for EtcdOptions {
+    fn default() -> EtcdOptions {
+        EtcdOptions {
+            connect_timeout: Duration::from_secs(3),
+            call_timeout: Duration::from_secs(5),
+            retry: Duration::from_millis(250),
+        }
+    }
+}
+
+/// A directory in etcd (v3 API).
+pub struct EtcdDirectory {
+    rt: Arc<Runtime>,
+    client: Client,
+    endpoint: String,
+    opts: EtcdOptions,
+}
+
+/// What the background tasks need to talk to etcd.
+#[derive(Clone)]
+struct Conn {
+    client: Client,
+    endpoint: String,
+    opts: EtcdOptions,
+}
+
+impl Conn {
+    /// `f`, within the call timeout, its error named.
+    async fn call<T>(
+        &self,
+        what: &'static str,
+        f: impl Future<Output = std::result::Result<T, etcd_client::Error>>,
+    ) -> Result<T> {
+        match tokio::time::timeout(self.opts.call_timeout, f).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(source)) => Err(Error::Etcd {
+                endpoint: self.endpoint.clone(),
+                what,
+                source,
+            }),
+            Err(_) => Err(Error::TimedOut {
+                endpoint: self.endpoint.clone(),
+                what,
+                after: self.opts.call_timeout,
+            }),
+        }
+    }
+
+    async fn list(&self, cluster: &str) -> Result<Listing> {
+        let mut kv = self.client.kv_client();
+        let prefix = members_prefix(cluster);
+        let resp = self
+            .call(
+                "listing members",
+                kv.get(prefix.clone(), Some(GetOptions::new().with_prefix())),
+            )
+            .await?;
+        let mut listing = Listing {
+            revision: resp.header().map_or(0, |h| h.revision()),
+            ..Listing::default()
+        };
+        for kv in resp.kvs() {
+            let key = String::from_utf8_lossy(kv.key()).into_owned();
+            match Record::decode(cluster, &key, kv.value()) {
+                Ok(record) => listing.members.push(Member {
+                    record,
+                    revision: kv.mod_revision(),
+                }),
+                Err(e) => listing.skipped.push((key, e)),
+            }
+        }
+        Ok(listing)
+    }
+
+    /// Grants a lease of `ttl` and puts `value` under it; returns the lease.
+    async fn put_leased(&self, key: &str, value: &[u8], ttl: Duration) -> Result<i64> {
+        let mut lease = self.client.lease_client();
+        let secs = ttl.as_secs_f64().ceil().max(1.0) as i64;
+        let granted = self.call("granting a lease", lease.grant(secs, None)).await?;
+        let id = granted.id();
+        let mut kv = self.client.kv_client();
+        self.call(
+            "putting the record",
+            kv.put(key, value, Some(PutOptions::new().with_lease(id))),
+        )
+        .await?;
+        Ok(id)
+    }
+}
+
+impl EtcdDirectory {
+    /// Connects to etcd at `endpoints` (`http://HOST:PORT`), checking that it answers
+    /// within `opts.connect_timeout`.
+    pub fn connect(endpoints: &[String], opts: EtcdOptions) -> Result<EtcdDirectory> {
+        let endpoint = endpoints.join(",");
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("xfer-etcd")
+            .enable_all()
+            .build()
+            .map_err(Error::Runtime)?;
+        let unreachable = |source: Box<dyn std::error::Error + Send + Sync>| Error::Unreachable {
+            endpoint: endpoint.clone(),
+            after: opts.connect_timeout,
+            source,
+        };
+        let connect = async {
+            let o = ConnectOptions::new()
+                .with_connect_timeout(opts.connect_timeout)
+                .with_timeout(opts.call_timeout)
+                .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2));
+            let mut client = Client::connect(endpoints, Some(o)).await?;
+            client.status().await?;
+            Ok::<_, etcd_client::Error>(client)
+        };
+        let client = rt
+            .block_on(async { tokio::time::timeout(opts.connect_timeout, connect).await })
+            .map_err(|_| unreachable("no answer".into()))?
+            .map_err(|e| unreachable(Box::new(e)))?;
+        Ok(EtcdDirectory {
+            rt: Arc::new(rt),
+            client,
+            endpoint,
+            opts,
+        })
+    }
+
+    fn conn(&self) -> Conn {
+        Conn {
+            client: self.client.clone(),
+            endpoint: self.endpoint.clone(),
+            opts: self.opts.clone(),
+        }
+    }
+}
+
+impl Directory for EtcdDirectory {
+    fn publish(&self, mut record: Record, ttl: Duration) -> Result<Publication> {
+        record.ttl_ms = ttl.as_millis() as u64;
+        let value = record.encode()?;
+        let key = record.key();
+        let conn = self.conn();
+        let lease = self.rt.block_on(conn.put_leased(&key, &value, ttl))?;
+        let (tx, rx) = mpsc::channel(4);
+        self.rt.spawn(keep_published(conn, key.clone(), value, ttl, lease, rx));
+        Ok(Publication::new(
+            key.clone(),
+            Box::new(EtcdPublished {
+                key: key.clone(),
+                rt: self.rt.clone(),
+                cmds: tx,
+                call_timeout: self.opts.call_timeout,
+                endpoint: self.endpoint.clone(),
+            }),
+        ))
+    }
+
+    fn lookup(&self, cluster: &str, name: &str) -> Result<Option<Member>> {
+        crate::record::check_name("member", name)?;
+        let key = crate::record::member_key(cluster, name);
+        let conn = self.conn();
+        let resp = self.rt.block_on(async {
+            let mut kv = conn.client.kv_client();
+            conn.call("looking up a member", kv.get(key.clone(), None)).await
+        })?;
+        match resp.kvs().first() {
+            None => Ok(None),
+            Some(kv) => Ok(Some(Member {
+                record: Record::decode(cluster, &key, kv.value())?,
+                revision: kv.mod_revision(),
+            })),
+        }
+    }
+
+    fn members(&self, cluster: &str) -> Result<Listing> {
+        crate::record::check_name("cluster", cluster)?;
+        self.rt.block_on(self.conn().list(cluster))
+    }
+
+    fn watch(&self, cluster: &str) -> Result<Watch> {
+        crate::record::check_name("cluster", cluster)?;
+        let conn = self.conn();
+        // The first listing is taken here, so that an unreachable etcd is this call's error
+        // and the watch covers every change after the moment it returns.
+        let listing = self.rt.block_on(conn.list(cluster))?;
+        let (tx, rx) = crossbeam_channel::bounded(WATCH_QUEUE);
+        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        self.rt
+            .spawn(watch_members(conn, cluster.to_string(), listing, tx, stop_rx));
+        Ok(Watch::new(rx, Box::new(stop_tx)))
+    }
+
+    fn endpoint(&self) -> String {
+        format!("etcd://{}", self.endpoint.replace("http://", ""))
+    }
+}
+
+/// Commands to a publication's task.
+enum Cmd {
+    Update(Vec<u8>, oneshot::Sender<Result<()>>),
+    Withdraw(oneshot::Sender<Result<()>>),
+    Abandon,
+}
+
+/// The caller's end of a publication's task.
+struct EtcdPublished {
+    key: String,
+    rt: Arc<Runtime>,
+    cmds: mpsc::Sender<Cmd>,
+    call_timeout: Duration,
+    endpoint: String,
+}
+
+impl EtcdPublished {
+    fn ask(&self, make: impl FnOnce(oneshot::Sender<Result<()>>) -> Cmd, what: &'static str) -> Result<()> {
+        let (tx, rx) = oneshot::channel();
+        let timeout = self.call_timeout * 2;
+        let endpoint = self.endpoint.clone();
+        let cmds = self.cmds.clone();
+        self.rt.block_on(async move {
+            let gone = || Error::TimedOut {
+                endpoint: endpoint.clone(),
+                what,
+                after: timeout,
+            };
+            cmds.send(make(tx)).await.map_err(|_| Error::WatchEnded)?;
+            match tokio::time::timeout(timeout, rx).await {
+                Ok(Ok(r)) => r,
+                Ok(Err(_)) => Err(Error::WatchEnded),
+                Err(_) => Err(gone()),
+            }
+        })
+    }
+}
+
+impl Published for EtcdPublished {
+    fn update(&mut self, record: &Record) -> Result<()> {
+        if record.key() != self.key {
+            return Err(Error::Record(crate::RecordError::OtherName(
+                record.name.clone(),
+            )));
+        }
+        let value = record.encode()?;
+        self.ask(|tx| Cmd::Update(value, tx), "updating the record")
+    }
+
+    fn withdraw(&mut self) -> Result<()> {
+        self.ask(Cmd::Withdraw, "withdrawing the record")
+    }
+
+    fn abandon(&mut self) {
+        let _ = self.cmds.try_send(Cmd::Abandon);
+    }
+}
+
+/// A lease's keep-alive stream, opened lazily.
+type KeepAlive = Option<(LeaseKeeper, LeaseKeepAliveStream)>;
+
+/// Keeps `key` published: renews its lease every third of `ttl`; when a renewal fails
+/// (etcd restarted, or lost its data and with it the lease), publishes again under a new
+/// lease, retrying until it succeeds or is told to stop.
+async fn keep_published(
+    conn: Conn,
+    key: String,
+    mut value: Vec<u8>,
+    ttl: Duration,
+    mut lease: i64,
+    mut cmds: mpsc::Receiver<Cmd>,
+) {
+    let every = (ttl / 3).max(Duration::from_millis(100));
+    let mut alive: KeepAlive = None;
+    // Whether the record is known to be in etcd now.
+    let mut healthy = true;
+    let mut next = tokio::time::Instant::now() + every;
+    loop {
+        let wait = if healthy { next } else { tokio::time::Instant::now() + conn.opts.retry };
+        tokio::select! {
+            cmd = cmds.recv() => match cmd {
+                Some(Cmd::Update(v, reply)) => {
+                    let mut kv = conn.client.kv_client();
+                    let r = conn
+                        .call("updating the record", kv.put(key.clone(), v.clone(), Some(PutOptions::new().with_lease(lease))))
+                        .await
+                        .map(|_| ());
+                    if r.is_ok() {
+                        value = v;
+                    }
+                    let _ = reply.send(r);
+                }
+                Some(Cmd::Withdraw(reply)) => {
+                    let mut l = conn.client.lease_client();
+                    let r = conn.call("withdrawing the record", l.revoke(lease)).await.map(|_| ());
+                    let _ = reply.send(r);
+                    return;
+                }
+                Some(Cmd::Abandon) | None => return,
+            },
+            _ = tokio::time::sleep_until(wait) => {
+                next = tokio::time::Instant::now() + every;
+                healthy = if healthy {
+                    renew(&conn, lease, &mut alive).await
+                } else {
+                    false
+                };
+                if !healthy {
+                    alive = None;
+                    match conn.put_leased(&key, &value, ttl).await {
+                        Ok(l) => {
+                            tracing::info!(key, "re-published after losing the lease");
+                            lease = l;
+                            healthy = true;
+                        }
+                        Err(e) => tracing::debug!(key, error = %e, "re-publishing failed; retrying"),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One keep-alive of `lease`; false if the lease is gone or etcd did not answer.
+async fn renew(conn: &Conn, lease: i64, alive: &mut KeepAlive) -> bool {
+    if alive.is_none() {
+        let mut l = conn.client.lease_client();
+        match conn.call("opening a keep-alive", l.keep_alive(lease)).await {
+            Ok(pair) => *alive = Some(pair),
+            Err(e) => {
+                tracing::debug!(lease, error = %e, "keep-alive stream failed");
+                return false;
+            }
+        }
+    }
+    let Some((keeper, stream)) = alive.as_mut() else {
+        return false;
+    };
+    let once = async {
+        keeper.keep_alive().await?;
+        stream.message().await
+    };
+    match tokio::time::timeout(conn.opts.call_timeout, once).await {
+        Ok(Ok(Some(resp))) if resp.ttl() > 0 => true,
+        Ok(Ok(_)) => {
+            tracing::debug!(lease, "lease expired or unknown");
+            false
+        }
+        Ok(Err(e)) => {
+            tracing::debug!(lease, error = %e, "keep-alive failed");
+            false
+        }
+        Err(_) => false,
+    }
+}
+
+/// Hands `events` to the consumer, waiting while its queue is full; false once it is gone.
+async fn deliver(tx: &Sender<Event>, events: Vec<Event>) -> bool {
+    for mut e in events {
+        loop {
+            match tx.try_send(e) {
+                Ok(()) => break,
+                Err(TrySendError::Full(back)) => {
+                    e = back;
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                Err(TrySendError::Disconnected(_)) => return false,
+            }
+        }
+    }
+    true
+}
+
+/// A cluster's watch: the first listing as joins, then etcd's events from the listing's
+/// revision on; after the stream breaks, a new listing (members not in it get their TTL
+/// to reappear) and a watch from its revision.
+async fn watch_members(
+    conn: Conn,
+    cluster: String,
+    first: Listing,
+    tx: Sender<Event>,
+    mut stop: oneshot::Receiver<()>,
+) {
+    let mut t = Tracker::default();
+    let mut revision = first.revision;
+    if !deliver(&tx, t.listing(first, false, Instant::now())).await {
+        return;
+    }
+    let prefix = members_prefix(&cluster);
+    let tick = Duration::from_millis(100);
+    loop {
+        // One watch stream, until it breaks.
+        let mut w = conn.client.watch_client();
+        let opts = WatchOptions::new()
+            .with_prefix()
+            .with_start_revision(revision + 1);
+        match conn.call("opening a watch", w.watch(prefix.clone(), Some(opts))).await {
+            Ok(mut stream) => loop {
+                tokio::select! {
+                    _ = &mut stop => return,
+                    _ = tokio::time::sleep(tick) => {
+                        if !deliver(&tx, t.expire(Instant::now())).await {
+                            return;
+                        }
+                    }
+                    msg = stream.message() => match msg {
+                        Ok(Some(resp)) => {
+                            if resp.canceled() {
+                                tracing::debug!(reason = resp.cancel_reason(), compacted = resp.compact_revision(), "watch canceled; re-listing");
+                                break;
+                            }
+                            let mut out = Vec::new();
+                            for ev in resp.events() {
+                                let Some(kv) = ev.kv() else { continue };
+                                let key = String::from_utf8_lossy(kv.key()).into_owned();
+                                revision = revision.max(kv.mod_revision());
+                                out.extend(match ev.event_type() {
+                                    EventType::Put => t.put(&cluster, &key, kv.value(), kv.mod_revision()),
+                                    EventType::Delete => t.delete(&cluster, &key),
+                                });
+                            }
+                            if let Some(h) = resp.header() {
+                                revision = revision.max(h.revision());
+                            }
+                            if !deliver(&tx, out).await {
+                                return;
+                            }
+                        }
+                        Ok(None) => break,
+                        Err(e) => {
+                            tracing::debug!(error = %e, "watch stream broke; re-listing");
+                            break;
+                        }
+                    }
+                }
+            },
+            Err(e) => tracing::debug!(error = %e, "opening the watch failed; retrying"),
+        }
+        // Re-list until etcd answers; members gone from it get their grace meanwhile.
+        loop {
+            tokio::select! {
+                _ = &mut stop => return,
+                _ = tokio::time::sleep(conn.opts.retry) => {}
+            }
+            if !deliver(&tx, t.expire(Instant::now())).await {
+                return;
+            }
+            match conn.list(&cluster).await {
+                Ok(listing) => {
+                    revision = listing.revision;
+                    if !deliver(&tx, t.listing(listing, true, Instant::now())).await {
+                        return;
+                    }
+                    break;
+                }
+                Err(e) => tracing::debug!(error = %e, "re-listing failed; retrying"),
+            }
+        }
+    }
+}
