@@ -7,7 +7,9 @@
 # hwloc with udev (topology) and pkg-config to find it, lstopo, ip, tc and nft for the
 # network-namespace fault tests (transport-tcp/tests/netns_faults.rs), and python3 with
 # venv (the xfer-py package's test venv) and its development files (libpython, which
-# `cargo test` links xfer-py's unit tests against; the extension module does not link it).
+# `cargo test` links xfer-py's unit tests against; the extension module does not link it),
+# protoc (the directory crate's etcd client compiles etcd's .proto files when it builds) and
+# etcd (the directory's tests start a real one on loopback ports).
 XFER_DEB_PACKAGES=(
     gcc libc6-dev make
     libfabric1 libfabric-bin
@@ -15,6 +17,7 @@ XFER_DEB_PACKAGES=(
     libhwloc-dev libudev-dev hwloc
     iproute2 nftables
     python3 python3-venv python3-dev
+    protobuf-compiler etcd-server
 )
 
 # Prints the Debian packages of XFER_DEB_PACKAGES that are not installed, one a line.

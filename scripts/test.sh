@@ -17,6 +17,8 @@ xfer_require_rust rustfmt clippy
 # counted as ignored in the summary; scripts/gpu-proof.sh and ipc-proof.sh run them.
 if [[ "${CI:-}" == true ]]; then
     export XFER_REQUIRE_LIBFABRIC="${XFER_REQUIRE_LIBFABRIC:-1}"
+    # The directory's tests start Debian's etcd (installed above) on loopback ports.
+    export XFER_REQUIRE_ETCD="${XFER_REQUIRE_ETCD:-1}"
 fi
 if [[ "${CI:-}" == true || "$(id -u)" == 0 ]]; then
     export XFER_REQUIRE_NETNS="${XFER_REQUIRE_NETNS:-1}"

@@ -184,7 +184,9 @@ fn follow(
         }
         match group.add_peer(&r.addresses) {
             Ok(peer) => {
-                shared.lock().insert(name.clone(), ClusterPeer { record: r, peer });
+                shared
+                    .lock()
+                    .insert(name.clone(), ClusterPeer { record: r, peer });
                 shared.changed.notify_all();
                 say(ClusterEvent::Joined(name));
             }
@@ -225,11 +227,11 @@ fn follow(
                 let known = shared.lock().contains_key(&new.record.name);
                 if restarted || !known {
                     remove(&new.record.name, true);
-                    add(new.record);
+                    add(new.record.clone());
                 } else {
                     let name = new.record.name.clone();
                     if let Some(p) = shared.lock().get_mut(&name) {
-                        p.record = new.record;
+                        p.record = new.record.clone();
                     }
                     say(ClusterEvent::Updated(name));
                 }

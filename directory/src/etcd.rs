@@ -108,7 +108,9 @@ impl Conn {
     async fn put_leased(&self, key: &str, value: &[u8], ttl: Duration) -> Result<i64> {
         let mut lease = self.client.lease_client();
         let secs = ttl.as_secs_f64().ceil().max(1.0) as i64;
-        let granted = self.call("granting a lease", lease.grant(secs, None)).await?;
+        let granted = self
+            .call("granting a lease", lease.grant(secs, None))
+            .await?;
         let id = granted.id();
         let mut kv = self.client.kv_client();
         self.call(
@@ -174,7 +176,8 @@ impl Directory for EtcdDirectory {
         let conn = self.conn();
         let lease = self.rt.block_on(conn.put_leased(&key, &value, ttl))?;
         let (tx, rx) = mpsc::channel(4);
-        self.rt.spawn(keep_published(conn, key.clone(), value, ttl, lease, rx));
+        self.rt
+            .spawn(keep_published(conn, key.clone(), value, ttl, lease, rx));
         Ok(Publication::new(
             key.clone(),
             Box::new(EtcdPublished {
@@ -193,7 +196,8 @@ impl Directory for EtcdDirectory {
         let conn = self.conn();
         let resp = self.rt.block_on(async {
             let mut kv = conn.client.kv_client();
-            conn.call("looking up a member", kv.get(key.clone(), None)).await
+            conn.call("looking up a member", kv.get(key.clone(), None))
+                .await
         })?;
         match resp.kvs().first() {
             None => Ok(None),
@@ -217,8 +221,13 @@ impl Directory for EtcdDirectory {
         let listing = self.rt.block_on(conn.list(cluster))?;
         let (tx, rx) = crossbeam_channel::bounded(WATCH_QUEUE);
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
-        self.rt
-            .spawn(watch_members(conn, cluster.to_string(), listing, tx, stop_rx));
+        self.rt.spawn(watch_members(
+            conn,
+            cluster.to_string(),
+            listing,
+            tx,
+            stop_rx,
+        ));
         Ok(Watch::new(rx, Box::new(stop_tx)))
     }
 
@@ -244,7 +253,11 @@ struct EtcdPublished {
 }
 
 impl EtcdPublished {
-    fn ask(&self, make: impl FnOnce(oneshot::Sender<Result<()>>) -> Cmd, what: &'static str) -> Result<()> {
+    fn ask(
+        &self,
+        make: impl FnOnce(oneshot::Sender<Result<()>>) -> Cmd,
+        what: &'static str,
+    ) -> Result<()> {
         let (tx, rx) = oneshot::channel();
         let timeout = self.call_timeout * 2;
         let endpoint = self.endpoint.clone();
@@ -305,7 +318,11 @@ async fn keep_published(
     let mut healthy = true;
     let mut next = tokio::time::Instant::now() + every;
     loop {
-        let wait = if healthy { next } else { tokio::time::Instant::now() + conn.opts.retry };
+        let wait = if healthy {
+            next
+        } else {
+            tokio::time::Instant::now() + conn.opts.retry
+        };
         tokio::select! {
             cmd = cmds.recv() => match cmd {
                 Some(Cmd::Update(v, reply)) => {
@@ -423,7 +440,10 @@ async fn watch_members(
         let opts = WatchOptions::new()
             .with_prefix()
             .with_start_revision(revision + 1);
-        match conn.call("opening a watch", w.watch(prefix.clone(), Some(opts))).await {
+        match conn
+            .call("opening a watch", w.watch(prefix.clone(), Some(opts)))
+            .await
+        {
             Ok(mut stream) => loop {
                 tokio::select! {
                     _ = &mut stop => return,

@@ -35,9 +35,9 @@ mod error;
 mod etcd;
 mod file;
 pub mod record;
-mod track;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod track;
 
 pub use cluster::{Cluster, ClusterEvent, ClusterPeer};
 pub use error::Error;
@@ -80,9 +80,9 @@ pub enum Event {
     /// A member's record changed; a new [`Record::instance`] means it restarted.
     Updated {
         /// The record before.
-        old: Member,
+        old: Box<Member>,
         /// The record now.
-        new: Member,
+        new: Box<Member>,
     },
     /// A member is gone: withdrawn, its lease expired, or its record became invalid.
     /// Carries the last valid record.

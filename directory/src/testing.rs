@@ -48,7 +48,9 @@ impl Etcd {
     pub fn start_or_skip() -> Option<Etcd> {
         let Some(bin) = binary() else {
             if std::env::var_os("XFER_REQUIRE_ETCD").is_some() {
-                panic!("XFER_REQUIRE_ETCD is set but no etcd binary is on PATH (Debian: etcd-server)");
+                panic!(
+                    "XFER_REQUIRE_ETCD is set but no etcd binary is on PATH (Debian: etcd-server)"
+                );
             }
             eprintln!("skipped: no etcd on PATH (install Debian's etcd-server, or set XFER_ETCD)");
             return None;
@@ -88,7 +90,12 @@ impl Etcd {
             .args(["--name", "xfer-test", "--data-dir"])
             .arg(self.data())
             .args(["--listen-client-urls", &c, "--advertise-client-urls", &c])
-            .args(["--listen-peer-urls", &p, "--initial-advertise-peer-urls", &p])
+            .args([
+                "--listen-peer-urls",
+                &p,
+                "--initial-advertise-peer-urls",
+                &p,
+            ])
             .args(["--initial-cluster", &format!("xfer-test={p}")])
             .args(["--logger", "zap", "--log-level", "warn"])
             .stdin(Stdio::null())
@@ -117,7 +124,10 @@ impl Etcd {
                 return;
             }
             if Instant::now() > until {
-                panic!("etcd did not answer within {START_TIMEOUT:?}:\n{}", self.log());
+                panic!(
+                    "etcd did not answer within {START_TIMEOUT:?}:\n{}",
+                    self.log()
+                );
             }
             // A refused connection fails at once: poll again shortly, not in a busy loop.
             std::thread::sleep(Duration::from_millis(50));

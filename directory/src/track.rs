@@ -21,7 +21,13 @@ pub(crate) struct Tracker {
 
 impl Tracker {
     /// A record was written under `key` at `revision`.
-    pub(crate) fn put(&mut self, cluster: &str, key: &str, value: &[u8], revision: i64) -> Vec<Event> {
+    pub(crate) fn put(
+        &mut self,
+        cluster: &str,
+        key: &str,
+        value: &[u8],
+        revision: i64,
+    ) -> Vec<Event> {
         match Record::decode(cluster, key, value) {
             Ok(record) => self.valid(Member { record, revision }),
             Err(error) => {
@@ -49,7 +55,11 @@ impl Tracker {
             return Vec::new();
         };
         self.missing.remove(name);
-        self.known.remove(name).map(Event::Left).into_iter().collect()
+        self.known
+            .remove(name)
+            .map(Event::Left)
+            .into_iter()
+            .collect()
     }
 
     /// A whole listing: the first (everyone joins), or one after a reconnect (`grace`:
@@ -115,7 +125,10 @@ impl Tracker {
             None => vec![Event::Joined(m)],
             // The same record written again (a re-publish): nothing changed for anyone.
             Some(old) if old.record == m.record => Vec::new(),
-            Some(old) => vec![Event::Updated { old, new: m }],
+            Some(old) => vec![Event::Updated {
+                old: Box::new(old),
+                new: Box::new(m),
+            }],
         }
     }
 }
@@ -158,7 +171,10 @@ mod tests {
         let mut t = Tracker::default();
         let k = member_key("c", "a");
         assert_eq!(kinds(&t.put("c", &k, &rec("a", 1), 5)), ["joined a"]);
-        assert!(t.put("c", &k, &rec("a", 1), 6).is_empty(), "a re-publish is no event");
+        assert!(
+            t.put("c", &k, &rec("a", 1), 6).is_empty(),
+            "a re-publish is no event"
+        );
         assert_eq!(kinds(&t.put("c", &k, &rec("a", 2), 7)), ["updated a"]);
         assert_eq!(kinds(&t.delete("c", &k)), ["left a"]);
         assert!(t.delete("c", &k).is_empty());
@@ -189,7 +205,10 @@ mod tests {
                 .collect(),
             ..Listing::default()
         };
-        assert_eq!(kinds(&t.listing(first, false, now)), ["joined a", "joined b"]);
+        assert_eq!(
+            kinds(&t.listing(first, false, now)),
+            ["joined a", "joined b"]
+        );
         let only_a = Listing {
             members: vec![Member {
                 record: Record::decode("c", &member_key("c", "a"), &rec("a", 1)).unwrap(),
@@ -201,7 +220,10 @@ mod tests {
         assert!(t.has_missing());
         assert!(t.expire(now + Duration::from_millis(1999)).is_empty());
         // b re-published in time: nothing to report.
-        assert!(t.put("c", &member_key("c", "b"), &rec("b", 1), 10).is_empty());
+        assert!(
+            t.put("c", &member_key("c", "b"), &rec("b", 1), 10)
+                .is_empty()
+        );
         assert!(!t.has_missing());
         // Without a reappearance the grace runs out.
         t.listing(Listing::default(), true, now);

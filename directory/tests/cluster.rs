@@ -61,7 +61,9 @@ fn events(c: &Cluster) -> Vec<String> {
 
 #[test]
 fn joins_become_peers_and_a_leave_fails_only_that_members_transfers() {
-    let Some(e) = Etcd::start_or_skip() else { return };
+    let Some(e) = Etcd::start_or_skip() else {
+        return;
+    };
     let d = EtcdDirectory::connect(&[e.endpoint()], EtcdOptions::default()).unwrap();
     let b = target("b");
     let c = target("c");
@@ -98,9 +100,16 @@ fn joins_become_peers_and_a_leave_fails_only_that_members_transfers() {
             Err(other) => panic!("a transfer to c failed with {other}, not PeerRemoved"),
         }
     }
-    assert!(removed > 0, "c left with its queue done: nothing was in flight");
+    assert!(
+        removed > 0,
+        "c left with its queue done: nothing was in flight"
+    );
     for h in to_b {
-        assert_eq!(h.wait(T).unwrap().bytes, LEN, "b's transfers do not notice c leaving");
+        assert_eq!(
+            h.wait(T).unwrap().bytes,
+            LEN,
+            "b's transfers do not notice c leaving"
+        );
     }
     assert!(b.mem.to_vec(0, LEN as usize).unwrap() == data);
     assert!(cluster.peer("c").is_none());
@@ -124,7 +133,11 @@ fn joins_become_peers_and_a_leave_fails_only_that_members_transfers() {
     assert_eq!(write(&back).wait(T).unwrap().bytes, LEN);
     assert!(c2.mem.to_vec(0, LEN as usize).unwrap() == data);
     let seen = events(&cluster);
-    assert_eq!(seen, ["joined b", "joined c", "left c", "joined c"], "{seen:?}");
+    assert_eq!(
+        seen,
+        ["joined b", "joined c", "left c", "joined c"],
+        "{seen:?}"
+    );
     drop(c.group);
     drop(b.group);
 }

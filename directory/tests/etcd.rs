@@ -47,7 +47,9 @@ fn name(e: &Event) -> String {
 
 #[test]
 fn publish_lookup_list_and_watch_in_order() {
-    let Some(e) = Etcd::start_or_skip() else { return };
+    let Some(e) = Etcd::start_or_skip() else {
+        return;
+    };
     let d = connect(&e);
     let a = d.publish(record("a"), TTL).unwrap();
     let w = d.watch(CLUSTER).unwrap();
@@ -92,7 +94,9 @@ fn publish_lookup_list_and_watch_in_order() {
 
 #[test]
 fn a_member_that_stops_renewing_is_gone_within_its_ttl() {
-    let Some(e) = Etcd::start_or_skip() else { return };
+    let Some(e) = Etcd::start_or_skip() else {
+        return;
+    };
     let d = connect(&e);
     let w = d.watch(CLUSTER).unwrap();
     let p = d.publish(record("crashed"), TTL).unwrap();
@@ -108,13 +112,18 @@ fn a_member_that_stops_renewing_is_gone_within_its_ttl() {
     }
     let after = died.elapsed();
     // etcd checks expiry every 500 ms; the lease was renewed up to a third of a TTL ago.
-    assert!(after <= TTL + Duration::from_secs(1), "gone after {after:?}");
+    assert!(
+        after <= TTL + Duration::from_secs(1),
+        "gone after {after:?}"
+    );
     assert!(d.lookup(CLUSTER, "crashed").unwrap().is_none());
 }
 
 #[test]
 fn hostile_records_are_skipped_with_their_key() {
-    let Some(e) = Etcd::start_or_skip() else { return };
+    let Some(e) = Etcd::start_or_skip() else {
+        return;
+    };
     let d = connect(&e);
     let good = d.publish(record("good"), TTL).unwrap();
     let prefix = directory::record::members_prefix(CLUSTER);
@@ -124,8 +133,14 @@ fn hostile_records_are_skipped_with_their_key() {
     let hostile: Vec<(String, Vec<u8>)> = vec![
         (format!("{prefix}garbage"), b"\xff\x00not json".to_vec()),
         (format!("{prefix}huge"), vec![b'['; 1 << 20]),
-        (format!("{prefix}v99"), serde_json::to_vec(&wrong_version).unwrap()),
-        (format!("{prefix}theirs"), serde_json::to_vec(&theirs).unwrap()),
+        (
+            format!("{prefix}v99"),
+            serde_json::to_vec(&wrong_version).unwrap(),
+        ),
+        (
+            format!("{prefix}theirs"),
+            serde_json::to_vec(&theirs).unwrap(),
+        ),
         (format!("{prefix}a/b"), record("a").encode().unwrap()),
     ];
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -192,14 +207,15 @@ fn an_unreachable_etcd_is_one_clear_error_in_bounded_time() {
     let err = EtcdDirectory::connect(std::slice::from_ref(&endpoint), opts)
         .err()
         .expect("nothing listens there");
-    assert!(t.elapsed() < Duration::from_secs(3), "took {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        t.elapsed()
+    );
     let msg = err.to_string();
     assert!(matches!(err, Error::Unreachable { .. }), "{msg}");
     assert!(msg.contains(&endpoint), "{msg}");
-    assert!(matches!(
-        directory::open("etcd://"),
-        Err(Error::Url { .. })
-    ));
+    assert!(matches!(directory::open("etcd://"), Err(Error::Url { .. })));
     assert!(matches!(
         directory::open("http://x"),
         Err(Error::Url { .. })
@@ -208,7 +224,9 @@ fn an_unreachable_etcd_is_one_clear_error_in_bounded_time() {
 
 #[test]
 fn calls_time_out_while_etcd_is_away_and_work_again_when_it_returns() {
-    let Some(mut e) = Etcd::start_or_skip() else { return };
+    let Some(mut e) = Etcd::start_or_skip() else {
+        return;
+    };
     let opts = EtcdOptions {
         call_timeout: Duration::from_secs(1),
         ..EtcdOptions::default()
@@ -217,7 +235,11 @@ fn calls_time_out_while_etcd_is_away_and_work_again_when_it_returns() {
     e.kill();
     let t = Instant::now();
     let err = d.lookup(CLUSTER, "a").expect_err("etcd is down");
-    assert!(t.elapsed() < Duration::from_secs(3), "took {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        t.elapsed()
+    );
     assert!(err.to_string().contains(&e.endpoint()), "{err}");
     e.restart(false);
     // The client reconnects by itself.
@@ -230,7 +252,9 @@ fn calls_time_out_while_etcd_is_away_and_work_again_when_it_returns() {
 /// etcd restarted under live members: with its data or without, they stay (re-published
 /// where etcd lost them), no leave is reported for them, and the watch goes on.
 fn survive_restart(wipe: bool) {
-    let Some(mut e) = Etcd::start_or_skip() else { return };
+    let Some(mut e) = Etcd::start_or_skip() else {
+        return;
+    };
     let d = connect(&e);
     let _a = d.publish(record("a"), TTL).unwrap();
     let _b = d.publish(record("b"), TTL).unwrap();
@@ -244,7 +268,10 @@ fn survive_restart(wipe: bool) {
         if n == 2 {
             break;
         }
-        assert!(Instant::now() < until, "members not back after the restart: {n}");
+        assert!(
+            Instant::now() < until,
+            "members not back after the restart: {n}"
+        );
     }
     // The watch follows the new etcd: a new member is seen, and nobody left.
     let _c = d.publish(record("c"), TTL).unwrap();
@@ -252,7 +279,17 @@ fn survive_restart(wipe: bool) {
     events.retain(|e| !matches!(e, Event::Updated { .. }));
     let seen: Vec<String> = events
         .iter()
-        .map(|e| format!("{} {}", if matches!(e, Event::Joined(_)) { "joined" } else { "other" }, name(e)))
+        .map(|e| {
+            format!(
+                "{} {}",
+                if matches!(e, Event::Joined(_)) {
+                    "joined"
+                } else {
+                    "other"
+                },
+                name(e)
+            )
+        })
         .collect();
     assert_eq!(seen, ["joined c"], "{events:?}");
 }

@@ -16,7 +16,10 @@ fn path(tag: &str) -> PathBuf {
 fn publish_lookup_watch_and_withdraw_through_a_file() {
     let p = path("basic");
     let d = FileDirectory::open(&p).with_poll(Duration::from_millis(20));
-    assert!(d.members("c").unwrap().members.is_empty(), "no file is an empty directory");
+    assert!(
+        d.members("c").unwrap().members.is_empty(),
+        "no file is an empty directory"
+    );
     let w = d.watch("c").unwrap();
     let mut r = Record::new("c", "n1", "tcp");
     r.addresses = vec![vec![9; 4]];

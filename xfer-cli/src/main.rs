@@ -17,6 +17,7 @@ mod control;
 mod demo;
 mod info;
 mod latency;
+mod members;
 mod nics;
 mod pattern;
 mod placement;
@@ -60,6 +61,8 @@ enum Cmd {
     Demo(DemoArgs),
     /// Show the topology (NUMA nodes, GPUs, NICs, PCIe switches) and the placement plan.
     Topo(topo::TopoArgs),
+    /// List a cluster's members from the directory, or watch them join and leave.
+    Members(members::MembersArgs),
     /// Show the transports, memory, CUDA devices and topology this machine offers.
     Info {
         /// One JSON object instead of text.
@@ -190,13 +193,30 @@ struct ServeArgs {
     per_gpu: bool,
     #[command(flatten)]
     limits: control::ServeLimits,
+    #[command(flatten)]
+    publish: members::PublishArgs,
 }
 
-#[derive(Args)]
+#[derive(Args, Clone)]
 struct BenchArgs {
     /// The server, as printed by `xfer serve` (xfer://HOST:PORT).
     #[arg(long)]
-    peer: String,
+    peer: Option<String>,
+    /// The server by its name in the cluster directory (with --directory).
+    #[arg(long, value_name = "NAME")]
+    peer_name: Option<String>,
+    /// `all`: write to every member of the cluster in turn, for --duration seconds,
+    /// following members as they join and leave (with --directory).
+    #[arg(long, value_name = "all", value_parser = ["all"])]
+    peers: Option<String>,
+    /// With --peers all: how long to keep going, in seconds.
+    #[arg(long, default_value_t = 10)]
+    duration: u64,
+    #[command(flatten)]
+    dir: members::DirectoryArgs,
+    /// The server's control address (from --peer or --peer-name).
+    #[arg(skip)]
+    target: String,
     #[command(flatten)]
     knobs: Knobs,
     #[command(flatten)]
@@ -505,6 +525,7 @@ fn main() -> ExitCode {
     let r = match cli.cmd {
         Cmd::Serve(a) => remote::serve(a),
         Cmd::Bench(a) => remote::bench(a),
+        Cmd::Members(a) => members::members(a),
         Cmd::Demo(a) => demo::run(a),
         Cmd::Topo(a) => topo::run(a),
         Cmd::Info { json } => info::run(json),

@@ -22,13 +22,17 @@ use transport_tcp::TcpTransport;
 
 /// Runs `xfer bench`.
 pub fn bench(mut a: BenchArgs) -> Result<(), CliError> {
+    if a.peers.is_some() {
+        return crate::members::bench_all(a);
+    }
+    a.target = crate::members::resolve_peer(&a)?;
     let w = workload_of(&a.knobs)?;
     if a.backend.transport == TransportKind::Mem {
         return Err(CliError::Usage(
             "--transport mem works only inside one process: use xfer demo".into(),
         ));
     }
-    let ctl_addr = control::parse_peer(&a.peer).map_err(CliError::Usage)?;
+    let ctl_addr = control::parse_peer(&a.target).map_err(CliError::Usage)?;
     a.backend.check_available()?;
     // The NICs of each worker's rails (auto resolves to tcp unless the server picks
     // cuda-ipc, which runs on no NIC).
@@ -143,7 +147,7 @@ fn bench_latency(
         &mut imm,
         &mut raw,
     )
-    .at_peer(&a.peer)
+    .at_peer(&a.target)
     .print(k.json);
     Ok(())
 }
@@ -156,7 +160,7 @@ type BenchResult = (BackendArgs, RunReport, bool, Option<(f64, &'static str)>);
 /// One bench worker: its own control connection (to server worker `worker`), rails, source
 /// region (on `--gpus[worker]`, or the first), run and verification, then with
 /// `--baseline` (one worker only) the raw streams ([`baseline_streams`]).
-fn bench_worker(
+pub(crate) fn bench_worker(
     a: &BenchArgs,
     ctl_addr: SocketAddr,
     w: &Workload,
@@ -548,6 +552,23 @@ pub fn serve(mut a: ServeArgs) -> Result<(), CliError> {
             ctl
         );
     }
+    // Published before the bench line is printed: whoever read that line finds the record.
+    let _publication = crate::members::publish(
+        &a.publish,
+        crate::members::Offer {
+            ctl,
+            transport: kinds[0].name(),
+            addresses: groups
+                .first()
+                .map(|g| g.group.addresses())
+                .unwrap_or_default(),
+            memory: a.backend.memory,
+            gpu: (a.backend.memory == MemoryKind::Cuda)
+                .then(|| a.backend.gpus.first().copied())
+                .flatten(),
+            nics: &first,
+        },
+    )?;
     println!("{}", bench_line(ctl, &a, &kinds));
     use std::io::Write;
     let _ = std::io::stdout().flush();
