@@ -240,6 +240,12 @@ fn imm_value(imm: Option<i64>) -> PyResult<Option<u32>> {
 }
 
 impl Engine {
+    /// The transport's name and each rail's address, for a directory record.
+    pub(crate) fn published(&self) -> PyResult<(&'static str, Vec<Vec<u8>>)> {
+        let core = self.shared.core()?;
+        Ok((core.kind.name(), core.group.addresses()))
+    }
+
     fn check_own(&self, shared: &Arc<Shared>, what: &str) -> PyResult<()> {
         if Arc::ptr_eq(shared, &self.shared) {
             Ok(())
@@ -683,6 +689,11 @@ impl Drop for Engine {
 }
 
 impl Registration {
+    /// The descriptor peers write with, for a directory record.
+    pub(crate) fn remote(&self) -> fabric_core::engine::RemoteDescriptor {
+        self.reg.remote.clone()
+    }
+
     /// Deregisters; on success gives the memory back (now, or once no transport holds it).
     fn close_inner(&self, py: Python<'_>) -> PyResult<()> {
         if self.closed.swap(true, Ordering::AcqRel) {

@@ -86,6 +86,12 @@ create_exception!(
     XferError,
     "The transport failed in its own way (OS, provider or device error)."
 );
+create_exception!(
+    xfer,
+    DirectoryError,
+    XferError,
+    "The cluster directory failed: etcd unreachable or too slow, a bad URL, a record refused."
+);
 
 /// Registers the exception classes in the module.
 pub fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -103,6 +109,7 @@ pub fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("RegionInUse", py.get_type::<RegionInUse>())?;
     m.add("Unsupported", py.get_type::<Unsupported>())?;
     m.add("TransportFailed", py.get_type::<TransportFailed>())?;
+    m.add("DirectoryError", py.get_type::<DirectoryError>())?;
     Ok(())
 }
 
@@ -158,4 +165,23 @@ pub fn wire_error(e: &WireError) -> PyErr {
 /// `InvalidArgument(msg)`.
 pub fn invalid(msg: impl Into<String>) -> PyErr {
     InvalidArgument::new_err(msg.into())
+}
+
+/// A directory error as Python sees it: a timeout is `TimedOut`, the rest `DirectoryError`;
+/// the message carries every source.
+pub fn directory_error(e: &directory::Error) -> PyErr {
+    let mut msg = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(s) = src {
+        let text = s.to_string();
+        if !msg.contains(&text) {
+            msg.push_str(": ");
+            msg.push_str(&text);
+        }
+        src = s.source();
+    }
+    match e {
+        directory::Error::TimedOut { .. } => TimedOut::new_err(msg),
+        _ => DirectoryError::new_err(msg),
+    }
 }

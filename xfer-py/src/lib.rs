@@ -26,10 +26,12 @@
 //! Dependencies: `pyo3` (the binding; `abi3-py311` because the buffer protocol is in the
 //! stable ABI from Python 3.11, the version of Debian 12), the workspace's backend crates,
 //! `thiserror` for the crate's error enums, and `if-addrs` (as the CLI) to find the address
-//! of each NIC named in `nics`.
+//! of each NIC named in `nics`, and the workspace's `directory` crate for `xfer.Directory`
+//! (etcd or a file: members find each other by name).
 #![warn(missing_docs)]
 
 pub mod backend;
+mod directory;
 mod engine;
 pub mod errors;
 pub mod memory;
@@ -44,6 +46,9 @@ fn _xfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::Registration>()?;
     m.add_class::<engine::Peer>()?;
     m.add_class::<engine::Handle>()?;
+    m.add_class::<directory::Directory>()?;
+    m.add_class::<directory::Publication>()?;
+    m.add_class::<directory::Watch>()?;
     errors::add(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

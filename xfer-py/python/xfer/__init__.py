@@ -23,6 +23,8 @@ Errors are subclasses of :class:`Error`, one per kind (``TimedOut``,
 
 from ._xfer import (  # noqa: F401
     Cancelled,
+    Directory,
+    DirectoryError,
     Engine,
     EngineClosed,
     Error,
@@ -33,17 +35,23 @@ from ._xfer import (  # noqa: F401
     PeerRemoved,
     PeerUnreachable,
     PermissionDenied,
+    Publication,
     Registration,
     RegionInUse,
     RemoteKeyInvalid,
     TimedOut,
     TransportFailed,
     Unsupported,
+    Watch,
     __version__,
 )
 
 __all__ = [
     "Engine",
+    "Directory",
+    "Publication",
+    "Watch",
+    "DirectoryError",
     "Registration",
     "Peer",
     "Handle",

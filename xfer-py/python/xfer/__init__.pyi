@@ -188,3 +188,33 @@ class Engine:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None: ...
+
+class DirectoryError(Error):
+    """The cluster directory failed: etcd unreachable, a bad URL, a record refused."""
+
+class Publication:
+    """A published record; withdraw() removes it (a dead process's goes after its ttl)."""
+    def withdraw(self) -> None: ...
+
+class Watch:
+    """A cluster's changes in order: every member now as "joined", then each change."""
+    def next(self, timeout: float = 1.0) -> tuple[str, dict[str, Any]] | None:
+        """("joined" | "updated" | "left", member), or None after `timeout` seconds."""
+
+class Directory:
+    """A cluster directory: etcd://HOST:PORT[,HOST:PORT...] or file://PATH.
+
+    Members are dicts: name, address (bytes for Engine.add_peer), regions (name ->
+    descriptor bytes), transport, host, memory, gpu, nics, control, instance, age_s.
+    """
+    def __init__(self, url: str, cluster: str = "default") -> None: ...
+    def publish(
+        self,
+        name: str,
+        engine: Engine,
+        regions: dict[str, Registration] | None = None,
+        ttl: float = 10.0,
+    ) -> Publication: ...
+    def lookup(self, name: str) -> dict[str, Any] | None: ...
+    def members(self) -> list[dict[str, Any]]: ...
+    def watch(self) -> Watch: ...

@@ -1,0 +1,205 @@
+//! `xfer.Directory`: the cluster directory ([`directory`]) from Python. An engine publishes
+//! itself and named registrations; peers look it up, list or watch the cluster, and get
+//! members as dicts whose `address` and `regions` are the same bytes `Engine.add_peer` and
+//! the write calls take.
+
+use crate::engine::{Engine, Registration};
+use crate::errors::{directory_error, invalid};
+use crate::wire::{EngineAddress, encode_descriptor};
+use directory::{Event, Member, Record};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// A cluster directory: `Directory("etcd://HOST:2379", cluster="default")` or
+/// `Directory("file:///path/members.json")`.
+#[pyclass(module = "xfer", frozen)]
+pub struct Directory {
+    dir: Box<dyn directory::Directory>,
+    cluster: String,
+}
+
+/// A published record; `withdraw()` (or closing the directory's process) removes it.
+#[pyclass(module = "xfer", frozen)]
+pub struct Publication {
+    inner: Mutex<Option<directory::Publication>>,
+}
+
+/// A cluster's joins, updates and leaves, in order, from `Directory.watch()`.
+#[pyclass(module = "xfer", frozen)]
+pub struct Watch {
+    inner: Mutex<directory::Watch>,
+}
+
+/// A member as a dict: name, address (bytes for Engine.add_peer), regions (name ->
+/// descriptor bytes), transport, host, memory, gpu, nics, control, instance, age_s.
+fn member_dict<'py>(py: Python<'py>, m: &Member) -> PyResult<Bound<'py, PyDict>> {
+    let r = &m.record;
+    let d = PyDict::new(py);
+    d.set_item("name", &r.name)?;
+    let address = EngineAddress {
+        process: 0,
+        transport: r.transport.clone(),
+        rails: r.addresses.clone(),
+    };
+    d.set_item("address", PyBytes::new(py, &address.encode()))?;
+    let regions = PyDict::new(py);
+    for (name, desc) in &r.regions {
+        regions.set_item(name, PyBytes::new(py, &encode_descriptor(desc)))?;
+    }
+    d.set_item("regions", regions)?;
+    d.set_item("transport", &r.transport)?;
+    d.set_item("host", &r.host)?;
+    d.set_item("memory", &r.memory)?;
+    d.set_item("gpu", r.gpu)?;
+    d.set_item("nics", r.nics.clone())?;
+    d.set_item("control", r.control.clone())?;
+    d.set_item("instance", r.instance)?;
+    d.set_item("age_s", r.age().as_secs_f64())?;
+    Ok(d)
+}
+
+#[pymethods]
+impl Directory {
+    /// Opens the directory at `url` (etcd://HOST:PORT[,HOST:PORT...] or file://PATH) for
+    /// `cluster`. An unreachable etcd raises DirectoryError naming it, within seconds.
+    #[new]
+    #[pyo3(signature = (url, cluster="default"))]
+    fn new(py: Python<'_>, url: &str, cluster: &str) -> PyResult<Directory> {
+        directory::record::check_name("cluster", cluster)
+            .map_err(|e| directory_error(&e.into()))?;
+        let url = url.to_string();
+        let dir = py
+            .detach(|| directory::open(&url))
+            .map_err(|e| directory_error(&e))?;
+        Ok(Directory {
+            dir,
+            cluster: cluster.to_string(),
+        })
+    }
+
+    /// The directory's URL and the cluster.
+    fn __repr__(&self) -> String {
+        format!(
+            "Directory({:?}, cluster={:?})",
+            self.dir.endpoint(),
+            self.cluster
+        )
+    }
+
+    /// Publishes `engine` as member `name`, with `regions` (name -> Registration) that
+    /// peers may use, for `ttl` seconds past this process's last renewal.
+    #[pyo3(signature = (name, engine, regions=None, ttl=10.0))]
+    fn publish(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        engine: &Engine,
+        regions: Option<HashMap<String, PyRef<'_, Registration>>>,
+        ttl: f64,
+    ) -> PyResult<Publication> {
+        if !(ttl.is_finite() && ttl > 0.0) {
+            return Err(invalid(format!(
+                "ttl must be a positive number of seconds, not {ttl}"
+            )));
+        }
+        let (transport, addresses) = engine.published()?;
+        let mut r = Record::new(&self.cluster, name, transport);
+        r.addresses = addresses;
+        for (n, reg) in regions.unwrap_or_default() {
+            r.regions.insert(n, reg.remote());
+        }
+        let p = py
+            .detach(|| self.dir.publish(r, Duration::from_secs_f64(ttl)))
+            .map_err(|e| directory_error(&e))?;
+        Ok(Publication {
+            inner: Mutex::new(Some(p)),
+        })
+    }
+
+    /// The member `name` as a dict, or None.
+    fn lookup<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let found = py
+            .detach(|| self.dir.lookup(&self.cluster, name))
+            .map_err(|e| directory_error(&e))?;
+        found.map(|m| member_dict(py, &m)).transpose()
+    }
+
+    /// Every member now, as dicts (records that are not valid are skipped, and logged).
+    fn members<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let l = py
+            .detach(|| self.dir.members(&self.cluster))
+            .map_err(|e| directory_error(&e))?;
+        l.members.iter().map(|m| member_dict(py, m)).collect()
+    }
+
+    /// Watches the cluster: every member now as "joined", then each change.
+    fn watch(&self, py: Python<'_>) -> PyResult<Watch> {
+        let w = py
+            .detach(|| self.dir.watch(&self.cluster))
+            .map_err(|e| directory_error(&e))?;
+        Ok(Watch {
+            inner: Mutex::new(w),
+        })
+    }
+}
+
+#[pymethods]
+impl Publication {
+    /// Removes the record now; watchers see "left".
+    fn withdraw(&self, py: Python<'_>) -> PyResult<()> {
+        let p = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
+        match p {
+            Some(p) => py.detach(|| p.withdraw()).map_err(|e| directory_error(&e)),
+            None => Ok(()),
+        }
+    }
+}
+
+#[pymethods]
+impl Watch {
+    /// The next change, waiting at most `timeout` seconds (GIL released): a tuple
+    /// (kind, member) with kind "joined", "updated" or "left", or None if nothing came.
+    #[pyo3(signature = (timeout=1.0))]
+    fn next<'py>(
+        &self,
+        py: Python<'py>,
+        timeout: f64,
+    ) -> PyResult<Option<(&'static str, Bound<'py, PyDict>)>> {
+        if !(timeout.is_finite() && timeout >= 0.0) {
+            return Err(invalid(format!(
+                "timeout must be seconds >= 0, not {timeout}"
+            )));
+        }
+        let until = std::time::Instant::now() + Duration::from_secs_f64(timeout);
+        loop {
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            let ev = py
+                .detach(|| {
+                    self.inner
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .next(left.min(Duration::from_millis(100)))
+                })
+                .map_err(|e| directory_error(&e))?;
+            let (kind, m) = match ev {
+                Some(Event::Joined(m)) => ("joined", m),
+                Some(Event::Updated { new, .. }) => ("updated", *new),
+                Some(Event::Left(m)) => ("left", m),
+                // Skipped records were logged; the watch goes on.
+                Some(_) => continue,
+                None => {
+                    // Ctrl-C between waits.
+                    py.check_signals()?;
+                    if left.is_zero() {
+                        return Ok(None);
+                    }
+                    continue;
+                }
+            };
+            return Ok(Some((kind, member_dict(py, &m)?)));
+        }
+    }
+}
