@@ -301,3 +301,19 @@ pub enum MemoryError {
 
 /// Result alias for fallible calls.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// `e`'s message followed by those of its sources, each once (an error whose message
+/// already carries its source's text does not repeat it): one line for a person to read.
+pub fn report(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut msg = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        let text = s.to_string();
+        if !msg.contains(&text) {
+            msg.push_str(": ");
+            msg.push_str(&text);
+        }
+        src = s.source();
+    }
+    msg
+}

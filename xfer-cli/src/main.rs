@@ -373,18 +373,7 @@ pub(crate) enum CliError {
 
 impl From<Error> for CliError {
     fn from(e: Error) -> Self {
-        let mut msg = e.to_string();
-        let mut src = std::error::Error::source(&e);
-        while let Some(s) = src {
-            // Errors that carry their source's text in their own message would say it twice.
-            let text = s.to_string();
-            if !msg.contains(&text) {
-                msg.push_str(": ");
-                msg.push_str(&text);
-            }
-            src = s.source();
-        }
-        CliError::Failed(msg)
+        CliError::Failed(fabric_core::error::report(&e))
     }
 }
 

@@ -43,17 +43,7 @@ impl DirectoryArgs {
 
 /// A directory error as the CLI reports it (with its sources).
 fn dir_error(e: directory::Error) -> CliError {
-    let mut msg = e.to_string();
-    let mut src = std::error::Error::source(&e);
-    while let Some(s) = src {
-        let text = s.to_string();
-        if !msg.contains(&text) {
-            msg.push_str(": ");
-            msg.push_str(&text);
-        }
-        src = s.source();
-    }
-    CliError::Failed(msg)
+    CliError::Failed(fabric_core::error::report(&e))
 }
 
 /// What `serve` publishes, from its flags.

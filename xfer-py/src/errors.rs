@@ -170,16 +170,7 @@ pub fn invalid(msg: impl Into<String>) -> PyErr {
 /// A directory error as Python sees it: a timeout is `TimedOut`, the rest `DirectoryError`;
 /// the message carries every source.
 pub fn directory_error(e: &directory::Error) -> PyErr {
-    let mut msg = e.to_string();
-    let mut src = std::error::Error::source(e);
-    while let Some(s) = src {
-        let text = s.to_string();
-        if !msg.contains(&text) {
-            msg.push_str(": ");
-            msg.push_str(&text);
-        }
-        src = s.source();
-    }
+    let msg = fabric_core::error::report(e);
     match e {
         directory::Error::TimedOut { .. } => TimedOut::new_err(msg),
         _ => DirectoryError::new_err(msg),
