@@ -8,7 +8,8 @@
 # network-namespace fault tests (transport-tcp/tests/netns_faults.rs), and python3 with
 # venv (the xfer-py package's test venv) and its development files (libpython, which
 # `cargo test` links xfer-py's unit tests against; the extension module does not link it),
-# protoc (the directory crate's etcd client compiles etcd's .proto files when it builds) and
+# protoc with protobuf's well-known .proto files (libprotobuf-dev: the directory crate's etcd
+# client compiles etcd's .proto files, which import them, when it builds) and
 # etcd (the directory's tests start a real one on loopback ports).
 XFER_DEB_PACKAGES=(
     gcc libc6-dev make
@@ -17,7 +18,7 @@ XFER_DEB_PACKAGES=(
     libhwloc-dev libudev-dev hwloc
     iproute2 nftables
     python3 python3-venv python3-dev
-    protobuf-compiler etcd-server
+    protobuf-compiler libprotobuf-dev etcd-server
 )
 
 # Prints the Debian packages of XFER_DEB_PACKAGES that are not installed, one a line.
