@@ -55,6 +55,7 @@ mod staging;
 use conn::{Conn, Inflight, Payload, ReadInto, ReadOutcome, Shared, TargetRegion};
 use fabric_core::memory::check_range;
 use fabric_core::recv::PostedRecv;
+use fabric_core::stats::{PeerState, TransportStats};
 use fabric_core::wake::{Wake, WakeFd};
 use fabric_core::{
     Access, Completion, Error, LocalKey, LocalSlice, MemoryRegion, OpError, OpKind, PeerId,
@@ -375,6 +376,11 @@ impl TcpTransport {
             if p.passive && p.conns.is_empty() {
                 self.peers.remove(&peer);
                 self.passive.retain(|_, id| *id != peer);
+                self.shared.stats.peer_closed(peer, Some(err.to_string()));
+            } else {
+                self.shared
+                    .stats
+                    .peer_error(peer, err.to_string(), p.conns.len());
             }
         }
     }
@@ -507,7 +513,31 @@ impl TcpTransport {
                 self.close_conn(i, err.clone());
             }
         }
+        self.shared.stats.peer_closed(peer, Some(reason.clone()));
         self.failed_connects.insert(peer, reason);
+    }
+
+    /// A connection of `peer` we opened is up: the peer is connected once all are.
+    fn note_connected(&mut self, peer: PeerId) {
+        let Some(p) = self.peers.get(&peer) else {
+            return;
+        };
+        let up = p
+            .conns
+            .iter()
+            .filter(|&&i| {
+                self.conns
+                    .get(i)
+                    .and_then(Option::as_ref)
+                    .is_some_and(|c| c.connecting.is_none())
+            })
+            .count();
+        let state = if up == p.conns.len() {
+            PeerState::Connected
+        } else {
+            PeerState::Connecting
+        };
+        self.shared.stats.peer_state(peer, state, up);
     }
 
     fn on_hello(&mut self, idx: usize, rail: u32, instance: u64, address: Vec<u8>) {
@@ -526,11 +556,19 @@ impl TcpTransport {
                         passive: true,
                     },
                 );
+                self.shared.stats.peer_added(
+                    id,
+                    String::from_utf8_lossy(&address).into_owned(),
+                    true,
+                );
                 id
             }
         };
         if let Some(p) = self.peers.get_mut(&id) {
             p.conns.push(idx);
+            self.shared
+                .stats
+                .peer_state(id, PeerState::Connected, p.conns.len());
         }
         if let Some(c) = self.conns[idx].as_mut() {
             c.peer = id;
@@ -586,6 +624,9 @@ impl Transport for TcpTransport {
             conns.push(self.insert_conn(c));
         }
         self.next_peer += 1;
+        self.shared
+            .stats
+            .peer_added(id, String::from_utf8_lossy(address).into_owned(), false);
         self.peers.insert(
             id,
             Peer {
@@ -617,6 +658,7 @@ impl Transport for TcpTransport {
         for idx in p.conns {
             self.close_conn(idx, OpError::PeerRemoved(peer));
         }
+        self.shared.stats.peer_closed(peer, None);
         tracing::debug!(%peer, address = %String::from_utf8_lossy(&p.address), "peer removed");
         Ok(())
     }
@@ -785,13 +827,17 @@ impl Transport for TcpTransport {
 
     fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize> {
         self.accept_new();
+        let mut connected = Vec::new();
         for idx in 0..self.conns.len() {
             let Some(c) = self.conns[idx].as_mut() else {
                 continue;
             };
             if let Some(deadline) = c.connecting {
                 match io::connect_outcome(&c.stream) {
-                    Ok(true) => c.connecting = None,
+                    Ok(true) => {
+                        c.connecting = None;
+                        connected.push(c.peer);
+                    }
                     Ok(false) if std::time::Instant::now() < deadline => continue,
                     Ok(false) => {
                         let (peer, reason) = (
@@ -867,6 +913,9 @@ impl Transport for TcpTransport {
                 self.close_conn(idx, OpError::PeerUnreachable { peer, reason });
             }
         }
+        for peer in connected {
+            self.note_connected(peer);
+        }
         let n = self.shared.completions.len();
         out.append(&mut self.shared.completions);
         Ok(n)
@@ -924,6 +973,13 @@ impl Transport for TcpTransport {
 
     fn waker(&mut self) -> Arc<dyn Wake> {
         self.wake.waker()
+    }
+
+    /// Counted as it happens: bytes peers' WRITEs placed in our regions, READs served,
+    /// requests refused, checksums that did not match, and every peer (added or connected
+    /// to us) with its state and the error that closed its last connection to fail.
+    fn stats(&mut self) -> Option<Arc<TransportStats>> {
+        Some(self.shared.stats.clone())
     }
 }
 

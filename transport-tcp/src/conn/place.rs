@@ -125,6 +125,7 @@ impl Conn {
             },
             Err(err) => {
                 tracing::debug!(peer = %self.peer, error = %err, "rejected WRITE");
+                TransportStats::add(&shared.stats.refused_requests, 1);
                 if self.discard.is_empty() && h.len > 0 {
                     self.discard = vec![0u8; DISCARD].into_boxed_slice();
                 }
@@ -207,6 +208,8 @@ impl Conn {
     ) -> Result<(), TcpError> {
         match finish {
             Finish::Write { imm, len } => {
+                TransportStats::add(&shared.stats.received_bytes, len);
+                TransportStats::add(&shared.stats.received_writes, 1);
                 let event = imm.map(|imm| Completion {
                     wr_id: WorkRequestId(0),
                     op: OpKind::RemoteWrite,
@@ -311,12 +314,14 @@ impl Conn {
                         assigned: 0,
                     }
                 };
+                TransportStats::add(&shared.stats.served_read_bytes, h.len);
                 let mut reply = Header::new(Op::ReadReply, h.len);
                 reply.wr_id = h.wr_id;
                 self.answer(None, Answer::Reply(reply, payload), None, shared);
             }
             Err(err) => {
                 tracing::debug!(peer = %self.peer, error = %err, "rejected READ");
+                TransportStats::add(&shared.stats.refused_requests, 1);
                 self.nack(&err, h.wr_id, shared);
             }
         }
