@@ -9,7 +9,8 @@
 //! Dependencies beyond the workspace's own, each in place of code we wrote by hand:
 //! `bytesize` parses and prints sizes (`64KiB`, `4.3 GiB`), `indicatif` draws the progress
 //! line (only on a terminal, rate-limited), `fastrand` picks the pages (small, seeded,
-//! no dependencies), `hex` encodes binary addresses and token digests.
+//! no dependencies), `hex` encodes binary addresses and token digests,
+//! `prometheus-client` writes the `--metrics` exposition (see [`metrics`]).
 
 mod backend;
 mod baseline;
@@ -17,6 +18,7 @@ mod control;
 mod demo;
 mod info;
 mod latency;
+mod metrics;
 mod nics;
 mod pattern;
 mod placement;
@@ -190,6 +192,12 @@ struct ServeArgs {
     per_gpu: bool,
     #[command(flatten)]
     limits: control::ServeLimits,
+    /// Serve Prometheus metrics (text exposition) at http://ADDR/metrics: per-rail bytes,
+    /// operations, re-posts, errors and operations in flight, bytes peers wrote here, peers'
+    /// state and last error, transfer latency, registered bytes, clients and refusals by
+    /// reason. Port 0 picks one; the address is printed on stderr.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<SocketAddr>,
 }
 
 #[derive(Args)]
@@ -210,6 +218,13 @@ struct BenchArgs {
     /// not with --per-gpu or --latency).
     #[arg(long)]
     baseline: bool,
+    /// Serve Prometheus metrics of this run's rails at http://ADDR/metrics while it runs
+    /// (as `serve --metrics`); the address is printed on stderr.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<SocketAddr>,
+    /// What `--metrics` reports (set once it listens).
+    #[arg(skip)]
+    metrics_sources: Option<std::sync::Arc<metrics::Sources>>,
 }
 
 #[derive(Args)]

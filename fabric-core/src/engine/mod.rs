@@ -306,7 +306,7 @@ impl Engine {
                     waker,
                     stats,
                 )));
-                worker::Worker::new(t, rx, internal_rx, ev_tx, c2, l2, wcfg, s2).run();
+                worker::Worker::new(t, rx, internal_rx, ev_tx, (c2, l2), wcfg, s2).run();
             })
             .map_err(|e| Error::io("spawn worker thread", e))?;
         let (address, backend, limits, reads, waker, transport_stats) =

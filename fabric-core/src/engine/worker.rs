@@ -172,8 +172,7 @@ impl<T: Transport> Worker<T> {
         rx: Receiver<Command>,
         internal: Receiver<Command>,
         events: Sender<Event>,
-        counters: Arc<Counters>,
-        latency: Arc<LatencyHistogram>,
+        (counters, latency): (Arc<Counters>, Arc<LatencyHistogram>),
         cfg: EngineConfig,
         sleeping: Arc<AtomicBool>,
     ) -> Self {
