@@ -56,10 +56,17 @@ fn engine(cfg: TcpConfig, name: &str) -> Engine {
 }
 
 fn setup(peer_timeout: Duration, faults: Faults) -> (Setup, fabric_core::PeerId) {
-    let cfg = TcpConfig {
-        peer_timeout,
-        ..TcpConfig::default()
-    };
+    setup_with(
+        TcpConfig {
+            peer_timeout,
+            ..TcpConfig::default()
+        },
+        faults,
+    )
+}
+
+/// As [`setup`], both transports with `cfg`.
+fn setup_with(cfg: TcpConfig, faults: Faults) -> (Setup, fabric_core::PeerId) {
     let a = engine(cfg.clone(), "initiator");
     let b = engine(cfg, "target");
     let src = HostBuffer::new_shared(REGION as usize).unwrap();
@@ -330,4 +337,135 @@ fn a_5s_stall_beyond_the_peer_timeout_fails_typed_before_it_ends() {
     );
     let touched: BTreeSet<u64> = ps.into_iter().collect();
     s.check(&BTreeSet::new(), &touched);
+}
+
+/// The offset, in the initiator's stream, of byte `at` of the payload of a transfer's only
+/// WRITE: after the HELLO, a BATCH header and the WRITE's header.
+fn in_first_payload(at: u64) -> u64 {
+    let probe = engine(TcpConfig::default(), "probe");
+    let hello = 40 + 12 + probe.address().len() as u64;
+    hello + 2 * 40 + at
+}
+
+#[test]
+fn a_flipped_payload_byte_is_refused_with_checksums_and_written_without() {
+    for checksum in [true, false] {
+        let (s, peer) = setup_with(
+            TcpConfig {
+                checksum,
+                ..TcpConfig::default()
+            },
+            Faults {
+                flip_at: Some(in_first_payload(1000)),
+                ..Faults::default()
+            },
+        );
+        let page = 5;
+        let r =
+            s.a.submit(s.transfer(peer, &[page], Duration::from_secs(30)))
+                .unwrap()
+                .wait(Duration::from_secs(40));
+        assert!(
+            s.proxy
+                .seen
+                .flipped
+                .load(std::sync::atomic::Ordering::SeqCst)
+        );
+        let got = s.page(page);
+        let want = s.src.to_vec(page * PAGE, PAGE as usize).unwrap();
+        let target = s.b.stats().transport.unwrap();
+        if checksum {
+            // Detected, not written: the page still holds the marker.
+            assert!(
+                matches!(r, Err(Error::Op(OpError::ChecksumMismatch))),
+                "with checksums: {r:?}"
+            );
+            assert!(
+                got.iter().all(|&b| b == FILL),
+                "a corrupted payload was placed"
+            );
+            assert_eq!(target.checksum_mismatches, 1);
+            assert_eq!(target.received_bytes, 0);
+            // The connection stays; the same write again (the proxy flips once) lands.
+            s.a.submit(s.transfer(peer, &[page], Duration::from_secs(30)))
+                .unwrap()
+                .wait(Duration::from_secs(40))
+                .expect("the write sent again lands");
+            let done = BTreeSet::from([page]);
+            s.check(&done, &done);
+        } else {
+            // Without them, the corruption lands unnoticed: one byte differs.
+            r.expect("without checksums the write succeeds");
+            let differ: Vec<usize> = (0..got.len()).filter(|&i| got[i] != want[i]).collect();
+            assert_eq!(differ, vec![1000], "exactly the flipped byte differs");
+            assert_eq!(target.checksum_mismatches, 0);
+            let done = BTreeSet::new();
+            s.check(&done, &BTreeSet::from([page]));
+        }
+    }
+}
+
+#[test]
+fn checksummed_writes_land_verified_in_batches_and_up_to_the_largest() {
+    let (s, peer) = setup_with(
+        TcpConfig {
+            checksum: true,
+            ..TcpConfig::default()
+        },
+        Faults::default(),
+    );
+    // The engine plans writes no longer than the target holds whole.
+    assert_eq!(
+        s.a.limits().max_msg_size,
+        transport_tcp::frame::CHECKSUM_MAX_LEN
+    );
+    // 32 scattered writes of odd lengths in one transfer: one BATCH whose payloads are
+    // each followed by their checksum.
+    let lens: Vec<u64> = (0..32).map(|i| 1 + i * 2047).collect();
+    let mut t = Transfer::new(peer).timeout(Duration::from_secs(30));
+    for (i, &len) in lens.iter().enumerate() {
+        let p = 2 * i as u64;
+        t = t.segment(Segment {
+            src: s.s.local,
+            src_offset: p * PAGE,
+            dst: s.d.remote,
+            dst_offset: p * PAGE,
+            len,
+        });
+    }
+    s.a.submit(t)
+        .unwrap()
+        .wait(Duration::from_secs(40))
+        .unwrap();
+    for (i, &len) in lens.iter().enumerate() {
+        let p = 2 * i as u64;
+        let got = s.page(p);
+        let want = s.src.to_vec(p * PAGE, len as usize).unwrap();
+        assert!(got[..len as usize] == want[..], "page {p}");
+        assert!(
+            got[len as usize..].iter().all(|&b| b == FILL),
+            "page {p} tail"
+        );
+    }
+    // The whole region in one segment: one write of the largest checksummed size.
+    let t = Transfer::new(peer)
+        .timeout(Duration::from_secs(30))
+        .segment(Segment {
+            src: s.s.local,
+            src_offset: 0,
+            dst: s.d.remote,
+            dst_offset: 0,
+            len: REGION,
+        });
+    let stats =
+        s.a.submit(t)
+            .unwrap()
+            .wait(Duration::from_secs(40))
+            .unwrap();
+    assert_eq!(stats.ops, 1);
+    let done: BTreeSet<u64> = (0..PAGES).collect();
+    s.check(&done, &done);
+    let target = s.b.stats().transport.unwrap();
+    assert_eq!(target.received_bytes, REGION + lens.iter().sum::<u64>());
+    assert_eq!(target.checksum_mismatches, 0);
 }

@@ -6,6 +6,7 @@
 //! REMOTE_READ) and answered from its region; the reply to one of ours lands like a WRITE.
 
 use super::*;
+use crate::frame::{CHECKSUM_LEN, CHECKSUM_MAX_LEN, FLAG_CRC};
 
 /// Where incoming payload bytes go.
 pub(super) enum Dest {
@@ -24,6 +25,15 @@ pub(super) enum Dest {
         end: u64,
     },
     Buffer(Vec<u8>),
+    /// A checksummed WRITE ([`FLAG_CRC`](crate::frame::FLAG_CRC)): its payload and
+    /// checksum gathered in `buf`, placed at `offset` of `mem` only once the checksum of
+    /// `head` and the payload matches.
+    Checked {
+        mem: Arc<dyn MemoryRegion>,
+        offset: u64,
+        head: [u8; HEADER_LEN],
+        buf: Vec<u8>,
+    },
     Discard,
 }
 
@@ -38,7 +48,7 @@ impl Dest {
                 }
                 *offset += src.len() as u64;
             }
-            Dest::Buffer(v) => v.extend_from_slice(src),
+            Dest::Buffer(v) | Dest::Checked { buf: v, .. } => v.extend_from_slice(src),
             Dest::Device { .. } => return Err(TcpError::DeviceBytesNotStaged),
             Dest::Discard => {}
         }
@@ -97,7 +107,30 @@ impl Conn {
                 limit: shared.max_msg_size,
             });
         }
+        let checked = h.flags & FLAG_CRC != 0;
+        if checked && h.len > CHECKSUM_MAX_LEN {
+            return Err(TcpError::TooLong {
+                op: Op::Write,
+                len: h.len,
+                limit: CHECKSUM_MAX_LEN,
+            });
+        }
+        // A checksummed payload is followed by its checksum.
+        let remaining = h.len + if checked { CHECKSUM_LEN } else { 0 };
         Ok(match validate(h, shared, Access::REMOTE_WRITE) {
+            Ok((mem, _)) if checked => Item {
+                dest: Dest::Checked {
+                    mem,
+                    offset: h.offset,
+                    head: h.encode(),
+                    buf: Vec::new(),
+                },
+                remaining,
+                finish: Finish::Write {
+                    imm: h.imm(),
+                    len: h.len,
+                },
+            },
             Ok((mem, via)) => Item {
                 dest: if mem.host_ptr().is_some() {
                     Dest::Region {
@@ -126,12 +159,12 @@ impl Conn {
             Err(err) => {
                 tracing::debug!(peer = %self.peer, error = %err, "rejected WRITE");
                 TransportStats::add(&shared.stats.refused_requests, 1);
-                if self.discard.is_empty() && h.len > 0 {
+                if self.discard.is_empty() && remaining > 0 {
                     self.discard = vec![0u8; DISCARD].into_boxed_slice();
                 }
                 Item {
                     dest: Dest::Discard,
-                    remaining: h.len,
+                    remaining,
                     finish: Finish::Rejected {
                         err,
                         wr_id: h.wr_id,
@@ -208,6 +241,16 @@ impl Conn {
     ) -> Result<(), TcpError> {
         match finish {
             Finish::Write { imm, len } => {
+                if let Dest::Checked {
+                    mem,
+                    offset,
+                    head,
+                    buf,
+                } = &dest
+                    && !self.place_checked(mem, *offset, head, buf, len, shared)?
+                {
+                    return Ok(());
+                }
                 TransportStats::add(&shared.stats.received_bytes, len);
                 TransportStats::add(&shared.stats.received_writes, 1);
                 let event = imm.map(|imm| Completion {
@@ -282,6 +325,43 @@ impl Conn {
             }
         }
         Ok(())
+    }
+
+    /// Places a checksummed WRITE's payload if its checksum matches (true); else counts
+    /// and NACKs it, placing nothing (false).
+    fn place_checked(
+        &mut self,
+        mem: &Arc<dyn MemoryRegion>,
+        offset: u64,
+        head: &[u8; HEADER_LEN],
+        buf: &[u8],
+        len: u64,
+        shared: &mut Shared,
+    ) -> Result<bool, TcpError> {
+        if buf.len() as u64 != len + CHECKSUM_LEN {
+            return Err(TcpError::ChecksumMissing {
+                got: buf.len() as u64,
+                len,
+            });
+        }
+        let (payload, sum) = buf.split_at(len as usize);
+        let want = u32::from_le_bytes(sum.try_into().expect("4 bytes, checked above"));
+        let got = crc32c::crc32c_append(crc32c::crc32c(head), payload);
+        if got != want {
+            let wr_id = u64::from_le_bytes(head[8..16].try_into().expect("8 bytes"));
+            tracing::warn!(peer = %self.peer, offset, len, "WRITE refused: checksum mismatch");
+            TransportStats::add(&shared.stats.checksum_mismatches, 1);
+            TransportStats::add(&shared.stats.refused_requests, 1);
+            self.nack(&OpError::ChecksumMismatch, wr_id, shared);
+            return Ok(false);
+        }
+        if !copy_to_region(&**mem, offset, payload) {
+            // Memory the CPU cannot address: one synchronous copy (checksums are a mode
+            // for integrity, not speed).
+            mem.write_from_host(offset, payload)
+                .map_err(TcpError::PlacePayload)?;
+        }
+        Ok(true)
     }
 
     /// Serves a peer's READ: validated (key, bounds, REMOTE_READ) before any byte leaves,
@@ -462,7 +542,7 @@ pub(super) fn direct(d: &Dest) -> bool {
         Dest::Region { mem, .. } => mem.host_ptr().is_some(),
         Dest::Discard => true,
         Dest::Device { .. } => true,
-        Dest::Buffer(_) => false,
+        Dest::Buffer(_) | Dest::Checked { .. } => false,
     }
 }
 
@@ -511,7 +591,7 @@ pub(super) fn read_batch(
                 }
                 _ => None,
             },
-            Dest::Buffer(_) => None,
+            Dest::Buffer(_) | Dest::Checked { .. } => None,
         };
         let Some(s) = slice else { break };
         let full = s.len() as u64 == item.remaining;

@@ -327,6 +327,13 @@ impl Conn {
         if self.awaiting_hello && h.op != Op::Hello {
             return Err(TcpError::BeforeHello { op: h.op });
         }
+        // Only WRITEs carry checksums.
+        if h.flags & crate::frame::FLAG_CRC != 0 && h.op != Op::Write {
+            return Err(TcpError::UnexpectedFlags {
+                op: h.op,
+                flags: h.flags,
+            });
+        }
         match h.op {
             Op::Hello => {
                 if !self.awaiting_hello {
