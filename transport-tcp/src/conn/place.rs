@@ -33,6 +33,8 @@ pub(super) enum Dest {
         offset: u64,
         head: [u8; HEADER_LEN],
         buf: Vec<u8>,
+        /// Bytes `buf` will hold: the payload and the checksum.
+        whole: usize,
     },
     Discard,
 }
@@ -48,7 +50,15 @@ impl Dest {
                 }
                 *offset += src.len() as u64;
             }
-            Dest::Buffer(v) | Dest::Checked { buf: v, .. } => v.extend_from_slice(src),
+            Dest::Buffer(v) => v.extend_from_slice(src),
+            Dest::Checked { buf, whole, .. } => {
+                if buf.capacity() == 0 {
+                    // Its payload and checksum, at once (made when its first bytes come,
+                    // so a batch holds one such buffer at a time).
+                    buf.reserve_exact(*whole);
+                }
+                buf.extend_from_slice(src)
+            }
             Dest::Device { .. } => return Err(TcpError::DeviceBytesNotStaged),
             Dest::Discard => {}
         }
@@ -124,6 +134,7 @@ impl Conn {
                     offset: h.offset,
                     head: h.encode(),
                     buf: Vec::new(),
+                    whole: remaining as usize,
                 },
                 remaining,
                 finish: Finish::Write {
@@ -246,6 +257,7 @@ impl Conn {
                     offset,
                     head,
                     buf,
+                    ..
                 } = &dest
                     && !self.place_checked(mem, *offset, head, buf, len, shared)?
                 {
