@@ -55,6 +55,11 @@ pub enum OpError {
     /// The operation was cancelled (transport shut down, receive withdrawn).
     #[error("cancelled")]
     Cancelled,
+    /// The target found the payload's checksum wrong (the bytes were corrupted on their
+    /// way) and placed none of them. Only transports that carry checksums report it (TCP
+    /// with `TcpConfig::checksum`); resubmitting is safe.
+    #[error("the target found the payload corrupted (checksum mismatch) and placed nothing")]
+    ChecksumMismatch,
     /// The peer reported an error that has no variant here.
     #[error("remote error: {0}")]
     Remote(String),

@@ -35,6 +35,7 @@ pub mod mem;
 pub mod memory;
 pub mod plan;
 pub mod recv;
+pub mod stats;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod transport;

@@ -15,6 +15,7 @@ use crate::error::{Error, OpError, Result};
 use crate::in_place;
 use crate::memory::{MemoryRegion, check_range};
 use crate::recv::{Arrival, PostedRecv, RecvMatch};
+use crate::stats::{PeerState, TransportStats};
 use crate::transport::{Completion, OpKind, PostOutcome, Transport, TransportLimits};
 use crate::types::{
     Access, LocalKey, LocalSlice, PeerId, Registration, RemoteKey, RemoteRegion, RemoteSlice,
@@ -66,6 +67,8 @@ struct Endpoint {
     /// Raised when a peer leaves events in the inbox (or the engine has work): `wait`
     /// sleeps on it.
     signal: Arc<Signal>,
+    /// What peers did to this endpoint: their writes count the bytes they place here.
+    stats: Arc<TransportStats>,
 }
 
 fn registry() -> &'static Mutex<HashMap<u64, Weak<Endpoint>>> {
@@ -132,6 +135,7 @@ impl MemTransport {
                 events: Vec::new(),
             }),
             signal: Arc::new(Signal::new()),
+            stats: Arc::new(TransportStats::default()),
         });
         lock(registry()).insert(id, Arc::downgrade(&me));
         MemTransport {
@@ -210,6 +214,8 @@ impl MemTransport {
             };
             let mut inbox = lock(&ep.inbox);
             let events_before = inbox.events.len();
+            // Bytes this run placed in the peer's memory (its writes, not reads).
+            let (mut placed, mut writes_placed, mut served) = (0u64, 0u64, 0u64);
             let mut views = RunViews::default();
             for w in &run[..PREFETCH_AHEAD.min(run.len())] {
                 let (s, d) = views.of(&self.local, &inbox, w);
@@ -222,6 +228,14 @@ impl MemTransport {
                 }
                 let (s, d) = views.of(&self.local, &inbox, w);
                 let result = write_into(&self.local, &inbox, w, s, d);
+                match (&result, w.read) {
+                    (Ok(len), false) => {
+                        placed += len;
+                        writes_placed += 1;
+                    }
+                    (Ok(len), true) => served += len,
+                    _ => {}
+                }
                 if let (Ok(len), Some(v)) = (&result, w.imm) {
                     inbox.events.push(Completion {
                         wr_id: WorkRequestId(0),
@@ -252,6 +266,9 @@ impl MemTransport {
             }
             let notify = inbox.events.len() > events_before;
             drop(inbox);
+            TransportStats::add(&ep.stats.received_bytes, placed);
+            TransportStats::add(&ep.stats.received_writes, writes_placed);
+            TransportStats::add(&ep.stats.served_read_bytes, served);
             if notify && !self.wake_later.iter().any(|w| Arc::ptr_eq(w, &ep.signal)) {
                 self.wake_later.push(ep.signal.clone());
             }
@@ -506,6 +523,8 @@ impl Transport for MemTransport {
         let p = PeerId(self.next_peer);
         self.next_peer += 1;
         self.peers.insert(p, ep);
+        self.me.stats.peer_added(p, s.to_owned(), false);
+        self.me.stats.peer_state(p, PeerState::Connected, 1);
         Ok(p)
     }
 
@@ -514,10 +533,13 @@ impl Transport for MemTransport {
         self.run_writes();
         self.wake_peers();
         self.last_peer = None;
-        self.peers
-            .remove(&peer)
-            .map(|_| ())
-            .ok_or(Error::UnknownPeer(peer))
+        self.peers.remove(&peer).ok_or(Error::UnknownPeer(peer))?;
+        self.me.stats.peer_closed(peer, None);
+        Ok(())
+    }
+
+    fn stats(&mut self) -> Option<Arc<TransportStats>> {
+        Some(self.me.stats.clone())
     }
 
     fn register(&mut self, mem: Arc<dyn MemoryRegion>, access: Access) -> Result<Registration> {

@@ -2,6 +2,7 @@
 
 use crate::error::{OpError, Result};
 use crate::memory::MemoryRegion;
+use crate::stats::TransportStats;
 use crate::types::{
     Access, LocalKey, LocalSlice, PeerId, Registration, RemoteSlice, WorkRequestId,
 };
@@ -192,5 +193,14 @@ pub trait Transport: Send + 'static {
     /// [`Signal`](crate::wake::Signal) it waits on).
     fn waker(&mut self) -> Arc<dyn Wake> {
         Arc::new(NoWake)
+    }
+
+    /// What this transport counts of its peers (bytes their WRITEs placed here, READs
+    /// served, requests refused, each peer's state and last error), shared with whoever
+    /// reads it while the transport runs: the engine asks once, in the thread that created
+    /// the transport, and reports it in [`Engine::stats`](crate::engine::Engine::stats).
+    /// The default keeps none.
+    fn stats(&mut self) -> Option<Arc<TransportStats>> {
+        None
     }
 }

@@ -149,6 +149,14 @@ pub enum TcpError {
         /// How long it waited.
         waited: Duration,
     },
+    /// A checksummed WRITE's bytes were not its payload and checksum (a bug).
+    #[error("a checksummed WRITE of {len} bytes came with {got} bytes")]
+    ChecksumMissing {
+        /// Bytes gathered.
+        got: u64,
+        /// The payload's length.
+        len: u64,
+    },
     /// Bytes received could not be placed in host memory.
     #[error("cannot place payload")]
     PlacePayload(#[source] MemoryError),

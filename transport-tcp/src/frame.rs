@@ -22,6 +22,12 @@
 //! READs (no payload: served in their turn) and READ_REPLYs, its payloads those of its
 //! WRITEs and READ_REPLYs in order.
 //!
+//! Checksums (opt-in, [`TcpConfig::checksum`](crate::TcpConfig::checksum)): a WRITE with
+//! [`FLAG_CRC`] is followed, after its payload, by the CRC32C of its encoded header and its
+//! payload (4 bytes, little endian); in a batch each such payload is followed by its own.
+//! The target gathers the payload, checks the sum, and only then places it, or NACKs it
+//! with [`code::CHECKSUM`]. A target without checksums refuses the flag as unknown.
+//!
 //! SEND flow control (protocol version [`PROTOCOL_VERSION`], which a HELLO carries in
 //! `code`): an `ACK` with `code` = [`ACK_CREDIT`] also grants SEND credit, `key` more
 //! messages and `offset` more bytes, and says in `wr_id` the receiver's credit window in
@@ -108,6 +114,19 @@ pub const ACK_CREDIT: u8 = 1;
 /// The header carries immediate data.
 pub const FLAG_IMM: u8 = 1;
 
+/// A WRITE whose payload is followed by [`CHECKSUM_LEN`] bytes: the CRC32C (little
+/// endian) of the header's 40 encoded bytes (this flag set) and the payload. The target
+/// checks it before any byte is placed and answers a mismatch with a NACK
+/// ([`code::CHECKSUM`]). Only WRITEs carry it, of at most [`CHECKSUM_MAX_LEN`] bytes.
+pub const FLAG_CRC: u8 = 2;
+
+/// Bytes of the checksum that follows a [`FLAG_CRC`] payload.
+pub const CHECKSUM_LEN: u64 = 4;
+
+/// Longest payload of a checksummed WRITE: the target holds it whole until the checksum
+/// says it may be placed.
+pub const CHECKSUM_MAX_LEN: u64 = 4 << 20;
+
 /// Most WRITEs in one batch.
 pub const MAX_BATCH: usize = 256;
 
@@ -171,7 +190,7 @@ impl Header {
     /// Decodes 40 bytes; `Err` names what is malformed.
     pub fn decode(b: &[u8; HEADER_LEN]) -> Result<Header, FrameError> {
         let op = Op::from_u8(b[0]).ok_or(FrameError::UnknownOp(b[0]))?;
-        if b[1] & !FLAG_IMM != 0 {
+        if b[1] & !(FLAG_IMM | FLAG_CRC) != 0 {
             return Err(FrameError::UnknownFlags(b[1]));
         }
         if b[3] != 0 {
@@ -203,6 +222,8 @@ pub mod code {
     pub const TRUNCATED: u8 = 4;
     /// The target could not place the bytes (device copy failed).
     pub const INTERNAL: u8 = 5;
+    /// The payload's checksum did not match: nothing was placed.
+    pub const CHECKSUM: u8 = 6;
 }
 
 /// The NACK header that reports `err` for request `wr_id`.
@@ -230,6 +251,7 @@ pub fn nack_for(err: &OpError, wr_id: u64) -> Header {
             h.len = len;
             h.offset = capacity;
         }
+        OpError::ChecksumMismatch => h.code = code::CHECKSUM,
         _ => h.code = code::INTERNAL,
     }
     h
@@ -249,6 +271,7 @@ pub fn error_of_nack(h: &Header) -> OpError {
             len: h.len,
             capacity: h.offset,
         },
+        code::CHECKSUM => OpError::ChecksumMismatch,
         c => OpError::Remote(format!("target failed to place the data (code {c})")),
     }
 }
@@ -309,6 +332,7 @@ mod tests {
                 len: 10,
                 capacity: 5,
             },
+            OpError::ChecksumMismatch,
         ] {
             assert_eq!(error_of_nack(&nack_for(&e, 1)), e);
         }

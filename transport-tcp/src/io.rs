@@ -106,6 +106,27 @@ pub fn copy_to_region(region: &dyn MemoryRegion, offset: u64, src: &[u8]) -> boo
     true
 }
 
+/// The CRC32C of `head` followed by the host bytes `offset..offset + len` of `region`,
+/// read through `scratch` in pieces of its size (a copy into our own buffer, never a
+/// reference over registered memory: see the module documentation).
+pub fn checksum(
+    head: &[u8],
+    region: &dyn MemoryRegion,
+    offset: u64,
+    len: usize,
+    scratch: &mut [u8],
+) -> Result<u32, fabric_core::MemoryError> {
+    let mut crc = crc32c::crc32c(head);
+    let mut at = 0usize;
+    while at < len {
+        let n = (len - at).min(scratch.len());
+        region.read_to_host(offset + at as u64, &mut scratch[..n])?;
+        crc = crc32c::crc32c_append(crc, &scratch[..n]);
+        at += n;
+    }
+    Ok(crc)
+}
+
 /// Waits for readiness on `fds` for at most `timeout` (ppoll(2): microsecond resolution).
 pub fn ppoll_fds(fds: &mut [libc::pollfd], timeout: std::time::Duration) -> std::io::Result<usize> {
     let ts = libc::timespec {

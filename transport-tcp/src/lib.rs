@@ -17,7 +17,12 @@
 //! payloads straight into the registered region, then acknowledges: a WRITE's completion at
 //! the initiator means the bytes are placed remotely, and a remote failure returns as an
 //! error completion with its cause. Each peer gets `rails` connections; frames of many
-//! operations leave in one vectored write.
+//! operations leave in one vectored write. With [`TcpConfig::checksum`], WRITEs carry a
+//! CRC32C that the target checks before placing any byte (see [`frame`]).
+//!
+//! Dependencies: `socket2` (socket options std lacks), `libc` (vectored I/O, poll),
+//! `sha2` (the token's digest), `crc32c` (the optional checksum: SSE 4.2 / ARMv8 CRC
+//! instructions picked at run time, a table where they are missing; one call per payload).
 //!
 //! ```
 //! use fabric_core::{Access, HostBuffer, LocalSlice, RemoteSlice, Transport, WorkRequestId};
@@ -55,6 +60,7 @@ mod staging;
 use conn::{Conn, Inflight, Payload, ReadInto, ReadOutcome, Shared, TargetRegion};
 use fabric_core::memory::check_range;
 use fabric_core::recv::PostedRecv;
+use fabric_core::stats::{PeerState, TransportStats};
 use fabric_core::wake::{Wake, WakeFd};
 use fabric_core::{
     Access, Completion, Error, LocalKey, LocalSlice, MemoryRegion, OpError, OpKind, PeerId,
@@ -162,6 +168,15 @@ pub struct TcpConfig {
     /// uses its own NIC whatever the routing table prefers. `None` (the default) leaves the
     /// choice to the routing table. Needs Linux 5.7 or CAP_NET_RAW.
     pub interface: Option<String>,
+    /// Our WRITEs from host memory carry a CRC32C of their header and payload
+    /// ([`frame::FLAG_CRC`]), which the target checks before it places any byte: a payload
+    /// corrupted on its way (by a middlebox, a NIC, memory; not caught by TCP's 16-bit
+    /// checksum, or recomputed after the corruption) is refused with
+    /// [`OpError::ChecksumMismatch`] instead of written. WRITEs are then at most
+    /// [`frame::CHECKSUM_MAX_LEN`] bytes (the engine splits larger ones), and the target
+    /// holds each whole before placing it: a copy more on each side. Writes from device
+    /// memory, SENDs and READs carry none. Targets always check checksums that come.
+    pub checksum: bool,
 }
 
 impl Default for TcpConfig {
@@ -180,6 +195,7 @@ impl Default for TcpConfig {
             auth_token: None,
             copy_nap: Duration::ZERO,
             interface: None,
+            checksum: false,
         }
     }
 }
@@ -221,6 +237,8 @@ pub struct TcpTransport {
     wake: WakeFd,
     /// Added peers whose connection failed, and why, until `peer_ready` reports it.
     failed_connects: HashMap<PeerId, String>,
+    /// Where payloads are read to compute their checksums (made on first use).
+    scratch: Vec<u8>,
 }
 
 impl TcpTransport {
@@ -256,6 +274,7 @@ impl TcpTransport {
             cuda: CudaProbe::default(),
             wake: WakeFd::new().map_err(|e| Error::io("wake-up socket pair", e))?,
             failed_connects: HashMap::new(),
+            scratch: Vec::new(),
         })
     }
 
@@ -375,6 +394,11 @@ impl TcpTransport {
             if p.passive && p.conns.is_empty() {
                 self.peers.remove(&peer);
                 self.passive.retain(|_, id| *id != peer);
+                self.shared.stats.peer_closed(peer, Some(err.to_string()));
+            } else {
+                self.shared
+                    .stats
+                    .peer_error(peer, err.to_string(), p.conns.len());
             }
         }
     }
@@ -433,10 +457,11 @@ impl TcpTransport {
         op: OpKind,
         wr_id: WorkRequestId,
     ) -> Result<PostOutcome> {
-        if src.len > self.cfg.max_msg_size {
+        let limit = self.max_msg(op);
+        if src.len > limit {
             return Err(Error::InvalidArgument(format!(
-                "{} bytes exceed the largest message ({} bytes)",
-                src.len, self.cfg.max_msg_size
+                "{} bytes exceed the largest message ({limit} bytes)",
+                src.len
             )));
         }
         self.local_region(src)?;
@@ -451,6 +476,18 @@ impl TcpTransport {
         }
         let payload = self.payload_of(src)?;
         hdr.wr_id = wr_id.0;
+        let trailer = match &payload {
+            Payload::Region { mem, offset, len } if op == OpKind::Write && self.cfg.checksum => {
+                hdr.flags |= frame::FLAG_CRC;
+                if self.scratch.is_empty() {
+                    self.scratch = vec![0u8; 64 << 10];
+                }
+                let crc = io::checksum(&hdr.encode(), &**mem, *offset, *len, &mut self.scratch)
+                    .map_err(|e| Error::InvalidArgument(format!("checksum of the payload: {e}")))?;
+                Some(crc.to_le_bytes())
+            }
+            _ => None,
+        };
         let c = self.conns[idx].as_mut().expect("peer conns are open");
         // A SEND may wait for credit from the peer (see conn::credit).
         c.post(
@@ -463,7 +500,19 @@ impl TcpTransport {
                 read: None,
             },
         );
+        if let Some(t) = trailer {
+            c.queue_trailer(t);
+        }
         Ok(PostOutcome::Posted)
+    }
+
+    /// The largest message `op` may carry: checksummed WRITEs are held whole by the target.
+    fn max_msg(&self, op: OpKind) -> u64 {
+        if op == OpKind::Write && self.cfg.checksum {
+            self.cfg.max_msg_size.min(frame::CHECKSUM_MAX_LEN)
+        } else {
+            self.cfg.max_msg_size
+        }
     }
 
     fn accept_new(&mut self) {
@@ -507,7 +556,31 @@ impl TcpTransport {
                 self.close_conn(i, err.clone());
             }
         }
+        self.shared.stats.peer_closed(peer, Some(reason.clone()));
         self.failed_connects.insert(peer, reason);
+    }
+
+    /// A connection of `peer` we opened is up: the peer is connected once all are.
+    fn note_connected(&mut self, peer: PeerId) {
+        let Some(p) = self.peers.get(&peer) else {
+            return;
+        };
+        let up = p
+            .conns
+            .iter()
+            .filter(|&&i| {
+                self.conns
+                    .get(i)
+                    .and_then(Option::as_ref)
+                    .is_some_and(|c| c.connecting.is_none())
+            })
+            .count();
+        let state = if up == p.conns.len() {
+            PeerState::Connected
+        } else {
+            PeerState::Connecting
+        };
+        self.shared.stats.peer_state(peer, state, up);
     }
 
     fn on_hello(&mut self, idx: usize, rail: u32, instance: u64, address: Vec<u8>) {
@@ -526,11 +599,19 @@ impl TcpTransport {
                         passive: true,
                     },
                 );
+                self.shared.stats.peer_added(
+                    id,
+                    String::from_utf8_lossy(&address).into_owned(),
+                    true,
+                );
                 id
             }
         };
         if let Some(p) = self.peers.get_mut(&id) {
             p.conns.push(idx);
+            self.shared
+                .stats
+                .peer_state(id, PeerState::Connected, p.conns.len());
         }
         if let Some(c) = self.conns[idx].as_mut() {
             c.peer = id;
@@ -550,7 +631,7 @@ impl Transport for TcpTransport {
 
     fn limits(&self) -> TransportLimits {
         TransportLimits {
-            max_msg_size: self.cfg.max_msg_size,
+            max_msg_size: self.max_msg(OpKind::Write).min(self.cfg.max_msg_size),
             max_outstanding: self.cfg.max_outstanding,
             write_imm: true,
             busy_poll: false,
@@ -586,6 +667,9 @@ impl Transport for TcpTransport {
             conns.push(self.insert_conn(c));
         }
         self.next_peer += 1;
+        self.shared
+            .stats
+            .peer_added(id, String::from_utf8_lossy(address).into_owned(), false);
         self.peers.insert(
             id,
             Peer {
@@ -617,6 +701,7 @@ impl Transport for TcpTransport {
         for idx in p.conns {
             self.close_conn(idx, OpError::PeerRemoved(peer));
         }
+        self.shared.stats.peer_closed(peer, None);
         tracing::debug!(%peer, address = %String::from_utf8_lossy(&p.address), "peer removed");
         Ok(())
     }
@@ -785,13 +870,17 @@ impl Transport for TcpTransport {
 
     fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize> {
         self.accept_new();
+        let mut connected = Vec::new();
         for idx in 0..self.conns.len() {
             let Some(c) = self.conns[idx].as_mut() else {
                 continue;
             };
             if let Some(deadline) = c.connecting {
                 match io::connect_outcome(&c.stream) {
-                    Ok(true) => c.connecting = None,
+                    Ok(true) => {
+                        c.connecting = None;
+                        connected.push(c.peer);
+                    }
                     Ok(false) if std::time::Instant::now() < deadline => continue,
                     Ok(false) => {
                         let (peer, reason) = (
@@ -867,6 +956,9 @@ impl Transport for TcpTransport {
                 self.close_conn(idx, OpError::PeerUnreachable { peer, reason });
             }
         }
+        for peer in connected {
+            self.note_connected(peer);
+        }
         let n = self.shared.completions.len();
         out.append(&mut self.shared.completions);
         Ok(n)
@@ -924,6 +1016,13 @@ impl Transport for TcpTransport {
 
     fn waker(&mut self) -> Arc<dyn Wake> {
         self.wake.waker()
+    }
+
+    /// Counted as it happens: bytes peers' WRITEs placed in our regions, READs served,
+    /// requests refused, checksums that did not match, and every peer (added or connected
+    /// to us) with its state and the error that closed its last connection to fail.
+    fn stats(&mut self) -> Option<Arc<TransportStats>> {
+        Some(self.shared.stats.clone())
     }
 }
 

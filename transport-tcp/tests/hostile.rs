@@ -106,7 +106,7 @@ fn malformed_headers_after_hello_close_the_connection() {
         ("op 0", with(0, 0).to_vec(), true),
         ("op 7", with(0, 7).to_vec(), true),
         ("op 255", with(0, 255).to_vec(), true),
-        ("flags 0x02", with(1, 0x02).to_vec(), true),
+        ("flags 0x04", with(1, 0x04).to_vec(), true),
         ("flags 0x80", with(1, 0x80).to_vec(), true),
         ("reserved byte 1", with(3, 1).to_vec(), true),
         ("reserved byte 0xff", with(3, 0xff).to_vec(), true),

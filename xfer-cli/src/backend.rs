@@ -119,6 +119,11 @@ pub struct BackendArgs {
     /// read from XFER_AUTH_TOKEN; never printed or logged.
     #[arg(long, env = "XFER_AUTH_TOKEN", hide_env_values = true)]
     pub auth_token: Option<String>,
+    /// tcp: this side's WRITEs from host memory carry a CRC32C that the target checks
+    /// before placing any byte (a corrupted payload is refused, not written); WRITEs are
+    /// then at most 4 MiB. Targets check sums that come whether or not they have it.
+    #[arg(long)]
+    pub checksum: bool,
     /// Busy polling: each engine worker keeps polling for this many microseconds after its
     /// last progress before it sleeps (lower latency, a busier core). `--busy-poll` alone
     /// means 1000; the default, 0, sleeps at once.
@@ -223,7 +228,13 @@ impl BackendArgs {
                 "--auth-token applies to --transport tcp only".into(),
             ));
         }
+        if self.checksum && self.transport != TransportKind::Tcp {
+            return Err(CliError::Usage(
+                "--checksum applies to --transport tcp only".into(),
+            ));
+        }
         let auth_token = self.auth_token.clone();
+        let checksum = self.checksum;
         let copy_nap = std::time::Duration::from_micros(self.tcp_copy_nap_us);
         let pins = Arc::new(pins);
         let d = EngineConfig::default();
@@ -246,6 +257,7 @@ impl BackendArgs {
                         interface: nic.map(|n| n.name.clone()),
                         auth_token: auth_token.clone(),
                         copy_nap,
+                        checksum,
                         ..TcpConfig::default()
                     })
                 };

@@ -67,22 +67,112 @@ pub struct ServeLimits {
     pub max_request_bytes: u64,
 }
 
+/// Why `serve` refused a client (or a request of one): the label of
+/// `xfer_serve_refusals_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// --max-clients reached.
+    ServerFull,
+    /// Over --max-clients while the refusal queue was full: dropped unanswered.
+    QueueFull,
+    /// --max-region-bytes reached.
+    RegionBudget,
+    /// No complete hello within --hello-timeout (silent or trickling clients).
+    HelloTimeout,
+    /// A request line not complete within --request-timeout of its first byte.
+    RequestTimeout,
+    /// A request line over --max-request-bytes.
+    RequestTooLong,
+    /// Not UTF-8, not JSON, or no known request.
+    Malformed,
+    /// No or wrong --auth-token.
+    Auth,
+    /// Another protocol version.
+    Version,
+    /// A request that names what the server does not offer (transport, worker, path),
+    /// or comes out of order.
+    BadRequest,
+    /// The server could not allocate the region.
+    NoMemory,
+}
+
+impl Refusal {
+    /// Every reason, in label order.
+    pub const ALL: [Refusal; 11] = [
+        Refusal::ServerFull,
+        Refusal::QueueFull,
+        Refusal::RegionBudget,
+        Refusal::HelloTimeout,
+        Refusal::RequestTimeout,
+        Refusal::RequestTooLong,
+        Refusal::Malformed,
+        Refusal::Auth,
+        Refusal::Version,
+        Refusal::BadRequest,
+        Refusal::NoMemory,
+    ];
+
+    /// The label value.
+    pub fn name(self) -> &'static str {
+        match self {
+            Refusal::ServerFull => "server_full",
+            Refusal::QueueFull => "queue_full",
+            Refusal::RegionBudget => "region_budget",
+            Refusal::HelloTimeout => "hello_timeout",
+            Refusal::RequestTimeout => "request_timeout",
+            Refusal::RequestTooLong => "request_too_long",
+            Refusal::Malformed => "malformed",
+            Refusal::Auth => "auth",
+            Refusal::Version => "version",
+            Refusal::BadRequest => "bad_request",
+            Refusal::NoMemory => "no_memory",
+        }
+    }
+}
+
+/// What a server counts of its clients, read by `--metrics`.
+#[derive(Debug, Default)]
+pub struct ServeStats {
+    /// Clients served now.
+    pub clients: AtomicUsize,
+    /// Bytes their regions hold now.
+    pub region_bytes: AtomicU64,
+    /// Clients admitted so far.
+    pub admitted: AtomicU64,
+    /// Refusals so far, by [`Refusal`] (in the order of [`Refusal::ALL`]).
+    refusals: [AtomicU64; Refusal::ALL.len()],
+}
+
+impl ServeStats {
+    /// Counts a refusal and logs its reason.
+    fn refuse(&self, why: Refusal, from: Option<SocketAddr>, reason: &str) {
+        self.refusals[why as usize].fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(?from, refusal = why.name(), %reason, "client refused");
+    }
+
+    /// Refusals so far for `why`.
+    pub fn refusals(&self, why: Refusal) -> u64 {
+        self.refusals[why as usize].load(Ordering::Relaxed)
+    }
+}
+
 /// What the clients of one server hold now, against its [`ServeLimits`].
 struct Budget {
     limits: ServeLimits,
-    clients: AtomicUsize,
-    region_bytes: AtomicU64,
+    stats: Arc<ServeStats>,
 }
 
 impl Budget {
     /// A client's place, or why there is none.
     fn admit(self: &Arc<Self>) -> Result<ClientSlot, String> {
         let max = self.limits.max_clients;
-        self.clients
+        self.stats
+            .clients
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n < max).then_some(n + 1)
             })
             .map_err(|n| format!("server full: {n} clients already (--max-clients {max})"))?;
+        self.stats.admitted.fetch_add(1, Ordering::Relaxed);
         Ok(ClientSlot {
             budget: self.clone(),
             bytes: 0,
@@ -101,6 +191,7 @@ impl ClientSlot {
     fn reserve(&mut self, bytes: u64) -> Result<(), String> {
         let max = self.budget.limits.max_region_bytes;
         self.budget
+            .stats
             .region_bytes
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
                 held.checked_add(bytes).filter(|&t| t <= max)
@@ -119,10 +210,9 @@ impl ClientSlot {
 
 impl Drop for ClientSlot {
     fn drop(&mut self) {
-        self.budget
-            .region_bytes
-            .fetch_sub(self.bytes, Ordering::AcqRel);
-        self.budget.clients.fetch_sub(1, Ordering::AcqRel);
+        let stats = &self.budget.stats;
+        stats.region_bytes.fetch_sub(self.bytes, Ordering::AcqRel);
+        stats.clients.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -144,6 +234,19 @@ enum LineError {
     /// The socket failed.
     #[error("control connection: {0}")]
     Io(#[from] std::io::Error),
+}
+
+impl LineError {
+    /// The refusal it stands for (`None`: the client went away, or its socket failed).
+    fn refusal(&self, before_hello: bool) -> Option<Refusal> {
+        match self {
+            LineError::TooLong(_) => Some(Refusal::RequestTooLong),
+            LineError::TooSlow(_) if before_hello => Some(Refusal::HelloTimeout),
+            LineError::TooSlow(_) => Some(Refusal::RequestTimeout),
+            LineError::NotText => Some(Refusal::Malformed),
+            LineError::Closed | LineError::Io(_) => None,
+        }
+    }
 }
 
 /// Reads one line of at most `max` bytes. The line must be complete by `deadline`, counted
@@ -333,12 +436,9 @@ pub fn serve(
     backend: BackendArgs,
     pin: Option<CorePin>,
     limits: ServeLimits,
+    stats: Arc<ServeStats>,
 ) -> std::io::Result<()> {
-    let budget = Arc::new(Budget {
-        limits,
-        clients: AtomicUsize::new(0),
-        region_bytes: AtomicU64::new(0),
-    });
+    let budget = Arc::new(Budget { limits, stats });
     // Connections over the cap are answered by one thread, one at a time (each read of
     // their hello bounded by a second), so a flood costs a bounded queue, not a thread each.
     let (refuse, refused) = crossbeam_channel::bounded::<(TcpStream, String)>(64);
@@ -361,9 +461,15 @@ pub fn serve(
         let slot = match budget.admit() {
             Ok(s) => s,
             Err(why) => {
-                tracing::warn!(?from, reason = %why, "client refused");
                 // A full refusal queue drops the connection unanswered.
-                let _ = refuse.try_send((conn, why));
+                match refuse.try_send((conn, why.clone())) {
+                    Ok(()) => budget.stats.refuse(Refusal::ServerFull, from, &why),
+                    Err(_) => budget.stats.refuse(
+                        Refusal::QueueFull,
+                        from,
+                        &format!("{why}; dropped unanswered (refusal queue full)"),
+                    ),
+                }
                 continue;
             }
         };
@@ -375,7 +481,7 @@ pub fn serve(
                 if let Some(p) = pin {
                     p.prefer_memory_here("xfer-control");
                 }
-                match client(conn, slot, &groups, region_size, &backend) {
+                match client(conn, from, slot, &groups, region_size, &backend) {
                     Ok(()) => tracing::info!(?from, "control connection ended"),
                     Err(e) => tracing::warn!(?from, reason = %e, "control connection closed"),
                 }
@@ -506,14 +612,29 @@ enum ClientError {
     Echo(#[source] std::io::Error),
 }
 
+/// Counts and logs a refusal of the client at `from`, and tells it why.
+fn refuse(
+    w: &mut TcpStream,
+    stats: &ServeStats,
+    from: Option<SocketAddr>,
+    why: Refusal,
+    reason: String,
+) -> std::io::Result<()> {
+    stats.refuse(why, from, &reason);
+    reply::<()>(w, Err(reason))
+}
+
 fn client(
     conn: TcpStream,
+    from: Option<SocketAddr>,
     mut slot_budget: ClientSlot,
     groups: &[ServedGroup],
     region_size: u64,
     backend: &BackendArgs,
 ) -> Result<(), ClientError> {
     let limits = slot_budget.budget.limits.clone();
+    let stats = slot_budget.budget.stats.clone();
+    let stats = &*stats;
     let workers = groups.iter().map(|g| g.worker + 1).max().unwrap_or(1);
     let mut chosen: Option<(TransportKind, usize, &RailGroup)> = None;
     let mut w = conn.try_clone()?;
@@ -532,14 +653,27 @@ fn client(
             Ok(l) => l,
             Err(LineError::Closed) => return Ok(()),
             Err(e) => {
-                let _ = reply::<()>(&mut w, Err(e.to_string()));
+                match e.refusal(region.is_none()) {
+                    Some(why) => {
+                        let _ = refuse(&mut w, stats, from, why, e.to_string());
+                    }
+                    None => {
+                        let _ = reply::<()>(&mut w, Err(e.to_string()));
+                    }
+                }
                 return Err(e.into());
             }
         };
         let req: Request = match serde_json::from_str(&line) {
             Ok(r) => r,
             Err(e) => {
-                reply::<()>(&mut w, Err(format!("malformed request: {e}")))?;
+                refuse(
+                    &mut w,
+                    stats,
+                    from,
+                    Refusal::Malformed,
+                    format!("malformed request: {e}"),
+                )?;
                 return Ok(());
             }
         };
@@ -554,12 +688,15 @@ fn client(
             } => {
                 let slot = worker.unwrap_or(0) as usize;
                 if slot >= workers {
-                    reply::<()>(
+                    refuse(
                         &mut w,
-                        Err(format!(
+                        stats,
+                        from,
+                        Refusal::BadRequest,
+                        format!(
                             "this server runs {workers} worker(s); worker {slot} does not exist \
                              (start it with --per-gpu and more --gpus)"
-                        )),
+                        ),
                     )?;
                     return Ok(());
                 }
@@ -572,18 +709,24 @@ fn client(
                     && auth.as_deref()
                         != Some(hex::encode(transport_tcp::auth_digest(want)).as_str())
                 {
-                    reply::<()>(
+                    refuse(
                         &mut w,
-                        Err("authentication failed: no or wrong --auth-token".into()),
+                        stats,
+                        from,
+                        Refusal::Auth,
+                        "authentication failed: no or wrong --auth-token".into(),
                     )?;
                     return Ok(());
                 }
                 if version != VERSION {
-                    reply::<()>(
+                    refuse(
                         &mut w,
-                        Err(format!(
+                        stats,
+                        from,
+                        Refusal::Version,
+                        format!(
                             "protocol version {version} not supported (server speaks {VERSION})"
-                        )),
+                        ),
                     )?;
                     return Ok(());
                 }
@@ -598,12 +741,18 @@ fn client(
                 ) {
                     Ok(k) => k,
                     Err(e) => {
-                        reply::<()>(&mut w, Err(e))?;
+                        refuse(&mut w, stats, from, Refusal::BadRequest, e)?;
                         return Ok(());
                     }
                 };
                 if chosen.is_some_and(|(k, s, _)| k != kind || s != slot) {
-                    reply::<()>(&mut w, Err("a second hello asked for another path".into()))?;
+                    refuse(
+                        &mut w,
+                        stats,
+                        from,
+                        Refusal::BadRequest,
+                        "a second hello asked for another path".into(),
+                    )?;
                     return Ok(());
                 }
                 let Some(served) = groups.iter().find(|g| g.kind == kind && g.worker == slot)
@@ -615,14 +764,19 @@ fn client(
                 chosen = Some((kind, slot, group));
                 if region.is_none() {
                     if let Err(why) = slot_budget.reserve(region_size) {
-                        tracing::warn!(reason = %why, "client refused");
-                        reply::<()>(&mut w, Err(why))?;
+                        refuse(&mut w, stats, from, Refusal::RegionBudget, why)?;
                         return Ok(());
                     }
                     let buf = match backend.alloc(region_size, slot) {
                         Ok(b) => b,
                         Err(e) => {
-                            reply::<()>(&mut w, Err(format!("cannot allocate the region: {e}")))?;
+                            refuse(
+                                &mut w,
+                                stats,
+                                from,
+                                Refusal::NoMemory,
+                                format!("cannot allocate the region: {e}"),
+                            )?;
                             return Ok(());
                         }
                     };
@@ -654,7 +808,13 @@ fn client(
                 pages,
             } => {
                 let Some((buf, _)) = &region else {
-                    reply::<()>(&mut w, Err("verify before hello".into()))?;
+                    refuse(
+                        &mut w,
+                        stats,
+                        from,
+                        Refusal::BadRequest,
+                        "verify before hello".into(),
+                    )?;
                     continue;
                 };
                 if page_size == 0
@@ -677,7 +837,13 @@ fn client(
             }
             Request::Fill { seed } => {
                 let Some((buf, _)) = &region else {
-                    reply::<()>(&mut w, Err("fill before hello".into()))?;
+                    refuse(
+                        &mut w,
+                        stats,
+                        from,
+                        Refusal::BadRequest,
+                        "fill before hello".into(),
+                    )?;
                     continue;
                 };
                 let r2 = workload::fill_pattern(&**buf, seed)
@@ -689,7 +855,13 @@ fn client(
             }
             Request::Echo { page_size, pages } => {
                 if region.is_none() {
-                    reply::<()>(&mut w, Err("echo before hello".into()))?;
+                    refuse(
+                        &mut w,
+                        stats,
+                        from,
+                        Refusal::BadRequest,
+                        "echo before hello".into(),
+                    )?;
                     continue;
                 }
                 // No bigger than the region this client already holds.
@@ -719,7 +891,13 @@ fn client(
             }
             Request::Sink { streams } => {
                 let Some((_, _, group)) = chosen else {
-                    reply::<()>(&mut w, Err("sink before hello".into()))?;
+                    refuse(
+                        &mut w,
+                        stats,
+                        from,
+                        Refusal::BadRequest,
+                        "sink before hello".into(),
+                    )?;
                     continue;
                 };
                 let max = crate::sink::MAX_STREAMS;

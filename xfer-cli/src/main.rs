@@ -9,7 +9,8 @@
 //! Dependencies beyond the workspace's own, each in place of code we wrote by hand:
 //! `bytesize` parses and prints sizes (`64KiB`, `4.3 GiB`), `indicatif` draws the progress
 //! line (only on a terminal, rate-limited), `fastrand` picks the pages (small, seeded,
-//! no dependencies), `hex` encodes binary addresses and token digests.
+//! no dependencies), `hex` encodes binary addresses and token digests,
+//! `prometheus-client` writes the `--metrics` exposition (see [`metrics`]).
 
 mod backend;
 mod baseline;
@@ -18,6 +19,7 @@ mod demo;
 mod info;
 mod latency;
 mod members;
+mod metrics;
 mod nics;
 mod pattern;
 mod placement;
@@ -195,6 +197,12 @@ struct ServeArgs {
     limits: control::ServeLimits,
     #[command(flatten)]
     publish: members::PublishArgs,
+    /// Serve Prometheus metrics (text exposition) at http://ADDR/metrics: per-rail bytes,
+    /// operations, re-posts, errors and operations in flight, bytes peers wrote here, peers'
+    /// state and last error, transfer latency, registered bytes, clients and refusals by
+    /// reason. Port 0 picks one; the address is printed on stderr.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<SocketAddr>,
 }
 
 #[derive(Args, Clone)]
@@ -230,6 +238,13 @@ struct BenchArgs {
     /// not with --per-gpu or --latency).
     #[arg(long)]
     baseline: bool,
+    /// Serve Prometheus metrics of this run's rails at http://ADDR/metrics while it runs
+    /// (as `serve --metrics`); the address is printed on stderr.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<SocketAddr>,
+    /// What `--metrics` reports (set once it listens).
+    #[arg(skip)]
+    metrics_sources: Option<std::sync::Arc<metrics::Sources>>,
 }
 
 #[derive(Args)]

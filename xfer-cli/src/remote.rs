@@ -6,6 +6,7 @@ use crate::backend::{BackendArgs, MemoryKind, TransportKind};
 use crate::control::{self, ServedGroup};
 use crate::demo::{self, check_per_gpu, gpu_worker_pins, pad};
 use crate::latency;
+use crate::metrics;
 use crate::nics::{self, NicChoice};
 use crate::placement::{CorePin, GpuWorkerPins, WorkerPins};
 use crate::setup::{ASKING, CONNECTING, MEMORY, REGISTERING, STARTING, SetUpClock, WARMING_UP};
@@ -34,6 +35,13 @@ pub fn bench(mut a: BenchArgs) -> Result<(), CliError> {
     }
     let ctl_addr = control::parse_peer(&a.target).map_err(CliError::Usage)?;
     a.backend.check_available()?;
+    if let Some(addr) = a.metrics {
+        let sources = Arc::new(metrics::Sources::default());
+        let at = metrics::spawn(addr, sources.clone())
+            .map_err(|e| CliError::Failed(format!("cannot serve metrics on {addr}: {e}")))?;
+        eprintln!("xfer: metrics on http://{at}/metrics");
+        a.metrics_sources = Some(sources);
+    }
     // The NICs of each worker's rails (auto resolves to tcp unless the server picks
     // cuda-ipc, which runs on no NIC).
     let choices =
@@ -275,7 +283,7 @@ fn baseline_streams(
 type BenchSetUp = (
     BackendArgs,
     control::ControlClient,
-    fabric_core::engine::RailGroup,
+    Arc<fabric_core::engine::RailGroup>,
     fabric_core::engine::GroupRegistration,
     fabric_core::engine::GroupPeer,
     fabric_core::engine::RemoteDescriptor,
@@ -386,6 +394,10 @@ fn set_up_bench_worker(
         slot,
         &rail_nics,
     )?;
+    let group = Arc::new(group);
+    if let Some(sources) = &a.metrics_sources {
+        sources.add_group(format!("bench-{slot}"), &group);
+    }
     clock.stage(REGISTERING);
     let access = if read {
         Access::LOCAL_WRITE
@@ -469,6 +481,7 @@ pub fn serve(mut a: ServeArgs) -> Result<(), CliError> {
             pins.initiator,
         )]
     };
+    let stats = Arc::new(control::ServeStats::default());
     let clock = SetUpClock::start(
         format!(
             "{} rails for each of {} group(s)",
@@ -506,6 +519,16 @@ pub fn serve(mut a: ServeArgs) -> Result<(), CliError> {
         }
     }
     clock.finish();
+    if let Some(addr) = a.metrics {
+        let sources = Arc::new(metrics::Sources::default());
+        for g in &groups {
+            sources.add_group(format!("{}-{}", g.kind.name(), g.worker), &g.group);
+        }
+        sources.set_serve(stats.clone());
+        let at = metrics::spawn(addr, sources)
+            .map_err(|e| CliError::Failed(format!("cannot serve metrics on {addr}: {e}")))?;
+        eprintln!("xfer: metrics on http://{at}/metrics");
+    }
     for (slot, c) in choices.iter().enumerate() {
         if !c.nics.is_empty() {
             let nics: Vec<String> = c
@@ -579,6 +602,7 @@ pub fn serve(mut a: ServeArgs) -> Result<(), CliError> {
         a.backend.clone(),
         plans.first().and_then(|p| p.2),
         a.limits.clone(),
+        stats,
     )
     .map_err(|e| CliError::Failed(e.to_string()))
 }

@@ -32,6 +32,7 @@
 //! # Ok(()) }
 //! ```
 
+mod counters;
 mod handle;
 pub mod rails;
 mod worker;
@@ -42,18 +43,20 @@ pub use rails::{
 };
 
 pub use crate::plan::Direction;
+pub use counters::{CounterSnapshot, Counters, EngineStats, GroupStats};
 pub use handle::{Received, RecvHandle, TransferHandle, TransferResult, TransferStats};
 
 use crate::error::{Error, OpError, Result};
 use crate::memory::{MemoryRegion, check_range};
 use crate::plan::{Segment, plan_directed};
+use crate::stats::{LatencyHistogram, TransportStats};
 use crate::transport::{Transport, TransportLimits};
 use crate::types::{Access, LocalKey, LocalSlice, PeerId, Registration};
 use crate::wake::Wake;
 use crossbeam_channel::{Receiver, Sender};
 pub(crate) use handle::Slot;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -97,6 +100,11 @@ pub struct EngineConfig {
     pub shutdown_timeout: Duration,
     /// Name of the worker thread.
     pub name: String,
+    /// Events (peers' immediate data) kept for the application to take
+    /// ([`Engine::next_event`]); beyond this many, new ones are dropped and counted in
+    /// [`Counters::events_dropped`], so that an application that never takes them (a
+    /// server that does not use immediate data) holds bounded memory.
+    pub event_queue: usize,
 }
 
 impl Default for EngineConfig {
@@ -111,6 +119,7 @@ impl Default for EngineConfig {
             control_timeout: Duration::from_secs(10),
             shutdown_timeout: Duration::from_secs(5),
             name: "xfer-worker".into(),
+            event_queue: 65536,
         }
     }
 }
@@ -196,49 +205,6 @@ impl Event {
     }
 }
 
-/// Counters of one engine, readable at any time.
-#[derive(Debug, Default)]
-pub struct Counters {
-    /// Bytes of successful operations.
-    pub bytes: AtomicU64,
-    /// Operations posted.
-    pub ops: AtomicU64,
-    /// Posts refused for lack of room and retried later.
-    pub reposts: AtomicU64,
-    /// Operations that failed.
-    pub errors: AtomicU64,
-    /// Transfers finished (either way).
-    pub transfers: AtomicU64,
-}
-
-/// A snapshot of [`Counters`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct CounterSnapshot {
-    /// See [`Counters::bytes`].
-    pub bytes: u64,
-    /// See [`Counters::ops`].
-    pub ops: u64,
-    /// See [`Counters::reposts`].
-    pub reposts: u64,
-    /// See [`Counters::errors`].
-    pub errors: u64,
-    /// See [`Counters::transfers`].
-    pub transfers: u64,
-}
-
-impl Counters {
-    /// Reads all counters.
-    pub fn snapshot(&self) -> CounterSnapshot {
-        CounterSnapshot {
-            bytes: self.bytes.load(Ordering::Relaxed),
-            ops: self.ops.load(Ordering::Relaxed),
-            reposts: self.reposts.load(Ordering::Relaxed),
-            errors: self.errors.load(Ordering::Relaxed),
-            transfers: self.transfers.load(Ordering::Relaxed),
-        }
-    }
-}
-
 /// What other workers use to hand a worker work: an unbounded channel (a worker never
 /// blocks on another's queue) and the means to wake it. Holds no thread alive: a worker
 /// stops when its [`Engine`] does.
@@ -290,6 +256,10 @@ pub struct Engine {
     /// Length and access of every registered region.
     regions: Mutex<HashMap<LocalKey, (u64, Access)>>,
     counters: Arc<Counters>,
+    /// Latency of this engine's successful transfers (the worker records them).
+    latency: Arc<LatencyHistogram>,
+    /// What the transport counts of its peers, if it does.
+    transport_stats: Option<Arc<TransportStats>>,
     cfg: EngineConfig,
 }
 
@@ -303,12 +273,14 @@ impl Engine {
         F: FnOnce() -> Result<T> + Send + 'static,
     {
         let (tx, rx) = crossbeam_channel::bounded(cfg.queue_depth.max(1));
-        let (ev_tx, events) = crossbeam_channel::unbounded();
+        let (ev_tx, events) = crossbeam_channel::bounded(cfg.event_queue.max(1));
         let (ready_tx, ready_rx) = crossbeam_channel::bounded(1);
         // Disconnected when the worker thread ends, however it ends.
         let (exit_tx, exit_rx) = crossbeam_channel::bounded::<()>(0);
         let counters = Arc::new(Counters::default());
         let c2 = counters.clone();
+        let latency = Arc::new(LatencyHistogram::default());
+        let l2 = latency.clone();
         let wcfg = cfg.clone();
         let sleeping = Arc::new(AtomicBool::new(false));
         let s2 = sleeping.clone();
@@ -325,17 +297,19 @@ impl Engine {
                     }
                 };
                 let waker = t.waker();
+                let stats = t.stats();
                 let _ = ready_tx.send(Ok((
                     t.address(),
                     t.name(),
                     t.limits(),
                     t.supports_read(),
                     waker,
+                    stats,
                 )));
-                worker::Worker::new(t, rx, internal_rx, ev_tx, c2, wcfg, s2).run();
+                worker::Worker::new(t, rx, internal_rx, ev_tx, (c2, l2), wcfg, s2).run();
             })
             .map_err(|e| Error::io("spawn worker thread", e))?;
-        let (address, backend, limits, reads, waker) =
+        let (address, backend, limits, reads, waker, transport_stats) =
             match ready_rx.recv_timeout(cfg.control_timeout) {
                 Ok(r) => r?,
                 Err(_) => {
@@ -361,6 +335,8 @@ impl Engine {
             reads,
             regions: Mutex::new(HashMap::new()),
             counters,
+            latency,
+            transport_stats,
             cfg,
         })
     }
@@ -395,6 +371,25 @@ impl Engine {
     /// Live counters.
     pub fn counters(&self) -> &Counters {
         &self.counters
+    }
+
+    /// Everything this engine can tell about itself, read now: its counters (with the
+    /// operations in flight and the events dropped), the latency of its transfers, the
+    /// regions registered, and what its transport counted of its peers (bytes their
+    /// WRITEs placed here, each peer's state and last error) where it keeps that.
+    pub fn stats(&self) -> EngineStats {
+        let (registered_bytes, registered_regions) = {
+            let r = self.lock_regions();
+            (r.values().map(|(len, _)| len).sum(), r.len())
+        };
+        EngineStats {
+            backend: self.backend,
+            counters: self.counters.snapshot(),
+            latency: self.latency.snapshot(),
+            registered_bytes,
+            registered_regions,
+            transport: self.transport_stats.as_ref().map(|t| t.snapshot()),
+        }
     }
 
     pub(crate) fn send_cmd(&self, cmd: Command) -> Result<()> {
@@ -551,6 +546,7 @@ impl Engine {
         self.check_direction(t.direction, t.imm)?;
         self.check_segments(&t.segments, t.direction)?;
         let plan = plan_directed(&t.segments, self.limits.max_msg_size, t.direction)?;
+        let now = Instant::now();
         let imm = match (t.imm, t.segments.first()) {
             (None, _) => None,
             (Some(_), None) => {
@@ -566,7 +562,8 @@ impl Engine {
             direction: t.direction,
             imm,
             slot,
-            deadline: t.timeout.map(|d| Instant::now() + d),
+            deadline: t.timeout.map(|d| now + d),
+            submitted: now,
         })
     }
 

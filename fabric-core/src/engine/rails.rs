@@ -25,6 +25,7 @@ use super::{
 use crate::error::{Error, OpError, Result};
 use crate::memory::MemoryRegion;
 use crate::plan::{Direction, PlannedWrite, Segment, plan_directed};
+use crate::stats::LatencyHistogram;
 use crate::transport::Transport;
 use crate::types::{Access, LocalKey, PeerId, RemoteRegion};
 use serde::{Deserialize, Serialize};
@@ -250,6 +251,8 @@ struct Shared {
     rates: Vec<Mutex<Rate>>,
     links: Vec<Arc<WorkerLink>>,
     balance: Mutex<Balance>,
+    /// Latency of the group's successful transfers.
+    latency: LatencyHistogram,
 }
 
 impl Shared {
@@ -417,6 +420,7 @@ impl RailGroup {
                 rates: (0..n).map(|_| Mutex::new(Rate::default())).collect(),
                 links: rails.iter().map(|e| e.link()).collect(),
                 balance: Mutex::new(Balance::default()),
+                latency: LatencyHistogram::default(),
             }),
             nics: vec![None; n],
             rails,
@@ -588,7 +592,8 @@ impl RailGroup {
             }
             (Some(v), Some(&(so, d_o, _))) => Some((v, so, d_o)),
         };
-        let deadline = t.timeout.map(|d| Instant::now() + d);
+        let submitted = Instant::now();
+        let deadline = t.timeout.map(|d| submitted + d);
         let slot = Slot::spinning(self.rails[0].cfg.wait_spin);
         let handle = TransferHandle { slot: slot.clone() };
         if plan.writes.is_empty() && imm.is_none() {
@@ -605,9 +610,12 @@ impl RailGroup {
                 .unwrap_or(0);
             let shared = sh.clone();
             let bytes = plan.bytes;
-            let posted = Instant::now();
+            let posted = submitted;
             let done = Slot::with_callback(Box::new(move |res: TransferResult| {
                 shared.landed(r, bytes, posted, res.is_ok());
+                if res.is_ok() {
+                    shared.latency.record(submitted.elapsed());
+                }
                 slot.complete(res);
                 // A chunk slot came free on this rail: other transfers' chunks may wait.
                 shared.fill(r);
@@ -622,6 +630,7 @@ impl RailGroup {
                 imm: imm.map(|(v, so, d_o)| (v, imm_segment(t.src.locals[r], so, dsts[r], d_o))),
                 slot: done,
                 deadline,
+                submitted,
             };
             sh.add(r, bytes);
             if let Err(e) = self.rails[r].send_cmd(Command::Transfer(job)) {
@@ -648,6 +657,7 @@ impl RailGroup {
             direction: t.direction,
             shared: sh.clone(),
             deadline,
+            submitted,
             bytes: plan.bytes,
             slot,
         });
@@ -841,14 +851,19 @@ impl RailGroup {
     pub fn counters(&self) -> super::CounterSnapshot {
         let mut s = super::CounterSnapshot::default();
         for e in &self.rails {
-            let c = e.counters().snapshot();
-            s.bytes += c.bytes;
-            s.ops += c.ops;
-            s.reposts += c.reposts;
-            s.errors += c.errors;
-            s.transfers += c.transfers;
+            s.add(&e.counters().snapshot());
         }
         s
+    }
+
+    /// Everything the group can tell about itself, read now: each rail's
+    /// [`Engine::stats`], the rails' NICs, and the latency of the group's transfers.
+    pub fn stats(&self) -> super::GroupStats {
+        super::GroupStats {
+            rails: self.rails.iter().map(|e| e.stats()).collect(),
+            nics: self.nics.clone(),
+            latency: self.shared.latency.snapshot(),
+        }
     }
 
     /// Counters per rail.
@@ -952,6 +967,8 @@ struct GroupState {
     direction: Direction,
     shared: Arc<Shared>,
     deadline: Option<Instant>,
+    /// When it was submitted (for the group's latency).
+    submitted: Instant,
     bytes: u64,
     slot: Arc<Slot<TransferResult>>,
 }
@@ -990,6 +1007,7 @@ impl GroupState {
             imm: None,
             slot: Slot::with_callback(Box::new(move |r| st.chunk_done(rail, bytes, posted, r))),
             deadline: self.deadline,
+            submitted: posted,
         }
     }
 
@@ -1035,6 +1053,7 @@ impl GroupState {
             ops,
         };
         let Some((v, so, d_o)) = self.imm else {
+            self.shared.latency.record(self.submitted.elapsed());
             self.slot.complete(Ok(stats));
             return;
         };
@@ -1048,12 +1067,16 @@ impl GroupState {
             direction: Direction::Write,
             imm: Some((v, imm_segment(self.srcs[rail], so, self.dsts[rail], d_o))),
             slot: Slot::with_callback(Box::new(move |r: TransferResult| {
+                if r.is_ok() {
+                    st.shared.latency.record(st.submitted.elapsed());
+                }
                 st.slot.complete(r.map(|s| TransferStats {
                     bytes: stats.bytes,
                     ops: stats.ops + s.ops,
                 }))
             })),
             deadline: self.deadline,
+            submitted: Instant::now(),
         };
         if let Err(slot) = self.shared.links[rail].send_transfer(job) {
             slot.complete(Err(OpError::Cancelled));

@@ -5,11 +5,12 @@ use super::{Counters, EngineConfig, Event};
 use crate::error::{Error, OpError, Result};
 use crate::memory::MemoryRegion;
 use crate::plan::{Direction, PlannedWrite, Segment, TransferPlan};
+use crate::stats::LatencyHistogram;
 use crate::transport::{Completion, OpKind, PostOutcome, Transport};
 use crate::types::{
     Access, LocalKey, LocalSlice, PeerId, Registration, RemoteSlice, WorkRequestId,
 };
-use crossbeam_channel::{Receiver, Sender, TryRecvError};
+use crossbeam_channel::{Receiver, Sender, TryRecvError, TrySendError};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -25,6 +26,8 @@ pub(crate) struct Job {
     pub imm: Option<(u32, Segment)>,
     pub slot: Arc<Slot<TransferResult>>,
     pub deadline: Option<Instant>,
+    /// When it was submitted (its latency is counted from here).
+    pub submitted: Instant,
 }
 
 pub(crate) enum Command {
@@ -74,6 +77,8 @@ struct Active {
     /// The zero-length write that carries the immediate data, sent once all else landed.
     final_imm: Option<(PlannedWrite, u32)>,
     deadline: Option<Instant>,
+    /// When it was submitted.
+    submitted: Instant,
     /// The planned writes (or reads), posted in order from `next`.
     writes: Vec<PlannedWrite>,
     next: usize,
@@ -90,8 +95,10 @@ struct Active {
 struct PendingCounters {
     bytes: u64,
     ops: u64,
+    completed: u64,
     reposts: u64,
     errors: u64,
+    events_dropped: u64,
 }
 
 /// Work-request ids: bit 63 marks receives; otherwise generation << 32 | slot.
@@ -105,6 +112,11 @@ pub(crate) struct Worker<T: Transport> {
     events: Sender<Event>,
     counters: Arc<Counters>,
     pending: PendingCounters,
+    latency: Arc<LatencyHistogram>,
+    /// `active` as last published in `counters`.
+    published_active: usize,
+    /// Events dropped so far (the log says so at each power of two).
+    events_dropped: u64,
     cfg: EngineConfig,
     slots: Vec<Option<Active>>,
     generations: Vec<u32>,
@@ -160,7 +172,7 @@ impl<T: Transport> Worker<T> {
         rx: Receiver<Command>,
         internal: Receiver<Command>,
         events: Sender<Event>,
-        counters: Arc<Counters>,
+        (counters, latency): (Arc<Counters>, Arc<LatencyHistogram>),
         cfg: EngineConfig,
         sleeping: Arc<AtomicBool>,
     ) -> Self {
@@ -172,6 +184,9 @@ impl<T: Transport> Worker<T> {
             events,
             counters,
             pending: PendingCounters::default(),
+            latency,
+            published_active: 0,
+            events_dropped: 0,
             cfg,
             slots: Vec::new(),
             generations: Vec::new(),
@@ -354,6 +369,7 @@ impl<T: Transport> Worker<T> {
                     stats: TransferStats::default(),
                     final_imm: None,
                     deadline: None,
+                    submitted: Instant::now(),
                     writes: Vec::new(),
                     next: 0,
                     direction: Direction::Write,
@@ -447,6 +463,7 @@ impl<T: Transport> Worker<T> {
             },
             final_imm,
             deadline: job.deadline,
+            submitted: job.submitted,
             keys: keys_of(&job.plan.writes, final_imm.as_ref().map(|(w, _)| w)),
             writes: job.plan.writes,
             next: 0,
@@ -543,6 +560,9 @@ impl<T: Transport> Worker<T> {
         // Whoever sees the transfer finished also sees its operations counted.
         self.flush_counters();
         self.counters.transfers.fetch_add(1, Ordering::Relaxed);
+        if a.error.is_none() {
+            self.latency.record(a.submitted.elapsed());
+        }
         a.slot.complete(match a.error {
             None => Ok(a.stats),
             Some(e) => Err(e),
@@ -552,15 +572,24 @@ impl<T: Transport> Worker<T> {
     /// Adds the pending counter increments to the shared counters.
     fn flush_counters(&mut self) {
         let p = std::mem::take(&mut self.pending);
+        // Posts before completions: a reader that sees a completion sees its post.
         for (counter, n) in [
             (&self.counters.bytes, p.bytes),
             (&self.counters.ops, p.ops),
+            (&self.counters.completed, p.completed),
             (&self.counters.reposts, p.reposts),
             (&self.counters.errors, p.errors),
+            (&self.counters.events_dropped, p.events_dropped),
         ] {
             if n > 0 {
                 counter.fetch_add(n, Ordering::Relaxed);
             }
+        }
+        if self.active != self.published_active {
+            self.published_active = self.active;
+            self.counters
+                .active
+                .store(self.active as u64, Ordering::Relaxed);
         }
     }
 
@@ -728,6 +757,7 @@ impl<T: Transport> Worker<T> {
     /// `count` writes with work-request id `wr` succeeded, moving `bytes` in all.
     fn writes_done(&mut self, (wr, count, bytes): (WorkRequestId, u64, u64)) {
         self.pending.bytes += bytes;
+        self.pending.completed += count;
         let (idx, generation) = slot_of(wr);
         self.ops_done(idx, generation, count, Ok(()));
     }
@@ -736,7 +766,7 @@ impl<T: Transport> Worker<T> {
         match c.op {
             OpKind::RemoteWrite => {
                 if let Some(imm) = c.imm {
-                    let _ = self.events.send(Event::Imm { peer: c.peer, imm });
+                    self.event(Event::Imm { peer: c.peer, imm });
                 }
             }
             OpKind::Recv => {
@@ -749,6 +779,7 @@ impl<T: Transport> Worker<T> {
                 }
             }
             OpKind::Write | OpKind::Send => {
+                self.pending.completed += 1;
                 let (idx, generation) = slot_of(c.wr_id);
                 let sent = *c.result.as_ref().unwrap_or(&0);
                 let res = match c.result {
@@ -767,6 +798,27 @@ impl<T: Transport> Worker<T> {
                     a.stats.bytes += sent;
                 }
                 self.op_done(idx, generation, res);
+            }
+        }
+    }
+
+    /// Hands an event to the application, or drops and counts it when the application has
+    /// let [`EngineConfig::event_queue`] of them pile up (said in the log at the first drop
+    /// and at each power of two after it).
+    fn event(&mut self, ev: Event) {
+        match self.events.try_send(ev) {
+            Ok(()) | Err(TrySendError::Disconnected(_)) => {}
+            Err(TrySendError::Full(_)) => {
+                self.pending.events_dropped += 1;
+                self.events_dropped += 1;
+                if self.events_dropped.is_power_of_two() {
+                    tracing::warn!(
+                        dropped = self.events_dropped,
+                        queue = self.cfg.event_queue,
+                        "event queue full: peers' immediate data dropped (take events with \
+                         next_event, or raise EngineConfig::event_queue)"
+                    );
+                }
             }
         }
     }

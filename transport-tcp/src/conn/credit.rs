@@ -155,6 +155,7 @@ impl Shared {
             early: EarlyRoom::new(max_unexpected_count, max_unexpected_bytes),
             max_msg_size,
             completions: Vec::new(),
+            stats: Arc::new(TransportStats::default()),
         }
     }
 

@@ -38,6 +38,7 @@ use crate::frame::{self, HEADER_LEN, Header, MAX_BATCH, Op};
 use crate::io::{RawIov, copy_to_region};
 use crate::staging::{CHUNK, Ring, Via};
 use fabric_core::recv::{EarlyArrival, PostedRecv, RecvMatch};
+use fabric_core::stats::TransportStats;
 use fabric_core::{
     Access, Completion, MemoryRegion, OpError, OpKind, PeerId, RemoteKey, WorkRequestId,
 };
@@ -89,6 +90,9 @@ pub(crate) struct Shared {
     pub early: EarlyRoom,
     pub max_msg_size: u64,
     pub completions: Vec<Completion>,
+    /// What peers did to us (bytes their WRITEs placed, READs served, refusals) and each
+    /// peer's state: shared with the engine ([`Transport::stats`](fabric_core::Transport)).
+    pub stats: Arc<TransportStats>,
 }
 
 pub(crate) struct Conn {

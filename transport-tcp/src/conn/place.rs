@@ -6,6 +6,7 @@
 //! REMOTE_READ) and answered from its region; the reply to one of ours lands like a WRITE.
 
 use super::*;
+use crate::frame::{CHECKSUM_LEN, CHECKSUM_MAX_LEN, FLAG_CRC};
 
 /// Where incoming payload bytes go.
 pub(super) enum Dest {
@@ -24,6 +25,17 @@ pub(super) enum Dest {
         end: u64,
     },
     Buffer(Vec<u8>),
+    /// A checksummed WRITE ([`FLAG_CRC`](crate::frame::FLAG_CRC)): its payload and
+    /// checksum gathered in `buf`, placed at `offset` of `mem` only once the checksum of
+    /// `head` and the payload matches.
+    Checked {
+        mem: Arc<dyn MemoryRegion>,
+        offset: u64,
+        head: [u8; HEADER_LEN],
+        buf: Vec<u8>,
+        /// Bytes `buf` will hold: the payload and the checksum.
+        whole: usize,
+    },
     Discard,
 }
 
@@ -39,6 +51,14 @@ impl Dest {
                 *offset += src.len() as u64;
             }
             Dest::Buffer(v) => v.extend_from_slice(src),
+            Dest::Checked { buf, whole, .. } => {
+                if buf.capacity() == 0 {
+                    // Its payload and checksum, at once (made when its first bytes come,
+                    // so a batch holds one such buffer at a time).
+                    buf.reserve_exact(*whole);
+                }
+                buf.extend_from_slice(src)
+            }
             Dest::Device { .. } => return Err(TcpError::DeviceBytesNotStaged),
             Dest::Discard => {}
         }
@@ -97,7 +117,31 @@ impl Conn {
                 limit: shared.max_msg_size,
             });
         }
+        let checked = h.flags & FLAG_CRC != 0;
+        if checked && h.len > CHECKSUM_MAX_LEN {
+            return Err(TcpError::TooLong {
+                op: Op::Write,
+                len: h.len,
+                limit: CHECKSUM_MAX_LEN,
+            });
+        }
+        // A checksummed payload is followed by its checksum.
+        let remaining = h.len + if checked { CHECKSUM_LEN } else { 0 };
         Ok(match validate(h, shared, Access::REMOTE_WRITE) {
+            Ok((mem, _)) if checked => Item {
+                dest: Dest::Checked {
+                    mem,
+                    offset: h.offset,
+                    head: h.encode(),
+                    buf: Vec::new(),
+                    whole: remaining as usize,
+                },
+                remaining,
+                finish: Finish::Write {
+                    imm: h.imm(),
+                    len: h.len,
+                },
+            },
             Ok((mem, via)) => Item {
                 dest: if mem.host_ptr().is_some() {
                     Dest::Region {
@@ -125,12 +169,13 @@ impl Conn {
             },
             Err(err) => {
                 tracing::debug!(peer = %self.peer, error = %err, "rejected WRITE");
-                if self.discard.is_empty() && h.len > 0 {
+                TransportStats::add(&shared.stats.refused_requests, 1);
+                if self.discard.is_empty() && remaining > 0 {
                     self.discard = vec![0u8; DISCARD].into_boxed_slice();
                 }
                 Item {
                     dest: Dest::Discard,
-                    remaining: h.len,
+                    remaining,
                     finish: Finish::Rejected {
                         err,
                         wr_id: h.wr_id,
@@ -207,6 +252,19 @@ impl Conn {
     ) -> Result<(), TcpError> {
         match finish {
             Finish::Write { imm, len } => {
+                if let Dest::Checked {
+                    mem,
+                    offset,
+                    head,
+                    buf,
+                    ..
+                } = &dest
+                    && !self.place_checked(mem, *offset, head, buf, len, shared)?
+                {
+                    return Ok(());
+                }
+                TransportStats::add(&shared.stats.received_bytes, len);
+                TransportStats::add(&shared.stats.received_writes, 1);
                 let event = imm.map(|imm| Completion {
                     wr_id: WorkRequestId(0),
                     op: OpKind::RemoteWrite,
@@ -281,6 +339,43 @@ impl Conn {
         Ok(())
     }
 
+    /// Places a checksummed WRITE's payload if its checksum matches (true); else counts
+    /// and NACKs it, placing nothing (false).
+    fn place_checked(
+        &mut self,
+        mem: &Arc<dyn MemoryRegion>,
+        offset: u64,
+        head: &[u8; HEADER_LEN],
+        buf: &[u8],
+        len: u64,
+        shared: &mut Shared,
+    ) -> Result<bool, TcpError> {
+        if buf.len() as u64 != len + CHECKSUM_LEN {
+            return Err(TcpError::ChecksumMissing {
+                got: buf.len() as u64,
+                len,
+            });
+        }
+        let (payload, sum) = buf.split_at(len as usize);
+        let want = u32::from_le_bytes(sum.try_into().expect("4 bytes, checked above"));
+        let got = crc32c::crc32c_append(crc32c::crc32c(head), payload);
+        if got != want {
+            let wr_id = u64::from_le_bytes(head[8..16].try_into().expect("8 bytes"));
+            tracing::warn!(peer = %self.peer, offset, len, "WRITE refused: checksum mismatch");
+            TransportStats::add(&shared.stats.checksum_mismatches, 1);
+            TransportStats::add(&shared.stats.refused_requests, 1);
+            self.nack(&OpError::ChecksumMismatch, wr_id, shared);
+            return Ok(false);
+        }
+        if !copy_to_region(&**mem, offset, payload) {
+            // Memory the CPU cannot address: one synchronous copy (checksums are a mode
+            // for integrity, not speed).
+            mem.write_from_host(offset, payload)
+                .map_err(TcpError::PlacePayload)?;
+        }
+        Ok(true)
+    }
+
     /// Serves a peer's READ: validated (key, bounds, REMOTE_READ) before any byte leaves,
     /// then answered in request order with a READ_REPLY sent straight from the registered
     /// region (device memory through the out-ring), or with a NACK.
@@ -311,12 +406,14 @@ impl Conn {
                         assigned: 0,
                     }
                 };
+                TransportStats::add(&shared.stats.served_read_bytes, h.len);
                 let mut reply = Header::new(Op::ReadReply, h.len);
                 reply.wr_id = h.wr_id;
                 self.answer(None, Answer::Reply(reply, payload), None, shared);
             }
             Err(err) => {
                 tracing::debug!(peer = %self.peer, error = %err, "rejected READ");
+                TransportStats::add(&shared.stats.refused_requests, 1);
                 self.nack(&err, h.wr_id, shared);
             }
         }
@@ -457,7 +554,7 @@ pub(super) fn direct(d: &Dest) -> bool {
         Dest::Region { mem, .. } => mem.host_ptr().is_some(),
         Dest::Discard => true,
         Dest::Device { .. } => true,
-        Dest::Buffer(_) => false,
+        Dest::Buffer(_) | Dest::Checked { .. } => false,
     }
 }
 
@@ -506,7 +603,7 @@ pub(super) fn read_batch(
                 }
                 _ => None,
             },
-            Dest::Buffer(_) => None,
+            Dest::Buffer(_) | Dest::Checked { .. } => None,
         };
         let Some(s) = slice else { break };
         let full = s.len() as u64 == item.remaining;

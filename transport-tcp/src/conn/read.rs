@@ -98,8 +98,12 @@ impl Conn {
             }
             let res = match &mut self.rstate {
                 ReadState::BatchPayloads { items, next, .. } if !direct(&items[*next].dest) => {
-                    // Memory the CPU cannot address: stage, then copy (Dest::put).
-                    let want = (items[*next].remaining as usize).saturating_add(HEADER_READ);
+                    // Bytes gathered before they are placed (Dest::put). Checksummed
+                    // payloads are all gathered so: read as much as the buffer takes.
+                    let want = match items[*next].dest {
+                        Dest::Checked { .. } => RBUF,
+                        _ => (items[*next].remaining as usize).saturating_add(HEADER_READ),
+                    };
                     read_staged(&mut self.stream, &mut self.rbuf, &mut self.rlen, want)
                 }
                 ReadState::BatchPayloads {
@@ -152,6 +156,10 @@ impl Conn {
                     let want = (*count * HEADER_LEN).saturating_sub(self.rlen).max(1);
                     read_staged(&mut self.stream, &mut self.rbuf, &mut self.rlen, want)
                 }
+                ReadState::Payload {
+                    dest: Dest::Checked { .. },
+                    ..
+                } => read_staged(&mut self.stream, &mut self.rbuf, &mut self.rlen, RBUF),
                 ReadState::Payload { remaining, .. } => {
                     let want = (*remaining as usize).saturating_add(HEADER_READ);
                     read_staged(&mut self.stream, &mut self.rbuf, &mut self.rlen, want)
@@ -326,6 +334,13 @@ impl Conn {
     pub(super) fn on_header(&mut self, h: Header, shared: &mut Shared) -> Result<(), TcpError> {
         if self.awaiting_hello && h.op != Op::Hello {
             return Err(TcpError::BeforeHello { op: h.op });
+        }
+        // Only WRITEs carry checksums.
+        if h.flags & crate::frame::FLAG_CRC != 0 && h.op != Op::Write {
+            return Err(TcpError::UnexpectedFlags {
+                op: h.op,
+                flags: h.flags,
+            });
         }
         match h.op {
             Op::Hello => {

@@ -206,6 +206,17 @@ impl Conn {
         });
     }
 
+    /// Appends `bytes` to the frame queued last, after the payload just queued: a WRITE's
+    /// checksum ([`FLAG_CRC`](crate::frame::FLAG_CRC)).
+    pub fn queue_trailer(&mut self, bytes: [u8; 4]) {
+        let Some(f) = self.out.back_mut() else {
+            return;
+        };
+        f.payloads.push(Payload::Owned(bytes.to_vec()));
+        f.total += bytes.len();
+        self.out_bytes += bytes.len();
+    }
+
     /// Writes as much of the queue as the socket takes. `Err` = connection broken.
     ///
     /// Device payloads leave from the staging ring as their copies complete; the copies of

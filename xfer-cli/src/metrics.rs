@@ -1,0 +1,553 @@
+//! `--metrics ADDR`: the figures of `serve` (and `bench`) in the Prometheus text exposition
+//! format (version 0.0.4), served over HTTP at `GET /metrics`.
+//!
+//! Every figure is read from the library at each scrape
+//! ([`RailGroup::stats`](fabric_core::engine::RailGroup::stats), the server's
+//! [`ServeStats`]): nothing is counted twice, and a scrape costs the running transfers
+//! nothing but a few relaxed atomic loads. The exposition is written by `prometheus-client`
+//! (the Prometheus project's own Rust client: the format's escaping, `_total` suffixes and
+//! histogram buckets are its job), through a [`Collector`] that turns the snapshots into
+//! metric families.
+//!
+//! The HTTP side is one thread answering one connection at a time, bounded: a request must
+//! arrive whole within [`REQUEST_DEADLINE`] and [`MAX_REQUEST`] bytes, the answer leave
+//! within [`WRITE_DEADLINE`]; then the connection closes. A slow or hostile scraper so
+//! delays the next scrape by at most those deadlines, and costs no thread or memory beyond
+//! its one request.
+//!
+//! Names (labels in braces):
+//! - per rail (`group`, `rail`, `nic`): `xfer_rail_bytes_total`, `xfer_rail_ops_total`,
+//!   `xfer_rail_reposts_total`, `xfer_rail_errors_total`, `xfer_rail_transfers_total`,
+//!   `xfer_rail_ops_in_flight`, `xfer_rail_transfers_active`,
+//!   `xfer_rail_events_dropped_total`; what peers did to it: `xfer_rail_received_bytes_total`,
+//!   `xfer_rail_received_writes_total`, `xfer_rail_served_read_bytes_total`,
+//!   `xfer_rail_refused_requests_total`, `xfer_rail_checksum_mismatches_total`;
+//! - per peer of a rail (`group`, `rail`, `peer`, `address`, `passive`, `state`):
+//!   `xfer_peer_connections`, and `xfer_peer_last_error` (1, with the error as label `error`);
+//! - per group (`group`): `xfer_transfer_latency_seconds` (histogram), `xfer_registered_bytes`,
+//!   `xfer_registered_regions`;
+//! - `serve` only: `xfer_serve_clients`, `xfer_serve_region_bytes`,
+//!   `xfer_serve_clients_admitted_total`, `xfer_serve_refusals_total` (`reason`),
+//!   `xfer_serve_events_dropped_total`.
+
+use crate::control::{Refusal, ServeStats};
+use fabric_core::engine::{GroupStats, RailGroup};
+use fabric_core::stats::{HistogramSnapshot, LATENCY_BUCKETS};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, NoLabelSet};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::Registry;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+/// Longest request accepted (its request line and headers).
+pub const MAX_REQUEST: usize = 8 << 10;
+/// Time a connection has to send its whole request.
+pub const REQUEST_DEADLINE: Duration = Duration::from_secs(2);
+/// Time the answer has to leave.
+pub const WRITE_DEADLINE: Duration = Duration::from_secs(2);
+
+/// What the endpoint reports: rail groups (held weakly: a group that stops drops out) and,
+/// for `serve`, its clients.
+#[derive(Debug, Default)]
+pub struct Sources {
+    groups: Mutex<Vec<(String, Weak<RailGroup>)>>,
+    serve: Mutex<Option<Arc<ServeStats>>>,
+}
+
+impl Sources {
+    /// Reports `group` under the label `group=name` while it lives.
+    pub fn add_group(&self, name: String, group: &Arc<RailGroup>) {
+        let mut g = self.groups.lock().unwrap_or_else(|p| p.into_inner());
+        g.retain(|(_, w)| w.strong_count() > 0);
+        g.push((name, Arc::downgrade(group)));
+    }
+
+    /// Reports the server's clients.
+    pub fn set_serve(&self, stats: Arc<ServeStats>) {
+        *self.serve.lock().unwrap_or_else(|p| p.into_inner()) = Some(stats);
+    }
+
+    fn groups(&self) -> Vec<(String, GroupStats)> {
+        let g = self.groups.lock().unwrap_or_else(|p| p.into_inner());
+        g.iter()
+            .filter_map(|(name, w)| w.upgrade().map(|g| (name.clone(), g.stats())))
+            .collect()
+    }
+}
+
+/// The [`Collector`] that reads [`Sources`] at each scrape.
+#[derive(Debug)]
+struct Snapshots(Arc<Sources>);
+
+type Labels = Vec<(&'static str, String)>;
+
+/// One metric family: its name, help, type and `(labels, value)` samples.
+fn family<M: EncodeMetric>(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    kind: MetricType,
+    samples: impl IntoIterator<Item = (Labels, M)>,
+) -> Result<(), std::fmt::Error> {
+    let mut m = enc.encode_descriptor(name, help, None, kind)?;
+    for (labels, v) in samples {
+        v.encode(m.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+fn counter(v: u64) -> ConstCounter<u64> {
+    ConstCounter::new(v)
+}
+
+fn gauge(v: u64) -> ConstGauge<i64> {
+    ConstGauge::new(i64::try_from(v).unwrap_or(i64::MAX))
+}
+
+/// A latency histogram as the exposition wants it: per-bucket counts with upper bounds in
+/// seconds (the last one +Inf), the sum in seconds and the count.
+struct Latency(HistogramSnapshot);
+
+impl EncodeMetric for Latency {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::MetricEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        let buckets: Vec<(f64, u64)> = (0..LATENCY_BUCKETS)
+            .map(|i| {
+                let le =
+                    HistogramSnapshot::upper_bound(i).map_or(f64::INFINITY, |d| d.as_secs_f64());
+                (le, self.0.buckets[i])
+            })
+            .collect();
+        encoder.encode_histogram::<NoLabelSet>(
+            self.0.sum.as_secs_f64(),
+            self.0.count,
+            &buckets,
+            None,
+        )
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
+}
+
+impl Collector for Snapshots {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let groups = self.0.groups();
+        // (labels of a rail, its figures), for every rail of every group.
+        let rails: Vec<(Labels, &fabric_core::engine::EngineStats)> = groups
+            .iter()
+            .flat_map(|(name, g)| {
+                g.rails.iter().enumerate().map(move |(i, r)| {
+                    let nic = g.nics.get(i).cloned().flatten().unwrap_or_default();
+                    (
+                        vec![
+                            ("group", name.clone()),
+                            ("rail", i.to_string()),
+                            ("nic", nic),
+                        ],
+                        r,
+                    )
+                })
+            })
+            .collect();
+        type Field = fn(&fabric_core::engine::EngineStats) -> u64;
+        let counters: [(&str, &str, Field); 6] = [
+            (
+                "xfer_rail_bytes",
+                "Bytes of operations this rail initiated that completed (WRITEs placed at the peer, READs placed here).",
+                |r| r.counters.bytes,
+            ),
+            ("xfer_rail_ops", "Operations this rail posted.", |r| {
+                r.counters.ops
+            }),
+            (
+                "xfer_rail_reposts",
+                "Posts the transport refused for lack of room, posted again later.",
+                |r| r.counters.reposts,
+            ),
+            ("xfer_rail_errors", "Operations that failed.", |r| {
+                r.counters.errors
+            }),
+            (
+                "xfer_rail_transfers",
+                "Transfers (chunks of a group's transfers) this rail finished, either way.",
+                |r| r.counters.transfers,
+            ),
+            (
+                "xfer_rail_events_dropped",
+                "Peers' immediate data dropped: the event queue was full.",
+                |r| r.counters.events_dropped,
+            ),
+        ];
+        for (name, help, f) in counters {
+            family(
+                &mut enc,
+                name,
+                help,
+                MetricType::Counter,
+                rails.iter().map(|(l, r)| (l.clone(), counter(f(r)))),
+            )?;
+        }
+        let gauges: [(&str, &str, Field); 2] = [
+            (
+                "xfer_rail_ops_in_flight",
+                "Operations posted and not completed.",
+                |r| r.counters.in_flight,
+            ),
+            (
+                "xfer_rail_transfers_active",
+                "Transfers under way on this rail.",
+                |r| r.counters.active,
+            ),
+        ];
+        for (name, help, f) in gauges {
+            family(
+                &mut enc,
+                name,
+                help,
+                MetricType::Gauge,
+                rails.iter().map(|(l, r)| (l.clone(), gauge(f(r)))),
+            )?;
+        }
+        type TField = fn(&fabric_core::stats::TransportSnapshot) -> u64;
+        let target: [(&str, &str, TField); 5] = [
+            (
+                "xfer_rail_received_bytes",
+                "Bytes peers' one-sided WRITEs placed in this rail's registered regions.",
+                |t| t.received_bytes,
+            ),
+            (
+                "xfer_rail_received_writes",
+                "Peers' WRITEs placed here.",
+                |t| t.received_writes,
+            ),
+            (
+                "xfer_rail_served_read_bytes",
+                "Bytes sent from our regions to answer peers' READs.",
+                |t| t.served_read_bytes,
+            ),
+            (
+                "xfer_rail_refused_requests",
+                "Peers' requests refused before they touched memory (key, bounds, permission, checksum).",
+                |t| t.refused_requests,
+            ),
+            (
+                "xfer_rail_checksum_mismatches",
+                "Peers' WRITEs whose checksum did not match: refused, nothing placed.",
+                |t| t.checksum_mismatches,
+            ),
+        ];
+        for (name, help, f) in target {
+            family(
+                &mut enc,
+                name,
+                help,
+                MetricType::Counter,
+                rails
+                    .iter()
+                    .filter_map(|(l, r)| r.transport.as_ref().map(|t| (l.clone(), counter(f(t))))),
+            )?;
+        }
+        // Peers: one sample per peer of each rail.
+        let peers: Vec<(Labels, &fabric_core::stats::PeerStatus)> = rails
+            .iter()
+            .flat_map(|(l, r)| {
+                r.transport.iter().flat_map(move |t| {
+                    t.peers.iter().map(move |p| {
+                        let mut labels = l[..2].to_vec();
+                        labels.push(("peer", p.peer.0.to_string()));
+                        labels.push(("address", p.address.clone()));
+                        labels.push(("passive", p.passive.to_string()));
+                        labels.push(("state", p.state.name().to_owned()));
+                        (labels, p)
+                    })
+                })
+            })
+            .collect();
+        family(
+            &mut enc,
+            "xfer_peer_connections",
+            "Open connections of each peer of a rail, labelled with its state (connecting, connected, closed).",
+            MetricType::Gauge,
+            peers
+                .iter()
+                .map(|(l, p)| (l.clone(), gauge(p.connections as u64))),
+        )?;
+        family(
+            &mut enc,
+            "xfer_peer_last_error",
+            "1 for each peer whose last connection to fail failed, with the error as label.",
+            MetricType::Gauge,
+            peers.iter().filter_map(|(l, p)| {
+                p.last_error.as_ref().map(|e| {
+                    let mut labels = l.clone();
+                    labels.push(("error", e.clone()));
+                    (labels, gauge(1))
+                })
+            }),
+        )?;
+        // Per group.
+        let group_labels = |name: &String| vec![("group", name.clone())];
+        family(
+            &mut enc,
+            "xfer_transfer_latency_seconds",
+            "Latency of the group's successful transfers, submit to completion.",
+            MetricType::Histogram,
+            groups
+                .iter()
+                .map(|(name, g)| (group_labels(name), Latency(g.latency))),
+        )?;
+        // The same memory is registered on every rail: the first rail says it.
+        family(
+            &mut enc,
+            "xfer_registered_bytes",
+            "Bytes of the regions registered on the group.",
+            MetricType::Gauge,
+            groups.iter().map(|(name, g)| {
+                let b = g.rails.first().map_or(0, |r| r.registered_bytes);
+                (group_labels(name), gauge(b))
+            }),
+        )?;
+        family(
+            &mut enc,
+            "xfer_registered_regions",
+            "Regions registered on the group.",
+            MetricType::Gauge,
+            groups.iter().map(|(name, g)| {
+                let n = g.rails.first().map_or(0, |r| r.registered_regions);
+                (group_labels(name), gauge(n as u64))
+            }),
+        )?;
+        let serve = self
+            .0
+            .serve
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(s) = serve {
+            let none = Vec::new;
+            family(
+                &mut enc,
+                "xfer_serve_clients",
+                "Clients served now.",
+                MetricType::Gauge,
+                [(none(), gauge(s.clients.load(Ordering::Relaxed) as u64))],
+            )?;
+            family(
+                &mut enc,
+                "xfer_serve_region_bytes",
+                "Bytes the clients' regions hold now.",
+                MetricType::Gauge,
+                [(none(), gauge(s.region_bytes.load(Ordering::Relaxed)))],
+            )?;
+            family(
+                &mut enc,
+                "xfer_serve_clients_admitted",
+                "Clients admitted since the server started.",
+                MetricType::Counter,
+                [(none(), counter(s.admitted.load(Ordering::Relaxed)))],
+            )?;
+            family(
+                &mut enc,
+                "xfer_serve_refusals",
+                "Clients (or their requests) refused, by reason.",
+                MetricType::Counter,
+                Refusal::ALL.iter().map(|&r| {
+                    (
+                        vec![("reason", r.name().to_owned())],
+                        counter(s.refusals(r)),
+                    )
+                }),
+            )?;
+            let dropped: u64 = groups
+                .iter()
+                .map(|(_, g)| g.counters().events_dropped)
+                .sum();
+            family(
+                &mut enc,
+                "xfer_serve_events_dropped",
+                "Peers' immediate data the server dropped (it takes none; its queues are bounded).",
+                MetricType::Counter,
+                [(none(), counter(dropped))],
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The exposition of everything `sources` reports now.
+pub fn render(sources: &Arc<Sources>) -> String {
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(Snapshots(sources.clone())));
+    let mut out = String::new();
+    // Writing into a String fails only if a collector does, and ours do not.
+    if let Err(e) = prometheus_client::encoding::prometheus_text::encode(&mut out, &registry) {
+        tracing::warn!(error = %e, "metrics: encoding failed");
+    }
+    out
+}
+
+/// Listens on `addr` and answers `GET /metrics` from a thread of its own, for as long as
+/// the process runs; returns the address it listens on (port 0 picks one).
+pub fn spawn(addr: SocketAddr, sources: Arc<Sources>) -> std::io::Result<SocketAddr> {
+    let listener = TcpListener::bind(addr)?;
+    let at = listener.local_addr()?;
+    std::thread::Builder::new()
+        .name("xfer-metrics".into())
+        .spawn(move || {
+            for conn in listener.incoming() {
+                match conn {
+                    Ok(c) => {
+                        if let Err(e) = answer(c, &sources) {
+                            tracing::debug!(error = %e, "metrics: connection ended");
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, "metrics: accept failed"),
+                }
+            }
+        })?;
+    Ok(at)
+}
+
+/// What a request asked for.
+#[derive(Debug, PartialEq, Eq)]
+enum Asked {
+    Metrics,
+    NotFound,
+    NotAllowed,
+    Bad,
+}
+
+/// Reads one request (bounded in bytes and time) and answers it.
+fn answer(mut c: TcpStream, sources: &Arc<Sources>) -> std::io::Result<()> {
+    let asked = match read_request(&mut c)? {
+        Some(head) => parse(&head),
+        None => return Ok(()),
+    };
+    let (status, body) = match asked {
+        Asked::Metrics => ("200 OK", render(sources)),
+        Asked::NotFound => ("404 Not Found", "only /metrics is served\n".to_owned()),
+        Asked::NotAllowed => ("405 Method Not Allowed", "only GET\n".to_owned()),
+        Asked::Bad => (
+            "400 Bad Request",
+            "malformed or oversized request\n".to_owned(),
+        ),
+    };
+    let content_type = if asked == Asked::Metrics {
+        prometheus_client::encoding::prometheus_text::CONTENT_TYPE
+    } else {
+        "text/plain; charset=utf-8"
+    };
+    c.set_write_timeout(Some(WRITE_DEADLINE))?;
+    let head = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n",
+        body.len()
+    );
+    c.write_all(head.as_bytes())?;
+    c.write_all(body.as_bytes())?;
+    c.flush()
+}
+
+/// The request's head (up to its blank line), read within [`REQUEST_DEADLINE`];
+/// `None` if the client closed before sending one; an oversized or late one is an empty
+/// head (answered 400).
+fn read_request(c: &mut TcpStream) -> std::io::Result<Option<Vec<u8>>> {
+    let deadline = Instant::now() + REQUEST_DEADLINE;
+    let mut head = Vec::with_capacity(512);
+    let mut buf = [0u8; 1024];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Ok(Some(Vec::new()));
+        }
+        c.set_read_timeout(Some(left))?;
+        let n = match c.read(&mut buf) {
+            Ok(0) if head.is_empty() => return Ok(None),
+            Ok(0) => return Ok(Some(Vec::new())),
+            Ok(n) => n,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Ok(Some(Vec::new()));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        head.extend_from_slice(&buf[..n]);
+        if let Some(end) = head.windows(4).position(|w| w == b"\r\n\r\n") {
+            head.truncate(end);
+            return Ok(Some(head));
+        }
+        if head.len() > MAX_REQUEST {
+            return Ok(Some(Vec::new()));
+        }
+    }
+}
+
+/// What the request line of `head` asks for.
+fn parse(head: &[u8]) -> Asked {
+    let Ok(text) = std::str::from_utf8(head) else {
+        return Asked::Bad;
+    };
+    let mut parts = text.lines().next().unwrap_or("").split(' ');
+    let (Some(method), Some(target), Some(version)) = (parts.next(), parts.next(), parts.next())
+    else {
+        return Asked::Bad;
+    };
+    if !version.starts_with("HTTP/1.") || parts.next().is_some() {
+        return Asked::Bad;
+    }
+    if method != "GET" {
+        return Asked::NotAllowed;
+    }
+    match target.split('?').next() {
+        Some("/metrics") => Asked::Metrics,
+        _ => Asked::NotFound,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_are_parsed_strictly() {
+        assert_eq!(parse(b"GET /metrics HTTP/1.1\r\nHost: x"), Asked::Metrics);
+        assert_eq!(parse(b"GET /metrics?x=1 HTTP/1.0"), Asked::Metrics);
+        assert_eq!(parse(b"GET / HTTP/1.1"), Asked::NotFound);
+        assert_eq!(parse(b"POST /metrics HTTP/1.1"), Asked::NotAllowed);
+        assert_eq!(parse(b"GET /metrics"), Asked::Bad);
+        assert_eq!(parse(b"GET /metrics SPDY/3"), Asked::Bad);
+        assert_eq!(parse(b""), Asked::Bad);
+        assert_eq!(parse(&[0xff, 0xfe]), Asked::Bad);
+    }
+
+    #[test]
+    fn the_exposition_names_every_family_even_with_nothing_to_report() {
+        let sources = Arc::new(Sources::default());
+        sources.set_serve(Arc::new(ServeStats::default()));
+        let text = render(&sources);
+        for name in [
+            "# TYPE xfer_rail_bytes_total counter",
+            "# TYPE xfer_transfer_latency_seconds histogram",
+            "# TYPE xfer_serve_clients gauge",
+            "xfer_serve_refusals_total{reason=\"hello_timeout\"} 0",
+            "xfer_serve_events_dropped_total 0",
+        ] {
+            assert!(text.contains(name), "no {name:?} in\n{text}");
+        }
+    }
+}
