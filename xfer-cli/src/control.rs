@@ -263,10 +263,11 @@ fn read_line(
     let mut by = deadline;
     loop {
         let left = by.map(|t| t.saturating_duration_since(Instant::now()));
-        if left.is_some_and(|l| l.is_zero()) {
-            return Err(LineError::TooSlow(within));
-        }
-        r.get_ref().set_read_timeout(left)?;
+        // Past the deadline, what has already arrived still counts (a loaded server may
+        // start on a connection late): one last short read, then the line must be whole.
+        let expired = left.is_some_and(|l| l.is_zero());
+        r.get_ref()
+            .set_read_timeout(left.map(|l| l.max(Duration::from_millis(1))))?;
         let chunk = match r.fill_buf() {
             Ok(c) => c,
             Err(e)
@@ -299,6 +300,9 @@ fn read_line(
         r.consume(take);
         if done {
             return String::from_utf8(line).map_err(|_| LineError::NotText);
+        }
+        if expired {
+            return Err(LineError::TooSlow(within));
         }
     }
 }
@@ -458,6 +462,8 @@ pub fn serve(
             }
         };
         let from = conn.peer_addr().ok();
+        // The hello is due counted from here, however late its thread starts.
+        let accepted = Instant::now();
         let slot = match budget.admit() {
             Ok(s) => s,
             Err(why) => {
@@ -481,7 +487,8 @@ pub fn serve(
                 if let Some(p) = pin {
                     p.prefer_memory_here("xfer-control");
                 }
-                match client(conn, from, slot, &groups, region_size, &backend) {
+                let arrival = Arrival { from, accepted };
+                match client(conn, arrival, slot, &groups, region_size, &backend) {
                     Ok(()) => tracing::info!(?from, "control connection ended"),
                     Err(e) => tracing::warn!(?from, reason = %e, "control connection closed"),
                 }
@@ -624,9 +631,16 @@ fn refuse(
     reply::<()>(w, Err(reason))
 }
 
+/// Where a client came from, and when it was accepted (its hello is due from then).
+#[derive(Clone, Copy)]
+struct Arrival {
+    from: Option<SocketAddr>,
+    accepted: Instant,
+}
+
 fn client(
     conn: TcpStream,
-    from: Option<SocketAddr>,
+    Arrival { from, accepted }: Arrival,
     mut slot_budget: ClientSlot,
     groups: &[ServedGroup],
     region_size: u64,
@@ -640,7 +654,7 @@ fn client(
     let mut w = conn.try_clone()?;
     let mut r = BufReader::new(conn);
     let mut region: Option<(Arc<dyn MemoryRegion>, GroupRegistration)> = None;
-    let hello_by = Instant::now() + Duration::from_secs(limits.hello_timeout);
+    let hello_by = accepted + Duration::from_secs(limits.hello_timeout);
     let result = (|| loop {
         // Until the hello, the whole line is due by its deadline; then each request line
         // has --request-timeout from its first byte.

@@ -184,8 +184,10 @@ fn sixty_four_clients_then_a_thousand_cycles_leave_the_server_as_it_was() {
             "2",
             "--pin",
             "off",
+            // Room for clients whose previous bench has gone but whose close the loaded
+            // server has not handled yet: the limit is not what this test is about.
             "--max-clients",
-            "80",
+            "160",
             "--metrics",
             "127.0.0.1:0",
         ])
