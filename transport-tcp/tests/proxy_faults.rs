@@ -397,7 +397,14 @@ fn a_flipped_payload_byte_is_refused_with_checksums_and_written_without() {
             // Without them, the corruption lands unnoticed: one byte differs.
             r.expect("without checksums the write succeeds");
             let differ: Vec<usize> = (0..got.len()).filter(|&i| got[i] != want[i]).collect();
-            assert_eq!(differ, vec![1000], "exactly the flipped byte differs");
+            // One byte differs, near byte 1000 of the page: where the flip lands in the
+            // payload shifts with what precedes it in the stream (the address's length in
+            // the HELLO, a header more when the sender splits its batch under load).
+            assert_eq!(differ.len(), 1, "exactly one byte differs: {differ:?}");
+            assert!(
+                (900..1100).contains(&differ[0]),
+                "the flipped byte is near byte 1000 of the page: {differ:?}"
+            );
             assert_eq!(target.checksum_mismatches, 0);
             let done = BTreeSet::new();
             s.check(&done, &BTreeSet::from([page]));
