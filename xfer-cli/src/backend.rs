@@ -147,6 +147,17 @@ pub struct BackendArgs {
     /// `Balance`). Larger keeps fast pipes fuller; smaller ends a slow NIC's tail sooner.
     #[arg(long = "rail-horizon", value_name = "US")]
     pub rail_horizon_us: Option<u64>,
+    /// Several rails: chunks per rail a large transfer is cut into at first (the library's
+    /// `Balance::chunks_per_rail`, default 16); 1 gives each rail its fair share at once.
+    #[arg(long = "rail-chunks", value_name = "N")]
+    pub rail_chunks: Option<u64>,
+    /// Several rails: the largest first chunk (`Balance::max_chunk`, default 1MiB).
+    #[arg(long = "rail-max-chunk", value_name = "SIZE", value_parser = crate::size::parse_size)]
+    pub rail_max_chunk: Option<u64>,
+    /// Several rails: chunks a rail may always hold in flight (`Balance::in_flight`,
+    /// default 2).
+    #[arg(long = "rail-in-flight", value_name = "N")]
+    pub rail_in_flight: Option<usize>,
     /// How long a wait for a transfer spins before it sleeps, in microseconds (the
     /// engine's `wait_spin`; default 200).
     #[arg(long = "wait-spin", value_name = "US")]
@@ -327,11 +338,20 @@ impl BackendArgs {
             }
         };
         let g = g.map_err(CliError::from)?;
+        let mut b = g.balance();
         if let Some(us) = self.rail_horizon_us {
-            let mut b = g.balance();
             b.horizon = std::time::Duration::from_micros(us);
-            g.set_balance(b);
         }
+        if let Some(n) = self.rail_chunks {
+            b.chunks_per_rail = n.max(1);
+        }
+        if let Some(m) = self.rail_max_chunk {
+            b.max_chunk = m.max(1);
+        }
+        if let Some(n) = self.rail_in_flight {
+            b.in_flight = n.max(1);
+        }
+        g.set_balance(b);
         Ok(g)
     }
 

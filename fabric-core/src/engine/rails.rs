@@ -310,11 +310,17 @@ impl Shared {
 
     /// Whether `rail` has room for another chunk (see [`Balance`]).
     fn has_room(&self, rail: usize, b: &Balance) -> bool {
-        if self.inflight[rail].load(Ordering::Acquire) < b.in_flight.max(1) {
+        self.has_room_beside(rail, b, 0, 0)
+    }
+
+    /// [`Shared::has_room`] with `chunks` more chunks of `bytes` in all already chosen for
+    /// `rail` but not yet counted.
+    fn has_room_beside(&self, rail: usize, b: &Balance, chunks: usize, bytes: u64) -> bool {
+        if self.inflight[rail].load(Ordering::Acquire) + chunks < b.in_flight.max(1) {
             return true;
         }
         let budget = (self.rate(rail) * b.horizon.as_secs_f64()).min(b.max_in_flight_bytes as f64);
-        (self.inflight_bytes[rail].load(Ordering::Acquire) as f64) < budget
+        ((self.inflight_bytes[rail].load(Ordering::Acquire) + bytes) as f64) < budget
     }
 
     /// The chunk size `rail` may take beyond a transfer's own: half a horizon of its work
@@ -667,21 +673,23 @@ impl RailGroup {
         let mut order: Vec<usize> = (0..n).collect();
         order.sort_by_key(|&i| (sh.inflight[i].load(Ordering::Relaxed), i));
         let b = self.balance();
-        let limit = b.in_flight.max(1);
         let mut first = Vec::new();
         {
             let mut q = sh.lock_queue();
             q.push_back(state);
-            let mut taken = vec![0usize; n];
+            // Each rail takes chunks while it has room by the same rule as when its chunks
+            // land: its `in_flight` chunks, or what it moves in a `horizon` at its rate.
+            let mut taken = vec![(0usize, 0u64); n];
             'rounds: loop {
                 let mut any = false;
                 for &r in &order {
-                    if sh.inflight[r].load(Ordering::Relaxed) + taken[r] >= limit {
+                    if !sh.has_room_beside(r, &b, taken[r].0, taken[r].1) {
                         continue;
                     }
                     match Shared::next_chunk(&mut q, sh.rail_chunk(r, &b)) {
                         Some(c) => {
-                            taken[r] += 1;
+                            taken[r].0 += 1;
+                            taken[r].1 += chunk_len(&c.1);
                             first.push((r, c));
                             any = true;
                         }
