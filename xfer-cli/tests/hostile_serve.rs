@@ -183,6 +183,18 @@ fn wait_for_bench_region(url: &str) {
     }
 }
 
+/// Waits until the server holds no client's region (every client gone).
+fn wait_for_no_region(url: &str) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Scrape::fetch(url).sum("xfer_serve_region_bytes", &[]) > 0.0 {
+        assert!(
+            Instant::now() < deadline,
+            "clients' regions still held after 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 #[test]
 fn hostile_clients_are_refused_with_reasons_while_a_bench_runs() {
     let mut serve = Command::new(env!("CARGO_BIN_EXE_xfer"));
@@ -224,6 +236,10 @@ fn hostile_clients_are_refused_with_reasons_while_a_bench_runs() {
     let mut with = Vec::new();
     let told = Arc::new(Mutex::new(Told::default()));
     for _ in 0..2 {
+        // Every earlier client (a bench, the last hostiles) is gone before this bench says
+        // hello: its region is then the one the wait below sees, and a flood cannot come
+        // first (a flood that comes first wins, see above).
+        wait_for_no_region(&url);
         let stop = Arc::new(AtomicBool::new(false));
         let peer = server.peer.clone();
         let running = std::thread::spawn(move || bench(&peer).0);
