@@ -3,6 +3,7 @@
 
 use directory::testing::Etcd;
 use directory::{Directory, Error, EtcdDirectory, EtcdOptions, Event, Record, RecordError, Watch};
+use fabric_core::testing::eventually;
 use std::time::{Duration, Instant};
 
 const CLUSTER: &str = "test";
@@ -243,10 +244,11 @@ fn calls_time_out_while_etcd_is_away_and_work_again_when_it_returns() {
     assert!(err.to_string().contains(&e.endpoint()), "{err}");
     e.restart(false);
     // The client reconnects by itself.
-    let until = Instant::now() + Duration::from_secs(10);
-    while d.lookup(CLUSTER, "a").is_err() {
-        assert!(Instant::now() < until, "no answer after etcd came back");
-    }
+    eventually(
+        "an answer after etcd came back",
+        Duration::from_secs(10),
+        || d.lookup(CLUSTER, "a").is_ok(),
+    );
 }
 
 /// etcd restarted under live members: with its data or without, they stay (re-published
@@ -262,17 +264,11 @@ fn survive_restart(wipe: bool) {
     assert_eq!(drain(&w, Duration::from_millis(300)).len(), 2);
     e.restart(wipe);
     // Both are back (or never left) within a few seconds.
-    let until = Instant::now() + Duration::from_secs(10);
-    loop {
-        let n = d.members(CLUSTER).map(|l| l.members.len()).unwrap_or(0);
-        if n == 2 {
-            break;
-        }
-        assert!(
-            Instant::now() < until,
-            "members not back after the restart: {n}"
-        );
-    }
+    eventually(
+        "both members back after the restart",
+        Duration::from_secs(10),
+        || d.members(CLUSTER).map(|l| l.members.len()).unwrap_or(0) == 2,
+    );
     // The watch follows the new etcd: a new member is seen, and nobody left.
     let _c = d.publish(record("c"), TTL).unwrap();
     let mut events = drain(&w, TTL * 2);

@@ -1296,3 +1296,17 @@ macro_rules! conformance_suite {
         )*
     };
 }
+
+/// Polls `cond` until it holds, panicking with `what` once `within` has passed: for a state
+/// that tests can only observe by looking (a counter, a peer's state), never as a stand-in
+/// for an event they could wait on.
+pub fn eventually(what: &str, within: Duration, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !cond() {
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {within:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}

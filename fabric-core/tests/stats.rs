@@ -6,22 +6,14 @@ use fabric_core::engine::{Engine, EngineConfig, GroupTransfer, RailGroup, Transf
 use fabric_core::mem::MemTransport;
 use fabric_core::plan::Segment;
 use fabric_core::stats::PeerState;
+use fabric_core::testing::eventually;
 use fabric_core::{Access, HostBuffer};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const T: Duration = Duration::from_secs(10);
 
 fn mem_engine(cfg: EngineConfig) -> Engine {
     Engine::spawn(|| Ok(MemTransport::new()), cfg).unwrap()
-}
-
-/// Polls `f` until it holds, failing after `T`.
-fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + T;
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::yield_now();
-    }
 }
 
 #[test]
@@ -134,7 +126,7 @@ fn events_the_application_never_takes_are_dropped_and_counted() {
     }
     // The transfers are done at the initiator; the target's worker has seen the events
     // once it counts them, kept or dropped.
-    eventually("the target to count its dropped events", || {
+    eventually("the target to count its dropped events", T, || {
         b.stats().counters.events_dropped == 6
     });
     // The first four were kept, in order; later ones come again once there is room.

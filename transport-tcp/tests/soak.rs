@@ -9,7 +9,7 @@
 use fabric_core::engine::{Engine, EngineConfig, Transfer, TransferHandle};
 use fabric_core::memory::SubRegion;
 use fabric_core::plan::Segment;
-use fabric_core::testing::pattern;
+use fabric_core::testing::{eventually, pattern};
 use fabric_core::{Access, Error, HostBuffer, MemoryRegion, OpError, Registration};
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -250,15 +250,6 @@ fn settle(handles: &[TransferHandle], allowed: impl Fn(&OpError) -> bool) -> (us
     (ok, failed)
 }
 
-/// Polls `cond` until it holds, at most `WAIT`.
-fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !cond() {
-        assert!(start.elapsed() < WAIT, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
 #[test]
 fn deregistering_the_target_with_writes_in_flight() {
     let _turn = serial();
@@ -310,7 +301,7 @@ fn deregistering_the_target_with_writes_in_flight() {
             behind.iter().all(|&x| x == CANARY),
             "canary after the window"
         );
-        eventually("the target transport to drop the region", || {
+        eventually("the target transport to drop the region", WAIT, || {
             weak.upgrade().is_none()
         });
     }
@@ -388,7 +379,7 @@ fn deregistering_the_source_with_writes_in_flight() {
             "a transfer after deregistration: {:?}",
             late.map(|_| ())
         );
-        eventually("the initiator's transport to drop the region", || {
+        eventually("the initiator's transport to drop the region", WAIT, || {
             weak.upgrade().is_none()
         });
     }

@@ -6,8 +6,9 @@
 use fabric_core::engine::{Engine, EngineConfig, Transfer};
 use fabric_core::plan::Segment;
 use fabric_core::stats::PeerState;
+use fabric_core::testing::eventually;
 use fabric_core::{Access, HostBuffer, RemoteKey, RemoteRegion};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use transport_tcp::{TcpConfig, TcpTransport};
 
 const T: Duration = Duration::from_secs(20);
@@ -23,15 +24,6 @@ fn tcp_engine(rails: usize) -> Engine {
         EngineConfig::default(),
     )
     .expect("tcp engine")
-}
-
-/// Polls `f` until it holds, failing after `T`.
-fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + T;
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(2));
-    }
 }
 
 #[test]
@@ -105,7 +97,7 @@ fn the_target_counts_what_landed_and_each_side_sees_its_peers() {
         a.stats().transport.unwrap().peers[0].state,
         PeerState::Closed
     );
-    eventually("the target to see its peer close", || {
+    eventually("the target to see its peer close", T, || {
         let peers = b.stats().transport.unwrap().peers;
         peers.len() == 1 && peers[0].state == PeerState::Closed && peers[0].last_error.is_some()
     });

@@ -17,6 +17,7 @@
 mod common;
 
 use common::{Scrape, Server};
+use fabric_core::testing::eventually;
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -170,29 +171,12 @@ fn hostiles(
     threads
 }
 
-/// Waits until the server's metrics say the bench holds its region (its hello is done).
-fn wait_for_bench_region(url: &str) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let m = Scrape::fetch(url);
-        if m.sum("xfer_serve_region_bytes", &[]) >= REGION_BYTES {
-            return;
-        }
-        assert!(Instant::now() < deadline, "the bench never got its region");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
-/// Waits until the server holds no client's region (every client gone).
-fn wait_for_no_region(url: &str) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while Scrape::fetch(url).sum("xfer_serve_region_bytes", &[]) > 0.0 {
-        assert!(
-            Instant::now() < deadline,
-            "clients' regions still held after 60 s"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+/// Waits (at most 60 s) until the bytes the server's clients' regions hold satisfy `ok`:
+/// the bench holds its region, or every client is gone.
+fn wait_for_region_bytes(url: &str, what: &str, ok: impl Fn(f64) -> bool) {
+    eventually(what, Duration::from_secs(60), || {
+        ok(Scrape::fetch(url).sum("xfer_serve_region_bytes", &[]))
+    });
 }
 
 #[test]
@@ -239,11 +223,11 @@ fn hostile_clients_are_refused_with_reasons_while_a_bench_runs() {
         // Every earlier client (a bench, the last hostiles) is gone before this bench says
         // hello: its region is then the one the wait below sees, and a flood cannot come
         // first (a flood that comes first wins, see above).
-        wait_for_no_region(&url);
+        wait_for_region_bytes(&url, "every earlier client to leave", |b| b == 0.0);
         let stop = Arc::new(AtomicBool::new(false));
         let peer = server.peer.clone();
         let running = std::thread::spawn(move || bench(&peer).0);
-        wait_for_bench_region(&url);
+        wait_for_region_bytes(&url, "the bench to hold its region", |b| b >= REGION_BYTES);
         let threads = hostiles(addr, &stop, &told);
         let gbps = running.join().expect("the bench under attack");
         stop.store(true, Ordering::SeqCst);
