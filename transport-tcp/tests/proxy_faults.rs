@@ -111,6 +111,21 @@ impl Setup {
         t
     }
 
+    /// Writes `pages` (a 60 s transfer, waited for up to 60 s) and times it.
+    fn timed_write(
+        &self,
+        peer: fabric_core::PeerId,
+        pages: &[u64],
+    ) -> (Result<TransferStats, Error>, Duration) {
+        let started = Instant::now();
+        let r = self
+            .a
+            .submit(self.transfer(peer, pages, Duration::from_secs(60)))
+            .unwrap()
+            .wait(Duration::from_secs(60));
+        (r, started.elapsed())
+    }
+
     /// The target's page `p`.
     fn page(&self, p: u64) -> Vec<u8> {
         self.dst.to_vec(GUARD + p * PAGE, PAGE as usize).unwrap()
@@ -212,10 +227,7 @@ fn a_cut_in_the_middle_of_a_frame_fails_the_transfer_typed_and_in_time() {
     // The HELLO (its header, rail, instance and address), a BATCH header and up to 8 WRITE
     // headers, then 30 000 bytes: inside the first 64 KiB payload whatever the batching
     // (it starts 80 to 360 bytes after the HELLO).
-    let probe = engine(TcpConfig::default(), "probe");
-    let hello = 40 + 12 + probe.address().len() as u64;
-    drop(probe);
-    let cut = hello + 40 + 8 * 40 + 30_000;
+    let cut = hello_bytes() + 40 + 8 * 40 + 30_000;
     let (s, peer) = setup(
         peer_timeout,
         Faults {
@@ -224,12 +236,7 @@ fn a_cut_in_the_middle_of_a_frame_fails_the_transfer_typed_and_in_time() {
         },
     );
     let ps = pages(1, 8);
-    let started = Instant::now();
-    let r =
-        s.a.submit(s.transfer(peer, &ps, Duration::from_secs(60)))
-            .unwrap()
-            .wait(Duration::from_secs(60));
-    let took = started.elapsed();
+    let (r, took) = s.timed_write(peer, &ps);
     println!("cut after {cut} bytes: failed in {took:?}");
     assert_typed_failure(&r, "cut mid-frame");
     assert!(took < peer_timeout + SLACK, "took {took:?}");
@@ -286,12 +293,8 @@ fn a_5s_stall_within_the_peer_timeout_completes_verified() {
         },
     );
     let ps = pages(0, 32);
-    let started = Instant::now();
-    s.a.submit(s.transfer(peer, &ps, Duration::from_secs(60)))
-        .unwrap()
-        .wait(Duration::from_secs(60))
-        .expect("the stalled transfer completes");
-    let took = started.elapsed();
+    let (r, took) = s.timed_write(peer, &ps);
+    r.expect("the stalled transfer completes");
     println!("stall 5 s, peer_timeout 15 s: completed in {took:?}");
     assert!(
         s.proxy
@@ -318,12 +321,7 @@ fn a_5s_stall_beyond_the_peer_timeout_fails_typed_before_it_ends() {
         },
     );
     let ps = pages(0, 32);
-    let started = Instant::now();
-    let r =
-        s.a.submit(s.transfer(peer, &ps, Duration::from_secs(60)))
-            .unwrap()
-            .wait(Duration::from_secs(60));
-    let took = started.elapsed();
+    let (r, took) = s.timed_write(peer, &ps);
     println!("stall 5 s, peer_timeout 1 s: failed in {took:?}");
     assert_typed_failure(&r, "stall beyond the peer timeout");
     // A peer that takes bytes but never answers fails after twice peer_timeout.
@@ -342,9 +340,14 @@ fn a_5s_stall_beyond_the_peer_timeout_fails_typed_before_it_ends() {
 /// The offset, in the initiator's stream, of byte `at` of the payload of a transfer's only
 /// WRITE: after the HELLO, a BATCH header and the WRITE's header.
 fn in_first_payload(at: u64) -> u64 {
+    hello_bytes() + 2 * 40 + at
+}
+
+/// The bytes of an initiator's HELLO (header, fixed fields and its address, whose length a
+/// probe engine's tells).
+fn hello_bytes() -> u64 {
     let probe = engine(TcpConfig::default(), "probe");
-    let hello = 40 + 12 + probe.address().len() as u64;
-    hello + 2 * 40 + at
+    40 + 12 + probe.address().len() as u64
 }
 
 #[test]
