@@ -516,14 +516,13 @@ impl Engine {
         imm: Option<i64>,
         timeout: Option<f64>,
     ) -> PyResult<Handle> {
-        let len = positive(page_size, "page_size")?;
-        let ss = positive(src_stride.unwrap_or(page_size), "src_stride")?;
-        let ds = positive(dst_stride.unwrap_or(page_size), "dst_stride")?;
-        let dst = wire::decode_descriptor(remote_descriptor).map_err(|e| wire_error(&e))?;
-        let sp = pages(src_pages, "src_pages")?;
-        let dp = pages(dst_pages, "dst_pages")?;
-        let mut t = GroupTransfer::paged(registration.reg.clone(), dst, &sp, ss, &dp, ds, len)
-            .map_err(|e| engine_error(&e))?;
+        let mut t = paged(
+            registration,
+            remote_descriptor,
+            page_size,
+            (src_pages, src_stride, "src"),
+            (dst_pages, dst_stride, "dst"),
+        )?;
         t.imm = imm_value(imm)?;
         t.timeout = seconds(timeout, "timeout")?;
         self.submit(py, peer, registration, t)
@@ -576,15 +575,14 @@ impl Engine {
         remote_stride: Option<i64>,
         timeout: Option<f64>,
     ) -> PyResult<Handle> {
-        let len = positive(page_size, "page_size")?;
-        let ls = positive(local_stride.unwrap_or(page_size), "local_stride")?;
-        let rs = positive(remote_stride.unwrap_or(page_size), "remote_stride")?;
-        let remote = wire::decode_descriptor(remote_descriptor).map_err(|e| wire_error(&e))?;
-        let lp = pages(local_pages, "local_pages")?;
-        let rp = pages(remote_pages, "remote_pages")?;
-        let mut t = GroupTransfer::paged(registration.reg.clone(), remote, &lp, ls, &rp, rs, len)
-            .map_err(|e| engine_error(&e))?
-            .read();
+        let mut t = paged(
+            registration,
+            remote_descriptor,
+            page_size,
+            (local_pages, local_stride, "local"),
+            (remote_pages, remote_stride, "remote"),
+        )?
+        .read();
         t.timeout = seconds(timeout, "timeout")?;
         self.submit(py, peer, registration, t)
     }
@@ -865,4 +863,30 @@ impl Handle {
         };
         format!("xfer.Handle({state})")
     }
+}
+
+/// The local and remote pages of `write_pages` / `read_pages`: `(pages, stride, side)`,
+/// `side` naming the arguments in errors (`{side}_pages`, `{side}_stride`); strides default
+/// to `page_size`. A WRITE; `read_pages` turns it around.
+fn paged(
+    registration: &Registration,
+    remote_descriptor: &[u8],
+    page_size: i64,
+    (local_pages, local_stride, local): (&Bound<'_, PyAny>, Option<i64>, &str),
+    (remote_pages, remote_stride, remote): (&Bound<'_, PyAny>, Option<i64>, &str),
+) -> PyResult<GroupTransfer> {
+    let len = positive(page_size, "page_size")?;
+    let ls = positive(
+        local_stride.unwrap_or(page_size),
+        &format!("{local}_stride"),
+    )?;
+    let rs = positive(
+        remote_stride.unwrap_or(page_size),
+        &format!("{remote}_stride"),
+    )?;
+    let desc = wire::decode_descriptor(remote_descriptor).map_err(|e| wire_error(&e))?;
+    let lp = pages(local_pages, &format!("{local}_pages"))?;
+    let rp = pages(remote_pages, &format!("{remote}_pages"))?;
+    GroupTransfer::paged(registration.reg.clone(), desc, &lp, ls, &rp, rs, len)
+        .map_err(|e| engine_error(&e))
 }
