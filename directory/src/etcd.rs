@@ -262,17 +262,18 @@ impl EtcdPublished {
         let timeout = self.call_timeout * 2;
         let endpoint = self.endpoint.clone();
         let cmds = self.cmds.clone();
+        // The task ends only once the record was withdrawn or abandoned.
+        let ended = || Error::Withdrawn(self.key.clone());
         self.rt.block_on(async move {
-            let gone = || Error::TimedOut {
-                endpoint: endpoint.clone(),
-                what,
-                after: timeout,
-            };
-            cmds.send(make(tx)).await.map_err(|_| Error::WatchEnded)?;
+            cmds.send(make(tx)).await.map_err(|_| ended())?;
             match tokio::time::timeout(timeout, rx).await {
                 Ok(Ok(r)) => r,
-                Ok(Err(_)) => Err(Error::WatchEnded),
-                Err(_) => Err(gone()),
+                Ok(Err(_)) => Err(ended()),
+                Err(_) => Err(Error::TimedOut {
+                    endpoint,
+                    what,
+                    after: timeout,
+                }),
             }
         })
     }
