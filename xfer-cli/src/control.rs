@@ -56,6 +56,11 @@ pub struct ServeLimits {
     /// Bytes the clients' regions may hold in all (each client gets --region-size).
     #[arg(long, default_value = "32GiB", value_parser = crate::size::parse_size)]
     pub max_region_bytes: u64,
+    /// Bytes of new regions allocated (and faulted in) per second, over any burst of up
+    /// to one second's worth (or one region, if larger): a flood of hellos past it is
+    /// refused before it costs the server page zeroing. 0: no rate.
+    #[arg(long, default_value = "8GiB", value_parser = crate::size::parse_size)]
+    pub region_rate: u64,
     /// Seconds a new connection has to complete its hello.
     #[arg(long, default_value_t = 10)]
     pub hello_timeout: u64,
@@ -77,6 +82,8 @@ pub enum Refusal {
     QueueFull,
     /// --max-region-bytes reached.
     RegionBudget,
+    /// New regions faster than --region-rate.
+    RegionRate,
     /// No complete hello within --hello-timeout (silent or trickling clients).
     HelloTimeout,
     /// A request line not complete within --request-timeout of its first byte.
@@ -98,10 +105,11 @@ pub enum Refusal {
 
 impl Refusal {
     /// Every reason, in label order.
-    pub const ALL: [Refusal; 11] = [
+    pub const ALL: [Refusal; 12] = [
         Refusal::ServerFull,
         Refusal::QueueFull,
         Refusal::RegionBudget,
+        Refusal::RegionRate,
         Refusal::HelloTimeout,
         Refusal::RequestTimeout,
         Refusal::RequestTooLong,
@@ -118,6 +126,7 @@ impl Refusal {
             Refusal::ServerFull => "server_full",
             Refusal::QueueFull => "queue_full",
             Refusal::RegionBudget => "region_budget",
+            Refusal::RegionRate => "region_rate",
             Refusal::HelloTimeout => "hello_timeout",
             Refusal::RequestTimeout => "request_timeout",
             Refusal::RequestTooLong => "request_too_long",
@@ -160,6 +169,51 @@ impl ServeStats {
 struct Budget {
     limits: ServeLimits,
     stats: Arc<ServeStats>,
+    /// New region bytes allowed now, against --region-rate.
+    rate: std::sync::Mutex<RegionRate>,
+}
+
+/// A token bucket of region bytes: it fills at `rate` bytes a second up to one second's
+/// worth, and a region may be taken while the bucket holds its bytes or is full (a region
+/// larger than a second's worth then leaves the bucket in debt, to be repaid before the
+/// next one). Time comes from the caller, so that the rule can be tested without clocks.
+#[derive(Debug)]
+struct RegionRate {
+    /// Bytes per second (0: no limit).
+    rate: u64,
+    /// Bytes that may be taken now (negative: debt).
+    tokens: f64,
+    /// When `tokens` was last brought up to date.
+    at: Instant,
+}
+
+impl RegionRate {
+    /// A full bucket at `now`.
+    fn new(rate: u64, now: Instant) -> RegionRate {
+        RegionRate {
+            rate,
+            tokens: rate as f64,
+            at: now,
+        }
+    }
+
+    /// Takes `bytes` at `now`, or says how long until they could be taken.
+    fn take(&mut self, bytes: u64, now: Instant) -> Result<(), Duration> {
+        if self.rate == 0 {
+            return Ok(());
+        }
+        let cap = self.rate as f64;
+        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
+        self.tokens = (self.tokens + elapsed * cap).min(cap);
+        self.at = now;
+        let need = (bytes as f64).min(cap);
+        if self.tokens >= need {
+            self.tokens -= bytes as f64;
+            Ok(())
+        } else {
+            Err(Duration::from_secs_f64((need - self.tokens) / cap))
+        }
+    }
 }
 
 impl Budget {
@@ -187,8 +241,9 @@ struct ClientSlot {
 }
 
 impl ClientSlot {
-    /// Reserves `bytes` for this client's region, or says why not.
-    fn reserve(&mut self, bytes: u64) -> Result<(), String> {
+    /// Reserves `bytes` for this client's region, or says why not: the bytes all regions
+    /// may hold (--max-region-bytes), then the rate of new ones (--region-rate).
+    fn reserve(&mut self, bytes: u64) -> Result<(), (Refusal, String, Option<Duration>)> {
         let max = self.budget.limits.max_region_bytes;
         self.budget
             .stats
@@ -202,7 +257,27 @@ impl ClientSlot {
                     crate::size::format_size(held),
                     crate::size::format_size(max)
                 )
-            })?;
+            })
+            .map_err(|why| (Refusal::RegionBudget, why, None))?;
+        let rated = self
+            .budget
+            .rate
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take(bytes, Instant::now());
+        if let Err(wait) = rated {
+            let stats = &self.budget.stats;
+            stats.region_bytes.fetch_sub(bytes, Ordering::AcqRel);
+            return Err((
+                Refusal::RegionRate,
+                format!(
+                    "server busy: new regions past {}/s (--region-rate); retry in {} ms",
+                    crate::size::format_size(self.budget.limits.region_rate),
+                    wait.as_millis().max(1)
+                ),
+                Some(wait),
+            ));
+        }
         self.bytes += bytes;
         Ok(())
     }
@@ -413,6 +488,10 @@ struct Envelope<T> {
     ok: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     error: Option<String>,
+    /// For a refusal that passes (--region-rate): milliseconds after which asking again
+    /// may succeed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    retry_ms: Option<u64>,
     #[serde(flatten)]
     body: Option<T>,
 }
@@ -442,7 +521,12 @@ pub fn serve(
     limits: ServeLimits,
     stats: Arc<ServeStats>,
 ) -> std::io::Result<()> {
-    let budget = Arc::new(Budget { limits, stats });
+    let rate = std::sync::Mutex::new(RegionRate::new(limits.region_rate, Instant::now()));
+    let budget = Arc::new(Budget {
+        limits,
+        stats,
+        rate,
+    });
     // Connections over the cap are answered by one thread, one at a time (each read of
     // their hello bounded by a second), so a flood costs a bounded queue, not a thread each.
     let (refuse, refused) = crossbeam_channel::bounded::<(TcpStream, String)>(64);
@@ -532,15 +616,22 @@ fn reply<T: Serialize>(w: &mut TcpStream, r: Result<T, String>) -> std::io::Resu
         Ok(b) => Envelope {
             ok: true,
             error: None,
+            retry_ms: None,
             body: Some(b),
         },
         Err(e) => Envelope {
             ok: false,
             error: Some(e),
+            retry_ms: None,
             body: None,
         },
     };
-    let mut line = serde_json::to_vec(&env).map_err(std::io::Error::other)?;
+    send_envelope(w, &env)
+}
+
+/// Writes one reply line.
+fn send_envelope<T: Serialize>(w: &mut TcpStream, env: &Envelope<T>) -> std::io::Result<()> {
+    let mut line = serde_json::to_vec(env).map_err(std::io::Error::other)?;
     line.push(b'\n');
     w.write_all(&line)
 }
@@ -627,8 +718,26 @@ fn refuse(
     why: Refusal,
     reason: String,
 ) -> std::io::Result<()> {
+    refuse_for(w, stats, from, why, reason, None)
+}
+
+/// [`refuse`], saying when asking again may succeed (`retry`), if it may.
+fn refuse_for(
+    w: &mut TcpStream,
+    stats: &ServeStats,
+    from: Option<SocketAddr>,
+    why: Refusal,
+    reason: String,
+    retry: Option<Duration>,
+) -> std::io::Result<()> {
     stats.refuse(why, from, &reason);
-    reply::<()>(w, Err(reason))
+    let env = Envelope::<()> {
+        ok: false,
+        error: Some(reason),
+        retry_ms: retry.map(|d| d.as_millis().max(1) as u64),
+        body: None,
+    };
+    send_envelope(w, &env)
 }
 
 /// Where a client came from, and when it was accepted (its hello is due from then).
@@ -777,8 +886,8 @@ fn client(
                 let group = &*served.group;
                 chosen = Some((kind, slot, group));
                 if region.is_none() {
-                    if let Err(why) = slot_budget.reserve(region_size) {
-                        refuse(&mut w, stats, from, Refusal::RegionBudget, why)?;
+                    if let Err((refusal, why, retry)) = slot_budget.reserve(region_size) {
+                        refuse_for(&mut w, stats, from, refusal, why, retry)?;
                         return Ok(());
                     }
                     let buf = match backend.alloc(region_size, slot) {
@@ -998,6 +1107,8 @@ fn echo(listener: &TcpListener, per: usize, accept_within: Duration, round_withi
 pub struct ControlClient {
     w: TcpStream,
     r: BufReader<TcpStream>,
+    /// When the last refusal said asking again may succeed: after this long.
+    retry: Option<Duration>,
 }
 
 impl ControlClient {
@@ -1008,7 +1119,38 @@ impl ControlClient {
         s.set_read_timeout(Some(Duration::from_secs(120)))
             .map_err(|e| e.to_string())?;
         let r = BufReader::new(s.try_clone().map_err(|e| e.to_string())?);
-        Ok(ControlClient { w: s, r })
+        Ok(ControlClient {
+            w: s,
+            r,
+            retry: None,
+        })
+    }
+
+    /// Connects and asks for a region like [`ControlClient::hello`], asking again on a new
+    /// connection while the server refuses with a time to retry after (--region-rate) and
+    /// that time falls within `within` of the first try.
+    pub fn connect_hello(
+        addr: SocketAddr,
+        timeout: Duration,
+        within: Duration,
+        hello: (&str, &str, Option<u32>, Option<&str>),
+    ) -> Result<(ControlClient, HelloReply), String> {
+        let (transport, memory, worker, token) = hello;
+        let until = Instant::now() + within;
+        loop {
+            let mut c = ControlClient::connect(addr, timeout)?;
+            match c.hello(transport, memory, worker, token) {
+                Ok(h) => return Ok((c, h)),
+                Err(e) => match c.retry {
+                    Some(after) if Instant::now() + after < until => {
+                        tracing::info!(%e, ?after, "asking again");
+                        // A back-off the server asked for, not a synchronisation.
+                        std::thread::sleep(after);
+                    }
+                    _ => return Err(e),
+                },
+            }
+        }
     }
 
     fn call<T: for<'de> Deserialize<'de>>(&mut self, req: &Request) -> Result<T, String> {
@@ -1027,6 +1169,7 @@ impl ControlClient {
         }
         let env: Envelope<T> =
             serde_json::from_str(&resp).map_err(|e| format!("malformed reply from peer: {e}"))?;
+        self.retry = env.retry_ms.map(Duration::from_millis);
         match (env.ok, env.body) {
             (true, Some(b)) => Ok(b),
             _ => Err(format!(
@@ -1113,6 +1256,41 @@ mod tests {
     use super::*;
 
     const BOTH: [TransportKind; 2] = [TransportKind::Tcp, TransportKind::CudaIpc];
+
+    #[test]
+    fn the_region_rate_allows_a_second_of_regions_then_refills_at_its_rate() {
+        let t0 = Instant::now();
+        let ms = |n: u64| t0 + Duration::from_millis(n);
+        let mut r = RegionRate::new(400, t0);
+        for _ in 0..4 {
+            r.take(100, t0).expect("a second's worth at once");
+        }
+        let wait = r.take(100, t0).expect_err("the fifth is past the rate");
+        assert_eq!(wait, Duration::from_millis(250));
+        assert!(r.take(100, ms(200)).is_err(), "80 bytes back after 200 ms");
+        r.take(100, ms(260)).expect("100 bytes back after 250 ms");
+        // Refills stop at a second's worth.
+        for _ in 0..4 {
+            r.take(100, ms(60_000)).expect("a full bucket again");
+        }
+        assert!(r.take(100, ms(60_000)).is_err());
+    }
+
+    #[test]
+    fn a_region_larger_than_a_seconds_worth_waits_for_a_full_bucket_and_leaves_debt() {
+        let t0 = Instant::now();
+        let ms = |n: u64| t0 + Duration::from_millis(n);
+        let mut r = RegionRate::new(100, t0);
+        r.take(300, t0)
+            .expect("a full bucket takes one large region");
+        // 300 taken from 100: 200 of debt, repaid in 2 s, then 1 s to fill for the next.
+        assert!(r.take(300, ms(2_900)).is_err());
+        r.take(300, ms(3_100)).expect("full again after 3 s");
+        assert!(
+            RegionRate::new(0, t0).take(u64::MAX, t0).is_ok(),
+            "0: no rate"
+        );
+    }
 
     #[test]
     fn auto_picks_cuda_ipc_only_for_gpu_memory_on_one_host_with_cuda() {

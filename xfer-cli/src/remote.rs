@@ -304,16 +304,19 @@ fn set_up_bench_worker(
     let slot = worker.unwrap_or(0);
     let mut rails = k.rails;
     let mut clock = SetUpClock::start(format!("{rails} rails"), ASKING);
-    let mut ctl = control::ControlClient::connect(ctl_addr, Duration::from_secs(5))
-        .map_err(CliError::Failed)?;
-    let hello = ctl
-        .hello(
+    // A server past its --region-rate says when to ask again: for up to 30 s, bench does.
+    let (mut ctl, hello) = control::ControlClient::connect_hello(
+        ctl_addr,
+        Duration::from_secs(5),
+        Duration::from_secs(30),
+        (
             a.backend.transport.name(),
             a.backend.memory.name(),
             worker.map(|w| w as u32),
             a.backend.auth_token.as_deref(),
-        )
-        .map_err(CliError::Failed)?;
+        ),
+    )
+    .map_err(CliError::Failed)?;
     // The server resolved `auto`; its answer is the path both sides use.
     let mut b = a.backend.clone();
     b.transport = TransportKind::from_name(&hello.transport)
