@@ -304,3 +304,56 @@ fn hostile_clients_are_refused_with_reasons_while_a_bench_runs() {
     assert!(server.running());
     bench(&server.peer);
 }
+
+/// A hello past `--region-rate` is refused with the time to ask again, and `bench` asks
+/// again then and gets its region: one 64 MiB region drains a bucket of 16 MiB a second
+/// for 4 s, so a bench that says hello within them is refused once and let in after.
+#[test]
+fn a_bench_refused_by_the_region_rate_asks_again_and_gets_through() {
+    let mut serve = Command::new(env!("CARGO_BIN_EXE_xfer"));
+    serve
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--region-size",
+            REGION,
+            "--rails",
+            "2",
+            "--pin",
+            "off",
+            "--region-rate",
+            "16MiB",
+            "--metrics",
+            "127.0.0.1:0",
+        ])
+        .env_remove("RUST_LOG")
+        .env("HWLOC_LIBXML_IMPORT", "0");
+    let server = Server::spawn_logged(serve);
+    let url = server.metrics_url();
+
+    // The first client takes a full bucket's worth and more, and holds its region.
+    let mut first = TcpStream::connect(server.control_addr()).expect("connect");
+    first.write_all(HELLO).expect("hello");
+    let mut line = String::new();
+    BufReader::new(&first).read_line(&mut line).expect("reply");
+    let v: Value = serde_json::from_str(&line).expect("a JSON reply");
+    assert_eq!(v["ok"], true, "the first hello is let in: {line}");
+
+    let (gbps, _) = bench(&server.peer);
+    assert!(gbps > 0.0);
+    let m = Scrape::fetch(&url);
+    assert!(
+        m.sum("xfer_serve_refusals_total", &[("reason", "region_rate")]) >= 1.0,
+        "the bench's first hello was not refused by the rate: {}",
+        m.text
+    );
+    assert!(
+        server
+            .log()
+            .iter()
+            .any(|l| l.contains("client refused") && l.contains("--region-rate")),
+        "no log line for the rate's refusal"
+    );
+    drop(first);
+}
