@@ -88,9 +88,16 @@ fn a_blackholed_connect_does_not_stall_other_peers() {
         took > WINDOW,
         "the add ended after {took:?}, before the measurement window did"
     );
+    // A worker blocked in the connect moves nothing for the whole window (at most the 4
+    // transfers already in flight, 1 MiB) against hundreds of MiB unblocked. On two loaded
+    // cores two unblocked windows alone differed fourfold (484 and 116 MiB in a fresh
+    // Debian run), so the bound is a quarter of the slower one, far above what blocking
+    // leaves.
+    let slower = alone.min(alone2) as f64;
     assert!(
-        during as f64 >= 0.8 * base,
-        "traffic to the good peer dropped to {during} bytes per window from {base}"
+        during as f64 >= 0.25 * slower && during > 16 * LEN,
+        "traffic to the good peer dropped to {during} bytes per window from {base} \
+         (the slower window alone: {slower})"
     );
     assert!(
         matches!(&r, Err(Error::Op(OpError::PeerUnreachable { .. }))),
