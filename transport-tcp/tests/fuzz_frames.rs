@@ -25,7 +25,7 @@ use proptest::sample::Index;
 use std::collections::HashMap;
 use std::net::TcpListener;
 use transport_tcp::TcpConfig;
-use transport_tcp::frame::{FLAG_IMM, HEADER_LEN, Header, MAX_BATCH, Op, code};
+use transport_tcp::frame::{FLAG_CRC, FLAG_IMM, HEADER_LEN, Header, MAX_BATCH, Op, code};
 
 /// The target's registered window.
 const WIN: u64 = 16 * 1024;
@@ -53,7 +53,7 @@ fn config() -> ProptestConfig {
 fn header_bytes() -> impl Strategy<Value = Vec<u8>> {
     (
         prop_oneof![3 => 0u8..10, 1 => any::<u8>()],
-        prop_oneof![3 => 0u8..2, 1 => any::<u8>()],
+        prop_oneof![3 => 0u8..4, 1 => any::<u8>()],
         prop_oneof![3 => Just(0u8), 1 => any::<u8>()],
         vec(any::<u8>(), HEADER_LEN),
     )
@@ -84,13 +84,14 @@ proptest! {
     #[test]
     fn decode_accepts_exactly_well_formed_headers(b in header_bytes()) {
         let raw: [u8; HEADER_LEN] = b[..].try_into().unwrap();
-        let well_formed = (1..=8).contains(&raw[0]) && raw[1] & !FLAG_IMM == 0 && raw[3] == 0;
+        let well_formed =
+            (1..=8).contains(&raw[0]) && raw[1] & !(FLAG_IMM | FLAG_CRC) == 0 && raw[3] == 0;
         match Header::decode(&raw) {
             Ok(h) => {
                 prop_assert!(well_formed, "accepted {raw:?}");
                 prop_assert_eq!(h.encode(), raw, "round trip");
                 prop_assert_eq!(h.op as u8, raw[0]);
-                prop_assert_eq!(h.imm().is_some(), raw[1] == FLAG_IMM);
+                prop_assert_eq!(h.imm().is_some(), raw[1] & FLAG_IMM != 0);
             }
             Err(e) => prop_assert!(!well_formed, "rejected {raw:?}: {e}"),
         }
