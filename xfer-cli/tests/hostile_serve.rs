@@ -16,12 +16,11 @@
 
 mod common;
 
-use common::{Scrape, Server};
+use common::{Scrape, Server, serve_on_loopback, xfer};
 use fabric_core::testing::eventually;
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -39,7 +38,7 @@ const LIMITS: [&str; 5] = [
 ];
 
 fn bench(peer: &str) -> (f64, std::process::Output) {
-    let out = Command::new(env!("CARGO_BIN_EXE_xfer"))
+    let out = xfer()
         .args([
             "bench",
             "--peer",
@@ -58,8 +57,6 @@ fn bench(peer: &str) -> (f64, std::process::Output) {
             "off",
             "--json",
         ])
-        .env_remove("RUST_LOG")
-        .env("HWLOC_LIBXML_IMPORT", "0")
         .output()
         .expect("bench runs");
     assert!(
@@ -182,18 +179,9 @@ fn wait_for_region_bytes(url: &str, what: &str, ok: impl Fn(f64) -> bool) {
 
 #[test]
 fn hostile_clients_are_refused_with_reasons_while_a_bench_runs() {
-    let mut serve = Command::new(env!("CARGO_BIN_EXE_xfer"));
-    serve
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--region-size",
-            REGION,
-            "--rails",
-            "2",
-            "--pin",
-            "off",
+    let serve = serve_on_loopback(
+        REGION,
+        &[
             "--max-clients",
             "48",
             "--max-region-bytes",
@@ -207,11 +195,8 @@ fn hostile_clients_are_refused_with_reasons_while_a_bench_runs() {
             "2",
             "--max-request-bytes",
             "64KiB",
-            "--metrics",
-            "127.0.0.1:0",
-        ])
-        .env_remove("RUST_LOG")
-        .env("HWLOC_LIBXML_IMPORT", "0");
+        ],
+    );
     let mut server = Server::spawn_logged(serve);
     let url = server.metrics_url();
     let addr = server.control_addr();
@@ -310,26 +295,7 @@ fn hostile_clients_are_refused_with_reasons_while_a_bench_runs() {
 /// for 4 s, so a bench that says hello within them is refused once and let in after.
 #[test]
 fn a_bench_refused_by_the_region_rate_asks_again_and_gets_through() {
-    let mut serve = Command::new(env!("CARGO_BIN_EXE_xfer"));
-    serve
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--region-size",
-            REGION,
-            "--rails",
-            "2",
-            "--pin",
-            "off",
-            "--region-rate",
-            "16MiB",
-            "--metrics",
-            "127.0.0.1:0",
-        ])
-        .env_remove("RUST_LOG")
-        .env("HWLOC_LIBXML_IMPORT", "0");
-    let server = Server::spawn_logged(serve);
+    let server = Server::spawn_logged(serve_on_loopback(REGION, &["--region-rate", "16MiB"]));
     let url = server.metrics_url();
 
     // The first client takes a full bucket's worth and more, and holds its region.

@@ -5,19 +5,13 @@
 
 mod common;
 
-use common::{Scrape, Server};
+use common::{Scrape, Server, xfer};
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
-
-fn xfer() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_xfer"));
-    c.env_remove("RUST_LOG").env("HWLOC_LIBXML_IMPORT", "0");
-    c
-}
 
 fn serve_with_metrics(extra: &[&str]) -> Server {
     let mut serve = xfer();

@@ -11,13 +11,12 @@
 
 mod common;
 
-use common::{Scrape, Server};
+use common::{Scrape, Server, serve_on_loopback, xfer};
 use fabric_core::engine::{EngineConfig, GroupTransfer, RailGroup, RemoteDescriptor};
 use fabric_core::{Access, HostBuffer};
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -79,7 +78,7 @@ fn settles_to(pid: u32, base: Usage, after: &str) -> Usage {
 }
 
 fn bench(peer: &str) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_xfer"))
+    xfer()
         .args([
             "bench",
             "--peer",
@@ -98,8 +97,6 @@ fn bench(peer: &str) -> std::process::Output {
             "off",
             "--json",
         ])
-        .env_remove("RUST_LOG")
-        .env("HWLOC_LIBXML_IMPORT", "0")
         .output()
         .expect("bench runs")
 }
@@ -172,27 +169,9 @@ fn cycle(client: &Client, ctl: &str, i: usize) {
 
 #[test]
 fn sixty_four_clients_then_a_thousand_cycles_leave_the_server_as_it_was() {
-    let mut serve = Command::new(env!("CARGO_BIN_EXE_xfer"));
-    serve
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--region-size",
-            REGION,
-            "--rails",
-            "2",
-            "--pin",
-            "off",
-            // Room for clients whose previous bench has gone but whose close the loaded
-            // server has not handled yet: the limit is not what this test is about.
-            "--max-clients",
-            "160",
-            "--metrics",
-            "127.0.0.1:0",
-        ])
-        .env_remove("RUST_LOG")
-        .env("HWLOC_LIBXML_IMPORT", "0");
+    // Room for clients whose previous bench has gone but whose close the loaded server has
+    // not handled yet: the limit is not what this test is about.
+    let serve = serve_on_loopback(REGION, &["--max-clients", "160"]);
     let mut server = Server::spawn_logged(serve);
     let pid = server.pid();
     let url = server.metrics_url();

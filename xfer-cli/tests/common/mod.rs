@@ -1,5 +1,5 @@
-//! What the `xfer` binary's test files share: a running `xfer serve`, its log, and a
-//! reader of the Prometheus text its `--metrics` endpoint serves.
+//! What the `xfer` binary's test files share: the binary as a quiet command, a running
+//! `xfer serve`, its log, and a reader of the Prometheus text its `--metrics` endpoint serves.
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
@@ -7,6 +7,35 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+/// The `xfer` binary under test, with no `RUST_LOG` from the caller and hwloc reading the
+/// machine itself (no XML import).
+pub fn xfer() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_xfer"));
+    c.env_remove("RUST_LOG").env("HWLOC_LIBXML_IMPORT", "0");
+    c
+}
+
+/// `xfer serve` on a loopback port with regions of `region`, 2 rails, no pinning and
+/// `--metrics` on a loopback port, then `extra` (the limits a test is about).
+pub fn serve_on_loopback(region: &str, extra: &[&str]) -> Command {
+    let mut c = xfer();
+    c.args([
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--region-size",
+        region,
+        "--rails",
+        "2",
+        "--pin",
+        "off",
+        "--metrics",
+        "127.0.0.1:0",
+    ])
+    .args(extra);
+    c
+}
 
 /// A running `xfer serve`, killed on drop.
 pub struct Server {
