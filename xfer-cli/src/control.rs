@@ -628,14 +628,21 @@ fn reply<T: Serialize>(w: &mut TcpStream, r: Result<T, String>) -> std::io::Resu
             retry_ms: None,
             body: Some(b),
         },
-        Err(e) => Envelope {
-            ok: false,
-            error: Some(e),
-            retry_ms: None,
-            body: None,
-        },
+        Err(e) => Envelope::refused(e, None),
     };
     send_envelope(w, &env)
+}
+
+impl<T> Envelope<T> {
+    /// A refusal for `reason`, saying when asking again may succeed (`retry`), if it may.
+    fn refused(reason: String, retry: Option<Duration>) -> Envelope<T> {
+        Envelope {
+            ok: false,
+            error: Some(reason),
+            retry_ms: retry.map(|d| d.as_millis().max(1) as u64),
+            body: None,
+        }
+    }
 }
 
 /// Writes one reply line.
@@ -740,13 +747,7 @@ fn refuse_for(
     retry: Option<Duration>,
 ) -> std::io::Result<()> {
     stats.refuse(why, from, &reason);
-    let env = Envelope::<()> {
-        ok: false,
-        error: Some(reason),
-        retry_ms: retry.map(|d| d.as_millis().max(1) as u64),
-        body: None,
-    };
-    send_envelope(w, &env)
+    send_envelope(w, &Envelope::<()>::refused(reason, retry))
 }
 
 /// Where a client came from, and when it was accepted (its hello is due from then).
