@@ -89,9 +89,10 @@ pub const MIN_CORES_TO_PIN_TARGET: usize = 3;
 /// The cores of this process's workers.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct WorkerPins {
-    /// The worker that initiates transfers (demo, bench), or the serving worker (serve).
+    /// The worker that initiates transfers (demo, bench).
     pub initiator: Option<CorePin>,
-    /// The target worker of `demo` (same process).
+    /// The target worker: `demo`'s (same process) and `serve`'s (see
+    /// [`WorkerPins::serve_pins`]).
     pub target: Option<CorePin>,
     /// Cores for several rails: those of the initiator's NUMA node from its core on, CPU 0
     /// last (see [`WorkerPins::rail_pins`]).
@@ -177,6 +178,16 @@ impl WorkerPins {
             target,
             pool,
         }
+    }
+
+    /// Pins for the `rails` workers of a group of `serve`: the target's, as in `demo`
+    /// ([`WorkerPins::rail_pins`] with the target pin, after the initiator's cores), never
+    /// the initiator's. A `bench` on the same host pins its workers to the initiator's
+    /// cores, and a server pinned there too would share each of them with a busy client
+    /// worker. Unpinned where the target is (machines of fewer than
+    /// [`MIN_CORES_TO_PIN_TARGET`] cores).
+    pub fn serve_pins(&self, rails: usize) -> Vec<Option<CorePin>> {
+        self.rail_pins(self.target, rails, rails)
     }
 
     /// Pins for `rails` workers of one group: `first` (the role's own pin) alone for one
@@ -400,6 +411,48 @@ mod tests {
         let pins = WorkerPins::from_topology(&t, &t.plan());
         assert_eq!(pins.initiator.map(|p| p.core), Some(1));
         assert_eq!(pins.target.map(|p| p.core), Some(2));
+    }
+
+    #[test]
+    fn serve_never_pins_to_the_cores_of_a_bench_on_the_same_host() {
+        for (t, what) in [
+            (fixture("p5.48xlarge.xml"), "p5"),
+            (machine_with_cores(&(0..16).collect::<Vec<_>>()), "16 cores"),
+        ] {
+            let pins = WorkerPins::from_topology(&t, &t.plan());
+            for rails in [1, 2, 4, 8] {
+                let bench: Vec<u32> = pins
+                    .rail_pins(pins.initiator, rails, 0)
+                    .iter()
+                    .flatten()
+                    .map(|p| p.core)
+                    .collect();
+                let serve: Vec<u32> = pins
+                    .serve_pins(rails)
+                    .iter()
+                    .flatten()
+                    .map(|p| p.core)
+                    .collect();
+                // Pinned wherever the bench is (both need the pool's spare core).
+                assert_eq!(serve.len(), bench.len(), "{what}, {rails} rails");
+                assert!(
+                    rails < 8 || what == "p5" || serve.is_empty(),
+                    "{what}: 8+8 rails on 16 cores"
+                );
+                assert!(
+                    rails > 4 || serve.len() == rails,
+                    "{what}, {rails} rails: serve pinned"
+                );
+                assert!(
+                    serve.iter().all(|c| !bench.contains(c)),
+                    "{what}, {rails} rails: serve {serve:?} shares a core with bench {bench:?}"
+                );
+            }
+        }
+        // Too small to pin a target: serve runs unpinned, the scheduler places it.
+        let t = machine_with_cores(&[0, 1]);
+        let pins = WorkerPins::from_topology(&t, &t.plan());
+        assert_eq!(pins.serve_pins(1), vec![None]);
     }
 
     #[test]

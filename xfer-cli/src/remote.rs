@@ -459,30 +459,25 @@ pub fn serve(mut a: ServeArgs) -> Result<(), CliError> {
         k => vec![k],
     };
     // Rails per worker: one worker, or one per GPU (pinned near it), each running a group
-    // per path. Each worker's pins cover two groups (its initiator and target pins).
+    // per path. A server is the target of its clients' transfers, so its groups take the
+    // target's cores, as `demo`'s target does: the initiator's cores are the ones a `bench`
+    // on the same host pins its own workers to, and two busy workers pinned to one core
+    // share it (shm, whose workers both poll, moved 25-31 Gbps instead of 62-65 on a 2-core
+    // VM). Its paths share those cores: a client uses one path at a time.
     let plans: Vec<ServeWorker> = if a.per_gpu {
         check_per_gpu(&a.backend)?;
         gpu_worker_pins(&a.backend, a.pin, a.rails)
             .into_iter()
             .enumerate()
             .map(|(slot, p): (usize, GpuWorkerPins)| {
-                (
-                    slot,
-                    vec![pad(&p.initiator, a.rails), pad(&p.target, a.rails)],
-                    p.home,
-                )
+                let target = pad(&p.target, a.rails);
+                (slot, vec![target.clone(), target], p.home)
             })
             .collect()
     } else {
         let pins = WorkerPins::for_this_machine(a.pin);
-        vec![(
-            0,
-            vec![
-                pins.rail_pins(pins.initiator, a.rails, 0),
-                pins.rail_pins(pins.initiator, a.rails, a.rails),
-            ],
-            pins.initiator,
-        )]
+        let target = pins.serve_pins(a.rails);
+        vec![(0, vec![target.clone(), target], pins.initiator)]
     };
     let stats = Arc::new(control::ServeStats::default());
     let clock = SetUpClock::start(
