@@ -17,6 +17,7 @@ LF=$(cd "${1:?usage: efa-hmem-proof.sh LF_PREFIX}" && pwd)
 export XFER_LIBFABRIC=$LF/lib/libfabric.so.1
 export FI_PROVIDER_PATH=$LF/lib/libfabric
 export XFER_REQUIRE_HMEM=1 XFER_REQUIRE_LIBFABRIC=1
+BENCH_ENV=${BENCH_ENV:-}
 X=./xfer
 RUNS=${RUNS:-3}
 proof_machine
@@ -27,31 +28,36 @@ step "xfer info" $X info
 step "tests efa_hmem" timeout 300 ./efa_hmem_tests --include-ignored --test-threads=1
 step "tests efa_hmem_conformance" timeout 600 ./efa_hmem_conformance --include-ignored --test-threads=1
 
-# fi_rma_bw, one run: two processes over shm, 64 KiB writes with remote CQ data, a window of
-# 64. Prints MB/s (fabtests' MB is 10^6 bytes).
-rma_bw() { # extra args...
-    local port=$((9300 + RANDOM % 500)) out
-    env LD_LIBRARY_PATH="$LF/lib" timeout 60 "$LF/bin/fi_rma_bw" -p shm -E"$port" -o writedata -S 65536 -W 64 -I 20000 "$@" >/dev/null 2>&1 &
+# fi_rma_bw, one run: two processes, 64 KiB writes with remote CQ data and delivery
+# completion (-U, as every write of ours asks for), a window of 64. Prints MB/s (fabtests' MB
+# is 10^6 bytes). It posts a window and waits for all of it before the next.
+rma_bw() { # provider [extra args...]
+    local prov=$1 port=$((9300 + RANDOM % 500)) out
+    shift
+    env LD_LIBRARY_PATH="$LF/lib" timeout 60 "$LF/bin/fi_rma_bw" -p "$prov" -E"$port" -U -o writedata -S 65536 -W 64 -I 20000 "$@" >/dev/null 2>&1 &
     local srv=$!
     sleep 0.5
-    out=$(env LD_LIBRARY_PATH="$LF/lib" timeout 60 "$LF/bin/fi_rma_bw" -p shm -E"$port" -o writedata -S 65536 -W 64 -I 20000 "$@" 127.0.0.1 2>&1 | awk '/^64k/ {print $5}')
+    out=$(env LD_LIBRARY_PATH="$LF/lib" timeout 60 "$LF/bin/fi_rma_bw" -p "$prov" -E"$port" -U -o writedata -S 65536 -W 64 -I 20000 "$@" 127.0.0.1 2>&1 | awk '/^64k/ {print $5}')
     wait $srv || true
     echo "${out:-0}"
 }
 
-# xfer bench against xfer serve, two processes, one run: prints Gbps, or fails.
-bench() { # memory rails [env...]
-    local mem=$1 rails=$2 port=$((7500 + RANDOM % 400))
-    shift 2
+# xfer bench against xfer serve, two processes, one run: prints Gbps, or fails. The working
+# set is REGION (4MiB: the size of fi_rma_bw's 64-write window) with PAGES pages a transfer;
+# REGION=1GiB PAGES=1000 is the default bench's (random pages of 1 GiB, DRAM-bound).
+bench() { # provider memory rails [bench args...]
+    local prov=$1 mem=$2 rails=$3 port=$((7500 + RANDOM % 400))
+    shift 3
     local gpus=()
     [[ $mem == cuda ]] && gpus=(--gpus 0)
-    env "$@" timeout 120 $X serve --transport efa --provider shm --memory "$mem" "${gpus[@]}" \
-        --listen 127.0.0.1:$port --region-size 256MiB >serve.log 2>&1 &
+    env $BENCH_ENV timeout 120 $X serve --transport efa --provider "$prov" --memory "$mem" "${gpus[@]}" \
+        --listen 127.0.0.1:$port --rails "$rails" --region-size "${REGION:-4MiB}" >serve.log 2>&1 &
     local srv=$!
     for _ in $(seq 100); do grep -q "xfer bench" serve.log && break; sleep 0.1; done
     local json
-    json=$(env "$@" timeout 120 $X bench --peer xfer://127.0.0.1:$port --transport efa --provider shm \
-        --memory "$mem" "${gpus[@]}" --rails "$rails" --region-size 256MiB --page-size 64KiB --pages 1000 --bytes 8GiB --json 2>bench.err) || {
+    json=$(env $BENCH_ENV timeout 120 $X bench --peer xfer://127.0.0.1:$port --transport efa --provider "$prov" \
+        --memory "$mem" "${gpus[@]}" --rails "$rails" --region-size "${REGION:-4MiB}" --page-size 64KiB \
+        --pages "${PAGES:-64}" --bytes 8GiB --json "$@" 2>bench.err) || {
         kill $srv 2>/dev/null; cat bench.err serve.log >&2; return 1; }
     kill $srv 2>/dev/null; wait $srv 2>/dev/null || true
     python3 -c 'import json,sys; d=json.loads(sys.argv[1]); assert d["verified"], d; print(round(d["gbps"],2))' "$json"
@@ -59,39 +65,40 @@ bench() { # memory rails [env...]
 
 median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
 
-# One comparison row: fi_rma_bw and our bench interleaved, RUNS times each.
-row() { # memory rails [env...]
-    local mem=$1 rails=$2
-    shift 2
-    local fi=() us=() d=()
+# One comparison row: fi_rma_bw and our bench interleaved, RUNS times each. `--provider tcp`
+# opens `tcp;ofi_rxm` where libfabric 2.x lists both, so that is its fi_rma_bw.
+row() { # provider memory rails [bench args...]
+    local prov=$1 mem=$2 rails=$3
+    shift 3
+    local fi=() us=() d=() fp=$prov
     [[ $mem == cuda ]] && d=(-D cuda)
+    [[ $prov == tcp ]] && fp="tcp;ofi_rxm"
     for _ in $(seq "$RUNS"); do
-        fi+=("$(rma_bw "${d[@]}")")
-        us+=("$(bench "$mem" "$rails" "$@")") || { proof_failed+=("bench $mem x$rails $*"); return; }
+        fi+=("$(rma_bw "$fp" "${d[@]}")")
+        us+=("$(bench "$prov" "$mem" "$rails" "$@")") || { proof_failed+=("bench $prov $mem x$rails $*"); return; }
     done
     local fim usm
     fim=$(median "${fi[@]}")
     usm=$(median "${us[@]}")
-    python3 - "$mem" "$rails" "$fim" "$usm" "${fi[*]}" "${us[*]}" "$*" <<'PY'
+    python3 - "$prov" "$mem" "$rails" "$fim" "$usm" "${fi[*]}" "${us[*]}" "$*" <<'PY'
 import sys
-mem, rails, fi, us, fis, uss, env = sys.argv[1:]
+prov, mem, rails, fi, us, fis, uss, args = sys.argv[1:]
 fi_gbps = float(fi) * 8 / 1000
-print(f"| {mem} | {rails} | {env or '-'} | fi_rma_bw {fi_gbps:.1f} Gbps ({fis} MB/s) | xfer {float(us):.1f} Gbps ({uss}) | ratio {float(us)/fi_gbps if fi_gbps else 0:.2f} |")
+print(f"| {prov} | {mem} | {rails} | {args or '-'} | fi_rma_bw {fi_gbps:.1f} Gbps ({fis} MB/s) | xfer {float(us):.1f} Gbps ({uss}) | ratio {float(us)/fi_gbps if fi_gbps else 0:.2f} |")
 PY
 }
 
 # Which registration path CUDA memory took (dmabuf first, then by address): the bench's
 # regions come from gpu-mem, which exports a dmabuf; the tests' own buffers have none.
 echo "== registration paths (RUST_LOG=transport_efa=debug)"
-bench cuda 1 RUST_LOG=transport_efa=debug >/dev/null 2>&1 || true
+BENCH_ENV=RUST_LOG=transport_efa=debug bench shm cuda 1 >/dev/null 2>&1 || true
 grep -ho 'CUDA memory registered [a-z ]*' serve.log bench.err | sort | uniq -c || true
 
-echo "== speed: 64 KiB writes, two processes over shm, medians of $RUNS (MB/s of fi_rma_bw are 10^6 B/s)"
-for v in ${VARIANTS:-"-"}; do
-    e=()
-    [[ $v != - ]] && IFS=, read -r -a e <<<"$v"
-    for mem in host cuda; do
-        for rails in 1 4; do row "$mem" "$rails" "${e[@]}"; done
-    done
+echo "== speed: 64 KiB writes, two processes, ${REGION:-4MiB} working set, medians of $RUNS (MB/s of fi_rma_bw are 10^6 B/s)"
+echo "(4 rails are four endpoints against fi_rma_bw's one; --depth 1 is fi_rma_bw's post-a-window-then-wait shape)"
+for mem in host cuda; do
+    for rails in 1 4; do row shm "$mem" "$rails"; done
+    row shm "$mem" 1 --depth 1
 done
+for rails in 1 4; do row tcp host "$rails"; done
 proof_verdict
