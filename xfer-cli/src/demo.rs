@@ -35,6 +35,12 @@ pub fn run(mut a: DemoArgs) -> Result<(), CliError> {
     a.knobs.rails = a.knobs.rails_asked.unwrap_or(choice.default_rails(1));
     crate::setup::check_rails(a.knobs.rails).map_err(CliError::Usage)?;
     let k = &a.knobs;
+    if b.transport == crate::TransportKind::Efa {
+        let version = transport_efa::libfabric_version().ok();
+        if let Some(note) = in_process_shm_note(b.provider.as_deref(), version) {
+            eprintln!("xfer: warning: {note}");
+        }
+    }
     let rail_nics = choice.per_rail(k.rails);
     if a.per_gpu {
         return per_gpu(&a, &b, &w, &rail_nics);
@@ -433,4 +439,43 @@ pub(crate) fn check_per_gpu(b: &BackendArgs) -> Result<(), CliError> {
 /// `pins` with exactly `n` entries (unpinned where missing).
 pub(crate) fn pad(pins: &[Option<CorePin>], n: usize) -> Vec<Option<CorePin>> {
     (0..n).map(|i| pins.get(i).copied().flatten()).collect()
+}
+
+/// The warning for `demo` over shm with libfabric 2.x, where both endpoints are this process.
+///
+/// libfabric 2.6's shm checks that cross-memory attach (CMA, `process_vm_readv`) works only
+/// when it maps a peer's region from another process: `smr_map_to_region` returns early for
+/// an endpoint of the same process, before `smr_map_to_endpoint` runs the check. So between
+/// two endpoints of one process shm never uses CMA and moves each write through its bounce
+/// buffers (SAR), one write per peer at a time: 2.3-2.7 Gbps on the 2-core VM where the same
+/// bench between two processes moves 62-72, and exactly that rate between two processes with
+/// `FI_SHM_DISABLE_CMA=1`. 1.17 has no such limit. `None` where nothing applies.
+fn in_process_shm_note(provider: Option<&str>, version: Option<(u32, u32)>) -> Option<String> {
+    let (major, minor) = version?;
+    if major < 2 || provider? != "shm" {
+        return None;
+    }
+    Some(format!(
+        "libfabric {major}.{minor}'s shm does not use cross-memory attach between endpoints of \
+         one process, so this demo moves each write through its bounce buffers, one at a time \
+         (a few Gbps); for shm figures run `xfer serve` and `xfer bench` as two processes"
+    ))
+}
+
+#[cfg(test)]
+mod shm_note_tests {
+    use super::in_process_shm_note;
+
+    #[test]
+    fn warns_only_for_shm_on_libfabric_2() {
+        let note = in_process_shm_note(Some("shm"), Some((2, 6))).expect("a warning");
+        assert!(
+            note.contains("2.6") && note.contains("xfer serve"),
+            "{note}"
+        );
+        assert_eq!(in_process_shm_note(Some("shm"), Some((1, 17))), None);
+        assert_eq!(in_process_shm_note(Some("tcp"), Some((2, 6))), None);
+        assert_eq!(in_process_shm_note(None, Some((2, 6))), None);
+        assert_eq!(in_process_shm_note(Some("shm"), None), None);
+    }
 }
