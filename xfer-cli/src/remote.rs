@@ -416,9 +416,9 @@ fn set_up_bench_worker(
     Ok((b, ctl, group, s, peer, hello.region, server_rails, src))
 }
 
-/// A serving worker: its position in --gpus, pins for each of its groups (one per path),
-/// and the core whose node its memory should come from.
-type ServeWorker = (usize, Vec<Vec<Option<CorePin>>>, Option<CorePin>);
+/// A serving worker: its position in --gpus, the pins of its rails (the same for each of its
+/// groups, one per path), and the core whose node its memory should come from.
+type ServeWorker = (usize, Vec<Option<CorePin>>, Option<CorePin>);
 
 /// Runs `xfer serve` until the process is stopped.
 pub fn serve(mut a: ServeArgs) -> Result<(), CliError> {
@@ -469,15 +469,11 @@ pub fn serve(mut a: ServeArgs) -> Result<(), CliError> {
         gpu_worker_pins(&a.backend, a.pin, a.rails)
             .into_iter()
             .enumerate()
-            .map(|(slot, p): (usize, GpuWorkerPins)| {
-                let target = pad(&p.target, a.rails);
-                (slot, vec![target.clone(), target], p.home)
-            })
+            .map(|(slot, p): (usize, GpuWorkerPins)| (slot, pad(&p.target, a.rails), p.home))
             .collect()
     } else {
         let pins = WorkerPins::for_this_machine(a.pin);
-        let target = pins.serve_pins(a.rails);
-        vec![(0, vec![target.clone(), target], pins.initiator)]
+        vec![(0, pins.serve_pins(a.rails), pins.initiator)]
     };
     let stats = Arc::new(control::ServeStats::default());
     let clock = SetUpClock::start(
@@ -490,13 +486,9 @@ pub fn serve(mut a: ServeArgs) -> Result<(), CliError> {
     );
     let mut groups = Vec::new();
     for (slot, rail_pins, _) in &plans {
-        for (n, kind) in kinds.iter().enumerate() {
+        for kind in &kinds {
             let mut b = a.backend.clone();
             b.transport = *kind;
-            let pins = rail_pins
-                .get(n)
-                .cloned()
-                .unwrap_or_else(|| vec![None; a.rails]);
             let rail_nics = match kind {
                 TransportKind::Tcp | TransportKind::Efa => choices[*slot].per_rail(a.rails),
                 _ => Vec::new(),
@@ -505,7 +497,7 @@ pub fn serve(mut a: ServeArgs) -> Result<(), CliError> {
                 data_ip,
                 a.rails,
                 &format!("xfer-serve-{}-{slot}", kind.name()),
-                pins,
+                rail_pins.clone(),
                 *slot,
                 &rail_nics,
             )?;
