@@ -587,7 +587,12 @@ pub fn remove_peer_with_ops_in_flight<T: Transport>(make: &dyn Fn() -> T, opts: 
     let dst = Canaried::with(opts.alloc, &mut p.b, 64 * 1024 * n, Access::REMOTE_WRITE, 0);
     let peer = p.b_at_a;
     let mut posted = 0;
+    // The first half is handed over (a poll), the second is posted just before the removal:
+    // a backend that queues posts until its next poll holds those still.
     for i in 0..n as usize {
+        if i == n as usize / 2 {
+            p.step();
+        }
         match p.a.post_write(
             peer,
             wr(i),
