@@ -38,6 +38,13 @@ pub struct EfaConfig {
     /// of manual progress (shm) read its CQ without sleeping, yielding the core, which a
     /// target in the same process as its initiator needs for speed (see the crate docs).
     pub idle_nap: Duration,
+    /// At most this many READs, or WRITEs without immediate data, of host memory to one
+    /// peer's region go out in one provider call (`fi_readmsg` / `fi_writemsg` with one
+    /// iovec per operation on each side), capped at 4 and at the provider's `iov_limit` and
+    /// `rma_iov_limit`: efa takes one remote iovec, so there each goes alone; tcp, rxm and
+    /// shm take 4. One request and one reply then carry four pages, which is what keeps
+    /// small READs over tcp near WRITE's speed. 1 turns it off. Default 4.
+    pub max_gather: usize,
 }
 
 impl Default for EfaConfig {
@@ -48,6 +55,7 @@ impl Default for EfaConfig {
             hmem: false,
             hmem_device_only: true,
             idle_nap: Duration::from_micros(50),
+            max_gather: 4,
         }
     }
 }
@@ -82,6 +90,12 @@ impl EfaConfig {
     /// Sets [`idle_nap`](EfaConfig::idle_nap).
     pub fn idle_nap(mut self, nap: Duration) -> EfaConfig {
         self.idle_nap = nap;
+        self
+    }
+
+    /// Sets [`max_gather`](EfaConfig::max_gather).
+    pub fn max_gather(mut self, ops: usize) -> EfaConfig {
+        self.max_gather = ops;
         self
     }
 

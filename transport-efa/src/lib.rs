@@ -74,9 +74,12 @@
 //! ## Choices, and provider quirks they absorb
 //! Checked with libfabric 1.17's `tcp;ofi_rxm`, `sockets` and `shm` (the test files say
 //! which conformance options each needs, and why):
-//! - one iovec per operation on each side, so `iov_limit` and `rma_iov_limit` are met;
-//!   no FI_INJECT (so `inject_size` is never exceeded); sizes above `max_msg_size` are
-//!   refused at post time;
+//! - one iovec per operation on each side; where the provider takes more
+//!   (`iov_limit` and `rma_iov_limit` of 4 on tcp, rxm and shm; efa takes one remote
+//!   iovec), up to 4 READs, or 4 WRITEs without immediate data, of host memory to one
+//!   peer's region go out as one `fi_readmsg` / `fi_writemsg` with an iovec each
+//!   (see [Gathering](self#gathering)); no FI_INJECT (so `inject_size` is never
+//!   exceeded); sizes above `max_msg_size` are refused at post time;
 //! - hints accept the FI_CONTEXT / FI_CONTEXT2 modes (every operation has a context of
 //!   `fi_context2` size that stays put until its completion) but not FI_RX_CQ_DATA:
 //!   providers that need a receive per remote CQ data are filtered out by `fi_getinfo`;
@@ -151,6 +154,23 @@
 //! (libfabric 2.6), because its target copies a peer's write only inside its own progress;
 //! between processes it changed nothing measurable, so it is not the default. A target that only napped held the tcp
 //! provider at about 2 Gbps in `xfer demo` (64 KiB pages) where it reaches 6–10 now.
+//!
+//! ## Gathering
+//! Over the software providers every operation costs a request of its own: tcp sends one
+//! header (and, for a READ, one reply) per operation, and its per-request cost, not the
+//! bytes, bounded 4 KiB pages. So where the provider takes several iovecs per side
+//! ([`EfaConfig::max_gather`], capped by `iov_limit` and `rma_iov_limit`), READs and
+//! WRITEs without immediate data wait in the peer's backlog until the next
+//! [`poll`](fabric_core::Transport::poll) or [`wait`](fabric_core::Transport::wait), which
+//! hands them over up to 4 to a call: the pages an engine posts for one transfer share
+//! requests and replies. One call carries operations of one direction, one peer and one
+//! remote region (key), each of host memory (shm picks its CUDA IPC protocol only for a
+//! single iovec); its completion completes each of them, and its failure fails each of
+//! them with the provider's error. A failure is per region anyway (a bad or stale key,
+//! no permission; ranges are checked against the descriptor before posting), so it fails
+//! nothing that would have succeeded alone, except where a descriptor claims more than
+//! the owner registered. On efa (one remote iovec) each operation is handed over as it is
+//! posted, as before. Measured in the README (READ over libfabric's tcp provider).
 //!
 //! ## Discovery
 //! [`info`] lists what each provider offers (for `xfer info`), [`libfabric_version`] the

@@ -28,6 +28,9 @@ pub(crate) struct Registered {
     pub(crate) base: u64,
     pub(crate) len: u64,
     pub(crate) access: Access,
+    /// Host memory (not device memory): only such regions share provider calls (shm picks
+    /// its CUDA IPC protocol only for an operation of one iovec).
+    pub(crate) host: bool,
     key: RemoteKey,
     remote_addr: u64,
     /// Local operations in flight that use it: it stays open until they finish.
@@ -162,12 +165,14 @@ pub(crate) fn register(
         requested_key
     };
     let remote_addr = t.policy.remote_addr(base);
+    let host = matches!(mem.location(), MemoryLocation::Host);
     Ok(Registered {
         mr,
         _mem: mem,
         base,
         len,
         access,
+        host,
         key: RemoteKey(key),
         remote_addr,
         inflight: 0,

@@ -18,6 +18,38 @@ const _: () =
 /// Contexts per chunk.
 const CHUNK: usize = 256;
 
+/// The most operations one provider call carries (one iovec each, on both sides): the
+/// tcp, shm and rxm providers take 4 (their `iov_limit` and `rma_iov_limit`); efa takes
+/// one remote iovec, so there every operation goes alone.
+pub(crate) const MAX_GATHER: usize = 4;
+
+/// The operations that went out in one provider call with the one that holds the call's
+/// context (the leader): their slots, in the order of their iovecs. The provider reports
+/// the call once, under the leader's context; each of them then completes, or fails, with it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Followers {
+    idx: [u32; MAX_GATHER - 1],
+    n: u8,
+}
+
+impl Followers {
+    /// The followers' slots.
+    pub(crate) fn slots(&self) -> impl Iterator<Item = usize> + '_ {
+        self.idx[..usize::from(self.n)].iter().map(|&i| i as usize)
+    }
+
+    /// Adds one; false when full.
+    pub(crate) fn push(&mut self, slot: usize) -> bool {
+        let (Some(cell), Ok(i)) = (self.idx.get_mut(usize::from(self.n)), u32::try_from(slot))
+        else {
+            return false;
+        };
+        *cell = i;
+        self.n += 1;
+        true
+    }
+}
+
 /// What was asked of the provider (enough to post it again after -FI_EAGAIN).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Op {
@@ -38,6 +70,27 @@ pub(crate) struct Op {
     pub read: bool,
     /// Whether the provider has accepted it (false while it waits in a peer's backlog).
     pub posted: bool,
+    /// For the leader of a gathered call: the operations that went out with it.
+    pub followers: Followers,
+}
+
+impl Op {
+    /// Whether it may share one provider call with others of its kind (see
+    /// [`MAX_GATHER`]): READs, and WRITEs without immediate data, that carry bytes.
+    pub(crate) fn gatherable(&self) -> bool {
+        self.kind == OpKind::Write && self.imm.is_none() && self.len > 0 && self.peer.is_some()
+    }
+
+    /// Whether `next` may go out in the same call as `self` (the call's first operation):
+    /// the same direction, peer and remote region (so that a failure of the remote key,
+    /// which fails the whole call, is the failure of each of them).
+    pub(crate) fn gathers_with(&self, next: &Op) -> bool {
+        self.gatherable()
+            && next.gatherable()
+            && self.read == next.read
+            && self.peer == next.peer
+            && self.remote_key == next.remote_key
+    }
 }
 
 /// The state of one context.
@@ -159,6 +212,7 @@ mod tests {
             remote_key: RemoteKey(0),
             imm: None,
             posted: true,
+            followers: Followers::default(),
         }
     }
 
@@ -178,5 +232,53 @@ mod tests {
         assert!(t.orphan(7, PeerId(1)));
         assert!(!t.orphan(7, PeerId(1)));
         assert_eq!(t.posted_for(PeerId(1)).len(), 599);
+    }
+
+    #[test]
+    fn followers_hold_at_most_the_gather_limit_less_the_leader() {
+        let mut f = Followers::default();
+        assert!(f.push(7) && f.push(3) && f.push(9));
+        assert!(!f.push(1), "a call carries at most MAX_GATHER operations");
+        assert_eq!(f.slots().collect::<Vec<_>>(), [7, 3, 9]);
+        assert!(!Followers::default().push(u32::MAX as usize + 1));
+    }
+
+    #[test]
+    fn only_bulk_operations_of_one_direction_peer_and_region_gather() {
+        let w = op(1);
+        assert!(w.gathers_with(&op(2)));
+        let read = Op {
+            read: true,
+            ..op(2)
+        };
+        assert!(
+            !w.gathers_with(&read),
+            "reads and writes go in separate calls"
+        );
+        let imm = Op {
+            imm: Some(1),
+            ..op(2)
+        };
+        assert!(!w.gathers_with(&imm), "immediate data travels alone");
+        let empty = Op { len: 0, ..op(2) };
+        assert!(!w.gathers_with(&empty));
+        let other_key = Op {
+            remote_key: RemoteKey(5),
+            ..op(2)
+        };
+        assert!(
+            !w.gathers_with(&other_key),
+            "one bad key must not fail another region's op"
+        );
+        let other_peer = Op {
+            peer: Some(PeerId(2)),
+            ..op(2)
+        };
+        assert!(!w.gathers_with(&other_peer));
+        let send = Op {
+            kind: OpKind::Send,
+            ..op(2)
+        };
+        assert!(!send.gatherable());
     }
 }

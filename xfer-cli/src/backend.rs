@@ -171,6 +171,11 @@ pub struct BackendArgs {
     /// manual-progress provider (shm) without sleeping, which one process needs for speed.
     #[arg(long = "efa-idle-nap", value_name = "US", env = "XFER_EFA_IDLE_NAP_US")]
     pub efa_idle_nap_us: Option<u64>,
+    /// efa: at most this many READs or bulk WRITEs of host memory share one provider call,
+    /// one iovec each (capped at 4 and at the provider's iovec limits: efa takes one, tcp
+    /// and shm four); 1 sends each alone. Default 4.
+    #[arg(long = "efa-gather", value_name = "OPS", env = "XFER_EFA_GATHER")]
+    pub efa_gather: Option<usize>,
     /// efa with --memory cuda: register GPU memory with FI_HMEM_DEVICE_ONLY (shm then copies
     /// it with CUDA IPC); `false` leaves the flag out.
     #[arg(
@@ -326,6 +331,9 @@ impl BackendArgs {
                     .hmem_device_only(self.efa_device_only);
                 if let Some(us) = self.efa_idle_nap_us {
                     ec = ec.idle_nap(std::time::Duration::from_micros(us));
+                }
+                if let Some(ops) = self.efa_gather {
+                    ec = ec.max_gather(ops);
                 }
                 let make = move |i: usize| {
                     placement::pin_worker(pins.get(i).copied().flatten(), &format!("{worker}-{i}"));

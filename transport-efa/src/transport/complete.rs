@@ -36,9 +36,7 @@ impl EfaTransport {
             for e in &entries[..n] {
                 // SAFETY: fi_cq_read wrote its first n entries.
                 let e = unsafe { e.assume_init_ref() };
-                if let Some(c) = self.complete(e) {
-                    out.push(c);
-                }
+                self.complete(e, out);
             }
             if n < CQ_BATCH {
                 break;
@@ -72,9 +70,15 @@ impl EfaTransport {
             if peer.backlog.is_empty() {
                 self.backlogged.push(p);
             }
+            // The operations of the call go back in their order, to be sent again
+            // (together again where they still may).
+            let followers = std::mem::take(op_followers(&mut self.ops, idx));
             peer.backlog.push_back(idx);
-            if let Slot::Active(op) = self.ops.get_mut(idx) {
-                op.posted = false;
+            peer.backlog.extend(followers.slots());
+            for i in std::iter::once(idx).chain(followers.slots()) {
+                if let Slot::Active(op) = self.ops.get_mut(i) {
+                    op.posted = false;
+                }
             }
         }
         retry
@@ -92,8 +96,10 @@ impl EfaTransport {
         (flags & sys::FI_REMOTE_CQ_DATA != 0).then_some(data as u32)
     }
 
-    /// Turns one CQ entry into a completion (or nothing, for a removed peer's operation).
-    pub(super) fn complete(&mut self, e: &sys::fi_cq_data_entry) -> Option<Completion> {
+    /// Turns one CQ entry into completions: one for each operation of the call it reports
+    /// (or failures, for a removed peer's operations), or one for a peer's write with
+    /// immediate data.
+    pub(super) fn complete(&mut self, e: &sys::fi_cq_data_entry, out: &mut Vec<Completion>) {
         let imm = (e.flags & sys::FI_REMOTE_CQ_DATA != 0).then_some(e.data as u32);
         match self.ops.index_of(e.op_context) {
             Some(idx) if matches!(self.ops.get(idx), Slot::Active(_)) => {
@@ -107,24 +113,25 @@ impl EfaTransport {
                     OpKind::Recv => (e.len as u64, self.recv_imm(e.flags, e.data)),
                     _ => (op.len, None),
                 };
-                Some(Completion {
+                out.push(Completion {
                     wr_id: op.wr_id,
                     op: op.kind,
                     result: Ok(bytes),
                     peer: op.peer,
                     imm,
-                })
+                });
+                self.finish_followers(&op, out, |f| Ok(f.len));
             }
             Some(idx) if matches!(self.ops.get(idx), Slot::Orphaned(..)) => {
                 // Its peer was removed: now that the provider is done with it, it fails.
-                match self.finish_slot(idx) {
-                    Slot::Orphaned(op, peer) => Some(failed(&op, OpError::PeerRemoved(peer))),
-                    _ => None,
+                if let Slot::Orphaned(op, peer) = self.finish_slot(idx) {
+                    out.push(failed(&op, OpError::PeerRemoved(peer)));
+                    self.finish_followers(&op, out, |_| Err(OpError::PeerRemoved(peer)));
                 }
             }
             // Not an operation in flight: a peer's write with immediate data (whose
             // context, where the provider fills it at all, means nothing to us).
-            _ if imm.is_some() => Some(Completion {
+            _ if imm.is_some() => out.push(Completion {
                 wr_id: WorkRequestId(0),
                 op: OpKind::RemoteWrite,
                 // tcp reports 0 here and sockets the last segment's length: only the
@@ -138,7 +145,30 @@ impl EfaTransport {
                     flags = e.flags,
                     "completion without an operation in flight; ignored"
                 );
-                None
+            }
+        }
+    }
+
+    /// Completes the operations that went out in `leader`'s call with the result
+    /// `result` gives each (a follower whose peer was removed meanwhile fails with
+    /// `PeerRemoved`).
+    pub(super) fn finish_followers(
+        &mut self,
+        leader: &Op,
+        out: &mut Vec<Completion>,
+        result: impl Fn(&Op) -> std::result::Result<u64, OpError>,
+    ) {
+        for f in leader.followers.slots() {
+            match self.finish_slot(f) {
+                Slot::Active(op) => out.push(Completion {
+                    wr_id: op.wr_id,
+                    op: op.kind,
+                    result: result(&op),
+                    peer: op.peer,
+                    imm: None,
+                }),
+                Slot::Orphaned(op, peer) => out.push(failed(&op, OpError::PeerRemoved(peer))),
+                Slot::Free => {}
             }
         }
     }
@@ -171,12 +201,21 @@ impl EfaTransport {
                     }
                     match self.finish_slot(idx) {
                         Slot::Active(op) => {
+                            // The call failed as a whole: each of its operations fails
+                            // with what the provider said (they share peer and region).
+                            self.finish_followers(&op, out, |f| {
+                                Err(map_error(f, &err, text.clone()))
+                            });
                             let error = map_error(&op, &err, text);
-                            out.push(failed(&op, error));
+                            out.insert(
+                                out.len() - op.followers.slots().count(),
+                                failed(&op, error),
+                            );
                         }
                         // Its peer was removed; the provider has let go of it now.
                         Slot::Orphaned(op, peer) => {
                             out.push(failed(&op, OpError::PeerRemoved(peer)));
+                            self.finish_followers(&op, out, |_| Err(OpError::PeerRemoved(peer)));
                         }
                         Slot::Free => {}
                     }
@@ -211,6 +250,14 @@ impl EfaTransport {
         } else {
             format!("{generic}: {prov}")
         }
+    }
+}
+
+/// The followers of the call that slot `idx` leads (a place to take them from).
+fn op_followers(ops: &mut crate::ops::OpTable, idx: usize) -> &mut crate::ops::Followers {
+    match ops.get_mut(idx) {
+        Slot::Active(op) | Slot::Orphaned(op, _) => &mut op.followers,
+        Slot::Free => unreachable!("a free slot leads no call"),
     }
 }
 

@@ -6,7 +6,7 @@ use crate::config::EfaConfig;
 use crate::fi::{FiError, InfoList, Owned, check};
 use crate::info::{self, ProviderInfo};
 use crate::mr::{self, Registered};
-use crate::ops::{Op, OpTable, Slot};
+use crate::ops::{Followers, Op, OpTable, Slot};
 use fabric_core::wake::{Wake, WakeFd};
 use fabric_core::{
     Access, Completion, Error, LocalKey, LocalSlice, MemoryRegion, OpError, OpKind, PeerId,
@@ -96,6 +96,9 @@ pub struct EfaTransport {
     device_only: bool,
     /// [`EfaConfig::idle_nap`].
     idle_nap: Duration,
+    /// How many operations one provider call carries at most ([`EfaConfig::max_gather`],
+    /// capped by the provider's iovec limits); 1: each goes alone, as it is posted.
+    gather: usize,
     addr_format: u32,
     /// What `fi_getname` returned.
     raw_address: Vec<u8>,
@@ -255,6 +258,7 @@ impl EfaTransport {
         let raw_address = getname(&ep)?;
         let addr_format = entry.addr_format;
         let hmem = config.hmem && entry.caps & sys::FI_HMEM != 0;
+        let gather = gather_limit(config.max_gather, summary.iov_limit, summary.rma_iov_limit);
         drop(list);
         tracing::debug!(
             provider = %summary.provider, fabric = %summary.fabric, domain = %summary.domain,
@@ -276,6 +280,7 @@ impl EfaTransport {
             dmabuf: crate::fi::lib().is_ok_and(info::has_dmabuf),
             device_only: config.hmem_device_only,
             idle_nap: config.idle_nap,
+            gather,
             addr_format,
             raw_address,
             peers: HashMap::new(),
@@ -439,6 +444,16 @@ impl EfaTransport {
 }
 
 /// `fi_getname` of an endpoint.
+/// How many operations one provider call may carry: what the configuration asks, at
+/// most [`MAX_GATHER`](crate::ops::MAX_GATHER) and the provider's iovec limits, at least 1.
+fn gather_limit(asked: usize, iov_limit: usize, rma_iov_limit: usize) -> usize {
+    asked
+        .min(crate::ops::MAX_GATHER)
+        .min(iov_limit)
+        .min(rma_iov_limit)
+        .max(1)
+}
+
 fn getname(ep: &Owned<sys::fid_ep>) -> Result<Vec<u8>> {
     let mut buf = vec![0u8; 64];
     loop {
@@ -585,6 +600,7 @@ impl Transport for EfaTransport {
             imm,
             read: false,
             posted: false,
+            followers: Followers::default(),
         })
     }
 
@@ -602,6 +618,7 @@ impl Transport for EfaTransport {
             imm: None,
             read: false,
             posted: false,
+            followers: Followers::default(),
         })
     }
 
@@ -637,6 +654,7 @@ impl Transport for EfaTransport {
             imm,
             read: false,
             posted: false,
+            followers: Followers::default(),
         };
         self.submit_in_bounds(op, dst)
     }
@@ -668,6 +686,7 @@ impl Transport for EfaTransport {
             imm: None,
             read: true,
             posted: false,
+            followers: Followers::default(),
         };
         self.submit_in_bounds(op, src)
     }
@@ -700,3 +719,6 @@ impl Transport for EfaTransport {
         self.wake.waker()
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -3,7 +3,7 @@
 use super::EfaTransport;
 use super::complete::failed;
 use crate::fi::{Posted, check_post};
-use crate::ops::{Op, Slot};
+use crate::ops::{Followers, MAX_GATHER, Op, Slot};
 use fabric_core::{OpError, OpKind, PostOutcome, Result};
 use libfabric_sys as sys;
 use std::ffi::c_void;
@@ -18,9 +18,36 @@ pub(super) const SEND_IMM: u64 = 0x7866_6572; // "xfer"
 /// See [`SEND_IMM`].
 pub(super) const SEND_NO_IMM: u64 = 0x7866_6500;
 
+/// The slots of one provider call: the leader first, then its followers, in backlog order.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Group {
+    idx: [usize; MAX_GATHER],
+    n: usize,
+}
+
+impl Group {
+    /// A call of one operation.
+    pub(super) fn one(idx: usize) -> Group {
+        Group {
+            idx: [idx; MAX_GATHER],
+            n: 1,
+        }
+    }
+
+    pub(super) fn slots(&self) -> &[usize] {
+        &self.idx[..self.n]
+    }
+}
+
 impl EfaTransport {
     /// Accepts a validated operation: hands it to the provider, or queues it behind the
     /// peer's backlog, or answers NoRoom.
+    ///
+    /// Where the provider takes several iovecs ([`EfaTransport::gather`] above 1), READs and
+    /// bulk WRITEs of host memory always wait in the peer's backlog until the next `poll`
+    /// (or `wait`), which hands them over up to `gather` in one call: the operations an
+    /// engine posts in one go (the pages of a transfer) then share requests and replies.
+    /// Nothing moves before that poll anyway with such providers (manual progress).
     pub(super) fn submit(&mut self, op: Op) -> Result<PostOutcome> {
         let peer_id = op.peer;
         let (fi_addr, queue) = match peer_id {
@@ -33,12 +60,13 @@ impl EfaTransport {
             }
             None => (sys::FI_ADDR_UNSPEC, false),
         };
+        let defer = self.gather > 1 && self.may_gather(&op);
         let idx = self.ops.insert(op);
         self.hold(op.local);
-        if !queue {
-            match self.issue(idx, fi_addr) {
+        if !queue && !defer {
+            match self.issue(Group::one(idx), fi_addr) {
                 Ok(Posted::Yes) => {
-                    self.mark_posted(idx);
+                    self.mark_posted(Group::one(idx));
                     return Ok(PostOutcome::Posted);
                 }
                 Ok(Posted::Again) => {
@@ -63,29 +91,99 @@ impl EfaTransport {
         Ok(PostOutcome::Posted)
     }
 
-    pub(super) fn mark_posted(&mut self, idx: usize) {
-        if let Slot::Active(op) = self.ops.get_mut(idx) {
-            op.posted = true;
-            if let Some(peer) = op.peer.and_then(|p| self.peers.get_mut(&p)) {
-                peer.ready = true;
+    /// Whether `op` may share a provider call: a READ or bulk WRITE of host memory.
+    fn may_gather(&self, op: &Op) -> bool {
+        op.gatherable() && self.regs.get(&op.local).is_some_and(|r| r.host)
+    }
+
+    /// Marks the operations of a call accepted by the provider; the leader records its
+    /// followers, whose completions come with its own.
+    pub(super) fn mark_posted(&mut self, group: Group) {
+        let (leader, rest) = group.slots().split_first().expect("a group is never empty");
+        let mut followers = Followers::default();
+        for &f in rest {
+            let pushed = followers.push(f);
+            debug_assert!(pushed, "a group holds at most MAX_GATHER operations");
+        }
+        for &idx in group.slots() {
+            if let Slot::Active(op) = self.ops.get_mut(idx) {
+                op.posted = true;
+                if idx == *leader {
+                    op.followers = followers;
+                }
+                if let Some(peer) = op.peer.and_then(|p| self.peers.get_mut(&p)) {
+                    peer.ready = true;
+                }
             }
         }
     }
 
-    /// Makes the provider call for the operation in slot `idx`.
-    pub(super) fn issue(&mut self, idx: usize, fi_addr: sys::fi_addr_t) -> Result<Posted> {
-        let Slot::Active(op) = *self.ops.get(idx) else {
+    /// The call that the front of `peer`'s backlog makes: its first operation and, where
+    /// they may share it, the ones behind it, up to [`EfaTransport::gather`] operations
+    /// and `max_msg_size` bytes.
+    fn next_group(&self, peer: &super::Peer) -> Option<Group> {
+        let &first = peer.backlog.front()?;
+        let mut group = Group::one(first);
+        let Slot::Active(lead) = *self.ops.get(first) else {
+            return Some(group);
+        };
+        if self.gather < 2 || !self.may_gather(&lead) {
+            return Some(group);
+        }
+        let mut bytes = lead.len;
+        for &idx in peer.backlog.iter().skip(1).take(self.gather - 1) {
+            let Slot::Active(op) = *self.ops.get(idx) else {
+                break;
+            };
+            let fits = bytes
+                .checked_add(op.len)
+                .is_some_and(|b| b <= self.info.max_msg_size);
+            if !fits || !lead.gathers_with(&op) || !self.may_gather(&op) {
+                break;
+            }
+            bytes += op.len;
+            group.idx[group.n] = idx;
+            group.n += 1;
+        }
+        Some(group)
+    }
+
+    /// Makes the provider call for the operations of `group` (several only for READs or
+    /// bulk WRITEs that [`Op::gathers_with`] the first), under the first one's context.
+    pub(super) fn issue(&mut self, group: Group, fi_addr: sys::fi_addr_t) -> Result<Posted> {
+        let Slot::Active(op) = *self.ops.get(group.slots()[0]) else {
             unreachable!("issue on a slot that is not active");
         };
-        let reg = &self.regs[&op.local];
-        let mut iov = sys::iovec {
-            iov_base: reg.base.wrapping_add(op.offset) as *mut c_void,
-            iov_len: op.len as usize,
-        };
-        let mut desc = [reg.desc()];
+        let mut iov = [sys::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        }; MAX_GATHER];
+        let mut desc = [std::ptr::null_mut::<c_void>(); MAX_GATHER];
+        let mut rma = [sys::fi_rma_iov {
+            addr: 0,
+            len: 0,
+            key: 0,
+        }; MAX_GATHER];
+        for (i, &idx) in group.slots().iter().enumerate() {
+            let Slot::Active(m) = *self.ops.get(idx) else {
+                unreachable!("a group holds active slots only");
+            };
+            let reg = &self.regs[&m.local];
+            iov[i] = sys::iovec {
+                iov_base: reg.base.wrapping_add(m.offset) as *mut c_void,
+                iov_len: m.len as usize,
+            };
+            desc[i] = reg.desc();
+            rma[i] = sys::fi_rma_iov {
+                addr: m.remote_addr,
+                len: m.len as usize,
+                key: m.remote_key.0,
+            };
+        }
+        let n = group.n;
         // A zero-length operation carries no buffer (shm hangs on a zero-length iovec).
-        let iov_count = usize::from(op.len > 0);
-        let context = self.ops.context(idx);
+        let iov_count = if op.len > 0 { n } else { 0 };
+        let context = self.ops.context(group.slots()[0]);
         let tagged = self.tag_cq_data && op.kind == OpKind::Send;
         let data = match op.imm {
             Some(imm) if tagged => SEND_IMM << 32 | u64::from(imm),
@@ -108,7 +206,7 @@ impl EfaTransport {
         match op.kind {
             OpKind::Recv => {
                 let msg = sys::fi_msg {
-                    msg_iov: &mut iov,
+                    msg_iov: iov.as_mut_ptr(),
                     desc: desc.as_mut_ptr(),
                     iov_count,
                     addr: sys::FI_ADDR_UNSPEC,
@@ -123,7 +221,7 @@ impl EfaTransport {
             }
             OpKind::Send => {
                 let msg = sys::fi_msg {
-                    msg_iov: &mut iov,
+                    msg_iov: iov.as_mut_ptr(),
                     desc: desc.as_mut_ptr(),
                     iov_count,
                     addr: fi_addr,
@@ -136,18 +234,13 @@ impl EfaTransport {
                 check_post("fi_sendmsg", rc)
             }
             OpKind::Write => {
-                let rma = sys::fi_rma_iov {
-                    addr: op.remote_addr,
-                    len: op.len as usize,
-                    key: op.remote_key.0,
-                };
                 let msg = sys::fi_msg_rma {
-                    msg_iov: &mut iov,
+                    msg_iov: iov.as_mut_ptr(),
                     desc: desc.as_mut_ptr(),
                     iov_count,
                     addr: fi_addr,
-                    rma_iov: &rma,
-                    rma_iov_count: 1,
+                    rma_iov: rma.as_ptr(),
+                    rma_iov_count: n,
                     context,
                     data, // 0 for a read: it carries no immediate data
                 };
@@ -168,26 +261,33 @@ impl EfaTransport {
         }
     }
 
-    /// Hands backlogged operations to the provider, in order, until it says "again".
+    /// Hands backlogged operations to the provider, in order (several to a call where they
+    /// may share one), until it says "again".
     pub(super) fn flush_backlogs(&mut self) {
         let mut i = 0;
         while i < self.backlogged.len() {
             let p = self.backlogged[i];
-            while let Some((idx, fi_addr)) = self
+            while let Some((group, fi_addr)) = self
                 .peers
                 .get(&p)
-                .and_then(|peer| Some((*peer.backlog.front()?, peer.fi_addr)))
+                .and_then(|peer| Some((self.next_group(peer)?, peer.fi_addr)))
             {
-                match self.issue(idx, fi_addr) {
-                    Ok(Posted::Again) => break,
-                    Ok(Posted::Yes) => {
-                        self.peers.get_mut(&p).map(|x| x.backlog.pop_front());
-                        self.mark_posted(idx);
-                    }
+                let issued = self.issue(group, fi_addr);
+                if matches!(issued, Ok(Posted::Again)) {
+                    break;
+                }
+                if let Some(peer) = self.peers.get_mut(&p) {
+                    peer.backlog.drain(..group.n);
+                }
+                match issued {
+                    Ok(_) => self.mark_posted(group),
                     Err(e) => {
-                        self.peers.get_mut(&p).map(|x| x.backlog.pop_front());
-                        if let Slot::Active(op) = self.finish_slot(idx) {
-                            self.ready.push_back(failed(&op, OpError::transport(e)));
+                        let text = e.to_string();
+                        for &idx in group.slots() {
+                            if let Slot::Active(op) = self.finish_slot(idx) {
+                                let error = OpError::transport(text.clone());
+                                self.ready.push_back(failed(&op, error));
+                            }
                         }
                     }
                 }
