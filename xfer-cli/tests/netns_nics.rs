@@ -230,7 +230,19 @@ fn a_slow_nic_carries_less_and_costs_only_its_share() {
         all.summary["gbps"].as_f64().unwrap(),
     );
     let sh = shares(&all.tx);
-    println!("three fast NICs: {g3:.3} Gbps; all four: {g4:.3} Gbps; shares {sh:.3?}");
+    // The engine's own count per rail beside the NICs' counters, which also count what TCP
+    // sent again: when this test failed on fresh machines (even shares at the slow NIC's
+    // pace once, the slow NIC's counter the largest once), the two tell stalls and
+    // retransmissions apart from the balancing.
+    let per_rail: Vec<u64> = all.summary["per_rail"]
+        .as_array()
+        .map(|r| r.iter().filter_map(|x| x["bytes"].as_u64()).collect())
+        .unwrap_or_default();
+    println!(
+        "three fast NICs: {g3:.3} Gbps; all four: {g4:.3} Gbps; shares {sh:.3?}; NIC tx bytes \
+         {:?}; engine bytes per rail {per_rail:?}",
+        all.tx
+    );
     let fast_mean = sh[..NICS - 1].iter().sum::<f64>() / (NICS - 1) as f64;
     assert!(
         sh[NICS - 1] < 0.6 * fast_mean,
