@@ -140,8 +140,22 @@ impl std::fmt::Debug for EfaTransport {
 /// (`tcp;ofi_rxm`, 1.x's only one). Through the native one this backend moved 2.4 Gbps where
 /// rxm moved 12.8 (`xfer demo --transport efa --provider tcp`, 2-core VM, libfabric 2.6;
 /// 4.1 against 12.1 at one rail on the H200), so `tcp` means rxm where both exist; name
-/// `tcp;ofi_rxm` or set `FI_PROVIDER` to choose explicitly.
+/// `tcp;ofi_rxm` or set `FI_PROVIDER` to choose explicitly. That slowness was the target
+/// napping between CQ reads (see [`progresses_only_when_read`]); since it sleeps on the
+/// CQ's descriptor the native endpoint moves 23–27 Gbps against rxm's 21–24 there (3 runs
+/// each, FI_PROVIDER=^ofi_rxm for native), but rxm stays the choice until the native one
+/// is measured on the H200 too.
 const TCP_PREFERRED: &str = "tcp;ofi_rxm";
+
+/// Whether the provider moves data only while its CQ is read. Manual data progress says
+/// so; libfabric 2.x's native `tcp` (xnet) RDM endpoint says FI_PROGRESS_AUTO but starts its
+/// progress thread only for counters and event queues, never for a CQ (`xnet_cq_open`,
+/// `xnet_start_progress`), so it needs the same: through it, a target that napped between
+/// CQ reads held WRITEs of 4 KiB pages at 0.43 Gbps (2-core VM) where READs, whose data the
+/// busy initiator pulls, moved 7.2.
+fn progresses_only_when_read(s: &ProviderInfo) -> bool {
+    s.data_progress == info::Progress::Manual || s.provider == "tcp"
+}
 
 /// Picks the `fi_info` entry for `config` from a list.
 fn choose<'a>(list: &'a InfoList, config: &EfaConfig) -> Result<&'a sys::fi_info> {
@@ -236,7 +250,7 @@ impl EfaTransport {
         let (cq, wait_fd) = wait::open_cq(
             &domain,
             summary.tx_size + summary.rx_size,
-            summary.data_progress == info::Progress::Manual,
+            progresses_only_when_read(&summary),
         )?;
 
         let mut ep = std::ptr::null_mut();
