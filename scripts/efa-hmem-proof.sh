@@ -66,13 +66,13 @@ bench() { # provider memory rails [bench args...]
 median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
 
 # One comparison row: fi_rma_bw and our bench interleaved, RUNS times each. `--provider tcp`
-# opens `tcp;ofi_rxm` where libfabric 2.x lists both, so that is its fi_rma_bw.
+# opens the native tcp endpoint where libfabric 2.x lists it beside `tcp;ofi_rxm`, as
+# `fi_rma_bw -p tcp` does.
 row() { # provider memory rails [bench args...]
     local prov=$1 mem=$2 rails=$3
     shift 3
     local fi=() us=() d=() fp=$prov
     [[ $mem == cuda ]] && d=(-D cuda)
-    [[ $prov == tcp ]] && fp="tcp;ofi_rxm"
     for _ in $(seq "$RUNS"); do
         fi+=("$(rma_bw "$fp" "${d[@]}")")
         us+=("$(bench "$prov" "$mem" "$rails" "$@")") || { proof_failed+=("bench $prov $mem x$rails $*"); return; }

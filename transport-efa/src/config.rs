@@ -17,7 +17,8 @@ pub const DEFAULT_PROVIDER: &str = "efa";
 #[non_exhaustive]
 pub struct EfaConfig {
     /// The libfabric provider (`efa`, `tcp`, `sockets`, `shm`, `verbs`, ...), matched the
-    /// way libfabric matches names (`tcp` finds `tcp;ofi_rxm`). `None`: the `FI_PROVIDER`
+    /// way libfabric matches names (`tcp` finds libfabric 2.x's native tcp endpoint, or
+    /// `tcp;ofi_rxm` where that is the only one, as in 1.x). `None`: the `FI_PROVIDER`
     /// environment variable if it names one provider, else [`DEFAULT_PROVIDER`].
     ///
     /// libfabric itself also honours `FI_PROVIDER`: when it is set, only the providers it

@@ -137,15 +137,15 @@ impl std::fmt::Debug for EfaTransport {
 
 /// The provider that a request for `tcp` takes when libfabric lists it: libfabric 2.x
 /// offers FI_EP_RDM over tcp both natively (`tcp`, listed first) and through rxm
-/// (`tcp;ofi_rxm`, 1.x's only one). Through the native one this backend moved 2.4 Gbps where
-/// rxm moved 12.8 (`xfer demo --transport efa --provider tcp`, 2-core VM, libfabric 2.6;
-/// 4.1 against 12.1 at one rail on the H200), so `tcp` means rxm where both exist; name
-/// `tcp;ofi_rxm` or set `FI_PROVIDER` to choose explicitly. That slowness was the target
-/// napping between CQ reads (see [`progresses_only_when_read`]); since it sleeps on the
-/// CQ's descriptor the native endpoint moves 23–27 Gbps against rxm's 21–24 there (3 runs
-/// each, FI_PROVIDER=^ofi_rxm for native), but rxm stays the choice until the native one
-/// is measured on the H200 too.
-const TCP_PREFERRED: &str = "tcp;ofi_rxm";
+/// (`tcp;ofi_rxm`, 1.x's only one). The native one was slow here (2.4 Gbps against rxm's
+/// 12.8, `xfer demo --transport efa --provider tcp`, 2-core VM, libfabric 2.6) only because
+/// its target napped between CQ reads (see [`progresses_only_when_read`]); sleeping on the
+/// CQ's descriptor, it moves as much or more: H200, libfabric 2.6, one call, medians of 3,
+/// native against rxm, 1 rail: 4 KiB WRITE 10.4 and 10.5 Gbps, READ 9.7 and 7.8; 64 KiB
+/// WRITE 30.3 and 29.6, READ 32.6 and 34.0; 4 rails of 64 KiB WRITE 94.1 and 94.6, READ
+/// 105.3 and 110.4. So `tcp` means the native endpoint where both exist, as libfabric's
+/// own order has it; name `tcp;ofi_rxm` (or set `FI_PROVIDER`) for rxm.
+const TCP_PREFERRED: &str = "tcp";
 
 /// Whether the provider moves data only while its CQ is read. Manual data progress says
 /// so; libfabric 2.x's native `tcp` (xnet) RDM endpoint says FI_PROGRESS_AUTO but starts its

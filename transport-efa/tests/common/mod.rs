@@ -23,7 +23,7 @@ pub fn say_skipped(why: &str) {
 pub fn config(provider: &str) -> EfaConfig {
     let cfg = EfaConfig::with_provider(provider);
     match provider {
-        "tcp" | "sockets" => cfg.domain("lo"),
+        "tcp" | "tcp;ofi_rxm" | "sockets" => cfg.domain("lo"),
         _ => cfg,
     }
 }
