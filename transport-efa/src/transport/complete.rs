@@ -3,7 +3,7 @@
 use super::post::{SEND_IMM, SEND_NO_IMM};
 use super::{EfaTransport, RECONNECT_WINDOW};
 use crate::fi::{FiError, check};
-use crate::ops::{Op, Slot};
+use crate::ops::{Followers, Op, Slot};
 use fabric_core::{Completion, OpError, OpKind, Result, WorkRequestId};
 use libfabric_sys as sys;
 use std::mem::MaybeUninit;
@@ -49,13 +49,13 @@ impl EfaTransport {
     /// and, within [`RECONNECT_WINDOW`], puts an operation that was never sent
     /// (FI_ENOTCONN) back in the peer's backlog. Returns whether it did.
     pub(super) fn retry_after_break(&mut self, idx: usize, code: i32) -> bool {
-        let Slot::Active(op) = self.ops.get(idx) else {
+        let Slot::Active(op) = *self.ops.get(idx) else {
             return false;
         };
         let Some(p) = op.peer else {
             return false;
         };
-        let breaks = breaks_connection(op, code);
+        let breaks = breaks_connection(&op, code);
         let Some(peer) = self.peers.get_mut(&p) else {
             return false;
         };
@@ -71,13 +71,13 @@ impl EfaTransport {
                 self.backlogged.push(p);
             }
             // The operations of the call go back in their order, to be sent again
-            // (together again where they still may).
-            let followers = std::mem::take(op_followers(&mut self.ops, idx));
+            // (together again where they still may): none leads a call any more.
             peer.backlog.push_back(idx);
-            peer.backlog.extend(followers.slots());
-            for i in std::iter::once(idx).chain(followers.slots()) {
+            peer.backlog.extend(op.followers.slots());
+            for i in std::iter::once(idx).chain(op.followers.slots()) {
                 if let Slot::Active(op) = self.ops.get_mut(i) {
                     op.posted = false;
+                    op.followers = Followers::default();
                 }
             }
         }
@@ -203,14 +203,10 @@ impl EfaTransport {
                         Slot::Active(op) => {
                             // The call failed as a whole: each of its operations fails
                             // with what the provider said (they share peer and region).
+                            out.push(failed(&op, map_error(&op, &err, text.clone())));
                             self.finish_followers(&op, out, |f| {
                                 Err(map_error(f, &err, text.clone()))
                             });
-                            let error = map_error(&op, &err, text);
-                            out.insert(
-                                out.len() - op.followers.slots().count(),
-                                failed(&op, error),
-                            );
                         }
                         // Its peer was removed; the provider has let go of it now.
                         Slot::Orphaned(op, peer) => {
@@ -250,14 +246,6 @@ impl EfaTransport {
         } else {
             format!("{generic}: {prov}")
         }
-    }
-}
-
-/// The followers of the call that slot `idx` leads (a place to take them from).
-fn op_followers(ops: &mut crate::ops::OpTable, idx: usize) -> &mut crate::ops::Followers {
-    match ops.get_mut(idx) {
-        Slot::Active(op) | Slot::Orphaned(op, _) => &mut op.followers,
-        Slot::Free => unreachable!("a free slot leads no call"),
     }
 }
 

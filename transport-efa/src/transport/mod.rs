@@ -457,7 +457,6 @@ impl EfaTransport {
     }
 }
 
-/// `fi_getname` of an endpoint.
 /// How many operations one provider call may carry: what the configuration asks, at
 /// most [`MAX_GATHER`](crate::ops::MAX_GATHER) and the provider's iovec limits, at least 1.
 fn gather_limit(asked: usize, iov_limit: usize, rma_iov_limit: usize) -> usize {
@@ -468,6 +467,7 @@ fn gather_limit(asked: usize, iov_limit: usize, rma_iov_limit: usize) -> usize {
         .max(1)
 }
 
+/// `fi_getname` of an endpoint.
 fn getname(ep: &Owned<sys::fid_ep>) -> Result<Vec<u8>> {
     let mut buf = vec![0u8; 64];
     loop {
