@@ -28,8 +28,8 @@ pub(crate) struct Registered {
     pub(crate) base: u64,
     pub(crate) len: u64,
     pub(crate) access: Access,
-    /// Host memory (not device memory): only such regions share provider calls (shm picks
-    /// its CUDA IPC protocol only for an operation of one iovec).
+    /// Host memory (not device memory): only such regions share provider calls (see
+    /// `Op::host`).
     pub(crate) host: bool,
     key: RemoteKey,
     remote_addr: u64,

@@ -70,15 +70,24 @@ pub(crate) struct Op {
     pub read: bool,
     /// Whether the provider has accepted it (false while it waits in a peer's backlog).
     pub posted: bool,
+    /// Whether the local range is host memory (only such ranges share calls: shm picks its
+    /// CUDA IPC protocol only for an operation of one iovec). Taken from the registration
+    /// when the operation is posted, so that gathering looks up no registration.
+    pub host: bool,
     /// For the leader of a gathered call: the operations that went out with it.
     pub followers: Followers,
 }
 
 impl Op {
     /// Whether it may share one provider call with others of its kind (see
-    /// [`MAX_GATHER`]): READs, and WRITEs without immediate data, that carry bytes.
+    /// [`MAX_GATHER`]): READs, and WRITEs without immediate data, of host memory that carry
+    /// bytes.
     pub(crate) fn gatherable(&self) -> bool {
-        self.kind == OpKind::Write && self.imm.is_none() && self.len > 0 && self.peer.is_some()
+        self.kind == OpKind::Write
+            && self.imm.is_none()
+            && self.len > 0
+            && self.peer.is_some()
+            && self.host
     }
 
     /// Whether `next` may go out in the same call as `self` (the call's first operation):
@@ -212,6 +221,7 @@ mod tests {
             remote_key: RemoteKey(0),
             imm: None,
             posted: true,
+            host: true,
             followers: Followers::default(),
         }
     }
@@ -275,6 +285,11 @@ mod tests {
             ..op(2)
         };
         assert!(!w.gathers_with(&other_peer));
+        let device = Op {
+            host: false,
+            ..op(2)
+        };
+        assert!(!w.gathers_with(&device), "device memory travels alone");
         let send = Op {
             kind: OpKind::Send,
             ..op(2)

@@ -614,6 +614,7 @@ impl Transport for EfaTransport {
             imm,
             read: false,
             posted: false,
+            host: false,
             followers: Followers::default(),
         })
     }
@@ -632,6 +633,7 @@ impl Transport for EfaTransport {
             imm: None,
             read: false,
             posted: false,
+            host: false,
             followers: Followers::default(),
         })
     }
@@ -655,7 +657,7 @@ impl Transport for EfaTransport {
         self.peer(peer)?;
         self.check_imm(imm)?;
         fabric_core::check_write_lengths(&src, &dst)?;
-        self.local_range(src, Access::NONE)?;
+        let host = self.local_range(src, Access::NONE)?.host;
         let op = Op {
             wr_id,
             kind: OpKind::Write,
@@ -668,6 +670,7 @@ impl Transport for EfaTransport {
             imm,
             read: false,
             posted: false,
+            host,
             followers: Followers::default(),
         };
         self.submit_in_bounds(op, dst)
@@ -687,7 +690,7 @@ impl Transport for EfaTransport {
     ) -> Result<PostOutcome> {
         self.peer(peer)?;
         fabric_core::check_read_lengths(&dst, &src)?;
-        self.local_range(dst, Access::LOCAL_WRITE)?;
+        let host = self.local_range(dst, Access::LOCAL_WRITE)?.host;
         let op = Op {
             wr_id,
             kind: OpKind::Write,
@@ -700,6 +703,7 @@ impl Transport for EfaTransport {
             imm: None,
             read: true,
             posted: false,
+            host,
             followers: Followers::default(),
         };
         self.submit_in_bounds(op, src)

@@ -60,7 +60,7 @@ impl EfaTransport {
             }
             None => (sys::FI_ADDR_UNSPEC, false),
         };
-        let defer = self.gather > 1 && self.may_gather(&op);
+        let defer = self.gather > 1 && op.gatherable();
         let idx = self.ops.insert(op);
         self.hold(op.local);
         if !queue && !defer {
@@ -89,11 +89,6 @@ impl EfaTransport {
         }
         peer.backlog.push_back(idx);
         Ok(PostOutcome::Posted)
-    }
-
-    /// Whether `op` may share a provider call: a READ or bulk WRITE of host memory.
-    fn may_gather(&self, op: &Op) -> bool {
-        op.gatherable() && self.regs.get(&op.local).is_some_and(|r| r.host)
     }
 
     /// Marks the operations of a call accepted by the provider; the leader records its
@@ -127,7 +122,7 @@ impl EfaTransport {
         let Slot::Active(lead) = *self.ops.get(first) else {
             return Some(group);
         };
-        if self.gather < 2 || !self.may_gather(&lead) {
+        if self.gather < 2 || !lead.gatherable() {
             return Some(group);
         }
         let mut bytes = lead.len;
@@ -138,7 +133,7 @@ impl EfaTransport {
             let fits = bytes
                 .checked_add(op.len)
                 .is_some_and(|b| b <= self.info.max_msg_size);
-            if !fits || !lead.gathers_with(&op) || !self.may_gather(&op) {
+            if !fits || !lead.gathers_with(&op) {
                 break;
             }
             bytes += op.len;
