@@ -6,20 +6,7 @@ mod common;
 
 use fabric_core::testing::SuiteOptions;
 
-/// Relaxed: `exact_remote_errors`. The tcp provider reports every failure at the target
-/// (unknown key, stale key, no REMOTE_WRITE permission) the same way, as FI_ECANCELED
-/// with the target's errno (ENOENT) as prov_errno, so the cause cannot be told
-/// (they arrive as `OpError::Remote`); and a truncated receive comes with `olen` 0, so
-/// the message's length is unknown. Everything else is strict: permissions are enforced,
-/// unexpected sends are buffered.
-const OPTS: SuiteOptions = SuiteOptions {
-    exact_remote_errors: false,
-    buffers_unexpected_sends: true,
-    enforces_permissions: true,
-    timeout: std::time::Duration::from_secs(20),
-    many: 5000,
-    alloc: fabric_core::testing::host_alloc,
-};
+const OPTS: SuiteOptions = common::TCP_OPTS;
 
 fabric_core::conformance_suite!(
     match common::maker("tcp;ofi_rxm") {

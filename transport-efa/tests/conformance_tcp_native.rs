@@ -14,14 +14,7 @@ use fabric_core::testing::SuiteOptions;
 use transport_efa::EfaTransport;
 
 /// As `conformance_tcp`'s: failures at the target arrive as `OpError::Remote`.
-const OPTS: SuiteOptions = SuiteOptions {
-    exact_remote_errors: false,
-    buffers_unexpected_sends: true,
-    enforces_permissions: true,
-    timeout: std::time::Duration::from_secs(20),
-    many: 5000,
-    alloc: fabric_core::testing::host_alloc,
-};
+const OPTS: SuiteOptions = common::TCP_OPTS;
 
 static HIDE_RXM: std::sync::Once = std::sync::Once::new();
 

@@ -54,6 +54,25 @@ fn calls(t: &EfaTransport) -> Vec<usize> {
 
 const PAGE: u64 = 4096;
 
+/// Asserts that a post was taken (not refused, not answered NoRoom).
+fn posted(r: fabric_core::Result<PostOutcome>) {
+    assert_eq!(r.expect("post"), PostOutcome::Posted);
+}
+
+/// READs of pages `pages` of `src` into the same pages of `dst`, posted on side a.
+fn read_pages(
+    p: &mut Pair<EfaTransport>,
+    dst: &Canaried,
+    src: &Canaried,
+    pages: std::ops::Range<u64>,
+) {
+    let peer = p.b_at_a;
+    for i in pages {
+        let (l, r) = (dst.local(i * PAGE, PAGE), src.remote(i * PAGE, PAGE));
+        p.post_a(|t| t.post_read(peer, WorkRequestId(i), l, r));
+    }
+}
+
 /// A pair whose connection is up (one write made it), so that a flush hands everything
 /// over instead of meeting a connection still coming up.
 fn connected(make: &dyn Fn() -> EfaTransport) -> Pair<EfaTransport> {
@@ -79,15 +98,8 @@ fn reads_of_one_region_go_out_four_to_a_call_and_each_completes_with_its_bytes()
     let peer = p.b_at_a;
     // Pages in reverse order on one side: a call's iovecs pair up page by page.
     for i in 0..10u64 {
-        let out =
-            p.a.post_read(
-                peer,
-                WorkRequestId(i),
-                dst.local(i * PAGE, PAGE),
-                src.remote((9 - i) * PAGE, PAGE),
-            )
-            .expect("post");
-        assert_eq!(out, PostOutcome::Posted);
+        let (l, r) = (dst.local(i * PAGE, PAGE), src.remote((9 - i) * PAGE, PAGE));
+        posted(p.a.post_read(peer, WorkRequestId(i), l, r));
     }
     assert_eq!(
         calls(&p.a),
@@ -124,34 +136,13 @@ fn calls_never_mix_directions_regions_or_immediate_data() {
     );
     let t = &mut p.a;
     let w = |i| WorkRequestId(i);
-    assert_eq!(
-        t.post_write(peer, w(0), l(0), r1(0), None).unwrap(),
-        PostOutcome::Posted
-    );
-    assert_eq!(
-        t.post_write(peer, w(1), l(1), r1(1), None).unwrap(),
-        PostOutcome::Posted
-    );
-    assert_eq!(
-        t.post_read(peer, w(2), l(2), r1(2)).unwrap(),
-        PostOutcome::Posted
-    ); // direction changes
-    assert_eq!(
-        t.post_read(peer, w(3), l(3), r2(3)).unwrap(),
-        PostOutcome::Posted
-    ); // region changes
-    assert_eq!(
-        t.post_read(peer, w(4), l(4), r2(4)).unwrap(),
-        PostOutcome::Posted
-    );
-    assert_eq!(
-        t.post_write(peer, w(5), l(5), r2(5), Some(9)).unwrap(),
-        PostOutcome::Posted
-    ); // immediate data: alone
-    assert_eq!(
-        t.post_write(peer, w(6), l(6), r2(6), None).unwrap(),
-        PostOutcome::Posted
-    );
+    posted(t.post_write(peer, w(0), l(0), r1(0), None));
+    posted(t.post_write(peer, w(1), l(1), r1(1), None));
+    posted(t.post_read(peer, w(2), l(2), r1(2))); // direction changes
+    posted(t.post_read(peer, w(3), l(3), r2(3))); // region changes
+    posted(t.post_read(peer, w(4), l(4), r2(4)));
+    posted(t.post_write(peer, w(5), l(5), r2(5), Some(9))); // immediate data: alone
+    posted(t.post_write(peer, w(6), l(6), r2(6), None));
     t.flush_backlogs();
     assert_eq!(calls(&p.a), [2, 1, 2, 1, 1]);
     let done = p.take_a(7, "seven operations");
@@ -171,9 +162,7 @@ fn a_bad_key_fails_every_operation_of_its_call_and_no_other() {
     for i in 0..3u64 {
         let mut r = bad;
         r.offset = i * PAGE;
-        let out =
-            p.a.post_read(peer, WorkRequestId(i), dst.local(i * PAGE, PAGE), r);
-        assert_eq!(out.unwrap(), PostOutcome::Posted);
+        posted(p.a.post_read(peer, WorkRequestId(i), dst.local(i * PAGE, PAGE), r));
     }
     p.a.flush_backlogs();
     assert_eq!(calls(&p.a), [3]);
@@ -183,16 +172,7 @@ fn a_bad_key_fails_every_operation_of_its_call_and_no_other() {
     assert_eq!(dst.read(0, 3 * PAGE as usize), vec![0; 3 * PAGE as usize]);
     // The connection comes back (tcp drops it after a failure at the target) and reads
     // of the good key in one call work.
-    for i in 3..7u64 {
-        p.post_a(|t| {
-            t.post_read(
-                peer,
-                WorkRequestId(i),
-                dst.local(i * PAGE, PAGE),
-                src.remote(i * PAGE, PAGE),
-            )
-        });
-    }
+    read_pages(&mut p, &dst, &src, 3..7);
     let done = p.take_a(4, "four good reads");
     assert!(done.iter().all(|c| c.result == Ok(PAGE)), "{done:?}");
     assert_eq!(
@@ -206,19 +186,9 @@ fn with_max_gather_one_each_operation_goes_alone_as_it_is_posted() {
     let Some(make) = maker(1) else { return };
     let mut p = connected(&make);
     assert_eq!(p.a.gather, 1);
-    let peer = p.b_at_a;
     let dst = Canaried::with(opts().alloc, &mut p.a, 4 * PAGE, Access::LOCAL_WRITE, 0);
     let src = Canaried::with(opts().alloc, &mut p.b, 4 * PAGE, Access::REMOTE_READ, 8);
-    for i in 0..4u64 {
-        p.post_a(|t| {
-            t.post_read(
-                peer,
-                WorkRequestId(i),
-                dst.local(i * PAGE, PAGE),
-                src.remote(i * PAGE, PAGE),
-            )
-        });
-    }
+    read_pages(&mut p, &dst, &src, 0..4);
     let held = calls(&p.a);
     assert!(held.iter().all(|&n| n == 1), "{held:?}");
     let done = p.take_a(4, "four reads");

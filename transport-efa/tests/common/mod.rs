@@ -5,6 +5,7 @@
 //! libfabric's `fi_getinfo`/`fi_fabric` are thread-safe, so they share nothing.
 #![allow(dead_code)]
 
+use fabric_core::testing::SuiteOptions;
 use transport_efa::{EfaConfig, EfaTransport};
 
 /// Whether a missing libfabric provider is a failure (CI sets `XFER_REQUIRE_LIBFABRIC=1`).
@@ -44,3 +45,19 @@ pub fn maker(provider: &'static str) -> Option<impl Fn() -> EfaTransport> {
         }
     }
 }
+
+/// The suite options of both tcp endpoints (rxm, and 2.x's native one). Relaxed:
+/// `exact_remote_errors`. The tcp provider reports every failure at the target (unknown
+/// key, stale key, no REMOTE_WRITE permission) the same way, as FI_ECANCELED with the
+/// target's errno (ENOENT) as prov_errno, so the cause cannot be told (they arrive as
+/// `OpError::Remote`); and a truncated receive comes with `olen` 0, so the message's length
+/// is unknown. Everything else is strict: permissions are enforced, unexpected sends are
+/// buffered.
+pub const TCP_OPTS: SuiteOptions = SuiteOptions {
+    exact_remote_errors: false,
+    buffers_unexpected_sends: true,
+    enforces_permissions: true,
+    timeout: std::time::Duration::from_secs(20),
+    many: 5000,
+    alloc: fabric_core::testing::host_alloc,
+};
