@@ -26,7 +26,8 @@ step "xfer info" $X info
 
 # Tests, each bounded: a hang fails its step instead of the run.
 step "tests efa_hmem" timeout 300 ./efa_hmem_tests --include-ignored --test-threads=1
-step "tests efa_hmem_conformance" timeout 600 ./efa_hmem_conformance --include-ignored --test-threads=1
+step "tests efa_hmem_one_process" timeout 120 ./efa_hmem_one_process --include-ignored --test-threads=1
+step "tests efa_stream_order" timeout 120 ./efa_stream_order --include-ignored --test-threads=1
 
 # fi_rma_bw, one run: two processes, 64 KiB writes with remote CQ data and delivery
 # completion (-U, as every write of ours asks for), a window of 64. Prints MB/s (fabtests' MB

@@ -31,7 +31,8 @@ copy transport-tcp gpu tcp_gpu_tests
 copy transport-cuda-ipc conformance ipc_conformance_tests
 copy transport-cuda-ipc processes ipc_process_tests
 copy transport-efa hmem_cuda efa_hmem_tests
-copy transport-efa conformance_shm_cuda efa_hmem_conformance
+copy transport-efa shm_cuda_one_process efa_hmem_one_process
+copy transport-efa stream_order_shm efa_stream_order
 strip "$out"/* 2>/dev/null || true
 cp scripts/gpu-proof.sh scripts/ipc-proof.sh scripts/efa-hmem-proof.sh scripts/proof-lib.sh \
     scripts/bench.sh "$out/"

@@ -294,6 +294,7 @@ impl GroupPair {
                 imm: None,
                 timeout: Some(TRANSFER_TIMEOUT),
                 direction: Default::default(),
+                after: None,
             })
             .collect()
     }

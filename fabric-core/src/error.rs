@@ -109,13 +109,13 @@ impl OpError {
 /// let source = std::error::Error::source(&e).unwrap();
 /// assert_eq!(source.to_string(), "link down");
 /// ```
-#[derive(Clone)]
-pub struct TransportError(Arc<dyn std::error::Error + Send + Sync>);
+#[derive(Clone, PartialEq, Eq)]
+pub struct TransportError(Shared);
 
 impl TransportError {
     /// Wraps `cause`.
     pub fn new(cause: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> TransportError {
-        TransportError(Arc::from(cause.into()))
+        TransportError(Shared::new(cause))
     }
 
     /// `context` ("device copy failed"), caused by `source`.
@@ -131,41 +131,103 @@ impl TransportError {
 
     /// The transport's error itself.
     pub fn get_ref(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
-        &*self.0
+        &*self.0.0
     }
 
     /// The transport's error, if it is an `E`.
     pub fn downcast_ref<E: std::error::Error + 'static>(&self) -> Option<&E> {
-        self.0.downcast_ref::<E>()
+        self.0.0.downcast_ref::<E>()
     }
 }
 
 impl std::fmt::Display for TransportError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "transport error: {}", self.0)
+        write!(f, "transport error: {}", self.0.0)
     }
 }
 
 impl std::fmt::Debug for TransportError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        std::fmt::Debug::fmt(&*self.0, f)
+        std::fmt::Debug::fmt(&*self.0.0, f)
     }
 }
 
 impl std::error::Error for TransportError {
     // The wrapped error's own cause: its text is already this one's (see Display).
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.0.source()
+        self.0.0.source()
     }
 }
 
-impl PartialEq for TransportError {
-    fn eq(&self, other: &TransportError) -> bool {
+/// The cause of a [`MemoryError::Device`]: the memory layer's own error (gpu-mem's
+/// `GpuMemError`, whose source is the CUDA driver's error with its code), kept whole so
+/// that a caller can tell a sticky device fault from a transient failure by downcasting
+/// it, and shared so that the error stays cheap to clone.
+///
+/// ```
+/// use fabric_core::MemoryError;
+/// let e = MemoryError::device(std::io::Error::other("uncorrectable ECC error"));
+/// let MemoryError::Device(cause) = &e else { unreachable!() };
+/// assert!(cause.downcast_ref::<std::io::Error>().is_some());
+/// assert_eq!(e.to_string(), "device error: uncorrectable ECC error");
+/// ```
+#[derive(Clone, PartialEq, Eq)]
+pub struct DeviceError(Shared);
+
+impl DeviceError {
+    /// Wraps `cause`.
+    pub fn new(cause: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> DeviceError {
+        DeviceError(Shared::new(cause))
+    }
+
+    /// The memory layer's error itself.
+    pub fn get_ref(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        &*self.0.0
+    }
+
+    /// The memory layer's error, if it is an `E`.
+    pub fn downcast_ref<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        self.0.0.downcast_ref::<E>()
+    }
+}
+
+impl std::fmt::Display for DeviceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&*self.0.0, f)
+    }
+}
+
+impl std::fmt::Debug for DeviceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(&*self.0.0, f)
+    }
+}
+
+impl std::error::Error for DeviceError {
+    // The wrapped error's own cause: its text is already this one's (see Display).
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.0.source()
+    }
+}
+
+/// An error of another layer, shared: what [`TransportError`] and [`DeviceError`] hold.
+/// Two are equal when they are the same or read the same.
+#[derive(Clone)]
+struct Shared(Arc<dyn std::error::Error + Send + Sync>);
+
+impl Shared {
+    fn new(cause: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Shared {
+        Shared(Arc::from(cause.into()))
+    }
+}
+
+impl PartialEq for Shared {
+    fn eq(&self, other: &Shared) -> bool {
         Arc::ptr_eq(&self.0, &other.0) || self.0.to_string() == other.0.to_string()
     }
 }
 
-impl Eq for TransportError {}
+impl Eq for Shared {}
 
 /// A message with the error that caused it (see [`TransportError::with_context`]).
 #[derive(Debug)]
@@ -243,6 +305,10 @@ pub enum Error {
         /// The operation ("READ").
         op: &'static str,
     },
+    /// The immediate value is reserved (a rail group's warm-up writes carry it, and rail
+    /// groups never report it to the application): use any other value.
+    #[error("immediate value {0:#x} is reserved for warm-up writes: use another value")]
+    ReservedImm(u32),
     /// The region cannot be deregistered: transfers that use it have not finished. Their
     /// handles say when they have (a timed-out transfer, too, only once the transport has
     /// stopped touching its memory); deregister then.
@@ -296,12 +362,22 @@ pub enum MemoryError {
     /// Allocation failed.
     #[error("cannot allocate {0} bytes")]
     Alloc(u64),
-    /// A device call failed.
+    /// A device call failed; its cause is the memory layer's own error (with the driver's
+    /// code), reachable through [`DeviceError::downcast_ref`] and
+    /// [`source`](std::error::Error::source).
     #[error("device error: {0}")]
-    Device(String),
+    Device(#[source] DeviceError),
     /// The memory cannot be used this way (e.g. device memory with no copy path).
     #[error("unsupported: {0}")]
     Unsupported(String),
+}
+
+impl MemoryError {
+    /// A [`Device`](MemoryError::Device) error caused by `cause` (the memory layer's own
+    /// error, or a plain message).
+    pub fn device(cause: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> MemoryError {
+        MemoryError::Device(DeviceError::new(cause))
+    }
 }
 
 /// Result alias for fallible calls.

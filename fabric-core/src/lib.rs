@@ -30,6 +30,7 @@
 
 pub mod engine;
 pub mod error;
+pub mod fence;
 mod in_place;
 pub mod mem;
 pub mod memory;
@@ -42,7 +43,8 @@ pub mod transport;
 pub mod types;
 pub mod wake;
 
-pub use error::{Error, MemoryError, OpError, Result, TransportError};
+pub use error::{DeviceError, Error, MemoryError, OpError, Result, TransportError};
+pub use fence::Fence;
 pub use memory::{HostBuffer, MemoryLocation, MemoryRegion, SubRegion};
 pub use transport::{Completion, OpKind, PostOutcome, Transport, TransportLimits};
 pub use types::{

@@ -201,7 +201,7 @@ impl MemTransport {
                 for w in run {
                     self.done.push(Completion {
                         wr_id: w.wr_id,
-                        op: OpKind::Write,
+                        op: OpKind::one_sided(w.read),
                         result: Err(OpError::PeerUnreachable {
                             peer: w.peer,
                             reason: "endpoint dropped".into(),
@@ -246,18 +246,18 @@ impl MemTransport {
                     });
                 }
                 // Success is built from scalars, in place (see `in_place`).
-                let (wr_id, peer) = (w.wr_id, Some(w.peer));
+                let (wr_id, peer, op) = (w.wr_id, Some(w.peer), OpKind::one_sided(w.read));
                 match result {
                     Ok(len) => in_place::push(&mut self.done, || Completion {
                         wr_id,
-                        op: OpKind::Write,
+                        op,
                         result: Ok(len),
                         peer,
                         imm: None,
                     }),
                     Err(e) => self.done.push(Completion {
                         wr_id,
-                        op: OpKind::Write,
+                        op,
                         result: Err(e),
                         peer,
                         imm: None,

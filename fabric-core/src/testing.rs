@@ -248,11 +248,7 @@ impl<T: Transport> Pair<T> {
         self.post_a(|t| t.post_read(peer, WorkRequestId(78), dst, src));
         let c = self.take_a(1, "read completion").remove(0);
         assert_eq!(c.wr_id, WorkRequestId(78));
-        assert_eq!(
-            c.op,
-            OpKind::Write,
-            "a READ completes as a one-sided operation"
-        );
+        assert_eq!(c.op, OpKind::Read, "a READ completes as a READ");
         c
     }
 }
@@ -1313,5 +1309,114 @@ pub fn eventually(what: &str, within: Duration, mut cond: impl FnMut() -> bool) 
             "timed out after {within:?} waiting for {what}"
         );
         std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Whether a [`StuckTransport`]'s `poll` hangs: shut it, and the next `poll` blocks (as a
+/// provider call the engine cannot interrupt) until it is opened again.
+#[derive(Debug, Default)]
+pub struct StuckGate {
+    /// Whether it is shut, and how many polls hang in it now.
+    state: std::sync::Mutex<(bool, usize)>,
+    changed: std::sync::Condvar,
+}
+
+impl StuckGate {
+    fn lock(&self) -> std::sync::MutexGuard<'_, (bool, usize)> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Makes the next `poll` hang.
+    pub fn shut(&self) {
+        self.lock().0 = true;
+    }
+
+    /// Lets a hanging `poll` (and every later one) return.
+    pub fn open(&self) {
+        self.lock().0 = false;
+        self.changed.notify_all();
+    }
+
+    /// Whether a `poll` hangs in the gate now (the worker is stuck in its transport).
+    pub fn hanging(&self) -> bool {
+        self.lock().1 > 0
+    }
+
+    /// Blocks while the gate is shut.
+    fn pass(&self) {
+        let mut state = self.lock();
+        state.1 += 1;
+        while state.0 {
+            state = self.changed.wait(state).unwrap_or_else(|p| p.into_inner());
+        }
+        state.1 -= 1;
+    }
+}
+
+/// The in-memory transport, with a `poll` that hangs while its [`StuckGate`] is shut: a
+/// worker stuck in its transport, for tests of shutdown and of memory that must outlive a
+/// transport that may still touch it.
+pub struct StuckTransport {
+    inner: crate::mem::MemTransport,
+    gate: Arc<StuckGate>,
+}
+
+impl StuckTransport {
+    /// A transport whose `poll` passes `gate`.
+    pub fn new(gate: Arc<StuckGate>) -> StuckTransport {
+        StuckTransport {
+            inner: crate::mem::MemTransport::new(),
+            gate,
+        }
+    }
+}
+
+impl Transport for StuckTransport {
+    fn name(&self) -> &'static str {
+        "stuck"
+    }
+    fn address(&self) -> Vec<u8> {
+        self.inner.address()
+    }
+    fn limits(&self) -> crate::TransportLimits {
+        self.inner.limits()
+    }
+    fn add_peer(&mut self, a: &[u8]) -> crate::Result<PeerId> {
+        self.inner.add_peer(a)
+    }
+    fn remove_peer(&mut self, p: PeerId) -> crate::Result<()> {
+        self.inner.remove_peer(p)
+    }
+    fn register(&mut self, m: Arc<dyn MemoryRegion>, a: Access) -> crate::Result<Registration> {
+        self.inner.register(m, a)
+    }
+    fn deregister(&mut self, k: crate::LocalKey) -> crate::Result<()> {
+        self.inner.deregister(k)
+    }
+    fn post_send(
+        &mut self,
+        p: PeerId,
+        w: WorkRequestId,
+        s: LocalSlice,
+        i: Option<u32>,
+    ) -> crate::Result<PostOutcome> {
+        self.inner.post_send(p, w, s, i)
+    }
+    fn post_recv(&mut self, w: WorkRequestId, d: LocalSlice) -> crate::Result<PostOutcome> {
+        self.inner.post_recv(w, d)
+    }
+    fn post_write(
+        &mut self,
+        p: PeerId,
+        w: WorkRequestId,
+        s: LocalSlice,
+        d: RemoteSlice,
+        i: Option<u32>,
+    ) -> crate::Result<PostOutcome> {
+        self.inner.post_write(p, w, s, d, i)
+    }
+    fn poll(&mut self, out: &mut Vec<Completion>) -> crate::Result<usize> {
+        self.gate.pass();
+        self.inner.poll(out)
     }
 }

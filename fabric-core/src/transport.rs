@@ -27,14 +27,21 @@ pub enum OpKind {
     Send,
     /// A local receive was filled.
     Recv,
-    /// A local WRITE was placed in the peer's memory, or a local READ's bytes were placed
-    /// in ours ([`Transport::post_read`]). One-sided operations share this kind until every
-    /// backend knows READ (a variant of its own would break the backends that match on
-    /// this enum); the work-request id tells them apart.
+    /// A local WRITE was placed in the peer's memory.
     Write,
+    /// A local READ's bytes were placed in our memory ([`Transport::post_read`]).
+    Read,
     /// A peer's WRITE with immediate data landed in our memory (no local work request:
     /// `wr_id` is [`WorkRequestId(0)`](WorkRequestId)).
     RemoteWrite,
+}
+
+impl OpKind {
+    /// The kind of a one-sided operation's completion: [`Read`](OpKind::Read) for a READ,
+    /// [`Write`](OpKind::Write) for a WRITE.
+    pub fn one_sided(read: bool) -> OpKind {
+        if read { OpKind::Read } else { OpKind::Write }
+    }
 }
 
 /// One finished operation.
@@ -141,7 +148,7 @@ pub trait Transport: Send + 'static {
     /// application does nothing; its transport serves the read inside its own `poll`).
     /// `dst.len` must equal `src.len`; `dst`'s region must be registered with
     /// [`Access::LOCAL_WRITE`], the peer's with [`Access::REMOTE_READ`]. The completion
-    /// (kind [`OpKind::Write`], with the bytes read) comes only once every byte has been
+    /// (kind [`OpKind::Read`], with the bytes read) comes only once every byte has been
     /// placed in `dst`; remote failures (key, bounds, permission) come as error completions,
     /// and nothing of `dst` changes then.
     ///

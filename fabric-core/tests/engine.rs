@@ -579,88 +579,23 @@ fn one_write_carries_the_immediate_data_itself() {
     );
 }
 
-/// A transport whose `poll` hangs (for a minute) once `stuck` is raised.
-struct Stuck {
-    inner: MemTransport,
-    stuck: Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl Transport for Stuck {
-    fn name(&self) -> &'static str {
-        "stuck"
-    }
-    fn address(&self) -> Vec<u8> {
-        self.inner.address()
-    }
-    fn limits(&self) -> TransportLimits {
-        self.inner.limits()
-    }
-    fn add_peer(&mut self, a: &[u8]) -> Result<PeerId> {
-        self.inner.add_peer(a)
-    }
-    fn remove_peer(&mut self, p: PeerId) -> Result<()> {
-        self.inner.remove_peer(p)
-    }
-    fn register(&mut self, m: Arc<dyn MemoryRegion>, a: Access) -> Result<Registration> {
-        self.inner.register(m, a)
-    }
-    fn deregister(&mut self, k: LocalKey) -> Result<()> {
-        self.inner.deregister(k)
-    }
-    fn post_send(
-        &mut self,
-        p: PeerId,
-        w: WorkRequestId,
-        s: LocalSlice,
-        i: Option<u32>,
-    ) -> Result<PostOutcome> {
-        self.inner.post_send(p, w, s, i)
-    }
-    fn post_recv(&mut self, w: WorkRequestId, d: LocalSlice) -> Result<PostOutcome> {
-        self.inner.post_recv(w, d)
-    }
-    fn post_write(
-        &mut self,
-        p: PeerId,
-        w: WorkRequestId,
-        s: LocalSlice,
-        d: RemoteSlice,
-        i: Option<u32>,
-    ) -> Result<PostOutcome> {
-        self.inner.post_write(p, w, s, d, i)
-    }
-    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize> {
-        if self.stuck.load(Ordering::SeqCst) {
-            // A hung provider call: nothing the engine can interrupt.
-            let (_tx, rx) = std::sync::mpsc::channel::<()>();
-            let _ = rx.recv_timeout(Duration::from_secs(60));
-        }
-        self.inner.poll(out)
-    }
-}
-
 #[test]
 fn dropping_an_engine_whose_transport_hangs_returns_in_time() {
-    let stuck = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let s2 = stuck.clone();
+    let gate = Arc::new(fabric_core::testing::StuckGate::default());
+    let g2 = gate.clone();
     let cfg = EngineConfig {
         shutdown_timeout: Duration::from_millis(500),
         ..EngineConfig::default()
     };
     let a = Engine::spawn(
-        move || {
-            Ok(Stuck {
-                inner: MemTransport::new(),
-                stuck: s2,
-            })
-        },
+        move || Ok(fabric_core::testing::StuckTransport::new(g2)),
         cfg,
     )
     .unwrap();
     // The worker runs (a control call answers), then its transport hangs in poll.
     a.register(HostBuffer::new_shared(4096).unwrap(), Access::NONE)
         .unwrap();
-    stuck.store(true, Ordering::SeqCst);
+    gate.shut();
     let t = std::time::Instant::now();
     drop(a);
     let took = t.elapsed();
@@ -668,4 +603,5 @@ fn dropping_an_engine_whose_transport_hangs_returns_in_time() {
         took < Duration::from_secs(5),
         "drop took {took:?} with a 500 ms shutdown timeout"
     );
+    gate.open();
 }

@@ -43,6 +43,29 @@ impl CudaError {
             || self.code == sys::CUresult::CUDA_ERROR_NOT_PERMITTED as u32
     }
 
+    /// Whether the error is one the driver calls sticky: the context is corrupted (an
+    /// illegal address, a failed or trapped kernel, an uncorrectable ECC error), every later
+    /// call in this process fails the same way, and only a new process recovers. Retrying
+    /// the operation is pointless; a transient failure (out of memory, not ready) is not
+    /// sticky.
+    pub fn is_sticky(&self) -> bool {
+        use sys::CUresult as R;
+        [
+            R::CUDA_ERROR_ECC_UNCORRECTABLE,
+            R::CUDA_ERROR_ILLEGAL_ADDRESS,
+            R::CUDA_ERROR_LAUNCH_TIMEOUT,
+            R::CUDA_ERROR_ASSERT,
+            R::CUDA_ERROR_HARDWARE_STACK_ERROR,
+            R::CUDA_ERROR_ILLEGAL_INSTRUCTION,
+            R::CUDA_ERROR_MISALIGNED_ADDRESS,
+            R::CUDA_ERROR_INVALID_ADDRESS_SPACE,
+            R::CUDA_ERROR_INVALID_PC,
+            R::CUDA_ERROR_LAUNCH_FAILED,
+        ]
+        .iter()
+        .any(|&c| c as u32 == self.code)
+    }
+
     /// `CUDA_ERROR_OUT_OF_MEMORY`, for allocations that fail before reaching the driver.
     pub(crate) fn out_of_memory() -> CudaError {
         CudaError::from_driver(DriverError(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY))
@@ -228,6 +251,12 @@ impl GpuMemError {
         }
     }
 
+    /// Whether the driver's error behind this one is sticky ([`CudaError::is_sticky`]): the
+    /// process's CUDA context is lost.
+    pub fn is_sticky(&self) -> bool {
+        self.cuda_error().is_some_and(CudaError::is_sticky)
+    }
+
     /// Whether an allocation failed for lack of memory (retrying after freeing may help).
     pub fn is_out_of_memory(&self) -> bool {
         self.cuda_error().is_some_and(CudaError::is_out_of_memory)
@@ -260,10 +289,8 @@ impl From<GpuMemError> for MemoryError {
             GpuMemError::DmabufUnsupported(_) | GpuMemError::WrongMemory(_) => {
                 MemoryError::Unsupported(e.to_string())
             }
-            other => MemoryError::Device(match other.cuda_error() {
-                Some(cause) => format!("{other}: {cause}"),
-                None => other.to_string(),
-            }),
+            // Kept whole: the driver's code stays reachable (is_sticky) through the source.
+            other => MemoryError::device(other),
         }
     }
 }
@@ -304,6 +331,30 @@ mod tests {
             MemoryError::Device(_)
         ));
         assert!(GpuMemError::NoDriver.cuda_error().is_none());
+        // A driver error stays whole behind the memory error, sticky or not.
+        // Built by hand: naming a driver error asks the driver, which is not here.
+        let illegal = |code: sys::CUresult| CudaError {
+            code: code as u32,
+            name: format!("{code:?}"),
+            description: "an illegal memory access was encountered".into(),
+        };
+        let sticky = GpuMemError::Driver {
+            call: "cuEventQuery",
+            source: illegal(sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS),
+        };
+        assert!(sticky.is_sticky());
+        let MemoryError::Device(cause) = MemoryError::from(sticky) else {
+            panic!("a driver error is a device error");
+        };
+        let back = cause
+            .downcast_ref::<GpuMemError>()
+            .expect("the GpuMemError itself");
+        assert!(back.is_sticky());
+        assert_eq!(
+            back.cuda_error().map(CudaError::code),
+            Some(sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS as u32)
+        );
+        assert!(!illegal(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY).is_sticky());
         assert!(!GpuMemError::ZeroSize.is_out_of_memory());
     }
 

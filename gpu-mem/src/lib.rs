@@ -76,4 +76,4 @@ pub use ipc::{
     enable_peer_access, open_ipc_mappings, plain_copy_gbps,
 };
 pub use pinned::PinnedHostBuffer;
-pub use stream::{CopyEvent, CopyStream};
+pub use stream::{CopyEvent, CopyStream, StreamFence, StreamRef};

@@ -412,3 +412,101 @@ impl std::fmt::Debug for CopyEvent {
         write!(f, "CopyEvent(cuda:{})", self.inner.device.ordinal())
     }
 }
+
+/// A CUDA stream of the application (torch's current stream, a cupy stream, its own), by
+/// the driver's handle, to order transfers after the work queued on it
+/// ([`Device::fence_on`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct StreamRef(u64);
+
+impl StreamRef {
+    /// The legacy default stream (`CU_STREAM_LEGACY`; torch reports it as `cuda_stream` 0,
+    /// `__cuda_array_interface__` as 1). Work recorded on it follows the work of every
+    /// blocking stream of the context queued before it.
+    pub const LEGACY: StreamRef = StreamRef(0x1);
+    /// The calling thread's per-thread default stream (`CU_STREAM_PER_THREAD`;
+    /// `__cuda_array_interface__`'s 2).
+    pub const PER_THREAD: StreamRef = StreamRef(0x2);
+
+    /// The stream whose driver handle (`CUstream`, as an integer) is `raw`: 0 (the NULL
+    /// stream, which is the legacy default stream for the driver calls this crate makes),
+    /// 1 ([`LEGACY`](Self::LEGACY)), 2 ([`PER_THREAD`](Self::PER_THREAD)), or a stream
+    /// created on the primary context of the device it will be used with (what
+    /// `torch.cuda.Stream.cuda_stream` and `cupy.cuda.Stream.ptr` return).
+    ///
+    /// # Safety
+    /// `raw` must be one of those: a handle of a stream that was destroyed, or of another
+    /// context, is undefined behaviour in the driver (it may crash the process).
+    pub unsafe fn from_raw(raw: u64) -> StreamRef {
+        StreamRef(raw)
+    }
+
+    /// The driver handle.
+    pub fn as_raw(self) -> u64 {
+        self.0
+    }
+}
+
+/// The work queued on an application's stream up to a point: a [`fabric_core::Fence`]
+/// that reports done once that work has finished, so that a transfer carrying it
+/// ([`Transfer::after`](fabric_core::engine::Transfer::after)) moves what that work wrote.
+/// Made by [`Device::fence_on`]; an event recorded on the stream, queried (never waited on)
+/// by the engine's workers.
+pub struct StreamFence {
+    event: EventInner,
+    stream: StreamRef,
+}
+
+impl StreamFence {
+    /// Waits (blocking) until the work before the fence has finished.
+    pub fn synchronize(&self) -> Result<(), GpuMemError> {
+        self.event.synchronize()
+    }
+}
+
+impl std::fmt::Debug for StreamFence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "StreamFence(cuda:{}, stream {:#x})",
+            self.event.device.ordinal(),
+            self.stream.0
+        )
+    }
+}
+
+impl fabric_core::Fence for StreamFence {
+    fn is_done(&self) -> Result<bool, fabric_core::MemoryError> {
+        Ok(self.event.query()?)
+    }
+}
+
+impl Device {
+    /// A fence after the work queued on `stream` so far: an event recorded on it now, from
+    /// the calling thread (for [`StreamRef::PER_THREAD`], the stream is this thread's).
+    /// A transfer that carries it touches its memory only once that work has finished.
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use fabric_core::Fence;
+    /// let cuda = gpu_mem::Cuda::probe()?.expect("a GPU");
+    /// let gpu = cuda.device(0)?;
+    /// // ... a kernel writing the source was queued on the legacy default stream ...
+    /// let fence = gpu.fence_on(gpu_mem::StreamRef::LEGACY)?;
+    /// fence.synchronize()?;
+    /// assert!(fence.is_done()?);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn fence_on(&self, stream: StreamRef) -> Result<StreamFence, GpuMemError> {
+        let event = EventInner::new(self)?;
+        check_call(
+            // SAFETY: the event is a live handle of this device's context, current on this
+            // thread (EventInner::new bound it); `stream` is, per StreamRef::from_raw's
+            // contract, a special handle or a live stream of this primary context.
+            unsafe { sys::cuEventRecord(event.event, stream.0 as sys::CUstream) },
+            "cuEventRecord",
+        )?;
+        Ok(StreamFence { event, stream })
+    }
+}

@@ -764,3 +764,31 @@ fn two_gpus_peer_copies_from_another_gpus_memory_still_land() {
         );
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/gpu-proof.sh)"]
+fn a_stream_fence_is_done_only_once_the_work_before_it_has_run() {
+    use fabric_core::Fence;
+    use gpu_mem::StreamRef;
+    use std::time::Duration;
+    let cuda = gpu_mem::testing::require_gpus(1);
+    let gpu = cuda.device(0).unwrap();
+    let buf = gpu.alloc_zeroed(16 * MIB).unwrap();
+    gpu.synchronize().unwrap();
+    gpu_mem::testing::late_fill(&buf, 9, Duration::from_millis(300), StreamRef::LEGACY).unwrap();
+    let fence = gpu.fence_on(StreamRef::LEGACY).unwrap();
+    assert!(
+        !fence.is_done().unwrap(),
+        "done before the kernel queued ahead of it has run"
+    );
+    fence.synchronize().unwrap();
+    assert!(fence.is_done().unwrap());
+    assert!(
+        buf.to_vec(0, 16 * MIB).unwrap().iter().all(|&b| b == 9),
+        "the kernel before the fence has filled the buffer"
+    );
+    // A fence on a stream with nothing queued is done at once.
+    let idle = gpu.fence_on(StreamRef::PER_THREAD).unwrap();
+    idle.synchronize().unwrap();
+    assert!(idle.is_done().unwrap());
+}

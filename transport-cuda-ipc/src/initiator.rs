@@ -41,7 +41,7 @@ impl<L: Link> CudaIpcTransport<L> {
                 };
                 self.done.push(Completion {
                     wr_id: op.wr,
-                    op: OpKind::Write,
+                    op: OpKind::one_sided(op.read),
                     result,
                     peer: Some(b.peer),
                     imm: None,
@@ -205,7 +205,7 @@ impl<L: Link> CudaIpcTransport<L> {
                     self.outstanding -= 1;
                     self.done.push(Completion {
                         wr_id: op.wr,
-                        op: OpKind::Write,
+                        op: OpKind::one_sided(op.read),
                         result: Err(e),
                         peer: Some(peer),
                         imm: None,
@@ -226,7 +226,7 @@ impl<L: Link> CudaIpcTransport<L> {
                             self.outstanding -= 1;
                             self.done.push(Completion {
                                 wr_id: op.wr,
-                                op: OpKind::Write,
+                                op: OpKind::one_sided(op.read),
                                 result: Err(OpError::transport_with(
                                     "device copy failed",
                                     e.clone(),

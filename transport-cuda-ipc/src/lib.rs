@@ -413,7 +413,7 @@ impl<L: Link> CudaIpcTransport<L> {
                     self.outstanding -= 1;
                     self.done.push(Completion {
                         wr_id: op.wr,
-                        op: OpKind::Write,
+                        op: OpKind::one_sided(op.read),
                         result: Err(e.clone()),
                         peer: Some(peer),
                         imm: None,

@@ -81,3 +81,12 @@ fn host_memory_is_refused_as_a_write_target_with_the_reason() {
     // As a source (no remote access) host memory is fine.
     t.register(host, fabric_core::Access::NONE).unwrap();
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/ipc-proof.sh)"]
+fn writes_wait_for_the_kernels_queued_before_them() {
+    gpu_mem::testing::writes_wait_for_the_stream(|| {
+        let (cuda, _) = common::cuda();
+        CudaIpcTransport::new(cuda, CudaIpcConfig::default())
+    });
+}

@@ -65,8 +65,8 @@ pub(crate) struct Op {
     pub remote_addr: u64,
     pub remote_key: RemoteKey,
     pub imm: Option<u32>,
-    /// A READ (`fi_readmsg`: the remote range into the local one); reported, like the
-    /// other backends do, as [`OpKind::Write`] with `kind` `Write`.
+    /// A READ (`fi_readmsg`: the remote range into the local one), `kind`
+    /// [`OpKind::Read`]; WRITEs and READs take the same paths otherwise.
     pub read: bool,
     /// Whether the provider has accepted it (false while it waits in a peer's backlog).
     pub posted: bool,
@@ -83,7 +83,7 @@ impl Op {
     /// [`MAX_GATHER`]): READs, and WRITEs without immediate data, of host memory that carry
     /// bytes.
     pub(crate) fn gatherable(&self) -> bool {
-        self.kind == OpKind::Write
+        matches!(self.kind, OpKind::Write | OpKind::Read)
             && self.imm.is_none()
             && self.len > 0
             && self.peer.is_some()

@@ -373,7 +373,7 @@ impl TcpTransport {
         for wr_id in c.held_reads() {
             self.shared.completions.push(Completion {
                 wr_id,
-                op: OpKind::Write,
+                op: OpKind::Read,
                 result: Err(err.clone()),
                 peer: Some(peer),
                 imm: None,
@@ -856,7 +856,7 @@ impl Transport for TcpTransport {
             Payload::None,
             Inflight {
                 wr_id,
-                op: OpKind::Write,
+                op: OpKind::Read,
                 len: dst.len,
                 read: Some(into),
             },

@@ -556,9 +556,7 @@ mod tests {
             len: usize,
         ) -> Result<(), TcpError> {
             if self.fail_at == Some(off) {
-                return Err(TcpError::CopyOut(
-                    MemoryError::Device("copy failed".into()).into(),
-                ));
+                return Err(TcpError::CopyOut(MemoryError::device("copy failed").into()));
             }
             let mut buf = vec![0u8; len];
             src.read_to_host(off, &mut buf)

@@ -42,7 +42,7 @@ impl FakeDevice {
         let mut total = 0;
         for (offset, len) in parts {
             if offset + len as u64 > fail_from {
-                return Err(MemoryError::Device("uncorrectable ECC error".into()));
+                return Err(MemoryError::device("uncorrectable ECC error"));
             }
             total += len;
         }
@@ -137,10 +137,10 @@ fn a_failed_device_copy_fails_the_connection_not_the_process() {
             0
         }
         fn read_to_host(&self, _: u64, _: &mut [u8]) -> Result<(), MemoryError> {
-            Err(MemoryError::Device("the device fell off the bus".into()))
+            Err(MemoryError::device("the device fell off the bus"))
         }
         fn write_from_host(&self, _: u64, _: &[u8]) -> Result<(), MemoryError> {
-            Err(MemoryError::Device("the device fell off the bus".into()))
+            Err(MemoryError::device("the device fell off the bus"))
         }
     }
     let make = || TcpTransport::new(TcpConfig::default()).unwrap();

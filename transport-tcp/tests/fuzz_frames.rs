@@ -808,7 +808,7 @@ proptest! {
         }
         let mut seen = HashMap::new();
         for c in a.done.drain(..) {
-            prop_assert_eq!(c.op, OpKind::Write);
+            prop_assert_eq!(c.op, OpKind::Read);
             prop_assert!(c.wr_id.0 < k as u64);
             prop_assert!(seen.insert(c.wr_id.0, c.result.clone()).is_none(), "read {} twice", c.wr_id.0);
         }

@@ -276,3 +276,9 @@ mod reads_of_device_memory {
         read_idle_owner_serves_through_wait,
     );
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/gpu-proof.sh)"]
+fn writes_wait_for_the_kernels_queued_before_them() {
+    gpu_mem::testing::writes_wait_for_the_stream(|| TcpTransport::new(TcpConfig::default()));
+}

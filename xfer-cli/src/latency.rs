@@ -228,6 +228,7 @@ pub fn run_transfers(
                 imm: Some((i % WARM_UP_IMM as u64) as u32),
                 timeout: Some(timeout),
                 direction: fabric_core::engine::Direction::Write,
+                after: None,
             };
             let t0 = Instant::now();
             let h = group.submit(peer, t)?;

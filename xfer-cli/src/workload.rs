@@ -224,6 +224,7 @@ pub fn run(
                 imm: None,
                 timeout: Some(w.transfer_timeout),
                 direction: w.direction,
+                after: None,
             };
             // Partial Fisher-Yates: n distinct pages.
             for i in 0..n as usize {

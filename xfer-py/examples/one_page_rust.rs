@@ -32,6 +32,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         imm: imm.then_some(1),
         timeout: None,
         direction: fabric_core::engine::Direction::Write,
+        after: None,
     };
     let mut times = Vec::with_capacity(samples);
     for i in 0..samples + 200 {

@@ -47,6 +47,7 @@ pub use counters::{CounterSnapshot, Counters, EngineStats, GroupStats};
 pub use handle::{Received, RecvHandle, TransferHandle, TransferResult, TransferStats};
 
 use crate::error::{Error, OpError, Result};
+use crate::fence::Fence;
 use crate::memory::{MemoryRegion, check_range};
 use crate::plan::{Segment, plan_directed};
 use crate::stats::{LatencyHistogram, TransportStats};
@@ -131,6 +132,14 @@ impl Default for EngineConfig {
 /// A READ's handle completes only once every byte of every segment has been placed in the
 /// local regions; those regions must be registered with [`Access::LOCAL_WRITE`], the peer's
 /// with [`Access::REMOTE_READ`].
+///
+/// **Ordering with the application's own work.** The engine reads a WRITE's sources (and
+/// writes a READ's destinations) from its worker, at a time of its choosing after
+/// `submit`. Memory that work the application has queued but that has not run yet (a GPU
+/// kernel on a CUDA stream) is about to write, or still reads, must be named with
+/// [`after`](Self::after): the transfer then waits for that work. Without a fence the
+/// transfer may move the bytes as they were before that work ran. Host memory written by the
+/// submitting thread before `submit` needs no fence.
 #[derive(Clone, Debug)]
 pub struct Transfer {
     /// The peer.
@@ -143,6 +152,9 @@ pub struct Transfer {
     pub timeout: Option<Duration>,
     /// Which way the bytes flow.
     pub direction: Direction,
+    /// Work the transfer waits for before any transport touches its local memory (see
+    /// [`Transfer`] and [`Fence`]).
+    pub after: Option<Arc<dyn Fence>>,
 }
 
 impl Transfer {
@@ -154,7 +166,14 @@ impl Transfer {
             imm: None,
             timeout: None,
             direction: Direction::Write,
+            after: None,
         }
+    }
+    /// Waits for `fence` (work the application queued, e.g. a CUDA event recorded on its
+    /// stream) before any transport touches the transfer's local memory.
+    pub fn after(mut self, fence: Arc<dyn Fence>) -> Transfer {
+        self.after = Some(fence);
+        self
     }
     /// Makes it a READ: the segments' bytes go from the peer's regions into ours.
     pub fn read(mut self) -> Transfer {
@@ -564,6 +583,7 @@ impl Engine {
             slot,
             deadline: t.timeout.map(|d| now + d),
             submitted: now,
+            after: t.after,
         })
     }
 

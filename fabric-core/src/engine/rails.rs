@@ -23,6 +23,7 @@ use super::{
     TransferStats, WorkerLink,
 };
 use crate::error::{Error, OpError, Result};
+use crate::fence::Fence;
 use crate::memory::MemoryRegion;
 use crate::plan::{Direction, PlannedWrite, Segment, plan_directed};
 use crate::stats::LatencyHistogram;
@@ -35,7 +36,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The immediate value of warm-up writes ([`RailGroup::warm_up`]): rail groups never
-/// report it to the application, so applications should not use it.
+/// report it to the application, and [`RailGroup::submit`] refuses it ([`Error::ReservedImm`]).
 pub const WARM_UP_IMM: u32 = u32::MAX;
 
 /// What a peer needs to write into a region registered on every rail of a [`RailGroup`].
@@ -91,9 +92,20 @@ pub struct GroupTransfer {
     pub timeout: Option<Duration>,
     /// Which way the bytes flow (`Write` by default).
     pub direction: Direction,
+    /// Work the transfer waits for before any rail touches its local memory: a CUDA event
+    /// recorded on the stream whose kernels write the source, say. See
+    /// [`Transfer`](super::Transfer) on ordering with the application's own work.
+    pub after: Option<Arc<dyn Fence>>,
 }
 
 impl GroupTransfer {
+    /// Waits for `fence` before any rail touches the transfer's local memory (see
+    /// [`after`](Self::after)'s field).
+    pub fn after(mut self, fence: Arc<dyn Fence>) -> GroupTransfer {
+        self.after = Some(fence);
+        self
+    }
+
     /// Makes it a READ: the remote region's bytes land in the local one.
     pub fn read(mut self) -> GroupTransfer {
         self.direction = Direction::Read;
@@ -124,6 +136,7 @@ impl GroupTransfer {
             imm: None,
             timeout: None,
             direction: Direction::Write,
+            after: None,
         }
     }
 
@@ -167,6 +180,7 @@ impl GroupTransfer {
             imm: None,
             timeout: None,
             direction: Direction::Write,
+            after: None,
         })
     }
 }
@@ -542,6 +556,11 @@ impl RailGroup {
     /// have room (see [`Balance`]); a transfer of one chunk goes to the rail with the least
     /// in flight. Bad segments fail here, before anything moves.
     pub fn submit(&self, peer: &GroupPeer, t: GroupTransfer) -> Result<GroupHandle> {
+        if t.imm == Some(WARM_UP_IMM) {
+            // The target's group would drop it as a warm-up: the transfer would complete
+            // and its receiver never be told.
+            return Err(Error::ReservedImm(WARM_UP_IMM));
+        }
         let n = self.rails.len();
         if t.src.locals.len() != n || peer.rails.len() != n || peer.remote_rail.len() != n {
             return Err(Error::InvalidArgument(
@@ -637,6 +656,7 @@ impl RailGroup {
                 slot: done,
                 deadline,
                 submitted,
+                after: t.after,
             };
             sh.add(r, bytes);
             if let Err(e) = self.rails[r].send_cmd(Command::Transfer(job)) {
@@ -661,6 +681,7 @@ impl RailGroup {
             dsts,
             imm,
             direction: t.direction,
+            after: t.after,
             shared: sh.clone(),
             deadline,
             submitted,
@@ -973,6 +994,8 @@ struct GroupState {
     imm: Option<(u32, u64, u64)>,
     /// Every chunk's direction.
     direction: Direction,
+    /// What every chunk waits for before it is posted.
+    after: Option<Arc<dyn Fence>>,
     shared: Arc<Shared>,
     deadline: Option<Instant>,
     /// When it was submitted (for the group's latency).
@@ -1016,6 +1039,7 @@ impl GroupState {
             slot: Slot::with_callback(Box::new(move |r| st.chunk_done(rail, bytes, posted, r))),
             deadline: self.deadline,
             submitted: posted,
+            after: self.after.clone(),
         }
     }
 
@@ -1085,6 +1109,8 @@ impl GroupState {
             })),
             deadline: self.deadline,
             submitted: Instant::now(),
+            // Every chunk has landed: whatever they waited for has finished.
+            after: None,
         };
         if let Err(slot) = self.shared.links[rail].send_transfer(job) {
             slot.complete(Err(OpError::Cancelled));

@@ -3,6 +3,7 @@
 use super::handle::{Received, Slot, TransferResult, TransferStats};
 use super::{Counters, EngineConfig, Event};
 use crate::error::{Error, OpError, Result};
+use crate::fence::Fence;
 use crate::memory::MemoryRegion;
 use crate::plan::{Direction, PlannedWrite, Segment, TransferPlan};
 use crate::stats::LatencyHistogram;
@@ -28,6 +29,8 @@ pub(crate) struct Job {
     pub deadline: Option<Instant>,
     /// When it was submitted (its latency is counted from here).
     pub submitted: Instant,
+    /// Work to wait for before anything of it is posted (see `Transfer::after`).
+    pub after: Option<Arc<dyn Fence>>,
 }
 
 pub(crate) enum Command {
@@ -144,7 +147,14 @@ pub(crate) struct Worker<T: Transport> {
     in_use: HashMap<LocalKey, usize>,
     /// Peers added whose set-up goes on in `poll`, with who waits for the answer.
     connecting: Vec<(PeerId, Sender<Result<PeerId>>)>,
+    /// Transfers held until their fence reports done (slot, generation, fence): nothing of
+    /// them is queued yet.
+    fenced: Vec<(u32, u32, Arc<dyn Fence>)>,
 }
+
+/// How long a worker with transfers waiting for their fences sleeps between looks: a fence
+/// (a CUDA event) cannot wake it, so it asks again this often.
+const FENCE_POLL: Duration = Duration::from_micros(20);
 
 fn wr_of(slot: u32, generation: u32) -> WorkRequestId {
     WorkRequestId(((generation as u64 & 0x7fff_ffff) << 32) | slot as u64)
@@ -205,6 +215,7 @@ impl<T: Transport> Worker<T> {
             linger_until: None,
             in_use: HashMap::new(),
             connecting: Vec::new(),
+            fenced: Vec::new(),
         }
     }
 
@@ -232,6 +243,9 @@ impl<T: Transport> Worker<T> {
             progressed |= self.poll() > 0;
             if !self.connecting.is_empty() {
                 progressed |= self.settle_connecting();
+            }
+            if !self.fenced.is_empty() {
+                progressed |= self.release_fenced();
             }
             self.flush_counters();
             if self.deadlines > 0 && Instant::now() >= self.next_deadline_scan {
@@ -278,6 +292,9 @@ impl<T: Transport> Worker<T> {
                     self.next_deadline_scan
                         .saturating_duration_since(Instant::now()),
                 );
+            }
+            if !self.fenced.is_empty() {
+                wait = wait.min(FENCE_POLL);
             }
             self.sleep(wait);
         }
@@ -451,6 +468,7 @@ impl<T: Transport> Worker<T> {
             job.slot.complete(Ok(TransferStats::default()));
             return;
         }
+        let after = job.after.take();
         let (idx, generation) = self.alloc(Active {
             generation: 0,
             peer: job.peer,
@@ -469,7 +487,21 @@ impl<T: Transport> Worker<T> {
             next: 0,
             direction: job.direction,
         });
-        if n == 0 {
+        match after {
+            Some(f) if !matches!(f.is_done(), Ok(true)) => {
+                // Asked again (and its error, if any, reported) in `release_fenced`.
+                self.fenced.push((idx, generation, f));
+            }
+            _ => self.queue_transfer(idx, generation),
+        }
+    }
+
+    /// Queues the operations of a transfer that may start.
+    fn queue_transfer(&mut self, idx: u32, generation: u32) {
+        let Some(a) = self.active(idx, generation) else {
+            return; // it ended meanwhile (time-out)
+        };
+        if a.writes.is_empty() {
             self.release_imm(idx);
         } else {
             self.queue.push_back(Queued {
@@ -478,6 +510,47 @@ impl<T: Transport> Worker<T> {
                 op: QueuedOp::Writes,
             });
         }
+    }
+
+    /// Starts the transfers whose fences report done, and fails those whose fence failed
+    /// (nothing of them was posted). Returns whether any left the list.
+    fn release_fenced(&mut self) -> bool {
+        let before = self.fenced.len();
+        let mut i = 0;
+        while i < self.fenced.len() {
+            let (idx, generation) = (self.fenced[i].0, self.fenced[i].1);
+            let verdict = if self.active(idx, generation).is_none() {
+                None // ended meanwhile (time-out, shut down)
+            } else {
+                match self.fenced[i].2.is_done() {
+                    Ok(false) => {
+                        i += 1;
+                        continue;
+                    }
+                    Ok(true) => Some(Ok(())),
+                    Err(e) => Some(Err(e)),
+                }
+            };
+            self.fenced.swap_remove(i);
+            match verdict {
+                Some(Ok(())) => self.queue_transfer(idx, generation),
+                Some(Err(e)) => {
+                    if let Some(a) = self.active(idx, generation) {
+                        a.error = Some(OpError::transport_with(
+                            "the work the transfer waits for (its fence) failed",
+                            e,
+                        ));
+                        a.final_imm = None;
+                        let unposted = (a.writes.len() - a.next) as u64;
+                        a.next = a.writes.len();
+                        self.pending.errors += 1;
+                        self.ops_done(idx, generation, unposted, Ok(()));
+                    }
+                }
+                None => {}
+            }
+        }
+        self.fenced.len() != before
     }
 
     /// Queues the immediate-data write of a transfer whose other writes all landed.
@@ -724,11 +797,11 @@ impl<T: Transport> Worker<T> {
             tracing::warn!(error = %e, "transport poll failed");
         }
         let n = comps.len();
-        // Successful writes of one transfer share a work-request id and usually come back
-        // together: count each such run with one slot lookup.
+        // Successful writes (or reads) of one transfer share a work-request id and usually
+        // come back together: count each such run with one slot lookup.
         let mut run: Option<(WorkRequestId, u64, u64)> = None;
         for c in comps.drain(..) {
-            if let (OpKind::Write, Ok(bytes)) = (c.op, &c.result) {
+            if let (OpKind::Write | OpKind::Read, Ok(bytes)) = (c.op, &c.result) {
                 match &mut run {
                     Some((wr, count, sum)) if *wr == c.wr_id => {
                         *count += 1;
@@ -778,7 +851,7 @@ impl<T: Transport> Worker<T> {
                     }));
                 }
             }
-            OpKind::Write | OpKind::Send => {
+            OpKind::Write | OpKind::Read | OpKind::Send => {
                 self.pending.completed += 1;
                 let (idx, generation) = slot_of(c.wr_id);
                 let sent = *c.result.as_ref().unwrap_or(&0);

@@ -302,7 +302,7 @@ fn map_error(op: &Op, err: &sys::fi_cq_err_entry, text: String) -> OpError {
             Some(peer) => OpError::PeerUnreachable { peer, reason: text },
             None => OpError::transport(text),
         },
-        _ if op.kind == OpKind::Write => OpError::Remote(text),
+        _ if matches!(op.kind, OpKind::Write | OpKind::Read) => OpError::Remote(text),
         _ => OpError::transport(text),
     }
 }

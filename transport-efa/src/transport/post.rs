@@ -228,7 +228,7 @@ impl EfaTransport {
                 let rc = unsafe { sys::fi_sendmsg(ep, &msg, flags) };
                 check_post("fi_sendmsg", rc)
             }
-            OpKind::Write => {
+            OpKind::Write | OpKind::Read => {
                 let msg = sys::fi_msg_rma {
                     msg_iov: iov.as_mut_ptr(),
                     desc: desc.as_mut_ptr(),
