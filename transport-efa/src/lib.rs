@@ -188,6 +188,7 @@ mod attrs;
 mod config;
 mod fi;
 mod info;
+mod local;
 mod mr;
 mod ops;
 mod transport;

@@ -5,7 +5,7 @@
 //!
 //! Not in one process: there, libfabric 2.6's shm with FI_HMEM crashed (SIGSEGV) on the
 //! first host -> device write on the H200, and writes into device memory reported
-//! completion with the bytes not there (see `conformance_shm_cuda.rs`); 1.17 hung.
+//! completion with the bytes not there (see `shm_cuda_one_process.rs`, which shows that combination is refused); 1.17 hung.
 //!
 //! Needs a CUDA driver (`libcuda.so.1`), a GPU and a libfabric built with CUDA, so the
 //! round trip is `#[ignore]`d: `cargo test` elsewhere counts it as ignored, and
@@ -149,7 +149,7 @@ unsafe impl MemoryRegion for DeviceBuffer {
         let rc = unsafe { (self.cuda.dtoh)(dst.as_mut_ptr().cast(), self.ptr + offset, dst.len()) };
         (rc == 0)
             .then_some(())
-            .ok_or(MemoryError::Device(format!("cuMemcpyDtoH: {rc}")))
+            .ok_or(MemoryError::device(format!("cuMemcpyDtoH: {rc}")))
     }
     fn write_from_host(&self, offset: u64, src: &[u8]) -> Result<(), MemoryError> {
         fabric_core::memory::check_range(offset, src.len() as u64, self.len as u64)?;
@@ -158,7 +158,7 @@ unsafe impl MemoryRegion for DeviceBuffer {
         let rc = unsafe { (self.cuda.htod)(self.ptr + offset, src.as_ptr().cast(), src.len()) };
         (rc == 0)
             .then_some(())
-            .ok_or(MemoryError::Device(format!("cuMemcpyHtoD: {rc}")))
+            .ok_or(MemoryError::device(format!("cuMemcpyHtoD: {rc}")))
     }
 }
 

@@ -120,6 +120,8 @@ pub struct EfaTransport {
     wake: WakeFd,
     /// `wait` saw a wake-up from the engine.
     woken: bool,
+    /// This endpoint in the process's list of shm endpoints (see [`crate::local`]).
+    local: Option<crate::local::LocalEndpoint>,
 }
 
 impl std::fmt::Debug for EfaTransport {
@@ -272,6 +274,8 @@ impl EfaTransport {
         let raw_address = getname(&ep)?;
         let addr_format = entry.addr_format;
         let hmem = config.hmem && entry.caps & sys::FI_HMEM != 0;
+        let summary_provider_is_shm = summary.provider == "shm";
+        let local_address = address::encode(&summary.provider, &raw_address);
         let gather = gather_limit(config.max_gather, summary.iov_limit, summary.rma_iov_limit);
         drop(list);
         tracing::debug!(
@@ -307,6 +311,8 @@ impl EfaTransport {
             waited: Vec::new(),
             wake: WakeFd::new().map_err(|e| Error::io("wake-up socket pair", e))?,
             woken: false,
+            local: summary_provider_is_shm
+                .then(|| crate::local::LocalEndpoint::list(local_address, hmem)),
         })
     }
 
@@ -509,6 +515,18 @@ impl Transport for EfaTransport {
                 self.info.provider
             )));
         }
+        if self.local.is_some()
+            && let Some(peer_hmem) = crate::local::hmem_of(addr)
+            && (self.hmem || peer_hmem)
+        {
+            return Err(Error::Unsupported(
+                "libfabric's shm provider with GPU memory (FI_HMEM) between two endpoints of \
+                 one process loses writes into device memory: run the two ends in two \
+                 processes (xfer serve and xfer bench), or use the cuda-ipc or tcp transport \
+                 within one process"
+                    .into(),
+            ));
+        }
         // fi_av_insert reads as many bytes as the address format says: check the length
         // (a string address must carry its NUL) before handing it over.
         let mut raw = raw.to_vec();
@@ -678,8 +696,7 @@ impl Transport for EfaTransport {
 
     /// `fi_readmsg` of one remote range into one local iovec (registered with
     /// `LOCAL_WRITE`, which is FI_READ access; the owner's region needs `REMOTE_READ`,
-    /// FI_REMOTE_READ). Its completion, an [`OpKind::Write`] as on the other backends,
-    /// means every byte is in the local region. A failure at the owner (key, permission,
+    /// FI_REMOTE_READ). Its completion, an [`OpKind::Read`], means every byte is in the local region. A failure at the owner (key, permission,
     /// range) fails it.
     fn post_read(
         &mut self,
@@ -693,7 +710,7 @@ impl Transport for EfaTransport {
         let host = self.local_range(dst, Access::LOCAL_WRITE)?.host;
         let op = Op {
             wr_id,
-            kind: OpKind::Write,
+            kind: OpKind::Read,
             peer: Some(peer),
             local: dst.key,
             offset: dst.offset,
