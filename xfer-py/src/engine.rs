@@ -66,6 +66,24 @@ impl Shared {
                 later.push(h);
             }
         }
+        drop(later);
+        // So may the memory of engines that are gone.
+        memory::release_kept();
+    }
+}
+
+impl Drop for Shared {
+    /// Memory a transport still holds (a worker that did not stop in time keeps its
+    /// transport) is never given back to its owner here: it is kept for the rest of the
+    /// process, or until no transport holds it ([`memory::release_kept`]).
+    fn drop(&mut self) {
+        let later = std::mem::take(&mut *lock(&self.released_later));
+        let open = lock(&self.regs).drain().map(|(_, h)| h).collect::<Vec<_>>();
+        for h in later.into_iter().chain(open) {
+            if let Err(h) = h.release() {
+                memory::keep_for_good(h);
+            }
+        }
     }
 }
 
@@ -240,6 +258,50 @@ fn imm_value(imm: Option<i64>) -> PyResult<Option<u32>> {
 }
 
 impl Engine {
+    /// What a transfer of `reg` waits for: for GPU memory, the work queued so far on the
+    /// caller's stream (see [`crate::stream`]); nothing for host memory.
+    fn fence(
+        &self,
+        py: Python<'_>,
+        reg: &Registration,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Option<Arc<dyn fabric_core::Fence>>> {
+        let given = stream.filter(|s| !s.is_none());
+        let found = lock(&self.shared.regs)
+            .get(&reg.id)
+            .map(|h| (h.obj().clone_ref(py), h.region().location()));
+        match found {
+            Some((obj, fabric_core::MemoryLocation::Cuda { device })) => {
+                Ok(Some(crate::stream::fence_for(obj.bind(py), given, device)?))
+            }
+            _ if given.is_some() => Err(invalid(
+                "stream= orders transfers of GPU memory after a CUDA stream's work, and this \
+                 registration is host memory: leave stream out",
+            )),
+            _ => Ok(None),
+        }
+    }
+
+    /// Stops the rails and gives back every registration's memory that no transport holds;
+    /// the rest waits in `released_later`.
+    fn close_engine(&self, py: Python<'_>) {
+        let Some(core) = lock(&self.shared.core).take() else {
+            return;
+        };
+        // Stops every rail (each waits for its worker); the GIL is not needed meanwhile.
+        let stopped = py.detach(move || Arc::try_unwrap(core).map(drop).is_ok());
+        let held: Vec<Held> = lock(&self.shared.regs).drain().map(|(_, h)| h).collect();
+        if stopped {
+            for h in held {
+                self.shared.release(h);
+            }
+        } else {
+            // Another thread still runs a call on the engine: its rails stop when that
+            // call returns, so the memory stays held (given back only by a later release).
+            lock(&self.shared.released_later).extend(held);
+        }
+    }
+
     /// The transport's name and each rail's address, for a directory record.
     pub(crate) fn published(&self) -> PyResult<(&'static str, Vec<Vec<u8>>)> {
         let core = self.shared.core()?;
@@ -259,7 +321,8 @@ impl Engine {
         py: Python<'_>,
         peer: &Peer,
         reg: &Registration,
-        t: GroupTransfer,
+        mut t: GroupTransfer,
+        stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Handle> {
         self.check_own(&peer.shared, "peer")?;
         self.check_own(&reg.shared, "registration")?;
@@ -272,6 +335,7 @@ impl Engine {
             ));
         }
         let core = self.shared.core()?;
+        t.after = self.fence(py, reg, stream)?;
         let handle = py
             .detach(|| core.group.submit(&peer.peer, t))
             .map_err(|e| engine_error(&e))?;
@@ -473,7 +537,13 @@ impl Engine {
     /// peer's Registration.descriptor; imm: a 32-bit value the peer sees (wait_imm) once
     /// every byte has landed; timeout: seconds, after which the transfer fails with
     /// TimedOut. Returns a Handle.
-    #[pyo3(signature = (peer, registration, remote_descriptor, segments, imm=None, timeout=None))]
+    ///
+    /// GPU memory: the transfer reads the source only after the work queued so far on
+    /// `stream` (a torch.cuda.Stream, cupy.cuda.Stream, or a handle as an int) has run; by
+    /// default torch's current stream for a torch tensor, the stream of the object's
+    /// __cuda_array_interface__ where it gives one, else the legacy default stream. So a
+    /// kernel that computes the source may be launched just before the call.
+    #[pyo3(signature = (peer, registration, remote_descriptor, segments, imm=None, timeout=None, stream=None))]
     #[allow(clippy::too_many_arguments)]
     fn write(
         &self,
@@ -484,6 +554,7 @@ impl Engine {
         segments: &Bound<'_, PyAny>,
         imm: Option<i64>,
         timeout: Option<f64>,
+        stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Handle> {
         let dst = wire::decode_descriptor(remote_descriptor).map_err(|e| wire_error(&e))?;
         let t = GroupTransfer {
@@ -493,14 +564,16 @@ impl Engine {
             imm: imm_value(imm)?,
             timeout: seconds(timeout, "timeout")?,
             direction: fabric_core::engine::Direction::Write,
+            after: None,
         };
-        self.submit(py, peer, registration, t)
+        self.submit(py, peer, registration, t, stream)
     }
 
     /// Writes pages: local page src_pages[i] goes to the peer's page dst_pages[i],
     /// page_size bytes each, at offsets page * stride (strides default to page_size).
-    /// Pages are lists of ints or 1-D int64 numpy arrays. See write for the rest.
-    #[pyo3(signature = (peer, registration, remote_descriptor, src_pages, dst_pages, page_size, src_stride=None, dst_stride=None, imm=None, timeout=None))]
+    /// Pages are lists of ints or 1-D int64 numpy arrays. See write for the rest (stream
+    /// order of GPU memory included).
+    #[pyo3(signature = (peer, registration, remote_descriptor, src_pages, dst_pages, page_size, src_stride=None, dst_stride=None, imm=None, timeout=None, stream=None))]
     #[allow(clippy::too_many_arguments)]
     fn write_pages(
         &self,
@@ -515,6 +588,7 @@ impl Engine {
         dst_stride: Option<i64>,
         imm: Option<i64>,
         timeout: Option<f64>,
+        stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Handle> {
         let mut t = paged(
             registration,
@@ -525,7 +599,7 @@ impl Engine {
         )?;
         t.imm = imm_value(imm)?;
         t.timeout = seconds(timeout, "timeout")?;
-        self.submit(py, peer, registration, t)
+        self.submit(py, peer, registration, t, stream)
     }
 
     /// Reads ranges of a peer's region into a local registration (one-sided: the peer
@@ -535,7 +609,11 @@ impl Engine {
     /// with remote_write=True (a writable buffer); remote_descriptor: the peer's
     /// Registration.descriptor, registered with remote_read=True; timeout: seconds. Returns
     /// a Handle, done once every byte is in the local memory.
-    #[pyo3(signature = (peer, registration, remote_descriptor, segments, timeout=None))]
+    ///
+    /// GPU memory: nothing lands in the local memory before the work queued so far on
+    /// `stream` has run (see write for which stream by default).
+    #[pyo3(signature = (peer, registration, remote_descriptor, segments, timeout=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
     fn read(
         &self,
         py: Python<'_>,
@@ -544,6 +622,7 @@ impl Engine {
         remote_descriptor: &[u8],
         segments: &Bound<'_, PyAny>,
         timeout: Option<f64>,
+        stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Handle> {
         let remote = wire::decode_descriptor(remote_descriptor).map_err(|e| wire_error(&e))?;
         let t = GroupTransfer {
@@ -553,14 +632,15 @@ impl Engine {
             imm: None,
             timeout: seconds(timeout, "timeout")?,
             direction: fabric_core::engine::Direction::Read,
+            after: None,
         };
-        self.submit(py, peer, registration, t)
+        self.submit(py, peer, registration, t, stream)
     }
 
     /// Reads pages: the peer's page remote_pages[i] lands in local page local_pages[i],
     /// page_size bytes each, at offsets page * stride (strides default to page_size). See
     /// read for the rest.
-    #[pyo3(signature = (peer, registration, remote_descriptor, local_pages, remote_pages, page_size, local_stride=None, remote_stride=None, timeout=None))]
+    #[pyo3(signature = (peer, registration, remote_descriptor, local_pages, remote_pages, page_size, local_stride=None, remote_stride=None, timeout=None, stream=None))]
     #[allow(clippy::too_many_arguments)]
     fn read_pages(
         &self,
@@ -574,6 +654,7 @@ impl Engine {
         local_stride: Option<i64>,
         remote_stride: Option<i64>,
         timeout: Option<f64>,
+        stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Handle> {
         let mut t = paged(
             registration,
@@ -584,7 +665,7 @@ impl Engine {
         )?
         .read();
         t.timeout = seconds(timeout, "timeout")?;
-        self.submit(py, peer, registration, t)
+        self.submit(py, peer, registration, t, stream)
     }
 
     /// The receiver's side: blocks (GIL released) until `count` transfers carrying
@@ -641,21 +722,26 @@ impl Engine {
 
     /// Stops the engine: pending transfers fail, and every registration's memory is
     /// given back. Closing twice is fine.
+    ///
+    /// Memory a transport still holds is not given back: a rail whose worker does not stop
+    /// within its shutdown timeout (stuck in its transport) keeps its transport, and the
+    /// transport may still write the memory. Such memory stays held, with a
+    /// ResourceWarning, until the transport lets go (or for the rest of the process).
     fn close(&self, py: Python<'_>) {
-        let Some(core) = lock(&self.shared.core).take() else {
-            return;
-        };
-        // Stops every rail (each waits for its worker); the GIL is not needed meanwhile.
-        let stopped = py.detach(move || Arc::try_unwrap(core).map(drop).is_ok());
-        let held: Vec<Held> = lock(&self.shared.regs).drain().map(|(_, h)| h).collect();
-        if stopped {
-            for h in held {
-                self.shared.release(h);
-            }
-        } else {
-            // Another thread still runs a call on the engine: its rails stop when that
-            // call returns, so the memory stays held (given back only by a later release).
-            lock(&self.shared.released_later).extend(held);
+        self.close_engine(py);
+        let held = lock(&self.shared.released_later).len();
+        if held > 0 {
+            let _ = PyErr::warn(
+                py,
+                &py.get_type::<pyo3::exceptions::PyResourceWarning>(),
+                &std::ffi::CString::new(format!(
+                    "xfer.Engine.close: {held} registered buffer(s) are still held by a \
+                     transport that did not stop in time; they stay alive (and unusable to \
+                     Python's allocator) until it lets go, or until the process exits"
+                ))
+                .unwrap_or_default(),
+                1,
+            );
         }
     }
 
@@ -889,4 +975,121 @@ fn paged(
     let rp = pages(remote_pages, &format!("{remote}_pages"))?;
     GroupTransfer::paged(registration.reg.clone(), desc, &lp, ls, &rp, rs, len)
         .map_err(|e| engine_error(&e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fabric_core::engine::EngineConfig;
+    use fabric_core::testing::{StuckGate, StuckTransport, eventually};
+
+    /// An engine of one rail over a transport whose poll hangs while `gate` is shut; its
+    /// worker is given up 100 ms into a shutdown.
+    fn stuck_engine(gate: &Arc<StuckGate>) -> Engine {
+        let g = gate.clone();
+        let cfg = EngineConfig {
+            shutdown_timeout: Duration::from_millis(100),
+            ..EngineConfig::default()
+        };
+        let group =
+            RailGroup::spawn(1, move |_| Ok(StuckTransport::new(g.clone())), cfg).expect("a rail");
+        let kind = TransportKind::Mem;
+        Engine {
+            shared: Arc::new(Shared {
+                core: Mutex::new(Some(Arc::new(Core {
+                    group,
+                    kind,
+                    accept: Accept { kind, gpu: 0 },
+                    address: Vec::new(),
+                }))),
+                regs: Mutex::new(HashMap::new()),
+                released_later: Mutex::new(Vec::new()),
+                next_reg: AtomicU64::new(1),
+            }),
+        }
+    }
+
+    /// Whether the bytearray `buf` can be resized: not while a view of it is exported
+    /// (held by a registration, or kept while a transport may still write it).
+    fn resizable(py: Python<'_>, buf: &Bound<'_, PyAny>) -> bool {
+        match buf.call_method1("extend", (PyBytes::new(py, b"x"),)) {
+            Ok(_) => {
+                buf.call_method1("pop", ()).expect("undo the extend");
+                true
+            }
+            Err(e) if e.is_instance_of::<pyo3::exceptions::PyBufferError>(py) => false,
+            Err(e) => panic!("extend failed otherwise: {e}"),
+        }
+    }
+
+    #[test]
+    fn closing_an_engine_stuck_in_its_transport_keeps_the_memory_until_the_transport_lets_go() {
+        Python::initialize();
+        Python::attach(|py| {
+            let gate = Arc::new(StuckGate::default());
+            let engine = Py::new(py, stuck_engine(&gate)).expect("engine");
+            let buf = py
+                .eval(c"bytearray(4096)", None, None)
+                .expect("a bytearray");
+            let reg = engine
+                .borrow(py)
+                .register(py, &buf, true, false)
+                .expect("register");
+            assert!(!resizable(py, &buf), "registered memory is held");
+            gate.shut();
+            py.detach(|| {
+                eventually(
+                    "the worker to hang in its transport",
+                    Duration::from_secs(10),
+                    || gate.hanging(),
+                )
+            });
+            // Close from Python, recording its warnings: the rail's worker stays stuck past
+            // its shutdown timeout, and its transport still holds the region.
+            let locals = pyo3::types::PyDict::new(py);
+            locals.set_item("engine", &engine).unwrap();
+            py.run(
+                c"import warnings\nwith warnings.catch_warnings(record=True) as w:\n    warnings.simplefilter('always')\n    engine.close()\nkinds = [x.category.__name__ for x in w]\n",
+                None,
+                Some(&locals),
+            )
+            .expect("close");
+            let kinds: Vec<String> = locals
+                .get_item("kinds")
+                .unwrap()
+                .unwrap()
+                .extract()
+                .unwrap();
+            assert_eq!(
+                kinds,
+                ["ResourceWarning"],
+                "close says the memory stays held"
+            );
+            assert!(
+                !resizable(py, &buf),
+                "given back while a stuck transport may still write it"
+            );
+            // The engine and its registration are gone from Python; the memory is not.
+            drop(reg);
+            drop(locals);
+            drop(engine);
+            assert!(!resizable(py, &buf), "given back when the engine went away");
+            assert_eq!(
+                memory::release_kept(),
+                1,
+                "kept while the transport holds it"
+            );
+            // The transport lets go: the worker returns from poll, sees the shutdown and
+            // drops its transport with the region.
+            gate.open();
+            py.detach(|| {
+                eventually(
+                    "the stuck transport to let go",
+                    Duration::from_secs(10),
+                    || Python::attach(|_| memory::release_kept() == 0),
+                )
+            });
+            assert!(resizable(py, &buf), "given back once no transport holds it");
+        });
+    }
 }

@@ -35,6 +35,7 @@ mod directory;
 mod engine;
 pub mod errors;
 pub mod memory;
+mod stream;
 pub mod wire;
 
 use pyo3::prelude::*;

@@ -129,6 +129,30 @@ impl Held {
     }
 }
 
+/// Memory whose engine is gone while a transport still held it (a worker stuck past its
+/// shutdown timeout keeps its transport, and the transport the region): kept here, never
+/// given back to its owner while anything can still reach it.
+static KEPT: std::sync::Mutex<Vec<Held>> = std::sync::Mutex::new(Vec::new());
+
+/// Keeps `held` for as long as the process lives, or until [`release_kept`] finds that no
+/// transport holds its region any more.
+pub fn keep_for_good(held: Held) {
+    KEPT.lock().unwrap_or_else(|p| p.into_inner()).push(held);
+}
+
+/// Gives back the kept memory that no transport holds any more; returns how many are
+/// still kept. Call with the GIL held.
+pub fn release_kept() -> usize {
+    let mut kept = KEPT.lock().unwrap_or_else(|p| p.into_inner());
+    let all = std::mem::take(&mut *kept);
+    for h in all {
+        if let Err(h) = h.release() {
+            kept.push(h);
+        }
+    }
+    kept.len()
+}
+
 /// What an engine accepts.
 #[derive(Clone, Copy, Debug)]
 pub struct Accept {

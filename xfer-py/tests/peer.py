@@ -5,6 +5,9 @@ stdin, one JSON line each:
   {"expect": {"imm": I, "count": N, "pages": [...], "page_size": S, "seed": K}}
       waits for N transfers with immediate I, checks that page pages[i] of the buffer
       holds page i of pattern(seed), and prints {"ok": true} or {"ok": false, "why": ...}
+  {"filled": {"imm": I, "value": V}}
+      waits for one transfer with immediate I, then at once reads the buffer on a CUDA
+      stream of its own and prints {"filled": N}: how many bytes hold V
   {"exit": true}
 """
 
@@ -22,21 +25,26 @@ def main():
     ap.add_argument("--transport", default="tcp")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--bytes", type=int, default=1 << 20)
+    ap.add_argument("--provider", default=None)
     args = ap.parse_args()
+    extra = {"provider": args.provider} if args.provider else {}
     if args.device == "cuda":
         import torch  # noqa: PLC0415
 
         buf = torch.zeros(args.bytes, dtype=torch.uint8, device="cuda:0")
-        engine = xfer.Engine(transport=args.transport, memory="cuda", gpu=0, timeout=5.0)
+        engine = xfer.Engine(transport=args.transport, memory="cuda", gpu=0, timeout=5.0, **extra)
     else:
         buf = np.zeros(args.bytes, dtype=np.uint8)
-        engine = xfer.Engine(transport=args.transport, timeout=5.0)
+        engine = xfer.Engine(transport=args.transport, timeout=5.0, **extra)
     reg = engine.register(buf)
     print(json.dumps({"address": engine.address.hex(), "descriptor": reg.descriptor.hex()}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd.get("exit"):
             break
+        if "filled" in cmd:
+            print(json.dumps({"filled": filled(engine, buf, **cmd["filled"])}), flush=True)
+            continue
         e = cmd["expect"]
         try:
             engine.wait_imm(e["imm"], count=e["count"], timeout=30)
@@ -54,6 +62,18 @@ def main():
         print(json.dumps({"ok": not bad, "why": f"pages differ: {bad[:8]}"}), flush=True)
     reg.close()
     engine.close()
+
+
+def filled(engine, buf, imm, value):
+    """Bytes of `buf` (a CUDA tensor) holding `value`, read on a stream of this process's
+    own right after the transfer with immediate `imm` was reported."""
+    import torch  # noqa: PLC0415
+
+    engine.wait_imm(imm, timeout=30)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        count = int((buf == value).sum().item())
+    return count
 
 
 if __name__ == "__main__":

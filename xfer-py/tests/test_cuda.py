@@ -106,3 +106,71 @@ def test_a_cuda_registration_keeps_its_tensor_alive():
         rd.close()
         gc.collect()
         assert alive() is None
+
+
+# Stream order: the source is computed by a kernel queued behind about half a second of GPU
+# time, and the transfer is submitted at once. It must move the kernel's bytes, not what
+# was there before; and the target, reading on a stream of its own right after wait_imm,
+# must see them.
+ORDER_BYTES = 64 << 20
+
+
+def late_fill(torch, t, value, stream=None):
+    """Queues ~0.5 s of GPU time, then t.fill_(value), on `stream` (default: current)."""
+    with torch.cuda.stream(stream or torch.cuda.current_stream()):
+        torch.cuda._sleep(1_000_000_000)  # cycles: about half a second at ~2 GHz
+        t.fill_(value)
+
+
+@pytest.mark.parametrize("transport", ["cuda-ipc", "tcp"])
+@pytest.mark.parametrize("where", ["current", "side"])
+def test_a_write_waits_for_the_kernel_that_computes_its_source(transport, where):
+    torch = cuda_or_skip()
+    with xfer.Engine(transport=transport, memory="cuda") as a, xfer.Engine(transport=transport, memory="cuda") as b:
+        p = a.add_peer(b.address)
+        src = torch.zeros(ORDER_BYTES, dtype=torch.uint8, device="cuda:0")
+        dst = torch.zeros(ORDER_BYTES, dtype=torch.uint8, device="cuda:0")
+        rs, rd = a.register(src, remote_write=False), b.register(dst)
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream() if where == "side" else None
+        late_fill(torch, src, 7, side)
+        # At once: torch's current stream by default, the named one otherwise.
+        h = a.write(p, rs, rd.descriptor, [(0, 0, ORDER_BYTES)], imm=5, stream=side)
+        assert h.wait(timeout=30) == ORDER_BYTES
+        b.wait_imm(5, timeout=30)
+        reader = torch.cuda.Stream()
+        with torch.cuda.stream(reader):
+            filled = int((dst == 7).sum().item())
+        assert filled == ORDER_BYTES, f"{filled} of {ORDER_BYTES} bytes carry the kernel's fill"
+
+
+def test_a_write_over_efa_shm_between_processes_waits_for_the_kernel():
+    torch = cuda_or_skip()
+    proc, addr, desc = spawn_peer(
+        "--transport", "efa", "--provider", "shm", "--device", "cuda", "--bytes", str(ORDER_BYTES)
+    )
+    try:
+        with xfer.Engine(transport="efa", provider="shm", memory="cuda", timeout=10.0) as e:
+            p = e.add_peer(addr)
+            src = torch.zeros(ORDER_BYTES, dtype=torch.uint8, device="cuda:0")
+            rs = e.register(src, remote_write=False)
+            torch.cuda.synchronize()
+            late_fill(torch, src, 7)
+            e.write(p, rs, desc, [(0, 0, ORDER_BYTES)], imm=6).wait(timeout=30)
+            proc.stdin.write(json.dumps({"filled": {"imm": 6, "value": 7}}) + "\n")
+            proc.stdin.flush()
+            assert json.loads(proc.stdout.readline()) == {"filled": ORDER_BYTES}
+        proc.stdin.write(json.dumps({"exit": True}) + "\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+
+
+def test_a_stream_argument_on_host_memory_is_refused():
+    torch = cuda_or_skip()
+    with xfer.Engine(transport="tcp") as a, xfer.Engine(transport="tcp") as b:
+        p = a.add_peer(b.address)
+        rs, rd = a.register(np.zeros(4096, dtype=np.uint8), remote_write=False), b.register(np.zeros(4096, dtype=np.uint8))
+        with pytest.raises(xfer.InvalidArgument, match="host memory"):
+            a.write(p, rs, rd.descriptor, [(0, 0, 4096)], stream=torch.cuda.current_stream())

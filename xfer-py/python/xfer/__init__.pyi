@@ -137,8 +137,14 @@ class Engine:
         segments: Sequence[tuple[int, int, int]] | Any,  # or an (n, 3) int64 numpy array
         imm: int | None = None,
         timeout: float | None = None,
+        stream: Any = None,
     ) -> Handle:
-        """Writes (src_offset, dst_offset, length) ranges into the peer's region."""
+        """Writes (src_offset, dst_offset, length) ranges into the peer's region.
+
+        GPU memory is read only after the work queued so far on `stream` (a
+        torch.cuda.Stream, cupy.cuda.Stream or int handle; default: torch's current stream
+        for a torch tensor, else the __cuda_array_interface__ stream, else the legacy
+        default stream) has run."""
     def write_pages(
         self,
         peer: Peer,
@@ -151,8 +157,9 @@ class Engine:
         dst_stride: int | None = None,
         imm: int | None = None,
         timeout: float | None = None,
+        stream: Any = None,
     ) -> Handle:
-        """Writes local page src_pages[i] to the peer's page dst_pages[i]."""
+        """Writes local page src_pages[i] to the peer's page dst_pages[i] (stream: as write)."""
     def read(
         self,
         peer: Peer,
@@ -160,8 +167,12 @@ class Engine:
         remote_descriptor: bytes,
         segments: Sequence[tuple[int, int, int]] | Any,  # or an (n, 3) int64 numpy array
         timeout: float | None = None,
+        stream: Any = None,
     ) -> Handle:
-        """Reads (local_offset, remote_offset, length) ranges of the peer's region."""
+        """Reads (local_offset, remote_offset, length) ranges of the peer's region.
+
+        GPU memory is written only after the work queued so far on `stream` has run (see
+        write)."""
     def read_pages(
         self,
         peer: Peer,
@@ -173,8 +184,9 @@ class Engine:
         local_stride: int | None = None,
         remote_stride: int | None = None,
         timeout: float | None = None,
+        stream: Any = None,
     ) -> Handle:
-        """Reads the peer's remote_pages[i] into local page local_pages[i]."""
+        """Reads the peer's remote_pages[i] into local page local_pages[i] (stream: as read)."""
     def wait_imm(self, value: int, count: int = 1, timeout: float | None = None) -> None:
         """Blocks until `count` transfers with immediate `value` have landed here."""
     def counters(self) -> dict[str, int]:
