@@ -21,8 +21,12 @@
 //! CRC32C that the target checks before placing any byte (see [`frame`]).
 //!
 //! Dependencies: `socket2` (socket options std lacks), `libc` (vectored I/O, poll),
-//! `sha2` (the token's digest), `crc32c` (the optional checksum: SSE 4.2 / ARMv8 CRC
-//! instructions picked at run time, a table where they are missing; one call per payload).
+//! `hmac` and `sha2` (HMAC-SHA256 for the token's challenge and response in [`auth`]: the
+//! RustCrypto implementations, maintained, pure Rust, and with the constant-time tag check
+//! we need; `sha2` also computes the static digest of [`auth_digest`]), `getrandom` (the
+//! nonces, from the operating system's random source), `crc32c` (the optional checksum:
+//! SSE 4.2 / ARMv8 CRC instructions picked at run time, a table where they are missing; one
+//! call per payload).
 //!
 //! ```
 //! use fabric_core::{Access, HostBuffer, LocalSlice, RemoteSlice, Transport, WorkRequestId};
@@ -50,7 +54,7 @@
 //! ```
 #![warn(missing_docs)]
 
-mod auth;
+pub mod auth;
 mod conn;
 mod error;
 pub mod frame;
@@ -78,8 +82,13 @@ use std::time::Duration;
 
 pub use error::{CopyCause, FrameError, TcpError, report};
 
-/// The digest of a shared token as it travels in HELLOs (see [`TcpConfig::auth_token`]);
-/// other channels (a control protocol) may use it to prove the same token.
+/// The static digest of a shared token that HELLOs carry (see [`TcpConfig::auth_token`]),
+/// and that `xfer serve`'s control port compares.
+///
+/// Deprecated for any new use, the control port included: it is the same on every
+/// connection, so whoever sees it once can replay it. Prove a token with [`auth`]'s
+/// challenge and response instead (a fresh [`auth::Nonce`] per connection, answered with
+/// [`auth::tag`], checked with [`auth::verify`]).
 pub fn auth_digest(token: &str) -> [u8; 16] {
     auth::digest(token)
 }
