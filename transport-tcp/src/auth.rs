@@ -4,7 +4,8 @@
 //! The side that checks (the verifier) sends a fresh random [`Nonce`] for every connection;
 //! the side that proves (the prover) answers with [`tag`]: an HMAC-SHA256 keyed by the
 //! token over a context string and the nonce; the verifier checks it with [`verify`], in
-//! constant time. The context names the protocol and the direction, so a tag is worth nothing
+//! constant time. The context names the protocol and the direction (the transport's HELLO
+//! uses [`frame::HELLO_CONTEXT`](crate::frame::HELLO_CONTEXT)), so a tag is worth nothing
 //! for another nonce, another protocol, or the other direction: a recorded handshake cannot
 //! be replayed, and the token itself never travels.
 //!
@@ -140,21 +141,7 @@ pub fn verify(token: &str, context: &str, nonce: &Nonce, tag: &[u8]) -> bool {
         .is_ok()
 }
 
-/// The digest as the HELLO header's `key` and `offset` fields.
-pub(crate) fn split(d: &[u8; 16]) -> (u64, u64) {
-    (
-        u64::from_le_bytes(d[..8].try_into().expect("8 bytes")),
-        u64::from_le_bytes(d[8..].try_into().expect("8 bytes")),
-    )
-}
-
-/// Whether the HELLO fields carry `want`, compared in constant time.
-pub(crate) fn matches(want: &[u8; 16], key: u64, offset: u64) -> bool {
-    let (a, b) = split(want);
-    ((a ^ key) | (b ^ offset)) == 0
-}
-
-/// The static digest that HELLOs carry (see [`crate::auth_digest`]).
+/// The static digest of protocol version 3's HELLO (see [`crate::auth_digest`]).
 pub(crate) fn digest(token: &str) -> [u8; 16] {
     let mut h = Sha256::new();
     h.update(b"xfer-tcp-auth-v1\0");

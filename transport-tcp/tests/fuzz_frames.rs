@@ -14,7 +14,7 @@
 
 mod common;
 
-use common::{Deadline, Node, Raw, hello_frame, honest_write, write_header};
+use common::{Deadline, Node, Raw, challenge_frame, hello_frame, honest_write, write_header};
 use fabric_core::testing::{Canaried, pattern};
 use fabric_core::{
     Access, OpKind, PostOutcome, RemoteKey, RemoteRegion, RemoteSlice, Transport, WorkRequestId,
@@ -66,7 +66,7 @@ fn header_bytes() -> impl Strategy<Value = Vec<u8>> {
 }
 
 fn op_of(v: u8) -> Op {
-    match v % 8 {
+    match v % 9 {
         0 => Op::Hello,
         1 => Op::Write,
         2 => Op::Send,
@@ -74,6 +74,7 @@ fn op_of(v: u8) -> Op {
         4 => Op::Nack,
         5 => Op::Read,
         6 => Op::ReadReply,
+        7 => Op::Challenge,
         _ => Op::Batch,
     }
 }
@@ -85,7 +86,7 @@ proptest! {
     fn decode_accepts_exactly_well_formed_headers(b in header_bytes()) {
         let raw: [u8; HEADER_LEN] = b[..].try_into().unwrap();
         let well_formed =
-            (1..=8).contains(&raw[0]) && raw[1] & !(FLAG_IMM | FLAG_CRC) == 0 && raw[3] == 0;
+            (1..=9).contains(&raw[0]) && raw[1] & !(FLAG_IMM | FLAG_CRC) == 0 && raw[3] == 0;
         match Header::decode(&raw) {
             Ok(h) => {
                 prop_assert!(well_formed, "accepted {raw:?}");
@@ -456,6 +457,8 @@ fn frame_spec() -> impl Strategy<Value = FrameSpec> {
                 // Refused: no region of the fixture allows REMOTE_READ (answered by NACKs).
                 2 => Just(Op::Read as u8),
                 1 => Just(Op::ReadReply as u8),
+                // Only targets send it: a peer's closes the connection.
+                1 => Just(Op::Challenge as u8),
                 1 => any::<u8>(),
             ],
             prop_oneof![19 => 0u8..=1, 1 => any::<u8>()],
@@ -660,7 +663,9 @@ proptest! {
             let r = a.t.post_write(fake_peer, WorkRequestId(i), src.local(0, 4096), dst, None).unwrap();
             prop_assert_eq!(r, PostOutcome::Posted);
         }
-        // The fake takes in HELLO and the k requests (one BATCH) before it answers.
+        // The fake sends its CHALLENGE, and takes in HELLO and the k requests (one BATCH)
+        // before it answers.
+        fake.send_ok(&challenge_frame(), || a.step());
         let h = fake.read_header(|| a.step());
         prop_assert_eq!(h.op, Op::Hello);
         let _ = fake.read_bytes(h.len as usize, || a.step());
@@ -783,6 +788,7 @@ proptest! {
             let r = a.t.post_read(fake_peer, WorkRequestId(i), dst.local(i * 4096, 4096), src).unwrap();
             prop_assert_eq!(r, PostOutcome::Posted);
         }
+        fake.send_ok(&challenge_frame(), || a.step());
         let h = fake.read_header(|| a.step());
         prop_assert_eq!(h.op, Op::Hello);
         let _ = fake.read_bytes(h.len as usize, || a.step());
