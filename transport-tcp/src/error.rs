@@ -33,17 +33,37 @@ pub enum TcpError {
     HelloLength(u64),
     /// A HELLO that names a protocol version we do not speak.
     #[error(
-        "HELLO of protocol version {0}, which this side does not speak (it speaks {ours}, and serves 0 and {credit})",
+        "HELLO of protocol version {0}, which this side does not speak (it speaks {ours}, and serves 0 and {credit} after its CHALLENGE)",
         ours = crate::frame::PROTOCOL_VERSION,
         credit = crate::frame::CREDIT_VERSION
     )]
     HelloVersion(u8),
-    /// A HELLO without the proof of the shared token, or with a wrong one.
-    #[error("authentication failed: the HELLO carries no token or a wrong one")]
+    /// A HELLO whose tag is not the token's for our CHALLENGE's nonce: no token, a wrong
+    /// one, or a HELLO recorded on another connection.
+    #[error(
+        "authentication failed: the HELLO does not prove the token for this connection's challenge"
+    )]
     AuthenticationFailed,
     /// An accepted connection sent no HELLO in time.
     #[error("no HELLO within {0:?}")]
     NoHello(Duration),
+    /// A connection we opened got no CHALLENGE in time.
+    #[error(
+        "no CHALLENGE within {0:?} (a target of protocol version 3 or older sends none: it waits for a HELLO)"
+    )]
+    NoChallenge(Duration),
+    /// A connection we opened got something other than a CHALLENGE first.
+    #[error("{op} frame before CHALLENGE")]
+    BeforeChallenge {
+        /// What the target sent.
+        op: Op,
+    },
+    /// A CHALLENGE on a connection past its handshake (or on one we accepted).
+    #[error("unexpected CHALLENGE")]
+    UnexpectedChallenge,
+    /// A CHALLENGE that announces a payload (it carries none).
+    #[error("CHALLENGE announcing {0} payload bytes (none expected)")]
+    ChallengeLength(u64),
     /// A BATCH of no WRITE, or of more than [`MAX_BATCH`](crate::frame::MAX_BATCH).
     #[error("batch of {0} writes (at most {max})", max = crate::frame::MAX_BATCH)]
     BatchSize(u64),
@@ -88,7 +108,7 @@ pub enum TcpError {
     /// An ACK that would answer a READ (only a READ_REPLY or a NACK does).
     #[error("ACK that answers a READ")]
     AckForRead,
-    /// A READ or READ_REPLY with flags set (they carry no immediate data).
+    /// A READ, READ_REPLY or CHALLENGE with flags set (they carry no immediate data).
     #[error("{op} frame with flags {flags:#x}")]
     UnexpectedFlags {
         /// The frame.
@@ -203,6 +223,24 @@ pub enum FrameError {
     /// The reserved byte is not zero.
     #[error("reserved byte is {0}, not zero")]
     Reserved(u8),
+}
+
+/// Why a nonce could not be made or parsed (see [`auth`](crate::auth)).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AuthError {
+    /// The operating system's random source failed.
+    #[error("the operating system's random source failed")]
+    Random(#[source] getrandom::Error),
+    /// A hexadecimal nonce of the wrong length.
+    #[error(
+        "a nonce is {digits} hexadecimal digits, not {0} bytes",
+        digits = 2 * crate::auth::NONCE_LEN
+    )]
+    NonceLength(usize),
+    /// A nonce with a character that is not a hexadecimal digit.
+    #[error("a nonce is hexadecimal digits only")]
+    NonceNotHex,
 }
 
 /// The error under a failed copy: the CUDA driver's, or the memory layer's.

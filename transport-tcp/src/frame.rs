@@ -1,10 +1,22 @@
 //! The wire format: a fixed 40-byte little-endian header, then `len` payload bytes for
-//! WRITE, SEND and READ_REPLY (and HELLO); a READ carries none.
+//! WRITE, SEND and READ_REPLY (and HELLO); a READ carries none, nor does a CHALLENGE.
 //!
 //! ```text
 //! 0      1       2      3      4        8        16      24       32      40
 //! | op   | flags | code | rsvd | imm u32 | wr u64 | key u64| off u64 | len u64|
 //! ```
+//! Handshake (protocol version 4): the target speaks first. On every connection it accepts
+//! it sends a `CHALLENGE` whose `key` and `offset` carry a fresh random nonce (16 bytes,
+//! see [`Header::key_offset_bytes`]) and whose `code` is its protocol version. The
+//! initiator sends nothing before the CHALLENGE; then its HELLO, whose `key` and `offset`
+//! carry the left 16 bytes of [`auth::tag`](crate::auth::tag)`(token, `[`HELLO_CONTEXT`]`,
+//! nonce)`, zeros when it has no token. A target with a token checks the tag in constant
+//! time ([`auth::verify`](crate::auth::verify)) before it reads anything else the peer
+//! sends, and closes the connection if it is wrong; one without a token takes any tag. The
+//! nonce is new for every connection, so a HELLO recorded on one is refused on any other.
+//! A connection that gets no CHALLENGE (initiator) or no HELLO (target) within
+//! `peer_timeout` is closed.
+//!
 //! A `BATCH` header announces `len` WRITE headers that follow back to back, then their
 //! payloads in order: the target learns every destination before the bytes arrive and reads
 //! them straight into place with one `readv`.
@@ -33,6 +45,7 @@
 //! messages and `offset` more bytes, and says in `wr_id` the receiver's credit window in
 //! bytes. A HELLO with `code` 0 comes from a peer that knows nothing of credit.
 
+use crate::auth::Nonce;
 pub use crate::error::FrameError;
 use fabric_core::{OpError, RemoteKey};
 
@@ -43,9 +56,9 @@ pub const HEADER_LEN: usize = 40;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Op {
-    /// First frame on a connection: payload = rail (u32 LE) + instance (u64 LE) + the
-    /// sender's address; `code` = the protocol version, `key` and `offset` = the token's
-    /// proof.
+    /// The initiator's first frame, the answer to the CHALLENGE: payload = rail (u32 LE) +
+    /// instance (u64 LE) + the sender's address; `code` = the protocol version, `key` and
+    /// `offset` = the tag of the CHALLENGE's nonce (see the module documentation).
     Hello = 1,
     /// One-sided write into a registered region.
     Write = 2,
@@ -62,6 +75,9 @@ pub enum Op {
     Read = 7,
     /// The answer to the next outstanding request, a READ: its `len` bytes follow.
     ReadReply = 8,
+    /// The target's first frame (no payload): `key` and `offset` = a fresh nonce that the
+    /// HELLO's tag must cover, `code` = the target's protocol version.
+    Challenge = 9,
 }
 
 impl std::fmt::Display for Op {
@@ -76,6 +92,7 @@ impl std::fmt::Display for Op {
             Op::Batch => "BATCH",
             Op::Read => "READ",
             Op::ReadReply => "READ_REPLY",
+            Op::Challenge => "CHALLENGE",
         })
     }
 }
@@ -91,22 +108,34 @@ impl Op {
             6 => Op::Batch,
             7 => Op::Read,
             8 => Op::ReadReply,
+            9 => Op::Challenge,
             _ => return None,
         })
     }
 }
 
-/// The protocol version of this code, in a HELLO's `code`: 3 adds READ. A target also
-/// serves peers of version 2 (SEND credit, no READ: they never send one, and are never
-/// sent one) and 0 (before SEND credit); other versions are refused with
-/// [`TcpError::HelloVersion`](crate::TcpError::HelloVersion).
-pub const PROTOCOL_VERSION: u8 = 3;
+/// The protocol version of this code, in a HELLO's `code` and a CHALLENGE's: 4 adds the
+/// CHALLENGE (3 added READ). Version 3 and every other are refused with
+/// [`TcpError::HelloVersion`](crate::TcpError::HelloVersion), but for two feature levels
+/// that a target still serves after its CHALLENGE: HELLOs that claim version 2 (SEND
+/// credit, no READ: such a peer never sends one, and is never sent one) or 0 (before SEND
+/// credit). A build of any version before 4 reads no CHALLENGE and sends no tag: it cannot
+/// connect to this one, nor this one to it ([`TcpError::NoChallenge`](crate::TcpError::NoChallenge)).
+pub const PROTOCOL_VERSION: u8 = 4;
 
 /// The first protocol version with READ.
 pub const READ_VERSION: u8 = 3;
 
 /// The version of SEND credit without READ, still served.
 pub const CREDIT_VERSION: u8 = 2;
+
+/// The context of a HELLO's tag ([`auth::tag`](crate::auth::tag)): this protocol, its
+/// version and the direction, so that the tag proves nothing anywhere else.
+pub const HELLO_CONTEXT: &str = "xfer-tcp/4 HELLO: initiator to target";
+
+/// Bytes of the tag a HELLO carries (in `key` and `offset`): the left half of the
+/// HMAC-SHA256, 128 bits.
+pub const HELLO_TAG_LEN: usize = 16;
 
 /// The `code` of an ACK that also grants SEND credit (see the module documentation).
 pub const ACK_CREDIT: u8 = 1;
@@ -138,15 +167,17 @@ pub struct Header {
     /// Flags (`FLAG_IMM`).
     pub flags: u8,
     /// Error code of a NACK, [`ACK_CREDIT`] on an ACK that grants credit, protocol version
-    /// of a HELLO.
+    /// of a HELLO or a CHALLENGE.
     pub code: u8,
     /// Immediate data.
     pub imm: u32,
     /// The initiator's work-request id (diagnostics only).
     pub wr_id: u64,
-    /// Remote key (WRITE, READ), detail (NACK), or messages of SEND credit (ACK).
+    /// Remote key (WRITE, READ), detail (NACK), messages of SEND credit (ACK), or the first
+    /// half of a nonce (CHALLENGE) or tag (HELLO).
     pub key: u64,
-    /// Remote offset (WRITE, READ), detail (NACK), or bytes of SEND credit (ACK).
+    /// Remote offset (WRITE, READ), detail (NACK), bytes of SEND credit (ACK), or the second
+    /// half of a nonce (CHALLENGE) or tag (HELLO).
     pub offset: u64,
     /// Payload length (WRITE, SEND, HELLO, READ_REPLY), bytes asked for (READ), count
     /// (ACK), or detail (NACK).
@@ -166,6 +197,30 @@ impl Header {
             offset: 0,
             len,
         }
+    }
+
+    /// A CHALLENGE carrying `nonce`, of this protocol version.
+    pub fn challenge(nonce: &Nonce) -> Header {
+        let mut h = Header::new(Op::Challenge, 0);
+        h.code = PROTOCOL_VERSION;
+        h.set_key_offset_bytes(nonce.as_bytes());
+        h
+    }
+
+    /// `key` then `offset` as they travel (16 bytes, each little endian): a CHALLENGE's
+    /// nonce, a HELLO's tag.
+    pub fn key_offset_bytes(&self) -> [u8; 16] {
+        let mut b = [0u8; 16];
+        b[..8].copy_from_slice(&self.key.to_le_bytes());
+        b[8..].copy_from_slice(&self.offset.to_le_bytes());
+        b
+    }
+
+    /// Sets `key` and `offset` to carry `b` (see [`key_offset_bytes`](Self::key_offset_bytes)).
+    pub fn set_key_offset_bytes(&mut self, b: &[u8; 16]) {
+        let (key, offset) = b.split_at(8);
+        self.key = u64::from_le_bytes(key.try_into().expect("8 bytes"));
+        self.offset = u64::from_le_bytes(offset.try_into().expect("8 bytes"));
     }
 
     /// Immediate data, if flagged.
@@ -316,6 +371,22 @@ mod tests {
         assert_eq!(Header::decode(&r.encode()), Ok(r));
         assert_eq!(Op::Read.to_string(), "READ");
         assert_eq!(Op::ReadReply.to_string(), "READ_REPLY");
+    }
+
+    #[test]
+    fn challenge_frames_round_trip_their_nonce() {
+        let n = Nonce::from_bytes(std::array::from_fn(|i| i as u8 + 1));
+        let h = Header::challenge(&n);
+        assert_eq!(
+            (h.op, h.code, h.len, h.flags),
+            (Op::Challenge, PROTOCOL_VERSION, 0, 0)
+        );
+        let d = Header::decode(&h.encode()).unwrap();
+        assert_eq!(d, h);
+        assert_eq!(Nonce::from_bytes(d.key_offset_bytes()), n);
+        // On the wire, the nonce's bytes are the header's bytes 16..32, in order.
+        assert_eq!(&h.encode()[16..32], n.as_bytes());
+        assert_eq!(Op::Challenge.to_string(), "CHALLENGE");
     }
 
     #[test]

@@ -20,9 +20,17 @@
 //! operations leave in one vectored write. With [`TcpConfig::checksum`], WRITEs carry a
 //! CRC32C that the target checks before placing any byte (see [`frame`]).
 //!
+//! With [`TcpConfig::auth_token`], a target lets in only peers that prove the token by
+//! challenge and response: a fresh nonce per connection, answered with an HMAC of it (see
+//! [`auth`], which other channels that share the token may use too).
+//!
 //! Dependencies: `socket2` (socket options std lacks), `libc` (vectored I/O, poll),
-//! `sha2` (the token's digest), `crc32c` (the optional checksum: SSE 4.2 / ARMv8 CRC
-//! instructions picked at run time, a table where they are missing; one call per payload).
+//! `hmac` and `sha2` (HMAC-SHA256 for the token's challenge and response: the RustCrypto
+//! implementations, maintained, pure Rust, and with the constant-time tag check we need;
+//! `sha2` also computes the old static digest of [`auth_digest`]), `getrandom` (the
+//! nonces, from the operating system's random source), `crc32c` (the optional checksum:
+//! SSE 4.2 / ARMv8 CRC instructions picked at run time, a table where they are missing; one
+//! call per payload).
 //!
 //! ```
 //! use fabric_core::{Access, HostBuffer, LocalSlice, RemoteSlice, Transport, WorkRequestId};
@@ -50,7 +58,7 @@
 //! ```
 #![warn(missing_docs)]
 
-mod auth;
+pub mod auth;
 mod conn;
 mod error;
 pub mod frame;
@@ -78,8 +86,13 @@ use std::time::Duration;
 
 pub use error::{CopyCause, FrameError, TcpError, report};
 
-/// The digest of a shared token as it travels in HELLOs (see [`TcpConfig::auth_token`]);
-/// other channels (a control protocol) may use it to prove the same token.
+/// A static digest of a shared token: what HELLOs carried up to protocol version 3, and
+/// what `xfer serve`'s control port still compares.
+///
+/// Deprecated for any new use, the control port included: it is the same on every
+/// connection, so whoever sees it once can replay it. Prove a token with [`auth`]'s
+/// challenge and response instead (a fresh [`auth::Nonce`] per connection, answered with
+/// [`auth::tag`], checked with [`auth::verify`]). The data connections no longer use it.
 pub fn auth_digest(token: &str) -> [u8; 16] {
     auth::digest(token)
 }
@@ -142,7 +155,8 @@ pub struct TcpConfig {
     /// See `max_unexpected_bytes`.
     pub max_unexpected_count: usize,
     /// Time after which a peer that does not acknowledge sent data is declared unreachable
-    /// (TCP_USER_TIMEOUT and keepalive), and the limit for connecting. On a congested or
+    /// (TCP_USER_TIMEOUT and keepalive), the limit for connecting, and then for the
+    /// target's CHALLENGE (a target that sends none fails the peer). On a congested or
     /// lossy link give it several retransmission timeouts: a segment dropped three times
     /// stays unacknowledged for 1.4 s of backoff (0.2 + 0.4 + 0.8 s) on a healthy
     /// connection, and a shorter timeout would fail it.
@@ -154,8 +168,11 @@ pub struct TcpConfig {
     pub max_connections: usize,
     /// A shared secret. When set, peers whose HELLO does not prove knowledge of it are
     /// refused before any of their frames touches memory, and our HELLOs carry its proof.
-    /// Only a digest travels (never the token), but the digest can be replayed by whoever
-    /// sees the traffic: on untrusted networks run inside an encrypted tunnel.
+    /// The proof is an HMAC of a nonce that the target draws afresh for each connection
+    /// (see [`auth`] and [`frame`]): the token never travels, and a recorded HELLO is
+    /// refused on any other connection. It authenticates the start of a connection, not
+    /// the bytes after it: on untrusted networks run inside an encrypted tunnel. A target
+    /// without a token lets in every peer, with a token or not.
     pub auth_token: Option<String>,
     /// How long `wait` naps on the sockets while device copies are in flight (they finish
     /// without a socket event). Zero (the default) polls again at once; a few microseconds
@@ -229,8 +246,8 @@ pub struct TcpTransport {
     local: HashMap<LocalKey, LocalRegion>,
     shared: Shared,
     pollfds: Vec<libc::pollfd>,
-    /// Digest of `cfg.auth_token`.
-    auth: Option<[u8; 16]>,
+    /// `cfg.auth_token`, shared with every connection's handshake.
+    token: Option<Arc<str>>,
     /// The CUDA driver, looked for when device memory is first registered.
     cuda: CudaProbe,
     /// In `wait`'s poll set: the engine makes it readable when it has work for us.
@@ -256,7 +273,7 @@ impl TcpTransport {
             cfg.max_unexpected_bytes,
             cfg.max_msg_size,
         );
-        let cfg_auth = cfg.auth_token.as_deref().map(auth::digest);
+        let token = cfg.auth_token.as_deref().map(Arc::from);
         Ok(TcpTransport {
             address: format!("{ADDRESS_PREFIX}{local}").into_bytes(),
             cfg,
@@ -270,7 +287,7 @@ impl TcpTransport {
             local: HashMap::new(),
             shared,
             pollfds: Vec::new(),
-            auth: cfg_auth,
+            token,
             cuda: CudaProbe::default(),
             wake: WakeFd::new().map_err(|e| Error::io("wake-up socket pair", e))?,
             failed_connects: HashMap::new(),
@@ -528,10 +545,20 @@ impl TcpTransport {
                         tracing::warn!(%from, error = %e, "dropping new connection");
                         continue;
                     }
+                    // A fresh nonce for every connection: a HELLO recorded on another one
+                    // does not prove the token here. No weaker source stands in for the
+                    // system's.
+                    let nonce = match auth::Nonce::new() {
+                        Ok(n) => n,
+                        Err(e) => {
+                            tracing::warn!(%from, error = %report(&e), "dropping new connection");
+                            continue;
+                        }
+                    };
                     // The peer id is settled by the HELLO; until then the conn has none.
-                    let auth = self.auth;
-                    self.insert_conn(Conn::new(sock.into(), PeerId(0), true, auth));
-                    tracing::debug!(%from, "accepted connection");
+                    let token = self.token.clone();
+                    self.insert_conn(Conn::challenging(sock.into(), nonce, token));
+                    tracing::debug!(%from, "accepted connection, CHALLENGE queued");
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
                 Err(e) => {
@@ -560,7 +587,8 @@ impl TcpTransport {
         self.failed_connects.insert(peer, reason);
     }
 
-    /// A connection of `peer` we opened is up: the peer is connected once all are.
+    /// A connection of `peer` we opened is up (connected, and the target's CHALLENGE in):
+    /// the peer is connected once all are.
     fn note_connected(&mut self, peer: PeerId) {
         let Some(p) = self.peers.get(&peer) else {
             return;
@@ -572,7 +600,7 @@ impl TcpTransport {
                 self.conns
                     .get(i)
                     .and_then(Option::as_ref)
-                    .is_some_and(|c| c.connecting.is_none())
+                    .is_some_and(Conn::is_up)
             })
             .count();
         let state = if up == p.conns.len() {
@@ -652,18 +680,14 @@ impl Transport for TcpTransport {
                     return Err(e);
                 }
             };
-            let mut c = Conn::new(stream, id, false, None);
-            c.connecting = Some(std::time::Instant::now() + self.cfg.peer_timeout);
             let mut hello = Vec::with_capacity(12 + self.address.len());
             hello.extend_from_slice(&(rail as u32).to_le_bytes());
             hello.extend_from_slice(&self.instance.to_le_bytes());
             hello.extend_from_slice(&self.address);
-            let mut h = Header::new(Op::Hello, hello.len() as u64);
-            h.code = frame::PROTOCOL_VERSION;
-            if let Some(d) = self.auth {
-                (h.key, h.offset) = auth::split(&d);
-            }
-            c.queue(h, Payload::Owned(hello));
+            // The HELLO (and every request posted meanwhile) leaves once the target's
+            // CHALLENGE is in: connecting, then the CHALLENGE, each within peer_timeout.
+            let mut c = Conn::initiating(stream, id, hello, self.token.clone());
+            c.connecting = Some(std::time::Instant::now() + self.cfg.peer_timeout);
             conns.push(self.insert_conn(c));
         }
         self.next_peer += 1;
@@ -688,11 +712,9 @@ impl Transport for TcpTransport {
             return Err(Error::Op(OpError::PeerUnreachable { peer, reason }));
         }
         let p = self.peers.get(&peer).ok_or(Error::UnknownPeer(peer))?;
-        Ok(p.conns.iter().all(|&i| {
-            self.conns[i]
-                .as_ref()
-                .is_some_and(|c| c.connecting.is_none())
-        }))
+        Ok(p.conns
+            .iter()
+            .all(|&i| self.conns[i].as_ref().is_some_and(Conn::is_up)))
     }
 
     fn remove_peer(&mut self, peer: PeerId) -> Result<()> {
@@ -877,10 +899,8 @@ impl Transport for TcpTransport {
             };
             if let Some(deadline) = c.connecting {
                 match io::connect_outcome(&c.stream) {
-                    Ok(true) => {
-                        c.connecting = None;
-                        connected.push(c.peer);
-                    }
+                    // Up once the target's CHALLENGE is in (read below).
+                    Ok(true) => c.made(std::time::Instant::now(), self.cfg.peer_timeout),
                     Ok(false) if std::time::Instant::now() < deadline => continue,
                     Ok(false) => {
                         let (peer, reason) = (
@@ -897,11 +917,14 @@ impl Transport for TcpTransport {
                     }
                 }
             }
+            // A connection we opened, still in its handshake: it fails as a connection that
+            // could not be made would (`peer_ready` reports it), and is up once done.
+            let handshaking = c.awaiting_challenge();
             let mut res = c
                 .progress_copies(&mut self.shared)
                 .and_then(|_| c.flush(&mut self.shared))
                 .map(|_| ReadOutcome::Open);
-            if c.awaiting_hello && c.opened.elapsed() > self.cfg.peer_timeout {
+            if c.awaiting_hello() && c.opened.elapsed() > self.cfg.peer_timeout {
                 res = Err(TcpError::NoHello(self.cfg.peer_timeout));
             }
             if res.is_ok() {
@@ -925,6 +948,12 @@ impl Transport for TcpTransport {
                 }
             }
             let c = self.conns[idx].as_mut().expect("still open");
+            // Checked once what came has been read: a CHALLENGE that is in counts.
+            if res.is_ok() {
+                res = c
+                    .check_challenge_due(std::time::Instant::now(), self.cfg.peer_timeout)
+                    .map(|_| ReadOutcome::Open);
+            }
             if res.is_ok() {
                 // Credit that came in lets waiting SENDs go; those that waited too long fail.
                 c.release_sends(2 * self.cfg.peer_timeout, &mut self.shared);
@@ -946,7 +975,11 @@ impl Transport for TcpTransport {
             }
             if let Err(err) = res {
                 let (peer, reason) = (c.peer, report(&err));
-                if c.awaiting_hello {
+                if handshaking {
+                    self.fail_connect(idx, peer, reason);
+                    continue;
+                }
+                if c.awaiting_hello() {
                     tracing::warn!(%reason, "closing connection before HELLO");
                 } else if c.inflight.is_empty() && c.out.is_empty() {
                     tracing::debug!(%peer, %reason, "connection closed with nothing pending");
@@ -954,6 +987,8 @@ impl Transport for TcpTransport {
                     tracing::warn!(%peer, %reason, pending = c.inflight.len(), "closing connection");
                 }
                 self.close_conn(idx, OpError::PeerUnreachable { peer, reason });
+            } else if handshaking && !c.awaiting_challenge() {
+                connected.push(c.peer);
             }
         }
         for peer in connected {
@@ -995,7 +1030,9 @@ impl Transport for TcpTransport {
             } else {
                 events |= libc::POLLIN;
             }
-            if !c.out.is_empty() {
+            // Writable also says that a connection we opened is made; nothing leaves before
+            // the CHALLENGE has come.
+            if c.connecting.is_some() || (!c.out.is_empty() && !c.awaiting_challenge()) {
                 events |= libc::POLLOUT;
             }
             self.pollfds.push(libc::pollfd {

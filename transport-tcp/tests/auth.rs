@@ -1,12 +1,18 @@
-//! The optional shared token (`TcpConfig::auth_token`): peers without it are refused during
-//! the handshake, before any of their frames touches memory.
+//! The optional shared token (`TcpConfig::auth_token`): peers that do not prove it for the
+//! nonce of their connection's CHALLENGE are refused during the handshake, before any of
+//! their frames touches memory; a HELLO recorded on one connection proves nothing on
+//! another.
 
 mod common;
 
-use common::{Deadline, Node, Raw, concat, hello_frame, write_frame};
+use common::{Deadline, Node, Raw, concat, hello_frame, tagged_hello_frame, write_frame};
 use fabric_core::testing::{Canaried, pattern};
-use fabric_core::{Access, OpError, PostOutcome, Transport, WorkRequestId};
-use transport_tcp::TcpConfig;
+use fabric_core::{Access, Error, OpError, OpKind, PostOutcome, Transport, WorkRequestId};
+use std::net::{TcpListener, TcpStream};
+use std::time::Duration;
+use transport_tcp::auth::{self, Nonce};
+use transport_tcp::frame::{HEADER_LEN, HELLO_CONTEXT, Header, Op, PROTOCOL_VERSION};
+use transport_tcp::{TcpConfig, TcpTransport, auth_digest};
 
 const LEN: u64 = 4096;
 
@@ -53,11 +59,17 @@ fn write_from(
     a.done[0].result.clone()
 }
 
+/// Peers the target has known (connected, or connected and gone): only a peer whose HELLO
+/// it took becomes one.
+fn known_peers(t: &mut TcpTransport) -> usize {
+    t.stats().expect("stats").snapshot().peers.len()
+}
+
 #[test]
 fn the_right_token_is_let_in_and_others_are_refused() {
     let mut target = Node::new(with_token(Some("s3cret")));
     let dst = Canaried::new(&mut target.t, LEN, Access::REMOTE_WRITE, 0x11);
-    for wrong in [None, Some("wrong")] {
+    for wrong in [None, Some("wrong"), Some("s3cret ")] {
         let r = write_from(wrong, &mut target, &dst, 1);
         assert!(
             matches!(r, Err(OpError::PeerUnreachable { .. })),
@@ -68,9 +80,11 @@ fn the_right_token_is_let_in_and_others_are_refused() {
             vec![0x11; LEN as usize],
             "token {wrong:?} wrote"
         );
+        assert_eq!(known_peers(&mut target.t), 0, "token {wrong:?} was let in");
     }
     assert_eq!(write_from(Some("s3cret"), &mut target, &dst, 2), Ok(LEN));
     assert_eq!(dst.read(0, LEN as usize), pattern(2, LEN as usize));
+    assert_eq!(known_peers(&mut target.t), 1);
     dst.assert_canaries();
 }
 
@@ -102,4 +116,329 @@ fn a_target_without_a_token_accepts_peers_that_send_one() {
     let mut target = Node::new(with_token(None));
     let dst = Canaried::new(&mut target.t, LEN, Access::REMOTE_WRITE, 0);
     assert_eq!(write_from(Some("anything"), &mut target, &dst, 3), Ok(LEN));
+}
+
+/// A relay on loopback between an initiator and a target, polled from the test thread,
+/// that records every byte each side sends.
+struct Recorder {
+    listener: TcpListener,
+    target: std::net::SocketAddr,
+    /// The initiator's connection (accepted), and ours to the target.
+    sides: Option<(Raw, Raw)>,
+    /// What the initiator sent, and what the target sent.
+    up: Vec<u8>,
+    down: Vec<u8>,
+}
+
+impl Recorder {
+    fn new(target: &TcpTransport) -> Recorder {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        Recorder {
+            listener,
+            target: target.local_addr(),
+            sides: None,
+            up: Vec::new(),
+            down: Vec::new(),
+        }
+    }
+
+    fn address(&self) -> Vec<u8> {
+        format!("tcp://{}", self.listener.local_addr().unwrap()).into_bytes()
+    }
+
+    /// Accepts the initiator's connection (once), and moves what has come either way.
+    fn relay(&mut self) {
+        if self.sides.is_none() {
+            match self.listener.accept() {
+                Ok((client, _)) => {
+                    // Raw on both sides: every byte as it came, the CHALLENGE included.
+                    let server = TcpStream::connect(self.target).unwrap();
+                    self.sides = Some((Raw::from_stream(client), Raw::from_stream(server)));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+                Err(e) => panic!("accept: {e}"),
+            }
+        }
+        let (client, server) = self.sides.as_mut().expect("accepted above");
+        client.pump();
+        let up: Vec<u8> = client.rx.drain(..).collect();
+        server.send_ok(&up, || {});
+        self.up.extend(up);
+        server.pump();
+        let down: Vec<u8> = server.rx.drain(..).collect();
+        client.send_ok(&down, || {});
+        self.down.extend(down);
+    }
+}
+
+#[test]
+fn a_replayed_hello_is_refused() {
+    let mut target = Node::new(with_token(Some("s3cret")));
+    let dst = Canaried::new(&mut target.t, LEN, Access::REMOTE_WRITE, 0x11);
+    // A legitimate initiator writes through the recorder: its bytes (HELLO, the WRITE and
+    // its payload) are what an eavesdropper sees.
+    let mut a = Node::new(with_token(Some("s3cret")));
+    let src = Canaried::new(&mut a.t, LEN, Access::NONE, 0);
+    src.write(0, &pattern(7, LEN as usize));
+    let mut rec = Recorder::new(&target.t);
+    let peer = a.t.add_peer(&rec.address()).expect("add_peer");
+    let posted =
+        a.t.post_write(
+            peer,
+            WorkRequestId(1),
+            src.local(0, LEN),
+            dst.remote(0, LEN),
+            Some(77),
+        )
+        .expect("post");
+    assert_eq!(posted, PostOutcome::Posted);
+    let d = Deadline::new("the recorded write to complete");
+    while a.done.is_empty() || target.remote_writes().is_empty() {
+        a.step();
+        rec.relay();
+        target.step();
+        d.check();
+    }
+    assert_eq!(a.done[0].result, Ok(LEN), "the legitimate write");
+    assert_eq!(dst.read(0, LEN as usize), pattern(7, LEN as usize));
+    assert_eq!(target.remote_writes()[0].imm, Some(77));
+    let recorded = rec.up.clone();
+    let first = Header::decode(recorded[..HEADER_LEN].try_into().unwrap()).unwrap();
+    assert_eq!((first.op, first.code), (Op::Hello, PROTOCOL_VERSION));
+    let old = Header::decode(rec.down[..HEADER_LEN].try_into().unwrap()).unwrap();
+    assert_eq!(old.op, Op::Challenge);
+    let old_nonce = Nonce::from_bytes(old.key_offset_bytes());
+    assert!(
+        recorded.len() > HEADER_LEN + LEN as usize,
+        "the HELLO, the WRITE and its payload were recorded"
+    );
+
+    // The region back to its fill; what the target knows now.
+    dst.write(0, &[0x11; LEN as usize]);
+    target.done.clear();
+    let peers = known_peers(&mut target.t);
+    let writes = target.t.stats().unwrap().snapshot().received_writes;
+
+    // The eavesdropper replays the recorded bytes on a connection of its own, after the
+    // target's CHALLENGE, as a real initiator would.
+    let mut r = Raw::connect(&target.t);
+    let nonce = r.nonce(|| target.step());
+    assert_ne!(nonce, old_nonce, "a fresh nonce for every connection");
+    let _ = r.send(&recorded, || target.step());
+    r.expect_closed("a replayed HELLO", || target.step());
+    assert!(r.rx.is_empty(), "the target answered a replay: {:?}", r.rx);
+    assert_eq!(dst.read(0, LEN as usize), vec![0x11; LEN as usize]);
+    dst.assert_canaries();
+    assert!(
+        target.remote_writes().is_empty(),
+        "immediate data from a replay"
+    );
+    assert_eq!(
+        known_peers(&mut target.t),
+        peers,
+        "the replayer became a peer"
+    );
+    let snap = target.t.stats().unwrap().snapshot();
+    assert_eq!(snap.received_writes, writes);
+
+    // Blind, without waiting for the CHALLENGE: the same.
+    let mut r = Raw::connect(&target.t);
+    let _ = r.send(&recorded, || target.step());
+    r.expect_closed("a replayed HELLO sent blind", || target.step());
+    assert_eq!(dst.read(0, LEN as usize), vec![0x11; LEN as usize]);
+    assert!(target.remote_writes().is_empty());
+
+    // The same bytes with a HELLO tagged for the new connection's nonce are let in: the
+    // tag was all that was wrong with the replay.
+    let mut r = Raw::connect(&target.t);
+    let nonce = r.nonce(|| target.step());
+    let mut fresh = recorded.clone();
+    let mut h = first;
+    let tag = auth::tag("s3cret", HELLO_CONTEXT, &nonce);
+    h.set_key_offset_bytes(tag[..16].try_into().unwrap());
+    fresh[..HEADER_LEN].copy_from_slice(&h.encode());
+    r.send_ok(&fresh, || target.step());
+    target.until("the re-tagged write", |t| !t.remote_writes().is_empty());
+    assert_eq!(dst.read(0, LEN as usize), pattern(7, LEN as usize));
+    dst.assert_canaries();
+}
+
+/// A HELLO of this version carrying `tag`'s left 16 bytes.
+fn hello_with_tag(tag: &[u8; auth::TAG_LEN]) -> Vec<u8> {
+    let mut b = hello_frame();
+    let mut h = Header::decode(b[..HEADER_LEN].try_into().unwrap()).unwrap();
+    h.code = PROTOCOL_VERSION;
+    h.set_key_offset_bytes(tag[..16].try_into().unwrap());
+    b[..HEADER_LEN].copy_from_slice(&h.encode());
+    b
+}
+
+#[test]
+fn a_raw_hello_with_the_tag_of_its_challenge_is_let_in() {
+    let mut target = Node::new(with_token(Some("s3cret")));
+    let dst = Canaried::new(&mut target.t, LEN, Access::REMOTE_WRITE, 0x11);
+    let key = dst.reg.remote.key.0;
+    // A connection open meanwhile: its nonce is another one.
+    let mut other = Raw::connect(&target.t);
+    let other_nonce = other.nonce(|| target.step());
+    type Tagger = fn(&Nonce, &Nonce) -> [u8; auth::TAG_LEN];
+    let wrong: [(&str, Tagger); 3] = [
+        ("a tag of another context", |n, _| {
+            auth::tag("s3cret", "xfer-tcp/4 HELLO: target to initiator", n)
+        }),
+        ("a tag of another connection's nonce", |_, other| {
+            auth::tag("s3cret", HELLO_CONTEXT, other)
+        }),
+        ("a tag of another token", |n, _| {
+            auth::tag("guess", HELLO_CONTEXT, n)
+        }),
+    ];
+    for (what, tagger) in wrong {
+        let mut c = Raw::connect(&target.t);
+        let nonce = c.nonce(|| target.step());
+        assert_ne!(nonce, other_nonce, "a fresh nonce for every connection");
+        let hello = hello_with_tag(&tagger(&nonce, &other_nonce));
+        let _ = c.send(
+            &concat(&[&hello, &write_frame(key, 0, &[0xEE; 64], Some(5), 1)]),
+            || target.step(),
+        );
+        c.expect_closed(what, || target.step());
+        assert_eq!(
+            dst.read(0, LEN as usize),
+            vec![0x11; LEN as usize],
+            "{what}"
+        );
+        assert_eq!(known_peers(&mut target.t), 0, "{what}");
+    }
+
+    // The HELLO as the protocol says: the left 16 bytes of the tag of this connection's
+    // nonce, in `key` and `offset`.
+    let mut c = Raw::connect(&target.t);
+    let nonce = c.nonce(|| target.step());
+    c.send_ok(
+        &concat(&[
+            &hello_with_tag(&auth::tag("s3cret", HELLO_CONTEXT, &nonce)),
+            &write_frame(key, 0, &[0xA5; 64], Some(5), 1),
+        ]),
+        || target.step(),
+    );
+    assert_eq!(c.answers(1, || target.step()), vec![common::Answer::Ack]);
+    assert_eq!(dst.read(0, 64), vec![0xA5; 64]);
+    assert_eq!(known_peers(&mut target.t), 1);
+    dst.assert_canaries();
+}
+
+#[test]
+fn a_target_without_a_token_still_challenges_and_takes_any_tag() {
+    let mut target = Node::new(with_token(None));
+    let dst = Canaried::new(&mut target.t, LEN, Access::REMOTE_WRITE, 0);
+    let key = dst.reg.remote.key.0;
+    for (i, hello) in [
+        hello_frame(), // zero tag, as from an initiator without a token
+        tagged_hello_frame(PROTOCOL_VERSION, "anything", &Nonce::new().unwrap()),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut c = Raw::connect(&target.t);
+        // The same frames as with a token: the CHALLENGE comes first.
+        c.nonce(|| target.step());
+        let data = [i as u8 + 1; 64];
+        c.send_ok(
+            &concat(&[&hello, &write_frame(key, 0, &data, None, 1)]),
+            || target.step(),
+        );
+        assert_eq!(c.answers(1, || target.step()), vec![common::Answer::Ack]);
+        assert_eq!(dst.read(0, 64), data);
+    }
+}
+
+#[test]
+fn a_peer_of_protocol_version_3_is_refused() {
+    let mut target = Node::new(with_token(Some("s3cret")));
+    let dst = Canaried::new(&mut target.t, LEN, Access::REMOTE_WRITE, 0x11);
+    let key = dst.reg.remote.key.0;
+    // What a build of version 3 sends: its HELLO with the static digest, at once.
+    let v3 = {
+        let mut b = hello_frame();
+        let mut h = Header::decode(b[..HEADER_LEN].try_into().unwrap()).unwrap();
+        h.code = 3;
+        h.set_key_offset_bytes(&auth_digest("s3cret"));
+        b[..HEADER_LEN].copy_from_slice(&h.encode());
+        b
+    };
+    let mut c = Raw::connect(&target.t);
+    let _ = c.send(
+        &concat(&[&v3, &write_frame(key, 0, &[0xEE; 64], Some(5), 1)]),
+        || target.step(),
+    );
+    c.expect_closed("a HELLO of version 3", || target.step());
+    // Version 3 with a right tag: refused for its version.
+    let mut c = Raw::connect(&target.t);
+    let nonce = c.nonce(|| target.step());
+    let _ = c.send(
+        &concat(&[
+            &tagged_hello_frame(3, "s3cret", &nonce),
+            &write_frame(key, 0, &[0xEE; 64], Some(5), 1),
+        ]),
+        || target.step(),
+    );
+    c.expect_closed("a tagged HELLO of version 3", || target.step());
+    assert_eq!(dst.read(0, LEN as usize), vec![0x11; LEN as usize]);
+    assert!(target.remote_writes().is_empty());
+    assert_eq!(known_peers(&mut target.t), 0);
+}
+
+#[test]
+fn an_initiator_sends_nothing_before_the_challenge_and_fails_without_one() {
+    // A target of version 3 or older: it accepts, and waits for a HELLO.
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = format!("tcp://{}", listener.local_addr().unwrap());
+    let mut a = Node::new(TcpConfig {
+        auth_token: Some("s3cret".into()),
+        peer_timeout: Duration::from_millis(300),
+        ..TcpConfig::default()
+    });
+    let src = Canaried::new(&mut a.t, LEN, Access::NONE, 0);
+    let peer = a.t.add_peer(addr.as_bytes()).expect("add_peer");
+    let mut old = Raw::from_stream(listener.accept().unwrap().0);
+    let region = fabric_core::RemoteRegion {
+        addr: 0,
+        len: LEN,
+        key: fabric_core::RemoteKey(1),
+    };
+    let dst = fabric_core::RemoteSlice {
+        region,
+        offset: 0,
+        len: LEN,
+    };
+    assert_eq!(
+        a.t.post_write(peer, WorkRequestId(1), src.local(0, LEN), dst, None)
+            .unwrap(),
+        PostOutcome::Posted
+    );
+    let d = Deadline::new("the peer to fail for want of a CHALLENGE");
+    let err = loop {
+        a.step();
+        old.pump();
+        match a.t.peer_ready(peer) {
+            Ok(_) => d.check(),
+            Err(e) => break e,
+        }
+    };
+    match &err {
+        Error::Op(OpError::PeerUnreachable { reason, .. }) => {
+            assert!(reason.contains("no CHALLENGE"), "{reason}")
+        }
+        e => panic!("{e:?}"),
+    }
+    assert_eq!(a.done.len(), 1, "{:?}", a.done);
+    assert_eq!(
+        (a.done[0].op, a.done[0].wr_id),
+        (OpKind::Write, WorkRequestId(1))
+    );
+    assert!(a.done[0].result.is_err());
+    old.expect_closed("the initiator giving up", || a.step());
+    assert_eq!(old.received, 0, "the initiator sent {:?}", old.rx);
 }

@@ -9,12 +9,15 @@
 //!   it serving a well-behaved peer.
 //! - Byte streams fed back to a real initiator by a hostile target complete every posted
 //!   write exactly once, and leave it serving a real peer.
+//! - A hostile target's first frame (a CHALLENGE with any fields, or another frame) draws
+//!   nothing from the initiator unless it is a well-formed CHALLENGE, which draws a HELLO
+//!   with the tag of its nonce; anything else fails the peer.
 //!
 //! Bounded for CI: 64 cases per property (`PROPTEST_CASES` overrides).
 
 mod common;
 
-use common::{Deadline, Node, Raw, hello_frame, honest_write, write_header};
+use common::{Deadline, Node, Raw, challenge_frame, hello_frame, honest_write, write_header};
 use fabric_core::testing::{Canaried, pattern};
 use fabric_core::{
     Access, OpKind, PostOutcome, RemoteKey, RemoteRegion, RemoteSlice, Transport, WorkRequestId,
@@ -66,7 +69,7 @@ fn header_bytes() -> impl Strategy<Value = Vec<u8>> {
 }
 
 fn op_of(v: u8) -> Op {
-    match v % 8 {
+    match v % 9 {
         0 => Op::Hello,
         1 => Op::Write,
         2 => Op::Send,
@@ -74,6 +77,7 @@ fn op_of(v: u8) -> Op {
         4 => Op::Nack,
         5 => Op::Read,
         6 => Op::ReadReply,
+        7 => Op::Challenge,
         _ => Op::Batch,
     }
 }
@@ -85,7 +89,7 @@ proptest! {
     fn decode_accepts_exactly_well_formed_headers(b in header_bytes()) {
         let raw: [u8; HEADER_LEN] = b[..].try_into().unwrap();
         let well_formed =
-            (1..=8).contains(&raw[0]) && raw[1] & !(FLAG_IMM | FLAG_CRC) == 0 && raw[3] == 0;
+            (1..=9).contains(&raw[0]) && raw[1] & !(FLAG_IMM | FLAG_CRC) == 0 && raw[3] == 0;
         match Header::decode(&raw) {
             Ok(h) => {
                 prop_assert!(well_formed, "accepted {raw:?}");
@@ -456,6 +460,8 @@ fn frame_spec() -> impl Strategy<Value = FrameSpec> {
                 // Refused: no region of the fixture allows REMOTE_READ (answered by NACKs).
                 2 => Just(Op::Read as u8),
                 1 => Just(Op::ReadReply as u8),
+                // Only targets send it: a peer's closes the connection.
+                1 => Just(Op::Challenge as u8),
                 1 => any::<u8>(),
             ],
             prop_oneof![19 => 0u8..=1, 1 => any::<u8>()],
@@ -660,7 +666,9 @@ proptest! {
             let r = a.t.post_write(fake_peer, WorkRequestId(i), src.local(0, 4096), dst, None).unwrap();
             prop_assert_eq!(r, PostOutcome::Posted);
         }
-        // The fake takes in HELLO and the k requests (one BATCH) before it answers.
+        // The fake sends its CHALLENGE, and takes in HELLO and the k requests (one BATCH)
+        // before it answers.
+        fake.send_ok(&challenge_frame(), || a.step());
         let h = fake.read_header(|| a.step());
         prop_assert_eq!(h.op, Op::Hello);
         let _ = fake.read_bytes(h.len as usize, || a.step());
@@ -783,6 +791,7 @@ proptest! {
             let r = a.t.post_read(fake_peer, WorkRequestId(i), dst.local(i * 4096, 4096), src).unwrap();
             prop_assert_eq!(r, PostOutcome::Posted);
         }
+        fake.send_ok(&challenge_frame(), || a.step());
         let h = fake.read_header(|| a.step());
         prop_assert_eq!(h.op, Op::Hello);
         let _ = fake.read_bytes(h.len as usize, || a.step());
@@ -858,5 +867,170 @@ proptest! {
         }
         prop_assert_eq!(&a.done[0].result, &Ok(4096));
         prop_assert_eq!(dst.read(0, 4096), vec![0x3C; 4096]);
+    }
+}
+
+// ---- (d) a hostile target's CHALLENGE against an initiator ----
+
+/// What a hostile target sends first: mostly a CHALLENGE, with any fields, and what follows.
+#[derive(Clone, Debug)]
+struct ChallengeSpec {
+    op: u8,
+    flags: u8,
+    rsvd: u8,
+    code: u8,
+    len: u64,
+    nonce: [u8; 16],
+    tail: Vec<u8>,
+}
+
+fn challenge_spec() -> impl Strategy<Value = ChallengeSpec> {
+    (
+        prop_oneof![
+            8 => Just(Op::Challenge as u8),
+            1 => Just(Op::Ack as u8),
+            1 => Just(Op::Hello as u8),
+            1 => any::<u8>(),
+        ],
+        prop_oneof![6 => Just(0u8), 1 => any::<u8>()],
+        prop_oneof![6 => Just(0u8), 1 => any::<u8>()],
+        prop_oneof![3 => Just(transport_tcp::frame::PROTOCOL_VERSION), 1 => any::<u8>()],
+        prop_oneof![6 => Just(0u64), 1 => edge_u64()],
+        any::<[u8; 16]>(),
+        prop_oneof![3 => Just(Vec::new()), 1 => vec(any::<u8>(), 1..80)],
+    )
+        .prop_map(|(op, flags, rsvd, code, len, nonce, tail)| ChallengeSpec {
+            op,
+            flags,
+            rsvd,
+            code,
+            len,
+            nonce,
+            tail,
+        })
+}
+
+impl ChallengeSpec {
+    fn bytes(&self) -> Vec<u8> {
+        let mut h = [0u8; HEADER_LEN];
+        h[0] = self.op;
+        h[1] = self.flags;
+        h[2] = self.code;
+        h[3] = self.rsvd;
+        h[16..32].copy_from_slice(&self.nonce);
+        h[32..40].copy_from_slice(&self.len.to_le_bytes());
+        let mut b = h.to_vec();
+        b.extend(&self.tail);
+        b
+    }
+}
+
+/// The CHALLENGE an initiator must take at the start of `bytes`, if there is one.
+fn leading_challenge(bytes: &[u8]) -> Option<Header> {
+    let raw: &[u8; HEADER_LEN] = bytes.get(..HEADER_LEN)?.try_into().ok()?;
+    Header::decode(raw)
+        .ok()
+        .filter(|h| h.op == Op::Challenge && h.flags == 0 && h.len == 0)
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    /// Whatever a target sends first, the initiator sends nothing before a well-formed
+    /// CHALLENGE, answers one with a HELLO that carries the tag of its nonce, fails the peer
+    /// (reported by `peer_ready`) when the first frame is anything else, completes every
+    /// posted write exactly once, and keeps serving real peers.
+    #[test]
+    fn hostile_challenges_fail_the_peer_cleanly(
+        spec in challenge_spec(),
+        muts in vec(mutation(), 0..2),
+        k in 0usize..3,
+        with_token in any::<bool>(),
+    ) {
+        let token = with_token.then_some("s3cret");
+        let mut a = Node::new(TcpConfig {
+            auth_token: token.map(String::from),
+            ..TcpConfig::default()
+        });
+        let src = Canaried::new(&mut a.t, 64 * 1024, Access::NONE, 0x5A);
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = format!("tcp://{}", listener.local_addr().unwrap());
+        let fake_peer = a.t.add_peer(addr.as_bytes()).unwrap();
+        let mut fake = Raw::from_stream(listener.accept().unwrap().0);
+        let region = RemoteRegion { addr: 0, len: 1 << 20, key: RemoteKey(0xFA6E) };
+        for i in 0..k as u64 {
+            let dst = RemoteSlice { region, offset: i * 4096, len: 4096 };
+            let r = a.t.post_write(fake_peer, WorkRequestId(i), src.local(0, 4096), dst, None).unwrap();
+            prop_assert_eq!(r, PostOutcome::Posted);
+        }
+        let bytes = mutate(spec.bytes(), &muts);
+        let challenge = leading_challenge(&bytes);
+        let alone = challenge.is_some() && bytes.len() == HEADER_LEN;
+        if let (Some(c), true) = (challenge, alone) {
+            // A CHALLENGE alone: the HELLO must answer it, with the tag of its nonce.
+            fake.send_ok(&bytes, || a.step());
+            let h = fake.read_header(|| a.step());
+            prop_assert_eq!((h.op, h.code), (Op::Hello, transport_tcp::frame::PROTOCOL_VERSION));
+            let nonce = transport_tcp::auth::Nonce::from_bytes(c.key_offset_bytes());
+            let want = token.map_or([0u8; 16], |t| {
+                let tag = transport_tcp::auth::tag(t, transport_tcp::frame::HELLO_CONTEXT, &nonce);
+                tag[..16].try_into().unwrap()
+            });
+            prop_assert_eq!(h.key_offset_bytes(), want);
+        } else {
+            let _ = fake.send(&bytes, || a.step());
+        }
+        fake.shutdown_write();
+        let d = Deadline::new("the initiator to close the connection and complete the writes");
+        while !fake.closed || a.done.len() < k {
+            fake.pump();
+            a.step();
+            d.check();
+        }
+        for _ in 0..20 {
+            a.step();
+        }
+        let mut seen = HashMap::new();
+        for c in a.done.drain(..) {
+            prop_assert_eq!(c.op, OpKind::Write);
+            prop_assert!(c.wr_id.0 < k as u64);
+            prop_assert!(seen.insert(c.wr_id.0, c.result.clone()).is_none(), "wr {} twice", c.wr_id.0);
+            if let Ok(n) = c.result {
+                prop_assert_eq!(n, 4096);
+            }
+        }
+        prop_assert_eq!(seen.len(), k);
+        match challenge {
+            None => {
+                prop_assert_eq!(fake.received, 0, "the initiator sent bytes before a CHALLENGE");
+                prop_assert!(a.t.peer_ready(fake_peer).is_err(), "the peer did not fail");
+            }
+            // Whatever it sent (if anything: a broken tail may close the connection first)
+            // begins with the HELLO (checked above when the CHALLENGE came alone).
+            Some(_) if !alone && fake.rx.len() >= HEADER_LEN => {
+                let h = Header::decode(fake.rx[..HEADER_LEN].try_into().unwrap());
+                prop_assert!(matches!(h, Ok(Header { op: Op::Hello, .. })), "sent first: {h:?}");
+            }
+            Some(_) => {}
+        }
+        src.assert_canaries();
+        drop(fake);
+        // The initiator still writes to a real peer.
+        let mut real = Node::new(TcpConfig {
+            auth_token: token.map(String::from),
+            ..TcpConfig::default()
+        });
+        let dst = Canaried::new(&mut real.t, 4096, Access::REMOTE_WRITE, 0);
+        let peer = a.t.add_peer(&real.t.address()).unwrap();
+        let r = a.t.post_write(peer, WorkRequestId(100), src.local(0, 4096), dst.remote(0, 4096), None).unwrap();
+        prop_assert_eq!(r, PostOutcome::Posted);
+        let d = Deadline::new("a write to a real peer");
+        while a.done.is_empty() {
+            a.step();
+            real.step();
+            d.check();
+        }
+        prop_assert_eq!(&a.done[0].result, &Ok(4096));
+        prop_assert_eq!(dst.read(0, 4096), src.read(0, 4096));
     }
 }

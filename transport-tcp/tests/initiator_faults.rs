@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{Deadline, Node, Raw, concat, hello_frame, write_frame};
+use common::{Deadline, Node, Raw, challenge_frame, concat, hello_frame, write_frame};
 use fabric_core::testing::{Canaried, pattern};
 use fabric_core::{
     Access, Error, OpError, OpKind, PeerId, PostOutcome, RemoteKey, RemoteRegion, RemoteSlice,
@@ -61,6 +61,11 @@ impl Scene {
             },
             wr: 0,
         };
+        // The fake speaks first, as a target does; the HELLO answers its CHALLENGE.
+        s.fake.send_ok(&challenge_frame(), || {
+            s.a.step();
+            s.real.step();
+        });
         let h = s.fake.read_header(|| {
             s.a.step();
             s.real.step();

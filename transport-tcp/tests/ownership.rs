@@ -6,21 +6,27 @@
 use fabric_core::engine::{Engine, EngineConfig, Transfer};
 use fabric_core::plan::Segment;
 use fabric_core::{Access, Error, HostBuffer, OpError};
+use std::io::Write;
 use std::net::TcpListener;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
+use transport_tcp::auth::Nonce;
+use transport_tcp::frame::Header;
 use transport_tcp::{TcpConfig, TcpTransport};
 
 const PEER_TIMEOUT: Duration = Duration::from_secs(1);
 
 #[test]
 fn a_timed_out_transfer_holds_its_source_until_the_transport_lets_go() {
-    // The stalled peer: accepts connections, never reads or answers.
+    // The stalled peer: accepts connections, sends its CHALLENGE (a target stopped after
+    // its handshake), then never reads or answers.
     let stalled = TcpListener::bind("127.0.0.1:0").unwrap();
     let stalled_addr = format!("tcp://{}", stalled.local_addr().unwrap());
     let (stop_tx, stop_rx) = mpsc::channel::<()>();
     let holder = std::thread::spawn(move || {
-        let (conn, _) = stalled.accept().unwrap();
+        let (mut conn, _) = stalled.accept().unwrap();
+        let nonce = Nonce::new().unwrap();
+        conn.write_all(&Header::challenge(&nonce).encode()).unwrap();
         let _ = stop_rx.recv_timeout(Duration::from_secs(60));
         drop(conn);
     });

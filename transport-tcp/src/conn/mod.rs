@@ -12,6 +12,8 @@
 //! answer after it, until the copy has completed. Host memory never goes through staging.
 //!
 //! The connection's pieces, each in its module:
+//! - [`handshake`]: the target's CHALLENGE, the initiator's HELLO that answers it, and the
+//!   check of the HELLO's tag;
 //! - [`send`]: the outgoing frame queue (frames, batching of WRITEs, vectored writes, staging
 //!   of device payloads);
 //! - [`read`]: the incoming state machine (headers, batches, payloads, HELLO, answers
@@ -29,6 +31,7 @@
 
 mod answer;
 mod credit;
+mod handshake;
 mod place;
 mod read;
 mod send;
@@ -51,6 +54,7 @@ use std::sync::Arc;
 use answer::{Answer, Held};
 pub(crate) use answer::{Inflight, ReadInto};
 use credit::{Credit, EarlyRoom, Granted, WaitingSend};
+use handshake::Handshake;
 use place::Finish;
 pub(crate) use read::ReadOutcome;
 use read::ReadState;
@@ -115,13 +119,11 @@ pub(crate) struct Conn {
     rpos: usize,
     rlen: usize,
     rstate: ReadState,
-    /// An accepted connection until its HELLO arrives.
-    pub awaiting_hello: bool,
+    /// The CHALLENGE and HELLO (see [`handshake`]).
+    handshake: Handshake,
     hello: Option<(u32, u64, Vec<u8>)>,
     /// When the connection was opened (a peer that never says HELLO is dropped).
     pub opened: std::time::Instant,
-    /// Digest of the shared token that an accepted connection's HELLO must carry.
-    auth: Option<[u8; 16]>,
     discard: Box<[u8]>,
     /// Requests answered so far (ACK or NACK).
     answered: u64,
@@ -147,15 +149,11 @@ pub(crate) struct Conn {
 }
 
 impl Conn {
-    /// A connection; `auth` is the token digest an accepted connection's HELLO must carry.
-    pub fn new(
-        stream: TcpStream,
-        peer: PeerId,
-        awaiting_hello: bool,
-        auth: Option<[u8; 16]>,
-    ) -> Conn {
+    /// A connection at the start of `handshake` (see [`Conn::challenging`], [`Conn::initiating`]).
+    fn new(stream: TcpStream, peer: PeerId, handshake: Handshake) -> Conn {
+        let accepted = matches!(handshake, Handshake::Challenged { .. });
         Conn {
-            auth,
+            handshake,
             stream,
             peer,
             out: VecDeque::new(),
@@ -171,7 +169,6 @@ impl Conn {
             rpos: 0,
             rlen: 0,
             rstate: ReadState::Header,
-            awaiting_hello,
             hello: None,
             opened: std::time::Instant::now(),
             discard: Vec::new().into_boxed_slice(),
@@ -179,7 +176,7 @@ impl Conn {
             received: 0,
             unanswered_since: None,
             connecting: None,
-            accepted: awaiting_hello,
+            accepted,
             credit: Credit::Unknown,
             waiting: VecDeque::new(),
             waiting_bytes: 0,

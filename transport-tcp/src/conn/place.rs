@@ -310,7 +310,7 @@ impl Conn {
                 let rail = u32::from_le_bytes(data[0..4].try_into().expect("len >= 12 checked"));
                 let instance =
                     u64::from_le_bytes(data[4..12].try_into().expect("len >= 12 checked"));
-                self.awaiting_hello = false;
+                self.handshake = Handshake::Done;
                 self.hello = Some((rail, instance, data[12..].to_vec()));
             }
             Finish::Rejected { err, wr_id } => self.nack(&err, wr_id, shared),

@@ -332,8 +332,11 @@ impl Conn {
     }
 
     pub(super) fn on_header(&mut self, h: Header, shared: &mut Shared) -> Result<(), TcpError> {
-        if self.awaiting_hello && h.op != Op::Hello {
+        if self.awaiting_hello() && h.op != Op::Hello {
             return Err(TcpError::BeforeHello { op: h.op });
+        }
+        if self.awaiting_challenge() && h.op != Op::Challenge {
+            return Err(TcpError::BeforeChallenge { op: h.op });
         }
         // Only WRITEs carry checksums.
         if h.flags & crate::frame::FLAG_CRC != 0 && h.op != Op::Write {
@@ -344,18 +347,14 @@ impl Conn {
         }
         match h.op {
             Op::Hello => {
-                if !self.awaiting_hello {
+                if !self.awaiting_hello() {
                     return Err(TcpError::UnexpectedHello);
                 }
                 if h.len > MAX_HELLO || h.len < 12 {
                     return Err(TcpError::HelloLength(h.len));
                 }
                 // Checked before anything else of the peer is read (the token is never logged).
-                if let Some(want) = self.auth
-                    && !crate::auth::matches(&want, h.key, h.offset)
-                {
-                    return Err(TcpError::AuthenticationFailed);
-                }
+                self.check_hello_tag(&h)?;
                 self.on_hello_version(h.code, shared)?;
                 self.rstate = ReadState::Payload {
                     dest: Dest::Buffer(Vec::with_capacity(h.len as usize)),
@@ -404,6 +403,7 @@ impl Conn {
                 self.serve_read(&h, shared)?;
             }
             Op::ReadReply => self.start_read_reply(&h)?,
+            Op::Challenge => self.on_challenge(&h)?,
             Op::Ack => {
                 if h.len > self.inflight.len() as u64 {
                     return Err(TcpError::AckOverrun {

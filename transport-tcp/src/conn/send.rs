@@ -164,6 +164,15 @@ impl Conn {
         });
     }
 
+    /// Queues one frame ahead of all others: the HELLO, once the CHALLENGE has come, in
+    /// front of the requests posted meanwhile (none of which has left: see `flush`).
+    pub(super) fn queue_first(&mut self, hdr: Header, payload: Payload) {
+        debug_assert!(self.out.iter().all(|f| f.written == 0));
+        self.queue(hdr, payload);
+        let f = self.out.pop_back().expect("queued just now");
+        self.out.push_front(f);
+    }
+
     /// Queues a WRITE (or a READ, or a READ_REPLY), joining the batch at the end of the
     /// queue if it has not started.
     pub fn queue_write(&mut self, hdr: Header, payload: Payload) {
@@ -222,6 +231,10 @@ impl Conn {
     /// Device payloads leave from the staging ring as their copies complete; the copies of
     /// the next ones run while the socket takes these.
     pub fn flush(&mut self, shared: &mut Shared) -> Result<(), TcpError> {
+        if self.awaiting_challenge() {
+            // Our HELLO goes first, and it needs the CHALLENGE's nonce.
+            return Ok(());
+        }
         self.flush_acks();
         // SEND credit rides on the ACK just queued, if any.
         self.grant_credit(&mut shared.early);

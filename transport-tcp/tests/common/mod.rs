@@ -13,7 +13,8 @@ use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
-use transport_tcp::frame::{FLAG_IMM, HEADER_LEN, Header, Op};
+use transport_tcp::auth::{self, Nonce};
+use transport_tcp::frame::{FLAG_IMM, HEADER_LEN, HELLO_CONTEXT, HELLO_TAG_LEN, Header, Op};
 use transport_tcp::{TcpConfig, TcpTransport};
 
 /// The longest any one wait may take.
@@ -112,7 +113,9 @@ pub fn frame(h: Header, payload: &[u8]) -> Vec<u8> {
 
 static NEXT_INSTANCE: AtomicU64 = AtomicU64::new(1);
 
-/// A HELLO frame with a fresh instance id, as a peer's first frame.
+/// A HELLO frame with a fresh instance id, as a peer's first frame: protocol version 0
+/// (no SEND credit) and a zero tag, which a target without a token takes whatever its
+/// CHALLENGE (it need not be read first).
 pub fn hello_frame() -> Vec<u8> {
     let mut p = Vec::new();
     p.extend_from_slice(&0u32.to_le_bytes());
@@ -120,6 +123,25 @@ pub fn hello_frame() -> Vec<u8> {
     p.extend_from_slice(&instance.to_le_bytes());
     p.extend_from_slice(b"tcp://127.0.0.1:1");
     frame(Header::new(Op::Hello, p.len() as u64), &p)
+}
+
+/// [`hello_frame`] of protocol `version`, carrying the tag that proves `token` for `nonce`
+/// (a CHALLENGE's), as a real initiator's HELLO does.
+pub fn tagged_hello_frame(version: u8, token: &str, nonce: &Nonce) -> Vec<u8> {
+    let mut b = hello_frame();
+    let mut h = Header::decode(b[..HEADER_LEN].try_into().expect("40 bytes")).expect("a HELLO");
+    h.code = version;
+    let tag = auth::tag(token, HELLO_CONTEXT, nonce);
+    h.set_key_offset_bytes(tag[..HELLO_TAG_LEN].try_into().expect("16 bytes"));
+    b[..HEADER_LEN].copy_from_slice(&h.encode());
+    b
+}
+
+/// A CHALLENGE with a fresh nonce, as a target's first frame.
+pub fn challenge_frame() -> Vec<u8> {
+    Header::challenge(&Nonce::new().expect("random nonce"))
+        .encode()
+        .to_vec()
 }
 
 /// A WRITE header.
@@ -188,9 +210,14 @@ impl Answer {
 /// A raw, non-blocking TCP socket speaking the wire format by hand.
 pub struct Raw {
     pub s: TcpStream,
+    /// Connected to a target, whose first frame, its CHALLENGE, is taken into `challenge`
+    /// as it arrives (it is not in `rx`): what a test reads are the answers to its frames.
+    takes_challenge: bool,
+    /// The CHALLENGE the target sent (connections to a target).
+    pub challenge: Option<Header>,
     /// Bytes received and not consumed yet.
     pub rx: Vec<u8>,
-    /// Bytes received in all.
+    /// Bytes received in all (but the CHALLENGE: they count what answers us).
     pub received: usize,
     /// The other side closed (EOF) or reset the connection.
     pub closed: bool,
@@ -217,15 +244,20 @@ impl Raw {
             s.set_recv_buffer_size(n).expect("SO_RCVBUF");
         }
         s.connect(&SockAddr::from(to)).expect("connect");
-        Raw::from_stream(s.into())
+        let mut r = Raw::from_stream(s.into());
+        r.takes_challenge = true;
+        r
     }
 
-    /// Wraps an accepted or connected stream.
+    /// Wraps an accepted or connected stream (posing as a target: it sends its CHALLENGE
+    /// itself, if any).
     pub fn from_stream(s: TcpStream) -> Raw {
         s.set_nodelay(true).expect("TCP_NODELAY");
         s.set_nonblocking(true).expect("non-blocking");
         Raw {
             s,
+            takes_challenge: false,
+            challenge: None,
             rx: Vec::new(),
             received: 0,
             closed: false,
@@ -282,12 +314,43 @@ impl Raw {
                 Ok(n) => {
                     self.rx.extend_from_slice(&buf[..n]);
                     self.received += n;
+                    self.take_challenge();
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) if broken(&e) => self.closed = true,
                 Err(e) => panic!("raw read: {e}"),
             }
+        }
+    }
+
+    /// Takes the target's CHALLENGE off the front of `rx`, once it is all there.
+    fn take_challenge(&mut self) {
+        if !self.takes_challenge || self.challenge.is_some() || self.rx.len() < HEADER_LEN {
+            return;
+        }
+        let b: Vec<u8> = self.rx.drain(..HEADER_LEN).collect();
+        self.received -= HEADER_LEN;
+        let h = Header::decode(b[..].try_into().expect("40 bytes")).expect("a header");
+        assert_eq!(
+            (h.op, h.len, h.flags),
+            (Op::Challenge, 0, 0),
+            "a target's first frame: {h:?}"
+        );
+        self.challenge = Some(h);
+    }
+
+    /// Waits for the target's CHALLENGE and returns its nonce.
+    pub fn nonce(&mut self, mut step: impl FnMut()) -> Nonce {
+        let d = Deadline::new("the target's CHALLENGE");
+        loop {
+            self.pump();
+            if let Some(h) = self.challenge {
+                return Nonce::from_bytes(h.key_offset_bytes());
+            }
+            assert!(!self.closed, "the connection closed before its CHALLENGE");
+            step();
+            d.check();
         }
     }
 
