@@ -1,7 +1,8 @@
 //! The control channel of `xfer serve`: JSON lines over TCP, out of band of the data path.
 //!
 //! ```text
-//! client: {"op":"hello","version":1,"transport":"tcp"}
+//! server: {"op":"challenge","version":2,"nonce":"5f0c..."}
+//! client: {"op":"hello","version":2,"transport":"tcp","auth":"<hex HMAC-SHA256 of the nonce>"}
 //! server: {"ok":true,"transport":"tcp","address":"tcp://127.0.0.1:40123","region":{"addr":0,"len":1073741824,"key":...}}
 //! client: {"op":"verify","seed":1,"page_size":65536,"pages":[3,17,...]}
 //! server: {"ok":true,"checked":1000,"mismatches":0,"first_mismatch":null}
@@ -24,11 +25,20 @@
 //! and ends; the control connection stays.
 //! Each control connection gets a region of its own, deregistered when it closes.
 //!
-//! The server is bounded against clients that misbehave ([`ServeLimits`]): a cap on clients
-//! at once and on the bytes their regions hold in all, a deadline for the hello and for each
-//! request line once it has begun, and a cap on a request's size. The token, when set, is
-//! checked before anything is allocated. Every refusal is a JSON reply with the reason
-//! (and a log line), then the connection closes.
+//! The server greets every connection first with a fresh random nonce; a client with the
+//! shared token (`--auth-token`) answers it in its hello with an HMAC of the nonce
+//! ([`transport_tcp::auth`]), so a hello seen once cannot be replayed. The token, when set,
+//! is checked before anything is allocated; tags are compared in constant time.
+//!
+//! Until its hello is complete, a connection lives in one event loop ([`crate::door`]):
+//! no thread, no client's place, a short deadline, and caps per address and in all that
+//! close the oldest pending connection to make room, so silent or trickling connections
+//! cannot keep legitimate clients out. A client takes a place (`--max-clients`) only once its
+//! hello has been judged; a full server says so with a time to ask again, which `bench`
+//! honours. The server is bounded further ([`ServeLimits`]): the bytes the clients' regions
+//! hold in all and the rate of new ones, a deadline for each request line once it has
+//! begun, and a cap on a request's size. Every refusal is a JSON reply with the reason (and a
+//! log line), then the connection closes.
 
 use crate::backend::{BackendArgs, MemoryKind, TransportKind};
 use crate::placement::CorePin;
@@ -42,8 +52,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-/// Protocol version.
-pub const VERSION: u32 = 1;
+/// Protocol version (2: the server greets with a nonce, the hello answers it).
+pub const VERSION: u32 = 2;
+/// What an authentication tag of the control port is an HMAC of, beside the nonce: a tag
+/// made for another purpose (a data connection's) does not pass here.
+pub const AUTH_CONTEXT: &str = "xfer control hello v2";
+/// How long a client waits for the server's greeting.
+const GREETING_WITHIN: Duration = Duration::from_secs(10);
+/// After a refusal for a full server (`--max-clients`), the time the server tells the
+/// client to wait before asking again.
+const FULL_RETRY: Duration = Duration::from_millis(200);
 /// Longest reply line a client accepts.
 const MAX_LINE: u64 = 64 << 20;
 
@@ -62,9 +80,18 @@ pub struct ServeLimits {
     /// 0: no rate.
     #[arg(long, default_value = "8GiB", value_parser = crate::size::parse_size)]
     pub region_rate: u64,
-    /// Seconds a new connection has to complete its hello.
+    /// Seconds a new connection has to complete its hello (it holds no client's place
+    /// meanwhile).
     #[arg(long, default_value_t = 10)]
     pub hello_timeout: u64,
+    /// Connections waiting for their hello, in all; past it the oldest is closed to make
+    /// room.
+    #[arg(long, default_value_t = 4096)]
+    pub max_pending: usize,
+    /// Connections of one IP address waiting for their hello; past it that address's
+    /// oldest is closed to make room.
+    #[arg(long, default_value_t = 256)]
+    pub max_pending_per_address: usize,
     /// Seconds a request line may take once its first byte has arrived.
     #[arg(long, default_value_t = 30)]
     pub request_timeout: u64,
@@ -79,8 +106,9 @@ pub struct ServeLimits {
 pub enum Refusal {
     /// --max-clients reached.
     ServerFull,
-    /// Over --max-clients while the refusal queue was full: dropped unanswered.
-    QueueFull,
+    /// Closed while waiting for its hello, to make room for a newer connection
+    /// (--max-pending, --max-pending-per-address).
+    Evicted,
     /// --max-region-bytes reached.
     RegionBudget,
     /// New regions faster than --region-rate.
@@ -108,7 +136,7 @@ impl Refusal {
     /// Every reason, in label order.
     pub const ALL: [Refusal; 12] = [
         Refusal::ServerFull,
-        Refusal::QueueFull,
+        Refusal::Evicted,
         Refusal::RegionBudget,
         Refusal::RegionRate,
         Refusal::HelloTimeout,
@@ -125,7 +153,7 @@ impl Refusal {
     pub fn name(self) -> &'static str {
         match self {
             Refusal::ServerFull => "server_full",
-            Refusal::QueueFull => "queue_full",
+            Refusal::Evicted => "evicted",
             Refusal::RegionBudget => "region_budget",
             Refusal::RegionRate => "region_rate",
             Refusal::HelloTimeout => "hello_timeout",
@@ -149,6 +177,8 @@ pub struct ServeStats {
     pub region_bytes: AtomicU64,
     /// Clients admitted so far.
     pub admitted: AtomicU64,
+    /// Connections waiting for their hello now.
+    pub pending: AtomicUsize,
     /// Refusals so far, by [`Refusal`] (in the order of [`Refusal::ALL`]).
     refusals: [AtomicU64; Refusal::ALL.len()],
 }
@@ -411,7 +441,8 @@ pub enum Request {
         /// write to; the first when absent.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         worker: Option<u32>,
-        /// Hex digest of the client's shared token (never the token), if it has one.
+        /// The client's answer to the greeting's nonce, if it has the shared token: the
+        /// HMAC-SHA256 of the nonce keyed by the token ([`AUTH_CONTEXT`]), in hex.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         auth: Option<String>,
     },
@@ -444,6 +475,19 @@ pub enum Request {
         /// Connections the client will open (1 to [`crate::sink::MAX_STREAMS`]).
         streams: u32,
     },
+}
+
+impl Request {
+    /// The request's `op`, as it travels.
+    fn op(&self) -> &'static str {
+        match self {
+            Request::Hello { .. } => "hello",
+            Request::Verify { .. } => "verify",
+            Request::Fill { .. } => "fill",
+            Request::Echo { .. } => "echo",
+            Request::Sink { .. } => "sink",
+        }
+    }
 }
 
 /// The answer to `sink`.
@@ -519,8 +563,10 @@ pub fn parse_peer(s: &str) -> Result<SocketAddr, String> {
 
 /// Serves clients until the process is stopped.
 ///
-/// Each client's region is allocated by its control thread, which first prefers the memory
-/// node of `pin` (the serving worker's) when it is set.
+/// Connections wait for their hello in one event loop ([`crate::door`]); a hello that
+/// passes (version, token, a free place) gets a thread of its own, which allocates the
+/// client's region, preferring the memory node of `pin` (the serving worker's) when it is
+/// set.
 pub fn serve(
     listener: TcpListener,
     groups: Vec<ServedGroup>,
@@ -530,67 +576,171 @@ pub fn serve(
     limits: ServeLimits,
     stats: Arc<ServeStats>,
 ) -> std::io::Result<()> {
+    raise_fd_limit();
     let rate = std::sync::Mutex::new(RegionRate::new(limits.region_rate, Instant::now()));
+    let door = crate::door::Door::new(
+        listener,
+        crate::door::DoorLimits {
+            hello_timeout: Duration::from_secs(limits.hello_timeout),
+            max_pending: limits.max_pending,
+            max_pending_per_address: limits.max_pending_per_address,
+            max_hello_bytes: usize::try_from(limits.max_request_bytes.min(MAX_HELLO))
+                .unwrap_or(usize::MAX),
+        },
+    )?;
     let budget = Arc::new(Budget {
         limits,
         stats,
         rate,
     });
-    // Connections over the cap are answered by one thread, one at a time (each read of
-    // their hello bounded by a second), so a flood costs a bounded queue, not a thread each.
-    let (refuse, refused) = crossbeam_channel::bounded::<(TcpStream, String)>(64);
-    std::thread::Builder::new()
-        .name("xfer-refuse".into())
-        .spawn(move || {
-            for (conn, why) in refused {
-                refuse_client(conn, &why);
+    let token = backend.auth_token.clone();
+    let judged = budget.clone();
+    let closed_stats = budget.stats.clone();
+    let pending_stats = budget.stats.clone();
+    door.run(
+        greeting,
+        |hello| judge(&judged, token.as_deref(), hello),
+        move |a: crate::door::Admitted<(Request, ClientSlot)>| {
+            let (hello, slot) = a.admitted;
+            let groups = groups.clone();
+            let backend = backend.clone();
+            let from = Some(a.from);
+            let spawned = std::thread::Builder::new()
+                .name("xfer-control".into())
+                .spawn(move || {
+                    if let Some(p) = pin {
+                        p.prefer_memory_here("xfer-control");
+                    }
+                    match client(a.conn, from, slot, hello, &groups, region_size, &backend) {
+                        Ok(()) => tracing::info!(?from, "control connection ended"),
+                        Err(e) => tracing::warn!(?from, reason = %e, "control connection closed"),
+                    }
+                });
+            if let Err(e) = spawned {
+                // The slot went with the closure: the place is free again.
+                tracing::warn!(?from, error = %e, "no thread for a client");
             }
-        })?;
-    for conn in listener.incoming() {
-        let conn = match conn {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(error = %e, "accept failed");
-                continue;
-            }
-        };
-        let from = conn.peer_addr().ok();
-        // The hello is due counted from here, however late its thread starts.
-        let accepted = Instant::now();
-        let slot = match budget.admit() {
-            Ok(s) => s,
-            Err(why) => {
-                // A full refusal queue drops the connection unanswered.
-                match refuse.try_send((conn, why.clone())) {
-                    Ok(()) => budget.stats.refuse(Refusal::ServerFull, from, &why),
-                    Err(_) => budget.stats.refuse(
-                        Refusal::QueueFull,
-                        from,
-                        &format!("{why}; dropped unanswered (refusal queue full)"),
-                    ),
-                }
-                continue;
-            }
-        };
-        let groups = groups.clone();
-        let backend = backend.clone();
-        let spawned = std::thread::Builder::new()
-            .name("xfer-control".into())
-            .spawn(move || {
-                if let Some(p) = pin {
-                    p.prefer_memory_here("xfer-control");
-                }
-                let arrival = Arrival { from, accepted };
-                match client(conn, arrival, slot, &groups, region_size, &backend) {
-                    Ok(()) => tracing::info!(?from, "control connection ended"),
-                    Err(e) => tracing::warn!(?from, reason = %e, "control connection closed"),
-                }
-            });
-        if let Err(e) = spawned {
-            tracing::warn!(?from, error = %e, "no thread for a client");
+        },
+        move |from, why| {
+            let (refusal, reason) = match why {
+                crate::door::Closed::HelloTimeout => (
+                    Refusal::HelloTimeout,
+                    "no complete hello within --hello-timeout",
+                ),
+                crate::door::Closed::TooLong => (Refusal::RequestTooLong, "hello too long"),
+                crate::door::Closed::Evicted => (
+                    Refusal::Evicted,
+                    "closed to make room for newer connections",
+                ),
+            };
+            closed_stats.refuse(refusal, Some(from), reason);
+        },
+        move |n| pending_stats.pending.store(n, Ordering::Relaxed),
+    )
+}
+
+/// The longest hello line (a hello is a few hundred bytes).
+const MAX_HELLO: u64 = 64 << 10;
+
+/// The server's first line on every connection: the protocol version and a fresh nonce
+/// for the hello's authentication tag.
+fn greeting(nonce: &transport_tcp::auth::Nonce) -> Vec<u8> {
+    let mut line = serde_json::to_vec(&Greeting {
+        op: "challenge".into(),
+        version: VERSION,
+        nonce: nonce.to_hex(),
+    })
+    .unwrap_or_default();
+    line.push(b'\n');
+    line
+}
+
+/// The server's greeting (see the module docs).
+#[derive(Serialize, Deserialize, Debug)]
+struct Greeting {
+    /// Always "challenge".
+    op: String,
+    /// The server's protocol version.
+    version: u32,
+    /// The nonce the hello's `auth` answers, in hex.
+    nonce: String,
+}
+
+/// Judges a complete hello in the door: admitted with a client's place, or refused with
+/// the reason (counted and logged).
+fn judge(
+    budget: &Arc<Budget>,
+    token: Option<&str>,
+    hello: crate::door::Hello<'_>,
+) -> crate::door::Verdict<(Request, ClientSlot)> {
+    let from = Some(hello.from);
+    let refuse = |why: Refusal, reason: String, retry: Option<Duration>| {
+        budget.stats.refuse(why, from, &reason);
+        crate::door::Verdict::Refuse(envelope_line(&Envelope::<()>::refused(reason, retry)))
+    };
+    let req: Request = match std::str::from_utf8(hello.line)
+        .map_err(|_| "request is not UTF-8".to_owned())
+        .and_then(|l| serde_json::from_str(l).map_err(|e| format!("malformed request: {e}")))
+    {
+        Ok(r) => r,
+        Err(e) => return refuse(Refusal::Malformed, e, None),
+    };
+    let Request::Hello { version, auth, .. } = &req else {
+        return refuse(
+            Refusal::BadRequest,
+            format!(
+                "{} before hello: a connection's first request is its hello",
+                req.op()
+            ),
+            None,
+        );
+    };
+    // Checked before anything else of the hello is used, and before any place is taken.
+    if let Some(want) = token {
+        let tag = auth.as_deref().and_then(|a| hex::decode(a).ok());
+        let ok =
+            tag.is_some_and(|t| transport_tcp::auth::verify(want, AUTH_CONTEXT, hello.nonce, &t));
+        if !ok {
+            return refuse(
+                Refusal::Auth,
+                "authentication failed: no or wrong --auth-token".into(),
+                None,
+            );
         }
     }
-    Ok(())
+    if *version != VERSION {
+        return refuse(
+            Refusal::Version,
+            format!("protocol version {version} not supported (server speaks {VERSION})"),
+            None,
+        );
+    }
+    match budget.admit() {
+        Ok(slot) => crate::door::Verdict::Admit((req, slot)),
+        Err(why) => refuse(Refusal::ServerFull, why, Some(FULL_RETRY)),
+    }
+}
+
+/// Raises this process's soft limit of open files to its hard limit: every connection
+/// waiting for its hello holds a descriptor, and the usual soft limit (1024) is below the
+/// default `--max-pending`.
+fn raise_fd_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into the valid, exclusively borrowed `lim`.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return;
+    }
+    if lim.rlim_cur < lim.rlim_max {
+        lim.rlim_cur = lim.rlim_max;
+        // SAFETY: setrlimit reads the valid rlimit `lim`; raising the soft limit up to the
+        // hard limit needs no privilege.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
+            tracing::debug!("could not raise the open-file limit");
+        }
+    }
 }
 
 /// Reads and drops what a refused client is still sending (at most 1 MiB, for at most
@@ -602,22 +752,6 @@ fn discard_rest(r: &mut BufReader<TcpStream>) {
         .get_ref()
         .set_read_timeout(Some(Duration::from_millis(200)));
     let _ = std::io::copy(&mut r.take(1 << 20), &mut std::io::sink());
-}
-
-/// Reads what a refused client sent first (at most a line, for a second), answers with
-/// the reason and closes: the reason reaches the client before the connection closes.
-fn refuse_client(conn: TcpStream, why: &str) {
-    let Ok(mut w) = conn.try_clone() else { return };
-    let mut r = BufReader::new(conn);
-    let _ = read_line(
-        &mut r,
-        64 << 10,
-        Some(Instant::now() + Duration::from_secs(1)),
-        Duration::from_secs(1),
-    );
-    let _ = w.set_write_timeout(Some(Duration::from_secs(1)));
-    let _ = reply::<()>(&mut w, Err(why.to_owned()));
-    discard_rest(&mut r);
 }
 
 fn reply<T: Serialize>(w: &mut TcpStream, r: Result<T, String>) -> std::io::Result<()> {
@@ -647,9 +781,17 @@ impl<T> Envelope<T> {
 
 /// Writes one reply line.
 fn send_envelope<T: Serialize>(w: &mut TcpStream, env: &Envelope<T>) -> std::io::Result<()> {
-    let mut line = serde_json::to_vec(env).map_err(std::io::Error::other)?;
+    w.write_all(&envelope_line(env))
+}
+
+/// One reply line, newline included.
+fn envelope_line<T: Serialize>(env: &Envelope<T>) -> Vec<u8> {
+    let mut line = serde_json::to_vec(env).unwrap_or_else(|e| {
+        format!("{{\"ok\":false,\"error\":\"internal: cannot encode the reply: {e}\"}}")
+            .into_bytes()
+    });
     line.push(b'\n');
-    w.write_all(&line)
+    line
 }
 
 /// The path for a client that asked `asked`, among the server's `offered` ones.
@@ -750,17 +892,14 @@ fn refuse_for(
     send_envelope(w, &Envelope::<()>::refused(reason, retry))
 }
 
-/// Where a client came from, and when it was accepted (its hello is due from then).
-#[derive(Clone, Copy)]
-struct Arrival {
-    from: Option<SocketAddr>,
-    accepted: Instant,
-}
-
+/// Serves one admitted client, whose hello (`first`, authenticated and of this version
+/// already) was read by the door; then its further requests, each line due within
+/// --request-timeout of its first byte.
 fn client(
     conn: TcpStream,
-    Arrival { from, accepted }: Arrival,
+    from: Option<SocketAddr>,
     mut slot_budget: ClientSlot,
+    first: Request,
     groups: &[ServedGroup],
     region_size: u64,
     backend: &BackendArgs,
@@ -773,51 +912,50 @@ fn client(
     let mut w = conn.try_clone()?;
     let mut r = BufReader::new(conn);
     let mut region: Option<(Arc<dyn MemoryRegion>, GroupRegistration)> = None;
-    let hello_by = accepted + Duration::from_secs(limits.hello_timeout);
+    let mut first = Some(first);
     let result = (|| loop {
-        // Until the hello, the whole line is due by its deadline; then each request line
-        // has --request-timeout from its first byte.
-        let (deadline, within) = if region.is_none() {
-            (Some(hello_by), Duration::from_secs(limits.hello_timeout))
-        } else {
-            (None, Duration::from_secs(limits.request_timeout))
-        };
-        let line = match read_line(&mut r, limits.max_request_bytes, deadline, within) {
-            Ok(l) => l,
-            Err(LineError::Closed) => return Ok(()),
-            Err(e) => {
-                match e.refusal(region.is_none()) {
-                    Some(why) => {
-                        let _ = refuse(&mut w, stats, from, why, e.to_string());
+        let req = match first.take() {
+            Some(hello) => hello,
+            None => {
+                let within = Duration::from_secs(limits.request_timeout);
+                let line = match read_line(&mut r, limits.max_request_bytes, None, within) {
+                    Ok(l) => l,
+                    Err(LineError::Closed) => return Ok(()),
+                    Err(e) => {
+                        match e.refusal(false) {
+                            Some(why) => {
+                                let _ = refuse(&mut w, stats, from, why, e.to_string());
+                            }
+                            None => {
+                                let _ = reply::<()>(&mut w, Err(e.to_string()));
+                            }
+                        }
+                        return Err(e.into());
                     }
-                    None => {
-                        let _ = reply::<()>(&mut w, Err(e.to_string()));
+                };
+                match serde_json::from_str(&line) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        refuse(
+                            &mut w,
+                            stats,
+                            from,
+                            Refusal::Malformed,
+                            format!("malformed request: {e}"),
+                        )?;
+                        return Ok(());
                     }
                 }
-                return Err(e.into());
-            }
-        };
-        let req: Request = match serde_json::from_str(&line) {
-            Ok(r) => r,
-            Err(e) => {
-                refuse(
-                    &mut w,
-                    stats,
-                    from,
-                    Refusal::Malformed,
-                    format!("malformed request: {e}"),
-                )?;
-                return Ok(());
             }
         };
         match req {
+            // Version and token were checked by the door, before the place was taken.
             Request::Hello {
-                version,
                 transport,
                 memory,
                 host_id,
                 worker,
-                auth,
+                ..
             } => {
                 let slot = worker.unwrap_or(0) as usize;
                 if slot >= workers {
@@ -838,31 +976,6 @@ fn client(
                     .filter(|g| g.worker == slot)
                     .map(|g| g.kind)
                     .collect();
-                if let Some(want) = &backend.auth_token
-                    && auth.as_deref()
-                        != Some(hex::encode(transport_tcp::auth_digest(want)).as_str())
-                {
-                    refuse(
-                        &mut w,
-                        stats,
-                        from,
-                        Refusal::Auth,
-                        "authentication failed: no or wrong --auth-token".into(),
-                    )?;
-                    return Ok(());
-                }
-                if version != VERSION {
-                    refuse(
-                        &mut w,
-                        stats,
-                        from,
-                        Refusal::Version,
-                        format!(
-                            "protocol version {version} not supported (server speaks {VERSION})"
-                        ),
-                    )?;
-                    return Ok(());
-                }
                 let same_host = host_id.is_some()
                     && host_id.as_deref() == transport_cuda_ipc::boot_id().ok().as_deref();
                 let kind = match choose(
@@ -1020,6 +1133,7 @@ fn client(
                     per,
                     Duration::from_secs(limits.hello_timeout),
                     Duration::from_secs(limits.request_timeout),
+                    backend.auth_token.as_deref(),
                 );
             }
             Request::Sink { streams } => {
@@ -1064,7 +1178,12 @@ fn client(
                     total: crate::sink::MAX_DURATION,
                     max_bytes: crate::sink::MAX_BYTES,
                 };
-                match crate::sink::drain(&listeners, streams as usize, sink_limits) {
+                match crate::sink::drain(
+                    &listeners,
+                    streams as usize,
+                    sink_limits,
+                    backend.auth_token.as_deref(),
+                ) {
                     Ok(bytes) => tracing::info!(streams, bytes, "sink ended"),
                     Err(e) => tracing::warn!(error = %e, "sink ended"),
                 }
@@ -1086,9 +1205,16 @@ fn client(
 }
 
 /// Answers one client's raw ping-pong (see the module's `echo`): accepts one connection
-/// on `listener` within `accept_within`, then answers rounds of `per` bytes until the
-/// client closes it, a round taking at most `round_within`. Failures end the echo only.
-fn echo(listener: &TcpListener, per: usize, accept_within: Duration, round_within: Duration) {
+/// on `listener` within `accept_within`, checks its answer to a nonce against `token`
+/// ([`crate::raw_auth`]), then answers rounds of `per` bytes until the client closes it, a
+/// round taking at most `round_within`. Failures end the echo only.
+fn echo(
+    listener: &TcpListener,
+    per: usize,
+    accept_within: Duration,
+    round_within: Duration,
+    token: Option<&str>,
+) {
     let conn = match crate::sink::accept_any(
         std::slice::from_ref(listener),
         Instant::now() + accept_within,
@@ -1103,10 +1229,11 @@ fn echo(listener: &TcpListener, per: usize, accept_within: Duration, round_withi
             return;
         }
     };
-    let answered = conn
-        .set_read_timeout(Some(round_within))
-        .and_then(|_| conn.set_write_timeout(Some(round_within)))
-        .and_then(|_| crate::latency::echo_rounds(conn, per));
+    let answered =
+        crate::raw_auth::challenge(&conn, token, crate::raw_auth::ECHO_CONTEXT, round_within)
+            .and_then(|()| conn.set_read_timeout(Some(round_within)))
+            .and_then(|_| conn.set_write_timeout(Some(round_within)))
+            .and_then(|_| crate::latency::echo_rounds(conn, per));
     match answered {
         Ok(rounds) => tracing::info!(rounds, "echo ended"),
         Err(e) => tracing::warn!(error = %e, "echo ended"),
@@ -1117,28 +1244,76 @@ fn echo(listener: &TcpListener, per: usize, accept_within: Duration, round_withi
 pub struct ControlClient {
     w: TcpStream,
     r: BufReader<TcpStream>,
+    /// The nonce the server greeted this connection with.
+    nonce: transport_tcp::auth::Nonce,
+    /// The shared token the hello answered the nonce with, for the raw streams beside.
+    token: Option<String>,
     /// When the last refusal said asking again may succeed: after this long.
     retry: Option<Duration>,
 }
 
+/// The longest a client waits between two tries of a hello the server asked it to repeat
+/// (a full server, or new regions past its rate).
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+
 impl ControlClient {
-    /// Connects with a timeout.
+    /// Connects with a timeout and reads the server's greeting.
     pub fn connect(addr: SocketAddr, timeout: Duration) -> Result<ControlClient, String> {
         let s = TcpStream::connect_timeout(&addr, timeout)
             .map_err(|e| format!("cannot reach peer {addr}: {e}"))?;
+        s.set_read_timeout(Some(GREETING_WITHIN))
+            .map_err(|e| e.to_string())?;
+        let mut r = BufReader::new(s.try_clone().map_err(|e| e.to_string())?);
+        let mut line = String::new();
+        let n = (&mut r).take(MAX_HELLO).read_line(&mut line).map_err(|e| {
+            format!(
+                "no greeting from {addr} within {GREETING_WITHIN:?} ({e}): not an xfer \
+                     serve of protocol {VERSION}?"
+            )
+        })?;
+        if n == 0 {
+            return Err(format!(
+                "{addr} closed the control connection before its greeting"
+            ));
+        }
+        let nonce = match serde_json::from_str::<Greeting>(&line) {
+            Ok(g) if g.op == "challenge" && g.version == VERSION => {
+                transport_tcp::auth::Nonce::from_hex(&g.nonce)
+                    .map_err(|e| format!("malformed greeting from {addr}: {e}"))?
+            }
+            Ok(g) => {
+                return Err(format!(
+                    "{addr} speaks protocol version {} (this xfer speaks {VERSION}): use the \
+                     same xfer on both ends",
+                    g.version
+                ));
+            }
+            Err(_) => {
+                // A refusal before any greeting, or something else entirely.
+                let why = serde_json::from_str::<Envelope<()>>(&line)
+                    .ok()
+                    .and_then(|e| e.error)
+                    .unwrap_or_else(|| format!("unexpected first line {:?}", line.trim_end()));
+                return Err(format!("peer refused: {why}"));
+            }
+        };
         s.set_read_timeout(Some(Duration::from_secs(120)))
             .map_err(|e| e.to_string())?;
-        let r = BufReader::new(s.try_clone().map_err(|e| e.to_string())?);
         Ok(ControlClient {
             w: s,
             r,
+            nonce,
+            token: None,
             retry: None,
         })
     }
 
     /// Connects and asks for a region like [`ControlClient::hello`], asking again on a new
-    /// connection while the server refuses with a time to retry after (--region-rate) and
-    /// that time falls within `within` of the first try.
+    /// connection while the server refuses with a time to retry after (a full server,
+    /// new regions past its --region-rate) and the next try falls within `within` of the
+    /// first. Tries back off: each waits at least what the server asked for and grows by
+    /// half each time (at most [`MAX_BACKOFF`]), with a random quarter more, so that
+    /// clients turned away together do not come back together.
     pub fn connect_hello(
         addr: SocketAddr,
         timeout: Duration,
@@ -1147,17 +1322,23 @@ impl ControlClient {
     ) -> Result<(ControlClient, HelloReply), String> {
         let (transport, memory, worker, token) = hello;
         let until = Instant::now() + within;
+        let mut backoff = Duration::ZERO;
         loop {
             let mut c = ControlClient::connect(addr, timeout)?;
             match c.hello(transport, memory, worker, token) {
                 Ok(h) => return Ok((c, h)),
                 Err(e) => match c.retry {
-                    Some(after) if Instant::now() + after < until => {
+                    Some(asked) => {
+                        backoff = asked.max(backoff.mul_f64(1.5)).min(MAX_BACKOFF);
+                        let after = backoff.mul_f64(1.0 + fastrand::f64() / 4.0);
+                        if Instant::now() + after >= until {
+                            return Err(e);
+                        }
                         tracing::info!(%e, ?after, "asking again");
                         // A back-off the server asked for, not a synchronisation.
                         std::thread::sleep(after);
                     }
-                    _ => return Err(e),
+                    None => return Err(e),
                 },
             }
         }
@@ -1197,14 +1378,22 @@ impl ControlClient {
         worker: Option<u32>,
         token: Option<&str>,
     ) -> Result<HelloReply, String> {
+        self.token = token.map(str::to_owned);
         self.call(&Request::Hello {
             version: VERSION,
             transport: transport.into(),
             memory: Some(memory.into()),
             host_id: transport_cuda_ipc::boot_id().ok(),
             worker,
-            auth: token.map(|t| hex::encode(transport_tcp::auth_digest(t))),
+            auth: token
+                .map(|t| hex::encode(transport_tcp::auth::tag(t, AUTH_CONTEXT, &self.nonce))),
         })
+    }
+
+    /// The shared token this client said hello with: raw streams to the server answer its
+    /// nonces with it ([`crate::raw_auth::answer`]).
+    pub fn token(&self) -> Option<&str> {
+        self.token.as_deref()
     }
 
     /// Asks the server to open a raw TCP echo for rounds of `pages` pages of `page_size`;

@@ -26,7 +26,8 @@
 //!   `xfer_peer_connections`, and `xfer_peer_last_error` (1, with the error as label `error`);
 //! - per group (`group`): `xfer_transfer_latency_seconds` (histogram), `xfer_registered_bytes`,
 //!   `xfer_registered_regions`;
-//! - `serve` only: `xfer_serve_clients`, `xfer_serve_region_bytes`,
+//! - `serve` only: `xfer_serve_clients`, `xfer_serve_pending_handshakes`,
+//!   `xfer_serve_region_bytes`,
 //!   `xfer_serve_clients_admitted_total`, `xfer_serve_refusals_total` (`reason`),
 //!   `xfer_serve_events_dropped_total`.
 
@@ -344,6 +345,13 @@ impl Collector for Snapshots {
             )?;
             family(
                 &mut enc,
+                "xfer_serve_pending_handshakes",
+                "Connections waiting for their hello now (they hold no client's place).",
+                MetricType::Gauge,
+                [(none(), gauge(s.pending.load(Ordering::Relaxed) as u64))],
+            )?;
+            family(
+                &mut enc,
                 "xfer_serve_region_bytes",
                 "Bytes the clients' regions hold now.",
                 MetricType::Gauge,
@@ -544,6 +552,7 @@ mod tests {
             "# TYPE xfer_rail_bytes_total counter",
             "# TYPE xfer_transfer_latency_seconds histogram",
             "# TYPE xfer_serve_clients gauge",
+            "# TYPE xfer_serve_pending_handshakes gauge",
             "xfer_serve_refusals_total{reason=\"hello_timeout\"} 0",
             "xfer_serve_events_dropped_total 0",
         ] {

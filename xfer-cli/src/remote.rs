@@ -142,6 +142,7 @@ fn bench_latency(
     let echo = ctl.echo(w.page_size, w.pages).map_err(CliError::Failed)?;
     let raw = TcpStream::connect_timeout(&echo, Duration::from_secs(5)).and_then(|mut c| {
         c.set_read_timeout(Some(Duration::from_secs(30)))?;
+        crate::raw_auth::answer(&c, ctl.token(), crate::raw_auth::ECHO_CONTEXT)?;
         latency::ping_pong(&mut c, w.page_size, w.pages, w.region_size, count, w.seed)
     });
     let mut raw =
@@ -273,7 +274,7 @@ fn baseline_streams(
         .map_err(|e| CliError::Failed(format!("baseline: {e}")))?;
     let streams = crate::sink::pair(server_rails, &sinks, rails, rail_nics)
         .map_err(|e| CliError::Failed(format!("baseline: {e}")))?;
-    let sent = crate::sink::send(&streams, per_stream, k.region_size)
+    let sent = crate::sink::send(&streams, per_stream, k.region_size, ctl.token())
         .map_err(|e| CliError::Failed(format!("baseline: {e}")))?;
     Ok(sent.gbps())
 }

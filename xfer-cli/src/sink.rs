@@ -110,6 +110,9 @@ pub enum SinkError {
     /// Reading a stream failed.
     #[error("reading a stream: {0}")]
     Read(#[source] std::io::Error),
+    /// A stream did not pass the authentication ([`crate::raw_auth`]).
+    #[error("a stream's authentication: {0}")]
+    Auth(#[source] std::io::Error),
     /// Answering a stream with its count failed.
     #[error("answering a stream: {0}")]
     Answer(#[source] std::io::Error),
@@ -122,10 +125,14 @@ pub enum SinkError {
 /// reads each to EOF (discarding), answers each with its count; returns the bytes of all.
 /// Streams are read at once, a thread each; the first failure is returned once every
 /// stream accepted has ended.
+///
+/// Each stream first passes [`crate::raw_auth::challenge`] against `token` (within the
+/// stall limit); one that does not is counted as failed.
 pub fn drain(
     listeners: &[TcpListener],
     streams: usize,
     limits: SinkLimits,
+    token: Option<&str>,
 ) -> Result<u64, SinkError> {
     let start = Instant::now();
     let accept_by = start + limits.accept_within;
@@ -154,6 +161,13 @@ pub fn drain(
             let spawned = std::thread::Builder::new()
                 .name("xfer-sink".into())
                 .spawn_scoped(scope, move || {
+                    crate::raw_auth::challenge(
+                        &conn,
+                        token,
+                        crate::raw_auth::SINK_CONTEXT,
+                        limits.stall.max(Duration::from_millis(1)),
+                    )
+                    .map_err(SinkError::Auth)?;
                     drain_one(conn, limits.stall, end_by, budget, limits.max_bytes)
                 });
             match spawned {
@@ -387,7 +401,15 @@ fn connect(nic: Option<&RailNic>, to: SocketAddr) -> std::io::Result<TcpStream> 
 /// `footprint / streams` bytes (whole MiB, at least one; cycled) in 1 MiB writes, then
 /// closes its writing side and checks the server's count. Connections and buffers are set
 /// up before the clock starts.
-pub fn send(streams: &[Stream], per_stream: u64, footprint: u64) -> Result<SendReport, SendError> {
+///
+/// Each stream answers the sink's challenge with `token` first
+/// ([`crate::raw_auth::answer`]), before the clock starts.
+pub fn send(
+    streams: &[Stream],
+    per_stream: u64,
+    footprint: u64,
+    token: Option<&str>,
+) -> Result<SendReport, SendError> {
     let n = streams.len().max(1);
     let share = ((footprint / n as u64) as usize / CHUNK).max(1) * CHUNK;
     let mut ready = Vec::with_capacity(streams.len());
@@ -395,12 +417,16 @@ pub fn send(streams: &[Stream], per_stream: u64, footprint: u64) -> Result<SendR
         let mut mem =
             gpu_mem::HostMemory::new(share).map_err(|e| SendError::Memory(e.to_string()))?;
         mem.as_mut_slice().fill(0x5A);
-        let conn = connect(st.nic.as_ref(), st.to).map_err(|source| SendError::Connect {
-            stream: i,
-            nic: st.nic.as_ref().map(|n| n.name.clone()),
-            to: st.to,
-            source,
-        })?;
+        let conn = connect(st.nic.as_ref(), st.to)
+            .and_then(|c| {
+                crate::raw_auth::answer(&c, token, crate::raw_auth::SINK_CONTEXT).map(|()| c)
+            })
+            .map_err(|source| SendError::Connect {
+                stream: i,
+                nic: st.nic.as_ref().map(|n| n.name.clone()),
+                to: st.to,
+                source,
+            })?;
         ready.push((conn, mem));
     }
     let go = Barrier::new(ready.len() + 1);
@@ -542,8 +568,8 @@ mod tests {
                 listeners.iter().map(|l| l.local_addr().unwrap()).collect();
             let streams = pair(&server, &sinks, 3, &[]).unwrap();
             std::thread::scope(|s| {
-                let d = s.spawn(|| drain(&listeners, 3, limits(max_bytes)));
-                let sent = send(&streams, per, 4 << 20);
+                let d = s.spawn(|| drain(&listeners, 3, limits(max_bytes), Some("tok")));
+                let sent = send(&streams, per, 4 << 20, Some("tok"));
                 (sent, d.join().unwrap())
             })
         };

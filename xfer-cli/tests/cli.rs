@@ -668,87 +668,79 @@ fn assert_refused(s: &std::net::TcpStream, flag: &str) {
     assert!(why.contains(flag), "the reason names {flag}: {r}");
 }
 
-const HELLO: &str = "{\"op\":\"hello\",\"version\":1,\"transport\":\"tcp\"}\n";
-
 #[test]
 fn serve_refuses_clients_beyond_its_limits_with_the_reason_and_keeps_serving() {
+    use common::{greeted, said_hello};
     use std::io::Write;
-    use std::net::TcpStream;
     use std::time::{Duration, Instant};
+    // One place: the second client with a hello is refused for it (and told when to ask
+    // again); connections without a hello take no place.
     let server = Server::start_with(&[
         "--max-clients",
-        "2",
-        "--max-region-bytes",
-        "8MiB",
+        "1",
         "--hello-timeout",
         "2",
         "--max-request-bytes",
         "4KiB",
     ]);
     let addr = control_addr(&server);
-
-    // A client whose hello holds the only region the byte cap allows.
-    let mut holder = TcpStream::connect(addr).expect("connect");
-    holder.write_all(HELLO.as_bytes()).expect("hello");
+    let holder = said_hello(addr);
     let r = reply_line(&holder, Duration::from_secs(10)).expect("a reply");
     assert_eq!(r["ok"], true, "{r}");
-
-    // A second hello fits the client cap but not the bytes.
-    let mut second = TcpStream::connect(addr).expect("connect");
-    second.write_all(HELLO.as_bytes()).expect("hello");
-    assert_refused(&second, "--max-region-bytes");
-    // The server closes it after giving its place back.
-    assert!(reply_line(&second, Duration::from_secs(10)).is_none());
+    let (_silent_beside, _) = greeted(addr);
+    let over = said_hello(addr);
+    let r = reply_line(&over, Duration::from_secs(10)).expect("a refusal");
+    assert_eq!(r["ok"], false, "{r}");
+    assert!(
+        r["error"].as_str().unwrap().contains("--max-clients"),
+        "{r}"
+    );
+    assert!(
+        r["retry_ms"].as_u64().is_some_and(|ms| ms > 0),
+        "says when to ask again: {r}"
+    );
 
     // A connection that never completes its hello is closed, with the reason, at its
     // deadline.
-    let silent = TcpStream::connect(addr).expect("connect");
+    let (silent, _) = greeted(addr);
     let started = Instant::now();
     assert_refused(&silent, "--hello-timeout");
     let waited = started.elapsed();
-    // Closed after its place is given back.
     assert!(reply_line(&silent, Duration::from_secs(10)).is_none());
     assert!(
         waited >= Duration::from_millis(1500) && waited < Duration::from_secs(8),
         "closed after {waited:?}, --hello-timeout 2"
     );
 
-    // An oversized request line is refused, not buffered.
-    let mut big = TcpStream::connect(addr).expect("connect");
+    // An oversized hello is refused, not buffered.
+    let (mut big, _) = greeted(addr);
     let mut line = vec![b' '; 64 << 10];
     line.push(b'\n');
     let _ = big.write_all(&line);
     assert_refused(&big, "--max-request-bytes");
-    // Closed after its place is given back.
     assert!(reply_line(&big, Duration::from_secs(10)).is_none());
 
-    // Over the client cap: the holder and one more are in, the next is refused at once.
-    let _other = TcpStream::connect(addr).expect("connect");
-    let mut over = TcpStream::connect(addr).expect("connect");
-    over.write_all(HELLO.as_bytes()).expect("hello");
-    assert_refused(&over, "--max-clients");
-    drop(_other);
-
-    // When the holder leaves, its place and bytes come back: a real bench verifies.
+    // When the holder leaves, its place comes back: a real bench verifies (asking again
+    // while the server has not seen the close yet).
     drop(holder);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let out = Command::new(env!("CARGO_BIN_EXE_xfer"))
-            .args(bench_args(&server.peer))
-            .output()
-            .expect("bench runs");
-        if out.status.success() {
-            assert_bench_verified(&out, "bench after the hostile clients");
-            break;
-        }
-        // The server may not have seen the holder's close yet: the refusal names the cap.
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.contains("server full"), "{err}");
-        assert!(
-            Instant::now() < deadline,
-            "the holder's region never came back: {err}"
-        );
-    }
+    let out = Command::new(env!("CARGO_BIN_EXE_xfer"))
+        .args(bench_args(&server.peer))
+        .output()
+        .expect("bench runs");
+    assert_bench_verified(&out, "bench after the hostile clients");
+
+    // Region bytes: one region fits the cap, a second client's does not, whatever the
+    // places.
+    let server = Server::start_with(&["--max-clients", "4", "--max-region-bytes", "8MiB"]);
+    let addr = control_addr(&server);
+    let holder = said_hello(addr);
+    assert_eq!(
+        reply_line(&holder, Duration::from_secs(10)).expect("a reply")["ok"],
+        true
+    );
+    let second = said_hello(addr);
+    assert_refused(&second, "--max-region-bytes");
+    assert!(reply_line(&second, Duration::from_secs(10)).is_none());
 }
 
 #[test]
@@ -855,19 +847,17 @@ fn bench_latency_times_transfers_and_the_raw_floor_against_the_server() {
 #[test]
 fn the_echo_request_answers_rounds_and_gives_the_control_connection_back() {
     use std::io::{Read, Write};
-    use std::net::TcpStream;
     use std::time::Duration;
     let server = Server::start();
     let addr = control_addr(&server);
     let echo = |pages: u64| format!("{{\"op\":\"echo\",\"page_size\":4096,\"pages\":{pages}}}\n");
-    let mut early = TcpStream::connect(addr).expect("connect");
+    let (mut early, _) = common::greeted(addr);
     early.write_all(echo(1).as_bytes()).expect("send");
     let r = reply_line(&early, Duration::from_secs(10)).expect("a reply");
     assert_eq!(r["ok"], false, "{r}");
     assert!(r["error"].as_str().unwrap().contains("before hello"), "{r}");
 
-    let mut s = TcpStream::connect(addr).expect("connect");
-    s.write_all(HELLO.as_bytes()).expect("hello");
+    let mut s = common::said_hello(addr);
     assert_eq!(
         reply_line(&s, Duration::from_secs(10)).expect("hello reply")["ok"],
         true
@@ -887,7 +877,7 @@ fn the_echo_request_answers_rounds_and_gives_the_control_connection_back() {
         .parse()
         .expect("IP:PORT");
     assert_eq!(at.ip(), addr.ip(), "{r}");
-    let mut e = TcpStream::connect(at).expect("connect to the echo");
+    let mut e = common::raw_stream(at);
     e.set_read_timeout(Some(Duration::from_secs(10)))
         .expect("timeout");
     let mut ack = [0u8; 8];
@@ -974,14 +964,13 @@ fn the_sink_request_counts_streams_and_refuses_before_hello_and_too_many() {
     let server = Server::start_with(&["--hello-timeout", "2"]);
     let addr = control_addr(&server);
     let sink = |n: u32| format!("{{\"op\":\"sink\",\"streams\":{n}}}\n");
-    let mut early = TcpStream::connect(addr).expect("connect");
+    let (mut early, _) = common::greeted(addr);
     early.write_all(sink(1).as_bytes()).expect("send");
     let r = reply_line(&early, Duration::from_secs(10)).expect("a reply");
     assert_eq!(r["ok"], false, "{r}");
     assert!(r["error"].as_str().unwrap().contains("before hello"), "{r}");
 
-    let mut s = TcpStream::connect(addr).expect("connect");
-    s.write_all(HELLO.as_bytes()).expect("hello");
+    let mut s = common::said_hello(addr);
     assert_eq!(
         reply_line(&s, Duration::from_secs(10)).expect("hello reply")["ok"],
         true
@@ -1023,8 +1012,8 @@ fn the_sink_request_counts_streams_and_refuses_before_hello_and_too_many() {
         u64::from_le_bytes(n)
     };
     let at = open(&mut s, 2);
-    let mut a = TcpStream::connect(at).expect("connect stream a");
-    let mut b = TcpStream::connect(at).expect("connect stream b");
+    let mut a = common::raw_stream(at);
+    let mut b = common::raw_stream(at);
     assert_eq!(count(&mut b, 12_345), 12_345);
     assert_eq!(count(&mut a, 3 << 20), 3 << 20);
     let verify = b"{\"op\":\"verify\",\"seed\":1,\"page_size\":4096,\"pages\":[]}\n";
@@ -1035,7 +1024,7 @@ fn the_sink_request_counts_streams_and_refuses_before_hello_and_too_many() {
     // Two asked for, one comes: it is counted, the sink ends at --hello-timeout (2 s),
     // and the control connection answers again.
     let at = open(&mut s, 2);
-    let mut a = TcpStream::connect(at).expect("connect stream a");
+    let mut a = common::raw_stream(at);
     assert_eq!(count(&mut a, 5000), 5000);
     s.write_all(verify).expect("verify");
     let r = reply_line(&s, Duration::from_secs(10)).expect("a reply after the sink ended");

@@ -15,8 +15,7 @@ use common::{Scrape, Server, serve_on_loopback, xfer};
 use fabric_core::engine::{EngineConfig, GroupTransfer, RailGroup, RemoteDescriptor};
 use fabric_core::{Access, HostBuffer};
 use serde_json::Value;
-use std::io::{BufRead, BufReader, Write};
-use std::net::TcpStream;
+use std::io::{BufRead, BufReader};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -126,10 +125,8 @@ struct Client {
 
 fn cycle(client: &Client, ctl: &str, i: usize) {
     let group = &client.group;
-    let mut c = TcpStream::connect(ctl).expect("connect");
+    let c = common::said_hello(ctl.parse().expect("the control address"));
     c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    c.write_all(b"{\"op\":\"hello\",\"version\":1,\"transport\":\"tcp\"}\n")
-        .expect("hello");
     let mut line = String::new();
     BufReader::new(&c).read_line(&mut line).expect("reply");
     let reply: Value = serde_json::from_str(&line).expect("JSON reply");

@@ -231,3 +231,47 @@ impl Scrape {
             .sum()
     }
 }
+
+/// The control protocol's hello (version 2) without a token, as one line.
+pub const HELLO: &str = "{\"op\":\"hello\",\"version\":2,\"transport\":\"tcp\"}\n";
+
+/// A raw control connection to `addr` that has read the server's greeting (its first line,
+/// read a byte at a time so that nothing after it is consumed); returns the connection and
+/// the greeting's nonce (hex).
+pub fn greeted(addr: std::net::SocketAddr) -> (std::net::TcpStream, String) {
+    use std::io::Read;
+    let mut s = std::net::TcpStream::connect(addr).expect("connect to the control port");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("read timeout");
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    while byte[0] != b'\n' {
+        s.read_exact(&mut byte).expect("the server's greeting");
+        line.push(byte[0]);
+    }
+    let v: serde_json::Value = serde_json::from_slice(&line).expect("a JSON greeting");
+    assert_eq!(v["op"], "challenge", "{v}");
+    let nonce = v["nonce"].as_str().expect("a nonce").to_owned();
+    (s, nonce)
+}
+
+/// A raw control connection to `addr` whose hello (without a token) was sent.
+pub fn said_hello(addr: std::net::SocketAddr) -> std::net::TcpStream {
+    use std::io::Write;
+    let (mut s, _) = greeted(addr);
+    s.write_all(HELLO.as_bytes()).expect("hello");
+    s
+}
+
+/// A raw stream to a `sink` or `echo` listener of `serve`, past its authentication without
+/// a token: the server's 16-byte nonce read, 32 zero bytes of tag sent.
+pub fn raw_stream(at: std::net::SocketAddr) -> std::net::TcpStream {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(at).expect("connect to the raw listener");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("read timeout");
+    let mut nonce = [0u8; 16];
+    s.read_exact(&mut nonce).expect("the stream's nonce");
+    s.write_all(&[0u8; 32]).expect("the tag");
+    s
+}
