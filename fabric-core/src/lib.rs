@@ -25,7 +25,10 @@
 //! Dependencies: `serde` (descriptors travel out of band), `thiserror` (the error enum),
 //! `tracing` (logs), `crossbeam-channel` (the engine's command and event channels, with
 //! timeouts and select), `getrandom` (unguessable remote keys), `rustc-hash` (FxHash for
-//! the in-memory transport's small-integer keys, in place of a hasher written here).
+//! the in-memory transport's small-integer keys, in place of a hasher written here),
+//! `postcard` (the compact byte form of the [`metadata`]: a maintained serde format that
+//! reads untrusted input without panicking and grows nothing beyond the input's size) and
+//! `hex` (byte strings in the metadata's JSON form).
 #![warn(missing_docs)]
 
 pub mod engine;
@@ -34,6 +37,7 @@ pub mod fence;
 mod in_place;
 pub mod mem;
 pub mod memory;
+pub mod metadata;
 pub mod plan;
 pub mod recv;
 pub mod stats;
