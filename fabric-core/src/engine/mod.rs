@@ -34,6 +34,7 @@
 
 mod counters;
 mod handle;
+mod notes;
 pub mod rails;
 mod worker;
 
@@ -45,6 +46,7 @@ pub use rails::{
 pub use crate::plan::Direction;
 pub use counters::{CounterSnapshot, Counters, EngineStats, GroupStats};
 pub use handle::{Received, RecvHandle, TransferHandle, TransferResult, TransferStats};
+pub use notes::Notifications;
 
 use crate::error::{Error, OpError, Result};
 use crate::fence::Fence;

@@ -17,6 +17,7 @@
 //! (whose waits are the worker thread's start and end) run on a thread per rail. One rail
 //! after another made set-up time grow as rails times a worker's round trip.
 
+use super::notes::Notifications;
 use super::worker::{Command, Job};
 use super::{
     Engine, EngineConfig, Event, Pending, Slot, Transfer, TransferHandle, TransferResult,
@@ -30,7 +31,7 @@ use crate::stats::LatencyHistogram;
 use crate::transport::Transport;
 use crate::types::{Access, LocalKey, PeerId, RemoteRegion};
 use serde::{Deserialize, Serialize};
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -188,7 +189,8 @@ impl GroupTransfer {
 /// Several engines acting as one endpoint. See the module documentation.
 pub struct RailGroup {
     rails: Vec<Arc<Engine>>,
-    stash: Mutex<HashMap<u32, u64>>,
+    /// Peers' immediate data on every rail, counted per value.
+    notes: Notifications,
     /// What the rails share to take chunks from (see [`Balance`]).
     shared: Arc<Shared>,
     /// The NIC of each rail, where it was named.
@@ -443,8 +445,8 @@ impl RailGroup {
                 latency: LatencyHistogram::default(),
             }),
             nics: vec![None; n],
+            notes: Notifications::new(rails.clone()),
             rails,
-            stash: Mutex::new(HashMap::new()),
         })
     }
 
@@ -815,65 +817,13 @@ impl RailGroup {
     /// (from any rail), or `timeout` passes. Other values seen meanwhile are kept for their
     /// own waiters.
     pub fn wait_imm(&self, imm: u32, count: u64, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            {
-                let mut stash = self.stash.lock().unwrap_or_else(|p| p.into_inner());
-                let have = stash.get(&imm).copied().unwrap_or(0);
-                if have >= count {
-                    if have == count {
-                        stash.remove(&imm);
-                    } else {
-                        stash.insert(imm, have - count);
-                    }
-                    return Ok(());
-                }
-                for e in &self.rails {
-                    while let Ok(ev) = e.events().try_recv() {
-                        if let Some(v) = ev.imm().filter(|&v| v != WARM_UP_IMM) {
-                            *stash.entry(v).or_default() += 1;
-                        }
-                    }
-                }
-                if stash.get(&imm).copied().unwrap_or(0) >= count {
-                    continue;
-                }
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(Error::TimedOut(timeout, "immediate data"));
-            }
-            let mut sel = crossbeam_channel::Select::new();
-            for e in &self.rails {
-                sel.recv(e.events());
-            }
-            // Wakes on any rail's event; the loop drains it above.
-            let _ = sel.ready_timeout(deadline - now);
-        }
+        self.notes.wait_imm(imm, count, timeout)
     }
 
     /// The next event from any rail (warm-up notifications excepted), waiting at most
     /// `timeout`.
     pub fn next_event(&self, timeout: Duration) -> Result<Event> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let mut sel = crossbeam_channel::Select::new();
-            for e in &self.rails {
-                sel.recv(e.events());
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            let ev = match sel.select_timeout(left) {
-                Ok(op) => {
-                    let i = op.index();
-                    op.recv(self.rails[i].events())
-                        .map_err(|_| Error::EngineStopped)?
-                }
-                Err(_) => return Err(Error::TimedOut(timeout, "an event")),
-            };
-            if ev.imm() != Some(WARM_UP_IMM) {
-                return Ok(ev);
-            }
-        }
+        self.notes.next_event(timeout)
     }
 
     /// Sums the counters of all rails.

@@ -1,0 +1,696 @@
+//! [`Agent`]: the one object a user holds. It owns its transports (each a rail group on its
+//! NICs, its workers pinned), registers memory on all of them, connects to peers over the
+//! best transport both offer, moves data and reports what arrived.
+
+use crate::error::{Error, Result};
+use crate::lanes::{self, Lane};
+use crate::nics::{self, NicChoice};
+use crate::options::{AgentOptions, MemoryKind, Role, TransportChoice};
+use crate::placement::{CorePin, WorkerPins};
+use fabric_core::engine::{
+    Direction, GroupPeer, GroupRegistration, GroupStats, GroupTransfer, Notifications, RailGroup,
+    TransferHandle,
+};
+use fabric_core::metadata::{AgentInfo, RegionDescriptor, TransportInfo, TransportKind};
+use fabric_core::{Access, Fence, MemoryLocation, MemoryRegion};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+/// The transport two agents use: the first of cuda-ipc (both hold GPU memory and run on
+/// one host, by boot id), efa, tcp, mem (one process) that both offer. Both sides compute
+/// the same answer from each other's [`AgentInfo`], so neither has to tell the other.
+pub fn resolve(ours: &AgentInfo, theirs: &AgentInfo) -> Result<TransportKind> {
+    let both = |k: TransportKind| ours.transport(k).is_some() && theirs.transport(k).is_some();
+    let gpu = |a: &AgentInfo| matches!(a.memory, MemoryLocation::Cuda { .. });
+    let pick = TransportKind::ALL.into_iter().find(|&k| {
+        both(k)
+            && match k {
+                TransportKind::CudaIpc => ours.same_host(theirs) && gpu(ours) && gpu(theirs),
+                _ => true,
+            }
+    });
+    pick.ok_or_else(|| {
+        let list = |a: &AgentInfo| {
+            let v: Vec<&str> = a.transports.iter().map(|t| t.kind.name()).collect();
+            if v.is_empty() {
+                "nothing".to_owned()
+            } else {
+                v.join(", ")
+            }
+        };
+        Error::NoCommonTransport {
+            peer: theirs.name.clone(),
+            theirs: list(theirs),
+            ours: list(ours),
+        }
+    })
+}
+
+/// How many agents this process has made, for default names.
+static AGENTS: AtomicU64 = AtomicU64::new(0);
+
+/// What an agent is and holds; shared by its handles.
+struct Inner {
+    info: AgentInfo,
+    lanes: Vec<Lane>,
+    notes: Notifications,
+    /// The core whose NUMA node the agent's memory should come from.
+    home: Option<CorePin>,
+    regions: Mutex<Regions>,
+}
+
+/// The agent's registrations, and what keeps foreign memory alive.
+#[derive(Default)]
+struct Regions {
+    next: u64,
+    /// What keeps each registration's memory alive (foreign memory: a Python buffer's
+    /// view, say), with the region the transports hold.
+    keep: HashMap<u64, Kept>,
+    /// Keep-alives of deregistered regions that a transport still held: given back once
+    /// none does.
+    later: Vec<Kept>,
+    /// Regions offered by name (to the rendezvous and the directory).
+    named: BTreeMap<String, RegionDescriptor>,
+}
+
+/// A region's memory and what keeps it alive, released only when the region's `Arc` is the
+/// last one (no transport can still touch it).
+struct Kept {
+    mem: Arc<dyn MemoryRegion>,
+    keep: Option<Box<dyn Send>>,
+}
+
+impl Kept {
+    /// Gives the keep-alive back if nothing else holds the memory; else returns itself.
+    fn release(self) -> std::result::Result<(), Kept> {
+        if Arc::strong_count(&self.mem) > 1 {
+            return Err(self);
+        }
+        let Kept { mem, keep } = self;
+        // The memory goes first: nothing can reach it once the keep-alive is gone.
+        drop(mem);
+        drop(keep);
+        Ok(())
+    }
+}
+
+/// Keep-alives of agents that are gone while a transport still held their memory (a
+/// worker stuck past its shutdown timeout keeps its transport): kept for the process, or
+/// until no transport holds them ([`release_kept`]).
+static KEPT: Mutex<Vec<Kept>> = Mutex::new(Vec::new());
+
+/// Gives back the memory of gone agents that no transport holds any more; returns how many
+/// are still kept. Every registration release calls it too.
+pub fn release_kept() -> usize {
+    let mut kept = KEPT.lock().unwrap_or_else(|p| p.into_inner());
+    let all = std::mem::take(&mut *kept);
+    for k in all {
+        if let Err(k) = k.release() {
+            kept.push(k);
+        }
+    }
+    kept.len()
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // The lanes stop first (their workers, within their shutdown timeout), then what
+        // they no longer hold is given back; what a stuck worker still holds is kept.
+        self.lanes.clear();
+        let r = self.regions.get_mut().unwrap_or_else(|p| p.into_inner());
+        let all: Vec<Kept> = r
+            .keep
+            .drain()
+            .map(|(_, k)| k)
+            .chain(r.later.drain(..))
+            .collect();
+        let mut stuck = 0;
+        for k in all {
+            if let Err(k) = k.release() {
+                stuck += 1;
+                KEPT.lock().unwrap_or_else(|p| p.into_inner()).push(k);
+            }
+        }
+        if stuck > 0 {
+            tracing::warn!(
+                stuck,
+                "agent closed while a transport still holds {stuck} region(s): their memory is \
+                 kept until it lets go, or for the rest of the process"
+            );
+        }
+    }
+}
+
+/// An agent: see the [module docs](self) and the crate's example.
+///
+/// Cheap to clone (a handle); the agent stops when its last handle is dropped (and its
+/// regions' handles with it).
+#[derive(Clone)]
+pub struct Agent {
+    inner: Arc<Inner>,
+}
+
+/// A region registered with an agent, on every transport it offers. A handle: it holds no
+/// reference to the memory (the agent does, until the region is deregistered and no
+/// transport holds it).
+#[derive(Clone, Debug)]
+pub struct Region {
+    id: u64,
+    /// The registration on each transport, in the agent's lane order.
+    regs: Vec<(TransportKind, GroupRegistration)>,
+    descriptor: RegionDescriptor,
+}
+
+impl Region {
+    /// What a peer needs to reach this region (ship it: serde, or
+    /// [`RegionDescriptor::to_bytes`]).
+    pub fn descriptor(&self) -> &RegionDescriptor {
+        &self.descriptor
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> u64 {
+        self.descriptor.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.descriptor.len == 0
+    }
+
+    fn on(&self, kind: TransportKind) -> Result<&GroupRegistration> {
+        self.regs
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .map(|(_, r)| r)
+            .ok_or(Error::RegionNotOnTransport(kind))
+    }
+}
+
+/// A peer an agent is connected to, over one transport.
+#[derive(Clone, Debug)]
+pub struct Peer {
+    info: AgentInfo,
+    kind: TransportKind,
+    group: GroupPeer,
+}
+
+impl Peer {
+    /// What the peer said about itself.
+    pub fn info(&self) -> &AgentInfo {
+        &self.info
+    }
+
+    /// The transport this agent reaches it by.
+    pub fn transport(&self) -> TransportKind {
+        self.kind
+    }
+}
+
+/// A transfer between a local region and a peer's: segments, which way, and what goes
+/// with it. Build it with [`Transfer::segments`] or [`Transfer::pages`], then the builder
+/// methods.
+#[derive(Clone, Debug, Default)]
+pub struct Transfer {
+    segments: Vec<(u64, u64, u64)>,
+    imm: Option<u32>,
+    timeout: Option<Duration>,
+    direction: Direction,
+    after: Option<Arc<dyn Fence>>,
+}
+
+impl Transfer {
+    /// `(local_offset, remote_offset, len)` triples.
+    pub fn segments(segments: Vec<(u64, u64, u64)>) -> Transfer {
+        Transfer {
+            segments,
+            ..Transfer::default()
+        }
+    }
+
+    /// Pages: local page `local[i]` (at `local[i] * local_stride`) and remote page
+    /// `remote[i]` (at `remote[i] * remote_stride`), `len` bytes each.
+    pub fn pages(
+        local: &[u64],
+        local_stride: u64,
+        remote: &[u64],
+        remote_stride: u64,
+        len: u64,
+    ) -> Result<Transfer> {
+        if local.len() != remote.len() {
+            return Err(Error::Engine(fabric_core::Error::InvalidArgument(format!(
+                "{} local pages but {} remote pages",
+                local.len(),
+                remote.len()
+            ))));
+        }
+        if len > local_stride || len > remote_stride {
+            return Err(Error::Engine(fabric_core::Error::InvalidArgument(
+                "the page length exceeds the stride".into(),
+            )));
+        }
+        let mut segments = Vec::with_capacity(local.len());
+        for (&l, &r) in local.iter().zip(remote) {
+            let lo = l.checked_mul(local_stride);
+            let ro = r.checked_mul(remote_stride);
+            match (lo, ro) {
+                (Some(lo), Some(ro)) => segments.push((lo, ro, len)),
+                _ => {
+                    return Err(Error::Engine(fabric_core::Error::InvalidArgument(format!(
+                        "page {l} or {r} overflows its offset"
+                    ))));
+                }
+            }
+        }
+        Ok(Transfer::segments(segments))
+    }
+
+    /// Immediate data the peer is told once every byte of a WRITE has landed.
+    pub fn imm(mut self, imm: u32) -> Transfer {
+        self.imm = Some(imm);
+        self
+    }
+
+    /// Fails with `TimedOut` if not done in time (reported only once no transport touches
+    /// its memory).
+    pub fn timeout(mut self, t: Duration) -> Transfer {
+        self.timeout = Some(t);
+        self
+    }
+
+    /// Makes it a READ: the peer's bytes land in the local region.
+    pub fn read(mut self) -> Transfer {
+        self.direction = Direction::Read;
+        self
+    }
+
+    /// Waits for `fence` (the caller's CUDA stream, say) before any transport touches the
+    /// local memory: see `fabric_core::engine::Transfer` on ordering.
+    pub fn after(mut self, fence: Arc<dyn Fence>) -> Transfer {
+        self.after = Some(fence);
+        self
+    }
+}
+
+/// What an agent can tell about itself: each transport's rail group.
+#[derive(Clone, Debug)]
+pub struct AgentStats {
+    /// Per transport, its group's stats.
+    pub lanes: Vec<(TransportKind, GroupStats)>,
+}
+
+impl Agent {
+    /// Builds an agent: its transports (all that can work here for
+    /// [`TransportChoice::Auto`]), each with its rails on the chosen NICs and its workers
+    /// pinned.
+    pub fn new(o: AgentOptions) -> Result<Agent> {
+        Agent::with_pins(o, None)
+    }
+
+    /// As [`Agent::new`], with each rail's core given (`pins[i]` for rail `i`; several
+    /// agents of one process placed together, one per GPU, take distinct cores).
+    pub fn with_pins(o: AgentOptions, pins: Option<Vec<Option<CorePin>>>) -> Result<Agent> {
+        if let Some(r) = o.rails {
+            lanes::check_rails(r)?;
+        }
+        let kinds = kinds_for(&o)?;
+        let worker_pins = WorkerPins::for_this_machine(o.pin);
+        let home = match o.role {
+            Role::Initiator => worker_pins.initiator,
+            Role::Target => worker_pins.target.or(worker_pins.initiator),
+        };
+        let id = AGENTS.fetch_add(1, Ordering::Relaxed);
+        let name = o
+            .name
+            .clone()
+            .unwrap_or_else(|| format!("xfer-{}-{id}", std::process::id()));
+        let mut lanes_built = Vec::new();
+        for kind in kinds {
+            let choice = match kind {
+                TransportKind::Tcp | TransportKind::Efa => {
+                    let provider = o.efa.provider.as_deref();
+                    match o.role {
+                        Role::Target => nics::choose_to_serve(
+                            &o.nics,
+                            kind,
+                            provider,
+                            lanes::toward(&o),
+                            o.worker,
+                        )?,
+                        Role::Initiator => {
+                            nics::choose(&o.nics, kind, provider, lanes::toward(&o), o.worker)?
+                        }
+                    }
+                }
+                _ => NicChoice::unbound(format!("{kind} does not run on a NIC")),
+            };
+            let rails = o.rails.unwrap_or(choice.default_rails(1));
+            lanes::check_rails(rails)?;
+            let rail_nics = choice.per_rail(rails);
+            let rail_pins = match &pins {
+                Some(p) => (0..rails).map(|i| p.get(i).copied().flatten()).collect(),
+                None => match o.role {
+                    Role::Initiator => worker_pins.rail_pins(worker_pins.initiator, rails, 0),
+                    Role::Target => worker_pins.serve_pins(rails),
+                },
+            };
+            let group = lanes::spawn(
+                kind,
+                &o,
+                rails,
+                &rail_nics,
+                rail_pins,
+                &format!("xfer-{}-{}", kind.name(), o.worker),
+            )?;
+            lanes_built.push(Lane {
+                kind,
+                group: Arc::new(group),
+                nics: choice,
+            });
+        }
+        let memory = match o.memory {
+            MemoryKind::Host => MemoryLocation::Host,
+            MemoryKind::Cuda => MemoryLocation::Cuda { device: o.gpu },
+        };
+        let boot_id = transport_cuda_ipc::boot_id().unwrap_or_default();
+        let mut info = AgentInfo::new(&name, &boot_id, memory);
+        info.hostname = hostname();
+        info.transports = lanes_built
+            .iter()
+            .map(|l| TransportInfo {
+                kind: l.kind,
+                provider: (l.kind == TransportKind::Efa)
+                    .then(|| o.efa.provider.clone())
+                    .flatten(),
+                rails: l.group.addresses(),
+                nics: if l.nics.nics.is_empty() {
+                    Vec::new()
+                } else {
+                    l.group
+                        .rail_nics()
+                        .iter()
+                        .map(|n| n.clone().unwrap_or_default())
+                        .collect()
+                },
+            })
+            .collect();
+        let engines = lanes_built
+            .iter()
+            .flat_map(|l| l.group.rails().iter().cloned())
+            .collect();
+        Ok(Agent {
+            inner: Arc::new(Inner {
+                info,
+                notes: Notifications::new(engines),
+                lanes: lanes_built,
+                home,
+                regions: Mutex::new(Regions::default()),
+            }),
+        })
+    }
+
+    /// What this agent says about itself: ship it to peers (serde, or
+    /// [`AgentInfo::to_bytes`]), who pass it to [`Agent::connect`].
+    pub fn info(&self) -> &AgentInfo {
+        &self.inner.info
+    }
+
+    /// Its name.
+    pub fn name(&self) -> &str {
+        &self.inner.info.name
+    }
+
+    /// The transports it offers, in the order they are tried.
+    pub fn transports(&self) -> Vec<TransportKind> {
+        self.inner.lanes.iter().map(|l| l.kind).collect()
+    }
+
+    /// The rail group of transport `kind`, if the agent offers it (for what the agent does
+    /// not wrap: metrics, per-rail counters).
+    pub fn group(&self, kind: TransportKind) -> Option<&Arc<RailGroup>> {
+        self.lane(kind).ok().map(|l| &l.group)
+    }
+
+    /// The NICs of transport `kind`'s rails and how they were chosen.
+    pub fn nics(&self, kind: TransportKind) -> Option<&NicChoice> {
+        self.lane(kind).ok().map(|l| &l.nics)
+    }
+
+    /// The core whose NUMA node this agent's workers run on: allocate its memory from a
+    /// thread that prefers it ([`CorePin::prefer_memory_here`]).
+    pub fn home(&self) -> Option<CorePin> {
+        self.inner.home
+    }
+
+    fn lane(&self, kind: TransportKind) -> Result<&Lane> {
+        self.inner
+            .lanes
+            .iter()
+            .find(|l| l.kind == kind)
+            .ok_or(Error::RegionNotOnTransport(kind))
+    }
+
+    fn regions(&self) -> MutexGuard<'_, Regions> {
+        self.inner.regions.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Registers `mem` on every transport of the agent, allowing `access` (peers may
+    /// write it with [`Access::REMOTE_WRITE`], read it with [`Access::REMOTE_READ`]; this
+    /// agent's READs land in it with [`Access::LOCAL_WRITE`]).
+    pub fn register(&self, mem: Arc<dyn MemoryRegion>, access: Access) -> Result<Region> {
+        self.register_kept(mem, access, None)
+    }
+
+    /// As [`register`](Self::register), for memory someone else owns: `keep` (a Python
+    /// buffer's view, a tensor) is held until the region is deregistered **and** no
+    /// transport can still touch it, then dropped; never earlier, even when the agent is
+    /// dropped while a transport still holds the region (then it is kept for the process).
+    pub fn register_kept(
+        &self,
+        mem: Arc<dyn MemoryRegion>,
+        access: Access,
+        keep: Option<Box<dyn Send>>,
+    ) -> Result<Region> {
+        let mut regs: Vec<(TransportKind, GroupRegistration)> = Vec::new();
+        for l in &self.inner.lanes {
+            match l.group.register(mem.clone(), access) {
+                Ok(r) => regs.push((l.kind, r)),
+                Err(e) => {
+                    for (kind, r) in &regs {
+                        if let Ok(l) = self.lane(*kind) {
+                            let _ = l.group.deregister(r);
+                        }
+                    }
+                    return Err(e.into());
+                }
+            }
+        }
+        let descriptor = RegionDescriptor {
+            version: fabric_core::metadata::METADATA_VERSION,
+            len: mem.len() as u64,
+            memory: mem.location(),
+            access: Access::from_bits_truncate(
+                access.bits() & (Access::REMOTE_WRITE | Access::REMOTE_READ).bits(),
+            ),
+            transports: regs.iter().map(|(k, r)| (*k, r.remote.clone())).collect(),
+        };
+        let mut r = self.regions();
+        r.next += 1;
+        let id = r.next;
+        r.keep.insert(id, Kept { mem, keep });
+        Ok(Region {
+            id,
+            regs,
+            descriptor,
+        })
+    }
+
+    /// Deregisters `region` from every transport: fails with `RegionInUse` (and changes
+    /// nothing) while transfers that use it are unfinished. Its memory (and keep-alive) is
+    /// given back once no transport holds it. Regions offered by name under it are
+    /// withdrawn.
+    pub fn deregister(&self, region: &Region) -> Result<()> {
+        for (kind, reg) in &region.regs {
+            self.lane(*kind)?.group.deregister(reg)?;
+        }
+        let mut r = self.regions();
+        r.named.retain(|_, d| d != &region.descriptor);
+        if let Some(k) = r.keep.remove(&region.id) {
+            r.later.push(k);
+        }
+        let later = std::mem::take(&mut r.later);
+        for k in later {
+            if let Err(k) = k.release() {
+                r.later.push(k);
+            }
+        }
+        drop(r);
+        release_kept();
+        Ok(())
+    }
+
+    /// Offers `region` under `name`: peers that rendezvous with this agent or find it in
+    /// the directory see it among its regions.
+    pub fn offer(&self, name: &str, region: &Region) {
+        self.regions()
+            .named
+            .insert(name.to_owned(), region.descriptor.clone());
+    }
+
+    /// The regions offered by name.
+    pub fn offered(&self) -> BTreeMap<String, RegionDescriptor> {
+        self.regions().named.clone()
+    }
+
+    /// Connects to the agent `peer` describes, over the best transport both offer
+    /// ([`resolve`]). Connecting to the same agent twice gives two peers.
+    pub fn connect(&self, peer: &AgentInfo) -> Result<Peer> {
+        peer.check()?;
+        let kind = resolve(&self.inner.info, peer)?;
+        let addresses = &peer
+            .transport(kind)
+            .expect("resolve picks a transport both offer")
+            .rails;
+        let group = self.lane(kind)?.group.add_peer(addresses)?;
+        Ok(Peer {
+            info: peer.clone(),
+            kind,
+            group,
+        })
+    }
+
+    /// Disconnects `peer`: its pending transfers fail with `PeerRemoved`.
+    pub fn disconnect(&self, peer: &Peer) -> Result<()> {
+        Ok(self.lane(peer.kind)?.group.remove_peer(&peer.group)?)
+    }
+
+    /// Submits `t` between `local` and the peer's region `remote`. Bad segments fail here,
+    /// before anything moves.
+    pub fn submit(
+        &self,
+        peer: &Peer,
+        local: &Region,
+        remote: &RegionDescriptor,
+        t: Transfer,
+    ) -> Result<TransferHandle> {
+        let lane = self.lane(peer.kind)?;
+        let dst = remote
+            .on(peer.kind)
+            .ok_or(Error::RegionNotOnTransport(peer.kind))?
+            .clone();
+        let g = GroupTransfer {
+            src: local.on(peer.kind)?.clone(),
+            dst,
+            segments: t.segments,
+            imm: t.imm,
+            timeout: t.timeout,
+            direction: t.direction,
+            after: t.after,
+        };
+        Ok(lane.group.submit(&peer.group, g)?)
+    }
+
+    /// Warm-up: a zero-length write on every rail toward `peer`'s `remote` region, so that
+    /// every connection is up before timed work starts; no byte changes.
+    pub fn warm_up(
+        &self,
+        peer: &Peer,
+        local: &Region,
+        remote: &RegionDescriptor,
+        timeout: Duration,
+    ) -> Result<()> {
+        let dst = remote
+            .on(peer.kind)
+            .ok_or(Error::RegionNotOnTransport(peer.kind))?;
+        Ok(self
+            .lane(peer.kind)?
+            .group
+            .warm_up(&peer.group, local.on(peer.kind)?, dst, timeout)?)
+    }
+
+    /// Waits until `count` transfers carrying immediate value `imm` have landed here (over
+    /// any transport), or `timeout` passes.
+    pub fn wait_imm(&self, imm: u32, count: u64, timeout: Duration) -> Result<()> {
+        Ok(self.inner.notes.wait_imm(imm, count, timeout)?)
+    }
+
+    /// The next event (a peer's immediate data), waiting at most `timeout`.
+    pub fn next_event(&self, timeout: Duration) -> Result<fabric_core::engine::Event> {
+        Ok(self.inner.notes.next_event(timeout)?)
+    }
+
+    /// What the agent's transports counted.
+    pub fn stats(&self) -> AgentStats {
+        AgentStats {
+            lanes: self
+                .inner
+                .lanes
+                .iter()
+                .map(|l| (l.kind, l.group.stats()))
+                .collect(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("name", &self.inner.info.name)
+            .field("transports", &self.transports())
+            .finish()
+    }
+}
+
+/// The transports an agent of `o` offers.
+fn kinds_for(o: &AgentOptions) -> Result<Vec<TransportKind>> {
+    let kinds = match o.transport {
+        TransportChoice::Only(k) => {
+            lanes::check_available(k)?;
+            if k == TransportKind::CudaIpc || o.memory == MemoryKind::Cuda {
+                lanes::cuda()?.device(o.gpu)?;
+            }
+            vec![k]
+        }
+        TransportChoice::Auto => {
+            let mut v = Vec::new();
+            if o.memory == MemoryKind::Cuda {
+                // A GPU that is not there fails here, clearly, whatever the transports.
+                lanes::cuda()?.device(o.gpu)?;
+                v.push(TransportKind::CudaIpc);
+            }
+            if plan_has_efa(o) {
+                v.push(TransportKind::Efa);
+            }
+            v.push(TransportKind::Tcp);
+            v
+        }
+    };
+    Ok(kinds)
+}
+
+/// Whether the placement plan gives this agent's worker EFA NICs that libfabric's efa
+/// provider can open (on a p5, the four under its GPU's PCIe switch).
+fn plan_has_efa(o: &AgentOptions) -> bool {
+    let Ok(t) = topology::Topology::discover() else {
+        return false;
+    };
+    let plan = t.plan();
+    let Some(w) = nics::plan_worker(&plan, o.worker) else {
+        return false;
+    };
+    let has = w
+        .nics
+        .iter()
+        .filter_map(|&i| t.nic(i))
+        .any(|n| n.kind == topology::NicKind::Efa);
+    has && lanes::check_available(TransportKind::Efa).is_ok()
+}
+
+/// This host's name, for people (empty if unknown).
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default()
+}

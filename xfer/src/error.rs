@@ -1,0 +1,77 @@
+//! [`Error`], the one error type of this crate: a variant per thing that fails, with the
+//! layer's own error as its source.
+
+use fabric_core::metadata::TransportKind;
+
+/// Why a call of this crate failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An option is out of range or contradicts another (the message says which and why).
+    #[error("{option}: {reason}")]
+    Option {
+        /// The option (as the `xfer` command spells it, e.g. `--rails`).
+        option: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The transport cannot run on this machine (libfabric or CUDA missing).
+    #[error("the {kind} transport cannot run here")]
+    Unavailable {
+        /// The transport.
+        kind: TransportKind,
+        /// Why.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The agent and the peer offer no transport in common.
+    #[error(
+        "no transport in common with {peer}: it offers {theirs}, this agent {ours} \
+         (make both with the same transport, or auto)"
+    )]
+    NoCommonTransport {
+        /// The peer's name.
+        peer: String,
+        /// What the peer offers.
+        theirs: String,
+        /// What this agent offers.
+        ours: String,
+    },
+    /// The peer's region is not registered on the transport this agent reaches it by.
+    #[error("the region is not registered on {0}, the transport this peer is reached by")]
+    RegionNotOnTransport(TransportKind),
+    /// The NICs could not be chosen.
+    #[error("--nics")]
+    Nics(#[from] crate::nics::NicError),
+    /// CUDA is needed and cannot be used.
+    #[error("CUDA")]
+    Cuda(#[from] gpu_mem::GpuMemError),
+    /// The engine (or a transport) failed.
+    #[error(transparent)]
+    Engine(#[from] fabric_core::Error),
+    /// Metadata (an agent's or a region's) is malformed or of another version.
+    #[error(transparent)]
+    Metadata(#[from] fabric_core::metadata::MetadataError),
+    /// The agent was closed.
+    #[error("the agent is closed")]
+    Closed,
+}
+
+impl Error {
+    /// An [`Error::Option`].
+    pub fn option(option: &'static str, reason: impl Into<String>) -> Error {
+        Error::Option {
+            option,
+            reason: reason.into(),
+        }
+    }
+}
+
+impl From<fabric_core::MemoryError> for Error {
+    fn from(e: fabric_core::MemoryError) -> Error {
+        Error::Engine(fabric_core::Error::Memory(e))
+    }
+}
+
+/// Result of this crate's calls.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

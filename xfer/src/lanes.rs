@@ -1,0 +1,233 @@
+//! A lane: one transport of an agent, as a rail group of that backend, its rails on NICs and
+//! its workers pinned. The one place where backends are built from options.
+
+use crate::error::{Error, Result};
+use crate::nics::{NicChoice, RailNic};
+use crate::options::{AgentOptions, MAX_RAILS, MemoryKind};
+use crate::placement::{self, CorePin};
+use fabric_core::engine::{EngineConfig, RailGroup};
+use fabric_core::mem::MemTransport;
+use fabric_core::metadata::TransportKind;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use transport_cuda_ipc::{CudaIpcConfig, CudaIpcTransport};
+use transport_efa::{EfaConfig, EfaTransport};
+use transport_tcp::{TcpConfig, TcpTransport};
+
+/// One transport of an agent.
+pub struct Lane {
+    /// Which transport.
+    pub kind: TransportKind,
+    /// Its rails.
+    pub group: Arc<RailGroup>,
+    /// The NICs its rails run on, and why.
+    pub nics: NicChoice,
+}
+
+/// Checks a rail count against 1 and [`MAX_RAILS`].
+pub fn check_rails(rails: usize) -> Result<()> {
+    match rails {
+        0 => Err(Error::option("--rails", "must be at least 1")),
+        n if n > MAX_RAILS => Err(Error::option(
+            "--rails",
+            format!(
+                "{n} is above the limit of {MAX_RAILS} (each rail is a worker thread with its \
+                 own connection or NIC)"
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The CUDA driver, or why there is none.
+pub fn cuda() -> Result<gpu_mem::Cuda> {
+    gpu_mem::Cuda::probe()?.ok_or_else(|| Error::Unavailable {
+        kind: TransportKind::CudaIpc,
+        source: "no CUDA driver on this machine (libcuda.so.1 not found): use host memory".into(),
+    })
+}
+
+/// Fails at once when `kind` cannot run here at all (efa without a loadable libfabric: the
+/// error names where it was looked for and how to install it).
+pub fn check_available(kind: TransportKind) -> Result<()> {
+    if kind == TransportKind::Efa {
+        transport_efa::library().map_err(|e| Error::Unavailable {
+            kind,
+            source: Box::new(e),
+        })?;
+    }
+    Ok(())
+}
+
+/// The engine settings of `o`'s workers, named `name`.
+pub fn engine_config(o: &AgentOptions, name: &str) -> EngineConfig {
+    let d = EngineConfig::default();
+    EngineConfig {
+        name: name.into(),
+        busy_poll: o.workers.busy_poll,
+        wait_spin: o.workers.wait_spin.unwrap_or(d.wait_spin),
+        linger: o.workers.linger.unwrap_or(d.linger),
+        control_timeout: o.workers.control_timeout.unwrap_or(d.control_timeout),
+        ..d
+    }
+}
+
+/// Starts `rails` rails of `kind` for `o`, named `name`; `nics` (empty: unbound) holds each
+/// rail's NIC (a tcp rail listens on its address and binds to it, an efa rail opens it as
+/// its domain), `pins` each rail's core.
+pub fn spawn(
+    kind: TransportKind,
+    o: &AgentOptions,
+    rails: usize,
+    nics: &[RailNic],
+    pins: Vec<Option<CorePin>>,
+    name: &str,
+) -> Result<RailGroup> {
+    check_rails(rails)?;
+    if !nics.is_empty() && nics.len() != rails {
+        return Err(Error::option(
+            "--nics",
+            format!("{} NICs for {rails} rails", nics.len()),
+        ));
+    }
+    if o.auth_token.is_some() && !matches!(kind, TransportKind::Tcp) {
+        return Err(Error::option(
+            "--auth-token",
+            format!("applies to the tcp transport only, not {kind}"),
+        ));
+    }
+    if o.tcp.checksum && kind != TransportKind::Tcp {
+        return Err(Error::option(
+            "--checksum",
+            format!("applies to the tcp transport only, not {kind}"),
+        ));
+    }
+    let names: Vec<String> = nics.iter().map(|n| n.name.clone()).collect();
+    let nics: Arc<Vec<RailNic>> = Arc::new(nics.to_vec());
+    let pins = Arc::new(pins);
+    let cfg = engine_config(o, name);
+    let worker = name.to_string();
+    let pin = move |i: usize| {
+        placement::pin_worker(pins.get(i).copied().flatten(), &format!("{worker}-{i}"));
+    };
+    let g = match kind {
+        TransportKind::Tcp => {
+            let (token, checksum, copy_nap) =
+                (o.auth_token.clone(), o.tcp.checksum, o.tcp.copy_nap);
+            let timeout = o.workers.control_timeout;
+            let ip = o.listen;
+            let make = move |i: usize| {
+                pin(i);
+                let nic = nics.get(i);
+                let d = TcpConfig::default();
+                TcpTransport::new(TcpConfig {
+                    listen: SocketAddr::new(nic.and_then(|n| n.ip).unwrap_or(ip), 0),
+                    interface: nic.map(|n| n.name.clone()),
+                    auth_token: token.clone(),
+                    copy_nap,
+                    checksum,
+                    peer_timeout: timeout.unwrap_or(d.peer_timeout),
+                    ..d
+                })
+            };
+            spawn_on(rails, names, make, cfg)
+        }
+        TransportKind::CudaIpc => {
+            if o.memory != MemoryKind::Cuda {
+                return Err(Error::option(
+                    "--transport",
+                    "cuda-ipc moves GPU memory: use cuda memory (or the tcp transport)",
+                ));
+            }
+            let cuda = cuda()?;
+            let (device, copy_method) = (o.gpu, o.cuda_ipc.copy_method);
+            RailGroup::spawn(
+                rails,
+                move |i| {
+                    pin(i);
+                    CudaIpcTransport::new(
+                        &cuda,
+                        CudaIpcConfig {
+                            device,
+                            copy_method,
+                            ..CudaIpcConfig::default()
+                        },
+                    )
+                },
+                cfg,
+            )
+        }
+        TransportKind::Mem => RailGroup::spawn(
+            rails,
+            move |i| {
+                pin(i);
+                Ok(MemTransport::new())
+            },
+            cfg,
+        ),
+        TransportKind::Efa => {
+            check_available(kind)?;
+            let mut ec = match &o.efa.provider {
+                Some(p) => EfaConfig::with_provider(p.clone()),
+                None => EfaConfig::default(),
+            };
+            ec = ec
+                .hmem(o.memory == MemoryKind::Cuda)
+                .hmem_device_only(o.efa.device_only);
+            if let Some(nap) = o.efa.idle_nap {
+                ec = ec.idle_nap(nap);
+            }
+            if let Some(ops) = o.efa.gather {
+                ec = ec.max_gather(ops);
+            }
+            let make = move |i: usize| {
+                pin(i);
+                match nics.get(i) {
+                    Some(n) => EfaTransport::new(&ec.clone().domain(n.name.clone())),
+                    None => EfaTransport::new(&ec),
+                }
+            };
+            spawn_on(rails, names, make, cfg)
+        }
+    };
+    let g = g?;
+    let mut b = g.balance();
+    if let Some(h) = o.balance.horizon {
+        b.horizon = h;
+    }
+    if let Some(n) = o.balance.chunks_per_rail {
+        b.chunks_per_rail = n.max(1);
+    }
+    if let Some(m) = o.balance.max_chunk {
+        b.max_chunk = m.max(1);
+    }
+    if let Some(n) = o.balance.in_flight {
+        b.in_flight = n.max(1);
+    }
+    g.set_balance(b);
+    Ok(g)
+}
+
+/// `rails` rails made by `make`: on the NICs `names` (one per rail) when there are any,
+/// else unnamed.
+fn spawn_on<T, F>(
+    rails: usize,
+    names: Vec<String>,
+    make: F,
+    cfg: EngineConfig,
+) -> std::result::Result<RailGroup, fabric_core::Error>
+where
+    T: fabric_core::Transport,
+    F: Fn(usize) -> fabric_core::Result<T> + Send + Sync + 'static,
+{
+    if names.is_empty() {
+        RailGroup::spawn(rails, make, cfg)
+    } else {
+        RailGroup::spawn_on(names, move |i, _| make(i), cfg)
+    }
+}
+
+/// The address NIC choice looks toward: the peers' (`toward`), else where the agent listens.
+pub fn toward(o: &AgentOptions) -> IpAddr {
+    o.toward.unwrap_or(o.listen)
+}

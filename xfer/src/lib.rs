@@ -1,0 +1,63 @@
+//! # xfer
+//!
+//! Move non-contiguous memory (GPU or host) from one machine into another's at line rate,
+//! as one-sided RDMA-style WRITEs and READs: KV-cache pages from prefill to decode, model
+//! weights from trainers to inference servers, any list of scattered segments.
+//!
+//! An [`Agent`] is the one object a program holds. It is built from [`AgentOptions`]
+//! (defaults: every transport that can work here, NICs from the placement plan, workers
+//! pinned near their GPU), registers memory ([`Agent::register`]) and gets back a
+//! [`Region`] whose [`RegionDescriptor`] peers use, says who it is in an [`AgentInfo`],
+//! connects to peers ([`Agent::connect`], over the best transport both offer: cuda-ipc
+//! between GPUs of one host, efa on EFA NICs, tcp otherwise) and moves data
+//! ([`Agent::submit`]); the receiver learns that a WRITE has landed from its immediate
+//! value ([`Agent::wait_imm`]).
+//!
+//! ```
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//! use xfer::{Access, Agent, AgentOptions, HostBuffer, Transfer};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let (a, b) = (Agent::new(AgentOptions::default())?, Agent::new(AgentOptions::default())?);
+//! let src = HostBuffer::new_shared(1 << 20)?;
+//! src.fill(0, 1 << 20, 7)?;
+//! let dst = HostBuffer::new_shared(1 << 20)?;
+//! let s = a.register(src, Access::NONE)?;
+//! let d = b.register(dst.clone(), Access::REMOTE_WRITE)?;
+//! // b.info() and d.descriptor() travel to `a` by any channel (serde, or to_bytes()).
+//! let peer = a.connect(b.info())?;
+//! let pages = Transfer::pages(&[3, 9], 4096, &[0, 1], 4096, 4096)?.imm(42);
+//! a.submit(&peer, &s, d.descriptor(), pages)?.wait(Duration::from_secs(10))?;
+//! b.wait_imm(42, 1, Duration::from_secs(10))?;
+//! assert_eq!(dst.to_vec(0, 8192)?, vec![7; 8192]);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! The layers below, for what this crate does not wrap: `fabric-core` (the transfer engine,
+//! the `Transport` trait, the metadata format) and the backends (`transport-tcp`,
+//! `transport-efa`, `transport-cuda-ipc`).
+//!
+//! Dependencies: the workspace's crates; `serde` and `thiserror` as everywhere; `tracing`
+//! for logs; `if-addrs` lists network interfaces and their addresses for NIC choice
+//! (getifaddrs, with no unsafe code of ours).
+#![warn(missing_docs)]
+
+mod agent;
+mod error;
+pub mod lanes;
+pub mod nics;
+mod options;
+pub mod placement;
+
+pub use agent::{Agent, AgentStats, Peer, Region, Transfer, release_kept, resolve};
+pub use error::{Error, Result};
+pub use options::{
+    AgentOptions, BalanceOptions, CudaIpcOptions, EfaOptions, MAX_RAILS, MemoryKind, Role,
+    TcpOptions, TransportChoice, WorkerOptions,
+};
+
+pub use fabric_core::engine::{Event, TransferHandle as Handle, TransferStats};
+pub use fabric_core::metadata::{AgentInfo, RegionDescriptor, TransportInfo, TransportKind};
+pub use fabric_core::{Access, Fence, HostBuffer, MemoryLocation, MemoryRegion};

@@ -1,0 +1,216 @@
+//! [`AgentOptions`]: everything an [`Agent`](crate::Agent) is built from, in one struct.
+//!
+//! The defaults are what a newcomer wants: `auto` transport (chosen per peer), NICs from
+//! the placement plan, workers pinned near their GPU, one rail per NIC, host memory.
+//! Every knob the `xfer` command has is a field here (the command only parses flags into
+//! it), grouped by the transport it tunes.
+
+use crate::nics::Nics;
+use crate::placement::PinMode;
+use fabric_core::metadata::TransportKind;
+use std::net::IpAddr;
+use std::time::Duration;
+
+/// Which transports an agent offers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TransportChoice {
+    /// Every transport that can work here, the best chosen per peer from what both sides
+    /// offer: cuda-ipc between GPU memory of one host (same boot id), efa where the
+    /// placement plan has EFA NICs, tcp otherwise (see [`crate::resolve`]).
+    #[default]
+    Auto,
+    /// This one only.
+    Only(TransportKind),
+}
+
+impl TransportChoice {
+    /// `auto`, or a transport's name.
+    pub fn from_name(name: &str) -> Option<TransportChoice> {
+        if name == "auto" {
+            return Some(TransportChoice::Auto);
+        }
+        TransportKind::from_name(name).map(TransportChoice::Only)
+    }
+
+    /// Its name (`auto`, `tcp`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportChoice::Auto => "auto",
+            TransportChoice::Only(k) => k.name(),
+        }
+    }
+}
+
+/// Where the memory an agent registers lives.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MemoryKind {
+    /// Host memory.
+    #[default]
+    Host,
+    /// Memory of the agent's CUDA device ([`AgentOptions::gpu`]).
+    Cuda,
+}
+
+impl MemoryKind {
+    /// Its name (`host`, `cuda`).
+    pub fn name(self) -> &'static str {
+        match self {
+            MemoryKind::Host => "host",
+            MemoryKind::Cuda => "cuda",
+        }
+    }
+}
+
+/// Which cores of the placement plan an agent's workers take.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Role {
+    /// The plan's first cores: an agent that initiates transfers.
+    #[default]
+    Initiator,
+    /// The cores after the initiator's: an agent that mostly receives (a server), so that
+    /// an initiator and a target on one host never share a core.
+    Target,
+}
+
+/// Knobs of the tcp transport.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TcpOptions {
+    /// WRITEs from host memory carry a CRC32C that the target checks before placing any
+    /// byte (WRITEs are then at most 4 MiB). Targets check sums that come either way.
+    pub checksum: bool,
+    /// With GPU memory: how long a rail naps between polls while its device copies run.
+    pub copy_nap: Duration,
+}
+
+/// Knobs of the efa (libfabric) transport.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EfaOptions {
+    /// The libfabric provider (`efa` by default; `tcp`, `sockets`, `shm` elsewhere).
+    pub provider: Option<String>,
+    /// How long an idle rail sleeps between CQ reads where the provider gives no
+    /// descriptor to sleep on (`None`: the transport's default).
+    pub idle_nap: Option<Duration>,
+    /// READs or bulk WRITEs of host memory gathered into one provider call (`None`: the
+    /// transport's default).
+    pub gather: Option<usize>,
+    /// With GPU memory: register it with FI_HMEM_DEVICE_ONLY.
+    pub device_only: bool,
+}
+
+impl Default for EfaOptions {
+    fn default() -> Self {
+        EfaOptions {
+            provider: None,
+            idle_nap: None,
+            gather: None,
+            device_only: true,
+        }
+    }
+}
+
+/// Knobs of the cuda-ipc transport.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CudaIpcOptions {
+    /// How batches of copies are issued (`None`: the best that works here).
+    pub copy_method: Option<gpu_mem::CopyMethod>,
+}
+
+/// Knobs of every engine worker (see `fabric_core::engine::EngineConfig`; `None` keeps its
+/// default).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WorkerOptions {
+    /// Busy polling after the last progress before sleeping (zero: sleep at once).
+    pub busy_poll: Duration,
+    /// How long a wait for a transfer spins before it sleeps.
+    pub wait_spin: Option<Duration>,
+    /// How long a worker keeps polling after a completion before it sleeps.
+    pub linger: Option<Duration>,
+    /// Limit of control calls (add a peer, register) and of a silent tcp peer.
+    pub control_timeout: Option<Duration>,
+}
+
+/// How transfers spread over several rails (see `fabric_core::engine::Balance`; `None`
+/// keeps its default).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BalanceOptions {
+    /// What a rail holds in flight, in time at its measured rate.
+    pub horizon: Option<Duration>,
+    /// Chunks per rail a large transfer is cut into.
+    pub chunks_per_rail: Option<u64>,
+    /// The largest first chunk.
+    pub max_chunk: Option<u64>,
+    /// Chunks a rail may always hold in flight.
+    pub in_flight: Option<usize>,
+}
+
+/// Everything an agent is built from. See the [module docs](self).
+#[derive(Clone, Debug)]
+pub struct AgentOptions {
+    /// The agent's name (in its metadata and the cluster directory). Default:
+    /// `xfer-PID-N`.
+    pub name: Option<String>,
+    /// The transports it offers.
+    pub transport: TransportChoice,
+    /// Where the memory it registers lives.
+    pub memory: MemoryKind,
+    /// Its CUDA device (with [`MemoryKind::Cuda`]; also its place in the placement plan).
+    pub gpu: u32,
+    /// The agent's position among the agents of its process (a worker per GPU): which
+    /// worker of the placement plan it is.
+    pub worker: usize,
+    /// Rails (worker threads, each with its own connection or NIC) of each transport.
+    /// `None`: one per NIC chosen, else 1.
+    pub rails: Option<usize>,
+    /// The NICs its tcp and efa rails run on.
+    pub nics: Nics,
+    /// Where its tcp rails listen (a NIC's address replaces it where a NIC is chosen).
+    pub listen: IpAddr,
+    /// The address of the peers it will talk to, if known: `auto` NICs for tcp take the
+    /// route toward it, and none toward loopback. `None`: as for `listen`.
+    pub toward: Option<IpAddr>,
+    /// Whether its workers are pinned to the plan's cores.
+    pub pin: PinMode,
+    /// Which of the plan's cores its workers take.
+    pub role: Role,
+    /// A shared secret tcp peers must prove (never sent).
+    pub auth_token: Option<String>,
+    /// tcp knobs.
+    pub tcp: TcpOptions,
+    /// efa knobs.
+    pub efa: EfaOptions,
+    /// cuda-ipc knobs.
+    pub cuda_ipc: CudaIpcOptions,
+    /// Worker knobs.
+    pub workers: WorkerOptions,
+    /// Rail balance knobs.
+    pub balance: BalanceOptions,
+}
+
+impl Default for AgentOptions {
+    fn default() -> Self {
+        AgentOptions {
+            name: None,
+            transport: TransportChoice::Auto,
+            memory: MemoryKind::Host,
+            gpu: 0,
+            worker: 0,
+            rails: None,
+            nics: Nics::Auto,
+            listen: IpAddr::from([127, 0, 0, 1]),
+            toward: None,
+            pin: PinMode::Auto,
+            role: Role::Initiator,
+            auth_token: None,
+            tcp: TcpOptions::default(),
+            efa: EfaOptions::default(),
+            cuda_ipc: CudaIpcOptions::default(),
+            workers: WorkerOptions::default(),
+            balance: BalanceOptions::default(),
+        }
+    }
+}
+
+/// The most rails one transport of an agent may have: a rail is a worker thread with its
+/// own connection or NIC; the largest hosts have 32 NICs, so this leaves room for
+/// experiments with many TCP connections while keeping threads and sockets bounded.
+pub const MAX_RAILS: usize = 256;
