@@ -34,6 +34,7 @@
 
 mod counters;
 mod handle;
+mod rail_rate;
 pub mod rails;
 mod worker;
 

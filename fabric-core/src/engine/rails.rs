@@ -17,6 +17,7 @@
 //! (whose waits are the worker thread's start and end) run on a thread per rail. One rail
 //! after another made set-up time grow as rails times a worker's round trip.
 
+use super::rail_rate::RailRate;
 use super::worker::{Command, Job};
 use super::{
     Engine, EngineConfig, Event, Pending, Slot, Transfer, TransferHandle, TransferResult,
@@ -206,7 +207,8 @@ pub struct Balance {
     /// Chunks a rail may always hold in flight (of all transfers), whatever its rate.
     pub in_flight: usize,
     /// Beyond `in_flight` chunks, a rail holds what it moves in this long at the rate its
-    /// completed chunks show.
+    /// completed chunks show, counted over windows at least this long (so that chunks
+    /// landing together do not read as a fast link).
     pub horizon: Duration,
     /// The most bytes a rail holds in flight.
     pub max_in_flight_bytes: u64,
@@ -230,15 +232,6 @@ impl Default for Balance {
     }
 }
 
-/// A rail's rate, as its completed chunks show it (updated on its own worker).
-#[derive(Default)]
-struct Rate {
-    /// When its last chunk landed.
-    last: Option<Instant>,
-    /// Bytes per second, smoothed; 0 until a chunk has landed.
-    bytes_per_s: f64,
-}
-
 /// What a group's rails share: the queue of transfers with chunks not taken yet, and each
 /// rail's chunks in flight.
 struct Shared {
@@ -248,7 +241,7 @@ struct Shared {
     /// Their bytes.
     inflight_bytes: Vec<AtomicU64>,
     /// Each rail's rate.
-    rates: Vec<Mutex<Rate>>,
+    rates: Vec<Mutex<RailRate>>,
     links: Vec<Arc<WorkerLink>>,
     balance: Mutex<Balance>,
     /// Latency of the group's successful transfers.
@@ -305,7 +298,7 @@ impl Shared {
         self.rates[rail]
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .bytes_per_s
+            .bytes_per_s()
     }
 
     /// Whether `rail` has room for another chunk (see [`Balance`]).
@@ -351,24 +344,16 @@ impl Shared {
     }
 
     /// A chunk of `bytes` posted at `posted` landed on `rail` (called on its worker): no
-    /// longer in flight, and the rail's rate learns from it. The interval is from the
-    /// rail's previous landing, or from the post when the rail sat idle in between.
+    /// longer in flight, and the rail's rate learns from it, over windows of at least the
+    /// horizon (see [`RailRate`]).
     fn landed(&self, rail: usize, bytes: u64, posted: Instant, ok: bool) {
         self.inflight[rail].fetch_sub(1, Ordering::AcqRel);
         self.inflight_bytes[rail].fetch_sub(bytes, Ordering::AcqRel);
-        let now = Instant::now();
-        let mut r = self.rates[rail].lock().unwrap_or_else(|p| p.into_inner());
-        let from = r.last.map_or(posted, |l| l.max(posted));
-        r.last = Some(now);
-        let dt = now.saturating_duration_since(from).as_secs_f64();
-        if ok && bytes > 0 && dt > 0.0 {
-            let inst = bytes as f64 / dt;
-            r.bytes_per_s = if r.bytes_per_s == 0.0 {
-                inst
-            } else {
-                0.75 * r.bytes_per_s + 0.25 * inst
-            };
-        }
+        let window = self.balance().horizon;
+        self.rates[rail]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .landed(bytes, ok, posted, Instant::now(), window);
     }
 
     /// Posts a chunk of `st` on `rail` (to its worker, without blocking).
@@ -423,7 +408,7 @@ impl RailGroup {
                 queue: Mutex::new(VecDeque::new()),
                 inflight: (0..n).map(|_| AtomicUsize::new(0)).collect(),
                 inflight_bytes: (0..n).map(|_| AtomicU64::new(0)).collect(),
-                rates: (0..n).map(|_| Mutex::new(Rate::default())).collect(),
+                rates: (0..n).map(|_| Mutex::new(RailRate::default())).collect(),
                 links: rails.iter().map(|e| e.link()).collect(),
                 balance: Mutex::new(Balance::default()),
                 latency: LatencyHistogram::default(),
