@@ -30,7 +30,7 @@ use crate::stats::LatencyHistogram;
 use crate::transport::Transport;
 use crate::types::{Access, LocalKey, PeerId, RemoteRegion};
 use serde::{Deserialize, Serialize};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -246,6 +246,22 @@ struct Shared {
     balance: Mutex<Balance>,
     /// Latency of the group's successful transfers.
     latency: LatencyHistogram,
+    /// Which registrations group transfers use (see [`RegionUse`]).
+    regions: Mutex<RegionUse>,
+}
+
+/// The registrations that undecided group transfers use, by their rail-0 key, and those
+/// being deregistered. Each rail's engine refuses to deregister a region its own transfers
+/// use, but only for itself: a group asking every rail would deregister the region on the
+/// rails that hold none of the transfer's chunks and fail on the others, leaving it half
+/// registered (a later transfer failed on the first rails, a later deregistration too). So
+/// the group decides for all rails before it asks any.
+#[derive(Default)]
+struct RegionUse {
+    /// Undecided transfers per registration.
+    transfers: HashMap<LocalKey, usize>,
+    /// Registrations being deregistered: transfers that would use them are refused.
+    closing: HashSet<LocalKey>,
 }
 
 impl Shared {
@@ -255,6 +271,33 @@ impl Shared {
 
     fn balance(&self) -> Balance {
         *self.balance.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn lock_region_use(&self) -> std::sync::MutexGuard<'_, RegionUse> {
+        self.regions.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A transfer from now until it is decided uses the registration whose rail-0 key is
+    /// `key`; refused while that registration is being deregistered.
+    fn hold(&self, key: LocalKey) -> Result<()> {
+        let mut r = self.lock_region_use();
+        if r.closing.contains(&key) {
+            return Err(Error::Op(OpError::LocalKeyInvalid(key)));
+        }
+        *r.transfers.entry(key).or_default() += 1;
+        Ok(())
+    }
+
+    /// A transfer that [held](Self::hold) `key` is decided (called before its handle
+    /// completes, so that whoever waited on it may deregister at once).
+    fn release(&self, key: LocalKey) {
+        let mut r = self.lock_region_use();
+        if let Some(n) = r.transfers.get_mut(&key) {
+            *n -= 1;
+            if *n == 0 {
+                r.transfers.remove(&key);
+            }
+        }
     }
 
     /// The next chunk of the oldest transfer that has one (transfers with none left, or
@@ -412,6 +455,7 @@ impl RailGroup {
                 links: rails.iter().map(|e| e.link()).collect(),
                 balance: Mutex::new(Balance::default()),
                 latency: LatencyHistogram::default(),
+                regions: Mutex::new(RegionUse::default()),
             }),
             nics: vec![None; n],
             rails,
@@ -511,16 +555,30 @@ impl RailGroup {
         })
     }
 
-    /// Deregisters memory from every rail.
+    /// Deregisters memory from every rail, or from none: while a transfer of the group uses
+    /// it, [`Error::RegionInUse`] and it stays registered on every rail (wait for the
+    /// transfer, then deregister).
     pub fn deregister(&self, reg: &GroupRegistration) -> Result<()> {
-        answers(
+        let key = reg.locals.first().copied();
+        if let Some(key) = key {
+            let mut r = self.shared.lock_region_use();
+            if let Some(&transfers) = r.transfers.get(&key) {
+                return Err(Error::RegionInUse { key, transfers });
+            }
+            r.closing.insert(key);
+        }
+        let done = answers(
             self.rails
                 .iter()
                 .zip(&reg.locals)
                 .map(|(e, k)| e.start_deregister(*k)),
         )
         .into_iter()
-        .collect()
+        .collect();
+        if let Some(key) = key {
+            self.shared.lock_region_use().closing.remove(&key);
+        }
+        done
     }
 
     /// Submits a transfer: planned once, cut into chunks, and carried by the rails as they
@@ -592,6 +650,8 @@ impl RailGroup {
             return Ok(handle);
         }
         let sh = &self.shared;
+        let key = t.src.locals[0];
+        sh.hold(key)?;
         if plan.bytes <= chunk {
             // One chunk (or only immediate data): one rail moves it all and its worker
             // sends the immediate data right after its writes (or on its one write), with
@@ -607,6 +667,7 @@ impl RailGroup {
                 if res.is_ok() {
                     shared.latency.record(submitted.elapsed());
                 }
+                shared.release(key);
                 slot.complete(res);
                 // A chunk slot came free on this rail: other transfers' chunks may wait.
                 shared.fill(r);
@@ -627,6 +688,7 @@ impl RailGroup {
             if let Err(e) = self.rails[r].send_cmd(Command::Transfer(job)) {
                 sh.inflight[r].fetch_sub(1, Ordering::AcqRel);
                 sh.inflight_bytes[r].fetch_sub(bytes, Ordering::AcqRel);
+                sh.release(key);
                 return Err(e);
             }
             return Ok(handle);
@@ -1035,10 +1097,16 @@ impl GroupState {
         shared.fill(rail);
     }
 
+    /// Completes the transfer's handle with `r`, its registration no longer used by it.
+    fn complete(&self, r: TransferResult) {
+        self.shared.release(self.srcs[0]);
+        self.slot.complete(r);
+    }
+
     /// Completes the transfer with `error`, or sends its immediate data on `rail` first.
     fn decide(self: Arc<Self>, rail: usize, error: Option<OpError>, ops: u64) {
         if let Some(e) = error {
-            self.slot.complete(Err(e));
+            self.complete(Err(e));
             return;
         }
         let stats = TransferStats {
@@ -1047,7 +1115,7 @@ impl GroupState {
         };
         let Some((v, so, d_o)) = self.imm else {
             self.shared.latency.record(self.submitted.elapsed());
-            self.slot.complete(Ok(stats));
+            self.complete(Ok(stats));
             return;
         };
         let st = self.clone();
@@ -1063,7 +1131,7 @@ impl GroupState {
                 if r.is_ok() {
                     st.shared.latency.record(st.submitted.elapsed());
                 }
-                st.slot.complete(r.map(|s| TransferStats {
+                st.complete(r.map(|s| TransferStats {
                     bytes: stats.bytes,
                     ops: stats.ops + s.ops,
                 }))
