@@ -3,11 +3,15 @@
 //! the engine, 4 transfers in flight; 64 KiB and 4 KiB pages; 1 and 4 rails. Criterion
 //! prints the throughput in GiB/s.
 //!
-//! Bench ids are `transports/PAGE/BACKEND/RAILS` where RAILS is
+//! Bench ids are `transports/PAGE/BACKEND/RAILS` where RAILS says what the initiator is:
 //! - `1rail`: one engine, one transport, one connection;
 //! - `4rail-conns`: one engine whose TCP transport opens 4 connections to the peer;
-//! - `4rail-group`: a `RailGroup` of 4 engines (worker threads), each with its own transport,
-//!   every transfer sharded over them by bytes.
+//! - `4rail-group`: a `RailGroup` of 4 engines (worker threads), each with its own transport
+//!   and connection, every transfer sharded over them by bytes.
+//!
+//! The target is the same in every case: one engine (one worker thread, one transport) that
+//! takes the initiator's 1 or 4 connections, so `4rail-conns` against `4rail-group` compares
+//! one engine with 4 connections against a group of 4 engines, and nothing else.
 //!
 //! `cargo bench -p xfer-benches --bench transports` (add `--features efa` for libfabric).
 
@@ -22,7 +26,7 @@ const TRANSFERS: usize = 64;
 enum Setup {
     /// One engine per side ([`Pair`]); TCP rails are connections inside the transport.
     Engine(Backend),
-    /// A rail group of `n` engines per side ([`GroupPair`]).
+    /// A rail group of `n` engines writing into one target engine ([`GroupPair`]).
     Group(Backend, usize),
 }
 

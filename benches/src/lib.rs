@@ -8,7 +8,9 @@
 //! "Rails" come in two forms: connections inside one transport (`TcpConfig::rails`, one
 //! worker thread), measured by [`Pair`]; and a [`RailGroup`] of one engine (worker thread
 //! and transport) per rail with transfers sharded over them by bytes, measured by
-//! [`GroupPair`].
+//! [`GroupPair`]. Both write into the same kind of target, one engine (one worker thread,
+//! one transport) that takes every connection, so that the two differ only in the
+//! initiator they claim to compare.
 //!
 //! ```
 //! use xfer_benches::{Backend, PageLayout, Pair};
@@ -226,12 +228,16 @@ impl Pair {
     }
 }
 
-/// Two [`RailGroup`]s of one backend in this process, `rails` engines each, local rail `i`
-/// connected to remote rail `i`, with a region registered on every rail of each side.
+/// A [`RailGroup`] of `rails` engines writing into a target of one engine, as [`Pair`]'s
+/// target is: every initiator rail connects to it (`RailGroup::add_peer` pairs local rail
+/// `i` with remote rail `i` modulo the remote's rails, here always its only one), so its one
+/// worker takes `rails` connections, as it takes the `rails` connections of one TCP
+/// transport in [`Pair`]. The source region is registered on every initiator rail, the
+/// target region once.
 pub struct GroupPair {
     /// Posts the writes, sharded over its rails.
     pub initiator: RailGroup,
-    /// Owns the target region.
+    /// Owns the target region: a group of one engine.
     pub target: RailGroup,
     /// The target as a peer of the initiator.
     pub peer: GroupPeer,
@@ -246,11 +252,11 @@ pub struct GroupPair {
 }
 
 impl GroupPair {
-    /// Starts both groups of `rails` rails, registers `region_size` bytes on each side and
-    /// connects the initiator.
+    /// Starts an initiator group of `rails` rails and a target of one, registers
+    /// `region_size` bytes on each side and connects every initiator rail to the target.
     pub fn new(backend: &Backend, rails: usize, region_size: u64) -> Result<GroupPair> {
         let initiator = backend.group(rails, "bench-initiator")?;
-        let target = backend.group(rails, "bench-target")?;
+        let target = backend.group(1, "bench-target")?;
         let (src_buf, dst_buf) = regions(region_size)?;
         let src = initiator.register(src_buf.clone(), Access::NONE)?;
         let dst = target
@@ -268,7 +274,7 @@ impl GroupPair {
         })
     }
 
-    /// Rails of each side.
+    /// Rails of the initiator.
     pub fn rails(&self) -> usize {
         self.initiator.rails().len()
     }
@@ -503,6 +509,41 @@ mod tests {
         let per_rail = pair.initiator.rail_counters();
         assert_eq!(per_rail.len(), 3);
         assert!(per_rail.iter().all(|c| c.bytes > 0), "{per_rail:?}");
+    }
+
+    /// Bytes the target's transport placed and the connections it holds from initiators.
+    fn target_side(target: &Engine) -> (u64, usize) {
+        let t = target
+            .stats()
+            .transport
+            .expect("tcp keeps transport figures");
+        let conns = t.peers.iter().filter(|p| p.passive).map(|p| p.connections);
+        (t.received_bytes, conns.sum())
+    }
+
+    /// `4rail-conns` and `4rail-group` write into the same target: one engine (one worker)
+    /// holding the 4 connections, which places every byte.
+    #[test]
+    fn both_four_rail_setups_write_into_one_target_worker() {
+        let layout = PageLayout::dense(64 << 10, 8 << 20);
+        let conns = Pair::new(&Backend::Tcp { rails: 4 }, 8 << 20).unwrap();
+        let ts = conns.transfers(&layout, 64, 2, 5);
+        run(&conns.initiator, &ts, 2, 2).unwrap();
+        assert_eq!(target_side(&conns.target), (2 * 64 * (64 << 10), 4));
+
+        let group = GroupPair::new(&Backend::Tcp { rails: 1 }, 4, 8 << 20).unwrap();
+        assert_eq!(group.rails(), 4);
+        assert_eq!(group.target.rails().len(), 1, "one target worker");
+        let ts = group.transfers(&layout, 64, 2, 5);
+        group.run(&ts, 2, 2).unwrap();
+        assert_eq!(
+            target_side(&group.target.rails()[0]),
+            (2 * 64 * (64 << 10), 4)
+        );
+        for &(so, d_o, len) in ts.iter().flat_map(|t| &t.segments) {
+            let want = group.src_buf.to_vec(so, len as usize).unwrap();
+            assert_eq!(group.dst_buf.to_vec(d_o, len as usize).unwrap(), want);
+        }
     }
 
     #[test]

@@ -461,3 +461,48 @@ fn small_transfers_go_to_the_least_loaded_rail() {
         "one page on each rail: {per_rail:?}"
     );
 }
+
+/// Deregistering a region that an undecided transfer uses fails on every rail or on none:
+/// the region stays registered and usable on all of them (the rails that held none of the
+/// transfer's chunks used to deregister it, so the next transfer there and the
+/// deregistration after the transfer failed), and once the transfers are decided it
+/// deregisters from every rail.
+#[test]
+fn a_region_in_use_stays_registered_on_every_rail() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let gates: Vec<_> = (0..2).map(|_| Arc::new(AtomicBool::new(false))).collect();
+    let (a, b) = (gated_group(gates.clone()), group(2));
+    let len = 1 << 20;
+    let src = HostBuffer::new_shared(len).unwrap();
+    src.write(0, &pattern(11, len)).unwrap();
+    let dst = HostBuffer::new_shared(len).unwrap();
+    let s = a.register(src.clone(), Access::NONE).unwrap();
+    let d = b.register(dst.clone(), Access::REMOTE_WRITE).unwrap();
+    let peer = a.add_peer(&b.addresses()).unwrap();
+    let page = |p: u64| GroupTransfer::same_pages(s.clone(), d.remote.clone(), &[p], 4096);
+    // One page: one rail's chunk, held there.
+    let first = a.submit(&peer, page(0)).unwrap();
+    match a.deregister(&s) {
+        Err(Error::RegionInUse { transfers: 1, .. }) => {}
+        other => panic!("deregistered under a transfer: {other:?}"),
+    }
+    // Still registered on the other rail: the next page goes there (the least loaded).
+    let second = a.submit(&peer, page(1)).unwrap();
+    for g in &gates {
+        g.store(true, Ordering::Release);
+    }
+    first.wait(T).unwrap();
+    second.wait(T).unwrap();
+    let per_rail = a.rail_counters();
+    assert!(
+        per_rail.iter().all(|c| c.bytes == 4096),
+        "a page on each rail: {per_rail:?}"
+    );
+    assert_eq!(dst.to_vec(0, 8192).unwrap(), src.to_vec(0, 8192).unwrap());
+    a.deregister(&s).unwrap();
+    assert!(
+        a.submit(&peer, page(2)).is_err(),
+        "deregistered from every rail"
+    );
+}

@@ -1,9 +1,11 @@
 //! A target that only calls `wait` and `poll` (as an idle engine does) keeps the provider
 //! progressing: with manual progress (tcp) bytes move only while the target reads its CQ,
-//! and `wait` must wake when they arrive rather than sleep out its time-out.
+//! and `wait` must wake when they arrive rather than sleep out its time-out. And the
+//! engine's waker ends a long `wait` early, whatever that `wait` sleeps on.
 
 mod common;
 
+use fabric_core::testing::eventually;
 use fabric_core::{
     Access, Completion, HostBuffer, LocalSlice, OpKind, PostOutcome, RemoteRegion, RemoteSlice,
     Transport, WorkRequestId,
@@ -136,45 +138,103 @@ fn wait_returns_at_its_timeout_when_idle() {
     assert_eq!(t.poll(&mut out).unwrap(), 0);
 }
 
-/// The engine's waker ends a `wait` at once, from another thread, whether or not the CQ
-/// has a wait descriptor: a submit never waits for the worker's sleep to run out.
-fn waker_ends_a_long_wait(provider: &'static str) {
-    let Some(make) = common::maker(provider) else {
+/// How long the waits that a wake-up must end are asked to last (and, where the CQ has no
+/// descriptor, how long the transport naps): a `wait` the waker does not end runs this long.
+const LONG: Duration = Duration::from_secs(10);
+/// A wait that nothing ends lasts at least its time-out: checked with this one, so that a
+/// woken wait that ends early was ended by its wake-up, not by a `wait` that never sleeps.
+const QUIET: Duration = Duration::from_millis(200);
+
+/// This thread's id, to find it in `/proc/self/task`.
+fn this_thread() -> libc::pid_t {
+    // SAFETY: gettid has no preconditions and cannot fail.
+    unsafe { libc::gettid() }
+}
+
+/// Whether thread `tid` of this process sits in `ppoll` now (the first field of its
+/// `/proc/self/task/TID/syscall` is the number of the call it is blocked in).
+fn in_ppoll(tid: libc::pid_t) -> bool {
+    std::fs::read_to_string(format!("/proc/self/task/{tid}/syscall"))
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<libc::c_long>().ok())
+        == Some(libc::SYS_ppoll)
+}
+
+/// Asserts that `wait(QUIET)` with nothing to end it lasts its time.
+fn quiet_wait_lasts(t: &mut transport_efa::EfaTransport, provider: &str, when: &str) {
+    let start = Instant::now();
+    t.wait(QUIET).unwrap();
+    let took = start.elapsed();
+    assert!(
+        took >= QUIET,
+        "{provider}: a wait of {QUIET:?} with nothing to end it returned after {took:?} {when}"
+    );
+}
+
+/// The engine's waker ends a `wait` from another thread long before its time-out, whatever
+/// `wait` sleeps on: the CQ's descriptor with the wake-up descriptor (tcp), the wake-up
+/// descriptor alone where the CQ has none (sockets; the nap is made as long as the wait, so
+/// that only a wake-up ends it early), or nothing, reading the CQ without sleeping (a
+/// manual-progress provider with `idle_nap` zero: shm). Where `wait` sleeps, the wake-up
+/// comes once the waiting thread is blocked in `ppoll`; a wake-up is also kept for a `wait`
+/// not yet begun, and consumed by the wait it ends.
+fn waker_ends_a_long_wait(provider: &'static str, nap: Duration) {
+    if common::maker(provider).is_none() {
         return;
-    };
-    let mut t = make();
+    }
+    let mut t = transport_efa::EfaTransport::new(&common::config(provider).idle_nap(nap))
+        .expect("open endpoint");
     let waker = t.waker();
-    let long = Duration::from_secs(30);
-    for _ in 0..3 {
-        let w = waker.clone();
-        let (go_tx, go_rx) = mpsc::channel::<()>();
+    quiet_wait_lasts(&mut t, provider, "before any wake-up");
+    let sleeps = !nap.is_zero();
+    for round in 0..3 {
+        // While the wait runs (once it sleeps in ppoll, where it sleeps), from another thread.
+        let (w, me) = (waker.clone(), this_thread());
         let poker = std::thread::spawn(move || {
-            go_rx.recv().unwrap();
-            std::thread::sleep(Duration::from_millis(20));
+            if sleeps {
+                eventually("the waiting thread sleeps in ppoll", LONG / 2, || {
+                    in_ppoll(me)
+                });
+            }
             w.wake();
         });
-        go_tx.send(()).unwrap();
         let start = Instant::now();
-        // A provider whose CQ has no descriptor naps briefly instead; either way the wait
-        // must end long before its 30 s.
-        while start.elapsed() < Duration::from_millis(20) {
-            t.wait(long).unwrap();
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "wait ran {:?} despite the wake-up",
-            start.elapsed()
-        );
+        t.wait(LONG).unwrap();
+        let took = start.elapsed();
         poker.join().unwrap();
+        assert!(
+            took < LONG / 2,
+            "{provider}, round {round}: a wait of {LONG:?} woken from another thread ran {took:?}"
+        );
+        quiet_wait_lasts(
+            &mut t,
+            provider,
+            "after a woken one (the wake-up was not consumed)",
+        );
     }
+    // Before the wait: kept for it.
+    waker.wake();
+    let start = Instant::now();
+    t.wait(LONG).unwrap();
+    let took = start.elapsed();
+    assert!(
+        took < LONG / 2,
+        "{provider}: a wait of {LONG:?} after a wake-up ran {took:?}"
+    );
+    quiet_wait_lasts(&mut t, provider, "after the kept wake-up");
 }
 
 #[test]
 fn tcp_waker_ends_a_long_wait() {
-    waker_ends_a_long_wait("tcp");
+    waker_ends_a_long_wait("tcp", LONG);
 }
 
 #[test]
 fn sockets_waker_ends_a_long_wait() {
-    waker_ends_a_long_wait("sockets");
+    waker_ends_a_long_wait("sockets", LONG);
+}
+
+#[test]
+fn shm_waker_ends_a_long_spinning_wait() {
+    waker_ends_a_long_wait("shm", Duration::ZERO);
 }

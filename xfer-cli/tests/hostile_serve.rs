@@ -8,11 +8,14 @@
 //! verifies every byte, before, during and after.
 //!
 //! The bench's throughput alone and beside the hostiles is measured in the same test and
-//! printed (`-- --nocapture`); the issue asks for at least 0.8 of it. On CI's two shared
-//! cores, where the hostile threads and the server's refusals take the same cores as the
-//! bench, the ratio varies from run to run, so the test asserts it only with
-//! `XFER_ASSERT_HOSTILE_RATIO=1` (`scripts/bench.sh`-style runs on a quiet machine); it
-//! always asserts correctness and liveness.
+//! printed (`-- --nocapture`) with their ratio (best run beside the hostiles over best run
+//! alone); the issue asks for at least 0.8. One run does not decide that: on CI's two
+//! shared cores the hostile threads and the server's refusals take the same cores as the
+//! bench, and the ratio varies from run to run. `scripts/hostile-ratio.sh` decides it: a
+//! release build, this test 3 times with `XFER_ASSERT_HOSTILE_RATIO=1` (under which each
+//! run asserts its own ratio), each ratio and the median printed, failing when the median
+//! is below 0.8 or a run fails. Without the variable the test asserts correctness and
+//! liveness only.
 
 mod common;
 

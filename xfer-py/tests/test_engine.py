@@ -5,6 +5,7 @@ import asyncio
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -313,18 +314,46 @@ def test_a_registration_keeps_its_memory_alive_until_closed():
         assert alive2() is None, "the engine's close gave the array back"
 
 
-def test_a_registration_in_use_cannot_be_closed_and_loses_nothing(pair):
-    a, b, p = pair
-    src = np.ones(64 << 20, dtype=np.uint8)
-    rs, rd = a.register(src), b.register(np.zeros(64 << 20, dtype=np.uint8))
-    h = a.write(p, rs, rd.descriptor, [(0, 0, 64 << 20)])
+@pytest.mark.parametrize("rails", [1, 2])
+def test_a_registration_in_use_cannot_be_closed_and_loses_nothing(rails):
+    """Closing a registration that an unfinished transfer reads raises RegionInUse and
+    leaves it open and usable; once the transfers complete, the target holds exactly the
+    source's bytes and the registration closes. The transfers cannot finish early: the
+    target's process is stopped (SIGSTOP), so nothing it receives is placed or acknowledged
+    until it goes on. With two rails each transfer is one chunk on one rail, and the rail
+    that holds none of it must not deregister the region either."""
+    size = 64 * PAGE
+    half = size // 2
+    proc, addr, desc = spawn_peer("--transport", "tcp", "--bytes", str(size))
     try:
-        rs.close()
-    except xfer.RegionInUse:
-        assert not rs.closed  # still open, still usable
-    h.wait(timeout=30)
-    rs.close()
-    assert rs.closed
+        with xfer.Engine(transport="tcp", rails=rails, timeout=30.0) as e:
+            p = e.add_peer(addr)
+            src = pattern(size, seed=12)
+            rs = e.register(src, remote_write=False)
+            os.kill(proc.pid, signal.SIGSTOP)
+            first = e.write(p, rs, desc, [(0, 0, half)], imm=21)
+            with pytest.raises(xfer.RegionInUse):
+                rs.close()
+            assert not rs.closed
+            second = e.write(p, rs, desc, [(half, half, half)], imm=21)  # still usable
+            assert not first.done() and not second.done(), "the target is stopped"
+            os.kill(proc.pid, signal.SIGCONT)
+            assert first.wait(timeout=30) == half
+            assert second.wait(timeout=30) == half
+            cmd = {"imm": 21, "count": 2, "pages": list(range(64)), "page_size": PAGE, "seed": 12}
+            proc.stdin.write(json.dumps({"expect": cmd}) + "\n")
+            proc.stdin.flush()
+            assert json.loads(proc.stdout.readline()) == {"ok": True, "why": "pages differ: []"}
+            rs.close()
+            assert rs.closed
+        proc.stdin.write(json.dumps({"exit": True}) + "\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 def spawn_peer(*args):

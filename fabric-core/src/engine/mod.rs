@@ -35,6 +35,7 @@
 mod counters;
 mod handle;
 mod notes;
+mod rail_rate;
 pub mod rails;
 mod worker;
 

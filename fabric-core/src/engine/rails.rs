@@ -18,6 +18,7 @@
 //! after another made set-up time grow as rails times a worker's round trip.
 
 use super::notes::Notifications;
+use super::rail_rate::RailRate;
 use super::worker::{Command, Job};
 use super::{
     Engine, EngineConfig, Event, Pending, Slot, Transfer, TransferHandle, TransferResult,
@@ -31,7 +32,7 @@ use crate::stats::LatencyHistogram;
 use crate::transport::Transport;
 use crate::types::{Access, LocalKey, PeerId, RemoteRegion};
 use serde::{Deserialize, Serialize};
-use std::collections::VecDeque;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -222,7 +223,8 @@ pub struct Balance {
     /// Chunks a rail may always hold in flight (of all transfers), whatever its rate.
     pub in_flight: usize,
     /// Beyond `in_flight` chunks, a rail holds what it moves in this long at the rate its
-    /// completed chunks show.
+    /// completed chunks show, counted over windows at least this long (so that chunks
+    /// landing together do not read as a fast link).
     pub horizon: Duration,
     /// The most bytes a rail holds in flight.
     pub max_in_flight_bytes: u64,
@@ -246,15 +248,6 @@ impl Default for Balance {
     }
 }
 
-/// A rail's rate, as its completed chunks show it (updated on its own worker).
-#[derive(Default)]
-struct Rate {
-    /// When its last chunk landed.
-    last: Option<Instant>,
-    /// Bytes per second, smoothed; 0 until a chunk has landed.
-    bytes_per_s: f64,
-}
-
 /// What a group's rails share: the queue of transfers with chunks not taken yet, and each
 /// rail's chunks in flight.
 struct Shared {
@@ -264,11 +257,27 @@ struct Shared {
     /// Their bytes.
     inflight_bytes: Vec<AtomicU64>,
     /// Each rail's rate.
-    rates: Vec<Mutex<Rate>>,
+    rates: Vec<Mutex<RailRate>>,
     links: Vec<Arc<WorkerLink>>,
     balance: Mutex<Balance>,
     /// Latency of the group's successful transfers.
     latency: LatencyHistogram,
+    /// Which registrations group transfers use (see [`RegionUse`]).
+    regions: Mutex<RegionUse>,
+}
+
+/// The registrations that undecided group transfers use, by their rail-0 key, and those
+/// being deregistered. Each rail's engine refuses to deregister a region its own transfers
+/// use, but only for itself: a group asking every rail would deregister the region on the
+/// rails that hold none of the transfer's chunks and fail on the others, leaving it half
+/// registered (a later transfer failed on the first rails, a later deregistration too). So
+/// the group decides for all rails before it asks any.
+#[derive(Default)]
+struct RegionUse {
+    /// Undecided transfers per registration.
+    transfers: HashMap<LocalKey, usize>,
+    /// Registrations being deregistered: transfers that would use them are refused.
+    closing: HashSet<LocalKey>,
 }
 
 impl Shared {
@@ -278,6 +287,33 @@ impl Shared {
 
     fn balance(&self) -> Balance {
         *self.balance.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn lock_region_use(&self) -> std::sync::MutexGuard<'_, RegionUse> {
+        self.regions.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A transfer from now until it is decided uses the registration whose rail-0 key is
+    /// `key`; refused while that registration is being deregistered.
+    fn hold(&self, key: LocalKey) -> Result<()> {
+        let mut r = self.lock_region_use();
+        if r.closing.contains(&key) {
+            return Err(Error::Op(OpError::LocalKeyInvalid(key)));
+        }
+        *r.transfers.entry(key).or_default() += 1;
+        Ok(())
+    }
+
+    /// A transfer that [held](Self::hold) `key` is decided (called before its handle
+    /// completes, so that whoever waited on it may deregister at once).
+    fn release(&self, key: LocalKey) {
+        let mut r = self.lock_region_use();
+        if let Some(n) = r.transfers.get_mut(&key) {
+            *n -= 1;
+            if *n == 0 {
+                r.transfers.remove(&key);
+            }
+        }
     }
 
     /// The next chunk of the oldest transfer that has one (transfers with none left, or
@@ -321,7 +357,7 @@ impl Shared {
         self.rates[rail]
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .bytes_per_s
+            .bytes_per_s()
     }
 
     /// Whether `rail` has room for another chunk (see [`Balance`]).
@@ -367,24 +403,16 @@ impl Shared {
     }
 
     /// A chunk of `bytes` posted at `posted` landed on `rail` (called on its worker): no
-    /// longer in flight, and the rail's rate learns from it. The interval is from the
-    /// rail's previous landing, or from the post when the rail sat idle in between.
+    /// longer in flight, and the rail's rate learns from it, over windows of at least the
+    /// horizon (see [`RailRate`]).
     fn landed(&self, rail: usize, bytes: u64, posted: Instant, ok: bool) {
         self.inflight[rail].fetch_sub(1, Ordering::AcqRel);
         self.inflight_bytes[rail].fetch_sub(bytes, Ordering::AcqRel);
-        let now = Instant::now();
-        let mut r = self.rates[rail].lock().unwrap_or_else(|p| p.into_inner());
-        let from = r.last.map_or(posted, |l| l.max(posted));
-        r.last = Some(now);
-        let dt = now.saturating_duration_since(from).as_secs_f64();
-        if ok && bytes > 0 && dt > 0.0 {
-            let inst = bytes as f64 / dt;
-            r.bytes_per_s = if r.bytes_per_s == 0.0 {
-                inst
-            } else {
-                0.75 * r.bytes_per_s + 0.25 * inst
-            };
-        }
+        let window = self.balance().horizon;
+        self.rates[rail]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .landed(bytes, ok, posted, Instant::now(), window);
     }
 
     /// Posts a chunk of `st` on `rail` (to its worker, without blocking).
@@ -439,10 +467,11 @@ impl RailGroup {
                 queue: Mutex::new(VecDeque::new()),
                 inflight: (0..n).map(|_| AtomicUsize::new(0)).collect(),
                 inflight_bytes: (0..n).map(|_| AtomicU64::new(0)).collect(),
-                rates: (0..n).map(|_| Mutex::new(Rate::default())).collect(),
+                rates: (0..n).map(|_| Mutex::new(RailRate::default())).collect(),
                 links: rails.iter().map(|e| e.link()).collect(),
                 balance: Mutex::new(Balance::default()),
                 latency: LatencyHistogram::default(),
+                regions: Mutex::new(RegionUse::default()),
             }),
             nics: vec![None; n],
             notes: Notifications::new(rails.clone()),
@@ -542,16 +571,30 @@ impl RailGroup {
         })
     }
 
-    /// Deregisters memory from every rail.
+    /// Deregisters memory from every rail, or from none: while a transfer of the group uses
+    /// it, [`Error::RegionInUse`] and it stays registered on every rail (wait for the
+    /// transfer, then deregister).
     pub fn deregister(&self, reg: &GroupRegistration) -> Result<()> {
-        answers(
+        let key = reg.locals.first().copied();
+        if let Some(key) = key {
+            let mut r = self.shared.lock_region_use();
+            if let Some(&transfers) = r.transfers.get(&key) {
+                return Err(Error::RegionInUse { key, transfers });
+            }
+            r.closing.insert(key);
+        }
+        let done = answers(
             self.rails
                 .iter()
                 .zip(&reg.locals)
                 .map(|(e, k)| e.start_deregister(*k)),
         )
         .into_iter()
-        .collect()
+        .collect();
+        if let Some(key) = key {
+            self.shared.lock_region_use().closing.remove(&key);
+        }
+        done
     }
 
     /// Submits a transfer: planned once, cut into chunks, and carried by the rails as they
@@ -628,6 +671,8 @@ impl RailGroup {
             return Ok(handle);
         }
         let sh = &self.shared;
+        let key = t.src.locals[0];
+        sh.hold(key)?;
         if plan.bytes <= chunk {
             // One chunk (or only immediate data): one rail moves it all and its worker
             // sends the immediate data right after its writes (or on its one write), with
@@ -643,6 +688,7 @@ impl RailGroup {
                 if res.is_ok() {
                     shared.latency.record(submitted.elapsed());
                 }
+                shared.release(key);
                 slot.complete(res);
                 // A chunk slot came free on this rail: other transfers' chunks may wait.
                 shared.fill(r);
@@ -664,6 +710,7 @@ impl RailGroup {
             if let Err(e) = self.rails[r].send_cmd(Command::Transfer(job)) {
                 sh.inflight[r].fetch_sub(1, Ordering::AcqRel);
                 sh.inflight_bytes[r].fetch_sub(bytes, Ordering::AcqRel);
+                sh.release(key);
                 return Err(e);
             }
             return Ok(handle);
@@ -1024,10 +1071,16 @@ impl GroupState {
         shared.fill(rail);
     }
 
+    /// Completes the transfer's handle with `r`, its registration no longer used by it.
+    fn complete(&self, r: TransferResult) {
+        self.shared.release(self.srcs[0]);
+        self.slot.complete(r);
+    }
+
     /// Completes the transfer with `error`, or sends its immediate data on `rail` first.
     fn decide(self: Arc<Self>, rail: usize, error: Option<OpError>, ops: u64) {
         if let Some(e) = error {
-            self.slot.complete(Err(e));
+            self.complete(Err(e));
             return;
         }
         let stats = TransferStats {
@@ -1036,7 +1089,7 @@ impl GroupState {
         };
         let Some((v, so, d_o)) = self.imm else {
             self.shared.latency.record(self.submitted.elapsed());
-            self.slot.complete(Ok(stats));
+            self.complete(Ok(stats));
             return;
         };
         let st = self.clone();
@@ -1052,7 +1105,7 @@ impl GroupState {
                 if r.is_ok() {
                     st.shared.latency.record(st.submitted.elapsed());
                 }
-                st.slot.complete(r.map(|s| TransferStats {
+                st.complete(r.map(|s| TransferStats {
                     bytes: stats.bytes,
                     ops: stats.ops + s.ops,
                 }))
