@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 const REGION: &str = "64MiB";
 const REGION_BYTES: f64 = (64u64 << 20) as f64;
-const HELLO: &[u8] = b"{\"op\":\"hello\",\"version\":1,\"transport\":\"tcp\"}\n";
+const HELLO: &[u8] = common::HELLO.as_bytes();
 /// The limits a refusal may name.
 const LIMITS: [&str; 5] = [
     "--hello-timeout",
@@ -72,14 +72,20 @@ fn bench(peer: &str) -> (f64, std::process::Output) {
     (v["gbps"].as_f64().expect("gbps"), out)
 }
 
-/// The reason of the refusal the server sends on `s` before closing it (`None`: it closed
-/// without one, or said yes).
+/// The reason of the refusal the server sends on `s` before closing it, past its greeting
+/// (`None`: it closed without one, or said yes).
 fn refusal(s: &TcpStream) -> Option<String> {
     s.set_read_timeout(Some(Duration::from_secs(15))).ok()?;
-    let mut line = String::new();
-    BufReader::new(s).read_line(&mut line).ok()?;
-    let v: Value = serde_json::from_str(&line).ok()?;
-    (v["ok"] == false).then(|| v["error"].as_str().unwrap_or_default().to_owned())
+    let mut r = BufReader::new(s);
+    loop {
+        let mut line = String::new();
+        r.read_line(&mut line).ok()?;
+        let v: Value = serde_json::from_str(&line).ok()?;
+        if v["op"] == "challenge" {
+            continue;
+        }
+        return (v["ok"] == false).then(|| v["error"].as_str().unwrap_or_default().to_owned());
+    }
 }
 
 /// What the hostiles were told, by kind.
@@ -302,8 +308,7 @@ fn a_bench_refused_by_the_region_rate_asks_again_and_gets_through() {
     let url = server.metrics_url();
 
     // The first client takes a full bucket's worth and more, and holds its region.
-    let mut first = TcpStream::connect(server.control_addr()).expect("connect");
-    first.write_all(HELLO).expect("hello");
+    let first = common::said_hello(server.control_addr());
     let mut line = String::new();
     BufReader::new(&first).read_line(&mut line).expect("reply");
     let v: Value = serde_json::from_str(&line).expect("a JSON reply");
