@@ -411,6 +411,46 @@ impl Agent {
         })
     }
 
+    /// An agent over rail groups made elsewhere (a transport of one's own, or engines with
+    /// settings [`AgentOptions`] does not cover): `groups` are its transports, in the order
+    /// they are preferred, each a rail group of that kind; `memory` is where the memory it
+    /// registers lives. No NIC is chosen and no worker pinned here: the groups are as made.
+    pub fn from_groups(
+        name: &str,
+        memory: MemoryLocation,
+        groups: Vec<(TransportKind, RailGroup)>,
+    ) -> Result<Agent> {
+        let lanes: Vec<Lane> = groups
+            .into_iter()
+            .map(|(kind, g)| Lane {
+                kind,
+                group: Arc::new(g),
+                nics: NicChoice::unbound("made by the caller"),
+            })
+            .collect();
+        let boot_id = transport_cuda_ipc::boot_id().unwrap_or_default();
+        let mut info = AgentInfo::new(name, &boot_id, memory);
+        info.hostname = hostname();
+        info.transports = lanes
+            .iter()
+            .map(|l| TransportInfo::new(l.kind, l.group.addresses()))
+            .collect();
+        info.check()?;
+        let engines = lanes
+            .iter()
+            .flat_map(|l| l.group.rails().iter().cloned())
+            .collect();
+        Ok(Agent {
+            inner: Arc::new(Inner {
+                info,
+                notes: Notifications::new(engines),
+                lanes,
+                home: None,
+                regions: Mutex::new(Regions::default()),
+            }),
+        })
+    }
+
     /// What this agent says about itself: ship it to peers (serde, or
     /// [`AgentInfo::to_bytes`]), who pass it to [`Agent::connect`].
     pub fn info(&self) -> &AgentInfo {
@@ -619,6 +659,15 @@ impl Agent {
     /// The next event (a peer's immediate data), waiting at most `timeout`.
     pub fn next_event(&self, timeout: Duration) -> Result<fabric_core::engine::Event> {
         Ok(self.inner.notes.next_event(timeout)?)
+    }
+
+    /// The sums of every rail's counters, over all transports.
+    pub fn counters(&self) -> fabric_core::engine::CounterSnapshot {
+        let mut c = fabric_core::engine::CounterSnapshot::default();
+        for l in &self.inner.lanes {
+            c.add(&l.group.counters());
+        }
+        c
     }
 
     /// What the agent's transports counted.
