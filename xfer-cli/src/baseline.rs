@@ -214,44 +214,10 @@ fn tcp_streams_io(bytes: u64, streams: usize, footprint: usize) -> std::io::Resu
     Ok(got as f64 * 8.0 / secs / 1e9)
 }
 
-/// Every transfer's pages of a workload, chosen before any clock starts.
-struct PagePlan {
-    /// All transfers' pages, one transfer after the other.
-    pages: Vec<u64>,
-    /// Where each transfer starts in `pages` (and one past the last).
-    bounds: Vec<usize>,
-    page_size: u64,
-}
-
-impl PagePlan {
-    fn of(w: &Workload) -> PagePlan {
-        let mut choice = TransferPages::new(w);
-        let mut pages = Vec::new();
-        let mut bounds = vec![0];
-        while let Some(t) = choice.next_transfer() {
-            pages.extend_from_slice(t);
-            bounds.push(pages.len());
-        }
-        PagePlan {
-            pages,
-            bounds,
-            page_size: w.page_size,
-        }
-    }
-
-    fn transfers(&self) -> impl Iterator<Item = &[u64]> {
-        self.bounds.windows(2).map(|b| &self.pages[b[0]..b[1]])
-    }
-
-    fn bytes(&self) -> u64 {
-        self.pages.len() as u64 * self.page_size
-    }
-
-    /// Checks that every page lies inside `region`.
-    fn check(&self, region: &dyn MemoryRegion) -> Result<(), fabric_core::MemoryError> {
-        let last = self.pages.iter().copied().max().unwrap_or(0);
-        fabric_core::memory::check_range(last * self.page_size, self.page_size, region.len() as u64)
-    }
+/// Checks that every page of `w` lies inside `region` (pages are below `w.region_pages()`).
+fn check_pages(w: &Workload, region: &dyn MemoryRegion) -> Result<(), fabric_core::MemoryError> {
+    let span = w.region_pages().saturating_mul(w.page_size);
+    fabric_core::memory::check_range(0, span, region.len() as u64)
 }
 
 /// Gbit/s of `bytes` in `secs`.
@@ -267,10 +233,11 @@ fn gbps(bytes: u64, secs: f64) -> f64 {
 /// [`TransferPages`]) from `from` to the same offset of `to`, with a plain `memcpy` per page,
 /// on `threads` threads (thread `i` pinned as `pins[i]`, like rail `i`); returns Gbit/s.
 ///
-/// Thread `i` copies the pages whose index is `i` modulo `threads`, of every transfer in
-/// order: the threads share the work as the rails do, never write the same page at once,
-/// and need no synchronisation between transfers. The clock runs from the moment every
-/// thread is ready to the last one's end.
+/// As in the engine's run, the calling thread chooses each transfer's pages while the
+/// copies run, at most `w.depth` transfers ahead of each copying thread. Thread `i` copies
+/// the pages whose index is `i` modulo `threads`: the threads share the work as the rails
+/// do, never write the same page at once, and wait for nothing but the next transfer. The
+/// clock runs from the moment every thread is ready to the last one's end.
 pub fn scattered_memcpy(
     from: &dyn MemoryRegion,
     to: &dyn MemoryRegion,
@@ -279,9 +246,8 @@ pub fn scattered_memcpy(
     pins: &[Option<CorePin>],
 ) -> Result<f64, BaselineError> {
     let threads = threads.max(1);
-    let plan = PagePlan::of(w);
     for r in [from, to] {
-        plan.check(r)?;
+        check_pages(w, r)?;
         if r.location() != MemoryLocation::Host {
             return Err(fabric_core::MemoryError::Unsupported(format!(
                 "the memcpy baseline copies host memory, not {:?}",
@@ -299,10 +265,8 @@ pub fn scattered_memcpy(
         .into());
     }
     let page = w.page_size;
-    let ready = Barrier::new(threads + 1);
-    let (plan, ready) = (&plan, &ready);
-    let copy = move |i: usize| -> Result<(), fabric_core::MemoryError> {
-        for t in plan.transfers() {
+    let copy = move |i: usize, transfers: crossbeam_channel::Receiver<Arc<[u64]>>| {
+        for t in transfers {
             for &p in t.iter().filter(|&&p| p as usize % threads == i) {
                 let s = fabric_core::memory::checked_host_ptr(from, p * page, page)?;
                 let d = fabric_core::memory::checked_host_ptr(to, p * page, page)?;
@@ -314,22 +278,37 @@ pub fn scattered_memcpy(
                 unsafe { std::ptr::copy_nonoverlapping(s.cast_const(), d, page as usize) };
             }
         }
-        Ok(())
+        Ok::<(), fabric_core::MemoryError>(())
     };
-    let copy = &copy;
-    let secs = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..threads)
+    let (copy, ready) = (&copy, &Barrier::new(threads + 1));
+    let (bytes, secs) = std::thread::scope(|scope| {
+        let (senders, handles): (Vec<_>, Vec<_>) = (0..threads)
             .map(|i| {
+                let (tx, rx) = crossbeam_channel::bounded(w.depth.max(1));
                 let pin = pins.get(i).copied().flatten();
-                scope.spawn(move || {
+                let h = scope.spawn(move || {
                     placement::pin_worker(pin, &format!("xfer-baseline-{i}"));
                     ready.wait();
-                    copy(i)
-                })
+                    copy(i, rx)
+                });
+                (tx, h)
             })
-            .collect();
+            .unzip();
         ready.wait();
         let start = Instant::now();
+        let mut pages = TransferPages::new(w);
+        let mut bytes = 0u64;
+        // A thread that failed has dropped its end: stop, and report its error below.
+        'transfers: while let Some(t) = pages.next_transfer() {
+            let t: Arc<[u64]> = t.into();
+            bytes += t.len() as u64 * page;
+            for tx in &senders {
+                if tx.send(t.clone()).is_err() {
+                    break 'transfers;
+                }
+            }
+        }
+        drop(senders);
         let mut result = Ok(());
         for h in handles {
             let r = h
@@ -338,9 +317,9 @@ pub fn scattered_memcpy(
                 .and_then(|r| r.map_err(BaselineError::Memory));
             result = result.and(r);
         }
-        result.map(|()| start.elapsed().as_secs_f64())
+        result.map(|()| (bytes, start.elapsed().as_secs_f64()))
     })?;
-    Ok(gbps(plan.bytes(), secs))
+    Ok(gbps(bytes, secs))
 }
 
 /// The GPUs and regions of a device-copy baseline: the initiator's region on `initiator`
@@ -362,8 +341,9 @@ pub struct DeviceRegions<'a> {
 /// [`Device::open_ipc`]), and `streams` [`PeerCopies`] of the initiator's GPU (with
 /// `method`, or the best here) push the pages into it (`read`: pull them from it), page `p`
 /// on stream `p` modulo `streams`, one submit per transfer and stream, at most `w.depth`
-/// submits in flight per stream. One page per stream is copied before the clock starts
-/// (kernel load, peer mapping). Returns Gbit/s and the method used.
+/// submits in flight per stream; the pages are chosen while the copies run, as in the
+/// engine's run. One page per stream is copied before the clock starts (kernel load, peer
+/// mapping). Returns Gbit/s and the method used.
 pub fn scattered_device_copies(
     r: &DeviceRegions<'_>,
     w: &Workload,
@@ -372,9 +352,8 @@ pub fn scattered_device_copies(
     method: Option<CopyMethod>,
 ) -> Result<(f64, CopyMethod), BaselineError> {
     let streams = streams.max(1);
-    let plan = PagePlan::of(w);
-    plan.check(&**r.local)?;
-    plan.check(&**r.remote)?;
+    check_pages(w, &**r.local)?;
+    check_pages(w, &**r.remote)?;
     let export = r.target.export_ipc(r.remote)?;
     let mapping = r.initiator.open_ipc(&export.handle())?;
     let base = export.offset();
@@ -392,18 +371,19 @@ pub fn scattered_device_copies(
             c.push(r.local, p * ps, &mapping, base + p * ps, ps)
         }
     };
-    // Warm-up: the first page on every stream.
-    if let Some(&p) = plan.pages.first() {
-        for c in &mut copies {
-            queue(c, p)?;
-            c.submit()?;
-            c.synchronize()?;
-        }
+    // Warm-up: page 0 on every stream.
+    for c in &mut copies {
+        queue(c, 0)?;
+        c.submit()?;
+        c.synchronize()?;
     }
     let depth = w.depth.max(1);
     let mut queued = vec![false; streams];
+    let mut pages = TransferPages::new(w);
+    let mut bytes = 0u64;
     let start = Instant::now();
-    for t in plan.transfers() {
+    while let Some(t) = pages.next_transfer() {
+        bytes += t.len() as u64 * ps;
         for &p in t {
             let s = p as usize % streams;
             queue(&mut copies[s], p)?;
@@ -426,7 +406,7 @@ pub fn scattered_device_copies(
     let used = copies
         .first()
         .map_or(CopyMethod::Memcpy, PeerCopies::method);
-    Ok((gbps(plan.bytes(), secs), used))
+    Ok((gbps(bytes, secs), used))
 }
 
 #[cfg(test)]
@@ -491,22 +471,6 @@ mod tests {
             assert!(x == y, "{threads} threads: the targets differ");
             let written = report.written_pages().len();
             assert!(written > 16 && written < 256, "{written}");
-        }
-    }
-
-    #[test]
-    fn the_plan_holds_every_transfer_of_the_run() {
-        let w = workload();
-        let plan = PagePlan::of(&w);
-        // 40 full transfers and one of 3 pages.
-        assert_eq!(plan.transfers().count(), 41);
-        assert_eq!(plan.transfers().last().map(<[u64]>::len), Some(3));
-        assert_eq!(plan.bytes(), w.bytes);
-        for t in plan.transfers() {
-            let mut d = t.to_vec();
-            d.sort_unstable();
-            d.dedup();
-            assert_eq!(d.len(), t.len(), "pages of a transfer are distinct");
         }
     }
 

@@ -356,6 +356,29 @@ mod tests {
     }
 
     #[test]
+    fn transfer_pages_cover_the_bytes_in_distinct_pages_the_same_for_a_seed() {
+        let mut w = workload(4096, 40 * 4 * 4096 + 3 * 4096, 1 << 20);
+        let all = |w: &Workload| {
+            let mut pages = TransferPages::new(w);
+            std::iter::from_fn(|| pages.next_transfer().map(<[u64]>::to_vec)).collect::<Vec<_>>()
+        };
+        let transfers = all(&w);
+        // 40 transfers of 4 pages and one of 3.
+        assert_eq!(transfers.len(), 41);
+        assert_eq!(transfers.last().map(Vec::len), Some(3));
+        for t in &transfers {
+            let mut d = t.clone();
+            d.sort_unstable();
+            d.dedup();
+            assert_eq!(d.len(), t.len(), "pages of a transfer are distinct");
+            assert!(t.iter().all(|&p| p < w.region_pages()));
+        }
+        assert_eq!(all(&w), transfers);
+        w.seed += 1;
+        assert_ne!(all(&w), transfers);
+    }
+
+    #[test]
     fn bytes_are_rounded_up_to_whole_pages() {
         // Not a multiple of the page, smaller than a page, larger than the region, exact.
         assert_eq!(workload(3072, 64 << 20, 1 << 20).bytes, 21846 * 3072);
