@@ -53,23 +53,24 @@ gpu_text=none
 
 # Each row: workload | needs (any, gpu, 2gpu, 16cores) | xfer arguments (bytes last, as
 # --bytes N: --quick divides N). Throughput rows report Gbps and, with --baseline, the
-# ratios to raw streams; latency rows (--latency; --bytes sets how many transfers are
-# timed) report the transfer's p50 and p99 and the raw TCP ping-pong's p50 of the same run.
+# ratios to that transport's baseline (the summary's baseline_kind); latency rows
+# (--latency; --bytes sets how many transfers are timed) report the transfer's p50 and p99
+# and the raw TCP ping-pong's p50 of the same run.
 rows=(
     "TCP, 64 KiB pages, 1 rail, vs 1 raw stream|any|demo --transport tcp --baseline --json --bytes 8GiB"
     "TCP, 4 KiB pages, 1 rail, vs 1 raw stream|any|demo --transport tcp --page-size 4KiB --baseline --json --bytes 2GiB"
     "TCP, 64 KiB pages, 2 rails, vs 2 raw streams|any|demo --transport tcp --rails 2 --baseline --json --bytes 8GiB"
     "TCP, 64 KiB pages, 8 rails, vs 8 raw streams|16cores|demo --transport tcp --rails 8 --baseline --json --bytes 16GiB"
     "EFA backend over libfabric's tcp provider, 64 KiB pages|any|demo --transport efa --provider tcp --json --bytes 4GiB"
-    "mem (in-process copies: the engine itself), 64 KiB pages|any|demo --transport mem --json --bytes 8GiB"
+    "mem (in-process copies: the engine itself), 64 KiB pages, vs a memcpy of the same pages|any|demo --transport mem --baseline --json --bytes 8GiB"
     "latency: TCP, one 4 KiB page a transfer, depth 1|any|demo --latency --transport tcp --page-size 4KiB --pages 1 --json --bytes 80MiB"
     "latency: mem, one 4 KiB page a transfer, depth 1|any|demo --latency --transport mem --page-size 4KiB --pages 1 --json --bytes 80MiB"
     "latency: EFA backend over libfabric's tcp provider, one 4 KiB page, depth 1|any|demo --latency --transport efa --provider tcp --page-size 4KiB --pages 1 --json --bytes 80MiB"
-    "TCP, GPU0 -> GPU0 memory, 64 KiB, 1 rail|gpu|demo --transport tcp --memory cuda --gpus 0 --rails 1 --pin off --baseline --json --bytes 16GiB"
-    "TCP, GPU0 -> GPU0 memory, 64 KiB, 8 rails|gpu|demo --transport tcp --memory cuda --gpus 0 --rails 8 --pin off --baseline --json --bytes 16GiB"
+    "TCP, GPU0 -> GPU0 memory, 64 KiB, 1 rail|gpu|demo --transport tcp --memory cuda --gpus 0 --rails 1 --pin off --json --bytes 16GiB"
+    "TCP, GPU0 -> GPU0 memory, 64 KiB, 8 rails|gpu|demo --transport tcp --memory cuda --gpus 0 --rails 8 --pin off --json --bytes 16GiB"
     "cuda-ipc, GPU0 -> GPU0, one process, 64 KiB, 8 rails|gpu|demo --transport cuda-ipc --memory cuda --gpus 0 --rails 8 --pages 10000 --baseline --json --bytes 64GiB"
     "cuda-ipc, GPU0 -> GPU0, one process, 4 KiB, 8 rails|gpu|demo --transport cuda-ipc --memory cuda --gpus 0 --rails 8 --page-size 4KiB --pages 100000 --baseline --json --bytes 8GiB"
-    "TCP, GPU0 -> GPU1 memory, 64 KiB, 8 rails|2gpu|demo --transport tcp --memory cuda --gpus 0,1 --rails 8 --baseline --json --bytes 16GiB"
+    "TCP, GPU0 -> GPU1 memory, 64 KiB, 8 rails|2gpu|demo --transport tcp --memory cuda --gpus 0,1 --rails 8 --json --bytes 16GiB"
     "cuda-ipc, GPU0 -> GPU1, one process, 64 KiB, 8 rails|2gpu|demo --transport cuda-ipc --memory cuda --gpus 0,1 --rails 8 --pages 10000 --baseline --json --bytes 128GiB"
 )
 

@@ -1,23 +1,142 @@
-//! The baseline: plain TCP streams over loopback moving the same bytes in 1 MiB writes, with
-//! no framing: the best a socket does on this machine.
+//! `demo --baseline`: the demo's work done again without the engine, on the same path, so
+//! that `ratio` (the engine's Gbps over the baseline's) says what the engine costs or adds.
 //!
-//! `footprint` sets how much memory the streams read from and write into. With 1 MiB (the
-//! "hot" baseline) every byte comes from and goes to the CPU's caches; with the size of the
-//! transfer's region, the streams touch as much memory as the transfer does, so the ratio
-//! measures the transport's own cost instead of cache effects.
+//! - tcp with host memory: [`tcp_streams`], raw TCP streams over loopback, as many as rails,
+//!   moving the same bytes from and into memory of the region's size (and, for
+//!   `baseline_hot_gbps`, through 1 MiB buffers that stay in the CPU's caches);
+//! - mem: [`scattered_memcpy`], a `memcpy` of each page of the run's transfers (the same
+//!   pages: [`TransferPages`]) between the run's own regions, on as many threads as rails;
+//! - cuda-ipc: [`scattered_device_copies`], the same pages copied device to device with
+//!   gpu-mem's batched copies ([`gpu_mem::PeerCopies`], what the transport itself issues),
+//!   between the run's own regions on the same GPUs, on as many streams as rails.
+//!
+//! Where no like-for-like run exists in one process (efa, GPU memory over tcp or mem, and a
+//! `--latency` or `--per-gpu` run), [`refusal`] says why and what to compare with instead.
 
+use crate::backend::{BackendArgs, MemoryKind, TransportKind};
+use crate::placement::{self, CorePin};
+use crate::size::format_size;
+use crate::workload::{TransferPages, Workload};
+use fabric_core::{MemoryLocation, MemoryRegion};
+use gpu_mem::{CopyMethod, Device, PeerCopies};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
+/// Why a baseline could not run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BaselineError {
+    /// The raw TCP streams failed (socket, connect, read or write).
+    #[error("raw TCP streams: {0}")]
+    Streams(#[source] std::io::Error),
+    /// The memory a baseline copies cannot be used that way.
+    #[error("{0}")]
+    Memory(#[from] fabric_core::MemoryError),
+    /// A device copy (or its set-up: IPC export, stream, kernel) failed.
+    #[error("device copies: {0}")]
+    Gpu(#[from] gpu_mem::GpuMemError),
+    /// A copy thread panicked.
+    #[error("a copy thread panicked")]
+    Panicked,
+}
+
+/// What a baseline measured: its Gbit/s and what it was, in words (the summary's
+/// `baseline_kind`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Measured {
+    /// Its throughput.
+    pub gbps: f64,
+    /// What ran, e.g. "raw TCP streams, 2, loopback, 1.0 GiB buffers".
+    pub kind: String,
+}
+
+/// Why `demo --baseline` cannot run with these flags (one line naming `--baseline` and what
+/// to do instead), or `None` when it can. `b` has `--transport auto` resolved.
+pub fn refusal(b: &BackendArgs, per_gpu: bool, latency: bool) -> Option<String> {
+    let why = if per_gpu {
+        "--baseline measures one worker: drop --per-gpu or --baseline"
+    } else if latency {
+        "--baseline measures throughput, and --latency has its own floor (a raw TCP \
+         ping-pong of the same pages): drop --baseline or --latency"
+    } else {
+        match (b.transport, b.memory) {
+            (TransportKind::Efa, _) => {
+                "--baseline has no like-for-like run inside xfer for --transport efa: compare \
+                 with the provider alone, `cargo run --release -p transport-efa --example \
+                 fi_raw_bw` (raw fi_writemsg of scattered pages) or fabtests' fi_rma_bw, or \
+                 drop --baseline"
+            }
+            (TransportKind::Tcp | TransportKind::Auto, MemoryKind::Cuda) => {
+                "--baseline with --memory cuda --transport tcp has no raw equivalent here (raw \
+                 TCP streams move host memory): run it with --memory host, or GPU to GPU with \
+                 --transport cuda-ipc --baseline, or drop --baseline"
+            }
+            (TransportKind::Mem, MemoryKind::Cuda) => {
+                "--baseline with --transport mem is a memcpy of host memory: drop --memory \
+                 cuda (GPU to GPU: --transport cuda-ipc --baseline), or drop --baseline"
+            }
+            _ => return None,
+        }
+    };
+    Some(why.to_string())
+}
+
+/// Bytes per write of [`tcp_streams`].
+const CHUNK: usize = 1 << 20;
+
+/// Each stream's share of a `footprint`, a whole number of chunks (at least one).
+fn stream_share(footprint: usize, streams: usize) -> usize {
+    (footprint / streams.max(1) / CHUNK).max(1) * CHUNK
+}
+
+/// The kind of [`tcp_streams`] over `footprint` bytes (all streams' buffers together, as
+/// the streams round it: a whole number of 1 MiB chunks each).
+pub fn tcp_kind(streams: usize, footprint: usize) -> String {
+    let all = stream_share(footprint, streams) as u64 * streams.max(1) as u64;
+    format!(
+        "raw TCP streams, {streams}, loopback, {} buffers",
+        format_size(all)
+    )
+}
+
+/// The kind of [`scattered_memcpy`].
+pub fn memcpy_kind(threads: usize) -> String {
+    format!(
+        "scattered memcpy of the same pages, {threads} thread{}",
+        if threads == 1 { "" } else { "s" }
+    )
+}
+
+/// The kind of [`scattered_device_copies`] from GPU `from` to GPU `to`.
+pub fn device_copies_kind(method: CopyMethod, streams: usize, from: u32, to: u32) -> String {
+    let how = match method {
+        CopyMethod::Kernel => "copy kernel",
+        CopyMethod::Batch => "cuMemcpyBatchAsync",
+        CopyMethod::Memcpy => "one cuMemcpyAsync a page",
+    };
+    format!(
+        "scattered device-to-device copies of the same pages ({how}), {streams} stream{}, \
+         GPU {from} -> GPU {to}",
+        if streams == 1 { "" } else { "s" }
+    )
+}
+
 /// Moves `bytes` over `streams` loopback connections, each stream cycling through its share
-/// of a `footprint`-byte source and a `footprint`-byte destination; returns Gbit/s.
-pub fn run(bytes: u64, streams: usize, footprint: usize) -> std::io::Result<f64> {
-    const CHUNK: usize = 1 << 20;
-    // Each stream's share, a whole number of chunks (at least one).
-    let share = (footprint / streams / CHUNK).max(1) * CHUNK;
-    // Memory of the same kind as the transfer's regions (huge pages, faulted in before the
-    // clock starts), one source and one destination share per stream.
+/// of a `footprint`-byte source and a `footprint`-byte destination (huge pages, faulted in
+/// before the clock starts, like the regions), in 1 MiB writes with no framing; returns
+/// Gbit/s.
+///
+/// With a 1 MiB footprint (the "hot" baseline) every byte comes from and goes to the CPU's
+/// caches; with the region's size, the streams touch as much memory as the transfer does,
+/// so the ratio measures the transport's own cost instead of cache effects.
+pub fn tcp_streams(bytes: u64, streams: usize, footprint: usize) -> Result<f64, BaselineError> {
+    tcp_streams_io(bytes, streams.max(1), footprint).map_err(BaselineError::Streams)
+}
+
+fn tcp_streams_io(bytes: u64, streams: usize, footprint: usize) -> std::io::Result<f64> {
+    let share = stream_share(footprint, streams);
     let alloc =
         || gpu_mem::HostMemory::new(share).map_err(|e| std::io::Error::other(e.to_string()));
     let mut srcs = (0..streams)
@@ -93,4 +212,338 @@ pub fn run(bytes: u64, streams: usize, footprint: usize) -> std::io::Result<f64>
         )));
     }
     Ok(got as f64 * 8.0 / secs / 1e9)
+}
+
+/// Checks that every page of `w` lies inside `region` (pages are below `w.region_pages()`).
+fn check_pages(w: &Workload, region: &dyn MemoryRegion) -> Result<(), fabric_core::MemoryError> {
+    let span = w.region_pages().saturating_mul(w.page_size);
+    fabric_core::memory::check_range(0, span, region.len() as u64)
+}
+
+/// Gbit/s of `bytes` in `secs`.
+fn gbps(bytes: u64, secs: f64) -> f64 {
+    if secs > 0.0 {
+        bytes as f64 * 8.0 / secs / 1e9
+    } else {
+        0.0
+    }
+}
+
+/// Copies each page of `w`'s transfers (the pages the engine's run moved, by
+/// [`TransferPages`]) from `from` to the same offset of `to`, with a plain `memcpy` per page,
+/// on `threads` threads (thread `i` pinned as `pins[i]`, like rail `i`); returns Gbit/s.
+///
+/// As in the engine's run, the calling thread chooses each transfer's pages while the
+/// copies run, at most `w.depth` transfers ahead of each copying thread. Thread `i` copies
+/// the pages whose index is `i` modulo `threads`: the threads share the work as the rails
+/// do, never write the same page at once, and wait for nothing but the next transfer. The
+/// clock runs from the moment every thread is ready to the last one's end.
+pub fn scattered_memcpy(
+    from: &dyn MemoryRegion,
+    to: &dyn MemoryRegion,
+    w: &Workload,
+    threads: usize,
+    pins: &[Option<CorePin>],
+) -> Result<f64, BaselineError> {
+    let threads = threads.max(1);
+    for r in [from, to] {
+        check_pages(w, r)?;
+        if r.location() != MemoryLocation::Host {
+            return Err(fabric_core::MemoryError::Unsupported(format!(
+                "the memcpy baseline copies host memory, not {:?}",
+                r.location()
+            ))
+            .into());
+        }
+    }
+    let at = |r: &dyn MemoryRegion| r.host_ptr().map_or(0, |p| p.as_ptr() as usize);
+    let (a, b) = (at(from), at(to));
+    if a < b + to.len() && b < a + from.len() {
+        return Err(fabric_core::MemoryError::Unsupported(
+            "the memcpy baseline needs two distinct regions".into(),
+        )
+        .into());
+    }
+    let page = w.page_size;
+    let copy = move |i: usize, transfers: crossbeam_channel::Receiver<Arc<[u64]>>| {
+        for t in transfers {
+            for &p in t.iter().filter(|&&p| p as usize % threads == i) {
+                let s = fabric_core::memory::checked_host_ptr(from, p * page, page)?;
+                let d = fabric_core::memory::checked_host_ptr(to, p * page, page)?;
+                // SAFETY: both ranges were just checked against their regions, which the
+                // caller's borrows keep alive and whose host pointers are valid for reads
+                // and writes from any thread (MemoryRegion's contract); the regions do not
+                // overlap (checked above); only this thread writes page p of `to` (pages are
+                // split among threads by index), and nothing writes `from`.
+                unsafe { std::ptr::copy_nonoverlapping(s.cast_const(), d, page as usize) };
+            }
+        }
+        Ok::<(), fabric_core::MemoryError>(())
+    };
+    let (copy, ready) = (&copy, &Barrier::new(threads + 1));
+    let (bytes, secs) = std::thread::scope(|scope| {
+        let (senders, handles): (Vec<_>, Vec<_>) = (0..threads)
+            .map(|i| {
+                let (tx, rx) = crossbeam_channel::bounded(w.depth.max(1));
+                let pin = pins.get(i).copied().flatten();
+                let h = scope.spawn(move || {
+                    placement::pin_worker(pin, &format!("xfer-baseline-{i}"));
+                    ready.wait();
+                    copy(i, rx)
+                });
+                (tx, h)
+            })
+            .unzip();
+        ready.wait();
+        let start = Instant::now();
+        let mut pages = TransferPages::new(w);
+        let mut bytes = 0u64;
+        // A thread that failed has dropped its end: stop, and report its error below.
+        'transfers: while let Some(t) = pages.next_transfer() {
+            let t: Arc<[u64]> = t.into();
+            bytes += t.len() as u64 * page;
+            for tx in &senders {
+                if tx.send(t.clone()).is_err() {
+                    break 'transfers;
+                }
+            }
+        }
+        drop(senders);
+        let mut result = Ok(());
+        for h in handles {
+            let r = h
+                .join()
+                .map_err(|_| BaselineError::Panicked)
+                .and_then(|r| r.map_err(BaselineError::Memory));
+            result = result.and(r);
+        }
+        result.map(|()| (bytes, start.elapsed().as_secs_f64()))
+    })?;
+    Ok(gbps(bytes, secs))
+}
+
+/// The GPUs and regions of a device-copy baseline: the initiator's region on `initiator`
+/// (where the engine's rails issue their copies), the target's on `target`.
+pub struct DeviceRegions<'a> {
+    /// The initiator's GPU.
+    pub initiator: &'a Device,
+    /// The initiator's region (the source of a write, the destination of a read).
+    pub local: &'a Arc<dyn MemoryRegion>,
+    /// The target's GPU.
+    pub target: &'a Device,
+    /// The target's region.
+    pub remote: &'a Arc<dyn MemoryRegion>,
+}
+
+/// Copies each page of `w`'s transfers between the regions of `r` at the same offsets, as
+/// the cuda-ipc transport does but without engine or transport: the target's region is
+/// exported and opened on the initiator's GPU ([`Device::export_ipc`],
+/// [`Device::open_ipc`]), and `streams` [`PeerCopies`] of the initiator's GPU (with
+/// `method`, or the best here) push the pages into it (`read`: pull them from it), page `p`
+/// on stream `p` modulo `streams`, one submit per transfer and stream, at most `w.depth`
+/// submits in flight per stream; the pages are chosen while the copies run, as in the
+/// engine's run. One page per stream is copied before the clock starts (kernel load, peer
+/// mapping). Returns Gbit/s and the method used.
+pub fn scattered_device_copies(
+    r: &DeviceRegions<'_>,
+    w: &Workload,
+    read: bool,
+    streams: usize,
+    method: Option<CopyMethod>,
+) -> Result<(f64, CopyMethod), BaselineError> {
+    let streams = streams.max(1);
+    check_pages(w, &**r.local)?;
+    check_pages(w, &**r.remote)?;
+    let export = r.target.export_ipc(r.remote)?;
+    let mapping = r.initiator.open_ipc(&export.handle())?;
+    let base = export.offset();
+    let mut copies = (0..streams)
+        .map(|_| match method {
+            Some(m) => PeerCopies::with_method(r.initiator, m),
+            None => PeerCopies::new(r.initiator),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let ps = w.page_size;
+    let queue = |c: &mut PeerCopies, p: u64| {
+        if read {
+            c.pull(&mapping, base + p * ps, r.local, p * ps, ps)
+        } else {
+            c.push(r.local, p * ps, &mapping, base + p * ps, ps)
+        }
+    };
+    // Warm-up: page 0 on every stream.
+    for c in &mut copies {
+        queue(c, 0)?;
+        c.submit()?;
+        c.synchronize()?;
+    }
+    let depth = w.depth.max(1);
+    let mut queued = vec![false; streams];
+    let mut pages = TransferPages::new(w);
+    let mut bytes = 0u64;
+    let start = Instant::now();
+    while let Some(t) = pages.next_transfer() {
+        bytes += t.len() as u64 * ps;
+        for &p in t {
+            let s = p as usize % streams;
+            queue(&mut copies[s], p)?;
+            queued[s] = true;
+        }
+        for (c, q) in copies.iter_mut().zip(queued.iter_mut()) {
+            if !std::mem::take(q) {
+                continue;
+            }
+            while c.in_flight() >= depth {
+                c.completed()?;
+            }
+            c.submit()?;
+        }
+    }
+    for c in &mut copies {
+        c.synchronize()?;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let used = copies
+        .first()
+        .map_or(CopyMethod::Memcpy, PeerCopies::method);
+    Ok((gbps(bytes, secs), used))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::workload::{self, fill_pattern};
+    use fabric_core::engine::{Direction, EngineConfig, RailGroup};
+    use fabric_core::mem::MemTransport;
+    use fabric_core::{Access, HostBuffer};
+    use std::time::Duration;
+
+    fn workload() -> Workload {
+        Workload {
+            page_size: 4096,
+            pages: 16,
+            bytes: 40 * 16 * 4096 + 3 * 4096,
+            region_size: 1 << 20,
+            depth: 2,
+            seed: 5,
+            transfer_timeout: Duration::from_secs(10),
+            direction: Direction::Write,
+        }
+    }
+
+    /// The memcpy baseline copies exactly the pages the engine's run writes: run over mem
+    /// rails into one region and through the baseline into another, both from the same
+    /// patterned source, the two targets are equal byte for byte (and not all zero).
+    #[test]
+    fn the_memcpy_baseline_copies_the_pages_the_engine_run_writes() {
+        let w = workload();
+        let src = HostBuffer::new_shared(w.region_size as usize).expect("source");
+        fill_pattern(&*src, w.seed).expect("fill");
+        let spawn = || {
+            RailGroup::spawn(2, |_| Ok(MemTransport::new()), EngineConfig::default())
+                .expect("mem rails start")
+        };
+        let (a, b) = (spawn(), spawn());
+        let by_engine = HostBuffer::new_shared(w.region_size as usize).expect("target");
+        let s = a.register(src.clone(), Access::NONE).expect("register");
+        let d = b
+            .register(by_engine.clone(), Access::REMOTE_WRITE)
+            .expect("register");
+        let peer = a.add_peer(&b.addresses()).expect("peer");
+        let report = workload::run(
+            &a,
+            &s,
+            &peer,
+            &d.remote,
+            &w,
+            &mut crate::progress::Progress::new(true),
+        )
+        .expect("run");
+        drop((a, b));
+        for threads in [1, 3] {
+            let by_baseline = HostBuffer::new_shared(w.region_size as usize).expect("target");
+            let g = scattered_memcpy(&*src, &*by_baseline, &w, threads, &[]).expect("baseline");
+            assert!(g > 0.0 && g.is_finite(), "{g}");
+            let (x, y) = (
+                by_engine.to_vec(0, w.region_size as usize).unwrap(),
+                by_baseline.to_vec(0, w.region_size as usize).unwrap(),
+            );
+            assert!(x == y, "{threads} threads: the targets differ");
+            let written = report.written_pages().len();
+            assert!(written > 16 && written < 256, "{written}");
+        }
+    }
+
+    #[test]
+    fn the_memcpy_baseline_refuses_overlapping_or_small_regions() {
+        let w = workload();
+        let r = HostBuffer::new_shared(w.region_size as usize).unwrap();
+        assert!(matches!(
+            scattered_memcpy(&*r, &*r, &w, 1, &[]),
+            Err(BaselineError::Memory(_))
+        ));
+        let small = HostBuffer::new_shared(4096).unwrap();
+        assert!(matches!(
+            scattered_memcpy(&*r, &*small, &w, 1, &[]),
+            Err(BaselineError::Memory(_))
+        ));
+    }
+
+    fn backend(transport: TransportKind, memory: MemoryKind) -> BackendArgs {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct A {
+            #[command(flatten)]
+            b: BackendArgs,
+        }
+        let mut b = A::parse_from(["x"]).b;
+        b.transport = transport;
+        b.memory = memory;
+        b
+    }
+
+    #[test]
+    fn refused_where_no_like_for_like_run_exists_and_allowed_elsewhere() {
+        use MemoryKind::{Cuda, Host};
+        use TransportKind::{CudaIpc, Efa, Mem, Tcp};
+        for (t, m) in [(Efa, Host), (Efa, Cuda), (Tcp, Cuda), (Mem, Cuda)] {
+            let why = refusal(&backend(t, m), false, false).expect("refused");
+            assert!(
+                why.starts_with("--baseline") && !why.contains('\n'),
+                "{why}"
+            );
+        }
+        let why = refusal(&backend(Efa, Host), false, false).unwrap();
+        assert!(
+            why.contains("fi_raw_bw") && why.contains("fi_rma_bw"),
+            "{why}"
+        );
+        for (t, m) in [(Tcp, Host), (Mem, Host), (CudaIpc, Cuda)] {
+            assert_eq!(refusal(&backend(t, m), false, false), None, "{t:?} {m:?}");
+            assert!(refusal(&backend(t, m), true, false).is_some());
+            assert!(refusal(&backend(t, m), false, true).is_some());
+        }
+    }
+
+    #[test]
+    fn kinds_name_what_ran() {
+        assert_eq!(
+            tcp_kind(2, 1 << 30),
+            "raw TCP streams, 2, loopback, 1.0 GiB buffers"
+        );
+        assert_eq!(
+            memcpy_kind(1),
+            "scattered memcpy of the same pages, 1 thread"
+        );
+        assert!(
+            device_copies_kind(CopyMethod::Kernel, 8, 0, 1)
+                .contains("(copy kernel), 8 streams, GPU 0 -> GPU 1")
+        );
+    }
+
+    #[test]
+    fn tcp_streams_move_the_bytes() {
+        let g = tcp_streams(8 << 20, 2, 2 << 20).expect("streams");
+        assert!(g > 0.0 && g.is_finite(), "{g}");
+    }
 }

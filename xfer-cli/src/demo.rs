@@ -1,16 +1,14 @@
 //! `xfer demo`: a loopback transfer inside this process, with one worker (the default) or
 //! one worker per GPU (`--per-gpu`).
 
-use crate::backend::BackendArgs;
+use crate::backend::{BackendArgs, TransportKind};
+use crate::baseline::{self, BaselineError, DeviceRegions, Measured};
 use crate::latency;
 use crate::nics::{self, RailNic};
 use crate::placement::{self, CorePin, GpuWorkerPins, PinMode, WorkerPins};
 use crate::setup::{CONNECTING, MEMORY, REGISTERING, STARTING, SetUpClock, WARMING_UP};
 use crate::workload::{self, RunReport, Workload};
-use crate::{
-    CliError, DemoArgs, Knobs, Summary, baseline_for, hot_baseline_for, print_summary, progress,
-    warm_up, workload_of,
-};
+use crate::{CliError, DemoArgs, Knobs, Summary, print_summary, progress, warm_up, workload_of};
 use fabric_core::engine::{GroupPeer, GroupRegistration, RailGroup};
 use fabric_core::{Access, MemoryRegion};
 use serde::Serialize;
@@ -20,9 +18,14 @@ use std::sync::{Arc, Barrier};
 /// Runs `xfer demo`.
 pub fn run(mut a: DemoArgs) -> Result<(), CliError> {
     let w = workload_of(&a.knobs)?;
-    a.backend.check_available()?;
     // Both endpoints are this process: same host, same kind of memory.
     let b = a.backend.resolved(true, true);
+    if a.baseline
+        && let Some(why) = baseline::refusal(&b, a.per_gpu, a.knobs.latency)
+    {
+        return Err(CliError::Usage(why));
+    }
+    a.backend.check_available()?;
     // Both ends are on loopback: NICs only where --nics names them.
     let choice = nics::choose(
         &b.nics,
@@ -55,24 +58,78 @@ pub fn run(mut a: DemoArgs) -> Result<(), CliError> {
         home: pins.initiator,
         nics: rail_nics,
     };
-    let (report, verified) = one_worker(&b, k, &w, worker, (0, 1), !k.json, None)?;
-    let baseline_gbps = if a.baseline {
-        Some(
-            baseline_for(&b, report.bytes, k)
-                .map_err(|e| CliError::Failed(format!("baseline: {e}")))?,
-        )
+    let initiator_pins = worker.initiator.clone();
+    let (report, verified, regions) = one_worker(&b, k, &w, worker, (0, 1), !k.json, None)?;
+    let (measured, hot) = if a.baseline {
+        let (m, hot) = run_baseline(&b, k, &w, &report, regions, &initiator_pins)?;
+        (Some(m), hot)
     } else {
-        None
+        (None, None)
     };
-    let mut summary = Summary::of(&b, a.backend.transport, k, &report, verified, baseline_gbps)
-        .with_nics(&choice);
-    if a.baseline {
-        summary.baseline_hot_gbps = hot_baseline_for(&b, report.bytes, k)
-            .map_err(|e| CliError::Failed(format!("baseline: {e}")))?;
-        summary.ratio_hot = summary.baseline_hot_gbps.map(|h| summary.gbps / h);
-    }
+    let mut summary =
+        Summary::of(&b, a.backend.transport, k, &report, verified, measured).with_nics(&choice);
+    summary.baseline_hot_gbps = hot;
+    summary.ratio_hot = hot.map(|h| summary.gbps / h);
     print_summary(&summary, k.json);
     Ok(())
+}
+
+/// `--baseline` (after [`baseline::refusal`] let it through): the run's work again without
+/// the engine, on the same path (see [`baseline`]), with the run's own regions where it
+/// copies memory; `pins` are the initiator rails' cores. Returns what it measured and, for
+/// tcp, the cache-hot streams' Gbps.
+fn run_baseline(
+    b: &BackendArgs,
+    k: &Knobs,
+    w: &Workload,
+    report: &RunReport,
+    (local, remote): Regions,
+    pins: &[Option<CorePin>],
+) -> Result<(Measured, Option<f64>), CliError> {
+    let failed = |e: BaselineError| CliError::Failed(format!("baseline: {e}"));
+    match b.transport {
+        TransportKind::Mem => {
+            // From the region that holds the pattern to the one the bytes landed in.
+            let (from, to) = if w_reads(k) {
+                (&remote, &local)
+            } else {
+                (&local, &remote)
+            };
+            let gbps =
+                baseline::scattered_memcpy(&**from, &**to, w, k.rails, pins).map_err(failed)?;
+            let kind = baseline::memcpy_kind(k.rails);
+            Ok((Measured { gbps, kind }, None))
+        }
+        TransportKind::CudaIpc => {
+            let cuda = b.cuda()?;
+            let (g0, g1) = (b.gpu(0)?, b.gpu(1)?);
+            let device = |g: u32| {
+                cuda.device(g)
+                    .map_err(|e| CliError::Usage(format!("--gpus: {e}")))
+            };
+            let (initiator, target) = (device(g0)?, device(g1)?);
+            let r = DeviceRegions {
+                initiator: &initiator,
+                local: &local,
+                target: &target,
+                remote: &remote,
+            };
+            let (gbps, method) =
+                baseline::scattered_device_copies(&r, w, w_reads(k), k.rails, b.cuda_copy)
+                    .map_err(failed)?;
+            let kind = baseline::device_copies_kind(method, k.rails, g0, g1);
+            Ok((Measured { gbps, kind }, None))
+        }
+        _ => {
+            // tcp with host memory. The regions go first: the streams map as much memory.
+            drop((local, remote));
+            let gbps = baseline::tcp_streams(report.bytes, k.rails, k.region_size as usize)
+                .map_err(failed)?;
+            let hot = baseline::tcp_streams(report.bytes, k.rails, 1 << 20).map_err(failed)?;
+            let kind = baseline::tcp_kind(k.rails, k.region_size as usize);
+            Ok((Measured { gbps, kind }, Some(hot)))
+        }
+    }
 }
 
 /// `demo --latency`: one worker, transfers one at a time, and the raw TCP floor.
@@ -113,9 +170,12 @@ struct WorkerRails {
     nics: Vec<RailNic>,
 }
 
+/// A worker's regions: the initiator's, the target's.
+type Regions = (Arc<dyn MemoryRegion>, Arc<dyn MemoryRegion>);
+
 /// One worker: an initiator group and a target group on loopback; the source region on the
-/// GPU at position `slots.0` of --gpus, the target region at `slots.1`. Returns the run and
-/// whether the target's bytes were checked.
+/// GPU at position `slots.0` of --gpus, the target region at `slots.1`. Returns the run,
+/// whether the landed bytes were checked, and the regions.
 fn one_worker(
     b: &BackendArgs,
     k: &Knobs,
@@ -124,7 +184,7 @@ fn one_worker(
     slots: (usize, usize),
     show_progress: bool,
     start: Option<&Barrier>,
-) -> Result<(RunReport, bool), CliError> {
+) -> Result<(RunReport, bool, Regions), CliError> {
     // Workers of a --per-gpu run start their timed work together (a worker whose set-up
     // failed still passes the barrier, then reports its error).
     let set_up = set_up_worker(b, k, rails, slots);
@@ -132,7 +192,7 @@ fn one_worker(
         barrier.wait();
     }
     // The target group stays alive (its engines place the bytes) until the run ends.
-    let (src_group, target_group, s, d, peer, landed) = set_up?;
+    let (src_group, target_group, s, d, peer, regions) = set_up?;
     let mut progress = progress::Progress::new(!show_progress).label(k.op.direction().name());
     let report = workload::run(&src_group, &s, &peer, &d.remote, w, &mut progress)?;
     // Every byte has landed: stop the rails, whose idle workers would slow the check.
@@ -141,8 +201,9 @@ fn one_worker(
         false
     } else {
         // Where the bytes landed: the target's region (write), the initiator's (read).
+        let landed = if w_reads(k) { &regions.0 } else { &regions.1 };
         let pages = report.written_pages();
-        let (bad, first) = workload::verify_pages(&*landed, k.page_size, k.seed, &pages)?;
+        let (bad, first) = workload::verify_pages(&**landed, k.page_size, k.seed, &pages)?;
         if bad > 0 {
             return Err(CliError::Mismatch(format!(
                 "{bad} of {} pages differ (first: page {})",
@@ -152,18 +213,17 @@ fn one_worker(
         }
         true
     };
-    Ok((report, verified))
+    Ok((report, verified, regions))
 }
 
-/// What a worker holds once set up: its groups, registrations, peer and the region the
-/// bytes land in (the target's for a write, the initiator's for a read).
+/// What a worker holds once set up: its groups, registrations, peer and regions.
 type WorkerSetUp = (
     RailGroup,
     RailGroup,
     GroupRegistration,
     GroupRegistration,
     GroupPeer,
-    Arc<dyn MemoryRegion>,
+    Regions,
 );
 
 fn set_up_worker(
@@ -221,8 +281,7 @@ fn set_up_worker(
     clock.stage(WARMING_UP);
     warm_up(&src_group, &s, &peer, &d.remote, k)?;
     clock.finish();
-    let landed = if read { src } else { dst };
-    Ok((src_group, dst_group, s, d, peer, landed))
+    Ok((src_group, dst_group, s, d, peer, (src, dst)))
 }
 
 /// Whether the run reads (`--op read`).
@@ -269,11 +328,6 @@ pub(crate) struct PerGpuSummary {
 /// `--per-gpu`: one worker per entry of --gpus, all at once.
 fn per_gpu(a: &DemoArgs, b: &BackendArgs, w: &Workload, nics: &[RailNic]) -> Result<(), CliError> {
     let k = &a.knobs;
-    if a.baseline {
-        return Err(CliError::Usage(
-            "--baseline measures one worker: drop --per-gpu or --baseline".into(),
-        ));
-    }
     check_per_gpu(b)?;
     let pins = gpu_worker_pins(b, k.pin, k.rails);
     let results = run_workers(&pins, |slot, p, start| {
@@ -284,6 +338,7 @@ fn per_gpu(a: &DemoArgs, b: &BackendArgs, w: &Workload, nics: &[RailNic]) -> Res
             nics: nics.to_vec(),
         };
         one_worker(b, k, w, rails, (slot, slot), false, Some(start))
+            .map(|(report, verified, _)| (report, verified))
     });
     let s = per_gpu_summary(b, a.backend.transport, k, results, &pins)?;
     print_per_gpu(&s, k.json);

@@ -255,7 +255,11 @@ pub(crate) struct DemoArgs {
     knobs: Knobs,
     #[command(flatten)]
     backend: BackendArgs,
-    /// Also run plain TCP streams (as many as rails) with the same bytes, and report the ratio.
+    /// After the run, the same work without the engine on the same path, and the ratio:
+    /// tcp (host memory): raw TCP streams over loopback, as many as rails, same bytes;
+    /// mem: a memcpy of the same pages on as many threads as rails; cuda-ipc: the same
+    /// pages copied device to device with batched copies, as many streams as rails. Not
+    /// with efa or GPU memory over tcp (no like-for-like run in one process).
     #[arg(long)]
     baseline: bool,
     /// One worker per entry of --gpus, all at once: each with its own rails (pinned to
@@ -263,39 +267,6 @@ pub(crate) struct DemoArgs {
     /// regions on its GPU (host memory: on the GPU's node).
     #[arg(long)]
     per_gpu: bool,
-}
-
-/// The baseline of a demo: plain TCP streams (as many as rails), or for cuda-ipc plain
-/// device-to-device copies of the same bytes between the same GPUs.
-pub(crate) fn baseline_for(b: &BackendArgs, bytes: u64, k: &Knobs) -> Result<f64, String> {
-    match b.transport {
-        TransportKind::CudaIpc => {
-            let cuda = b.cuda().map_err(|e| e.to_string())?;
-            let from = cuda.device(b.gpu(0).map_err(|e| e.to_string())?);
-            let to = cuda.device(b.gpu(1).map_err(|e| e.to_string())?);
-            let (from, to) = (
-                from.map_err(|e| e.to_string())?,
-                to.map_err(|e| e.to_string())?,
-            );
-            let chunk = k.region_size.min(256 << 20) as usize;
-            gpu_mem::plain_copy_gbps(&from, &to, chunk, bytes).map_err(|e| e.to_string())
-        }
-        _ => baseline::run(bytes, k.rails, k.region_size as usize).map_err(|e| e.to_string()),
-    }
-}
-
-/// The cache-hot TCP baseline (1 MiB buffers per stream), beside the region-sized one.
-pub(crate) fn hot_baseline_for(
-    b: &BackendArgs,
-    bytes: u64,
-    k: &Knobs,
-) -> Result<Option<f64>, String> {
-    match b.transport {
-        TransportKind::CudaIpc => Ok(None),
-        _ => baseline::run(bytes, k.rails, 1 << 20)
-            .map(Some)
-            .map_err(|e| e.to_string()),
-    }
 }
 
 /// The JSON summary of a run.
@@ -306,8 +277,9 @@ pub(crate) struct Summary {
     op: &'static str,
     /// Why that transport (`as asked`, or what `auto` saw).
     path: &'static str,
-    /// What the baseline measured.
-    baseline_kind: Option<&'static str>,
+    /// What the baseline was, in words (e.g. "raw TCP streams, 2, loopback, 1.0 GiB
+    /// buffers"; "scattered memcpy of the same pages, 1 thread").
+    baseline_kind: Option<String>,
     /// TCP only: the same streams from and into 1 MiB buffers (cache-hot).
     baseline_hot_gbps: Option<f64>,
     /// `gbps / baseline_hot_gbps`.
@@ -340,17 +312,15 @@ impl Summary {
         k: &Knobs,
         report: &workload::RunReport,
         verified: bool,
-        baseline_gbps: Option<f64>,
+        baseline: Option<baseline::Measured>,
     ) -> Summary {
         let gbps = report.gbps();
+        let (baseline_gbps, baseline_kind) = baseline.map(|m| (m.gbps, m.kind)).unzip();
         Summary {
             transport: b.transport.name(),
             op: k.op.direction().name(),
             path: b.transport.why(asked),
-            baseline_kind: baseline_gbps.map(|_| match b.transport {
-                TransportKind::CudaIpc => "plain cuMemcpyAsync device to device, same bytes",
-                _ => "plain TCP streams, one per rail, same bytes, through buffers the size of the region",
-            }),
+            baseline_kind,
             baseline_hot_gbps: None,
             ratio_hot: None,
             memory: b.memory.name(),
@@ -495,11 +465,13 @@ pub(crate) fn print_summary(s: &Summary, json: bool) {
     if let Some(note) = rounding_note(s.bytes_asked, s.bytes, s.page_size) {
         println!("{note}");
     }
-    if let (Some(b), Some(r), Some(kind)) = (s.baseline_gbps, s.ratio, s.baseline_kind) {
+    if let (Some(b), Some(r), Some(kind)) = (s.baseline_gbps, s.ratio, &s.baseline_kind) {
         println!("baseline: {kind}: {b:.2} Gbps; ratio {r:.3}");
     }
     if let (Some(b), Some(r)) = (s.baseline_hot_gbps, s.ratio_hot) {
-        println!("baseline, cache-hot (1 MiB buffers): {b:.2} Gbps; ratio {r:.3}");
+        println!(
+            "baseline, cache-hot (the same streams through 1 MiB buffers): {b:.2} Gbps; ratio {r:.3}"
+        );
     }
 }
 

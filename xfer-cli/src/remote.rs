@@ -81,18 +81,8 @@ pub fn bench(mut a: BenchArgs) -> Result<(), CliError> {
         let rails = (pins.rail_pins(pins.initiator, k.rails, 0), pins.initiator);
         let (b, report, verified, baseline) =
             bench_worker(&a, ctl_addr, &w, None, rails, None, &first)?;
-        let mut summary = Summary::of(
-            &b,
-            a.backend.transport,
-            k,
-            &report,
-            verified,
-            baseline.map(|(gbps, _)| gbps),
-        )
-        .with_nics(&first);
-        if let Some((_, kind)) = baseline {
-            summary.baseline_kind = Some(kind);
-        }
+        let summary =
+            Summary::of(&b, a.backend.transport, k, &report, verified, baseline).with_nics(&first);
         print_summary(&summary, k.json);
         return Ok(());
     }
@@ -164,7 +154,12 @@ fn bench_latency(
 /// What a bench worker measured: the backend as the server resolved it, the run, whether
 /// the peer checked the bytes, and with `--baseline` the raw streams' Gbps and what they
 /// were.
-type BenchResult = (BackendArgs, RunReport, bool, Option<(f64, &'static str)>);
+type BenchResult = (
+    BackendArgs,
+    RunReport,
+    bool,
+    Option<crate::baseline::Measured>,
+);
 
 /// One bench worker: its own control connection (to server worker `worker`), rails, source
 /// region (on `--gpus[worker]`, or the first), run and verification, then with
@@ -230,12 +225,16 @@ pub(crate) fn bench_worker(
         let (rail_nics, kind) = match b.transport {
             TransportKind::Tcp => (
                 nics.per_rail(rails),
-                "plain TCP streams, one per rail on its NIC, to the server, same bytes",
+                format!(
+                    "raw TCP streams, {rails}, one per rail on its NIC, to the server, same bytes"
+                ),
             ),
             _ => (
                 Vec::new(),
-                "plain TCP streams, one per rail (unbound: its NICs are not sockets), to the \
-                 server, same bytes",
+                format!(
+                    "raw TCP streams, {rails}, one per rail (unbound: its NICs are not \
+                     sockets), to the server, same bytes"
+                ),
             ),
         };
         // The engine's rails stop first: their workers take no CPU from the streams, and
@@ -244,7 +243,7 @@ pub(crate) fn bench_worker(
         drop(s);
         drop(group);
         let gbps = baseline_streams(&mut ctl, &server_rails, &rail_nics, rails, report.bytes, k)?;
-        Some((gbps, kind))
+        Some(crate::baseline::Measured { gbps, kind })
     } else {
         None
     };

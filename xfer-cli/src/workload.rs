@@ -186,6 +186,52 @@ pub fn fill_pattern(region: &dyn MemoryRegion, seed: u64) -> Result<(), Error> {
     Ok(())
 }
 
+/// The pages of a run's transfers, in the order the run submits them: `pages` distinct
+/// pages per transfer (a partial Fisher-Yates over the region's pages, seeded by `seed`),
+/// whole pages only, until `bytes` are covered (the last transfer may have fewer). The
+/// engine's run and the demo's direct-copy baselines take their pages from here, so both
+/// move the same pages.
+pub struct TransferPages {
+    perm: Vec<u64>,
+    rng: fastrand::Rng,
+    page_size: u64,
+    per_transfer: u64,
+    left: u64,
+}
+
+impl TransferPages {
+    /// The pages of `w`'s transfers.
+    pub fn new(w: &Workload) -> TransferPages {
+        TransferPages {
+            perm: (0..w.region_pages()).collect(),
+            rng: fastrand::Rng::with_seed(w.seed),
+            page_size: w.page_size,
+            per_transfer: w.pages * w.page_size,
+            left: w.bytes,
+        }
+    }
+
+    /// The next transfer's page indices (distinct), or `None` once every byte is covered.
+    pub fn next_transfer(&mut self) -> Option<&[u64]> {
+        if self.left == 0 || self.page_size == 0 {
+            return None;
+        }
+        // Whole pages only (see `Workload::whole_pages`): a partial page left over is sent
+        // whole.
+        let n = (self.left.min(self.per_transfer).div_ceil(self.page_size) as usize)
+            .min(self.perm.len());
+        if n == 0 {
+            return None;
+        }
+        self.left = self.left.saturating_sub(n as u64 * self.page_size);
+        for i in 0..n {
+            let j = self.rng.usize(i..self.perm.len());
+            self.perm.swap(i, j);
+        }
+        Some(&self.perm[..n])
+    }
+}
+
 /// Runs the workload from `src` to `dst` at `peer` (for a READ, from `dst` into `src`), over
 /// every rail of `group`.
 pub fn run(
@@ -196,12 +242,9 @@ pub fn run(
     w: &Workload,
     progress: &mut Progress,
 ) -> Result<RunReport, Error> {
-    let region_pages = w.region_pages();
-    let mut perm: Vec<u64> = (0..region_pages).collect();
-    let mut rng = fastrand::Rng::with_seed(w.seed);
-    let mut written = vec![false; region_pages as usize];
-    let per_transfer = w.pages * w.page_size;
-    let mut left = w.bytes;
+    let mut pages = TransferPages::new(w);
+    let mut written = vec![false; w.region_pages() as usize];
+    let mut more = true;
     let mut inflight: VecDeque<GroupHandle> = VecDeque::with_capacity(w.depth);
     let mut page_writes = 0u64;
     let mut moved = 0u64;
@@ -211,31 +254,26 @@ pub fn run(
     progress.start(w.bytes);
     progress.per_nic(group);
     loop {
-        while inflight.len() < w.depth && left > 0 {
-            // Whole pages only (see `Workload::whole_pages`): a partial page left over is
-            // sent whole.
-            let this = left.min(per_transfer);
-            let n = this.div_ceil(w.page_size);
-            left = left.saturating_sub(n * w.page_size);
+        while inflight.len() < w.depth && more {
+            let Some(chosen) = pages.next_transfer() else {
+                more = false;
+                break;
+            };
             let mut t = GroupTransfer {
                 src: src.clone(),
                 dst: dst.clone(),
-                segments: Vec::with_capacity(n as usize),
+                segments: Vec::with_capacity(chosen.len()),
                 imm: None,
                 timeout: Some(w.transfer_timeout),
                 direction: w.direction,
                 after: None,
             };
-            // Partial Fisher-Yates: n distinct pages.
-            for i in 0..n as usize {
-                let j = rng.usize(i..region_pages as usize);
-                perm.swap(i, j);
-                let p = perm[i];
+            for &p in chosen {
                 written[p as usize] = true;
                 t.segments
                     .push((p * w.page_size, p * w.page_size, w.page_size));
             }
-            page_writes += n;
+            page_writes += chosen.len() as u64;
             inflight.push_back(group.submit(peer, t)?);
         }
         let Some(h) = inflight.front() else { break };
@@ -315,6 +353,29 @@ mod tests {
         };
         w.validate().expect("valid knobs");
         w.whole_pages()
+    }
+
+    #[test]
+    fn transfer_pages_cover_the_bytes_in_distinct_pages_the_same_for_a_seed() {
+        let mut w = workload(4096, 40 * 4 * 4096 + 3 * 4096, 1 << 20);
+        let all = |w: &Workload| {
+            let mut pages = TransferPages::new(w);
+            std::iter::from_fn(|| pages.next_transfer().map(<[u64]>::to_vec)).collect::<Vec<_>>()
+        };
+        let transfers = all(&w);
+        // 40 transfers of 4 pages and one of 3.
+        assert_eq!(transfers.len(), 41);
+        assert_eq!(transfers.last().map(Vec::len), Some(3));
+        for t in &transfers {
+            let mut d = t.clone();
+            d.sort_unstable();
+            d.dedup();
+            assert_eq!(d.len(), t.len(), "pages of a transfer are distinct");
+            assert!(t.iter().all(|&p| p < w.region_pages()));
+        }
+        assert_eq!(all(&w), transfers);
+        w.seed += 1;
+        assert_ne!(all(&w), transfers);
     }
 
     #[test]

@@ -929,7 +929,7 @@ fn bench_baseline_streams_to_the_server_and_reports_the_ratio() {
     );
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
-        text.contains("baseline: plain TCP streams, one per rail") && text.contains("ratio"),
+        text.contains("baseline: raw TCP streams, 2, one per rail") && text.contains("ratio"),
         "{text}"
     );
     let out = xfer(&bench_args(&server.peer));
@@ -949,6 +949,161 @@ fn bench_baseline_with_per_gpu_latency_or_cuda_ipc_is_a_usage_error() {
         args.extend_from_slice(extra);
         let line = assert_fails_with_one_line(&xfer(&args), 2);
         assert!(line.contains("--baseline"), "{extra:?}: {line}");
+    }
+}
+
+/// The baseline's figures of a demo summary: its Gbps, `ratio` = gbps / it, and its kind.
+fn assert_baseline(j: &Value) -> String {
+    let base = j["baseline_gbps"].as_f64().expect("baseline_gbps");
+    assert!(base > 0.0 && base.is_finite(), "{j}");
+    let ratio = j["ratio"].as_f64().expect("a ratio");
+    assert!(ratio > 0.0 && ratio.is_finite(), "{j}");
+    let want = j["gbps"].as_f64().unwrap() / base;
+    assert!((ratio - want).abs() < 1e-9 * want.max(1.0), "{j}");
+    j["baseline_kind"]
+        .as_str()
+        .expect("baseline_kind")
+        .to_owned()
+}
+
+/// `demo --transport mem --baseline`: a memcpy of the same pages, one thread per rail,
+/// named in JSON and on the text's baseline line; no TCP streams (no cache-hot figure).
+#[test]
+fn demo_baseline_over_mem_is_a_scattered_memcpy_of_the_same_pages() {
+    let out = small_demo(&["--transport", "mem", "--rails", "2", "--baseline"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j = stdout_json(&out);
+    assert_eq!(j["verified"], true, "{j}");
+    let kind = assert_baseline(&j);
+    assert_eq!(kind, "scattered memcpy of the same pages, 2 threads", "{j}");
+    assert!(
+        j["baseline_hot_gbps"].is_null() && j["ratio_hot"].is_null(),
+        "{j}"
+    );
+    let out = small_demo(&["--transport", "mem", "--baseline", "--op", "read"]);
+    let j = stdout_json(&out);
+    assert_eq!(
+        assert_baseline(&j),
+        "scattered memcpy of the same pages, 1 thread"
+    );
+    let out = xfer(&[
+        "demo",
+        "--transport",
+        "mem",
+        "--baseline",
+        "--page-size",
+        "4KiB",
+        "--pages",
+        "64",
+        "--bytes",
+        "4MiB",
+        "--region-size",
+        "4MiB",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.lines().any(|l| l
+            .starts_with("baseline: scattered memcpy of the same pages, 1 thread: ")
+            && l.contains("ratio")),
+        "{text}"
+    );
+}
+
+/// `demo --transport tcp --baseline`: raw TCP streams on loopback, one per rail, through
+/// buffers of the region's size, and the cache-hot figure beside it.
+#[test]
+fn demo_baseline_over_tcp_is_raw_tcp_streams_on_loopback() {
+    let out = small_demo(&["--transport", "tcp", "--rails", "2", "--baseline"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j = stdout_json(&out);
+    let kind = assert_baseline(&j);
+    assert_eq!(kind, "raw TCP streams, 2, loopback, 4.0 MiB buffers", "{j}");
+    let hot = j["baseline_hot_gbps"].as_f64().expect("baseline_hot_gbps");
+    let ratio_hot = j["ratio_hot"].as_f64().expect("ratio_hot");
+    assert!(hot > 0.0 && ratio_hot > 0.0 && ratio_hot.is_finite(), "{j}");
+}
+
+/// `demo --baseline` where no like-for-like run exists in one process (efa; GPU memory
+/// over tcp or mem) or that is no one worker's throughput (--latency, --per-gpu): exit 2,
+/// one line that names --baseline, before anything runs (no libfabric or GPU is needed to
+/// be told).
+#[test]
+fn demo_baseline_without_a_like_for_like_run_is_a_usage_error() {
+    for (extra, names) in [
+        (
+            &["--transport", "efa", "--provider", "tcp"][..],
+            "fi_raw_bw",
+        ),
+        (
+            &["--transport", "tcp", "--memory", "cuda"][..],
+            "--memory host",
+        ),
+        (&["--transport", "mem", "--memory", "cuda"][..], "cuda-ipc"),
+        (&["--latency"][..], "--latency"),
+        (&["--per-gpu"][..], "--per-gpu"),
+    ] {
+        let mut args = extra.to_vec();
+        args.push("--baseline");
+        let line = assert_fails_with_one_line(&small_demo(&args), 2);
+        assert!(
+            line.contains("--baseline") && line.contains(names),
+            "{extra:?}: {line}"
+        );
+    }
+}
+
+/// `demo --transport cuda-ipc --baseline`: the same pages copied device to device with
+/// batched copies, between the same GPUs (GPU 0 to itself, or 0 to 1 where there are two).
+#[test]
+#[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/gpu-proof.sh)"]
+fn demo_baseline_over_cuda_ipc_copies_the_same_pages_device_to_device() {
+    let cuda = gpu_mem::testing::require_gpus(1);
+    let gpus = if cuda.device_count().unwrap_or(1) >= 2 {
+        "0,1"
+    } else {
+        "0"
+    };
+    for method in [None, Some("memcpy")] {
+        let mut args = vec![
+            "--transport",
+            "cuda-ipc",
+            "--memory",
+            "cuda",
+            "--gpus",
+            gpus,
+            "--rails",
+            "2",
+            "--baseline",
+        ];
+        if let Some(m) = method {
+            args.extend(["--cuda-copy", m]);
+        }
+        let out = small_demo(&args);
+        assert!(
+            out.status.success(),
+            "{method:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let j = stdout_json(&out);
+        assert_eq!(j["verified"], true, "{j}");
+        let kind = assert_baseline(&j);
+        let to = if gpus == "0" { 0 } else { 1 };
+        assert!(
+            kind.starts_with("scattered device-to-device copies of the same pages (")
+                && kind.ends_with(&format!("), 2 streams, GPU 0 -> GPU {to}")),
+            "{j}"
+        );
+        if method.is_some() {
+            assert!(kind.contains("(one cuMemcpyAsync a page)"), "{j}");
+        }
     }
 }
 
