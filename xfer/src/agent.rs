@@ -143,7 +143,9 @@ impl Drop for Inner {
     }
 }
 
-/// An agent: see the [module docs](self) and the crate's example.
+/// An agent: it owns its transports, registers memory on all of them, connects to peers
+/// over the best transport both offer, moves data and reports what arrived (see the
+/// crate's example).
 ///
 /// Cheap to clone (a handle); the agent stops when its last handle is dropped (and its
 /// regions' handles with it).
@@ -599,6 +601,28 @@ impl Agent {
             kind,
             group,
         })
+    }
+
+    /// The direct rendezvous: connects to the server at `addr` (an agent serving with
+    /// [`crate::rendezvous::serve`]), says hello, and connects to it over the transport
+    /// both offer. Returns the peer and what the server offered (its regions by name); a
+    /// full server is asked again with back-off for up to `within`.
+    pub fn rendezvous(
+        &self,
+        addr: std::net::SocketAddr,
+        token: Option<&str>,
+        within: Duration,
+    ) -> Result<(Peer, crate::rendezvous::Welcome)> {
+        let (_client, welcome) = crate::rendezvous::hello(
+            addr,
+            Duration::from_secs(5).min(within.max(Duration::from_millis(1))),
+            within,
+            &self.inner.info,
+            None,
+            token,
+        )?;
+        let peer = self.connect(&welcome.agent)?;
+        Ok((peer, welcome))
     }
 
     /// Disconnects `peer`: its pending transfers fail with `PeerRemoved`.

@@ -52,6 +52,9 @@ pub enum Error {
     /// Metadata (an agent's or a region's) is malformed or of another version.
     #[error(transparent)]
     Metadata(#[from] fabric_core::metadata::MetadataError),
+    /// The rendezvous with a peer failed (unreachable, refused, another protocol).
+    #[error("rendezvous")]
+    Rendezvous(#[from] crate::rendezvous::ClientError),
     /// The agent was closed.
     #[error("the agent is closed")]
     Closed,

@@ -39,9 +39,12 @@
 //! the `Transport` trait, the metadata format) and the backends (`transport-tcp`,
 //! `transport-efa`, `transport-cuda-ipc`).
 //!
-//! Dependencies: the workspace's crates; `serde` and `thiserror` as everywhere; `tracing`
-//! for logs; `if-addrs` lists network interfaces and their addresses for NIC choice
-//! (getifaddrs, with no unsafe code of ours).
+//! Dependencies: the workspace's crates; `serde`, `serde_json` and `thiserror` as
+//! everywhere; `tracing` for logs; `if-addrs` lists network interfaces and their addresses
+//! for NIC choice (getifaddrs, with no unsafe code of ours); `mio` (the maintained event
+//! loop under tokio: epoll, so thousands of pending connections cost one wait) runs the
+//! rendezvous server's unauthenticated phase; `hex` spells authentication tags; `libc`
+//! raises the open-file limit of a server.
 #![warn(missing_docs)]
 
 mod agent;
@@ -50,6 +53,7 @@ pub mod lanes;
 pub mod nics;
 mod options;
 pub mod placement;
+pub mod rendezvous;
 
 pub use agent::{Agent, AgentStats, Peer, Region, Transfer, release_kept, resolve};
 pub use error::{Error, Result};
@@ -57,6 +61,7 @@ pub use options::{
     AgentOptions, BalanceOptions, CudaIpcOptions, EfaOptions, MAX_RAILS, MemoryKind, Role,
     TcpOptions, TransportChoice, WorkerOptions,
 };
+pub use placement::PinMode;
 
 pub use fabric_core::engine::{Event, TransferHandle as Handle, TransferStats};
 pub use fabric_core::metadata::{AgentInfo, RegionDescriptor, TransportInfo, TransportKind};

@@ -143,7 +143,9 @@ pub struct BalanceOptions {
     pub in_flight: Option<usize>,
 }
 
-/// Everything an agent is built from. See the [module docs](self).
+/// Everything an agent is built from: defaults that suit a newcomer (`auto` transport,
+/// NICs from the placement plan, pinned workers, one rail per NIC, host memory), and every
+/// knob of the `xfer` command, grouped by the transport it tunes.
 #[derive(Clone, Debug)]
 pub struct AgentOptions {
     /// The agent's name (in its metadata and the cluster directory). Default:

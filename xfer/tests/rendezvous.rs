@@ -1,0 +1,109 @@
+//! The direct rendezvous between two agents of this process over loopback: the client
+//! finds the server's named region by name, writes into it with immediate data, and the
+//! server sees every byte; a client without the token is refused before anything happens.
+
+use std::net::TcpListener;
+use std::sync::Arc;
+use std::time::Duration;
+use xfer::rendezvous::{NoService, ServeLimits, ServeStats};
+use xfer::{Access, Agent, AgentOptions, HostBuffer, PinMode, Transfer, TransportKind};
+
+const T: Duration = Duration::from_secs(20);
+
+fn agent() -> Agent {
+    Agent::new(AgentOptions {
+        pin: PinMode::Off,
+        ..AgentOptions::default()
+    })
+    .expect("an agent")
+}
+
+/// A server agent offering a 1 MiB region named "kv", serving on loopback; its address.
+fn server(
+    token: Option<&str>,
+) -> (
+    Agent,
+    Arc<HostBuffer>,
+    std::net::SocketAddr,
+    Arc<ServeStats>,
+) {
+    let a = agent();
+    let buf = HostBuffer::new_shared(1 << 20).unwrap();
+    let r = a.register(buf.clone(), Access::REMOTE_WRITE).unwrap();
+    a.offer("kv", &r);
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let at = l.local_addr().unwrap();
+    let stats = Arc::new(ServeStats::default());
+    let (agents, st, tok) = (vec![a.clone()], stats.clone(), token.map(str::to_owned));
+    std::thread::spawn(move || {
+        let _ = xfer::rendezvous::serve(
+            l,
+            agents,
+            ServeLimits::default(),
+            st,
+            tok,
+            Arc::new(NoService),
+        );
+    });
+    (a, buf, at, stats)
+}
+
+#[test]
+fn a_client_finds_the_named_region_and_writes_into_it() {
+    let (srv, dst, at, stats) = server(Some("s3cret"));
+    let c = agent();
+    let (peer, welcome) = c.rendezvous(at, Some("s3cret"), T).expect("rendezvous");
+    assert_eq!(peer.transport(), TransportKind::Tcp);
+    assert_eq!(welcome.transport, TransportKind::Tcp);
+    assert_eq!(welcome.agent.name, srv.name());
+    let kv = welcome.regions.get("kv").expect("the named region");
+    let src = HostBuffer::new_shared(1 << 20).unwrap();
+    src.fill(0, 1 << 20, 0x5a).unwrap();
+    let s = c.register(src, Access::NONE).unwrap();
+    let t = Transfer::pages(&[0, 2, 5], 4096, &[7, 1, 3], 4096, 4096)
+        .unwrap()
+        .imm(77);
+    c.submit(&peer, &s, kv, t).unwrap().wait(T).unwrap();
+    srv.wait_imm(77, 1, T).expect("the server is told");
+    for p in [7, 1, 3] {
+        assert_eq!(
+            dst.to_vec(p * 4096, 4096).unwrap(),
+            vec![0x5a; 4096],
+            "page {p}"
+        );
+    }
+    assert_eq!(
+        dst.to_vec(0, 4096).unwrap(),
+        vec![0; 4096],
+        "page 0 untouched"
+    );
+    assert_eq!(stats.refusals(xfer::rendezvous::Refusal::Auth), 0);
+}
+
+#[test]
+fn without_the_token_the_client_is_refused_and_nothing_is_connected() {
+    let (_srv, _dst, at, stats) = server(Some("s3cret"));
+    let c = agent();
+    let e = c.rendezvous(at, Some("guess"), T).unwrap_err();
+    assert!(e.to_string().contains("rendezvous"), "{e}");
+    let why = format!("{:?}", e);
+    assert!(why.contains("authentication failed"), "{why}");
+    assert!(c.rendezvous(at, None, T).is_err(), "no token at all");
+    assert_eq!(stats.refusals(xfer::rendezvous::Refusal::Auth), 2);
+    assert_eq!(stats.admitted.load(std::sync::atomic::Ordering::Relaxed), 0);
+}
+
+#[test]
+fn agents_with_no_transport_in_common_are_told_so() {
+    let (_srv, _dst, at, stats) = server(None);
+    let mem_only = Agent::new(AgentOptions {
+        transport: xfer::TransportChoice::Only(TransportKind::Mem),
+        pin: PinMode::Off,
+        ..AgentOptions::default()
+    })
+    .unwrap();
+    let e = mem_only.rendezvous(at, None, T).unwrap_err();
+    let why = format!("{e:?}");
+    assert!(why.contains("no transport in common"), "{why}");
+    assert_eq!(stats.refusals(xfer::rendezvous::Refusal::BadRequest), 1);
+}
