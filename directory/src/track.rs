@@ -73,7 +73,7 @@ impl Tracker {
             out.push(Event::Skipped { key, error });
         }
         for m in listing.members {
-            listed.insert(m.record.name.clone(), ());
+            listed.insert(m.record.agent.name.clone(), ());
             out.extend(self.valid(m));
         }
         let absent: Vec<String> = self
@@ -119,7 +119,7 @@ impl Tracker {
     }
 
     fn valid(&mut self, m: Member) -> Vec<Event> {
-        let name = m.record.name.clone();
+        let name = m.record.agent.name.clone();
         self.missing.remove(&name);
         match self.known.insert(name, m.clone()) {
             None => vec![Event::Joined(m)],
@@ -146,10 +146,14 @@ fn skipped(key: &str, error: &RecordError) {
 mod tests {
     use super::*;
     use crate::record::member_key;
+    use fabric_core::MemoryLocation;
+    use fabric_core::metadata::{AgentInfo, TransportInfo, TransportKind};
 
     fn rec(name: &str, instance: u64) -> Vec<u8> {
-        let mut r = Record::new("c", name, "tcp");
-        r.instance = instance;
+        let mut agent = AgentInfo::new(name, "boot", MemoryLocation::Host);
+        agent.instance = instance;
+        agent.transports = vec![TransportInfo::new(TransportKind::Tcp, vec![vec![1]])];
+        let mut r = Record::new("c", agent);
         r.started_ms = 1;
         r.ttl_ms = 2000;
         r.encode().unwrap()
@@ -158,9 +162,9 @@ mod tests {
     fn kinds(evs: &[Event]) -> Vec<String> {
         evs.iter()
             .map(|e| match e {
-                Event::Joined(m) => format!("joined {}", m.record.name),
-                Event::Updated { new, .. } => format!("updated {}", new.record.name),
-                Event::Left(m) => format!("left {}", m.record.name),
+                Event::Joined(m) => format!("joined {}", m.record.name()),
+                Event::Updated { new, .. } => format!("updated {}", new.record.name()),
+                Event::Left(m) => format!("left {}", m.record.name()),
                 Event::Skipped { key, .. } => format!("skipped {key}"),
             })
             .collect()
