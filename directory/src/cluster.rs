@@ -43,6 +43,7 @@ impl<T: Peers> Peers for Arc<T> {
 
 /// Why [`Peers::connect`] did not connect a member.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum Refusal<E> {
     /// The member offers no transport this side speaks: nothing will change that until
     /// one of them restarts with other transports.

@@ -34,6 +34,8 @@
 //!   an async runtime; it lives on its own worker thread behind a blocking API, so the
 //!   engine's threads never run async code.
 
+#![warn(missing_docs)]
+
 mod cluster;
 mod error;
 mod etcd;

@@ -171,8 +171,8 @@ impl std::fmt::Debug for Publication {
 /// (over the best transport both offer), is connected again when it restarts under its
 /// name, and is disconnected when it leaves (withdrawn, or its lease expired); its
 /// transfers still in flight then fail with `PeerRemoved`. Connecting happens on the
-/// following's own thread. Dropping it stops following; the peers it connected stay
-/// connected.
+/// following's own thread, which holds a handle of the agent. Dropping it stops
+/// following; the peers it connected stay connected.
 pub struct Following {
     cluster: Cluster<Agent>,
     name: String,
