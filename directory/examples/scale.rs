@@ -12,6 +12,8 @@
 
 use directory::testing::Etcd;
 use directory::{Directory, EtcdDirectory, EtcdOptions, Event, Publication, Record};
+use fabric_core::MemoryLocation;
+use fabric_core::metadata::{AgentInfo, TransportInfo, TransportKind};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -52,7 +54,7 @@ fn main() {
             while joins.len() < members {
                 match watch.next(Duration::from_secs(30)).unwrap() {
                     Some(Event::Joined(m)) => {
-                        let at = started.lock().unwrap()[&m.record.name];
+                        let at = started.lock().unwrap()[m.record.name()];
                         joins.push(at.elapsed());
                     }
                     Some(_) => {}
@@ -73,9 +75,12 @@ fn main() {
                     let mut mine = Vec::new();
                     for i in (c..members).step_by(CLIENTS) {
                         let name = format!("m{i:05}");
-                        let mut r = Record::new("scale", &name, "tcp");
-                        r.addresses =
-                            vec![format!("tcp://10.0.{}.{}:7000", i / 250, i % 250).into_bytes()];
+                        let mut a = AgentInfo::new(&name, "boot", MemoryLocation::Host);
+                        a.transports = vec![TransportInfo::new(
+                            TransportKind::Tcp,
+                            vec![format!("tcp://10.0.{}.{}:7000", i / 250, i % 250).into_bytes()],
+                        )];
+                        let r = Record::new("scale", a);
                         started.lock().unwrap().insert(name.clone(), Instant::now());
                         mine.push((name, d.publish(r, ttl).unwrap()));
                     }

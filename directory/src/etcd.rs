@@ -283,7 +283,7 @@ impl Published for EtcdPublished {
     fn update(&mut self, record: &Record) -> Result<()> {
         if record.key() != self.key {
             return Err(Error::Record(crate::RecordError::OtherName(
-                record.name.clone(),
+                record.agent.name.clone(),
             )));
         }
         let value = record.encode()?;

@@ -80,7 +80,7 @@ impl FileDirectory {
             if v.get("cluster").and_then(|c| c.as_str()) != Some(cluster) {
                 continue;
             }
-            let name = v.get("name").and_then(|n| n.as_str()).unwrap_or("");
+            let name = member_name(&v).unwrap_or("");
             let at = format!("{}[{i}]", self.path.display());
             let bytes = serde_json::to_vec(&v).unwrap_or_default();
             match Record::decode(cluster, &member_key(cluster, name), &bytes) {
@@ -93,7 +93,7 @@ impl FileDirectory {
         }
         listing
             .members
-            .sort_by(|a, b| a.record.name.cmp(&b.record.name));
+            .sort_by(|a, b| a.record.name().cmp(b.record.name()));
         Ok(listing)
     }
 
@@ -125,16 +125,24 @@ impl FileDirectory {
         record.encode()?;
         let value = serde_json::to_value(record).map_err(|e| self.io(std::io::Error::other(e)))?;
         self.edit(|values| {
-            values.retain(|v| !same_member(v, &record.cluster, &record.name));
+            values.retain(|v| !same_member(v, &record.cluster, record.name()));
             values.push(value);
         })
     }
 }
 
+/// The member name of a record in the file (unchecked): its agent's name, or for a record
+/// of version 1 its top-level `name`, so that publishing a member replaces whatever record
+/// of an older build held its name, as a put under its key does in etcd.
+fn member_name(v: &serde_json::Value) -> Option<&str> {
+    v.pointer("/agent/name")
+        .or_else(|| v.get("name"))
+        .and_then(|n| n.as_str())
+}
+
 /// Whether `v` is the record of `name` in `cluster`.
 fn same_member(v: &serde_json::Value, cluster: &str, name: &str) -> bool {
-    v.get("cluster").and_then(|c| c.as_str()) == Some(cluster)
-        && v.get("name").and_then(|n| n.as_str()) == Some(name)
+    v.get("cluster").and_then(|c| c.as_str()) == Some(cluster) && member_name(v) == Some(name)
 }
 
 impl Directory for FileDirectory {
@@ -142,11 +150,16 @@ impl Directory for FileDirectory {
         record.ttl_ms = ttl.as_millis() as u64;
         self.put(&record)?;
         Ok(Publication::new(
-            format!("{}#{}/{}", self.path.display(), record.cluster, record.name),
+            format!(
+                "{}#{}/{}",
+                self.path.display(),
+                record.cluster,
+                record.name()
+            ),
             Box::new(FilePublished {
                 dir: self.clone(),
+                name: record.agent.name,
                 cluster: record.cluster,
-                name: record.name,
             }),
         ))
     }
@@ -156,7 +169,7 @@ impl Directory for FileDirectory {
             .list(cluster)?
             .members
             .into_iter()
-            .find(|m| m.record.name == name))
+            .find(|m| m.record.name() == name))
     }
 
     fn members(&self, cluster: &str) -> Result<Listing> {
@@ -210,9 +223,9 @@ struct FilePublished {
 
 impl Published for FilePublished {
     fn update(&mut self, record: &Record) -> Result<()> {
-        if record.cluster != self.cluster || record.name != self.name {
+        if record.cluster != self.cluster || record.name() != self.name {
             return Err(Error::Record(crate::RecordError::OtherName(
-                record.name.clone(),
+                record.agent.name.clone(),
             )));
         }
         self.dir.put(record)

@@ -2,12 +2,17 @@
 //! which regions it offers, so that nodes join and leave without anyone restarting or
 //! carrying addresses by hand.
 //!
-//! A member [publishes](Directory::publish) a small versioned [`Record`] (its rails'
-//! transport addresses, host, memory kind, GPU, NICs and named region descriptors) under
-//! `/xfer/v1/clusters/CLUSTER/members/NAME`; others [look it up](Directory::lookup), [list
-//! the cluster](Directory::members) or [watch it](Directory::watch) and receive
+//! A member [publishes](Directory::publish) a small versioned [`Record`] under
+//! `/xfer/v1/clusters/CLUSTER/members/NAME`: its
+//! [`AgentInfo`](fabric_core::metadata::AgentInfo) (name, instance, boot id, memory,
+//! transports with their rails and NICs, control address) and the
+//! [`RegionDescriptor`](fabric_core::metadata::RegionDescriptor)s it offers by name, the
+//! one metadata format of xfer. Others [look it up](Directory::lookup), [list the
+//! cluster](Directory::members) or [watch it](Directory::watch) and receive
 //! [`Event::Joined`], [`Event::Updated`] and [`Event::Left`] in order. [`Cluster`] turns
-//! those events into `add_peer` / `remove_peer` on a [`RailGroup`](fabric_core::engine::RailGroup).
+//! those events into [`Peers::connect`] / [`Peers::disconnect`]: on a
+//! [`RailGroup`](fabric_core::engine::RailGroup) here, on an agent in the `xfer` crate
+//! (which is where an application finds its peers: `Agent::publish`, `Agent::follow`).
 //!
 //! Two backends, chosen by URL in [`open`]:
 //! - **etcd** (`etcd://HOST:PORT[,HOST:PORT...]`, [`EtcdDirectory`]): each record lives under
@@ -28,7 +33,8 @@
 //! - `tokio`: the runtime etcd-client runs on. This is the only crate of the workspace with
 //!   an async runtime; it lives on its own worker thread behind a blocking API, so the
 //!   engine's threads never run async code.
-//! - `hex`: addresses are bytes, shown as hex in the JSON records (the workspace's encoder).
+
+#![warn(missing_docs)]
 
 mod cluster;
 mod error;
@@ -39,7 +45,7 @@ pub mod record;
 pub mod testing;
 mod track;
 
-pub use cluster::{Cluster, ClusterEvent, ClusterPeer};
+pub use cluster::{Cluster, ClusterEvent, ClusterPeer, Peers, Refusal};
 pub use error::Error;
 pub use etcd::{EtcdDirectory, EtcdOptions};
 pub use file::FileDirectory;

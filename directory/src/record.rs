@@ -1,13 +1,32 @@
-//! What a member publishes about itself: a small, versioned, serde record, and the checks a
-//! record read from the directory must pass before anyone acts on it.
+//! What a member publishes about itself: a small, versioned, serde record that carries the
+//! one metadata format of xfer ([`AgentInfo`] for the member, [`RegionDescriptor`] for each
+//! region it offers by name), and the checks a record read from the directory must pass
+//! before anyone acts on it.
+//!
+//! A record in JSON (byte strings as lowercase hex, as [`fabric_core::metadata`] writes
+//! them):
+//!
+//! ```json
+//! {"version": 2, "cluster": "c1",
+//!  "agent": {"version": 1, "name": "node-0", "instance": 8047515007836987947,
+//!            "boot_id": "5b0e...", "hostname": "pod-a", "memory": "Host",
+//!            "transports": [{"kind": "tcp", "provider": null, "rails": ["010203", "ff"],
+//!                            "nics": []}],
+//!            "control": null},
+//!  "regions": {"kv": {"version": 1, "len": 4096, "memory": "Host", "access": 2,
+//!                     "transports": [["tcp", {"rails": [{"addr": 0, "len": 4096, "key": 7}]}]]}},
+//!  "started_ms": 1796195435794, "ttl_ms": 2000}
+//! ```
 
-use fabric_core::engine::RemoteDescriptor;
+use fabric_core::metadata::{AgentInfo, MetadataError, RegionDescriptor};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-/// The record format this crate writes, and the only one it reads.
-pub const RECORD_VERSION: u32 = 1;
+/// The record format this crate writes, and the only one it reads. Version 1 (a transport
+/// name, a hex address list, the hostname as `host`, raw per-rail region keys) is gone:
+/// such a record is skipped with [`RecordError::Version`].
+pub const RECORD_VERSION: u32 = 2;
 
 /// Largest record accepted, encoded, in bytes. A record holds addresses and a few region
 /// descriptors (one key per rail each): a few KiB at 32 rails. A larger value under a
@@ -17,42 +36,26 @@ pub const MAX_RECORD_BYTES: usize = 64 << 10;
 /// Longest cluster or member name. Names are also path elements of the directory's keys.
 pub const MAX_NAME_LEN: usize = 253;
 
-/// The prefix of every key this crate writes in etcd.
+/// The prefix of every key this crate writes in etcd (the key layout's version, not the
+/// record's: a record of another format under these keys is named and skipped).
 pub const KEY_ROOT: &str = "/xfer/v1/clusters/";
 
-/// A member's record: how to reach it and what it offers.
+/// A member's record: who it is and how to reach it (its [`AgentInfo`]), what it offers
+/// (named [`RegionDescriptor`]s), and the directory's own bookkeeping.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Record {
     /// The record format ([`RECORD_VERSION`]).
     pub version: u32,
     /// The cluster the member belongs to; it must match the cluster of its key.
     pub cluster: String,
-    /// The member's name, unique in its cluster (a Kubernetes pod name, say).
-    pub name: String,
-    /// Random per process start: a member restarted under the same name is a new instance,
-    /// and its peers must reconnect rather than trust the old addresses.
-    pub instance: u64,
-    /// The host it runs on (a hostname or machine id), so peers can tell local from remote.
-    pub host: String,
-    /// The transport its rails speak (`tcp`, `efa`, `cuda-ipc`, ...).
-    pub transport: String,
-    /// The transport address of each rail, as `Engine::address` returns it (hex in JSON).
-    #[serde(with = "hex_list")]
-    pub addresses: Vec<Vec<u8>>,
-    /// Where the member's control service listens (`xfer serve`'s control port), if any.
-    #[serde(default)]
-    pub control: Option<String>,
-    /// The memory its regions are in (`host`, `cuda`).
-    pub memory: String,
-    /// The GPU its regions are on, if device memory.
-    #[serde(default)]
-    pub gpu: Option<u32>,
-    /// The NICs its rails run on, in rail order (empty: unbound).
-    #[serde(default)]
-    pub nics: Vec<String>,
+    /// The member, in the metadata format: its name (the member's name, unique in its
+    /// cluster, and the last element of its key), its instance (new at every start: a
+    /// member restarted under its name must be reconnected), its host's boot id (what
+    /// "same host" means), its memory, and its transports with their rails and NICs.
+    pub agent: AgentInfo,
     /// Regions peers may write into (or read from), by name.
     #[serde(default)]
-    pub regions: BTreeMap<String, RemoteDescriptor>,
+    pub regions: BTreeMap<String, RegionDescriptor>,
     /// When the member started, in milliseconds since the Unix epoch (for its age).
     pub started_ms: u64,
     /// The time to live it was published with, in milliseconds: a member that stops
@@ -62,25 +65,27 @@ pub struct Record {
 }
 
 impl Record {
-    /// A record for `name` in `cluster` with a fresh instance id, started now; the caller
-    /// fills in what it offers.
-    pub fn new(cluster: &str, name: &str, transport: &str) -> Record {
+    /// A record of `agent` (whose name is the member's name) in `cluster`, started now,
+    /// offering no region yet.
+    pub fn new(cluster: &str, agent: AgentInfo) -> Record {
         Record {
             version: RECORD_VERSION,
             cluster: cluster.to_string(),
-            name: name.to_string(),
-            instance: fresh_instance(),
-            host: host_id(),
-            transport: transport.to_string(),
-            addresses: Vec::new(),
-            control: None,
-            memory: "host".into(),
-            gpu: None,
-            nics: Vec::new(),
+            agent,
             regions: BTreeMap::new(),
             started_ms: now_ms(),
             ttl_ms: 0,
         }
+    }
+
+    /// The member's name ([`AgentInfo::name`]).
+    pub fn name(&self) -> &str {
+        &self.agent.name
+    }
+
+    /// The member's instance ([`AgentInfo::instance`]): a new one means it restarted.
+    pub fn instance(&self) -> u64 {
+        self.agent.instance
     }
 
     /// How long ago the member started (zero if its clock is ahead of ours).
@@ -90,13 +95,32 @@ impl Record {
 
     /// The record's key in etcd.
     pub fn key(&self) -> String {
-        member_key(&self.cluster, &self.name)
+        member_key(&self.cluster, self.name())
     }
 
-    /// The record as stored: JSON, checked against [`MAX_RECORD_BYTES`].
-    pub fn encode(&self) -> Result<Vec<u8>, RecordError> {
+    /// Checks what a reader must be able to rely on, short of the key: the version, names
+    /// that can be path elements, and metadata that passes [`AgentInfo::check`] and
+    /// [`RegionDescriptor::check`].
+    pub fn check(&self) -> Result<(), RecordError> {
+        if self.version != RECORD_VERSION {
+            return Err(RecordError::Version(self.version));
+        }
         check_name("cluster", &self.cluster)?;
-        check_name("member", &self.name)?;
+        check_name("member", self.name())?;
+        self.agent.check().map_err(RecordError::Agent)?;
+        for (name, d) in &self.regions {
+            d.check().map_err(|source| RecordError::Region {
+                name: name.clone(),
+                source,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The record as stored: JSON, checked ([`Record::check`]) and against
+    /// [`MAX_RECORD_BYTES`].
+    pub fn encode(&self) -> Result<Vec<u8>, RecordError> {
+        self.check()?;
         let bytes = serde_json::to_vec(self).map_err(RecordError::Json)?;
         if bytes.len() > MAX_RECORD_BYTES {
             return Err(RecordError::TooLarge(bytes.len()));
@@ -105,7 +129,8 @@ impl Record {
     }
 
     /// Reads the value stored under `key`, a member key of `cluster`: it must be small,
-    /// JSON, of [`RECORD_VERSION`], and name the same cluster and member as its key.
+    /// JSON, of [`RECORD_VERSION`], name the same cluster and member (`agent.name`) as its
+    /// key, and pass [`Record::check`].
     pub fn decode(cluster: &str, key: &str, value: &[u8]) -> Result<Record, RecordError> {
         if value.len() > MAX_RECORD_BYTES {
             return Err(RecordError::TooLarge(value.len()));
@@ -113,7 +138,7 @@ impl Record {
         let name = key
             .strip_prefix(&members_prefix(cluster))
             .ok_or_else(|| RecordError::Key(key.to_string()))?;
-        // Read the version on its own first, so that a newer format is named as such
+        // Read the version on its own first, so that another format is named as such
         // rather than reported as whatever field it changed.
         #[derive(Deserialize)]
         struct Versioned {
@@ -127,16 +152,17 @@ impl Record {
         if r.cluster != cluster {
             return Err(RecordError::OtherCluster(r.cluster));
         }
-        if r.name != name {
-            return Err(RecordError::OtherName(r.name));
+        if r.agent.name != name {
+            return Err(RecordError::OtherName(r.agent.name));
         }
-        check_name("member", &r.name)?;
+        r.check()?;
         Ok(r)
     }
 }
 
 /// Why a record was refused.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum RecordError {
     /// Not a JSON record of this format.
     #[error("not a record: {0}")]
@@ -144,8 +170,12 @@ pub enum RecordError {
     /// Larger than [`MAX_RECORD_BYTES`].
     #[error("record of {0} bytes, more than the {MAX_RECORD_BYTES} allowed")]
     TooLarge(usize),
-    /// A record format this build does not read.
-    #[error("record version {0}, this build reads version {RECORD_VERSION}")]
+    /// A record format this build does not read (version 1: written by an xfer from before
+    /// the metadata format; its member must run this build to be seen).
+    #[error(
+        "record version {0}, this build reads version {RECORD_VERSION} only \
+         (the member runs another xfer; it is skipped)"
+    )]
     Version(u32),
     /// The record names another cluster than its key.
     #[error("record of cluster {0:?} under this cluster's key")]
@@ -165,6 +195,18 @@ pub enum RecordError {
         name: String,
         /// What is wrong with it.
         why: &'static str,
+    },
+    /// The member's metadata is unusable ([`AgentInfo::check`] failed).
+    #[error("the member's agent metadata: {0}")]
+    Agent(#[source] MetadataError),
+    /// A region's descriptor is unusable ([`RegionDescriptor::check`] failed).
+    #[error("region {name:?}: {source}")]
+    Region {
+        /// The region's name in the record.
+        name: String,
+        /// Why its descriptor was refused.
+        #[source]
+        source: MetadataError,
     },
 }
 
@@ -212,51 +254,45 @@ pub(crate) fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// A random instance id (the time, if the system has no randomness to give).
-fn fresh_instance() -> u64 {
-    let mut b = [0u8; 8];
-    match getrandom::fill(&mut b) {
-        Ok(()) => u64::from_le_bytes(b),
-        Err(_) => now_ms() ^ u64::from(std::process::id()) << 40,
-    }
-}
-
-/// This host's id: its hostname (`/proc/sys/kernel/hostname`), else `unknown`.
-pub fn host_id() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .ok()
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| "unknown".into())
-}
-
-/// Serde for a list of byte strings as hex strings.
-mod hex_list {
-    use serde::{Deserialize, Deserializer, Serializer, de::Error, ser::SerializeSeq};
-
-    pub fn serialize<S: Serializer>(v: &[Vec<u8>], s: S) -> Result<S::Ok, S::Error> {
-        let mut seq = s.serialize_seq(Some(v.len()))?;
-        for a in v {
-            seq.serialize_element(&hex::encode(a))?;
-        }
-        seq.end()
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Vec<u8>>, D::Error> {
-        let v: Vec<String> = Vec::deserialize(d)?;
-        v.iter()
-            .map(|s| hex::decode(s).map_err(D::Error::custom))
-            .collect()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use fabric_core::engine::RemoteDescriptor;
+    use fabric_core::metadata::{METADATA_VERSION, TransportInfo, TransportKind};
+    use fabric_core::{Access, MemoryLocation, RemoteKey, RemoteRegion};
+
+    fn agent(name: &str) -> AgentInfo {
+        let mut a = AgentInfo::new(name, "boot-1", MemoryLocation::Host);
+        a.hostname = "pod-a".into();
+        a.transports = vec![TransportInfo::new(
+            TransportKind::Tcp,
+            vec![vec![1, 2, 3], vec![0xff]],
+        )];
+        a
+    }
+
+    fn region(len: u64) -> RegionDescriptor {
+        RegionDescriptor {
+            version: METADATA_VERSION,
+            len,
+            memory: MemoryLocation::Host,
+            access: Access::REMOTE_WRITE,
+            transports: vec![(
+                TransportKind::Tcp,
+                RemoteDescriptor {
+                    rails: vec![RemoteRegion {
+                        addr: 0,
+                        len,
+                        key: RemoteKey(7),
+                    }],
+                },
+            )],
+        }
+    }
 
     fn sample() -> Record {
-        let mut r = Record::new("c1", "node-0", "tcp");
-        r.addresses = vec![vec![1, 2, 3], vec![0xff]];
+        let mut r = Record::new("c1", agent("node-0"));
+        r.regions.insert("kv".into(), region(4096));
         r.ttl_ms = 2000;
         r
     }
@@ -265,14 +301,40 @@ mod tests {
     fn round_trip() {
         let r = sample();
         let bytes = r.encode().unwrap();
-        assert!(String::from_utf8_lossy(&bytes).contains("\"010203\""));
+        let text = String::from_utf8_lossy(&bytes);
+        assert!(text.contains("\"010203\""), "{text}");
+        assert!(text.contains("\"boot_id\":\"boot-1\""), "{text}");
         assert_eq!(Record::decode("c1", &r.key(), &bytes).unwrap(), r);
+        assert_eq!(r.key(), "/xfer/v1/clusters/c1/members/node-0");
+    }
+
+    #[test]
+    fn a_version_1_record_is_skipped_by_name() {
+        // What a build before the metadata format wrote.
+        let v1 = serde_json::json!({
+            "version": 1, "cluster": "c1", "name": "node-0", "instance": 5, "host": "pod-a",
+            "transport": "tcp", "addresses": ["010203"], "memory": "host",
+            "regions": {}, "started_ms": 1, "ttl_ms": 2000
+        });
+        let e = Record::decode(
+            "c1",
+            &member_key("c1", "node-0"),
+            &serde_json::to_vec(&v1).unwrap(),
+        )
+        .unwrap_err();
+        assert!(matches!(e, RecordError::Version(1)), "{e}");
+        assert!(
+            e.to_string()
+                .contains("version 1, this build reads version 2"),
+            "{e}"
+        );
     }
 
     #[test]
     fn hostile_records_are_refused_with_the_reason() {
         let r = sample();
         let key = r.key();
+        let json = |v: &serde_json::Value| serde_json::to_vec(v).unwrap();
         assert!(matches!(
             Record::decode("c1", &key, b"\x00garbage"),
             Err(RecordError::Json(_))
@@ -284,30 +346,56 @@ mod tests {
         ));
         let mut v = serde_json::to_value(&r).unwrap();
         v["version"] = 99.into();
+        // The version is read first: the rest of the value may be anything.
+        v["agent"] = 3.into();
         assert!(matches!(
-            Record::decode("c1", &key, &serde_json::to_vec(&v).unwrap()),
+            Record::decode("c1", &key, &json(&v)),
             Err(RecordError::Version(99))
         ));
-        let other = Record::new("c2", "node-0", "tcp");
+        let other = Record::new("c2", agent("node-0"));
         assert!(matches!(
             Record::decode("c1", &key, &serde_json::to_vec(&other).unwrap()),
             Err(RecordError::OtherCluster(_))
         ));
-        let renamed = Record::new("c1", "node-1", "tcp");
+        let renamed = Record::new("c1", agent("node-1"));
         assert!(matches!(
             Record::decode("c1", &key, &serde_json::to_vec(&renamed).unwrap()),
-            Err(RecordError::OtherName(_))
+            Err(RecordError::OtherName(n)) if n == "node-1"
         ));
         let mut bad_hex = serde_json::to_value(&r).unwrap();
-        bad_hex["addresses"] = serde_json::json!(["zz"]);
+        bad_hex["agent"]["transports"][0]["rails"] = serde_json::json!(["zz"]);
         assert!(matches!(
-            Record::decode("c1", &key, &serde_json::to_vec(&bad_hex).unwrap()),
+            Record::decode("c1", &key, &json(&bad_hex)),
             Err(RecordError::Json(_))
         ));
         assert!(matches!(
             Record::decode("c1", "/elsewhere/node-0", &r.encode().unwrap()),
             Err(RecordError::Key(_))
         ));
+        // Metadata that decodes but cannot be used: no rails, another metadata version, a
+        // region whose rails disagree with its length.
+        let mut no_rails = serde_json::to_value(&r).unwrap();
+        no_rails["agent"]["transports"][0]["rails"] = serde_json::json!([]);
+        let e = Record::decode("c1", &key, &json(&no_rails)).unwrap_err();
+        assert!(matches!(e, RecordError::Agent(_)), "{e}");
+        assert!(e.to_string().contains("0 rails"), "{e}");
+        let mut meta_v9 = serde_json::to_value(&r).unwrap();
+        meta_v9["agent"]["version"] = 9.into();
+        assert!(matches!(
+            Record::decode("c1", &key, &json(&meta_v9)),
+            Err(RecordError::Agent(MetadataError::Version { found: 9 }))
+        ));
+        let mut bad_region = r.clone();
+        bad_region.regions.get_mut("kv").unwrap().len = 1;
+        let e = Record::decode("c1", &key, &serde_json::to_vec(&bad_region).unwrap()).unwrap_err();
+        assert!(
+            matches!(&e, RecordError::Region { name, .. } if name == "kv"),
+            "{e}"
+        );
+        assert!(
+            bad_region.encode().is_err(),
+            "what cannot be read is not written"
+        );
     }
 
     #[test]
@@ -316,15 +404,14 @@ mod tests {
         for bad in ["", "a/b", "..", "a b", &"x".repeat(254)] {
             assert!(check_name("member", bad).is_err(), "{bad:?}");
         }
-        let mut r = sample();
-        r.name = "a/b".into();
+        let r = Record::new("c1", agent("a/b"));
         assert!(matches!(r.encode(), Err(RecordError::Name { .. })));
     }
 
     #[test]
     fn a_record_too_large_is_not_published() {
         let mut r = sample();
-        r.addresses = vec![vec![0; MAX_RECORD_BYTES]];
+        r.agent.transports[0].rails = vec![vec![0; MAX_RECORD_BYTES]];
         assert!(matches!(r.encode(), Err(RecordError::TooLarge(_))));
     }
 }

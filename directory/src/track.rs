@@ -9,6 +9,10 @@ use std::time::{Duration, Instant};
 /// The shortest grace a member missing from a listing after a reconnect gets.
 const MIN_GRACE: Duration = Duration::from_secs(1);
 
+/// The longest: a TTL is whatever a record says (input from the network), and a deadline
+/// past what the clock can hold would panic the watcher.
+const MAX_GRACE: Duration = Duration::from_secs(24 * 3600);
+
 /// The members a watcher has reported, and those missing since a reconnect.
 #[derive(Default)]
 pub(crate) struct Tracker {
@@ -73,7 +77,7 @@ impl Tracker {
             out.push(Event::Skipped { key, error });
         }
         for m in listing.members {
-            listed.insert(m.record.name.clone(), ());
+            listed.insert(m.record.agent.name.clone(), ());
             out.extend(self.valid(m));
         }
         let absent: Vec<String> = self
@@ -85,7 +89,7 @@ impl Tracker {
         for name in absent {
             if grace {
                 let ttl = self.known[&name].record.ttl_ms;
-                let due = now + Duration::from_millis(ttl).max(MIN_GRACE);
+                let due = now + Duration::from_millis(ttl).clamp(MIN_GRACE, MAX_GRACE);
                 self.missing.entry(name).or_insert(due);
             } else if let Some(old) = self.known.remove(&name) {
                 out.push(Event::Left(old));
@@ -119,7 +123,7 @@ impl Tracker {
     }
 
     fn valid(&mut self, m: Member) -> Vec<Event> {
-        let name = m.record.name.clone();
+        let name = m.record.agent.name.clone();
         self.missing.remove(&name);
         match self.known.insert(name, m.clone()) {
             None => vec![Event::Joined(m)],
@@ -146,21 +150,29 @@ fn skipped(key: &str, error: &RecordError) {
 mod tests {
     use super::*;
     use crate::record::member_key;
+    use fabric_core::MemoryLocation;
+    use fabric_core::metadata::{AgentInfo, TransportInfo, TransportKind};
 
     fn rec(name: &str, instance: u64) -> Vec<u8> {
-        let mut r = Record::new("c", name, "tcp");
-        r.instance = instance;
+        rec_ttl(name, instance, 2000)
+    }
+
+    fn rec_ttl(name: &str, instance: u64, ttl_ms: u64) -> Vec<u8> {
+        let mut agent = AgentInfo::new(name, "boot", MemoryLocation::Host);
+        agent.instance = instance;
+        agent.transports = vec![TransportInfo::new(TransportKind::Tcp, vec![vec![1]])];
+        let mut r = Record::new("c", agent);
         r.started_ms = 1;
-        r.ttl_ms = 2000;
+        r.ttl_ms = ttl_ms;
         r.encode().unwrap()
     }
 
     fn kinds(evs: &[Event]) -> Vec<String> {
         evs.iter()
             .map(|e| match e {
-                Event::Joined(m) => format!("joined {}", m.record.name),
-                Event::Updated { new, .. } => format!("updated {}", new.record.name),
-                Event::Left(m) => format!("left {}", m.record.name),
+                Event::Joined(m) => format!("joined {}", m.record.name()),
+                Event::Updated { new, .. } => format!("updated {}", new.record.name()),
+                Event::Left(m) => format!("left {}", m.record.name()),
                 Event::Skipped { key, .. } => format!("skipped {key}"),
             })
             .collect()
@@ -231,5 +243,16 @@ mod tests {
             kinds(&t.expire(now + Duration::from_secs(2))),
             ["left a", "left b"]
         );
+    }
+
+    #[test]
+    fn a_huge_ttl_from_a_record_is_bounded_not_a_panic() {
+        let mut t = Tracker::default();
+        let now = Instant::now();
+        let k = member_key("c", "a");
+        t.put("c", &k, &rec_ttl("a", 1, u64::MAX), 1);
+        assert!(t.listing(Listing::default(), true, now).is_empty());
+        assert!(t.expire(now + Duration::from_secs(3600)).is_empty());
+        assert_eq!(kinds(&t.expire(now + MAX_GRACE)), ["left a"]);
     }
 }

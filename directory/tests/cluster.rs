@@ -4,9 +4,12 @@
 
 use directory::testing::Etcd;
 use directory::{Cluster, ClusterEvent, Directory, EtcdDirectory, EtcdOptions, Record};
-use fabric_core::engine::{EngineConfig, GroupRegistration, GroupTransfer, RailGroup};
+use fabric_core::engine::{EngineConfig, GroupPeer, GroupRegistration, GroupTransfer, RailGroup};
+use fabric_core::metadata::{
+    AgentInfo, METADATA_VERSION, RegionDescriptor, TransportInfo, TransportKind,
+};
 use fabric_core::testing::pattern;
-use fabric_core::{Access, Error as CoreError, HostBuffer, OpError};
+use fabric_core::{Access, Error as CoreError, HostBuffer, MemoryLocation, OpError};
 use std::sync::Arc;
 use std::time::Duration;
 use transport_tcp::{TcpConfig, TcpTransport};
@@ -24,6 +27,13 @@ fn group(rails: usize) -> RailGroup {
     .unwrap()
 }
 
+/// A member's metadata: one transport with these rails.
+fn agent(name: &str, kind: TransportKind, rails: Vec<Vec<u8>>) -> AgentInfo {
+    let mut a = AgentInfo::new(name, "boot-of-this-test", MemoryLocation::Host);
+    a.transports = vec![TransportInfo::new(kind, rails)];
+    a
+}
+
 /// A target member: its rails, its region (named `kv` in its record) and the memory.
 struct Target {
     group: RailGroup,
@@ -36,9 +46,17 @@ fn target(name: &str) -> Target {
     let group = group(2);
     let mem = HostBuffer::new_shared(LEN as usize).unwrap();
     let reg = group.register(mem.clone(), Access::REMOTE_WRITE).unwrap();
-    let mut record = Record::new("c1", name, group.rails()[0].backend());
-    record.addresses = group.addresses();
-    record.regions.insert("kv".into(), reg.remote.clone());
+    let mut record = Record::new("c1", agent(name, TransportKind::Tcp, group.addresses()));
+    record.regions.insert(
+        "kv".into(),
+        RegionDescriptor {
+            version: METADATA_VERSION,
+            len: LEN,
+            memory: MemoryLocation::Host,
+            access: Access::REMOTE_WRITE,
+            transports: vec![(TransportKind::Tcp, reg.remote.clone())],
+        },
+    );
     Target {
         group,
         mem,
@@ -47,7 +65,7 @@ fn target(name: &str) -> Target {
     }
 }
 
-fn events(c: &Cluster) -> Vec<String> {
+fn events(c: &Cluster<Arc<RailGroup>>) -> Vec<String> {
     c.events()
         .try_iter()
         .map(|e| match e {
@@ -75,8 +93,7 @@ fn joins_become_peers_and_a_leave_fails_only_that_members_transfers() {
     let data = pattern(5, LEN as usize);
     src.write(0, &data).unwrap();
     let s = a.register(src, Access::NONE).unwrap();
-    let mut me = Record::new("c1", "a", "tcp");
-    me.addresses = a.addresses();
+    let me = Record::new("c1", agent("a", TransportKind::Tcp, a.addresses()));
     let _pa = d.publish(me, TTL).unwrap();
     let cluster = Cluster::start(a.clone(), d.watch("c1").unwrap(), Some("a"));
     let pb = cluster.wait_for("b", T).expect("b joins");
@@ -84,8 +101,9 @@ fn joins_become_peers_and_a_leave_fails_only_that_members_transfers() {
     assert!(cluster.peer("a").is_none(), "a process is not its own peer");
 
     let pages: Vec<u64> = (0..LEN / 65536).collect();
-    let write = |p: &directory::ClusterPeer| {
-        let t = GroupTransfer::same_pages(s.clone(), p.record.regions["kv"].clone(), &pages, 65536);
+    let write = |p: &directory::ClusterPeer<GroupPeer>| {
+        let kv = p.record.regions["kv"].on(TransportKind::Tcp).unwrap();
+        let t = GroupTransfer::same_pages(s.clone(), kv.clone(), &pages, 65536);
         a.submit(&p.peer, t).unwrap()
     };
     // A queue to c long enough to be in flight when it leaves, and some to b.
@@ -112,18 +130,19 @@ fn joins_become_peers_and_a_leave_fails_only_that_members_transfers() {
         );
     }
     assert!(b.mem.to_vec(0, LEN as usize).unwrap() == data);
+    assert!(cluster.wait_gone("c", T), "c's peer is removed");
     assert!(cluster.peer("c").is_none());
     // b is still written to after c left.
     assert_eq!(write(&pb).wait(T).unwrap().bytes, LEN);
 
     // c restarted under its name (a new process: new rails, new instance) is a peer again.
     let c2 = target("c");
-    assert_ne!(c2.record.instance, c.record.instance);
+    assert_ne!(c2.record.instance(), c.record.instance());
     let _pc2 = d.publish(c2.record.clone(), TTL).unwrap();
     let until = std::time::Instant::now() + T;
     let back = loop {
         if let Some(p) = cluster.peer("c")
-            && p.record.instance == c2.record.instance
+            && p.record.instance() == c2.record.instance()
         {
             break p;
         }
@@ -147,17 +166,18 @@ fn a_member_of_another_transport_is_refused_not_added() {
     let dir = std::env::temp_dir().join(format!("xfer-cluster-{}.json", std::process::id()));
     let _ = std::fs::remove_file(&dir);
     let d = directory::FileDirectory::open(&dir);
-    let mut r = Record::new("c1", "gpu-box", "cuda-ipc");
-    r.addresses = vec![vec![1, 2, 3]];
+    let r = Record::new(
+        "c1",
+        agent("gpu-box", TransportKind::CudaIpc, vec![vec![1, 2, 3]]),
+    );
     let _p = d.publish(r, TTL).unwrap();
     let a = Arc::new(group(1));
     let cluster = Cluster::start(a, d.watch("c1").unwrap(), None);
     match cluster.events().recv_timeout(T) {
-        Ok(ClusterEvent::Incompatible {
-            name, transport, ..
-        }) => {
+        Ok(ClusterEvent::Incompatible { name, theirs, ours }) => {
             assert_eq!(name, "gpu-box");
-            assert_eq!(transport, "cuda-ipc");
+            assert_eq!(theirs, [TransportKind::CudaIpc]);
+            assert_eq!(ours, [TransportKind::Tcp]);
         }
         other => panic!("expected a refusal, got {other:?}"),
     }

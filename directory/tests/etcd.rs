@@ -3,6 +3,8 @@
 
 use directory::testing::Etcd;
 use directory::{Directory, Error, EtcdDirectory, EtcdOptions, Event, Record, RecordError, Watch};
+use fabric_core::MemoryLocation;
+use fabric_core::metadata::{AgentInfo, TransportInfo, TransportKind};
 use fabric_core::testing::eventually;
 use std::time::{Duration, Instant};
 
@@ -13,10 +15,17 @@ fn connect(e: &Etcd) -> EtcdDirectory {
     EtcdDirectory::connect(&[e.endpoint()], EtcdOptions::default()).expect("connecting to etcd")
 }
 
+fn agent(name: &str) -> AgentInfo {
+    let mut a = AgentInfo::new(name, "boot-of-this-test", MemoryLocation::Host);
+    a.transports = vec![TransportInfo::new(
+        TransportKind::Tcp,
+        vec![format!("addr-of-{name}").into_bytes()],
+    )];
+    a
+}
+
 fn record(name: &str) -> Record {
-    let mut r = Record::new(CLUSTER, name, "tcp");
-    r.addresses = vec![format!("addr-of-{name}").into_bytes()];
-    r
+    Record::new(CLUSTER, agent(name))
 }
 
 /// The next event within `within`, or a panic naming what was awaited.
@@ -39,8 +48,8 @@ fn drain(w: &Watch, within: Duration) -> Vec<Event> {
 
 fn name(e: &Event) -> String {
     match e {
-        Event::Joined(m) | Event::Left(m) => m.record.name.clone(),
-        Event::Updated { new, .. } => new.record.name.clone(),
+        Event::Joined(m) | Event::Left(m) => m.record.name().to_string(),
+        Event::Updated { new, .. } => new.record.name().to_string(),
         Event::Skipped { key, .. } => key.clone(),
         _ => String::new(),
     }
@@ -55,12 +64,21 @@ fn publish_lookup_list_and_watch_in_order() {
     let a = d.publish(record("a"), TTL).unwrap();
     let w = d.watch(CLUSTER).unwrap();
     // Members present when the watch began come first, as joins.
-    assert!(matches!(next(&w, TTL, "a's join"), Event::Joined(m) if m.record.name == "a"));
+    assert!(matches!(next(&w, TTL, "a's join"), Event::Joined(m) if m.record.name() == "a"));
     let mut b = d.publish(record("b"), TTL).unwrap();
-    assert!(matches!(next(&w, TTL, "b's join"), Event::Joined(m) if m.record.name == "b"));
+    assert!(matches!(next(&w, TTL, "b's join"), Event::Joined(m) if m.record.name() == "b"));
 
     let found = d.lookup(CLUSTER, "b").unwrap().expect("b is published");
-    assert_eq!(found.record.addresses, vec![b"addr-of-b".to_vec()]);
+    assert_eq!(
+        found
+            .record
+            .agent
+            .transport(TransportKind::Tcp)
+            .unwrap()
+            .rails,
+        vec![b"addr-of-b".to_vec()]
+    );
+    assert_eq!(found.record.agent.boot_id, "boot-of-this-test");
     assert_eq!(found.record.ttl_ms, 2000);
     assert!(d.lookup(CLUSTER, "nobody").unwrap().is_none());
     let names: Vec<String> = d
@@ -68,28 +86,27 @@ fn publish_lookup_list_and_watch_in_order() {
         .unwrap()
         .members
         .iter()
-        .map(|m| m.record.name.clone())
+        .map(|m| m.record.name().to_string())
         .collect();
     assert_eq!(names, ["a", "b"]);
     assert!(d.members("other").unwrap().members.is_empty());
 
-    let mut changed = record("b");
-    changed.instance = found.record.instance;
-    changed.started_ms = found.record.started_ms;
-    changed.nics = vec!["eth1".into()];
+    let mut changed = found.record.clone();
+    changed.agent.transports[0].nics = vec!["eth1".into()];
     b.update(&changed).unwrap();
     match next(&w, TTL, "b's update") {
         Event::Updated { old, new } => {
-            assert!(old.record.nics.is_empty());
-            assert_eq!(new.record.nics, ["eth1"]);
+            assert!(old.record.agent.transports[0].nics.is_empty());
+            assert_eq!(new.record.agent.transports[0].nics, ["eth1"]);
+            assert_eq!(new.record.instance(), old.record.instance());
             assert!(new.revision > old.revision);
         }
         other => panic!("expected b's update, got {other:?}"),
     }
     b.withdraw().unwrap();
-    assert!(matches!(next(&w, TTL, "b's leave"), Event::Left(m) if m.record.name == "b"));
+    assert!(matches!(next(&w, TTL, "b's leave"), Event::Left(m) if m.record.name() == "b"));
     drop(a);
-    assert!(matches!(next(&w, TTL, "a's leave"), Event::Left(m) if m.record.name == "a"));
+    assert!(matches!(next(&w, TTL, "a's leave"), Event::Left(m) if m.record.name() == "a"));
     assert!(d.members(CLUSTER).unwrap().members.is_empty());
 }
 
@@ -108,7 +125,7 @@ fn a_member_that_stops_renewing_is_gone_within_its_ttl() {
     let died = Instant::now();
     p.abandon();
     match next(&w, TTL * 3, "the expiry") {
-        Event::Left(m) => assert_eq!(m.record.name, "crashed"),
+        Event::Left(m) => assert_eq!(m.record.name(), "crashed"),
         other => panic!("expected a leave, got {other:?}"),
     }
     let after = died.elapsed();
@@ -130,13 +147,27 @@ fn hostile_records_are_skipped_with_their_key() {
     let prefix = directory::record::members_prefix(CLUSTER);
     let mut wrong_version = serde_json::to_value(record("v99")).unwrap();
     wrong_version["version"] = 99.into();
-    let theirs = Record::new("other", "theirs", "tcp");
+    let theirs = Record::new("other", agent("theirs"));
+    // A record of the format before this one (version 1), as an older build wrote it.
+    let v1 = serde_json::json!({
+        "version": 1, "cluster": CLUSTER, "name": "old", "instance": 5, "host": "pod-a",
+        "transport": "tcp", "addresses": ["010203"], "memory": "host",
+        "regions": {}, "started_ms": 1, "ttl_ms": 2000
+    });
+    // A record whose agent metadata is unusable (a transport without rails).
+    let mut no_rails = serde_json::to_value(record("norails")).unwrap();
+    no_rails["agent"]["transports"][0]["rails"] = serde_json::json!([]);
     let hostile: Vec<(String, Vec<u8>)> = vec![
         (format!("{prefix}garbage"), b"\xff\x00not json".to_vec()),
         (format!("{prefix}huge"), vec![b'['; 1 << 20]),
         (
             format!("{prefix}v99"),
             serde_json::to_vec(&wrong_version).unwrap(),
+        ),
+        (format!("{prefix}old"), serde_json::to_vec(&v1).unwrap()),
+        (
+            format!("{prefix}norails"),
+            serde_json::to_vec(&no_rails).unwrap(),
         ),
         (
             format!("{prefix}theirs"),
@@ -155,32 +186,45 @@ fn hostile_records_are_skipped_with_their_key() {
         })
         .unwrap()
     };
-    for (k, v) in &hostile[..3] {
+    for (k, v) in &hostile[..5] {
         put(k, v);
     }
     let listing = d.members(CLUSTER).unwrap();
     assert_eq!(listing.members.len(), 1);
-    assert_eq!(listing.members[0].record.name, "good");
+    assert_eq!(listing.members[0].record.name(), "good");
     let mut why: Vec<(String, String)> = listing
         .skipped
         .iter()
         .map(|(k, e)| (k.trim_start_matches(&prefix).to_string(), e.to_string()))
         .collect();
     why.sort();
-    assert_eq!(why.len(), 3, "{why:?}");
+    assert_eq!(why.len(), 5, "{why:?}");
     assert!(why[0].1.contains("not a record"), "{why:?}");
     assert!(why[1].1.contains("more than the 65536 allowed"), "{why:?}");
-    assert!(why[2].1.contains("version 99"), "{why:?}");
+    assert!(why[2].1.contains("0 rails"), "{why:?}");
+    assert!(
+        why[3].1.contains("version 1, this build reads version 2"),
+        "{why:?}"
+    );
+    assert!(why[4].1.contains("version 99"), "{why:?}");
     assert!(matches!(
         d.lookup(CLUSTER, "v99"),
         Err(Error::Record(RecordError::Version(99)))
+    ));
+    assert!(matches!(
+        d.lookup(CLUSTER, "old"),
+        Err(Error::Record(RecordError::Version(1)))
+    ));
+    assert!(matches!(
+        d.lookup(CLUSTER, "norails"),
+        Err(Error::Record(RecordError::Agent(_)))
     ));
 
     // Arriving during a watch: each is an event naming its key; the good member stays.
     let w = d.watch(CLUSTER).unwrap();
     let first = drain(&w, Duration::from_millis(500));
-    assert_eq!(first.len(), 4, "{first:?}");
-    for (k, v) in &hostile[3..] {
+    assert_eq!(first.len(), 6, "{first:?}");
+    for (k, v) in &hostile[5..] {
         put(k, v);
     }
     let later = drain(&w, Duration::from_millis(500));

@@ -59,6 +59,9 @@ struct Inner {
     /// The core whose NUMA node the agent's memory should come from.
     home: Option<CorePin>,
     regions: Mutex<Regions>,
+    /// When it was made, in milliseconds since the Unix epoch (its directory record's
+    /// `started_ms`).
+    started_ms: u64,
 }
 
 /// The agent's registrations, and what keeps foreign memory alive.
@@ -409,6 +412,7 @@ impl Agent {
                 lanes: lanes_built,
                 home,
                 regions: Mutex::new(Regions::default()),
+                started_ms: now_ms(),
             }),
         })
     }
@@ -449,6 +453,7 @@ impl Agent {
                 lanes,
                 home: None,
                 regions: Mutex::new(Regions::default()),
+                started_ms: now_ms(),
             }),
         })
     }
@@ -457,6 +462,11 @@ impl Agent {
     /// [`AgentInfo::to_bytes`]), who pass it to [`Agent::connect`].
     pub fn info(&self) -> &AgentInfo {
         &self.inner.info
+    }
+
+    /// When it was made, in milliseconds since the Unix epoch.
+    pub(crate) fn started_ms(&self) -> u64 {
+        self.inner.started_ms
     }
 
     /// Its name.
@@ -766,4 +776,11 @@ fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_owned())
         .unwrap_or_default()
+}
+
+/// Milliseconds since the Unix epoch (0 if the clock is before it).
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }

@@ -2,6 +2,7 @@
 //! layer's own error as its source.
 
 use fabric_core::metadata::TransportKind;
+use std::time::Duration;
 
 /// Why a call of this crate failed.
 #[derive(Debug, thiserror::Error)]
@@ -55,6 +56,37 @@ pub enum Error {
     /// The rendezvous with a peer failed (unreachable, refused, another protocol).
     #[error("rendezvous")]
     Rendezvous(#[from] crate::rendezvous::ClientError),
+    /// The cluster directory failed (unreachable, timed out, or a record it refused).
+    #[error(transparent)]
+    Directory(#[from] directory::Error),
+    /// A followed member did not join (was not connected) in time.
+    #[error("member {name:?} of cluster {cluster:?} is not connected after {waited:?}")]
+    NotJoined {
+        /// The cluster.
+        cluster: String,
+        /// The member.
+        name: String,
+        /// How long it was waited for.
+        waited: Duration,
+    },
+    /// A followed member was still connected when the wait for its leave ran out.
+    #[error("member {name:?} of cluster {cluster:?} is still connected after {waited:?}")]
+    NotLeft {
+        /// The cluster.
+        cluster: String,
+        /// The member.
+        name: String,
+        /// How long its leave was waited for.
+        waited: Duration,
+    },
+    /// A member offers no region of that name.
+    #[error("member {member:?} offers no region named {region:?}")]
+    NoSuchRegion {
+        /// The member.
+        member: String,
+        /// The region's name.
+        region: String,
+    },
     /// The agent was closed.
     #[error("the agent is closed")]
     Closed,

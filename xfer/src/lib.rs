@@ -35,9 +35,15 @@
 //! # }
 //! ```
 //!
+//! Peers find each other by name through the cluster directory (etcd, or a file):
+//! [`Agent::publish`] puts an agent and the regions it [offers](Agent::offer) in a cluster,
+//! [`Agent::lookup`] finds a member, and [`Agent::follow`] keeps every member connected as
+//! it joins and disconnected as it leaves; see [`discovery`].
+//!
 //! The layers below, for what this crate does not wrap: `fabric-core` (the transfer engine,
 //! the `Transport` trait, the metadata format) and the backends (`transport-tcp`,
-//! `transport-efa`, `transport-cuda-ipc`).
+//! `transport-efa`, `transport-cuda-ipc`), and `directory` (the cluster directory's
+//! backends and records).
 //!
 //! Dependencies: the workspace's crates; `serde`, `serde_json` and `thiserror` as
 //! everywhere; `tracing` for logs; `if-addrs` lists network interfaces and their addresses
@@ -48,6 +54,7 @@
 #![warn(missing_docs)]
 
 mod agent;
+pub mod discovery;
 mod error;
 pub mod lanes;
 pub mod nics;
