@@ -756,7 +756,7 @@ fn kinds_for(o: &AgentOptions) -> Result<Vec<TransportKind>> {
 /// Whether the placement plan gives this agent's worker EFA NICs that libfabric's efa
 /// provider can open (on a p5, the four under its GPU's PCIe switch).
 fn plan_has_efa(o: &AgentOptions) -> bool {
-    let Ok(t) = topology::Topology::discover() else {
+    let Some(t) = crate::placement::machine() else {
         return false;
     };
     let plan = t.plan();

@@ -417,11 +417,11 @@ pub fn choose(
                     let t = if toward.is_loopback() {
                         None
                     } else {
-                        Topology::discover().ok()
+                        crate::placement::machine()
                     };
-                    let plan = t.as_ref().map(Topology::plan);
+                    let plan = t.map(Topology::plan);
                     let w = plan.as_ref().and_then(|p| plan_worker(p, slot)).cloned();
-                    Ok(tcp_auto(t.as_ref(), w.as_ref(), &ifaces, toward))
+                    Ok(tcp_auto(t, w.as_ref(), &ifaces, toward))
                 }
             }
         }
@@ -438,14 +438,14 @@ pub fn choose(
                     reason: "--nics".into(),
                 }),
                 Nics::Auto => {
-                    let Ok(t) = Topology::discover() else {
+                    let Some(t) = crate::placement::machine() else {
                         return Ok(NicChoice::unbound(
                             "auto: no topology to plan with; the provider's first domain",
                         ));
                     };
                     let plan = t.plan();
                     Ok(match plan_worker(&plan, slot) {
-                        Some(w) => efa_auto(&t, w, &domains),
+                        Some(w) => efa_auto(t, w, &domains),
                         None => NicChoice::unbound("auto: the plan has no worker"),
                     })
                 }

@@ -16,6 +16,23 @@
 use fabric_core::error::report;
 use topology::{GpuIndex, PlacementPlan, Topology};
 
+/// This machine's topology, discovered once per process (hwloc takes a while on large
+/// hosts, and an agent asks for it several times: pins, NICs, whether EFA is there);
+/// `None` when discovery failed (said once in the log): workers then run unpinned and
+/// NICs are chosen by route.
+pub fn machine() -> Option<&'static Topology> {
+    static MACHINE: std::sync::OnceLock<Option<Topology>> = std::sync::OnceLock::new();
+    MACHINE
+        .get_or_init(|| match Topology::discover() {
+            Ok(t) => Some(t),
+            Err(e) => {
+                tracing::warn!(error = %report(&e), "topology discovery failed; workers run unpinned");
+                None
+            }
+        })
+        .as_ref()
+}
+
 /// Whether workers are pinned to the placement plan's cores.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum PinMode {
@@ -108,12 +125,9 @@ impl WorkerPins {
                 tracing::info!("pinning off: workers run unpinned");
                 WorkerPins::default()
             }
-            PinMode::Auto => match Topology::discover() {
-                Ok(t) => WorkerPins::from_topology(&t, &t.plan()),
-                Err(e) => {
-                    tracing::warn!(error = %report(&e), "topology discovery failed; workers run unpinned");
-                    WorkerPins::default()
-                }
+            PinMode::Auto => match machine() {
+                Some(t) => WorkerPins::from_topology(t, &t.plan()),
+                None => WorkerPins::default(),
             },
         }
     }
