@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's figures, measured on the machine this runs on: each row one `xfer demo`
+# The figures of docs/benchmarks.md, measured on the machine this runs on: each row one `xfer demo`
 # command, run 3 times; prints a markdown table (median and min-max of each figure) headed
 # by the commit and a description of the machine (cores, CPU, memory, GPUs, kernel).
 #
@@ -145,7 +145,7 @@ for row in "${rows[@]}"; do
 done
 
 echo "Measured at commit $commit on $cores cores ($cpu), $mem, GPU: $gpu_text, Linux $(uname -r); $(date -u +%Y-%m-%d)."
-echo "Each figure is the median of 3 runs (min–max); every throughput run verified every written byte.$( ((quick)) && echo ' --quick: transfers 8 times smaller than the README rows.')"
+echo "Each figure is the median of 3 runs (min–max); every throughput run verified every written byte.$( ((quick)) && echo ' --quick: transfers 8 times smaller than the docs/benchmarks.md rows.')"
 echo
 echo "| workload | command | result |"
 echo "|---|---|---|"

@@ -7,7 +7,7 @@
 #   bash .carry/gpu/ipc-proof.sh    # CUDA IPC: tests and figures
 #   bash .carry/gpu/efa-hmem-proof.sh LF   # libfabric with FI_HMEM (LF: a CUDA-enabled
 #                                          # libfabric prefix, see the script)
-#   bash .carry/gpu/bench.sh        # the README's figures on that machine
+#   bash .carry/gpu/bench.sh        # docs/benchmarks.md's figures on that machine
 #   .carry/gpu/sim_p5 8 4 3         # the engine alone at p5 scale (see benches/examples)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

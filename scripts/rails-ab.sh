@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Same-call A/B of xfer binaries on one workload, runs interleaved, for comparisons of the
-# rail scheduler (the README's 8-rail figures were taken this way on the H200):
+# rail scheduler (docs/benchmarks.md's 8-rail figures were taken this way on the H200):
 #   scripts/rails-ab.sh REPS "NAME=BINARY [FLAGS...]" "NAME=BINARY [FLAGS...]" ... -- DEMO_ARGS...
 # e.g. scripts/rails-ab.sh 5 "old=/tmp/xfer-71292e8" "new=target/release/xfer" \
 #        -- --transport tcp --rails 8 --bytes 16GiB

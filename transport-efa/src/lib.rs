@@ -171,7 +171,7 @@
 //! no permission; ranges are checked against the descriptor before posting), so it fails
 //! nothing that would have succeeded alone, except where a descriptor claims more than
 //! the owner registered. On efa (one remote iovec) each operation is handed over as it is
-//! posted, as before. Measured in the README (READ over libfabric's tcp provider).
+//! posted, as before. Measured in docs/benchmarks.md (READ over libfabric's tcp provider).
 //!
 //! ## Discovery
 //! [`info`] lists what each provider offers (for `xfer info`), [`libfabric_version`] the
