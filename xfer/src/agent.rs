@@ -86,17 +86,31 @@ struct Kept {
 }
 
 impl Kept {
-    /// Gives the keep-alive back if nothing else holds the memory; else returns itself.
-    fn release(self) -> std::result::Result<(), Kept> {
+    /// Lets go of the memory if nothing else holds it and returns the keep-alive, for the
+    /// caller to drop once it holds no lock (dropping a Python buffer view takes the
+    /// interpreter's lock, which a thread waiting on ours may hold); else returns itself.
+    fn release(self) -> std::result::Result<Option<Box<dyn Send>>, Kept> {
         if Arc::strong_count(&self.mem) > 1 {
             return Err(self);
         }
         let Kept { mem, keep } = self;
         // The memory goes first: nothing can reach it once the keep-alive is gone.
         drop(mem);
-        drop(keep);
-        Ok(())
+        Ok(keep)
     }
+}
+
+/// Releases what of `all` no transport holds: returns the keep-alives to drop (with no lock
+/// held) and keeps the rest in `still`.
+fn release_all(all: Vec<Kept>, still: &mut Vec<Kept>) -> Vec<Box<dyn Send>> {
+    let mut free = Vec::new();
+    for k in all {
+        match k.release() {
+            Ok(keep) => free.extend(keep),
+            Err(k) => still.push(k),
+        }
+    }
+    free
 }
 
 /// Keep-alives of agents that are gone while a transport still held their memory (a
@@ -107,21 +121,33 @@ static KEPT: Mutex<Vec<Kept>> = Mutex::new(Vec::new());
 /// Gives back the memory of gone agents that no transport holds any more; returns how many
 /// are still kept. Every registration release calls it too.
 pub fn release_kept() -> usize {
-    let mut kept = KEPT.lock().unwrap_or_else(|p| p.into_inner());
-    let all = std::mem::take(&mut *kept);
-    for k in all {
-        if let Err(k) = k.release() {
-            kept.push(k);
-        }
-    }
-    kept.len()
+    let (free, left) = {
+        let mut kept = KEPT.lock().unwrap_or_else(|p| p.into_inner());
+        let all = std::mem::take(&mut *kept);
+        let free = release_all(all, &mut kept);
+        (free, kept.len())
+    };
+    drop(free);
+    left
 }
 
-impl Drop for Inner {
-    fn drop(&mut self) {
-        // The lanes stop first (their workers, within their shutdown timeout), then what
-        // they no longer hold is given back; what a stuck worker still holds is kept.
+/// Instances of this process's agents that offer the in-process `mem` transport: a peer
+/// reached over `mem` must be one of them (its rail addresses mean nothing elsewhere).
+static MEM_AGENTS: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+
+impl Inner {
+    /// Stops the lanes (their workers, within their shutdown timeout), then gives back what
+    /// they no longer hold; what a stuck worker still holds is kept ([`KEPT`]). Returns how
+    /// many regions are kept so. Idempotent: the second call finds nothing.
+    fn shut_down(&mut self) -> usize {
+        // The notifications hold the rails' engines too: they go first, so that dropping
+        // the lanes drops the last handles and stops every worker (at once).
+        self.notes = Notifications::new(Vec::new());
         self.lanes.clear();
+        MEM_AGENTS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|&i| i != self.info.instance);
         let r = self.regions.get_mut().unwrap_or_else(|p| p.into_inner());
         let all: Vec<Kept> = r
             .keep
@@ -129,20 +155,25 @@ impl Drop for Inner {
             .map(|(_, k)| k)
             .chain(r.later.drain(..))
             .collect();
-        let mut stuck = 0;
-        for k in all {
-            if let Err(k) = k.release() {
-                stuck += 1;
-                KEPT.lock().unwrap_or_else(|p| p.into_inner()).push(k);
-            }
-        }
-        if stuck > 0 {
+        let mut stuck = Vec::new();
+        let free = release_all(all, &mut stuck);
+        drop(free);
+        let n = stuck.len();
+        if n > 0 {
+            KEPT.lock().unwrap_or_else(|p| p.into_inner()).extend(stuck);
             tracing::warn!(
-                stuck,
-                "agent closed while a transport still holds {stuck} region(s): their memory is \
+                stuck = n,
+                "agent closed while a transport still holds {n} region(s): their memory is \
                  kept until it lets go, or for the rest of the process"
             );
         }
+        n
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.shut_down();
     }
 }
 
@@ -150,8 +181,9 @@ impl Drop for Inner {
 /// over the best transport both offer, moves data and reports what arrived (see the
 /// crate's example).
 ///
-/// Cheap to clone (a handle); the agent stops when its last handle is dropped (and its
-/// regions' handles with it).
+/// Cheap to clone (a handle); the agent stops when its last handle is dropped, or closed
+/// ([`Agent::close`], which also says what a stuck transport still holds). Its regions' and
+/// peers' handles do not keep it running.
 #[derive(Clone)]
 pub struct Agent {
     inner: Arc<Inner>,
@@ -401,20 +433,7 @@ impl Agent {
                 },
             })
             .collect();
-        let engines = lanes_built
-            .iter()
-            .flat_map(|l| l.group.rails().iter().cloned())
-            .collect();
-        Ok(Agent {
-            inner: Arc::new(Inner {
-                info,
-                notes: Notifications::new(engines),
-                lanes: lanes_built,
-                home,
-                regions: Mutex::new(Regions::default()),
-                started_ms: now_ms(),
-            }),
-        })
+        Ok(Agent::assemble(info, lanes_built, home))
     }
 
     /// An agent over rail groups made elsewhere (a transport of one's own, or engines with
@@ -442,20 +461,44 @@ impl Agent {
             .map(|l| TransportInfo::new(l.kind, l.group.addresses()))
             .collect();
         info.check()?;
+        Ok(Agent::assemble(info, lanes, None))
+    }
+
+    /// The agent of `info` over `lanes`.
+    fn assemble(info: AgentInfo, lanes: Vec<Lane>, home: Option<CorePin>) -> Agent {
+        if lanes.iter().any(|l| l.kind == TransportKind::Mem) {
+            MEM_AGENTS
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(info.instance);
+        }
         let engines = lanes
             .iter()
             .flat_map(|l| l.group.rails().iter().cloned())
             .collect();
-        Ok(Agent {
+        Agent {
             inner: Arc::new(Inner {
                 info,
                 notes: Notifications::new(engines),
                 lanes,
-                home: None,
+                home,
                 regions: Mutex::new(Regions::default()),
                 started_ms: now_ms(),
             }),
-        })
+        }
+    }
+
+    /// Stops the agent now if this is its last handle: its workers stop (each within its
+    /// shutdown timeout) and its regions' memory (and keep-alives, see
+    /// [`register_kept`](Self::register_kept)) is given back where no transport holds it.
+    /// Returns how many regions a transport still holds (a worker stuck in its transport
+    /// past its shutdown timeout keeps it): their memory is kept until the transport lets go
+    /// ([`release_kept`]), or for the rest of the process. `None` when other handles remain:
+    /// the agent stops when the last one goes.
+    pub fn close(self) -> Option<usize> {
+        Arc::try_unwrap(self.inner)
+            .ok()
+            .map(|mut inner| inner.shut_down())
     }
 
     /// What this agent says about itself: ship it to peers (serde, or
@@ -480,7 +523,8 @@ impl Agent {
     }
 
     /// The rail group of transport `kind`, if the agent offers it (for what the agent does
-    /// not wrap: metrics, per-rail counters).
+    /// not wrap: metrics, per-rail counters). A clone of it held past the agent's end keeps
+    /// its rails running, and their regions held, until it goes.
     pub fn group(&self, kind: TransportKind) -> Option<&Arc<RailGroup>> {
         self.lane(kind).ok().map(|l| &l.group)
     }
@@ -535,6 +579,11 @@ impl Agent {
                             let _ = l.group.deregister(r);
                         }
                     }
+                    // The keep-alive goes only once no transport holds the memory.
+                    let kept = Kept { mem, keep };
+                    if let Err(k) = kept.release().map(drop) {
+                        self.regions().later.push(k);
+                    }
                     return Err(e.into());
                 }
             }
@@ -567,18 +616,17 @@ impl Agent {
         for (kind, reg) in &region.regs {
             self.lane(*kind)?.group.deregister(reg)?;
         }
-        let mut r = self.regions();
-        r.named.retain(|_, d| d != &region.descriptor);
-        if let Some(k) = r.keep.remove(&region.id) {
-            r.later.push(k);
-        }
-        let later = std::mem::take(&mut r.later);
-        for k in later {
-            if let Err(k) = k.release() {
+        let free = {
+            let mut r = self.regions();
+            r.named.retain(|_, d| d != &region.descriptor);
+            if let Some(k) = r.keep.remove(&region.id) {
                 r.later.push(k);
             }
-        }
-        drop(r);
+            let later = std::mem::take(&mut r.later);
+            release_all(later, &mut r.later)
+        };
+        // Dropped with no lock held (see `Kept::release`).
+        drop(free);
         release_kept();
         Ok(())
     }
@@ -601,6 +649,17 @@ impl Agent {
     pub fn connect(&self, peer: &AgentInfo) -> Result<Peer> {
         peer.check()?;
         let kind = resolve(&self.inner.info, peer)?;
+        if kind == TransportKind::Mem
+            && !MEM_AGENTS
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains(&peer.instance)
+        {
+            return Err(Error::NotInThisProcess {
+                peer: peer.name.clone(),
+                kind,
+            });
+        }
         let addresses = &peer
             .transport(kind)
             .expect("resolve picks a transport both offer")
@@ -728,6 +787,27 @@ impl std::fmt::Debug for Agent {
 
 /// The transports an agent of `o` offers.
 fn kinds_for(o: &AgentOptions) -> Result<Vec<TransportKind>> {
+    // What the options say alone is checked before the machine is probed, so that a
+    // contradiction is reported as such rather than as a missing driver.
+    if let TransportChoice::Only(k) = o.transport {
+        if k == TransportKind::CudaIpc && o.memory != MemoryKind::Cuda {
+            return Err(Error::option(
+                "--transport",
+                "cuda-ipc moves GPU memory: use cuda memory (or the tcp transport)",
+            ));
+        }
+        if o.efa.provider.is_some() && k != TransportKind::Efa {
+            return Err(Error::option(
+                "--provider",
+                format!("applies to the efa transport only, not {k}"),
+            ));
+        }
+        if matches!(o.nics, crate::nics::Nics::Named(_))
+            && !matches!(k, TransportKind::Tcp | TransportKind::Efa)
+        {
+            return Err(nics::NicError::NotOnNics(k).into());
+        }
+    }
     let kinds = match o.transport {
         TransportChoice::Only(k) => {
             lanes::check_available(k)?;

@@ -38,6 +38,18 @@ pub enum Error {
         /// What this agent offers.
         ours: String,
     },
+    /// The peer is reached over a transport of one process (`mem`) and is not an agent of
+    /// this process.
+    #[error(
+        "{peer} is not an agent of this process, and the {kind} transport connects agents of \
+         one process only: use tcp between processes"
+    )]
+    NotInThisProcess {
+        /// The peer's name.
+        peer: String,
+        /// The transport.
+        kind: TransportKind,
+    },
     /// The peer's region is not registered on the transport this agent reaches it by.
     #[error("the region is not registered on {0}, the transport this peer is reached by")]
     RegionNotOnTransport(TransportKind),
