@@ -1,12 +1,13 @@
 //! `xfer.Directory`: the cluster directory ([`directory`]) from Python. An engine publishes
 //! itself and named registrations; peers look it up, list or watch the cluster, and get
 //! members as dicts whose `address` and `regions` are the same bytes `Engine.add_peer` and
-//! the write calls take.
+//! the write calls take: a record carries the library's metadata (the engine's
+//! `AgentInfo`, under the member's name, and each region's `RegionDescriptor`), as bytes.
 
 use crate::engine::{Engine, Registration};
-use crate::errors::{directory_error, invalid};
-use crate::wire::{EngineAddress, encode_descriptor};
+use crate::errors::{directory_error, invalid, metadata_error};
 use directory::{Event, Member, Record};
+use fabric_core::MemoryLocation;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use std::collections::HashMap;
@@ -37,26 +38,38 @@ pub struct Watch {
 /// descriptor bytes), transport, host, memory, gpu, nics, control, instance, age_s.
 fn member_dict<'py>(py: Python<'py>, m: &Member) -> PyResult<Bound<'py, PyDict>> {
     let r = &m.record;
+    let agent = &r.agent;
     let d = PyDict::new(py);
-    d.set_item("name", &r.name)?;
-    let address = EngineAddress {
-        process: 0,
-        transport: r.transport.clone(),
-        rails: r.addresses.clone(),
-    };
-    d.set_item("address", PyBytes::new(py, &address.encode()))?;
+    d.set_item("name", &agent.name)?;
+    let address = agent
+        .to_bytes()
+        .map_err(|e| metadata_error("the member's record", &e))?;
+    d.set_item("address", PyBytes::new(py, &address))?;
     let regions = PyDict::new(py);
     for (name, desc) in &r.regions {
-        regions.set_item(name, PyBytes::new(py, &encode_descriptor(desc)))?;
+        let bytes = desc
+            .to_bytes()
+            .map_err(|e| metadata_error("the member's region", &e))?;
+        regions.set_item(name, PyBytes::new(py, &bytes))?;
     }
     d.set_item("regions", regions)?;
-    d.set_item("transport", &r.transport)?;
-    d.set_item("host", &r.host)?;
-    d.set_item("memory", &r.memory)?;
-    d.set_item("gpu", r.gpu)?;
-    d.set_item("nics", r.nics.clone())?;
-    d.set_item("control", r.control.clone())?;
-    d.set_item("instance", r.instance)?;
+    // As `Engine.transport`: the name where it offers one transport, else "auto".
+    let transport = match agent.transports.as_slice() {
+        [one] => one.kind.name(),
+        _ => "auto",
+    };
+    d.set_item("transport", transport)?;
+    d.set_item("host", &agent.hostname)?;
+    let (memory, gpu) = match agent.memory {
+        MemoryLocation::Cuda { device } => ("cuda", Some(device)),
+        _ => ("host", None),
+    };
+    d.set_item("memory", memory)?;
+    d.set_item("gpu", gpu)?;
+    let nics: Vec<&String> = agent.transports.iter().flat_map(|t| &t.nics).collect();
+    d.set_item("nics", nics)?;
+    d.set_item("control", agent.control.clone())?;
+    d.set_item("instance", agent.instance)?;
     d.set_item("age_s", r.age().as_secs_f64())?;
     Ok(d)
 }
@@ -105,12 +118,13 @@ impl Directory {
                 "ttl must be a positive number of seconds, not {ttl}"
             )));
         }
-        let (transport, addresses) = engine.published()?;
-        let mut r = Record::new(&self.cluster, name, transport);
-        r.addresses = addresses;
+        let mut agent = engine.info(py)?;
+        agent.name = name.to_owned();
+        let mut r = Record::new(&self.cluster, agent);
         for (n, reg) in regions.unwrap_or_default() {
-            r.regions.insert(n, reg.remote());
+            r.regions.insert(n, reg.region_descriptor().clone());
         }
+        r.ttl_ms = (ttl * 1e3) as u64;
         let p = py
             .detach(|| self.dir.publish(r, Duration::from_secs_f64(ttl)))
             .map_err(|e| directory_error(&e))?;

@@ -1,45 +1,41 @@
-//! The Python classes: `Engine`, `Registration`, `Peer` and `Handle`.
+//! The Python classes `Engine`, `Registration` and `Peer`: handles on one [`xfer::Agent`].
 //!
-//! Every call that waits (starting or closing an engine, adding a peer, registering,
-//! submitting, waiting) releases the GIL; long waits wake every 50 ms to let Python
-//! deliver signals (Ctrl-C), and a transfer's completion is decided on the engine's workers,
-//! never in Python.
+//! An `Engine` holds the agent (built by the library from the keyword arguments,
+//! [`crate::options`]); a `Registration` holds the library's region and the registered
+//! object, a `Peer` the library's peer. What keeps registered memory alive goes to the agent
+//! (`Agent::register_kept`), which lets go of it only once no transport can touch it.
+//!
+//! Every call into the agent runs with the GIL released (and so does the drop of a handle
+//! on it, which may be its last); long waits wake every 50 ms to let Python deliver signals
+//! (Ctrl-C), and a transfer's completion is decided on the engine's workers, never in
+//! Python.
 
-use crate::backend::{EngineOptions, MemoryKind, TransportKind};
-use crate::errors::{EngineClosed, build_error, engine_error, invalid, op_error, wire_error};
-use crate::memory::{self, Accept, Held};
-use crate::wire::{self, EngineAddress};
-use fabric_core::Access;
-use fabric_core::engine::{GroupHandle, GroupPeer, GroupRegistration, GroupTransfer, RailGroup};
-use pyo3::buffer::PyBuffer;
+use crate::args::{imm_value, pages, positive, seconds, triples, wait_sliced};
+use crate::errors::{EngineClosed, agent_error, invalid, metadata_error};
+use crate::handle::Handle;
+use crate::memory::{self, Accept};
+use crate::options::EngineArgs;
+use fabric_core::{Access, Fence, MemoryLocation};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use std::collections::HashMap;
-use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use xfer::{Agent, AgentInfo, RegionDescriptor, Transfer, TransportKind};
 
-/// How often a long wait lets Python look at its signals.
-const SIGNAL_EVERY: Duration = Duration::from_millis(50);
-
-/// A running engine: its rails and what it was made with.
-struct Core {
-    group: RailGroup,
-    kind: TransportKind,
-    accept: Accept,
-    address: Vec<u8>,
-}
-
-/// What an engine and its registrations share.
+/// What an engine, its registrations and its peers share.
 struct Shared {
-    /// `None` once closed.
-    core: Mutex<Option<Arc<Core>>>,
-    /// Open registrations: what keeps their memory alive.
-    regs: Mutex<HashMap<u64, Held>>,
-    /// Memory deregistered while a transport still held it, given back once none does.
-    released_later: Mutex<Vec<Held>>,
+    /// The agent; `None` once the engine is closed.
+    agent: Mutex<Option<Agent>>,
+    /// The objects of open registrations, by registration (what `Registration.obj`
+    /// returns, and where a transfer finds the tensor whose stream it follows).
+    objs: Mutex<HashMap<u64, Py<PyAny>>>,
     next_reg: AtomicU64,
+    /// What memory the agent takes.
+    accept: Accept,
+    /// The agent's metadata, as bytes (`Engine.address`).
+    address: Vec<u8>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -47,107 +43,48 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Shared {
-    fn core(&self) -> PyResult<Arc<Core>> {
-        lock(&self.core)
+    /// A handle on the agent, or `EngineClosed`.
+    fn agent(&self) -> PyResult<Agent> {
+        lock(&self.agent)
             .clone()
             .ok_or_else(|| EngineClosed::new_err("the engine is closed"))
     }
 
-    /// Gives back the memory of `held` now if no transport holds it, else later.
-    fn release(&self, held: Held) {
-        let mut later = lock(&self.released_later);
-        if let Err(h) = held.release() {
-            later.push(h);
-        }
-        // Earlier ones may be free by now.
-        let pending = std::mem::take(&mut *later);
-        for h in pending {
-            if let Err(h) = h.release() {
-                later.push(h);
-            }
-        }
-        drop(later);
-        // So may the memory of engines that are gone.
-        memory::release_kept();
+    /// Runs `f` on the agent with the GIL released. The handle is dropped there too: if the
+    /// engine was closed meanwhile it is the agent's last, and its drop stops the workers.
+    fn with_agent<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&Agent) -> xfer::Result<R> + Send,
+    ) -> PyResult<R> {
+        let agent = self.agent()?;
+        py.detach(move || {
+            let r = f(&agent);
+            drop(agent);
+            r
+        })
+        .map_err(|e| agent_error(&e))
     }
 }
 
-impl Drop for Shared {
-    /// Memory a transport still holds (a worker that did not stop in time keeps its
-    /// transport) is never given back to its owner here: it is kept for the rest of the
-    /// process, or until no transport holds it ([`memory::release_kept`]).
-    fn drop(&mut self) {
-        let later = std::mem::take(&mut *lock(&self.released_later));
-        let open = lock(&self.regs).drain().map(|(_, h)| h).collect::<Vec<_>>();
-        for h in later.into_iter().chain(open) {
-            if let Err(h) = h.release() {
-                memory::keep_for_good(h);
-            }
-        }
-    }
-}
-
-/// A size argument that must be positive (`what` names it in the error).
-fn positive(v: i64, what: &str) -> PyResult<u64> {
-    u64::try_from(v)
-        .ok()
-        .filter(|&v| v > 0)
-        .ok_or_else(|| invalid(format!("{what}={v}: expected a positive size")))
-}
-
-fn seconds(t: Option<f64>, what: &str) -> PyResult<Option<Duration>> {
-    match t {
-        None => Ok(None),
-        Some(s) if s.is_finite() && s >= 0.0 => Duration::try_from_secs_f64(s)
-            .map(Some)
-            .map_err(|_| invalid(format!("{what}={s} is too large"))),
-        Some(s) => Err(invalid(format!(
-            "{what}={s}: expected seconds >= 0, or None"
-        ))),
-    }
-}
-
-/// Waits in slices of [`SIGNAL_EVERY`] with the GIL released, up to `timeout` (forever for
-/// `None`); `step(slice)` returns `Some` once done. Python signals end the wait with their
-/// exception.
-fn wait_sliced<R>(
-    py: Python<'_>,
-    timeout: Option<Duration>,
-    mut step: impl FnMut(Duration) -> Option<R> + Send,
-) -> PyResult<Option<R>>
-where
-    R: Send,
-{
-    let deadline = timeout.map(|t| Instant::now() + t);
-    loop {
-        let slice = match deadline {
-            Some(d) => d
-                .saturating_duration_since(Instant::now())
-                .min(SIGNAL_EVERY),
-            None => SIGNAL_EVERY,
-        };
-        if let Some(r) = py.detach(|| step(slice)) {
-            return Ok(Some(r));
-        }
-        if deadline.is_some_and(|d| Instant::now() >= d) {
-            return Ok(None);
-        }
-        py.check_signals()?;
-    }
-}
-
-/// The transfer engine. Keyword arguments mirror the `xfer` command's flags.
+/// The transfer engine: one agent of the `xfer` library. Keyword arguments mirror the
+/// `xfer` command's flags.
 ///
-/// - transport: "tcp" (any two hosts, host or GPU memory), "cuda-ipc" (GPU memory between
-///   processes of one host), "efa" (libfabric: EFA on AWS, or the provider named by
-///   `provider`), "mem" (engines of one process), or "auto": "cuda-ipc" when
-///   memory="cuda" and a CUDA driver is present, "tcp" otherwise. "auto" does not look at
-///   the peer: for GPU memory on two hosts, pass transport="tcp".
-/// - provider: the libfabric provider of transport="efa" ("efa" by default; "tcp",
+/// - transport: "auto" (the default: every transport that can work here, the best chosen
+///   for each peer from what both offer: "cuda-ipc" between GPU memory of one host, "efa"
+///   where the placement plan gives EFA NICs, "tcp" otherwise; so two GPU hosts reach each
+///   other over tcp and two GPU processes of one host over cuda-ipc), or one transport only:
+///   "tcp" (any two hosts, host or GPU memory), "cuda-ipc" (GPU memory between processes of
+///   one host), "efa" (libfabric: EFA on AWS, or the provider named by `provider`), "mem"
+///   (engines of one process).
+/// - provider: the libfabric provider of the efa transport ("efa" by default; "tcp",
 ///   "sockets", "shm" elsewhere).
-/// - rails: worker threads, each with its own connection; transfers spread over them.
-/// - nics: the NICs the rails run on (rail i on nics[i % len]): tcp interfaces, or efa
-///   libfabric domains.
+/// - rails: worker threads of each transport, each with its own connection or NIC;
+///   transfers spread over them. Default: one per NIC chosen, else 1.
+/// - nics: the NICs the rails run on (rail i on nics[i % len]): a list of names (tcp
+///   interfaces, or efa libfabric domains), or "auto" (the default): the placement plan's
+///   NICs for the engine's GPU, the route toward a non-loopback `listen` address for tcp,
+///   none on loopback.
 /// - memory: "host" or "cuda", what this engine registers; gpu: the CUDA device ordinal.
 /// - auth_token: a shared secret that tcp peers must know.
 /// - timeout: seconds; the limit of control calls and how long a silent tcp peer is given
@@ -156,6 +93,11 @@ where
 ///   for peers on other hosts).
 /// - wait_spin_us: how long a wait spins before it sleeps (default 200): lower latency for
 ///   short transfers, at the cost of the waiting thread's core.
+/// - pin: "auto" (the default: workers pinned to the placement plan's cores, near their
+///   GPU and NICs) or "off".
+///
+/// `address` is the engine's metadata (the library's agent metadata, as bytes): peers pass
+/// it to add_peer, which picks the transport for that peer (Peer.transport).
 ///
 /// An engine is a context manager; close() (or leaving the `with` block) stops it and
 /// gives back every registered buffer.
@@ -166,98 +108,83 @@ pub struct Engine {
 
 /// Memory registered with an engine: the object stays alive (and is not freed or
 /// resized) until the registration is closed, by close(), a `with` block, or the
-/// engine's close.
+/// engine's close. `descriptor` is the library's region descriptor, as bytes.
 #[pyclass(module = "xfer", frozen)]
 pub struct Registration {
     shared: Arc<Shared>,
     id: u64,
-    reg: GroupRegistration,
+    region: xfer::Region,
     descriptor: Vec<u8>,
-    nbytes: u64,
-    cuda: bool,
+    location: MemoryLocation,
     closed: AtomicBool,
 }
 
-/// A peer of an engine, from Engine.add_peer.
+/// A peer of an engine, from Engine.add_peer, reached over one transport (`transport`).
 #[pyclass(module = "xfer", frozen)]
 pub struct Peer {
     shared: Arc<Shared>,
-    peer: GroupPeer,
+    peer: xfer::Peer,
     removed: AtomicBool,
 }
 
-/// A submitted transfer: wait(), done(), or `await` it. Dropping it does not cancel
-/// the transfer. Until the handle reports a result, the source ranges belong to the
-/// engine: do not change them.
-#[pyclass(module = "xfer", frozen)]
-pub struct Handle {
-    handle: Arc<GroupHandle>,
-}
-
-/// Segments as `(src_off, dst_off, len)` from Python (tuples, or an `(n, 3)` int64 numpy
-/// array read through the buffer protocol), checked for negatives.
-fn triples(segments: &Bound<'_, PyAny>) -> PyResult<Vec<(u64, u64, u64)>> {
-    let raw: Vec<(i64, i64, i64)> = match PyBuffer::<i64>::get(segments) {
-        Ok(b) if b.dimensions() == 2 && b.shape()[1] == 3 => b
-            .to_vec(segments.py())?
-            .chunks_exact(3)
-            .map(|c| (c[0], c[1], c[2]))
-            .collect(),
-        _ => segments.extract().map_err(|_| {
-            invalid(
-                "segments must be a sequence of (src_offset, dst_offset, length) int tuples, \
-                 or an (n, 3) int64 numpy array",
-            )
-        })?,
+/// `t` with its immediate value and timeout, where given.
+fn with_extras(t: Transfer, imm: Option<u32>, timeout: Option<Duration>) -> Transfer {
+    let t = match imm {
+        Some(v) => t.imm(v),
+        None => t,
     };
-    raw.into_iter()
-        .enumerate()
-        .map(|(i, (s, d, l))| {
-            if s < 0 || d < 0 || l < 0 {
-                Err(invalid(format!(
-                    "segment {i} ({s}, {d}, {l}) has a negative offset or length"
-                )))
-            } else {
-                Ok((s as u64, d as u64, l as u64))
-            }
-        })
-        .collect()
-}
-
-/// Page indices from a list or a numpy int64 array (read through the buffer protocol, no
-/// per-item Python calls), checked for negatives.
-fn pages(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u64>> {
-    let raw: Vec<i64> = match PyBuffer::<i64>::get(obj) {
-        Ok(b) if b.dimensions() == 1 => b.to_vec(obj.py())?,
-        _ => obj.extract().map_err(|_| {
-            invalid(format!(
-                "{what} must be a sequence of ints (a list, or a 1-D int64 numpy array)"
-            ))
-        })?,
-    };
-    raw.into_iter()
-        .map(|p| u64::try_from(p).map_err(|_| invalid(format!("{what} holds a negative page {p}"))))
-        .collect()
-}
-
-fn imm_value(imm: Option<i64>) -> PyResult<Option<u32>> {
-    match imm {
-        None => Ok(None),
-        Some(v) => match u32::try_from(v) {
-            Ok(u32::MAX) => Err(invalid(format!(
-                "imm={v} is reserved for the engine's warm-up writes: use 0..{}",
-                u32::MAX
-            ))),
-            Ok(x) => Ok(Some(x)),
-            Err(_) => Err(invalid(format!(
-                "imm={v}: immediate data is a 32-bit unsigned value (0..{})",
-                u32::MAX - 1
-            ))),
-        },
+    match timeout {
+        Some(d) => t.timeout(d),
+        None => t,
     }
 }
 
+/// Pages of `write_pages` / `read_pages` as a transfer: `(pages, stride, side)` for each
+/// side, `side` naming the arguments in errors (`{side}_pages`, `{side}_stride`); strides
+/// default to `page_size`. A WRITE; `read_pages` turns it around.
+fn paged(
+    page_size: i64,
+    (local_pages, local_stride, local): (&Bound<'_, PyAny>, Option<i64>, &str),
+    (remote_pages, remote_stride, remote): (&Bound<'_, PyAny>, Option<i64>, &str),
+) -> PyResult<Transfer> {
+    let len = positive(page_size, "page_size")?;
+    let ls = positive(
+        local_stride.unwrap_or(page_size),
+        &format!("{local}_stride"),
+    )?;
+    let rs = positive(
+        remote_stride.unwrap_or(page_size),
+        &format!("{remote}_stride"),
+    )?;
+    let lp = pages(local_pages, &format!("{local}_pages"))?;
+    let rp = pages(remote_pages, &format!("{remote}_pages"))?;
+    Transfer::pages(&lp, ls, &rp, rs, len).map_err(|e| agent_error(&e))
+}
+
 impl Engine {
+    /// An engine over `agent`, whose CUDA memory is on device `gpu`.
+    pub(crate) fn from_agent(agent: Agent, gpu: u32) -> PyResult<Engine> {
+        let address = agent
+            .info()
+            .to_bytes()
+            .map_err(|e| metadata_error("the engine's own metadata", &e))?;
+        let kinds = agent.transports();
+        let accept = Accept {
+            gpu,
+            device_only: kinds.contains(&TransportKind::CudaIpc),
+            host_only: kinds.contains(&TransportKind::Mem),
+        };
+        Ok(Engine {
+            shared: Arc::new(Shared {
+                agent: Mutex::new(Some(agent)),
+                objs: Mutex::new(HashMap::new()),
+                next_reg: AtomicU64::new(1),
+                accept,
+                address,
+            }),
+        })
+    }
+
     /// What a transfer of `reg` waits for: for GPU memory, the work queued so far on the
     /// caller's stream (see [`crate::stream`]); nothing for host memory.
     fn fence(
@@ -265,13 +192,16 @@ impl Engine {
         py: Python<'_>,
         reg: &Registration,
         stream: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Option<Arc<dyn fabric_core::Fence>>> {
+    ) -> PyResult<Option<Arc<dyn Fence>>> {
         let given = stream.filter(|s| !s.is_none());
-        let found = lock(&self.shared.regs)
-            .get(&reg.id)
-            .map(|h| (h.obj().clone_ref(py), h.region().location()));
-        match found {
-            Some((obj, fabric_core::MemoryLocation::Cuda { device })) => {
+        match reg.location {
+            MemoryLocation::Cuda { device } => {
+                let obj = lock(&self.shared.objs)
+                    .get(&reg.id)
+                    .map(|o| o.clone_ref(py))
+                    .ok_or_else(|| {
+                        invalid("this registration is closed: register the memory again")
+                    })?;
                 Ok(Some(crate::stream::fence_for(obj.bind(py), given, device)?))
             }
             _ if given.is_some() => Err(invalid(
@@ -282,30 +212,9 @@ impl Engine {
         }
     }
 
-    /// Stops the rails and gives back every registration's memory that no transport holds;
-    /// the rest waits in `released_later`.
-    fn close_engine(&self, py: Python<'_>) {
-        let Some(core) = lock(&self.shared.core).take() else {
-            return;
-        };
-        // Stops every rail (each waits for its worker); the GIL is not needed meanwhile.
-        let stopped = py.detach(move || Arc::try_unwrap(core).map(drop).is_ok());
-        let held: Vec<Held> = lock(&self.shared.regs).drain().map(|(_, h)| h).collect();
-        if stopped {
-            for h in held {
-                self.shared.release(h);
-            }
-        } else {
-            // Another thread still runs a call on the engine: its rails stop when that
-            // call returns, so the memory stays held (given back only by a later release).
-            lock(&self.shared.released_later).extend(held);
-        }
-    }
-
-    /// The transport's name and each rail's address, for a directory record.
-    pub(crate) fn published(&self) -> PyResult<(&'static str, Vec<Vec<u8>>)> {
-        let core = self.shared.core()?;
-        Ok((core.kind.name(), core.group.addresses()))
+    /// What the engine's agent says about itself (for a directory record).
+    pub(crate) fn info(&self, py: Python<'_>) -> PyResult<AgentInfo> {
+        self.shared.with_agent(py, |a| Ok(a.info().clone()))
     }
 
     fn check_own(&self, shared: &Arc<Shared>, what: &str) -> PyResult<()> {
@@ -321,7 +230,8 @@ impl Engine {
         py: Python<'_>,
         peer: &Peer,
         reg: &Registration,
-        mut t: GroupTransfer,
+        remote_descriptor: &[u8],
+        t: Transfer,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Handle> {
         self.check_own(&peer.shared, "peer")?;
@@ -334,111 +244,104 @@ impl Engine {
                 "this registration is closed: register the memory again",
             ));
         }
-        let core = self.shared.core()?;
-        t.after = self.fence(py, reg, stream)?;
-        let handle = py
-            .detach(|| core.group.submit(&peer.peer, t))
-            .map_err(|e| engine_error(&e))?;
-        Ok(Handle {
-            handle: Arc::new(handle),
-        })
+        let remote = RegionDescriptor::from_bytes(remote_descriptor)
+            .map_err(|e| metadata_error("remote_descriptor", &e))?;
+        let t = match self.fence(py, reg, stream)? {
+            Some(f) => t.after(f),
+            None => t,
+        };
+        let handle = self
+            .shared
+            .with_agent(py, |a| a.submit(&peer.peer, &reg.region, &remote, t))?;
+        Ok(Handle::new(handle))
     }
 }
 
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (transport="auto", provider=None, rails=1, nics=None, memory="host", gpu=0, auth_token=None, timeout=10.0, listen="127.0.0.1", wait_spin_us=None))]
+    #[pyo3(signature = (transport="auto", provider=None, rails=None, nics=None, memory="host", gpu=0, auth_token=None, timeout=10.0, listen="127.0.0.1", wait_spin_us=None, pin="auto"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         transport: &str,
         provider: Option<String>,
-        rails: i64,
-        nics: Option<Vec<String>>,
+        rails: Option<i64>,
+        nics: Option<&Bound<'_, PyAny>>,
         memory: &str,
         gpu: i64,
         auth_token: Option<String>,
         timeout: f64,
         listen: &str,
         wait_spin_us: Option<u64>,
+        pin: &str,
     ) -> PyResult<Engine> {
-        let memory = match memory {
-            "host" => MemoryKind::Host,
-            "cuda" => MemoryKind::Cuda,
-            m => {
-                return Err(invalid(format!(
-                    "memory={m:?}: expected \"host\" or \"cuda\""
-                )));
-            }
-        };
-        let rails = usize::try_from(rails)
-            .map_err(|_| invalid(format!("rails={rails}: expected a positive count")))?;
-        let gpu = u32::try_from(gpu)
-            .map_err(|_| invalid(format!("gpu={gpu}: expected a device ordinal >= 0")))?;
-        let timeout = seconds(Some(timeout), "timeout")?.unwrap_or_default();
-        let listen: IpAddr = listen
-            .parse()
-            .map_err(|_| invalid(format!("listen={listen:?} is not an IP address")))?;
-        let opts = EngineOptions {
-            transport: transport.to_string(),
+        let (o, gpu) = EngineArgs {
+            transport,
             provider,
             rails,
-            nics: nics.unwrap_or_default(),
+            nics,
             memory,
             gpu,
             auth_token,
             timeout,
             listen,
-            wait_spin: wait_spin_us.map(Duration::from_micros),
-        };
-        let (kind, group) = py
-            .detach(|| opts.spawn("xfer-py"))
-            .map_err(|e| build_error(&e))?;
-        let address = EngineAddress {
-            process: std::process::id(),
-            transport: kind.name().into(),
-            rails: group.addresses(),
+            wait_spin_us,
+            pin,
         }
-        .encode();
-        let core = Core {
-            group,
-            kind,
-            accept: Accept { kind, gpu },
-            address,
-        };
-        Ok(Engine {
-            shared: Arc::new(Shared {
-                core: Mutex::new(Some(Arc::new(core))),
-                regs: Mutex::new(HashMap::new()),
-                released_later: Mutex::new(Vec::new()),
-                next_reg: AtomicU64::new(1),
-            }),
+        .options()?;
+        let agent = py
+            .detach(move || Agent::new(o))
+            .map_err(|e| agent_error(&e))?;
+        Engine::from_agent(agent, gpu)
+    }
+
+    /// This engine's address (bytes): its agent metadata (name, host, memory, and each
+    /// transport it offers with its rails' addresses). Give it to peers, who pass it to
+    /// add_peer.
+    #[getter]
+    fn address<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        if self.closed() {
+            return Err(EngineClosed::new_err("the engine is closed"));
+        }
+        Ok(PyBytes::new(py, &self.shared.address))
+    }
+
+    /// The transport: its name when the engine offers exactly one ("tcp", "cuda-ipc",
+    /// "efa", "mem"), else "auto" (see `transports`, and `Peer.transport` for the one a peer
+    /// is reached by).
+    #[getter]
+    fn transport(&self, py: Python<'_>) -> PyResult<&'static str> {
+        let kinds = self.shared.with_agent(py, |a| Ok(a.transports()))?;
+        Ok(match kinds.as_slice() {
+            [one] => one.name(),
+            _ => "auto",
         })
     }
 
-    /// This engine's address (bytes): give it to peers, who pass it to add_peer.
+    /// The transports the engine offers, in the order they are preferred for a peer.
     #[getter]
-    fn address<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        Ok(PyBytes::new(py, &self.shared.core()?.address))
+    fn transports(&self, py: Python<'_>) -> PyResult<Vec<&'static str>> {
+        let kinds = self.shared.with_agent(py, |a| Ok(a.transports()))?;
+        Ok(kinds.into_iter().map(TransportKind::name).collect())
     }
 
-    /// The transport in use: "tcp", "cuda-ipc", "efa" or "mem" ("auto" resolved).
+    /// The number of rails of each transport (the largest, where they differ).
     #[getter]
-    fn transport(&self) -> PyResult<&'static str> {
-        Ok(self.shared.core()?.kind.name())
-    }
-
-    /// The number of rails.
-    #[getter]
-    fn rails(&self) -> PyResult<usize> {
-        Ok(self.shared.core()?.group.rails().len())
+    fn rails(&self, py: Python<'_>) -> PyResult<usize> {
+        self.shared.with_agent(py, |a| {
+            Ok(a.transports()
+                .into_iter()
+                .filter_map(|k| a.group(k).map(|g| g.rails().len()))
+                .max()
+                .unwrap_or(0))
+        })
     }
 
     /// Whether the engine is closed.
     #[getter]
     fn closed(&self) -> bool {
-        lock(&self.shared.core).is_none()
+        lock(&self.shared.agent).is_none()
     }
 
     /// Registers `obj`'s memory and returns its Registration.
@@ -457,8 +360,10 @@ impl Engine {
         remote_write: bool,
         remote_read: bool,
     ) -> PyResult<Registration> {
-        let core = self.shared.core()?;
-        let held = memory::take(obj, remote_write, core.accept)?;
+        if self.closed() {
+            return Err(EngineClosed::new_err("the engine is closed"));
+        }
+        let (region, held) = memory::take(obj, remote_write, self.shared.accept)?;
         // A writable registration may also receive this engine's READs (LOCAL_WRITE).
         let mut access = if remote_write {
             Access::REMOTE_WRITE | Access::LOCAL_WRITE
@@ -468,51 +373,36 @@ impl Engine {
         if remote_read {
             access = access | Access::REMOTE_READ;
         }
-        let region = held.region();
-        let nbytes = region.len() as u64;
-        let cuda = held.is_cuda();
-        let reg = match py.detach(|| core.group.register(region, access)) {
-            Ok(r) => r,
-            Err(e) => {
-                self.shared.release(held);
-                return Err(engine_error(&e));
-            }
-        };
+        let location = region.location();
+        let keep: Box<dyn Send> = Box::new(held);
+        let region = self
+            .shared
+            .with_agent(py, move |a| a.register_kept(region, access, Some(keep)))?;
+        let descriptor = region
+            .descriptor()
+            .to_bytes()
+            .map_err(|e| metadata_error("the registration's descriptor", &e))?;
         let id = self.shared.next_reg.fetch_add(1, Ordering::Relaxed);
-        lock(&self.shared.regs).insert(id, held);
+        lock(&self.shared.objs).insert(id, obj.clone().unbind());
         Ok(Registration {
             shared: self.shared.clone(),
             id,
-            descriptor: wire::encode_descriptor(&reg.remote),
-            reg,
-            nbytes,
-            cuda,
+            region,
+            descriptor,
+            location,
             closed: AtomicBool::new(false),
         })
     }
 
-    /// Adds a peer by its address (the bytes of its Engine.address) and returns a Peer.
+    /// Adds a peer by its address (the bytes of its Engine.address) and returns a Peer,
+    /// reached over the best transport both engines offer (Peer.transport). Bytes that are
+    /// not an engine's address raise InvalidArgument naming what is wrong with them.
     fn add_peer(&self, py: Python<'_>, address: &[u8]) -> PyResult<Peer> {
-        let core = self.shared.core()?;
-        let a = EngineAddress::decode(address).map_err(|e| wire_error(&e))?;
-        if a.transport != core.kind.name() {
-            return Err(invalid(format!(
-                "the peer's address is of transport {:?} and this engine's is {:?}: make both \
-                 engines with the same transport",
-                a.transport,
-                core.kind.name()
-            )));
+        if self.closed() {
+            return Err(EngineClosed::new_err("the engine is closed"));
         }
-        if core.kind == TransportKind::Mem && a.process != std::process::id() {
-            return Err(invalid(format!(
-                "transport=\"mem\" connects engines of one process, and this address is from \
-                 process {}: use transport=\"tcp\" between processes",
-                a.process
-            )));
-        }
-        let peer = py
-            .detach(|| core.group.add_peer(&a.rails))
-            .map_err(|e| engine_error(&e))?;
+        let info = AgentInfo::from_bytes(address).map_err(|e| metadata_error("address", &e))?;
+        let peer = self.shared.with_agent(py, |a| a.connect(&info))?;
         Ok(Peer {
             shared: self.shared.clone(),
             peer,
@@ -526,9 +416,7 @@ impl Engine {
         if peer.removed.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
-        let core = self.shared.core()?;
-        py.detach(|| core.group.remove_peer(&peer.peer))
-            .map_err(|e| engine_error(&e))
+        self.shared.with_agent(py, |a| a.disconnect(&peer.peer))
     }
 
     /// Writes ranges of a local registration into a peer's region.
@@ -556,17 +444,12 @@ impl Engine {
         timeout: Option<f64>,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Handle> {
-        let dst = wire::decode_descriptor(remote_descriptor).map_err(|e| wire_error(&e))?;
-        let t = GroupTransfer {
-            src: registration.reg.clone(),
-            dst,
-            segments: triples(segments)?,
-            imm: imm_value(imm)?,
-            timeout: seconds(timeout, "timeout")?,
-            direction: fabric_core::engine::Direction::Write,
-            after: None,
-        };
-        self.submit(py, peer, registration, t, stream)
+        let t = with_extras(
+            Transfer::segments(triples(segments)?),
+            imm_value(imm)?,
+            seconds(timeout, "timeout")?,
+        );
+        self.submit(py, peer, registration, remote_descriptor, t, stream)
     }
 
     /// Writes pages: local page src_pages[i] goes to the peer's page dst_pages[i],
@@ -590,16 +473,13 @@ impl Engine {
         timeout: Option<f64>,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Handle> {
-        let mut t = paged(
-            registration,
-            remote_descriptor,
+        let t = paged(
             page_size,
             (src_pages, src_stride, "src"),
             (dst_pages, dst_stride, "dst"),
         )?;
-        t.imm = imm_value(imm)?;
-        t.timeout = seconds(timeout, "timeout")?;
-        self.submit(py, peer, registration, t, stream)
+        let t = with_extras(t, imm_value(imm)?, seconds(timeout, "timeout")?);
+        self.submit(py, peer, registration, remote_descriptor, t, stream)
     }
 
     /// Reads ranges of a peer's region into a local registration (one-sided: the peer
@@ -624,17 +504,12 @@ impl Engine {
         timeout: Option<f64>,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Handle> {
-        let remote = wire::decode_descriptor(remote_descriptor).map_err(|e| wire_error(&e))?;
-        let t = GroupTransfer {
-            src: registration.reg.clone(),
-            dst: remote,
-            segments: triples(segments)?,
-            imm: None,
-            timeout: seconds(timeout, "timeout")?,
-            direction: fabric_core::engine::Direction::Read,
-            after: None,
-        };
-        self.submit(py, peer, registration, t, stream)
+        let t = with_extras(
+            Transfer::segments(triples(segments)?).read(),
+            None,
+            seconds(timeout, "timeout")?,
+        );
+        self.submit(py, peer, registration, remote_descriptor, t, stream)
     }
 
     /// Reads pages: the peer's page remote_pages[i] lands in local page local_pages[i],
@@ -656,16 +531,14 @@ impl Engine {
         timeout: Option<f64>,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Handle> {
-        let mut t = paged(
-            registration,
-            remote_descriptor,
+        let t = paged(
             page_size,
             (local_pages, local_stride, "local"),
             (remote_pages, remote_stride, "remote"),
         )?
         .read();
-        t.timeout = seconds(timeout, "timeout")?;
-        self.submit(py, peer, registration, t, stream)
+        let t = with_extras(t, None, seconds(timeout, "timeout")?);
+        self.submit(py, peer, registration, remote_descriptor, t, stream)
     }
 
     /// The receiver's side: blocks (GIL released) until `count` transfers carrying
@@ -684,23 +557,26 @@ impl Engine {
         let count = u64::try_from(count)
             .map_err(|_| invalid(format!("count={count}: expected a count >= 0")))?;
         let limit = seconds(timeout, "timeout")?;
-        let core = self.shared.core()?;
-        let mut failure = None;
+        self.shared.agent()?;
+        let shared = &self.shared;
+        // A handle on the agent per slice, so that a close from another thread stops it
+        // within a slice rather than at the end of this wait.
         let done = wait_sliced(py, limit, |slice| {
-            match core.group.wait_imm(value, count, slice) {
-                Ok(()) => Some(()),
-                Err(fabric_core::Error::TimedOut(..)) => None,
-                Err(e) => {
-                    failure = Some(e);
-                    Some(())
-                }
+            let Some(agent) = lock(&shared.agent).clone() else {
+                return Some(Err(xfer::Error::Closed));
+            };
+            match agent.wait_imm(value, count, slice) {
+                Ok(()) => Some(Ok(())),
+                Err(xfer::Error::Engine(fabric_core::Error::TimedOut(..))) => None,
+                Err(e) => Some(Err(e)),
             }
         })?;
-        if let Some(e) = failure {
-            return Err(engine_error(&e));
-        }
         match done {
-            Some(()) => Ok(()),
+            Some(Ok(())) => Ok(()),
+            Some(Err(xfer::Error::Closed)) => Err(EngineClosed::new_err(
+                "the engine was closed while waiting for immediate data",
+            )),
+            Some(Err(e)) => Err(agent_error(&e)),
             None => Err(crate::errors::TimedOut::new_err(format!(
                 "timed out after {:?} waiting for {count} transfer(s) with immediate value {value}",
                 limit.unwrap_or_default()
@@ -708,9 +584,10 @@ impl Engine {
         }
     }
 
-    /// Sums of the rails' counters: bytes, ops, reposts, errors, transfers.
-    fn counters(&self) -> PyResult<HashMap<&'static str, u64>> {
-        let c = self.shared.core()?.group.counters();
+    /// Sums of the rails' counters (of every transport): bytes, ops, reposts, errors,
+    /// transfers.
+    fn counters(&self, py: Python<'_>) -> PyResult<HashMap<&'static str, u64>> {
+        let c = self.shared.with_agent(py, |a| Ok(a.counters()))?;
         Ok(HashMap::from([
             ("bytes", c.bytes),
             ("ops", c.ops),
@@ -728,8 +605,17 @@ impl Engine {
     /// transport may still write the memory. Such memory stays held, with a
     /// ResourceWarning, until the transport lets go (or for the rest of the process).
     fn close(&self, py: Python<'_>) {
-        self.close_engine(py);
-        let held = lock(&self.shared.released_later).len();
+        let Some(agent) = lock(&self.shared.agent).take() else {
+            return;
+        };
+        // The registered objects go first (with the GIL, outside the lock); what keeps
+        // their memory alive is the agent's, given back as its transports let go.
+        let objs = std::mem::take(&mut *lock(&self.shared.objs));
+        drop(objs);
+        // Stops every rail (each waits for its worker); the GIL is not needed meanwhile.
+        // `None`: another thread runs a call on the engine, and the agent stops when it
+        // returns.
+        let held = py.detach(move || agent.close()).unwrap_or(0);
         if held > 0 {
             let _ = PyErr::warn(
                 py,
@@ -754,14 +640,30 @@ impl Engine {
         self.close(py);
     }
 
-    fn __repr__(&self) -> String {
-        match lock(&self.shared.core).as_ref() {
-            Some(c) => format!(
-                "xfer.Engine(transport={:?}, rails={})",
-                c.kind.name(),
-                c.group.rails().len()
-            ),
-            None => "xfer.Engine(closed)".into(),
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let what = self.shared.with_agent(py, |a| {
+            let kinds: Vec<&str> = a
+                .transports()
+                .into_iter()
+                .map(TransportKind::name)
+                .collect();
+            let rails = a
+                .transports()
+                .into_iter()
+                .filter_map(|k| a.group(k).map(|g| g.rails().len()))
+                .max()
+                .unwrap_or(0);
+            Ok((a.name().to_owned(), kinds, rails))
+        });
+        match what {
+            Ok((name, kinds, rails)) => {
+                let transport = match kinds.as_slice() {
+                    [one] => format!("{one:?}"),
+                    _ => format!("\"auto\" ({})", kinds.join(", ")),
+                };
+                format!("xfer.Engine({name:?}, transport={transport}, rails={rails})")
+            }
+            Err(_) => "xfer.Engine(closed)".into(),
         }
     }
 }
@@ -773,36 +675,40 @@ impl Drop for Engine {
 }
 
 impl Registration {
-    /// The descriptor peers write with, for a directory record.
-    pub(crate) fn remote(&self) -> fabric_core::engine::RemoteDescriptor {
-        self.reg.remote.clone()
+    /// The library's descriptor of this region (for a directory record).
+    pub(crate) fn region_descriptor(&self) -> &RegionDescriptor {
+        self.region.descriptor()
     }
 
-    /// Deregisters; on success gives the memory back (now, or once no transport holds it).
+    /// Deregisters; on success lets go of the object (the agent gives the memory back now,
+    /// or once no transport holds it).
     fn close_inner(&self, py: Python<'_>) -> PyResult<()> {
         if self.closed.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
-        let core = match self.shared.core() {
-            Ok(c) => c,
-            // The engine's close gave the memory back already.
-            Err(_) => return Ok(()),
-        };
-        if let Err(e) = py.detach(|| core.group.deregister(&self.reg)) {
-            self.closed.store(false, Ordering::Release);
-            return Err(engine_error(&e));
+        // A closed engine gave the memory back already.
+        if lock(&self.shared.agent).is_none() {
+            return Ok(());
         }
-        drop(core);
-        if let Some(h) = lock(&self.shared.regs).remove(&self.id) {
-            self.shared.release(h);
+        let done = self.shared.with_agent(py, |a| a.deregister(&self.region));
+        match done {
+            Ok(()) => {}
+            Err(e) if e.is_instance_of::<EngineClosed>(py) => return Ok(()),
+            Err(e) => {
+                self.closed.store(false, Ordering::Release);
+                return Err(e);
+            }
         }
+        let obj = lock(&self.shared.objs).remove(&self.id);
+        drop(obj);
         Ok(())
     }
 }
 
 #[pymethods]
 impl Registration {
-    /// What a peer needs to write into this memory (bytes): send it to the peer.
+    /// What a peer needs to reach this memory (bytes: the library's region descriptor,
+    /// with its keys on every transport of the engine): send it to the peer.
     #[getter]
     fn descriptor<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         PyBytes::new(py, &self.descriptor)
@@ -812,21 +718,21 @@ impl Registration {
     /// holds the object then).
     #[getter]
     fn obj(&self, py: Python<'_>) -> Option<Py<PyAny>> {
-        lock(&self.shared.regs)
+        lock(&self.shared.objs)
             .get(&self.id)
-            .map(|h| h.obj().clone_ref(py))
+            .map(|o| o.clone_ref(py))
     }
 
     /// Length of the registered memory in bytes.
     #[getter]
     fn nbytes(&self) -> u64 {
-        self.nbytes
+        self.region.len()
     }
 
     /// Whether this is CUDA device memory.
     #[getter]
     fn is_cuda(&self) -> bool {
-        self.cuda
+        matches!(self.location, MemoryLocation::Cuda { .. })
     }
 
     /// Whether the registration is closed.
@@ -853,8 +759,8 @@ impl Registration {
     fn __repr__(&self) -> String {
         format!(
             "xfer.Registration({} bytes of {} memory{})",
-            self.nbytes,
-            if self.cuda { "cuda" } else { "host" },
+            self.nbytes(),
+            if self.is_cuda() { "cuda" } else { "host" },
             if self.closed() { ", closed" } else { "" }
         )
     }
@@ -878,109 +784,33 @@ impl Peer {
         self.removed.load(Ordering::Acquire)
     }
 
+    /// The transport this peer is reached by ("tcp", "cuda-ipc", "efa", "mem"): the best
+    /// that both engines offer.
+    #[getter]
+    fn transport(&self) -> &'static str {
+        self.peer.transport().name()
+    }
+
+    /// The peer's name (its engine's, as its address says).
+    #[getter]
+    fn name(&self) -> &str {
+        &self.peer.info().name
+    }
+
     fn __repr__(&self) -> String {
         format!(
-            "xfer.Peer(rails={}{})",
-            self.peer.rails.len(),
+            "xfer.Peer({:?}, transport={:?}{})",
+            self.peer.info().name,
+            self.peer.transport().name(),
             if self.removed() { ", removed" } else { "" }
         )
     }
 }
 
-#[pymethods]
-impl Handle {
-    /// Blocks (GIL released) until the transfer finishes, at most `timeout` seconds
-    /// (None: until it finishes; Ctrl-C still interrupts). Returns the bytes moved, or
-    /// raises the transfer's error (PeerUnreachable, RemoteKeyInvalid, ...). TimedOut
-    /// from an expired wait ends only the wait: the transfer goes on.
-    #[pyo3(signature = (timeout=None))]
-    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<u64> {
-        let limit = seconds(timeout, "timeout")?;
-        // Fast path: one wait with the GIL released covers the usual short transfer.
-        let first = limit.unwrap_or(SIGNAL_EVERY).min(SIGNAL_EVERY);
-        let h = &self.handle;
-        let r = match py.detach(|| h.finished_within(first).then(|| h.try_result()).flatten()) {
-            Some(r) => Some(r),
-            None => {
-                let left = limit.map(|l| l.saturating_sub(first));
-                if left.is_some_and(|l| l.is_zero()) {
-                    None
-                } else {
-                    wait_sliced(py, left, |slice| {
-                        h.finished_within(slice).then(|| h.try_result()).flatten()
-                    })?
-                }
-            }
-        };
-        match r {
-            Some(Ok(stats)) => Ok(stats.bytes),
-            Some(Err(e)) => Err(op_error(&e)),
-            None => Err(crate::errors::TimedOut::new_err(format!(
-                "the transfer did not finish within {:?} (it goes on: wait again)",
-                limit.unwrap_or_default()
-            ))),
-        }
-    }
-
-    /// Whether the transfer has finished (either way); never blocks.
-    fn done(&self) -> bool {
-        self.handle.is_finished()
-    }
-
-    /// The transfer's error if it finished and failed, else None; never blocks.
-    fn exception(&self) -> Option<PyErr> {
-        self.handle.failed().map(|e| op_error(&e))
-    }
-
-    /// `await handle`: waits in the running loop's default executor (a thread with the
-    /// GIL released), so the event loop keeps running; returns the bytes moved.
-    fn __await__<'py>(slf: Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
-        let py = slf.py();
-        let lp = py.import("asyncio")?.call_method0("get_running_loop")?;
-        let fut = lp.call_method1("run_in_executor", (py.None(), slf.getattr("wait")?))?;
-        fut.call_method0("__await__")
-    }
-
-    fn __repr__(&self) -> String {
-        let state = match self.handle.try_result() {
-            None => "pending".to_string(),
-            Some(Ok(s)) => format!("done, {} bytes", s.bytes),
-            Some(Err(e)) => format!("failed: {e}"),
-        };
-        format!("xfer.Handle({state})")
-    }
-}
-
-/// The local and remote pages of `write_pages` / `read_pages`: `(pages, stride, side)`,
-/// `side` naming the arguments in errors (`{side}_pages`, `{side}_stride`); strides default
-/// to `page_size`. A WRITE; `read_pages` turns it around.
-fn paged(
-    registration: &Registration,
-    remote_descriptor: &[u8],
-    page_size: i64,
-    (local_pages, local_stride, local): (&Bound<'_, PyAny>, Option<i64>, &str),
-    (remote_pages, remote_stride, remote): (&Bound<'_, PyAny>, Option<i64>, &str),
-) -> PyResult<GroupTransfer> {
-    let len = positive(page_size, "page_size")?;
-    let ls = positive(
-        local_stride.unwrap_or(page_size),
-        &format!("{local}_stride"),
-    )?;
-    let rs = positive(
-        remote_stride.unwrap_or(page_size),
-        &format!("{remote}_stride"),
-    )?;
-    let desc = wire::decode_descriptor(remote_descriptor).map_err(|e| wire_error(&e))?;
-    let lp = pages(local_pages, &format!("{local}_pages"))?;
-    let rp = pages(remote_pages, &format!("{remote}_pages"))?;
-    GroupTransfer::paged(registration.reg.clone(), desc, &lp, ls, &rp, rs, len)
-        .map_err(|e| engine_error(&e))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use fabric_core::engine::EngineConfig;
+    use fabric_core::engine::{EngineConfig, RailGroup};
     use fabric_core::testing::{StuckGate, StuckTransport, eventually};
 
     /// An engine of one rail over a transport whose poll hangs while `gate` is shut; its
@@ -993,20 +823,13 @@ mod tests {
         };
         let group =
             RailGroup::spawn(1, move |_| Ok(StuckTransport::new(g.clone())), cfg).expect("a rail");
-        let kind = TransportKind::Mem;
-        Engine {
-            shared: Arc::new(Shared {
-                core: Mutex::new(Some(Arc::new(Core {
-                    group,
-                    kind,
-                    accept: Accept { kind, gpu: 0 },
-                    address: Vec::new(),
-                }))),
-                regs: Mutex::new(HashMap::new()),
-                released_later: Mutex::new(Vec::new()),
-                next_reg: AtomicU64::new(1),
-            }),
-        }
+        let agent = Agent::from_groups(
+            "stuck",
+            MemoryLocation::Host,
+            vec![(TransportKind::Mem, group)],
+        )
+        .expect("an agent");
+        Engine::from_agent(agent, 0).expect("an engine")
     }
 
     /// Whether the bytearray `buf` can be resized: not while a view of it is exported
@@ -1074,11 +897,7 @@ mod tests {
             drop(locals);
             drop(engine);
             assert!(!resizable(py, &buf), "given back when the engine went away");
-            assert_eq!(
-                memory::release_kept(),
-                1,
-                "kept while the transport holds it"
-            );
+            assert_eq!(xfer::release_kept(), 1, "kept while the transport holds it");
             // The transport lets go: the worker returns from poll, sees the shutdown and
             // drops its transport with the region.
             gate.open();
@@ -1086,7 +905,7 @@ mod tests {
                 eventually(
                     "the stuck transport to let go",
                     Duration::from_secs(10),
-                    || Python::attach(|_| memory::release_kept() == 0),
+                    || Python::attach(|_| xfer::release_kept() == 0),
                 )
             });
             assert!(resizable(py, &buf), "given back once no transport holds it");

@@ -1,8 +1,8 @@
-//! The exception hierarchy: `xfer.Error` and one subclass per kind of the engine's errors
-//! ([`fabric_core::Error`], [`fabric_core::OpError`]), each raised with the Rust message.
+//! The exception hierarchy: `xfer.Error` and one subclass per kind of the library's errors
+//! ([`xfer::Error`], and the engine's [`fabric_core::Error`] and [`fabric_core::OpError`]
+//! under it), each raised with the Rust message.
 
-use crate::backend::BuildError;
-use crate::wire::WireError;
+use fabric_core::error::report;
 use fabric_core::{Error, MemoryError, OpError};
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
@@ -148,18 +148,40 @@ pub fn engine_error(e: &Error) -> PyErr {
     }
 }
 
-/// The exception for an engine that could not be built.
-pub fn build_error(e: &BuildError) -> PyErr {
+/// The exception for a failed call of the agent (building it included): option mistakes,
+/// bad metadata and peers that cannot be reached over any common transport are
+/// `InvalidArgument`, a transport this machine cannot run is `Unsupported`, the directory's
+/// errors map as [`directory_error`] says and the engine's as [`engine_error`] says.
+pub fn agent_error(e: &xfer::Error) -> PyErr {
+    use xfer::Error as X;
     match e {
-        BuildError::Usage(m) => InvalidArgument::new_err(m.clone()),
-        BuildError::Unsupported(_) | BuildError::Cuda(_) => Unsupported::new_err(e.to_string()),
-        BuildError::Engine(inner) => engine_error(inner),
+        X::Option { option, reason } => InvalidArgument::new_err(format!(
+            "{}: {reason}",
+            option.trim_start_matches('-').replace('-', "_")
+        )),
+        X::Nics(n @ (xfer::nics::NicError::Domains(_) | xfer::nics::NicError::Interfaces(_))) => {
+            TransportFailed::new_err(report(n))
+        }
+        X::Nics(n) => InvalidArgument::new_err(format!("nics: {}", report(n))),
+        X::Unavailable { .. } => Unsupported::new_err(report(e)),
+        X::Cuda(c) => Unsupported::new_err(format!("CUDA: {}", report(c))),
+        X::NoCommonTransport { .. } | X::RegionNotOnTransport(_) | X::NotInThisProcess { .. } => {
+            InvalidArgument::new_err(e.to_string())
+        }
+        X::Metadata(m) => metadata_error("metadata", m),
+        X::Directory(d) => directory_error(d),
+        X::NoSuchRegion { .. } => InvalidArgument::new_err(e.to_string()),
+        X::NotJoined { .. } | X::NotLeft { .. } => TimedOut::new_err(e.to_string()),
+        X::Engine(inner) => engine_error(inner),
+        X::Closed => EngineClosed::new_err(e.to_string()),
+        _ => TransportFailed::new_err(report(e)),
     }
 }
 
-/// The exception for bytes that are not an address or descriptor.
-pub fn wire_error(e: &WireError) -> PyErr {
-    InvalidArgument::new_err(e.to_string())
+/// The exception for bytes (`what`: an address, a descriptor) that are not valid
+/// metadata: `InvalidArgument` naming the metadata error.
+pub fn metadata_error(what: &str, e: &fabric_core::metadata::MetadataError) -> PyErr {
+    InvalidArgument::new_err(format!("{what}: {}", report(e)))
 }
 
 /// `InvalidArgument(msg)`.

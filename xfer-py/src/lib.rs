@@ -1,42 +1,47 @@
 //! # xfer-py
 //!
 //! The `xfer` Python package: the transfer engine for numpy, torch and cupy memory, built
-//! with PyO3 (stable ABI, `abi3-py311`) by maturin. The Python classes (`Engine`,
-//! `Registration`, `Peer`, `Handle`) are a thin layer over [`fabric_core::engine::RailGroup`]:
-//! the GIL is released around every call that waits, buffers are taken without copies
-//! through the buffer protocol or `__cuda_array_interface__` ([`memory`]), and errors are a
-//! class hierarchy under `xfer.Error` ([`errors`]). Addresses and descriptors travel as
-//! small versioned byte strings ([`wire`]).
+//! with PyO3 (stable ABI, `abi3-py311`) by maturin. A thin layer over the [`xfer`] crate:
+//! `xfer.Engine` is one [`xfer::Agent`] (built by the library from the keyword arguments,
+//! [`options`]), and `Registration`, `Peer` and `Handle` are the library's region, peer and
+//! transfer handle. What this crate adds is what Python needs: the GIL released around
+//! every call that waits, buffers taken without copies through the buffer protocol,
+//! `__cuda_array_interface__` or DLPack ([`memory`]), CUDA stream order for GPU memory
+//! (`stream`), errors as a class hierarchy under `xfer.Error` ([`errors`]), and
+//! `xfer.Directory`. Addresses and descriptors are the library's metadata as bytes
+//! (`AgentInfo::to_bytes`, `RegionDescriptor::to_bytes`).
 //!
 //! ```
-//! // The byte forms are plain Rust, usable without Python:
-//! use fabric_core::engine::RemoteDescriptor;
-//! use fabric_core::{RemoteKey, RemoteRegion};
-//! let d = RemoteDescriptor { rails: vec![RemoteRegion { addr: 0, len: 4096, key: RemoteKey(9) }] };
-//! let bytes = _xfer::wire::encode_descriptor(&d);
-//! assert_eq!(_xfer::wire::decode_descriptor(&bytes).unwrap(), d);
-//! assert!(_xfer::wire::decode_descriptor(&bytes[..5]).is_err());
+//! // The byte forms are the library's, usable without Python:
+//! use xfer::{Agent, AgentInfo, AgentOptions, TransportChoice, TransportKind};
+//! let a = Agent::new(AgentOptions {
+//!     transport: TransportChoice::Only(TransportKind::Mem),
+//!     ..AgentOptions::default()
+//! }).unwrap();
+//! let bytes = a.info().to_bytes().unwrap(); // what `Engine.address` returns
+//! assert_eq!(&AgentInfo::from_bytes(&bytes).unwrap(), a.info());
+//! assert!(AgentInfo::from_bytes(&bytes[..5]).is_err());
 //! ```
 //!
-//! Transports: tcp, cuda-ipc, efa (cargo feature `efa`, on by default: transport-efa loads
-//! libfabric at run time, so the wheel imports on machines without it, and
-//! `Engine(transport="efa")` there fails with the loader's message) and the in-process mem
-//! transport.
+//! Transports: those of the library (tcp, cuda-ipc, efa, mem); efa loads libfabric at run
+//! time, so the wheel imports on machines without it, and `Engine(transport="efa")` there
+//! fails with the loader's message.
 //!
 //! Dependencies: `pyo3` (the binding; `abi3-py311` because the buffer protocol is in the
-//! stable ABI from Python 3.11, the version of Debian 12), the workspace's backend crates,
-//! `thiserror` for the crate's error enums, and `if-addrs` (as the CLI) to find the address
-//! of each NIC named in `nics`, and the workspace's `directory` crate for `xfer.Directory`
-//! (etcd or a file: members find each other by name).
+//! stable ABI from Python 3.11, the version of Debian 12), the `xfer` crate (and
+//! `fabric-core` for the types it re-exports), `gpu-mem` for CUDA device checks and stream
+//! fences, and the workspace's `directory` crate for `xfer.Directory` (etcd or a file:
+//! members find each other by name).
 #![warn(missing_docs)]
 
-pub mod backend;
+pub mod args;
 mod directory;
 mod engine;
 pub mod errors;
+mod handle;
 pub mod memory;
+pub mod options;
 mod stream;
-pub mod wire;
 
 use pyo3::prelude::*;
 
@@ -46,7 +51,7 @@ fn _xfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::Engine>()?;
     m.add_class::<engine::Registration>()?;
     m.add_class::<engine::Peer>()?;
-    m.add_class::<engine::Handle>()?;
+    m.add_class::<handle::Handle>()?;
     m.add_class::<directory::Directory>()?;
     m.add_class::<directory::Publication>()?;
     m.add_class::<directory::Watch>()?;

@@ -1,15 +1,15 @@
-//! Python memory as engine regions: host buffers taken through the buffer protocol, CUDA
+//! Python memory as agent regions: host buffers taken through the buffer protocol, CUDA
 //! tensors through `__cuda_array_interface__`, and other tensors (CPU or CUDA) through
 //! DLPack (`__dlpack__`).
 //!
 //! A region reaches the transports as a raw pointer and a length ([`MemoryRegion`]); what
-//! keeps the memory alive is held next to it in a [`Held`]: the buffer-protocol view
-//! (which holds the exporting object and keeps numpy from resizing or freeing it) or a
-//! reference to the tensor. A `Held` gives the view back only once no transport holds the
-//! region any more ([`Held::release`]), so deleting the array in Python while it is
+//! keeps the memory alive is a [`Held`]: the buffer-protocol view (which holds the exporting
+//! object and keeps numpy from resizing or freeing it) or a reference to the tensor. The
+//! `Held` goes to the agent with the region (`xfer::Agent::register_kept`), which drops it
+//! only once the region is deregistered and no transport holds it any more (for the whole
+//! process if a transport never lets go), so deleting the array in Python while it is
 //! registered is safe.
 
-use crate::backend::TransportKind;
 use crate::errors::invalid;
 use fabric_core::{MemoryLocation, MemoryRegion};
 use pyo3::buffer::PyBuffer;
@@ -33,10 +33,11 @@ unsafe impl Sync for PyHostRegion {}
 
 // SAFETY: ptr and len come from a buffer-protocol view of a C-contiguous buffer, or from
 // the DLPack capsule of a contiguous CPU tensor (both checked in `take`). The view (or the
-// capsule, which holds the tensor) is held by the same `Held` as the region's Arc and is
-// given back only when that Arc is the last one (no transport holds the region:
-// `Held::release`), so for as long as any transport can reach this value the exporter
-// keeps the bytes where they are (numpy refuses to resize an array with exported views).
+// capsule, which holds the tensor) is the `Held` that `take` returns with the region, and
+// the engine registers the two together (`Agent::register_kept`), which drops the `Held`
+// only once the region's Arc is the last one (no transport holds the region), so for as
+// long as any transport can reach this value the exporter keeps the bytes where they are
+// (numpy refuses to resize an array with exported views).
 unsafe impl MemoryRegion for PyHostRegion {
     fn len(&self) -> usize {
         self.len
@@ -60,9 +61,10 @@ pub struct CudaTensorRegion {
 }
 
 // SAFETY: ptr..ptr+len is device memory on `device` (checked with the driver in
-// `cuda_region`), allocated by the tensor's library; the tensor is held by the same `Held`
-// as this region's Arc and released only when no transport holds the region. host_ptr is
-// None: transports reach the bytes with device copies only.
+// `cuda_region`), allocated by the tensor's library; the tensor (or its capsule) is the
+// `Held` registered with this region (`Agent::register_kept`), dropped only when no
+// transport holds the region. host_ptr is None: transports reach the bytes with device
+// copies only.
 unsafe impl MemoryRegion for CudaTensorRegion {
     fn len(&self) -> usize {
         self.len
@@ -80,100 +82,50 @@ unsafe impl MemoryRegion for CudaTensorRegion {
     }
 }
 
-/// What keeps a registered region's memory alive. Never read: held for its drop, which
-/// gives the view (or the reference) back.
-#[allow(dead_code)]
-enum Keep {
+/// What keeps a registered region's memory alive, handed to the agent with the region
+/// (`Agent::register_kept`). Never read: held for its drop, which gives the view (or the
+/// reference) back.
+pub enum Held {
     /// The buffer-protocol view (it holds the exporting object).
-    View(PyBuffer<u8>),
-    /// The tensor itself.
-    Object(Py<PyAny>),
-}
-
-/// A region and what keeps its memory alive.
-pub struct Held {
-    region: Arc<dyn MemoryRegion>,
-    keep: Keep,
-    /// The registered object (what `Registration.obj` returns while it is open).
-    obj: Py<PyAny>,
-}
-
-impl Held {
-    /// The region, to register.
-    pub fn region(&self) -> Arc<dyn MemoryRegion> {
-        self.region.clone()
-    }
-
-    /// The registered object.
-    pub fn obj(&self) -> &Py<PyAny> {
-        &self.obj
-    }
-
-    /// Gives the memory back if no transport holds the region any more (only this `Held`
-    /// does), else returns itself, to be tried again later. Call with the GIL held.
-    pub fn release(self) -> Result<(), Held> {
-        if Arc::strong_count(&self.region) > 1 {
-            return Err(self);
-        }
-        let Held { region, keep, obj } = self;
-        // The region goes first: nothing can reach the memory once the view is gone.
-        drop(region);
-        drop(keep);
-        drop(obj);
-        Ok(())
-    }
-
-    /// Whether this is device memory.
-    pub fn is_cuda(&self) -> bool {
-        matches!(self.keep, Keep::Object(_))
-    }
-}
-
-/// Memory whose engine is gone while a transport still held it (a worker stuck past its
-/// shutdown timeout keeps its transport, and the transport the region): kept here, never
-/// given back to its owner while anything can still reach it.
-static KEPT: std::sync::Mutex<Vec<Held>> = std::sync::Mutex::new(Vec::new());
-
-/// Keeps `held` for as long as the process lives, or until [`release_kept`] finds that no
-/// transport holds its region any more.
-pub fn keep_for_good(held: Held) {
-    KEPT.lock().unwrap_or_else(|p| p.into_inner()).push(held);
-}
-
-/// Gives back the kept memory that no transport holds any more; returns how many are
-/// still kept. Call with the GIL held.
-pub fn release_kept() -> usize {
-    let mut kept = KEPT.lock().unwrap_or_else(|p| p.into_inner());
-    let all = std::mem::take(&mut *kept);
-    for h in all {
-        if let Err(h) = h.release() {
-            kept.push(h);
-        }
-    }
-    kept.len()
+    View {
+        /// Released when dropped.
+        _view: PyBuffer<u8>,
+    },
+    /// The tensor itself, or its DLPack capsule.
+    Object {
+        /// Released when dropped.
+        _obj: Py<PyAny>,
+    },
 }
 
 /// What an engine accepts.
 #[derive(Clone, Copy, Debug)]
 pub struct Accept {
-    /// The engine's transport.
-    pub kind: TransportKind,
-    /// The engine's GPU.
+    /// The engine's GPU (CUDA memory must be there).
     pub gpu: u32,
+    /// The engine offers cuda-ipc (made with memory="cuda"): it moves GPU memory only.
+    pub device_only: bool,
+    /// The engine offers the in-process mem transport: it moves host memory only.
+    pub host_only: bool,
 }
 
 /// Takes `obj`'s memory: a CUDA tensor by `__cuda_array_interface__`, anything else through
-/// the buffer protocol. Every way an object can be unfit is an `InvalidArgument` that
-/// names the fix.
-pub fn take(obj: &Bound<'_, PyAny>, remote_write: bool, accept: Accept) -> PyResult<Held> {
+/// the buffer protocol (or DLPack). Returns the region and what keeps it alive. Every way an
+/// object can be unfit is an `InvalidArgument` that names the fix.
+pub fn take(
+    obj: &Bound<'_, PyAny>,
+    remote_write: bool,
+    accept: Accept,
+) -> PyResult<(Arc<dyn MemoryRegion>, Held)> {
     if obj.hasattr("__cuda_array_interface__")? {
         return cuda_region(obj, remote_write, accept);
     }
     let type_name = obj.get_type().name()?.to_string();
-    if accept.kind == TransportKind::CudaIpc && !dlpack_on_cuda(obj)? {
+    if accept.device_only && !dlpack_on_cuda(obj)? {
         return Err(invalid(format!(
-            "this engine (transport=\"cuda-ipc\") moves GPU memory, and {type_name} is host memory: \
-             register a CUDA tensor (tensor.cuda()), or make the engine with transport=\"tcp\" for host memory"
+            "this engine (memory=\"cuda\", with cuda-ipc) moves GPU memory, and {type_name} is \
+             host memory: register a CUDA tensor (tensor.cuda()), or make the engine with \
+             memory=\"host\" (or transport=\"tcp\") for host memory"
         )));
     }
     let builtins = obj.py().import("builtins")?;
@@ -226,11 +178,10 @@ pub fn take(obj: &Bound<'_, PyAny>, remote_write: bool, accept: Accept) -> PyRes
     let ptr = NonNull::new(buf.buf_ptr().cast::<u8>())
         .ok_or_else(|| invalid(format!("the {type_name} exports a null pointer")))?;
     let len = buf.len_bytes();
-    Ok(Held {
-        region: Arc::new(PyHostRegion { ptr, len }),
-        keep: Keep::View(buf),
-        obj: obj.clone().unbind(),
-    })
+    Ok((
+        Arc::new(PyHostRegion { ptr, len }),
+        Held::View { _view: buf },
+    ))
 }
 
 /// Item sizes of `__cuda_array_interface__` type strings (`<f4`, `|u1`, `<c8`, ...).
@@ -239,7 +190,11 @@ fn item_size(typestr: &str) -> Option<usize> {
 }
 
 /// A CUDA tensor's memory, from `__cuda_array_interface__`.
-fn cuda_region(obj: &Bound<'_, PyAny>, remote_write: bool, accept: Accept) -> PyResult<Held> {
+fn cuda_region(
+    obj: &Bound<'_, PyAny>,
+    remote_write: bool,
+    accept: Accept,
+) -> PyResult<(Arc<dyn MemoryRegion>, Held)> {
     let type_name = obj.get_type().name()?.to_string();
     let iface = obj.getattr("__cuda_array_interface__")?;
     let iface = iface.cast::<PyDict>().map_err(|_| {
@@ -322,31 +277,30 @@ fn on_engine_gpu(obj: &Bound<'_, PyAny>, ptr: u64, len: usize, accept: Accept) -
     Ok(())
 }
 
-/// A CUDA region of `len` bytes at `ptr`, kept alive by `keep` (and `obj`).
+/// A CUDA region of `len` bytes at `ptr` (of `obj`), kept alive by `keep`.
 fn cuda_held(
     obj: &Bound<'_, PyAny>,
     keep: Py<PyAny>,
     ptr: u64,
     len: usize,
     accept: Accept,
-) -> PyResult<Held> {
+) -> PyResult<(Arc<dyn MemoryRegion>, Held)> {
     let type_name = obj.get_type().name()?.to_string();
-    if accept.kind == TransportKind::Mem {
+    if accept.host_only {
         return Err(invalid(format!(
             "transport=\"mem\" moves host memory only, and this {type_name} is CUDA memory: \
              make the engine with transport=\"cuda-ipc\" or \"tcp\" and memory=\"cuda\""
         )));
     }
     on_engine_gpu(obj, ptr, len, accept)?;
-    Ok(Held {
-        region: Arc::new(CudaTensorRegion {
+    Ok((
+        Arc::new(CudaTensorRegion {
             ptr,
             len,
             device: accept.gpu,
         }),
-        keep: Keep::Object(keep),
-        obj: obj.clone().unbind(),
-    })
+        Held::Object { _obj: keep },
+    ))
 }
 
 /// DLPack's device types this module reads.
@@ -474,7 +428,11 @@ fn read_capsule(capsule: &Bound<'_, pyo3::types::PyCapsule>) -> PyResult<DlView>
 /// A tensor's memory through DLPack: host memory (CPU, CUDA-pinned) or the engine's GPU.
 /// The capsule is kept (unconsumed, so its own destructor frees the tensor's reference
 /// when the registration lets go of it).
-fn dlpack_region(obj: &Bound<'_, PyAny>, remote_write: bool, accept: Accept) -> PyResult<Held> {
+fn dlpack_region(
+    obj: &Bound<'_, PyAny>,
+    remote_write: bool,
+    accept: Accept,
+) -> PyResult<(Arc<dyn MemoryRegion>, Held)> {
     let type_name = obj.get_type().name()?.to_string();
     let capsule = obj.call_method0("__dlpack__")?;
     let cap = capsule
@@ -506,21 +464,22 @@ fn dlpack_region(obj: &Bound<'_, PyAny>, remote_write: bool, accept: Accept) -> 
             cuda_held(obj, capsule.clone().unbind(), v.ptr, v.len, accept)
         }
         DL_CPU | DL_CUDA_HOST => {
-            if accept.kind == TransportKind::CudaIpc {
+            if accept.device_only {
                 return Err(invalid(format!(
-                    "this engine (transport=\"cuda-ipc\") moves GPU memory, and this {type_name} \
-                     is a CPU tensor: move it with tensor.cuda() (cuda:{}), or make the engine \
-                     with transport=\"tcp\" for host memory",
+                    "this engine (memory=\"cuda\", with cuda-ipc) moves GPU memory, and this \
+                     {type_name} is a CPU tensor: move it with tensor.cuda() (cuda:{}), or make \
+                     the engine with memory=\"host\" (or transport=\"tcp\") for host memory",
                     accept.gpu
                 )));
             }
             let ptr = NonNull::new(v.ptr as *mut u8)
                 .ok_or_else(|| invalid(format!("the {type_name} has a null data pointer")))?;
-            Ok(Held {
-                region: Arc::new(PyHostRegion { ptr, len: v.len }),
-                keep: Keep::Object(capsule.clone().unbind()),
-                obj: obj.clone().unbind(),
-            })
+            Ok((
+                Arc::new(PyHostRegion { ptr, len: v.len }),
+                Held::Object {
+                    _obj: capsule.clone().unbind(),
+                },
+            ))
         }
         other => Err(invalid(format!(
             "the {type_name} lives on DLPack device type {other}, which xfer cannot move \

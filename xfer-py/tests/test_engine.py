@@ -21,6 +21,61 @@ PEER = os.path.join(os.path.dirname(__file__), "peer.py")
 PAGE = 4096
 
 
+def varint(b, at):
+    """The unsigned LEB128 varint of `b` at `at` (postcard's integers): (value, end)."""
+    value, shift = 0, 0
+    while True:
+        byte = b[at]
+        value |= (byte & 0x7F) << shift
+        at += 1
+        if byte < 0x80:
+            return value, at
+        shift += 7
+
+
+def to_varint(v):
+    out = bytearray()
+    while True:
+        if v < 0x80:
+            out.append(v)
+            return bytes(out)
+        out.append(v & 0x7F | 0x80)
+        v >>= 7
+
+
+def lie_about_length(desc, length):
+    """A host-memory region descriptor (the library's byte form: "XFRD", then postcard's
+    version, len, memory, access, transports) whose length and every rail's length are
+    `length`, keys and addresses kept."""
+    assert desc[:4] == b"XFRD"
+    _, at = varint(desc, 4)  # version
+    head = bytearray(desc[:at])
+    _, at = varint(desc, at)  # len
+    head += to_varint(length)
+    assert desc[at] == 0, "host memory"
+    head += desc[at : at + 2]  # memory (Host), access (one byte)
+    at += 2
+    n, at2 = varint(desc, at)  # transports
+    head += desc[at:at2]
+    at = at2
+    for _ in range(n):
+        start = at
+        _, at = varint(desc, at)  # transport kind
+        rails, at = varint(desc, at)
+        head += desc[start:at]
+        for _ in range(rails):
+            start = at
+            _, at = varint(desc, at)  # addr
+            head += desc[start:at]
+            _, at = varint(desc, at)  # len
+            head += to_varint(length)
+            start = at
+            _, at = varint(desc, at)  # key
+            head += desc[start:at]
+    assert at == len(desc)
+    return bytes(head)
+
+
 def test_explicit_segments_land_where_they_are_sent(pair):
     a, b, p = pair
     src = pattern(64 * 1024, seed=1)
@@ -90,9 +145,8 @@ def test_a_failed_transfer_raises_from_await_and_wait(pair):
     with pytest.raises(xfer.InvalidArgument, match="outside the remote region"):
         a.write(p, rs, rd.descriptor, [(0, PAGE, PAGE)])  # the descriptor says it does not fit
     # A descriptor that lies about its length: the target itself refuses the write.
-    lying = bytearray(rd.descriptor)
-    lying[14:22] = (2 * PAGE).to_bytes(8, "little")
-    h = a.write(p, rs, bytes(lying), [(0, PAGE, PAGE)])
+    lying = lie_about_length(rd.descriptor, 2 * PAGE)
+    h = a.write(p, rs, lying, [(0, PAGE, PAGE)])
 
     async def main():
         return await h
