@@ -174,3 +174,25 @@ def test_a_stream_argument_on_host_memory_is_refused():
         rs, rd = a.register(np.zeros(4096, dtype=np.uint8), remote_write=False), b.register(np.zeros(4096, dtype=np.uint8))
         with pytest.raises(xfer.InvalidArgument, match="host memory"):
             a.write(p, rs, rd.descriptor, [(0, 0, 4096)], stream=torch.cuda.current_stream())
+
+
+def test_auto_engines_of_two_gpu_processes_of_one_host_use_cuda_ipc():
+    torch = cuda_or_skip()
+    proc, addr, desc = spawn_peer("--transport", "auto", "--device", "cuda", "--bytes", str(64 * PAGE))
+    try:
+        with xfer.Engine(memory="cuda", timeout=10.0) as e:  # transport="auto"
+            assert e.transport == "auto" and e.transports[0] == "cuda-ipc" and "tcp" in e.transports
+            p = e.add_peer(addr)
+            assert p.transport == "cuda-ipc"
+            src = torch.from_numpy(pattern(8 * PAGE, seed=14)).cuda()
+            rs = e.register(src, remote_write=False)
+            e.write_pages(p, rs, desc, list(range(8)), list(range(56, 64)), PAGE, imm=10).wait(timeout=30)
+            cmd = {"imm": 10, "count": 1, "pages": list(range(56, 64)), "page_size": PAGE, "seed": 14}
+            proc.stdin.write(json.dumps({"expect": cmd}) + "\n")
+            proc.stdin.flush()
+            assert json.loads(proc.stdout.readline())["ok"]
+        proc.stdin.write(json.dumps({"exit": True}) + "\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()

@@ -526,3 +526,78 @@ def test_dlpack_host_tensors_are_registered_without_copies(pair):
     assert np.array_equal(got[6], src[PAGE : 2 * PAGE]) and np.array_equal(got[0], src[2 * PAGE : 3 * PAGE])
     with pytest.raises(xfer.InvalidArgument, match=r"contiguous\(\)"):
         a.register(DlpackOnly(np.zeros((8, 8), dtype=np.float32)[:, ::2]))
+
+
+def test_auto_engines_of_one_process_over_host_memory_reach_each_other_over_tcp():
+    with xfer.Engine() as a, xfer.Engine() as b:  # the defaults: transport="auto", nics="auto"
+        assert "tcp" in a.transports and "cuda-ipc" not in a.transports  # host memory
+        assert a.transport == ("tcp" if a.transports == ["tcp"] else "auto")
+        p = a.add_peer(b.address)
+        assert p.transport == "tcp" and p.name in repr(p)
+        src, dst = pattern(8 * PAGE, seed=41), np.zeros(8 * PAGE, dtype=np.uint8)
+        rs, rd = a.register(src, remote_write=False), b.register(dst)
+        a.write_pages(p, rs, rd.descriptor, [0, 5], [7, 1], PAGE, imm=3).wait(timeout=10)
+        b.wait_imm(3, timeout=10)
+        assert np.array_equal(dst[7 * PAGE :], src[:PAGE])
+        assert np.array_equal(dst[PAGE : 2 * PAGE], src[5 * PAGE : 6 * PAGE])
+        assert a.counters()["transfers"] >= 1
+
+
+def test_peer_transport_is_the_one_both_engines_offer(pair):
+    a, b, p = pair
+    assert p.transport == a.transport == b.transport
+    assert a.transports == [a.transport]
+
+
+def test_an_auto_address_from_another_process_is_accepted():
+    proc, addr, desc = spawn_peer("--transport", "auto", "--bytes", str(16 * PAGE))
+    try:
+        with xfer.Engine(timeout=5.0) as e:
+            p = e.add_peer(addr)
+            assert p.transport == "tcp"
+            src = pattern(4 * PAGE, seed=42)
+            rs = e.register(src, remote_write=False)
+            e.write_pages(p, rs, desc, [0, 1, 2, 3], [9, 3, 15, 0], PAGE, imm=8).wait(timeout=10)
+            cmd = {"imm": 8, "count": 1, "pages": [9, 3, 15, 0], "page_size": PAGE, "seed": 42}
+            proc.stdin.write(json.dumps({"expect": cmd}) + "\n")
+            proc.stdin.flush()
+            assert json.loads(proc.stdout.readline()) == {"ok": True, "why": "pages differ: []"}
+        proc.stdin.write(json.dumps({"exit": True}) + "\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+
+
+def test_bytes_that_are_not_an_address_name_the_metadata_error(pair):
+    a, b, p = pair
+    rd = b.register(np.zeros(PAGE, dtype=np.uint8))
+    cases = [
+        (b"garbage bytes", "not an xfer agent"),
+        (rd.descriptor, "not an xfer agent"),  # a region's descriptor is not an address
+        (b.address[:-3], "malformed agent"),
+        (b"XFAG" + bytes([2]) + b.address[5:], "metadata version 2"),
+        (b.address + b"\0", "after the agent"),
+    ]
+    for bad, why in cases:
+        with pytest.raises(xfer.InvalidArgument, match=f"address: .*{why}"):
+            a.add_peer(bad)
+    with pytest.raises(xfer.InvalidArgument, match="remote_descriptor: not an xfer region"):
+        a.write(p, a.register(np.ones(PAGE, dtype=np.uint8)), b.address, [(0, 0, 1)])
+
+
+def test_the_library_options_are_keyword_arguments():
+    with xfer.Engine(transport="tcp", pin="off", nics="auto", rails=2) as e:
+        assert e.rails == 2
+    for bad in (
+        lambda: xfer.Engine(pin="sometimes"),
+        lambda: xfer.Engine(nics="lo"),  # a name is a list: nics=["lo"]
+        lambda: xfer.Engine(nics=[""]),
+        lambda: xfer.Engine(transport="tcp", provider="tcp"),  # efa only
+        lambda: xfer.Engine(transport="mem", nics=["lo"]),  # mem runs on no NIC
+        lambda: xfer.Engine(timeout=0),
+    ):
+        with pytest.raises(xfer.InvalidArgument):
+            bad()
+    assert "pin" in xfer.Engine.__doc__ and "auto" in xfer.Engine.__doc__
+    assert xfer.Peer.transport.__doc__
