@@ -35,7 +35,7 @@ DTYPES = {"float16": (np.float16, 2), "bfloat16": (None, 2), "float32": (np.floa
 def parse():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--transport", default="auto", help="auto (cuda-ipc for --device cuda, tcp for cpu), tcp, cuda-ipc")
+    ap.add_argument("--transport", default="auto", help="auto (chosen per peer: cuda-ipc between GPU processes of one host, tcp otherwise), tcp, cuda-ipc")
     ap.add_argument("--rails", type=int, default=1)
     ap.add_argument("--gpus", default="0", help="prefill's GPU, decode's GPU (e.g. 0,1); one value for both")
     ap.add_argument("--layers", type=int, default=8)
@@ -175,7 +175,7 @@ def prefill(args, conn, gpu):
                 moved += h.wait(timeout=args.timeout)
             busy += time.perf_counter() - t0
         conn.send(
-            f"prefill: {e.transport} x{e.rails} rail(s), {args.device} memory: moved {moved / 2**20:.1f} MiB in "
+            f"prefill: {peer.transport} x{e.rails} rail(s), {args.device} memory: moved {moved / 2**20:.1f} MiB in "
             f"{args.requests} requests x {args.layers} layers x {args.blocks_per_request} blocks of "
             f"{cache.block_bytes // 1024} KiB: {moved * 8 / busy / 1e9:.2f} Gbps"
         )

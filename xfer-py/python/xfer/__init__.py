@@ -1,10 +1,13 @@
 """xfer: move non-contiguous (GPU) memory between processes and machines.
 
-A thin layer over the Rust transfer engine. An :class:`Engine` registers memory (numpy
-arrays, bytearrays and other buffer-protocol objects, or torch / cupy CUDA tensors),
-adds peers by address, and writes ranges or pages of its memory into a peer's registered
-memory, optionally with a 32-bit immediate value that the peer waits for with
-:meth:`Engine.wait_imm`. Every blocking call releases the GIL.
+A thin layer over the Rust library (the ``xfer`` crate): an :class:`Engine` is one of its
+agents. It registers memory (numpy arrays, bytearrays and other buffer-protocol objects,
+or torch / cupy CUDA tensors), adds peers by address (its transport chosen per peer with
+the default ``transport="auto"``: cuda-ipc between GPU memory of one host, efa, tcp), and
+writes ranges or pages of its memory into a peer's registered memory, optionally with a
+32-bit immediate value that the peer waits for with :meth:`Engine.wait_imm`. Every
+blocking call releases the GIL. Addresses and descriptors are the library's metadata as
+bytes: any Rust program of the library reads them.
 
 >>> import numpy as np, xfer
 >>> a, b = xfer.Engine(transport="mem"), xfer.Engine(transport="mem")

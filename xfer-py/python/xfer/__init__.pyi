@@ -52,7 +52,8 @@ class Registration:
 
     @property
     def descriptor(self) -> bytes:
-        """What a peer needs to write into this memory: send it to the peer."""
+        """What a peer needs to reach this memory (the library's region descriptor, with its
+        keys on every transport of the engine): send it to the peer."""
     @property
     def obj(self) -> Any:
         """The registered object."""
@@ -76,11 +77,18 @@ class Registration:
     ) -> None: ...
 
 class Peer:
-    """A peer of an engine, from Engine.add_peer."""
+    """A peer of an engine, from Engine.add_peer, reached over one transport."""
 
     @property
     def removed(self) -> bool:
         """Whether the peer was removed."""
+    @property
+    def transport(self) -> Literal["tcp", "cuda-ipc", "efa", "mem"]:
+        """The transport this peer is reached by: the best that both engines offer
+        (cuda-ipc between GPU memory of one host, efa, tcp)."""
+    @property
+    def name(self) -> str:
+        """The peer's name, as its address says."""
 
 class Handle:
     """A submitted transfer: wait(), done(), or await it."""
@@ -94,30 +102,44 @@ class Handle:
     def __await__(self) -> Generator[Any, None, int]: ...
 
 class Engine:
-    """The transfer engine. Keyword arguments mirror the xfer command's flags."""
+    """The transfer engine: one agent of the xfer library. Keyword arguments mirror the
+    xfer command's flags.
+
+    transport="auto" (the default) offers every transport that can work here and picks,
+    for each peer, the best that both engines offer (Peer.transport): cuda-ipc between GPU
+    memory of one host, efa where the placement plan gives EFA NICs, tcp otherwise. So two
+    GPU hosts reach each other over tcp, and two GPU processes of one host over cuda-ipc.
+    nics="auto" (the default) takes the placement plan's NICs (none on loopback); rails
+    defaults to one per NIC chosen, else 1; pin="auto" pins workers near their GPU.
+    """
 
     def __init__(
         self,
         transport: Literal["auto", "tcp", "cuda-ipc", "mem", "efa"] = "auto",
         provider: str | None = None,
-        rails: int = 1,
-        nics: Sequence[str] | None = None,
+        rails: int | None = None,
+        nics: Literal["auto"] | Sequence[str] | None = "auto",
         memory: Literal["host", "cuda"] = "host",
         gpu: int = 0,
         auth_token: str | None = None,
         timeout: float = 10.0,
         listen: str = "127.0.0.1",
         wait_spin_us: int | None = None,
+        pin: Literal["auto", "off"] = "auto",
     ) -> None: ...
     @property
     def address(self) -> bytes:
-        """This engine's address: give it to peers."""
+        """This engine's address (the library's agent metadata: every transport it offers,
+        with its rails' addresses): give it to peers, who pass it to add_peer."""
     @property
-    def transport(self) -> str:
-        """The transport in use ("auto" resolved)."""
+    def transport(self) -> Literal["auto", "tcp", "cuda-ipc", "mem", "efa"]:
+        """The transport's name when the engine offers exactly one, else "auto"."""
+    @property
+    def transports(self) -> list[str]:
+        """The transports the engine offers, in the order they are preferred."""
     @property
     def rails(self) -> int:
-        """The number of rails."""
+        """The number of rails of each transport (the largest, where they differ)."""
     @property
     def closed(self) -> bool:
         """Whether the engine is closed."""
@@ -126,7 +148,9 @@ class Engine:
     ) -> Registration:
         """Registers a buffer-protocol object or a CUDA tensor."""
     def add_peer(self, address: bytes) -> Peer:
-        """Adds a peer by its Engine.address."""
+        """Adds a peer by its Engine.address, over the best transport both offer.
+
+        Bytes that are not an address raise InvalidArgument naming what is wrong."""
     def remove_peer(self, peer: Peer) -> None:
         """Removes a peer; its pending transfers fail with PeerRemoved."""
     def write(
@@ -192,7 +216,10 @@ class Engine:
     def counters(self) -> dict[str, int]:
         """Sums of the rails' counters."""
     def close(self) -> None:
-        """Stops the engine and gives back every registration's memory."""
+        """Stops the engine and gives back every registration's memory.
+
+        Memory a transport that did not stop in time still holds stays alive, with a
+        ResourceWarning, until the transport lets go (or for the rest of the process)."""
     def __enter__(self) -> Engine: ...
     def __exit__(
         self,
