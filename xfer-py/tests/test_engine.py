@@ -384,7 +384,7 @@ def test_a_registration_in_use_cannot_be_closed_and_loses_nothing(rails):
             p = e.add_peer(addr)
             src = pattern(size, seed=12)
             rs = e.register(src, remote_write=False)
-            os.kill(proc.pid, signal.SIGSTOP)
+            stop(proc)
             first = e.write(p, rs, desc, [(0, 0, half)], imm=21)
             with pytest.raises(xfer.RegionInUse):
                 rs.close()
@@ -408,6 +408,27 @@ def test_a_registration_in_use_cannot_be_closed_and_loses_nothing(rails):
             os.kill(proc.pid, signal.SIGCONT)
             proc.kill()
             proc.wait(timeout=10)
+
+
+def stop(proc):
+    """SIGSTOPs `proc` and returns once every thread of it is stopped: the signal is
+    delivered asynchronously, and a thread still running (a worker reading its socket)
+    would place and acknowledge what arrives meanwhile."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    task = f"/proc/{proc.pid}/task"
+    while time.monotonic() < deadline:
+        states = []
+        for t in os.listdir(task):
+            try:
+                with open(f"{task}/{t}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that just ended
+                pass
+        if states and all(s in "tT" for s in states):
+            return
+        time.sleep(0.001)
+    pytest.fail(f"process {proc.pid} did not stop within 10 s")
 
 
 def spawn_peer(*args):
@@ -587,8 +608,13 @@ def test_bytes_that_are_not_an_address_name_the_metadata_error(pair):
 
 
 def test_the_library_options_are_keyword_arguments():
-    with xfer.Engine(transport="tcp", pin="off", nics="auto", rails=2) as e:
+    with xfer.Engine(transport="tcp", pin="auto", nics="auto", rails=2) as e:
         assert e.rails == 2
+        with xfer.Engine(pin="off") as f:
+            p = e.add_peer(f.address)
+            rd = f.register(np.zeros(PAGE, dtype=np.uint8))
+            rs = e.register(np.ones(PAGE, dtype=np.uint8))
+            assert e.write(p, rs, rd.descriptor, [(0, 0, PAGE)]).wait(timeout=10) == PAGE
     for bad in (
         lambda: xfer.Engine(pin="sometimes"),
         lambda: xfer.Engine(nics="lo"),  # a name is a list: nics=["lo"]
