@@ -93,8 +93,11 @@ impl Shared {
 ///   for peers on other hosts).
 /// - wait_spin_us: how long a wait spins before it sleeps (default 200): lower latency for
 ///   short transfers, at the cost of the waiting thread's core.
-/// - pin: "auto" (the default: workers pinned to the placement plan's cores, near their
-///   GPU and NICs) or "off".
+/// - pin: "off" (the default: workers run where the OS puts them) or "auto": pinned to the
+///   placement plan's cores. The library pins every agent to the cores of the plan's first
+///   worker, whatever its gpu and process: right for one engine on a host, but several
+///   engines (one per GPU, or a prefill and a decode process) would share those cores, so
+///   it is off unless asked for.
 ///
 /// `address` is the engine's metadata (the library's agent metadata, as bytes): peers pass
 /// it to add_peer, which picks the transport for that peer (Peer.transport).
@@ -260,7 +263,7 @@ impl Engine {
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (transport="auto", provider=None, rails=None, nics=None, memory="host", gpu=0, auth_token=None, timeout=10.0, listen="127.0.0.1", wait_spin_us=None, pin="auto"))]
+    #[pyo3(signature = (transport="auto", provider=None, rails=None, nics=None, memory="host", gpu=0, auth_token=None, timeout=10.0, listen="127.0.0.1", wait_spin_us=None, pin="off"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,

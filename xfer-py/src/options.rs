@@ -35,7 +35,7 @@ pub struct EngineArgs<'a, 'py> {
     pub listen: &'a str,
     /// How long a wait spins before it sleeps, in microseconds.
     pub wait_spin_us: Option<u64>,
-    /// "auto" or "off".
+    /// "off" (Python's default, see `Engine`'s docs) or "auto".
     pub pin: &'a str,
 }
 

@@ -110,7 +110,9 @@ class Engine:
     memory of one host, efa where the placement plan gives EFA NICs, tcp otherwise. So two
     GPU hosts reach each other over tcp, and two GPU processes of one host over cuda-ipc.
     nics="auto" (the default) takes the placement plan's NICs (none on loopback); rails
-    defaults to one per NIC chosen, else 1; pin="auto" pins workers near their GPU.
+    defaults to one per NIC chosen, else 1. pin="auto" pins workers to the placement plan's
+    cores (those of its first worker, whatever the gpu: several engines on one host would
+    share them, hence pin="off" by default).
     """
 
     def __init__(
@@ -125,7 +127,7 @@ class Engine:
         timeout: float = 10.0,
         listen: str = "127.0.0.1",
         wait_spin_us: int | None = None,
-        pin: Literal["auto", "off"] = "auto",
+        pin: Literal["auto", "off"] = "off",
     ) -> None: ...
     @property
     def address(self) -> bytes:
