@@ -353,7 +353,8 @@ impl Agent {
             lanes::check_rails(r)?;
         }
         let kinds = kinds_for(&o)?;
-        let worker_pins = WorkerPins::for_this_machine(o.pin);
+        let slot = crate::placement::plan_slot(o.memory == MemoryKind::Cuda, o.gpu, o.worker);
+        let worker_pins = WorkerPins::for_slot(o.pin, slot);
         let home = match o.role {
             Role::Initiator => worker_pins.initiator,
             Role::Target => worker_pins.target.or(worker_pins.initiator),
@@ -369,15 +370,11 @@ impl Agent {
                 TransportKind::Tcp | TransportKind::Efa => {
                     let provider = o.efa.provider.as_deref();
                     match o.role {
-                        Role::Target => nics::choose_to_serve(
-                            &o.nics,
-                            kind,
-                            provider,
-                            lanes::toward(&o),
-                            o.worker,
-                        )?,
+                        Role::Target => {
+                            nics::choose_to_serve(&o.nics, kind, provider, lanes::toward(&o), slot)?
+                        }
                         Role::Initiator => {
-                            nics::choose(&o.nics, kind, provider, lanes::toward(&o), o.worker)?
+                            nics::choose(&o.nics, kind, provider, lanes::toward(&o), slot)?
                         }
                     }
                 }
@@ -840,7 +837,8 @@ fn plan_has_efa(o: &AgentOptions) -> bool {
         return false;
     };
     let plan = t.plan();
-    let Some(w) = nics::plan_worker(&plan, o.worker) else {
+    let slot = crate::placement::plan_slot(o.memory == MemoryKind::Cuda, o.gpu, o.worker);
+    let Some(w) = nics::plan_worker(&plan, slot) else {
         return false;
     };
     let has = w

@@ -117,29 +117,47 @@ pub struct WorkerPins {
 }
 
 impl WorkerPins {
-    /// Pins for `mode` on this machine. With `auto`, a failed discovery logs one warning and
-    /// gives no pins.
+    /// Pins for `mode` on this machine, for the plan's first worker. With `auto`, a failed
+    /// discovery gives no pins.
     pub fn for_this_machine(mode: PinMode) -> WorkerPins {
+        WorkerPins::for_slot(mode, 0)
+    }
+
+    /// Pins for `mode` on this machine, for the plan's worker at `slot` (see
+    /// [`plan_slot`]; the first when there is no such worker).
+    pub fn for_slot(mode: PinMode, slot: usize) -> WorkerPins {
         match mode {
             PinMode::Off => {
                 tracing::info!("pinning off: workers run unpinned");
                 WorkerPins::default()
             }
             PinMode::Auto => match machine() {
-                Some(t) => WorkerPins::from_topology(t, &t.plan()),
+                Some(t) => {
+                    let plan = t.plan();
+                    match plan.workers.get(slot).or(plan.workers.first()) {
+                        Some(w) => WorkerPins::from_worker(t, w),
+                        None => WorkerPins::default(),
+                    }
+                }
                 None => WorkerPins::default(),
             },
         }
     }
 
-    /// The initiator gets the first worker of the plan (GPU 0's, or the host-only worker);
-    /// the target gets the next core after it on the same NUMA node (wrapping around, CPU 0
-    /// last), else the next core of the machine, but only on a machine of at least
-    /// [`MIN_CORES_TO_PIN_TARGET`] cores: below that it stays unpinned.
+    /// [`WorkerPins::from_worker`] for the plan's first worker (GPU 0's, or the host-only
+    /// worker).
     pub fn from_topology(t: &Topology, plan: &PlacementPlan) -> WorkerPins {
-        let Some(w) = plan.workers.first() else {
-            return WorkerPins::default();
-        };
+        match plan.workers.first() {
+            Some(w) => WorkerPins::from_worker(t, w),
+            None => WorkerPins::default(),
+        }
+    }
+
+    /// The initiator gets worker `w`'s core; the target gets the next core after it on the
+    /// same NUMA node (wrapping around, CPU 0 last), else the next core of the machine, but
+    /// only on a machine of at least [`MIN_CORES_TO_PIN_TARGET`] cores: below that it stays
+    /// unpinned.
+    pub fn from_worker(t: &Topology, w: &topology::WorkerPlacement) -> WorkerPins {
         let prefer_memory = t.numa_nodes.len() > 1;
         let initiator = CorePin {
             core: w.core,
@@ -233,6 +251,23 @@ impl WorkerPins {
             })
             .collect()
     }
+}
+
+/// Which worker of the placement plan an agent is: for GPU memory, the plan's worker of its
+/// CUDA device `gpu` (so an agent per GPU, in one process or several, takes that GPU's
+/// cores and NICs); else `worker` (its position among the process's agents).
+pub fn plan_slot(cuda: bool, gpu: u32, worker: usize) -> usize {
+    match machine() {
+        Some(t) if cuda => slot_in(t, &t.plan(), gpu, worker),
+        _ => worker,
+    }
+}
+
+/// [`plan_slot`] on topology `t` and its plan, for GPU memory.
+fn slot_in(t: &Topology, plan: &PlacementPlan, gpu: u32, worker: usize) -> usize {
+    topology_gpu(t, gpu)
+        .and_then(|g| plan.workers.iter().position(|w| w.gpu == Some(g)))
+        .unwrap_or(worker)
 }
 
 /// The topology's GPU for CUDA device `ordinal`: matched by PCI address where CUDA can
@@ -357,6 +392,26 @@ mod tests {
             .join("../topology/tests/fixtures")
             .join(name);
         Topology::from_xml_file(p).expect("fixture loads")
+    }
+
+    #[test]
+    fn an_agent_of_gpu_memory_is_its_gpus_worker_with_its_core() {
+        let t = fixture("p5.48xlarge.xml");
+        let plan = t.plan();
+        for gpu in [0u32, 3, 7] {
+            let slot = slot_in(&t, &plan, gpu, 0);
+            let w = &plan.workers[slot];
+            assert_eq!(w.gpu, topology_gpu(&t, gpu), "GPU {gpu}'s worker");
+            let pins = WorkerPins::from_worker(&t, w);
+            assert_eq!(pins.initiator.map(|p| p.core), Some(w.core));
+        }
+        assert_ne!(
+            plan.workers[slot_in(&t, &plan, 0, 0)].core,
+            plan.workers[slot_in(&t, &plan, 7, 0)].core,
+            "two GPUs' agents do not share a core"
+        );
+        // A GPU the topology does not show keeps the caller's position.
+        assert_eq!(slot_in(&t, &plan, 99, 2), 2);
     }
 
     #[test]
