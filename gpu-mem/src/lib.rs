@@ -60,6 +60,7 @@ mod error;
 mod gather;
 mod host;
 mod ipc;
+mod pattern;
 mod pinned;
 mod range;
 mod stream;
@@ -75,5 +76,6 @@ pub use ipc::{
     IPC_HANDLE_LEN, IpcExport, IpcHandle, IpcMapping, PeerCopies, can_access_peer,
     enable_peer_access, open_ipc_mappings, plain_copy_gbps,
 };
+pub use pattern::{fill_pattern, pattern_bytes, pattern_matches, pattern_word};
 pub use pinned::PinnedHostBuffer;
 pub use stream::{CopyEvent, CopyStream, StreamFence, StreamRef};

@@ -792,3 +792,29 @@ fn a_stream_fence_is_done_only_once_the_work_before_it_has_run() {
     idle.synchronize().unwrap();
     assert!(idle.is_done().unwrap());
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/gpu-proof.sh)"]
+fn the_position_pattern_is_written_on_the_device_and_reads_back_as_the_host_computes_it() {
+    use std::time::Instant;
+    let cuda = gpu_mem::testing::require_gpus(1);
+    let gpu = cuda.device(0).unwrap();
+    // An odd length: the kernel writes whole words, the host the tail.
+    let len = 64 * MIB + 5;
+    let buf = gpu.alloc_zeroed(len).unwrap();
+    gpu_mem::fill_pattern(&buf, 99).unwrap();
+    for (off, n) in [(0usize, 4096usize), (8 * MIB, MIB), (len - 4096 - 5, 4101)] {
+        let got = buf.to_vec(off as u64, n).unwrap();
+        let mut want = vec![0u8; n];
+        gpu_mem::pattern_bytes(99, off as u64, &mut want);
+        assert!(
+            got == want,
+            "bytes {off}+{n} differ from the host's pattern"
+        );
+    }
+    // What it costs at size (printed: a figure, not a test of speed).
+    let big = gpu.alloc(8 << 30).unwrap();
+    let t = Instant::now();
+    gpu_mem::fill_pattern(&big, 1).unwrap();
+    println!("pattern fill of 8 GiB of device memory: {:?}", t.elapsed());
+}
