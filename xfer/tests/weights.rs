@@ -599,3 +599,55 @@ fn layouts_that_disagree_on_a_tensor_are_refused() {
         Err(PlanError::Layout { rank: 0, .. })
     ));
 }
+
+#[test]
+fn bytes_only_one_source_holds_are_counted_before_choices() {
+    // Sources 0 and 1 both hold `shared` (4 KiB); source 0 alone holds `own` (8 KiB). Given
+    // out first, `shared` would be split evenly and source 0 end at 10 KiB; counted first,
+    // `own` sends `shared` whole to source 1: 8 KiB each way at most, the bound.
+    let t: Arc<[TensorSpec]> = Arc::from(vec![
+        TensorSpec::new("shared", vec![1024], 4),
+        TensorSpec::new("own", vec![2048], 4),
+    ]);
+    let src = vec![
+        Layout::pack(
+            t.clone(),
+            "s",
+            [(0, Holding::whole(&[1024])), (1, Holding::whole(&[2048]))],
+        )
+        .unwrap(),
+        Layout::pack(t.clone(), "s", [(0, Holding::whole(&[1024]))]).unwrap(),
+    ];
+    let dst = vec![
+        Layout::pack(
+            t,
+            "d",
+            [(0, Holding::whole(&[1024])), (1, Holding::whole(&[2048]))],
+        )
+        .unwrap(),
+    ];
+    let plan = Plan::with_options(&src, &dst, &PlanOptions::default().min_split_bytes(0)).unwrap();
+    check(&src, &dst, &plan).unwrap();
+    assert_eq!(plan.source_bytes(), vec![8192, 4096]);
+    // The destination must receive 12 KiB: that is the bound, and the plan meets it.
+    assert_eq!(plan.bound().bytes, 12288);
+    assert_eq!(
+        plan.bound().limit,
+        xfer::weights::Limit::Destination { rank: 0 }
+    );
+    let t = plan.timing(8e-9 * 12288.0); // 12288 bytes per second
+    assert!(
+        (t.predicted_s - 1.0).abs() < 1e-9 && (t.bound_s - 1.0).abs() < 1e-9,
+        "{t:?}"
+    );
+    // With two destinations needing both, the sources bind: 24 KiB over 2 sources, and
+    // source 0 alone must send `own` twice (16 KiB).
+    let dst2 = vec![dst[0].clone(), dst[0].clone()];
+    let plan = Plan::with_options(&src, &dst2, &PlanOptions::default().min_split_bytes(0)).unwrap();
+    assert_eq!(plan.bound().bytes, 16384);
+    assert_eq!(
+        plan.bound().limit,
+        xfer::weights::Limit::Sources { ranks: vec![0] }
+    );
+    assert_eq!(plan.source_bytes(), vec![16384, 8192]);
+}

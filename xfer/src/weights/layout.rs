@@ -189,7 +189,7 @@ impl Layout {
             let i = pieces.len();
             let spec = tensors
                 .get(tensor as usize)
-                .ok_or(LayoutError::UnknownTensor {
+                .ok_or_else(|| LayoutError::UnknownTensor {
                     piece: i,
                     index: tensor,
                     count: tensors.len(),
@@ -247,13 +247,14 @@ impl Layout {
         let tensors = &self.tensors;
         let mut by_region: Vec<(u32, u64, u64, usize)> = Vec::with_capacity(self.pieces.len());
         for (i, p) in self.pieces.iter().enumerate() {
-            let spec = tensors
-                .get(p.tensor as usize)
-                .ok_or(LayoutError::UnknownTensor {
-                    piece: i,
-                    index: p.tensor,
-                    count: tensors.len(),
-                })?;
+            let spec =
+                tensors
+                    .get(p.tensor as usize)
+                    .ok_or_else(|| LayoutError::UnknownTensor {
+                        piece: i,
+                        index: p.tensor,
+                        count: tensors.len(),
+                    })?;
             let region = self
                 .regions
                 .get(p.region as usize)
@@ -460,6 +461,31 @@ pub(crate) fn stored_boxes(
             flat_boxes(&ext[..nd], &[0; MAX_DIMS], r.start, r.end, &mut |b| {
                 emit(*b, s)
             });
+        }
+    }
+}
+
+/// The flat range of a piece of a validated layout whose elements follow one another in the
+/// tensor's flat order (a flat range; a box whole in every dimension after its first longer
+/// than one), else `None`.
+pub(crate) fn flat_span(spec: &TensorSpec, p: &Piece) -> Option<Range<u64>> {
+    match &p.holding {
+        Holding::Flat(r) => Some(r.clone()),
+        Holding::Box(b) => {
+            let first = b
+                .iter()
+                .position(|r| r.end - r.start != 1)
+                .unwrap_or(b.len());
+            let whole = |(r, &e): (&Range<u64>, &u64)| r.start == 0 && r.end == e;
+            if !b.iter().zip(&spec.shape).skip(first + 1).all(whole) {
+                return None;
+            }
+            let (mut start, mut n) = (0u64, 1u64);
+            for (r, &e) in b.iter().zip(&spec.shape) {
+                start = start * e + r.start;
+                n *= r.end - r.start;
+            }
+            Some(start..start + n)
         }
     }
 }

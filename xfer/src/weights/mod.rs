@@ -55,6 +55,7 @@ mod inputs;
 pub mod layout;
 pub mod plan;
 mod planner;
+mod runs;
 
 pub use check::{CheckError, CheckReport, check};
 pub use layout::{

@@ -14,8 +14,11 @@
 
 use super::geometry::{Bx, Store, flat_boxes};
 use super::inputs::{ByTensor, Catalog};
-use super::layout::{Layout, dims_of, stored_boxes};
-use super::plan::{Bound, Limit, Plan, PlanError, PlanOptions, RankRegion, RegionPair, Run};
+use super::layout::{
+    ElementBox, Layout, MAX_DIMS, Piece, TensorSpec, dims_of, flat_span, stored_boxes,
+};
+use super::plan::{Bound, Limit, Plan, PlanError, PlanOptions};
+use super::runs::{Sink, emit};
 use rustc_hash::FxHashMap;
 use std::ops::Range;
 
@@ -39,7 +42,7 @@ pub(crate) fn plan(
         q: options.min_split_bytes,
         loads: vec![0; sources.len()],
         dst_loads: vec![0; dests.len()],
-        sink: Sink::default(),
+        sink: Sink::new(sources.len(), dests.len()),
         sets: FxHashMap::default(),
         s: Scratch::default(),
     };
@@ -54,8 +57,7 @@ pub(crate) fn plan(
         p.tensor(t, Pass::Shared)?;
     }
     let bound = p.bound(&forced);
-    let mut pairs = p.sink.pairs;
-    pairs.sort_by_key(|q| (q.src, q.dst));
+    let pairs = p.sink.finish();
     Ok(Plan {
         sources: sources.len() as u32,
         destinations: dests.len() as u32,
@@ -123,18 +125,43 @@ impl Planner<'_> {
     /// what destinations need.
     fn tensor(&mut self, t: usize, pass: Pass) -> Result<bool, PlanError> {
         let spec = self.cat.tensors[t];
-        let (nd, _) = dims_of(spec);
         let esize = u64::from(spec.elem_size);
-        let s = &mut self.s;
         if self.dst_by.of(t).is_empty() {
             return Ok(false);
         }
-        // Destination boxes, identical ones grouped.
+        // When every piece is a stretch of the flat order, the tensor is planned as 1-D:
+        // one box per piece, contiguous runs. Else as boxes of its own dimensions.
+        let s = &mut self.s;
+        let mut one_d = true;
         s.dst.clear();
-        for &(rank, i) in self.dst_by.of(t) {
-            let piece = &self.dests[rank as usize].pieces[i as usize];
-            stored_boxes(spec, piece, rank, &mut |b, st| s.dst.push((b, st)));
+        s.src.clear();
+        for (list, by, out) in [
+            (self.dests, self.dst_by.of(t), &mut s.dst),
+            (self.sources, self.src_by.of(t), &mut s.src),
+        ] {
+            for &(rank, i) in by {
+                let piece = &list[rank as usize].pieces[i as usize];
+                if !one_d || !flat_box(spec, piece, rank, out) {
+                    one_d = false;
+                    break;
+                }
+            }
         }
+        let nd = if one_d { 1 } else { dims_of(spec).0 };
+        if !one_d {
+            s.dst.clear();
+            s.src.clear();
+            for (list, by, out) in [
+                (self.dests, self.dst_by.of(t), &mut s.dst),
+                (self.sources, self.src_by.of(t), &mut s.src),
+            ] {
+                for &(rank, i) in by {
+                    let piece = &list[rank as usize].pieces[i as usize];
+                    stored_boxes(spec, piece, rank, &mut |b, st| out.push((b, st)));
+                }
+            }
+        }
+        // Destination boxes, identical ones grouped.
         s.dst.sort_by_key(|a| a.0);
         s.groups.clear();
         let mut at = 0;
@@ -142,12 +169,7 @@ impl Planner<'_> {
             s.groups.push((run[0].0, at..at + run.len()));
             at += run.len();
         }
-        // Source cells.
-        s.src.clear();
-        for &(rank, i) in self.src_by.of(t) {
-            let piece = &self.sources[rank as usize].pieces[i as usize];
-            stored_boxes(spec, piece, rank, &mut |b, st| s.src.push((b, st)));
-        }
+        // Source cells: identical boxes on several ranks are one cell.
         s.src.sort_by_key(|a| a.0);
         s.cells.clear();
         s.hold.clear();
@@ -212,13 +234,12 @@ impl Planner<'_> {
                 }
             }
             if covered < d.volume(nd) {
-                return Err(uncovered(
-                    &s.cells,
-                    &d,
-                    nd,
-                    &spec.name,
-                    s.dst[reps.start].1.rank,
-                ));
+                let missing = uncovered(&s.cells, &d, nd);
+                return Err(PlanError::Uncovered {
+                    tensor: spec.name.clone(),
+                    dst_rank: s.dst[reps.start].1.rank,
+                    elements: public_box(spec, &missing, one_d),
+                });
             }
         }
         if pass == Pass::Shared {
@@ -394,8 +415,8 @@ fn refine(cells: &mut Vec<Cell>, hold: &mut Vec<usize>, nd: usize) {
     }
 }
 
-/// The error for destination box `d`, which the cells do not cover: one box they miss.
-fn uncovered(cells: &[Cell], d: &Bx, nd: usize, tensor: &str, dst_rank: u32) -> PlanError {
+/// A box of destination box `d` that the cells do not cover.
+fn uncovered(cells: &[Cell], d: &Bx, nd: usize) -> Bx {
     let mut rest = vec![*d];
     for c in cells {
         if c.bx.overlaps(d, nd) {
@@ -406,11 +427,46 @@ fn uncovered(cells: &[Cell], d: &Bx, nd: usize, tensor: &str, dst_rank: u32) -> 
             rest = next;
         }
     }
-    PlanError::Uncovered {
-        tensor: tensor.to_owned(),
-        dst_rank,
-        elements: rest.first().unwrap_or(d).to_public(nd),
+    rest.first().copied().unwrap_or(*d)
+}
+
+/// Pushes the piece as one box of the flat order and its storage, if its elements follow
+/// one another in that order (else says no).
+fn flat_box(spec: &TensorSpec, piece: &Piece, rank: u32, out: &mut Vec<(Bx, Store)>) -> bool {
+    let Some(r) = flat_span(spec, piece) else {
+        return false;
+    };
+    if r.start < r.end {
+        let esize = u64::from(spec.elem_size);
+        let mut b = Bx::unit();
+        (b.lo[0], b.hi[0]) = (r.start, r.end);
+        let mut strides = [0; MAX_DIMS];
+        strides[0] = esize;
+        let origin = piece.offset.wrapping_sub(r.start.wrapping_mul(esize));
+        out.push((
+            b,
+            Store {
+                rank,
+                region: piece.region,
+                origin,
+                strides,
+            },
+        ));
     }
+    true
+}
+
+/// How errors name a box (of the flat order, when planning in 1-D: its first box then).
+fn public_box(spec: &TensorSpec, b: &Bx, one_d: bool) -> ElementBox {
+    if !one_d {
+        return b.to_public(spec.shape.len());
+    }
+    let (nd, ext) = dims_of(spec);
+    let mut first = None;
+    flat_boxes(&ext[..nd], &[0; MAX_DIMS], b.lo[0], b.hi[0], &mut |x| {
+        first.get_or_insert(x.to_public(spec.shape.len()));
+    });
+    first.unwrap_or(ElementBox(Vec::new()))
 }
 
 /// Splits `vol` elements (of `esize` bytes) among candidates `(load, rank, holder)`:
@@ -472,190 +528,9 @@ fn split(
     }
 }
 
-/// Cuts the elements of box `x` into runs from `src` to `dst` and pushes them.
-fn emit(sink: &mut Sink, src: &Store, dst: &Store, x: &Bx, nd: usize, esize: u64) {
-    let key = (
-        RankRegion {
-            rank: src.rank,
-            region: src.region,
-        },
-        RankRegion {
-            rank: dst.rank,
-            region: dst.region,
-        },
-    );
-    let so = src.offset(&x.lo, nd);
-    let dof = dst.offset(&x.lo, nd);
-    // (extent, source stride, destination stride) of the dimensions longer than 1.
-    let mut dims = [(0u64, 0u64, 0u64); super::layout::MAX_DIMS];
-    let mut n = 0;
-    for i in 0..nd {
-        let e = x.hi[i] - x.lo[i];
-        if e > 1 {
-            dims[n] = (e, src.strides[i], dst.strides[i]);
-            n += 1;
-        }
-    }
-    let mut len = esize;
-    while n > 0 && dims[n - 1].1 == len && dims[n - 1].2 == len {
-        len = len.wrapping_mul(dims[n - 1].0);
-        n -= 1;
-    }
-    if n == 0 {
-        sink.push(key, Run::contiguous(so, dof, len));
-        return;
-    }
-    let (mut count, ss, ds) = dims[n - 1];
-    n -= 1;
-    while n > 0
-        && dims[n - 1].1 == ss.wrapping_mul(count)
-        && dims[n - 1].2 == ds.wrapping_mul(count)
-    {
-        count = count.wrapping_mul(dims[n - 1].0);
-        n -= 1;
-    }
-    let mut idx = [0u64; super::layout::MAX_DIMS];
-    loop {
-        let (mut a, mut b) = (so, dof);
-        for j in 0..n {
-            a = a.wrapping_add(idx[j].wrapping_mul(dims[j].1));
-            b = b.wrapping_add(idx[j].wrapping_mul(dims[j].2));
-        }
-        sink.push(
-            key,
-            Run {
-                src_offset: a,
-                dst_offset: b,
-                len,
-                count,
-                src_stride: ss,
-                dst_stride: ds,
-            },
-        );
-        // Next index of the outer dimensions, odometer style.
-        let mut j = n;
-        loop {
-            if j == 0 {
-                return;
-            }
-            j -= 1;
-            idx[j] += 1;
-            if idx[j] < dims[j].0 {
-                break;
-            }
-            idx[j] = 0;
-        }
-    }
-}
-
-type PairKey = (RankRegion, RankRegion);
-
-/// The region pairs being filled, each run coalesced with the one before it if it can.
-#[derive(Default)]
-struct Sink {
-    index: FxHashMap<PairKey, usize>,
-    pairs: Vec<RegionPair>,
-    last: Option<(PairKey, usize)>,
-}
-
-impl Sink {
-    fn push(&mut self, key: PairKey, run: Run) {
-        let i = match self.last {
-            Some((k, i)) if k == key => i,
-            _ => {
-                let n = self.pairs.len();
-                let i = *self.index.entry(key).or_insert(n);
-                if i == n {
-                    self.pairs.push(RegionPair {
-                        src: key.0,
-                        dst: key.1,
-                        runs: Vec::new(),
-                    });
-                }
-                self.last = Some((key, i));
-                i
-            }
-        };
-        let runs = &mut self.pairs[i].runs;
-        if let Some(last) = runs.last_mut()
-            && coalesce(last, &run)
-        {
-            return;
-        }
-        runs.push(run);
-    }
-}
-
-/// Extends `l` with `r` if `r` continues it: contiguously (both single rows), or as the
-/// next rows of one stride (equal row lengths, rows that do not overlap).
-fn coalesce(l: &mut Run, r: &Run) -> bool {
-    if l.count == 1
-        && r.count == 1
-        && l.src_offset.checked_add(l.len) == Some(r.src_offset)
-        && l.dst_offset.checked_add(l.len) == Some(r.dst_offset)
-    {
-        l.len += r.len;
-        return true;
-    }
-    if l.len != r.len {
-        return false;
-    }
-    let (ss, ds) = if l.count > 1 {
-        (l.src_stride, l.dst_stride)
-    } else if r.count > 1 {
-        (r.src_stride, r.dst_stride)
-    } else {
-        match (
-            r.src_offset.checked_sub(l.src_offset),
-            r.dst_offset.checked_sub(l.dst_offset),
-        ) {
-            (Some(a), Some(b)) => (a, b),
-            _ => return false,
-        }
-    };
-    if (r.count > 1 && (r.src_stride, r.dst_stride) != (ss, ds)) || ss < l.len || ds < l.len {
-        return false;
-    }
-    let next = ss
-        .checked_mul(l.count)
-        .and_then(|a| l.src_offset.checked_add(a))
-        .zip(
-            ds.checked_mul(l.count)
-                .and_then(|b| l.dst_offset.checked_add(b)),
-        );
-    if next != Some((r.src_offset, r.dst_offset)) {
-        return false;
-    }
-    l.count += r.count;
-    l.src_stride = ss;
-    l.dst_stride = ds;
-    true
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn runs_coalesce_contiguously_then_by_stride() {
-        let mut l = Run::contiguous(0, 100, 8);
-        assert!(coalesce(&mut l, &Run::contiguous(8, 108, 8)));
-        assert_eq!(l, Run::contiguous(0, 100, 16));
-        assert!(coalesce(&mut l, &Run::contiguous(64, 200, 16)));
-        assert!(coalesce(&mut l, &Run::contiguous(128, 300, 16)));
-        assert_eq!((l.count, l.src_stride, l.dst_stride), (3, 64, 100));
-        assert!(
-            !coalesce(&mut l, &Run::contiguous(200, 400, 16)),
-            "off the stride"
-        );
-        assert!(
-            !coalesce(&mut l, &Run::contiguous(192, 400, 8)),
-            "another length"
-        );
-        // Rows that would overlap are not a stride.
-        let mut l = Run::contiguous(0, 0, 8);
-        assert!(!coalesce(&mut l, &Run::contiguous(4, 100, 8)));
-    }
 
     #[test]
     fn water_filling_levels_the_least_loaded() {
