@@ -201,7 +201,7 @@ impl RankIndex {
 }
 
 /// One side of a segment being walked: the rank's pieces in the region, and the last one
-/// found (consecutive segments mostly stay in one piece).
+/// found.
 struct End<'a> {
     layout: &'a Layout,
     ids: &'a Rc<Vec<u32>>,
@@ -234,11 +234,15 @@ impl<'a> End<'a> {
 
     /// The piece whose bytes contain `offset`: (start, end, piece index).
     fn find(&mut self, offset: u64) -> Result<(u64, u64, usize), CheckError> {
-        if let Some(&e) = self.index.get(self.last)
-            && e.0 <= offset
-            && offset < e.1
-        {
-            return Ok(e);
+        // Consecutive segments mostly stay in a piece or go on to the next one.
+        for i in [self.last, self.last + 1] {
+            if let Some(&e) = self.index.get(i)
+                && e.0 <= offset
+                && offset < e.1
+            {
+                self.last = i;
+                return Ok(e);
+            }
         }
         let i = self.index.partition_point(|e| e.0 <= offset);
         match i.checked_sub(1).map(|i| (i, self.index[i])) {
