@@ -651,3 +651,44 @@ fn bytes_only_one_source_holds_are_counted_before_choices() {
     );
     assert_eq!(plan.source_bytes(), vec![16384, 8192]);
 }
+
+#[test]
+fn crafted_plans_are_refused_without_replaying_them_whole() {
+    let (src, dst) = two_by_two(10..24);
+    let mut plan = Plan::new(&src, &dst).unwrap();
+    // 2^64 rows rewriting the right bytes: the checker stops once more bytes landed than the
+    // destination holds, and names those written twice (not the holes left unreplayed).
+    let (p, _) = run_of(&mut plan, 1, 1, 0);
+    let huge = Run {
+        count: u64::MAX,
+        src_stride: 0,
+        dst_stride: 0,
+        ..Run::contiguous(0, 8, 4)
+    };
+    plan.pairs_mut()[p].runs.push(huge);
+    assert_eq!(
+        check(&src, &dst, &plan),
+        Err(CheckError::Overlap {
+            tensor: "w".into(),
+            dst_rank: 1,
+            elements: ElementBox(vec![1..2, 4..6]),
+            count: 2,
+        })
+    );
+    // Rows of no bytes write nothing, however many.
+    plan.pairs_mut()[p].runs.last_mut().unwrap().len = 0;
+    check(&src, &dst, &plan).unwrap();
+    // Pairs out of order, or naming ranks and regions that do not exist.
+    plan.pairs_mut().reverse();
+    let _ = plan.pairs_from(1);
+    plan.pairs_mut()[0].dst.region = 7;
+    assert!(matches!(
+        check(&src, &dst, &plan),
+        Err(CheckError::NoSuchRegion { region: 7, .. })
+    ));
+    plan.pairs_mut()[0].dst.rank = 9;
+    assert!(matches!(
+        check(&src, &dst, &plan),
+        Err(CheckError::NoSuchRank { rank: 9, .. })
+    ));
+}

@@ -330,11 +330,12 @@ impl Plan {
         &mut self.pairs
     }
 
-    /// The region pairs that source `rank` sends (what its agent pushes).
+    /// The region pairs that source `rank` sends (what its agent pushes). Expects the pairs
+    /// in [`Plan::pairs`]' order (a plan edited out of order gives some of them).
     pub fn pairs_from(&self, rank: u32) -> &[RegionPair] {
         let a = self.pairs.partition_point(|p| p.src.rank < rank);
         let b = self.pairs.partition_point(|p| p.src.rank <= rank);
-        &self.pairs[a..b]
+        &self.pairs[a..b.max(a)]
     }
 
     /// The region pairs that destination `rank` receives (what its agent pulls).
