@@ -692,3 +692,22 @@ fn crafted_plans_are_refused_without_replaying_them_whole() {
         Err(CheckError::NoSuchRank { rank: 9, .. })
     ));
 }
+
+#[test]
+fn exabyte_layouts_plan_without_overflow() {
+    // 4 EiB of one tensor on 2 sources, wanted whole by 8 destinations: the sums saturate.
+    let n = 1u64 << 61;
+    let t: Arc<[TensorSpec]> = Arc::from(vec![TensorSpec::new("huge", vec![n], 2)]);
+    let src: Vec<Layout> = (0..2)
+        .map(|i| Layout::pack(t.clone(), "s", [(0, Holding::flat_shard(n, 2, i))]).unwrap())
+        .collect();
+    let dst: Vec<Layout> = (0..8)
+        .map(|_| Layout::pack(t.clone(), "d", [(0, Holding::whole(&[n]))]).unwrap())
+        .collect();
+    let plan = Plan::new(&src, &dst).unwrap();
+    assert_eq!(plan.run_count(), 16);
+    assert_eq!(plan.bytes(), u64::MAX);
+    assert_eq!(plan.bound().bytes, u64::MAX); // each source must send 8 x 2 EiB
+    assert_eq!(check(&src, &dst, &plan).unwrap().bytes, u64::MAX);
+    assert!(plan.timing(400.0).predicted_s > 0.0);
+}

@@ -84,7 +84,8 @@ pub fn check(sources: &[Layout], dests: &[Layout], plan: &Plan) -> Result<CheckR
         let dst_index = RankIndex::new(layout);
         // Replay at most one byte more than the destination holds: past that, some byte
         // was written twice (a crafted run may have 2^64 rows), and the sweep says which.
-        let held: u64 = dst_index.regions.iter().flatten().map(|e| e.1 - e.0).sum();
+        let held =
+            (dst_index.regions.iter().flatten()).fold(0u64, |a, e| a.saturating_add(e.1 - e.0));
         let mut written = 0u64;
         let mut cover: Vec<Vec<(u64, u64)>> = vec![Vec::new(); layout.pieces.len()];
         'replay: for &pi in pairs {
@@ -183,7 +184,7 @@ pub fn check(sources: &[Layout], dests: &[Layout], plan: &Plan) -> Result<CheckR
                     count: n - at,
                 });
             }
-            report.bytes += n * u64::from(spec.elem_size);
+            report.bytes = report.bytes.saturating_add(n * u64::from(spec.elem_size));
             report.pieces += 1;
         }
         if written > held {

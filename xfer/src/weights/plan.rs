@@ -358,14 +358,14 @@ impl Plan {
         self.pairs.iter().map(|p| p.runs.len()).sum()
     }
 
-    /// The number of segments the runs expand to.
+    /// The number of segments the runs expand to (saturating).
     pub fn segment_count(&self) -> u64 {
-        self.pairs.iter().map(RegionPair::segment_count).sum()
+        (self.pairs.iter()).fold(0u64, |a, p| a.saturating_add(p.segment_count()))
     }
 
-    /// The bytes moved.
+    /// The bytes moved (saturating).
     pub fn bytes(&self) -> u64 {
-        self.pairs.iter().map(RegionPair::bytes).sum()
+        (self.pairs.iter()).fold(0u64, |a, p| a.saturating_add(p.bytes()))
     }
 
     /// Bytes each source sends.

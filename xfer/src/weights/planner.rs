@@ -227,8 +227,8 @@ impl Planner<'_> {
                             let dst = s.dst[r].1;
                             emit(&mut self.sink, &src, &dst, &x, nd, esize);
                             let bytes = x.volume(nd) * esize;
-                            self.loads[src.rank as usize] += bytes;
-                            self.dst_loads[dst.rank as usize] += bytes;
+                            sat_add(&mut self.loads[src.rank as usize], bytes);
+                            sat_add(&mut self.dst_loads[dst.rank as usize], bytes);
                         }
                     }
                 }
@@ -262,9 +262,9 @@ impl Planner<'_> {
             s.ranks
                 .extend(s.hold[holders.clone()].iter().map(|&h| s.src[h].1.rank));
             s.ranks.sort_unstable();
-            let bytes = vol * esize * reps.len() as u64;
+            let bytes = (vol * esize).saturating_mul(reps.len() as u64);
             match self.sets.get_mut(&s.ranks[..]) {
-                Some(b) => *b += bytes,
+                Some(b) => sat_add(b, bytes),
                 None => {
                     self.sets.insert(s.ranks.clone().into_boxed_slice(), bytes);
                 }
@@ -281,8 +281,8 @@ impl Planner<'_> {
                 for &(h, a, b) in &s.parts {
                     let src = s.src[h].1;
                     let bytes = (b - a) * esize;
-                    self.loads[src.rank as usize] += bytes;
-                    self.dst_loads[dst.rank as usize] += bytes;
+                    sat_add(&mut self.loads[src.rank as usize], bytes);
+                    sat_add(&mut self.dst_loads[dst.rank as usize], bytes);
                     flat_boxes(&ext[..nd], &ch.x.lo, a, b, &mut |sub| {
                         emit(&mut self.sink, &src, &dst, sub, nd, esize)
                     });
@@ -314,7 +314,10 @@ impl Planner<'_> {
                 },
             );
         }
-        let total: u64 = self.dst_loads.iter().sum();
+        let total = self
+            .dst_loads
+            .iter()
+            .fold(0u64, |a, &b| a.saturating_add(b));
         if !self.sources.is_empty() {
             consider(total.div_ceil(self.sources.len() as u64), Limit::AllSources);
         }
@@ -324,11 +327,13 @@ impl Planner<'_> {
         // to compare them all), plus the forced bytes of its members.
         let all_pairs = sets.len() <= 2048;
         for &(h, own) in &sets {
-            let mut bytes: u64 = h.iter().map(|&r| forced[r as usize]).sum::<u64>() + own;
+            let mut bytes = h
+                .iter()
+                .fold(own, |a, &r| a.saturating_add(forced[r as usize]));
             if all_pairs {
                 for &(o, b) in &sets {
                     if o != h && o.len() <= h.len() && subset(o, h) {
-                        bytes += b;
+                        bytes = bytes.saturating_add(b);
                     }
                 }
             }
@@ -339,6 +344,11 @@ impl Planner<'_> {
         }
         best
     }
+}
+
+/// Adds bytes to a load (saturating: absurd layouts may declare exabytes).
+fn sat_add(load: &mut u64, bytes: u64) {
+    *load = load.saturating_add(bytes);
 }
 
 /// Whether sorted `a` is a subset of sorted `b`.
