@@ -14,7 +14,9 @@
 //!   bound for the layouts ([`Bound`]).
 //!
 //! Pure logic: no agent, no I/O. Executing a plan (pushes with WRITEs, or pulls with READs,
-//! over [`Agent`](crate::Agent)) takes its region pairs and their segments.
+//! over [`Agent`](crate::Agent)) takes its region pairs and their segments. Errors are
+//! typed ([`LayoutError`], [`PlanError`], [`CheckError`]) and convert into
+//! [`crate::Error`].
 //!
 //! ```
 //! use std::sync::Arc;
