@@ -29,7 +29,7 @@
 //! # }
 //! ```
 
-use super::geometry::{Bx, Dims, Store, flat_boxes, row_major};
+use super::geometry::{Bx, dims_of, stored_boxes};
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
 use std::fmt;
@@ -412,82 +412,6 @@ pub(crate) fn validate_tensors(tensors: &[TensorSpec]) -> Result<(), LayoutError
         }
     }
     Ok(())
-}
-
-/// The number of dimensions the planner works in (a scalar is `[1]`) and the extents.
-pub(crate) fn dims_of(spec: &TensorSpec) -> (usize, Dims) {
-    let mut ext = [1u64; MAX_DIMS];
-    ext[..spec.shape.len()].copy_from_slice(&spec.shape);
-    (spec.shape.len().max(1), ext)
-}
-
-/// Calls `emit` with the boxes a piece of a validated layout holds and where each is stored
-/// (a box piece is one box; a flat range is at most `2 * nd - 1` boxes, in flat order).
-pub(crate) fn stored_boxes(
-    spec: &TensorSpec,
-    p: &Piece,
-    rank: u32,
-    emit: &mut impl FnMut(Bx, Store),
-) {
-    let (nd, ext) = dims_of(spec);
-    let esize = u64::from(spec.elem_size);
-    match &p.holding {
-        Holding::Box(r) => {
-            let mut b = Bx::unit();
-            for (i, r) in r.iter().enumerate() {
-                b.lo[i] = r.start;
-                b.hi[i] = r.end;
-            }
-            if b.volume(nd) == 0 {
-                return;
-            }
-            let strides = row_major(&b.extents(nd)[..nd], esize);
-            let mut s = Store {
-                rank,
-                region: p.region,
-                origin: 0,
-                strides,
-            };
-            s.origin = p.offset.wrapping_sub(s.offset(&b.lo, nd));
-            emit(b, s);
-        }
-        Holding::Flat(r) => {
-            let s = Store {
-                rank,
-                region: p.region,
-                origin: p.offset.wrapping_sub(r.start.wrapping_mul(esize)),
-                strides: row_major(&ext[..nd], esize),
-            };
-            flat_boxes(&ext[..nd], &[0; MAX_DIMS], r.start, r.end, &mut |b| {
-                emit(*b, s)
-            });
-        }
-    }
-}
-
-/// The flat range of a piece of a validated layout whose elements follow one another in the
-/// tensor's flat order (a flat range; a box whole in every dimension after its first longer
-/// than one), else `None`.
-pub(crate) fn flat_span(spec: &TensorSpec, p: &Piece) -> Option<Range<u64>> {
-    match &p.holding {
-        Holding::Flat(r) => Some(r.clone()),
-        Holding::Box(b) => {
-            let first = b
-                .iter()
-                .position(|r| r.end - r.start != 1)
-                .unwrap_or(b.len());
-            let whole = |(r, &e): (&Range<u64>, &u64)| r.start == 0 && r.end == e;
-            if !b.iter().zip(&spec.shape).skip(first + 1).all(whole) {
-                return None;
-            }
-            let (mut start, mut n) = (0u64, 1u64);
-            for (r, &e) in b.iter().zip(&spec.shape) {
-                start = start * e + r.start;
-                n *= r.end - r.start;
-            }
-            Some(start..start + n)
-        }
-    }
 }
 
 /// A box of a tensor's index space, `start..end` per dimension: how errors name elements.

@@ -6,17 +6,17 @@
 //! disjoint ones (box subtraction: rare, so simple). The destination pieces become boxes
 //! too, identical ones grouped as replicas. Each destination box meets the cells (a sweep
 //! over the first dimension), and each intersection is cut into runs (contiguous dimensions
-//! merged into `len`, the next into `count` rows, any outer ones looped over).
+//! merged into `len`, the next into `count` rows, any outer ones looped over). A tensor
+//! whose pieces all hold stretches of its flat order (flat shards, splits of the first
+//! dimension, whole tensors: most of a model) is planned as 1-D, one box per piece.
 //!
 //! Pass 1 emits what a single source holds and counts those forced bytes; tensors with
 //! ranges held by several sources are planned again in pass 2, which gives those ranges out
 //! by load (see [`Plan::with_options`]).
 
-use super::geometry::{Bx, Store, flat_boxes};
+use super::geometry::{Bx, Store, dims_of, flat_boxes, flat_span, stored_boxes};
 use super::inputs::{ByTensor, Catalog};
-use super::layout::{
-    ElementBox, Layout, MAX_DIMS, Piece, TensorSpec, dims_of, flat_span, stored_boxes,
-};
+use super::layout::{ElementBox, Layout, MAX_DIMS, Piece, TensorSpec};
 use super::plan::{Bound, Limit, Plan, PlanError, PlanOptions};
 use super::runs::{Sink, emit};
 use rustc_hash::FxHashMap;
