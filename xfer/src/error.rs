@@ -102,6 +102,12 @@ pub enum Error {
     /// The agent was closed.
     #[error("the agent is closed")]
     Closed,
+    /// A weight-sync plan cannot be made from the layouts given.
+    #[error(transparent)]
+    WeightPlan(#[from] crate::weights::PlanError),
+    /// A weight-sync plan is wrong for its layouts.
+    #[error(transparent)]
+    WeightCheck(#[from] crate::weights::CheckError),
 }
 
 impl Error {

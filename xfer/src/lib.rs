@@ -50,7 +50,11 @@
 //! for NIC choice (getifaddrs, with no unsafe code of ours); `mio` (the maintained event
 //! loop under tokio: epoll, so thousands of pending connections cost one wait) runs the
 //! rendezvous server's unauthenticated phase; `hex` spells authentication tags; `libc`
-//! raises the open-file limit of a server.
+//! raises the open-file limit of a server; `rustc-hash` (the compiler's fast, deterministic
+//! hash) keys the weight-sync planner's maps.
+//!
+//! Weight sync ([`weights`]): layouts of what each trainer and inference rank holds, the
+//! static plan of byte runs between them, and its checker.
 #![warn(missing_docs)]
 
 mod agent;
@@ -61,6 +65,7 @@ pub mod nics;
 mod options;
 pub mod placement;
 pub mod rendezvous;
+pub mod weights;
 
 pub use agent::{Agent, AgentStats, Peer, Region, Transfer, release_kept, resolve};
 pub use error::{Error, Result};
