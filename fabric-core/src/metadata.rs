@@ -143,6 +143,12 @@ pub struct AgentInfo {
     /// The host's name, for people.
     #[serde(default)]
     pub hostname: String,
+    /// The network namespace it runs in (`/proc/self/ns/net`'s target, e.g.
+    /// `net:[4026531840]`; empty if unknown). CUDA IPC's control sockets are abstract Unix
+    /// sockets, which only processes of one network namespace reach: two pods of one node
+    /// share the boot id but not, as a rule, the namespace.
+    #[serde(default)]
+    pub net_namespace: String,
     /// Where the memory it registers lives (host, or a CUDA device).
     pub memory: MemoryLocation,
     /// The transports it offers, each with its rails.
@@ -162,6 +168,7 @@ impl AgentInfo {
             instance: crate::types::random_u64(),
             boot_id: boot_id.to_owned(),
             hostname: String::new(),
+            net_namespace: String::new(),
             memory,
             transports: Vec::new(),
             control: None,
@@ -176,6 +183,14 @@ impl AgentInfo {
     /// Whether it runs on the same host as `other` (the same boot id).
     pub fn same_host(&self, other: &AgentInfo) -> bool {
         !self.boot_id.is_empty() && self.boot_id == other.boot_id
+    }
+
+    /// Whether it runs in the same network namespace of the same host as `other`: what a
+    /// transport over abstract Unix sockets (cuda-ipc) needs.
+    pub fn same_net_namespace(&self, other: &AgentInfo) -> bool {
+        self.same_host(other)
+            && !self.net_namespace.is_empty()
+            && self.net_namespace == other.net_namespace
     }
 
     /// Its byte form (see the [module docs](self)).
@@ -527,6 +542,21 @@ mod tests {
         let mut none = region();
         none.transports.clear();
         assert!(none.check().is_err());
+    }
+
+    #[test]
+    fn one_namespace_needs_one_host_and_the_same_namespace() {
+        let mut a = agent();
+        a.net_namespace = "net:[4026531840]".into();
+        let mut b = a.clone();
+        assert!(a.same_net_namespace(&b));
+        b.net_namespace = "net:[4026532999]".into();
+        assert!(a.same_host(&b) && !a.same_net_namespace(&b), "two pods of one node");
+        b.net_namespace = a.net_namespace.clone();
+        b.boot_id = "another".into();
+        assert!(!a.same_net_namespace(&b), "the same inode on another host is another one");
+        let unknown = agent();
+        assert!(!unknown.same_net_namespace(&unknown.clone()));
     }
 
     #[test]
