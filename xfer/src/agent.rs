@@ -48,6 +48,21 @@ pub fn resolve(ours: &AgentInfo, theirs: &AgentInfo) -> Result<TransportKind> {
     })
 }
 
+/// Why [`resolve`] gives `kind` between `ours` and `theirs`, in words for people (a run's
+/// summary): what of the two agents made it the first transport both offer.
+pub fn resolve_reason(ours: &AgentInfo, theirs: &AgentInfo, kind: TransportKind) -> &'static str {
+    let either = |k: TransportKind| ours.transport(k).is_some() || theirs.transport(k).is_some();
+    match kind {
+        TransportKind::CudaIpc => "GPU memory on both sides of one host",
+        TransportKind::Efa => "EFA on both sides",
+        TransportKind::Tcp if either(TransportKind::Efa) => {
+            "not GPU memory on one host, and EFA on one side only"
+        }
+        TransportKind::Tcp => "not GPU memory on one host",
+        TransportKind::Mem => "both in one process, with nothing else in common",
+    }
+}
+
 /// How many agents this process has made, for default names.
 static AGENTS: AtomicU64 = AtomicU64::new(0);
 
@@ -366,20 +381,7 @@ impl Agent {
             .unwrap_or_else(|| format!("xfer-{}-{id}", std::process::id()));
         let mut lanes_built = Vec::new();
         for kind in kinds {
-            let choice = match kind {
-                TransportKind::Tcp | TransportKind::Efa => {
-                    let provider = o.efa.provider.as_deref();
-                    match o.role {
-                        Role::Target => {
-                            nics::choose_to_serve(&o.nics, kind, provider, lanes::toward(&o), slot)?
-                        }
-                        Role::Initiator => {
-                            nics::choose(&o.nics, kind, provider, lanes::toward(&o), slot)?
-                        }
-                    }
-                }
-                _ => NicChoice::unbound(format!("{kind} does not run on a NIC")),
-            };
+            let choice = lanes::nic_choice(&o, kind)?;
             let rails = o.rails.unwrap_or(choice.default_rails(1));
             lanes::check_rails(rails)?;
             let rail_nics = choice.per_rail(rails);
@@ -411,6 +413,7 @@ impl Agent {
         let boot_id = transport_cuda_ipc::boot_id().unwrap_or_default();
         let mut info = AgentInfo::new(&name, &boot_id, memory);
         info.hostname = hostname();
+        info.control = o.control.clone();
         info.transports = lanes_built
             .iter()
             .map(|l| TransportInfo {
