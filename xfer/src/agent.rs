@@ -362,7 +362,8 @@ impl Agent {
     }
 
     /// As [`Agent::new`], with each rail's core given (`pins[i]` for rail `i`; several
-    /// agents of one process placed together, one per GPU, take distinct cores).
+    /// agents of one process placed together, one per GPU, take distinct cores). Its
+    /// [`home`](Agent::home) is then the first rail's core.
     pub fn with_pins(o: AgentOptions, pins: Option<Vec<Option<CorePin>>>) -> Result<Agent> {
         if let Some(r) = o.rails {
             lanes::check_rails(r)?;
@@ -370,9 +371,14 @@ impl Agent {
         let kinds = kinds_for(&o)?;
         let slot = crate::placement::plan_slot(o.memory == MemoryKind::Cuda, o.gpu, o.worker);
         let worker_pins = WorkerPins::for_slot(o.pin, slot);
-        let home = match o.role {
-            Role::Initiator => worker_pins.initiator,
-            Role::Target => worker_pins.target.or(worker_pins.initiator),
+        // Rails placed by the caller (an agent per GPU) have their home where the first
+        // one runs, on its GPU's node; else the role's core of the plan.
+        let home = match &pins {
+            Some(p) => p.first().copied().flatten(),
+            None => match o.role {
+                Role::Initiator => worker_pins.initiator,
+                Role::Target => worker_pins.target.or(worker_pins.initiator),
+            },
         };
         let id = AGENTS.fetch_add(1, Ordering::Relaxed);
         let name = o
