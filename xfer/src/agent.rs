@@ -104,8 +104,10 @@ impl Kept {
     /// Lets go of the memory if nothing else holds it and returns the keep-alive, for the
     /// caller to drop once it holds no lock (dropping a Python buffer view takes the
     /// interpreter's lock, which a thread waiting on ours may hold); else returns itself.
+    /// Memory without a keep-alive owns itself (the `Arc`): the agent's reference goes at
+    /// once, and the memory with the last one, the caller's or a transport's.
     fn release(self) -> std::result::Result<Option<Box<dyn Send>>, Kept> {
-        if Arc::strong_count(&self.mem) > 1 {
+        if self.keep.is_some() && Arc::strong_count(&self.mem) > 1 {
             return Err(self);
         }
         let Kept { mem, keep } = self;
