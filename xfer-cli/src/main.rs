@@ -13,7 +13,7 @@
 //! Dependencies beyond the workspace's own, each in place of code we wrote by hand:
 //! `bytesize` parses and prints sizes (`64KiB`, `4.3 GiB`), `indicatif` draws the progress
 //! line (only on a terminal, rate-limited), `fastrand` picks the pages (small, seeded,
-//! no dependencies), `hex` encodes binary addresses and token digests,
+//! no dependencies), `hex` spells binary transport addresses,
 //! `prometheus-client` writes the `--metrics` exposition (see [`metrics`]).
 
 mod backend;
