@@ -873,3 +873,54 @@ fn now_ms() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use TransportKind::{CudaIpc, Efa, Mem, Tcp};
+
+    /// An agent on the host of `boot_id` with `memory`, offering `kinds` (one rail each).
+    fn agent(boot_id: &str, memory: MemoryLocation, kinds: &[TransportKind]) -> AgentInfo {
+        AgentInfo {
+            transports: kinds
+                .iter()
+                .map(|&k| TransportInfo::new(k, vec![b"rail".to_vec()]))
+                .collect(),
+            ..AgentInfo::new("a", boot_id, memory)
+        }
+    }
+
+    #[test]
+    fn resolve_picks_the_first_transport_both_offer_and_says_why() {
+        let gpu = MemoryLocation::Cuda { device: 0 };
+        let host = MemoryLocation::Host;
+        let both = |a: &AgentInfo, b: &AgentInfo| {
+            let k = resolve(a, b).expect("a transport in common");
+            assert_eq!(resolve(b, a).expect("the same both ways"), k);
+            (k, resolve_reason(a, b, k))
+        };
+        let ipc = agent("boot-1", gpu, &[CudaIpc, Tcp]);
+        assert_eq!(
+            both(&ipc, &agent("boot-1", gpu, &[CudaIpc, Tcp])),
+            (CudaIpc, "GPU memory on both sides of one host")
+        );
+        // Another host (another boot id), or host memory on one side: tcp.
+        for other in [
+            agent("boot-2", gpu, &[CudaIpc, Tcp]),
+            agent("boot-1", host, &[Tcp]),
+        ] {
+            assert_eq!(both(&ipc, &other), (Tcp, "not GPU memory on one host"));
+        }
+        let efa = agent("boot-3", host, &[Efa, Tcp]);
+        assert_eq!(
+            both(&efa, &agent("boot-4", host, &[Efa, Tcp])),
+            (Efa, "EFA on both sides")
+        );
+        assert_eq!(
+            both(&efa, &agent("boot-4", host, &[Tcp])),
+            (Tcp, "not GPU memory on one host, and EFA on one side only")
+        );
+        let e = resolve(&efa, &agent("boot-3", host, &[Mem])).unwrap_err();
+        assert!(matches!(e, Error::NoCommonTransport { .. }), "{e}");
+    }
+}
