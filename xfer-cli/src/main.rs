@@ -630,6 +630,28 @@ mod tests {
     }
 
     #[test]
+    fn the_path_says_as_asked_or_what_auto_resolved_and_why() {
+        use fabric_core::MemoryLocation;
+        use fabric_core::metadata::TransportInfo;
+        let gpu = |boot: &str| AgentInfo {
+            transports: vec![
+                TransportInfo::new(TransportKind::CudaIpc, vec![b"ipc".to_vec()]),
+                TransportInfo::new(TransportKind::Tcp, vec![b"tcp".to_vec()]),
+            ],
+            ..AgentInfo::new("a", boot, MemoryLocation::Cuda { device: 0 })
+        };
+        let (a, b) = (gpu("boot-1"), gpu("boot-1"));
+        let p = Path::of(TransportChoice::Auto, &a, &b, TransportKind::CudaIpc);
+        assert_eq!(p.why, "auto: GPU memory on both sides of one host");
+        assert_eq!((p.transport, p.memory), (TransportKind::CudaIpc, "cuda"));
+        let other = gpu("boot-2");
+        let p = Path::of(TransportChoice::Auto, &a, &other, TransportKind::Tcp);
+        assert_eq!(p.why, "auto: not GPU memory on one host");
+        let asked = TransportChoice::Only(TransportKind::Tcp);
+        assert_eq!(Path::of(asked, &a, &b, TransportKind::Tcp).why, "as asked");
+    }
+
+    #[test]
     fn refused_options_are_usage_errors_and_failures_are_not() {
         let e = CliError::from(xfer::lanes::check_rails(0).unwrap_err());
         assert_eq!(e.exit_code(), 2, "{e}");

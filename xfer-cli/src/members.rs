@@ -596,3 +596,57 @@ pub fn members(a: MembersArgs) -> Result<(), CliError> {
     println!("{t}");
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fabric_core::MemoryLocation;
+    use fabric_core::metadata::{AgentInfo, TransportInfo, TransportKind};
+
+    #[test]
+    fn a_member_is_shown_from_its_agent_and_on_this_host_by_boot_id() {
+        let mut tcp = TransportInfo::new(TransportKind::Tcp, vec![b"tcp://10.0.0.5:4000".to_vec()]);
+        tcp.nics = vec!["eth1".into()];
+        let agent = AgentInfo {
+            hostname: "pod-a".into(),
+            control: Some("10.0.0.5:7471".into()),
+            transports: vec![
+                TransportInfo::new(TransportKind::CudaIpc, vec![b"ipc".to_vec()]),
+                tcp,
+            ],
+            ..AgentInfo::new("kv-0", "boot-1", MemoryLocation::Cuda { device: 3 })
+        };
+        let r = Record::new("kv", agent);
+        let here = Shown::of(&r, "boot-1");
+        assert_eq!(here.name, "kv-0");
+        assert_eq!(here.address, "10.0.0.5:7471");
+        assert_eq!(here.transport, "cuda-ipc,tcp");
+        assert_eq!((here.memory.as_str(), here.gpu), ("cuda", Some(3)));
+        assert_eq!(here.nics, ["eth1"]);
+        assert_eq!(here.host_text(), "pod-a (this host)");
+        // Another pod of another node: its hostname alone; a pod of this node with another
+        // hostname is still this host (the boot id decides).
+        let there = Shown::of(&r, "boot-2");
+        assert!(!there.same_host);
+        assert_eq!(there.host_text(), "pod-a");
+        assert!(
+            Shown::of(&r, "").host_text() == "pod-a",
+            "an unknown boot id is no match"
+        );
+        let json = serde_json::to_value(&here).unwrap();
+        for field in [
+            "name",
+            "address",
+            "age_s",
+            "transport",
+            "host",
+            "memory",
+            "gpu",
+            "nics",
+            "regions",
+            "instance",
+        ] {
+            assert!(json.get(field).is_some(), "no {field}: {json}");
+        }
+    }
+}
