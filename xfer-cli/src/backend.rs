@@ -1,23 +1,25 @@
-//! The edge where the command picks a backend and a kind of memory: `--transport`,
-//! `--provider`, `--memory`, `--gpus`. Everything past this module is generic.
+//! The flags that say how an agent is built, shared by serve, bench and demo
+//! (`--transport`, `--provider`, `--memory`, `--gpus`, `--nics`, every per-transport knob),
+//! and the one function that turns them into [`xfer::AgentOptions`]: the library builds the
+//! transports, chooses the NICs and pins the workers. The memory a run moves is allocated
+//! here ([`alloc`]), where the agent's memory lives.
 
 use crate::CliError;
-use crate::nics::RailNic;
-use crate::placement::{self, CorePin};
 use clap::{Args, ValueEnum};
-use fabric_core::MemoryRegion;
-use fabric_core::engine::{EngineConfig, RailGroup};
-use fabric_core::mem::MemTransport;
-use std::net::{IpAddr, SocketAddr};
+use fabric_core::{MemoryLocation, MemoryRegion};
 use std::sync::Arc;
-use transport_cuda_ipc::{CudaIpcConfig, CudaIpcTransport};
-use transport_efa::{EfaConfig, EfaTransport};
-use transport_tcp::{TcpConfig, TcpTransport};
+use std::time::Duration;
+use xfer::nics::Nics;
+use xfer::{
+    AgentOptions, BalanceOptions, CudaIpcOptions, EfaOptions, MemoryKind, PinMode, TcpOptions,
+    TransportChoice, TransportKind, WorkerOptions,
+};
 
 /// `--transport`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum TransportKind {
-    /// cuda-ipc when both sides hold GPU memory on the same host, tcp otherwise.
+pub enum TransportArg {
+    /// Every transport that can work here, the best chosen per peer: cuda-ipc between GPU
+    /// memory of one host, efa where the placement plan has EFA NICs, tcp otherwise.
     Auto,
     /// RDMA semantics over TCP sockets.
     Tcp,
@@ -30,70 +32,54 @@ pub enum TransportKind {
     Mem,
 }
 
-impl TransportKind {
-    /// The backend's name, as engines report it.
-    pub fn name(self) -> &'static str {
+impl TransportArg {
+    /// What the agent offers.
+    pub fn choice(self) -> TransportChoice {
         match self {
-            TransportKind::Auto => "auto",
-            TransportKind::Tcp => "tcp",
-            TransportKind::CudaIpc => "cuda-ipc",
-            TransportKind::Efa => "efa",
-            TransportKind::Mem => "mem",
-        }
-    }
-
-    /// The kind named `name` (as [`name`](Self::name) spells it).
-    pub fn from_name(name: &str) -> Option<TransportKind> {
-        [
-            TransportKind::Auto,
-            TransportKind::Tcp,
-            TransportKind::CudaIpc,
-            TransportKind::Efa,
-            TransportKind::Mem,
-        ]
-        .into_iter()
-        .find(|k| k.name() == name)
-    }
-
-    /// What `auto` means between two endpoints: cuda-ipc when both hold GPU memory on the
-    /// same host and CUDA is here, tcp otherwise. Other kinds stay as they are.
-    pub fn resolve(self, both_gpu: bool, same_host: bool) -> TransportKind {
-        match self {
-            TransportKind::Auto if both_gpu && same_host && gpu_mem::driver_present() => {
-                TransportKind::CudaIpc
-            }
-            TransportKind::Auto => TransportKind::Tcp,
-            k => k,
-        }
-    }
-
-    /// Why this path was taken, for the summary.
-    pub fn why(self, asked: TransportKind) -> &'static str {
-        match (asked, self) {
-            (TransportKind::Auto, TransportKind::CudaIpc) => {
-                "auto: GPU memory on both sides of one host"
-            }
-            (TransportKind::Auto, _) => "auto: not GPU memory on one host",
-            _ => "as asked",
+            TransportArg::Auto => TransportChoice::Auto,
+            TransportArg::Tcp => TransportChoice::Only(TransportKind::Tcp),
+            TransportArg::CudaIpc => TransportChoice::Only(TransportKind::CudaIpc),
+            TransportArg::Efa => TransportChoice::Only(TransportKind::Efa),
+            TransportArg::Mem => TransportChoice::Only(TransportKind::Mem),
         }
     }
 }
 
 /// `--memory`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum MemoryKind {
+pub enum MemoryArg {
     /// Host memory.
     Host,
     /// CUDA device memory (see --gpus).
     Cuda,
 }
 
-impl MemoryKind {
-    /// Its name in summaries.
-    pub fn name(self) -> &'static str {
+impl MemoryArg {
+    /// The library's kind.
+    pub fn kind(self) -> MemoryKind {
         match self {
-            MemoryKind::Host => "host",
-            MemoryKind::Cuda => "cuda",
+            MemoryArg::Host => MemoryKind::Host,
+            MemoryArg::Cuda => MemoryKind::Cuda,
+        }
+    }
+}
+
+/// `--pin`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum PinArg {
+    /// Pin each worker to the placement plan's core (unpinned if discovery fails).
+    #[default]
+    Auto,
+    /// Leave the threads where the OS puts them.
+    Off,
+}
+
+impl PinArg {
+    /// The library's mode.
+    pub fn mode(self) -> PinMode {
+        match self {
+            PinArg::Auto => PinMode::Auto,
+            PinArg::Off => PinMode::Off,
         }
     }
 }
@@ -101,16 +87,17 @@ impl MemoryKind {
 /// Backend and memory flags shared by serve, bench and demo.
 #[derive(Args, Clone, Debug)]
 pub struct BackendArgs {
-    /// Transport. `auto` picks cuda-ipc between GPU memory of one host, tcp otherwise.
+    /// Transport. `auto` offers every transport that can work here and picks per peer:
+    /// cuda-ipc between GPU memory of one host, efa on EFA NICs, tcp otherwise.
     #[arg(long, value_enum, default_value = "auto")]
-    pub transport: TransportKind,
+    pub transport: TransportArg,
     /// libfabric provider for --transport efa (efa, tcp, sockets, shm, ...); FI_PROVIDER
     /// also works. Default: efa.
     #[arg(long)]
     pub provider: Option<String>,
     /// Where the registered regions live.
     #[arg(long, value_enum, default_value = "host")]
-    pub memory: MemoryKind,
+    pub memory: MemoryArg,
     /// CUDA devices to use with --memory cuda, e.g. `0` or `0,1` (demo: source on the
     /// first, target on the second if given).
     #[arg(long, value_delimiter = ',', default_value = "0")]
@@ -140,8 +127,8 @@ pub struct BackendArgs {
     /// The NICs the rails run on: `auto` (the placement plan's NICs for the worker's GPU;
     /// nothing toward loopback) or names, e.g. `veth0,veth1` (tcp: interfaces; efa: libfabric
     /// domains). Rail i runs on NIC i mod N; --rails defaults to N.
-    #[arg(long, value_name = "auto|NAME,...", default_value = "auto", value_parser = crate::nics::parse_nics)]
-    pub nics: crate::nics::NicsArg,
+    #[arg(long, value_name = "auto|NAME,...", default_value = "auto", value_parser = parse_nics)]
+    pub nics: Nics,
     /// Several rails: each holds in flight what it moves in this many microseconds at its
     /// measured rate (at least 2 chunks), and takes chunks of half that (see the library's
     /// `Balance`). Larger keeps fast pipes fuller; smaller ends a slow NIC's tail sooner.
@@ -195,183 +182,85 @@ fn parse_copy_method(s: &str) -> Result<gpu_mem::CopyMethod, String> {
         .ok_or_else(|| format!("{s:?}: expected kernel, batch or memcpy"))
 }
 
+/// `--nics`'s value.
+fn parse_nics(s: &str) -> Result<Nics, String> {
+    s.parse().map_err(|e: xfer::nics::NicError| e.to_string())
+}
+
 impl BackendArgs {
-    /// Fails at once, before any memory is allocated, when the chosen transport cannot run
-    /// here at all: `--transport efa` without a loadable libfabric (the error names where
-    /// it was looked for and how to install it).
-    pub fn check_available(&self) -> Result<(), CliError> {
-        if self.transport == TransportKind::Efa {
-            transport_efa::library().map_err(CliError::from)?;
+    /// The options of an agent built from these flags, pinned by `pin`, with `rails` rails
+    /// per transport (`None`: the library's default, one per NIC it chooses, else 1). The
+    /// caller sets what differs between its agents: role, worker, GPU, listen address, the
+    /// peer's address.
+    pub fn options(&self, pin: PinArg, rails: Option<usize>) -> Result<AgentOptions, CliError> {
+        if self.transport == TransportArg::CudaIpc && self.memory != MemoryArg::Cuda {
+            return Err(CliError::Usage(
+                "--transport cuda-ipc moves GPU memory: add --memory cuda (or use tcp)".into(),
+            ));
+        }
+        let us = Duration::from_micros;
+        Ok(AgentOptions {
+            transport: self.transport.choice(),
+            memory: self.memory.kind(),
+            gpu: self.gpu(0)?,
+            rails,
+            nics: self.nics.clone(),
+            pin: pin.mode(),
+            auth_token: self.auth_token.clone(),
+            tcp: TcpOptions {
+                checksum: self.checksum,
+                copy_nap: us(self.tcp_copy_nap_us),
+            },
+            efa: EfaOptions {
+                provider: self.provider.clone(),
+                idle_nap: self.efa_idle_nap_us.map(us),
+                gather: self.efa_gather,
+                device_only: self.efa_device_only,
+            },
+            cuda_ipc: CudaIpcOptions {
+                copy_method: self.cuda_copy,
+            },
+            workers: WorkerOptions {
+                busy_poll: us(self.busy_poll_us),
+                wait_spin: self.wait_spin_us.map(us),
+                linger: self.linger_us.map(us),
+                control_timeout: None,
+            },
+            balance: BalanceOptions {
+                horizon: self.rail_horizon_us.map(us),
+                chunks_per_rail: self.rail_chunks,
+                max_chunk: self.rail_max_chunk,
+                in_flight: self.rail_in_flight,
+            },
+            ..AgentOptions::default()
+        })
+    }
+
+    /// The transport whose NICs decide `--rails` by default: efa when asked for, else tcp
+    /// (`auto` runs its network rails on tcp unless the plan has EFA NICs, and cuda-ipc
+    /// runs on none).
+    pub fn nic_transport(&self) -> TransportKind {
+        match self.transport {
+            TransportArg::Efa => TransportKind::Efa,
+            _ => TransportKind::Tcp,
+        }
+    }
+
+    /// Checks `--memory cuda` and `--gpus` before anything is built: CUDA is here and every
+    /// GPU listed exists (a GPU that is not there is a usage error naming it).
+    pub fn check_gpus(&self) -> Result<(), CliError> {
+        if self.gpus.is_empty() {
+            return Err(CliError::Usage("--gpus lists no device".into()));
+        }
+        if self.memory != MemoryArg::Cuda {
+            return Ok(());
+        }
+        let cuda = cuda()?;
+        for &g in &self.gpus {
+            cuda.device(g)
+                .map_err(|e| CliError::Usage(format!("--gpus: {e}")))?;
         }
         Ok(())
-    }
-
-    /// This with `--transport auto` resolved for two endpoints (see
-    /// [`TransportKind::resolve`]).
-    pub fn resolved(&self, peer_gpu: bool, same_host: bool) -> BackendArgs {
-        let mut b = self.clone();
-        b.transport = self
-            .transport
-            .resolve(self.memory == MemoryKind::Cuda && peer_gpu, same_host);
-        b
-    }
-
-    /// Starts `rails` engines of the chosen transport, listening on `ip` (TCP); cuda-ipc
-    /// engines copy from the GPU at position `gpu_slot` of --gpus. `nics`, when not empty,
-    /// holds each rail's NIC (see [`crate::nics`]): a tcp rail listens on its address and
-    /// binds to it, an efa rail opens it as its domain.
-    pub fn spawn_group(
-        &self,
-        ip: IpAddr,
-        rails: usize,
-        name: &str,
-        pins: Vec<Option<CorePin>>,
-        gpu_slot: usize,
-        nics: &[RailNic],
-    ) -> Result<RailGroup, CliError> {
-        crate::setup::check_rails(rails).map_err(CliError::Usage)?;
-        if !nics.is_empty() && nics.len() != rails {
-            return Err(CliError::Failed(format!(
-                "internal: {} NICs for {rails} rails",
-                nics.len()
-            )));
-        }
-        let nics: Arc<Vec<RailNic>> = Arc::new(nics.to_vec());
-        let names: Vec<String> = nics.iter().map(|n| n.name.clone()).collect();
-
-        if self.auth_token.is_some() && self.transport != TransportKind::Tcp {
-            return Err(CliError::Usage(
-                "--auth-token applies to --transport tcp only".into(),
-            ));
-        }
-        if self.checksum && self.transport != TransportKind::Tcp {
-            return Err(CliError::Usage(
-                "--checksum applies to --transport tcp only".into(),
-            ));
-        }
-        let auth_token = self.auth_token.clone();
-        let checksum = self.checksum;
-        let copy_nap = std::time::Duration::from_micros(self.tcp_copy_nap_us);
-        let pins = Arc::new(pins);
-        let d = EngineConfig::default();
-        let us = std::time::Duration::from_micros;
-        let cfg = EngineConfig {
-            name: name.into(),
-            busy_poll: us(self.busy_poll_us),
-            wait_spin: self.wait_spin_us.map_or(d.wait_spin, us),
-            linger: self.linger_us.map_or(d.linger, us),
-            ..d
-        };
-        let worker = name.to_string();
-        let g = match self.transport {
-            TransportKind::Tcp => {
-                let make = move |i: usize| {
-                    placement::pin_worker(pins.get(i).copied().flatten(), &format!("{worker}-{i}"));
-                    let nic = nics.get(i);
-                    TcpTransport::new(TcpConfig {
-                        listen: SocketAddr::new(nic.and_then(|n| n.ip).unwrap_or(ip), 0),
-                        interface: nic.map(|n| n.name.clone()),
-                        auth_token: auth_token.clone(),
-                        copy_nap,
-                        checksum,
-                        ..TcpConfig::default()
-                    })
-                };
-                spawn_rails(rails, names, make, cfg)
-            }
-            TransportKind::Auto => {
-                return Err(CliError::Failed(
-                    "internal: --transport auto reached spawn_group unresolved".into(),
-                ));
-            }
-            TransportKind::CudaIpc => {
-                if self.memory != MemoryKind::Cuda {
-                    return Err(CliError::Usage(
-                        "--transport cuda-ipc moves GPU memory: add --memory cuda (or use tcp)"
-                            .into(),
-                    ));
-                }
-                let cuda = self.cuda()?;
-                let device = self.gpu(gpu_slot)?;
-                let cuda_copy = self.cuda_copy;
-                RailGroup::spawn(
-                    rails,
-                    move |i| {
-                        placement::pin_worker(
-                            pins.get(i).copied().flatten(),
-                            &format!("{worker}-{i}"),
-                        );
-                        CudaIpcTransport::new(
-                            &cuda,
-                            CudaIpcConfig {
-                                device,
-                                copy_method: cuda_copy,
-                                ..CudaIpcConfig::default()
-                            },
-                        )
-                    },
-                    cfg,
-                )
-            }
-            TransportKind::Mem => RailGroup::spawn(
-                rails,
-                move |i| {
-                    placement::pin_worker(pins.get(i).copied().flatten(), &format!("{worker}-{i}"));
-                    Ok(MemTransport::new())
-                },
-                cfg,
-            ),
-            TransportKind::Efa => {
-                let mut ec = match &self.provider {
-                    Some(p) => EfaConfig::with_provider(p.clone()),
-                    None => EfaConfig::default(),
-                };
-                ec = ec
-                    .hmem(self.memory == MemoryKind::Cuda)
-                    .hmem_device_only(self.efa_device_only);
-                if let Some(us) = self.efa_idle_nap_us {
-                    ec = ec.idle_nap(std::time::Duration::from_micros(us));
-                }
-                if let Some(ops) = self.efa_gather {
-                    ec = ec.max_gather(ops);
-                }
-                let make = move |i: usize| {
-                    placement::pin_worker(pins.get(i).copied().flatten(), &format!("{worker}-{i}"));
-                    match nics.get(i) {
-                        Some(n) => EfaTransport::new(&ec.clone().domain(n.name.clone())),
-                        None => EfaTransport::new(&ec),
-                    }
-                };
-                spawn_rails(rails, names, make, cfg)
-            }
-        };
-        let g = g.map_err(CliError::from)?;
-        let mut b = g.balance();
-        if let Some(us) = self.rail_horizon_us {
-            b.horizon = std::time::Duration::from_micros(us);
-        }
-        if let Some(n) = self.rail_chunks {
-            b.chunks_per_rail = n.max(1);
-        }
-        if let Some(m) = self.rail_max_chunk {
-            b.max_chunk = m.max(1);
-        }
-        if let Some(n) = self.rail_in_flight {
-            b.in_flight = n.max(1);
-        }
-        g.set_balance(b);
-        Ok(g)
-    }
-
-    /// The CUDA driver, or the one-line reason there is none.
-    pub fn cuda(&self) -> Result<gpu_mem::Cuda, CliError> {
-        gpu_mem::Cuda::probe()
-            .map_err(|e| CliError::Failed(format!("--memory cuda: {e}")))?
-            .ok_or_else(|| {
-                CliError::Failed(
-                    "--memory cuda: no CUDA driver on this machine (use --memory host)".into(),
-                )
-            })
     }
 
     /// The GPU ordinal at position `slot` of --gpus (wrapping around).
@@ -382,43 +271,58 @@ impl BackendArgs {
         Ok(self.gpus[slot % self.gpus.len()])
     }
 
-    /// Allocates a region of `size` bytes: host memory, or device memory on the GPU at
-    /// position `slot` of --gpus (wrapping around).
-    pub fn alloc(&self, size: u64, slot: usize) -> Result<Arc<dyn MemoryRegion>, CliError> {
-        match self.memory {
-            MemoryKind::Host => Ok(Arc::new(gpu_mem::HostMemory::new(size as usize)?)),
-            MemoryKind::Cuda => {
-                let cuda = self.cuda()?;
-                let ordinal = self.gpu(slot)?;
-                let dev = cuda
-                    .device(ordinal)
-                    .map_err(|e| CliError::Usage(format!("--gpus: {e}")))?;
-                let buf = dev.alloc_zeroed(size as usize).map_err(|e| {
-                    CliError::Failed(format!(
-                        "cannot allocate {size} bytes on GPU {ordinal}: {e}"
-                    ))
-                })?;
-                Ok(Arc::new(buf))
-            }
+    /// Checks --gpus for a per-GPU run: not empty, no GPU twice.
+    pub fn check_per_gpu(&self) -> Result<(), CliError> {
+        if self.gpus.is_empty() {
+            return Err(CliError::Usage("--gpus lists no device".into()));
+        }
+        let mut seen = std::collections::HashSet::new();
+        if let Some(g) = self.gpus.iter().find(|g| !seen.insert(**g)) {
+            return Err(CliError::Usage(format!(
+                "--per-gpu: GPU {g} is listed twice in --gpus"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The CUDA driver, or the one-line reason there is none.
+pub fn cuda() -> Result<gpu_mem::Cuda, CliError> {
+    gpu_mem::Cuda::probe()
+        .map_err(|e| CliError::because("--memory cuda", e))?
+        .ok_or_else(|| {
+            CliError::failed("--memory cuda: no CUDA driver on this machine (use --memory host)")
+        })
+}
+
+/// A region of `size` bytes where `memory` says (an agent's memory: host memory, or on its
+/// GPU), zeroed. Host memory is first touched by the calling thread: call it from a thread
+/// that prefers the agent's NUMA node ([`xfer::Agent::home`]).
+pub fn alloc(memory: MemoryLocation, size: u64) -> Result<Arc<dyn MemoryRegion>, CliError> {
+    let len = usize::try_from(size)
+        .map_err(|_| CliError::Usage(format!("{size} bytes do not fit this address space")))?;
+    match memory {
+        MemoryLocation::Host => {
+            Ok(Arc::new(gpu_mem::HostMemory::new(len).map_err(|e| {
+                CliError::because(format!("cannot allocate {size} bytes"), e)
+            })?))
+        }
+        MemoryLocation::Cuda { device } => {
+            let dev = cuda()?
+                .device(device)
+                .map_err(|e| CliError::Usage(format!("--gpus: {e}")))?;
+            let buf = dev.alloc_zeroed(len).map_err(|e| {
+                CliError::because(format!("cannot allocate {size} bytes on GPU {device}"), e)
+            })?;
+            Ok(Arc::new(buf))
         }
     }
 }
 
-/// `rails` rails made by `make`: on the NICs `names` (one per rail) when there are any
-/// ([`RailGroup::spawn_on`]), else unnamed.
-fn spawn_rails<T, F>(
-    rails: usize,
-    names: Vec<String>,
-    make: F,
-    cfg: EngineConfig,
-) -> Result<RailGroup, fabric_core::Error>
-where
-    T: fabric_core::Transport,
-    F: Fn(usize) -> Result<T, fabric_core::Error> + Send + Sync + 'static,
-{
-    if names.is_empty() {
-        RailGroup::spawn(rails, make, cfg)
-    } else {
-        RailGroup::spawn_on(names, move |i, _| make(i), cfg)
+/// Where memory lives, as summaries name it (`host`, `cuda`).
+pub fn memory_name(m: MemoryLocation) -> &'static str {
+    match m {
+        MemoryLocation::Host => "host",
+        MemoryLocation::Cuda { .. } => "cuda",
     }
 }

@@ -13,8 +13,7 @@
 //! Where no like-for-like run exists in one process (efa, GPU memory over tcp or mem, and a
 //! `--latency` or `--per-gpu` run), [`refusal`] says why and what to compare with instead.
 
-use crate::backend::{BackendArgs, MemoryKind, TransportKind};
-use crate::placement::{self, CorePin};
+use crate::backend::MemoryArg;
 use crate::size::format_size;
 use crate::workload::{TransferPages, Workload};
 use fabric_core::{MemoryLocation, MemoryRegion};
@@ -23,6 +22,8 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
+use xfer::TransportKind;
+use xfer::placement::{self, CorePin};
 
 /// Why a baseline could not run.
 #[derive(Debug, thiserror::Error)]
@@ -53,27 +54,33 @@ pub struct Measured {
 }
 
 /// Why `demo --baseline` cannot run with these flags (one line naming `--baseline` and what
-/// to do instead), or `None` when it can. `b` has `--transport auto` resolved.
-pub fn refusal(b: &BackendArgs, per_gpu: bool, latency: bool) -> Option<String> {
+/// to do instead), or `None` when it can, over `transport` (`None`: not known yet, `auto`
+/// before the agents resolve it) with `memory`.
+pub fn refusal(
+    transport: Option<TransportKind>,
+    memory: MemoryArg,
+    per_gpu: bool,
+    latency: bool,
+) -> Option<String> {
     let why = if per_gpu {
         "--baseline measures one worker: drop --per-gpu or --baseline"
     } else if latency {
         "--baseline measures throughput, and --latency has its own floor (a raw TCP \
          ping-pong of the same pages): drop --baseline or --latency"
     } else {
-        match (b.transport, b.memory) {
+        match (transport?, memory) {
             (TransportKind::Efa, _) => {
                 "--baseline has no like-for-like run inside xfer for --transport efa: compare \
                  with the provider alone, `cargo run --release -p transport-efa --example \
                  fi_raw_bw` (raw fi_writemsg of scattered pages) or fabtests' fi_rma_bw, or \
                  drop --baseline"
             }
-            (TransportKind::Tcp | TransportKind::Auto, MemoryKind::Cuda) => {
+            (TransportKind::Tcp, MemoryArg::Cuda) => {
                 "--baseline with --memory cuda --transport tcp has no raw equivalent here (raw \
                  TCP streams move host memory): run it with --memory host, or GPU to GPU with \
                  --transport cuda-ipc --baseline, or drop --baseline"
             }
-            (TransportKind::Mem, MemoryKind::Cuda) => {
+            (TransportKind::Mem, MemoryArg::Cuda) => {
                 "--baseline with --transport mem is a memcpy of host memory: drop --memory \
                  cuda (GPU to GPU: --transport cuda-ipc --baseline), or drop --baseline"
             }
@@ -413,8 +420,7 @@ pub fn scattered_device_copies(
 mod tests {
     use super::*;
     use crate::workload::{self, fill_pattern};
-    use fabric_core::engine::{Direction, EngineConfig, RailGroup};
-    use fabric_core::mem::MemTransport;
+    use fabric_core::engine::Direction;
     use fabric_core::{Access, HostBuffer};
     use std::time::Duration;
 
@@ -439,22 +445,18 @@ mod tests {
         let w = workload();
         let src = HostBuffer::new_shared(w.region_size as usize).expect("source");
         fill_pattern(&*src, w.seed).expect("fill");
-        let spawn = || {
-            RailGroup::spawn(2, |_| Ok(MemTransport::new()), EngineConfig::default())
-                .expect("mem rails start")
-        };
-        let (a, b) = (spawn(), spawn());
+        let (a, b) = workload::tests::mem_agents();
         let by_engine = HostBuffer::new_shared(w.region_size as usize).expect("target");
         let s = a.register(src.clone(), Access::NONE).expect("register");
         let d = b
             .register(by_engine.clone(), Access::REMOTE_WRITE)
             .expect("register");
-        let peer = a.add_peer(&b.addresses()).expect("peer");
+        let peer = a.connect(b.info()).expect("peer");
         let report = workload::run(
             &a,
             &s,
             &peer,
-            &d.remote,
+            d.descriptor(),
             &w,
             &mut crate::progress::Progress::new(true),
         )
@@ -489,40 +491,30 @@ mod tests {
         ));
     }
 
-    fn backend(transport: TransportKind, memory: MemoryKind) -> BackendArgs {
-        use clap::Parser;
-        #[derive(Parser)]
-        struct A {
-            #[command(flatten)]
-            b: BackendArgs,
-        }
-        let mut b = A::parse_from(["x"]).b;
-        b.transport = transport;
-        b.memory = memory;
-        b
-    }
-
     #[test]
     fn refused_where_no_like_for_like_run_exists_and_allowed_elsewhere() {
-        use MemoryKind::{Cuda, Host};
+        use MemoryArg::{Cuda, Host};
         use TransportKind::{CudaIpc, Efa, Mem, Tcp};
         for (t, m) in [(Efa, Host), (Efa, Cuda), (Tcp, Cuda), (Mem, Cuda)] {
-            let why = refusal(&backend(t, m), false, false).expect("refused");
+            let why = refusal(Some(t), m, false, false).expect("refused");
             assert!(
                 why.starts_with("--baseline") && !why.contains('\n'),
                 "{why}"
             );
         }
-        let why = refusal(&backend(Efa, Host), false, false).unwrap();
+        let why = refusal(Some(Efa), Host, false, false).unwrap();
         assert!(
             why.contains("fi_raw_bw") && why.contains("fi_rma_bw"),
             "{why}"
         );
         for (t, m) in [(Tcp, Host), (Mem, Host), (CudaIpc, Cuda)] {
-            assert_eq!(refusal(&backend(t, m), false, false), None, "{t:?} {m:?}");
-            assert!(refusal(&backend(t, m), true, false).is_some());
-            assert!(refusal(&backend(t, m), false, true).is_some());
+            assert_eq!(refusal(Some(t), m, false, false), None, "{t:?} {m:?}");
+            assert!(refusal(Some(t), m, true, false).is_some());
+            assert!(refusal(Some(t), m, false, true).is_some());
         }
+        // Not resolved yet: only what no transport changes.
+        assert_eq!(refusal(None, Cuda, false, false), None);
+        assert!(refusal(None, Host, true, false).is_some());
     }
 
     #[test]

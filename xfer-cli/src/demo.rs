@@ -1,107 +1,163 @@
-//! `xfer demo`: a loopback transfer inside this process, with one worker (the default) or
-//! one worker per GPU (`--per-gpu`).
+//! `xfer demo`: a loopback transfer inside this process between two agents of the library,
+//! an initiator and a target, with one pair (the default) or one pair per GPU
+//! (`--per-gpu`, each pair's rails pinned near its GPU).
 
-use crate::backend::{BackendArgs, TransportKind};
+use crate::backend::{BackendArgs, PinArg, TransportArg, alloc, cuda};
 use crate::baseline::{self, BaselineError, DeviceRegions, Measured};
-use crate::latency;
-use crate::nics::{self, RailNic};
-use crate::placement::{self, CorePin, GpuWorkerPins, PinMode, WorkerPins};
 use crate::setup::{CONNECTING, MEMORY, REGISTERING, STARTING, SetUpClock, WARMING_UP};
 use crate::workload::{self, RunReport, Workload};
-use crate::{CliError, DemoArgs, Knobs, Summary, print_summary, progress, warm_up, workload_of};
-use fabric_core::engine::{GroupPeer, GroupRegistration, RailGroup};
-use fabric_core::{Access, MemoryRegion};
+use crate::{
+    CliError, DemoArgs, Knobs, OpArg, Path, Summary, latency, nics_text, print_summary, progress,
+    warm_up, workload_of,
+};
+use fabric_core::MemoryRegion;
 use serde::Serialize;
-use std::net::{IpAddr, Ipv4Addr};
 use std::sync::{Arc, Barrier};
+use xfer::placement::{CorePin, GpuWorkerPins, WorkerPins};
+use xfer::{Access, Agent, AgentOptions, Peer, Region, Role, TransportChoice, TransportKind};
 
 /// Runs `xfer demo`.
-pub fn run(mut a: DemoArgs) -> Result<(), CliError> {
+pub fn run(a: DemoArgs) -> Result<(), CliError> {
     let w = workload_of(&a.knobs)?;
-    // Both endpoints are this process: same host, same kind of memory.
-    let b = a.backend.resolved(true, true);
+    let k = &a.knobs;
+    let asked = a.backend.transport.choice();
+    // What no transport can change is refused before anything is built (no libfabric or
+    // GPU is needed to be told); what `auto` resolves to is checked once it has.
+    let asked_kind = match asked {
+        TransportChoice::Only(kind) => Some(kind),
+        TransportChoice::Auto => None,
+    };
     if a.baseline
-        && let Some(why) = baseline::refusal(&b, a.per_gpu, a.knobs.latency)
+        && let Some(why) = baseline::refusal(asked_kind, a.backend.memory, a.per_gpu, k.latency)
     {
         return Err(CliError::Usage(why));
     }
-    a.backend.check_available()?;
-    // Both ends are on loopback: NICs only where --nics names them.
-    let choice = nics::choose(
-        &b.nics,
-        b.transport,
-        b.provider.as_deref(),
-        IpAddr::V4(Ipv4Addr::LOCALHOST),
-        0,
-    )
-    .map_err(CliError::Usage)?;
-    a.knobs.rails = a.knobs.rails_asked.unwrap_or(choice.default_rails(1));
-    crate::setup::check_rails(a.knobs.rails).map_err(CliError::Usage)?;
-    let k = &a.knobs;
-    if b.transport == crate::TransportKind::Efa {
+    a.backend.check_gpus()?;
+    if a.backend.transport == TransportArg::Efa {
         let version = transport_efa::libfabric_version().ok();
-        if let Some(note) = in_process_shm_note(b.provider.as_deref(), version) {
+        if let Some(note) = in_process_shm_note(a.backend.provider.as_deref(), version) {
             eprintln!("xfer: warning: {note}");
         }
     }
-    let rail_nics = choice.per_rail(k.rails);
     if a.per_gpu {
-        return per_gpu(&a, &b, &w, &rail_nics);
+        return per_gpu(&a, &w);
     }
     if k.latency {
-        return latency(&b, k, &w, &rail_nics);
+        return latency(&a.backend, k, &w);
     }
-    let pins = WorkerPins::for_this_machine(k.pin);
-    let worker = WorkerRails {
-        initiator: pins.rail_pins(pins.initiator, k.rails, 0),
-        target: pins.rail_pins(pins.target, k.rails, k.rails),
-        home: pins.initiator,
-        nics: rail_nics,
-    };
-    let initiator_pins = worker.initiator.clone();
-    let (report, verified, regions) = one_worker(&b, k, &w, worker, (0, 1), !k.json, None)?;
+    let clock = set_up_clock(k.rails_asked);
+    let pair = Pair::build(&a.backend, k, 0, k.rails_asked, None)?;
+    let kind = pair.transport()?;
+    if a.baseline
+        && let Some(why) = baseline::refusal(Some(kind), a.backend.memory, false, false)
+    {
+        return Err(CliError::Usage(why));
+    }
+    let path = pair.path(asked, kind);
+    let nics = pair.initiator.nics(kind).map(nics_text).unwrap_or_default();
+    let rails = pair.initiator.group(kind).map_or(1, |g| g.rails().len());
+    let (report, verified, regions) = one_worker(pair, clock, k, &w, !k.json, None)?;
     let (measured, hot) = if a.baseline {
-        let (m, hot) = run_baseline(&b, k, &w, &report, regions, &initiator_pins)?;
+        let (m, hot) = run_baseline(kind, &a.backend, k, rails, &w, &report, regions)?;
         (Some(m), hot)
     } else {
         (None, None)
     };
-    let mut summary =
-        Summary::of(&b, a.backend.transport, k, &report, verified, measured).with_nics(&choice);
+    let mut summary = Summary::of(&path, k, &report, verified, measured).with_nics(nics);
     summary.baseline_hot_gbps = hot;
     summary.ratio_hot = hot.map(|h| summary.gbps / h);
     print_summary(&summary, k.json);
     Ok(())
 }
 
+/// The cores of one worker's rails, where the caller placed them (`--per-gpu`).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct WorkerPlace {
+    /// One pin per rail.
+    pub rails: Vec<Option<CorePin>>,
+    /// Where the worker's memory should come from.
+    pub home: Option<CorePin>,
+}
+
+/// One worker of the demo: an initiator agent and a target agent of this process.
+struct Pair {
+    initiator: Agent,
+    target: Agent,
+}
+
+impl Pair {
+    /// The pair of worker `slot`: with `--per-gpu` both on `--gpus[slot]`, their rails at
+    /// `place` (initiator's, target's); else the initiator on the first GPU of --gpus and
+    /// the target on the second (if given), placed by the library.
+    fn build(
+        b: &BackendArgs,
+        k: &Knobs,
+        slot: usize,
+        rails: Option<usize>,
+        place: Option<(WorkerPlace, WorkerPlace)>,
+    ) -> Result<Pair, CliError> {
+        let (gpus, pins) = match place {
+            Some((i, t)) => ((slot, slot), (Some(i.rails), Some(t.rails))),
+            None => ((0, 1), (None, None)),
+        };
+        // Both on loopback: NICs only where --nics names them.
+        let options = |role: Role, gpu: usize| -> Result<AgentOptions, CliError> {
+            Ok(AgentOptions {
+                role,
+                worker: slot,
+                gpu: b.gpu(gpu)?,
+                ..b.options(k.pin, rails)?
+            })
+        };
+        Ok(Pair {
+            initiator: Agent::with_pins(options(Role::Initiator, gpus.0)?, pins.0)?,
+            target: Agent::with_pins(options(Role::Target, gpus.1)?, pins.1)?,
+        })
+    }
+
+    /// The transport the initiator reaches the target by (the library's choice).
+    fn transport(&self) -> Result<TransportKind, CliError> {
+        Ok(xfer::resolve(self.initiator.info(), self.target.info())?)
+    }
+
+    /// The path of a run over `kind`, the transport having been `asked`.
+    fn path(&self, asked: TransportChoice, kind: TransportKind) -> Path {
+        Path::of(asked, self.initiator.info(), self.target.info(), kind)
+    }
+}
+
 /// `--baseline` (after [`baseline::refusal`] let it through): the run's work again without
-/// the engine, on the same path (see [`baseline`]), with the run's own regions where it
-/// copies memory; `pins` are the initiator rails' cores. Returns what it measured and, for
-/// tcp, the cache-hot streams' Gbps.
+/// the engine, on the same path `kind` (see [`baseline`]), with the run's own regions where
+/// it copies memory, as many threads or streams as `rails`. Returns what it measured and,
+/// for tcp, the cache-hot streams' Gbps.
 fn run_baseline(
+    kind: TransportKind,
     b: &BackendArgs,
     k: &Knobs,
+    rails: usize,
     w: &Workload,
     report: &RunReport,
     (local, remote): Regions,
-    pins: &[Option<CorePin>],
 ) -> Result<(Measured, Option<f64>), CliError> {
-    let failed = |e: BaselineError| CliError::Failed(format!("baseline: {e}"));
-    match b.transport {
+    let failed = |e: BaselineError| CliError::because("baseline", e);
+    match kind {
         TransportKind::Mem => {
             // From the region that holds the pattern to the one the bytes landed in.
-            let (from, to) = if w_reads(k) {
+            let (from, to) = if reads(k) {
                 (&remote, &local)
             } else {
                 (&local, &remote)
             };
+            // The copy threads take the cores the initiator's rails took.
+            let pins = WorkerPins::for_this_machine(k.pin.mode());
+            let pins = pins.rail_pins(pins.initiator, rails, 0);
             let gbps =
-                baseline::scattered_memcpy(&**from, &**to, w, k.rails, pins).map_err(failed)?;
-            let kind = baseline::memcpy_kind(k.rails);
+                baseline::scattered_memcpy(&**from, &**to, w, rails, &pins).map_err(failed)?;
+            let kind = baseline::memcpy_kind(rails);
             Ok((Measured { gbps, kind }, None))
         }
         TransportKind::CudaIpc => {
-            let cuda = b.cuda()?;
+            let cuda = cuda()?;
             let (g0, g1) = (b.gpu(0)?, b.gpu(1)?);
             let device = |g: u32| {
                 cuda.device(g)
@@ -115,41 +171,45 @@ fn run_baseline(
                 remote: &remote,
             };
             let (gbps, method) =
-                baseline::scattered_device_copies(&r, w, w_reads(k), k.rails, b.cuda_copy)
+                baseline::scattered_device_copies(&r, w, reads(k), rails, b.cuda_copy)
                     .map_err(failed)?;
-            let kind = baseline::device_copies_kind(method, k.rails, g0, g1);
+            let kind = baseline::device_copies_kind(method, rails, g0, g1);
             Ok((Measured { gbps, kind }, None))
         }
         _ => {
             // tcp with host memory. The regions go first: the streams map as much memory.
             drop((local, remote));
-            let gbps = baseline::tcp_streams(report.bytes, k.rails, k.region_size as usize)
+            let gbps = baseline::tcp_streams(report.bytes, rails, k.region_size as usize)
                 .map_err(failed)?;
-            let hot = baseline::tcp_streams(report.bytes, k.rails, 1 << 20).map_err(failed)?;
-            let kind = baseline::tcp_kind(k.rails, k.region_size as usize);
+            let hot = baseline::tcp_streams(report.bytes, rails, 1 << 20).map_err(failed)?;
+            let kind = baseline::tcp_kind(rails, k.region_size as usize);
             Ok((Measured { gbps, kind }, Some(hot)))
         }
     }
 }
 
 /// `demo --latency`: one worker, transfers one at a time, and the raw TCP floor.
-fn latency(b: &BackendArgs, k: &Knobs, w: &Workload, nics: &[RailNic]) -> Result<(), CliError> {
-    let pins = WorkerPins::for_this_machine(k.pin);
-    let rails = WorkerRails {
-        initiator: pins.rail_pins(pins.initiator, k.rails, 0),
-        target: pins.rail_pins(pins.target, k.rails, k.rails),
-        home: pins.initiator,
-        nics: nics.to_vec(),
-    };
-    let (src_group, dst_group, s, d, peer, _dst) = set_up_worker(b, k, rails, (0, 1))?;
+fn latency(b: &BackendArgs, k: &Knobs, w: &Workload) -> Result<(), CliError> {
+    let clock = set_up_clock(k.rails_asked);
+    let pair = Pair::build(b, k, 0, k.rails_asked, None)?;
+    let kind = pair.transport()?;
+    let rails = pair.initiator.group(kind).map_or(1, |g| g.rails().len());
+    let s = set_up_worker(pair, clock, k, None)?;
     let count = latency::sample_count(w);
-    let (mut times, mut imm) =
-        latency::run_transfers(&src_group, &s, &peer, &d.remote, Some(&dst_group), w, count)?;
+    let (mut times, mut imm) = latency::run_transfers(
+        &s.pair.initiator,
+        &s.src,
+        &s.peer,
+        s.dst.descriptor(),
+        Some(&s.pair.target),
+        w,
+        count,
+    )?;
     let mut raw = latency::raw_round_trips(w.page_size, w.pages, w.region_size, count, w.seed)
-        .map_err(|e| CliError::Failed(format!("raw TCP ping-pong: {e}")))?;
+        .map_err(|e| CliError::io("raw TCP ping-pong", e))?;
     latency::summary(
-        b.transport.name(),
-        k.rails,
+        kind.name(),
+        rails,
         b.busy_poll_us,
         w,
         &mut times,
@@ -160,48 +220,45 @@ fn latency(b: &BackendArgs, k: &Knobs, w: &Workload, nics: &[RailNic]) -> Result
     Ok(())
 }
 
-/// The cores of one worker's rails.
-struct WorkerRails {
-    initiator: Vec<Option<CorePin>>,
-    target: Vec<Option<CorePin>>,
-    /// Where its regions' memory should come from.
-    home: Option<CorePin>,
-    /// The NIC of each rail (both groups), or none.
-    nics: Vec<RailNic>,
-}
-
 /// A worker's regions: the initiator's, the target's.
 type Regions = (Arc<dyn MemoryRegion>, Arc<dyn MemoryRegion>);
 
-/// One worker: an initiator group and a target group on loopback; the source region on the
-/// GPU at position `slots.0` of --gpus, the target region at `slots.1`. Returns the run,
-/// whether the landed bytes were checked, and the regions.
+/// One worker: the run from the initiator to the target and its check where the bytes
+/// landed; `home` is where its memory should come from when the caller placed it. Returns
+/// the run, whether the landed bytes were checked, and the regions.
 fn one_worker(
-    b: &BackendArgs,
+    pair: Pair,
+    clock: SetUpClock,
     k: &Knobs,
     w: &Workload,
-    rails: WorkerRails,
-    slots: (usize, usize),
     show_progress: bool,
-    start: Option<&Barrier>,
+    placed: Option<(Option<CorePin>, &Barrier)>,
 ) -> Result<(RunReport, bool, Regions), CliError> {
     // Workers of a --per-gpu run start their timed work together (a worker whose set-up
     // failed still passes the barrier, then reports its error).
-    let set_up = set_up_worker(b, k, rails, slots);
-    if let Some(barrier) = start {
+    let set_up = set_up_worker(pair, clock, k, placed.map(|p| p.0));
+    if let Some((_, barrier)) = placed {
         barrier.wait();
     }
-    // The target group stays alive (its engines place the bytes) until the run ends.
-    let (src_group, target_group, s, d, peer, regions) = set_up?;
+    // The target agent stays alive (its engines place the bytes) until the run ends.
+    let s = set_up?;
     let mut progress = progress::Progress::new(!show_progress).label(k.op.direction().name());
-    let report = workload::run(&src_group, &s, &peer, &d.remote, w, &mut progress)?;
+    let report = workload::run(
+        &s.pair.initiator,
+        &s.src,
+        &s.peer,
+        s.dst.descriptor(),
+        w,
+        &mut progress,
+    )?;
+    let regions = s.regions.clone();
     // Every byte has landed: stop the rails, whose idle workers would slow the check.
-    drop((src_group, target_group));
+    drop(s);
     let verified = if k.no_verify {
         false
     } else {
         // Where the bytes landed: the target's region (write), the initiator's (read).
-        let landed = if w_reads(k) { &regions.0 } else { &regions.1 };
+        let landed = if reads(k) { &regions.0 } else { &regions.1 };
         let pages = report.written_pages();
         let (bad, first) = workload::verify_pages(&**landed, k.page_size, k.seed, &pages)?;
         if bad > 0 {
@@ -216,77 +273,73 @@ fn one_worker(
     Ok((report, verified, regions))
 }
 
-/// What a worker holds once set up: its groups, registrations, peer and regions.
-type WorkerSetUp = (
-    RailGroup,
-    RailGroup,
-    GroupRegistration,
-    GroupRegistration,
-    GroupPeer,
-    Regions,
-);
+/// What a worker holds once set up: its agents, registrations, peer and regions.
+struct WorkerSetUp {
+    pair: Pair,
+    src: Region,
+    dst: Region,
+    peer: Peer,
+    regions: Regions,
+}
 
+/// The clock of a worker's set-up, from its agents' start (`rails` each, if known).
+fn set_up_clock(rails: Option<usize>) -> SetUpClock {
+    let what = rails.map_or("2 agents".into(), |r| format!("2 x {r} rails"));
+    SetUpClock::start(what, STARTING)
+}
+
+/// Allocates and fills both regions (on the agents' memory), registers them, connects the
+/// initiator to the target and warms every rail up, timed by `clock` (which timed the
+/// agents' start); `home`: where the memory should come from, when the caller placed the
+/// worker (else the initiator's home).
 fn set_up_worker(
-    b: &BackendArgs,
+    pair: Pair,
+    mut clock: SetUpClock,
     k: &Knobs,
-    rails: WorkerRails,
-    slots: (usize, usize),
+    home: Option<Option<CorePin>>,
 ) -> Result<WorkerSetUp, CliError> {
-    let lo = IpAddr::V4(Ipv4Addr::LOCALHOST);
-    let name = |role: &str| format!("xfer-{role}-{}", slots.0);
-    let mut clock = SetUpClock::start(format!("2 x {} rails", k.rails), MEMORY);
-    // Both regions are first touched by this thread: put them on the workers' node. They
-    // are filled before the rails start, whose idle workers would take CPU from the fill.
-    if let Some(p) = rails.home {
-        p.prefer_memory_here(&name("main"));
+    clock.stage(MEMORY);
+    // Both regions are first touched by this thread: put them on the workers' node.
+    if let Some(p) = home.unwrap_or(pair.initiator.home()) {
+        p.prefer_memory_here("xfer-main");
     }
-    let read = w_reads(k);
-    let src = b.alloc(k.region_size, slots.0)?;
-    let dst = b.alloc(k.region_size, slots.1)?;
+    let read = reads(k);
+    let src = alloc(pair.initiator.info().memory, k.region_size)?;
+    let dst = alloc(pair.target.info().memory, k.region_size)?;
     // The pattern is where the bytes come from: the initiator's region for a write, the
     // target's for a read.
     workload::fill_pattern(if read { &*dst } else { &*src }, k.seed)?;
-    clock.stage(STARTING);
-    let src_group = b.spawn_group(
-        lo,
-        k.rails,
-        &name("initiator"),
-        rails.initiator,
-        slots.0,
-        &rails.nics,
-    )?;
-    let dst_group = b.spawn_group(
-        lo,
-        k.rails,
-        &name("target"),
-        rails.target,
-        slots.1,
-        &rails.nics,
-    )?;
     clock.stage(REGISTERING);
     let (s, d) = if read {
         // The warm-up's zero-length writes still need REMOTE_WRITE at the target.
         (
-            src_group.register(src.clone(), Access::LOCAL_WRITE)?,
-            dst_group.register(dst.clone(), Access::REMOTE_READ | Access::REMOTE_WRITE)?,
+            pair.initiator.register(src.clone(), Access::LOCAL_WRITE)?,
+            pair.target
+                .register(dst.clone(), Access::REMOTE_READ | Access::REMOTE_WRITE)?,
         )
     } else {
         (
-            src_group.register(src.clone(), Access::NONE)?,
-            dst_group.register(dst.clone(), Access::REMOTE_WRITE)?,
+            pair.initiator.register(src.clone(), Access::NONE)?,
+            pair.target.register(dst.clone(), Access::REMOTE_WRITE)?,
         )
     };
     clock.stage(CONNECTING);
-    let peer = src_group.add_peer(&dst_group.addresses())?;
+    let peer = pair.initiator.connect(pair.target.info())?;
     clock.stage(WARMING_UP);
-    warm_up(&src_group, &s, &peer, &d.remote, k)?;
+    warm_up(&pair.initiator, &peer, &s, d.descriptor(), k)?;
     clock.finish();
-    Ok((src_group, dst_group, s, d, peer, (src, dst)))
+    Ok(WorkerSetUp {
+        pair,
+        src: s,
+        dst: d,
+        peer,
+        regions: (src, dst),
+    })
 }
 
 /// Whether the run reads (`--op read`).
-fn w_reads(k: &Knobs) -> bool {
-    k.op == crate::OpArg::Read
+fn reads(k: &Knobs) -> bool {
+    k.op == OpArg::Read
 }
 
 /// One worker's line of a `--per-gpu` summary.
@@ -308,7 +361,7 @@ pub(crate) struct PerGpuSummary {
     transport: &'static str,
     /// `write` or `read` (`--op`).
     op: &'static str,
-    path: &'static str,
+    path: String,
     memory: &'static str,
     page_size: u64,
     rails_per_worker: usize,
@@ -326,21 +379,55 @@ pub(crate) struct PerGpuSummary {
 }
 
 /// `--per-gpu`: one worker per entry of --gpus, all at once.
-fn per_gpu(a: &DemoArgs, b: &BackendArgs, w: &Workload, nics: &[RailNic]) -> Result<(), CliError> {
-    let k = &a.knobs;
-    check_per_gpu(b)?;
-    let pins = gpu_worker_pins(b, k.pin, k.rails);
+fn per_gpu(a: &DemoArgs, w: &Workload) -> Result<(), CliError> {
+    let (b, k) = (&a.backend, &a.knobs);
+    b.check_per_gpu()?;
+    // One core per rail of every worker: the rails are counted before any agent is built.
+    let rails = match k.rails_asked {
+        Some(r) => r,
+        None => {
+            let o = b.options(k.pin, None)?;
+            xfer::lanes::nic_choice(&o, b.nic_transport())?.default_rails(1)
+        }
+    };
+    let pins = gpu_worker_pins(&b.gpus, k.pin, rails);
     let results = run_workers(&pins, |slot, p, start| {
-        let rails = WorkerRails {
-            initiator: pad(&p.initiator, k.rails),
-            target: pad(&p.target, k.rails),
+        let place = |rails_pins: &[Option<CorePin>]| WorkerPlace {
+            rails: pad(rails_pins, rails),
             home: p.home,
-            nics: nics.to_vec(),
         };
-        one_worker(b, k, w, rails, (slot, slot), false, Some(start))
-            .map(|(report, verified, _)| (report, verified))
+        let clock = set_up_clock(Some(rails));
+        let set_up = Pair::build(
+            b,
+            k,
+            slot,
+            Some(rails),
+            Some((place(&p.initiator), place(&p.target))),
+        )
+        .and_then(|pair| {
+            let kind = pair.transport()?;
+            Ok((pair.path(a.backend.transport.choice(), kind), pair))
+        });
+        let (path, pair) = match set_up {
+            Ok(x) => x,
+            Err(e) => {
+                // The others wait for every worker at the barrier.
+                start.wait();
+                return Err(e);
+            }
+        };
+        one_worker(pair, clock, k, w, false, Some((p.home, start)))
+            .map(|(report, verified, _)| (path, report, verified))
     });
-    let s = per_gpu_summary(b, a.backend.transport, k, results, &pins)?;
+    let path = results
+        .iter()
+        .find_map(|r| r.as_ref().ok())
+        .map(|r| r.0.clone());
+    let results = results
+        .into_iter()
+        .map(|r| r.map(|(_, report, verified)| (report, verified)))
+        .collect();
+    let s = per_gpu_summary(path, b, k, rails, results, &pins)?;
     print_per_gpu(&s, k.json);
     Ok(())
 }
@@ -364,48 +451,52 @@ pub(crate) fn run_workers<T: Send>(
             .into_iter()
             .map(|h| {
                 h.join()
-                    .unwrap_or_else(|_| Err(CliError::Failed("a worker panicked".into())))
+                    .unwrap_or_else(|_| Err(CliError::failed("a worker panicked")))
             })
             .collect()
     })
 }
 
-/// Gathers the workers' results (the first failure is the answer).
+/// Gathers the workers' results (the first failure is the answer), on `path` (the first
+/// worker's), `rails` rails each.
 pub(crate) fn per_gpu_summary(
+    path: Option<Path>,
     b: &BackendArgs,
-    asked: crate::backend::TransportKind,
     k: &Knobs,
+    rails: usize,
     results: Vec<Result<(RunReport, bool), CliError>>,
     pins: &[GpuWorkerPins],
 ) -> Result<PerGpuSummary, CliError> {
     let mut workers = Vec::new();
     for ((slot, r), p) in results.into_iter().enumerate().zip(pins) {
+        let gpu = b.gpus[slot];
         let (report, verified) = r.map_err(|e| match e {
-            CliError::Failed(m) => CliError::Failed(format!("GPU {}: {m}", b.gpus[slot])),
-            CliError::Mismatch(m) => CliError::Mismatch(format!("GPU {}: {m}", b.gpus[slot])),
-            other => other,
+            CliError::Mismatch(m) => CliError::Mismatch(format!("GPU {gpu}: {m}")),
+            CliError::Usage(m) => CliError::Usage(format!("GPU {gpu}: {m}")),
+            other => CliError::because(format!("GPU {gpu}"), other),
         })?;
         workers.push(WorkerSummary {
-            gpu: b.gpus[slot],
+            gpu,
             bytes: report.bytes,
             seconds: report.seconds,
             gbps: report.gbps(),
             verified,
-            cores: pad(&p.initiator, k.rails)
+            cores: pad(&p.initiator, rails)
                 .iter()
                 .map(|c| c.map(|c| c.core))
                 .collect(),
         });
     }
+    let path = path.ok_or_else(|| CliError::failed("no worker ran"))?;
     let bytes: u64 = workers.iter().map(|w| w.bytes).sum();
     let seconds = workers.iter().map(|w| w.seconds).fold(0.0, f64::max);
     Ok(PerGpuSummary {
-        transport: b.transport.name(),
+        transport: path.transport.name(),
         op: k.op.direction().name(),
-        path: b.transport.why(asked),
-        memory: b.memory.name(),
+        path: path.why,
+        memory: path.memory,
         page_size: k.page_size,
-        rails_per_worker: k.rails,
+        rails_per_worker: rails,
         bytes,
         bytes_asked: crate::bytes_asked(k),
         seconds,
@@ -456,39 +547,20 @@ pub(crate) fn print_per_gpu(s: &PerGpuSummary, json: bool) {
     }
 }
 
-/// One [`GpuWorkerPins`] per entry of --gpus, from the placement plan (`--pin auto`).
-pub(crate) fn gpu_worker_pins(b: &BackendArgs, pin: PinMode, rails: usize) -> Vec<GpuWorkerPins> {
-    match pin {
-        PinMode::Off => vec![GpuWorkerPins::default(); b.gpus.len()],
-        PinMode::Auto => match topology::Topology::discover() {
-            Ok(t) => {
-                let idx: Vec<_> = b
-                    .gpus
-                    .iter()
-                    .map(|&o| placement::topology_gpu(&t, o))
-                    .collect();
-                placement::per_gpu_pins(&t, &t.plan(), &idx, rails)
-            }
-            Err(e) => {
-                tracing::warn!(error = %crate::topo::error_chain(&e), "topology discovery failed; workers run unpinned");
-                vec![GpuWorkerPins::default(); b.gpus.len()]
-            }
-        },
+/// One [`GpuWorkerPins`] per entry of `gpus` (CUDA ordinals), from the placement plan
+/// (`--pin auto`) of this machine's topology.
+pub(crate) fn gpu_worker_pins(gpus: &[u32], pin: PinArg, rails: usize) -> Vec<GpuWorkerPins> {
+    let unpinned = || vec![GpuWorkerPins::default(); gpus.len()];
+    match (pin, xfer::placement::machine()) {
+        (PinArg::Auto, Some(t)) => {
+            let idx: Vec<_> = gpus
+                .iter()
+                .map(|&o| xfer::placement::topology_gpu(t, o))
+                .collect();
+            xfer::placement::per_gpu_pins(t, &t.plan(), &idx, rails)
+        }
+        _ => unpinned(),
     }
-}
-
-/// Checks --gpus for a per-GPU run: not empty, no GPU twice.
-pub(crate) fn check_per_gpu(b: &BackendArgs) -> Result<(), CliError> {
-    if b.gpus.is_empty() {
-        return Err(CliError::Usage("--gpus lists no device".into()));
-    }
-    let mut seen = std::collections::HashSet::new();
-    if let Some(g) = b.gpus.iter().find(|g| !seen.insert(**g)) {
-        return Err(CliError::Usage(format!(
-            "--per-gpu: GPU {g} is listed twice in --gpus"
-        )));
-    }
-    Ok(())
 }
 
 /// `pins` with exactly `n` entries (unpinned where missing).

@@ -311,7 +311,8 @@ pub fn run(json: bool) -> Result<(), CliError> {
     if json {
         println!(
             "{}",
-            serde_json::to_string(&i).map_err(|e| CliError::Failed(e.to_string()))?
+            serde_json::to_string(&i)
+                .map_err(|e| CliError::because("cannot encode the JSON", e))?
         );
         return Ok(());
     }

@@ -7,13 +7,12 @@
 //! path; it has no immediate-data series, the target's clock being another process's.
 
 use crate::workload::Workload;
-use fabric_core::Error;
-use fabric_core::engine::RemoteDescriptor;
-use fabric_core::engine::{GroupPeer, GroupRegistration, GroupTransfer, RailGroup, WARM_UP_IMM};
+use fabric_core::engine::WARM_UP_IMM;
 use serde::Serialize;
 use std::io::{IoSlice, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
+use xfer::{Agent, Error, Peer, Region, RegionDescriptor, Transfer};
 
 /// Most transfers timed in one run (whatever `--bytes` asks).
 pub const MAX_SAMPLES: u64 = 200_000;
@@ -185,15 +184,15 @@ impl LatencySummary {
     }
 }
 
-/// Transfers of `pages` random pages of `page_size`, one at a time; `target`, when the
-/// target group is in this process, is watched for the immediate data of each transfer.
-/// Returns (per-transfer times, submit-to-immediate-data times).
+/// Transfers of `pages` random pages of `page_size` from `src` to the peer's `dst`, one at
+/// a time; `target`, when the target agent is in this process, is watched for the immediate
+/// data of each transfer. Returns (per-transfer times, submit-to-immediate-data times).
 pub fn run_transfers(
-    group: &RailGroup,
-    src: &GroupRegistration,
-    peer: &GroupPeer,
-    dst: &RemoteDescriptor,
-    target: Option<&RailGroup>,
+    agent: &Agent,
+    src: &Region,
+    peer: &Peer,
+    dst: &RegionDescriptor,
+    target: Option<&Agent>,
     w: &Workload,
     count: u64,
 ) -> Result<(Vec<Duration>, Vec<Duration>), Error> {
@@ -202,7 +201,7 @@ pub fn run_transfers(
     let mut rng = fastrand::Rng::with_seed(w.seed);
     let mut times = Vec::with_capacity(count as usize);
     let mut submitted = Vec::with_capacity(count as usize);
-    let watch = |t: &RailGroup| -> Result<Vec<(u32, Instant)>, Error> {
+    let watch = |t: &Agent| -> Result<Vec<(u32, Instant)>, Error> {
         let mut seen = Vec::with_capacity(count as usize);
         while (seen.len() as u64) < count {
             let ev = t.next_event(timeout)?;
@@ -220,18 +219,12 @@ pub fn run_transfers(
                 let p = rng.u64(..region_pages) * page_size;
                 segments.push((p, p, page_size));
             }
-            let t = GroupTransfer {
-                src: src.clone(),
-                dst: dst.clone(),
-                segments,
-                // Never the warm-up value, which rail groups drop.
-                imm: Some((i % WARM_UP_IMM as u64) as u32),
-                timeout: Some(timeout),
-                direction: fabric_core::engine::Direction::Write,
-                after: None,
-            };
+            // Never the warm-up value, which rail groups drop.
+            let t = Transfer::segments(segments)
+                .imm((i % WARM_UP_IMM as u64) as u32)
+                .timeout(timeout);
             let t0 = Instant::now();
-            let h = group.submit(peer, t)?;
+            let h = agent.submit(peer, src, dst, t)?;
             h.wait(timeout)?;
             times.push(t0.elapsed());
             submitted.push(t0);
@@ -240,7 +233,11 @@ pub fn run_transfers(
             None => Ok(None),
             Some(w) => w
                 .join()
-                .map_err(|_| Error::InvalidArgument("the watcher thread panicked".into()))?
+                .map_err(|_| {
+                    Error::Engine(fabric_core::Error::InvalidArgument(
+                        "the watcher thread panicked".into(),
+                    ))
+                })?
                 .map(Some),
         }
     })?;

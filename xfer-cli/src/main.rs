@@ -6,43 +6,45 @@
 //! - `xfer topo`: the machine's topology and where the workers go;
 //! - `xfer info`: what this machine offers.
 //!
+//! The command is a thin layer over the `xfer` library: it parses flags into
+//! `xfer::AgentOptions` ([`backend`]), builds agents, and prints what they did; the bench
+//! workload (pages, patterns, verification, latency, baselines) is its own.
+//!
 //! Dependencies beyond the workspace's own, each in place of code we wrote by hand:
 //! `bytesize` parses and prints sizes (`64KiB`, `4.3 GiB`), `indicatif` draws the progress
 //! line (only on a terminal, rate-limited), `fastrand` picks the pages (small, seeded,
-//! no dependencies), `hex` encodes binary addresses and token digests,
+//! no dependencies), `hex` spells binary transport addresses,
 //! `prometheus-client` writes the `--metrics` exposition (see [`metrics`]).
 
 mod backend;
 mod baseline;
 mod control;
 mod demo;
-mod door;
 mod info;
 mod latency;
 mod members;
 mod metrics;
-mod nics;
 mod pattern;
-mod placement;
 mod progress;
-mod raw_auth;
 mod remote;
+mod served;
 mod setup;
 mod sink;
 mod size;
 mod topo;
 mod workload;
 
-use backend::{BackendArgs, TransportKind};
+use backend::{BackendArgs, PinArg};
 use clap::{Args, Parser, Subcommand};
-use fabric_core::Error;
-use fabric_core::engine::{Direction, GroupPeer, GroupRegistration, RailGroup, RemoteDescriptor};
-use placement::PinMode;
+use fabric_core::engine::Direction;
+use fabric_core::error::report;
 use serde::Serialize;
 use std::net::{IpAddr, SocketAddr};
 use std::process::ExitCode;
 use std::time::Duration;
 use workload::Workload;
+use xfer::nics::NicChoice;
+use xfer::{Agent, AgentInfo, Peer, Region, RegionDescriptor, TransportChoice, TransportKind};
 
 #[derive(Parser)]
 #[command(
@@ -96,9 +98,6 @@ struct Knobs {
     /// NIC of the server), else 1.
     #[arg(long = "rails", value_name = "N")]
     rails_asked: Option<usize>,
-    /// The rails this run uses (`--rails`, or its default once the NICs are chosen).
-    #[arg(skip)]
-    rails: usize,
     /// Size of the source region (and of the target region in demo).
     #[arg(long, default_value = "1GiB", value_parser = size::parse_size)]
     region_size: u64,
@@ -119,7 +118,7 @@ struct Knobs {
     json: bool,
     /// Pin the engine workers to the placement plan's cores (auto), or not (off).
     #[arg(long, value_enum, default_value = "auto")]
-    pin: PinMode,
+    pin: PinArg,
     /// Measure latency instead of throughput: transfers one at a time (depth 1), each
     /// carrying immediate data, as many as --bytes holds (at most 200000); prints
     /// p50/p90/p99/max per transfer, a raw TCP ping-pong of the same pages (the floor;
@@ -183,20 +182,17 @@ struct ServeArgs {
     /// rails are spread over them; at most 256. Default: one per NIC of --nics, else 4.
     #[arg(long = "rails", value_name = "N")]
     rails_asked: Option<usize>,
-    /// The rails of each group (`--rails`, or its default once the NICs are chosen).
-    #[arg(skip)]
-    rails: usize,
     #[command(flatten)]
     backend: BackendArgs,
     /// Pin the engine worker to the placement plan's core (auto), or not (off).
     #[arg(long, value_enum, default_value = "auto")]
-    pin: PinMode,
+    pin: PinArg,
     /// One worker per entry of --gpus, each with its own rails pinned near its GPU and its
     /// clients' regions on its GPU; `bench --per-gpu` writes to all of them at once.
     #[arg(long)]
     per_gpu: bool,
     #[command(flatten)]
-    limits: control::ServeLimits,
+    limits: served::ServeLimitsArgs,
     #[command(flatten)]
     publish: members::PublishArgs,
     /// Serve Prometheus metrics (text exposition) at http://ADDR/metrics: per-rail bytes,
@@ -269,6 +265,35 @@ pub(crate) struct DemoArgs {
     per_gpu: bool,
 }
 
+/// The path a run took: the transport both sides use, why (`as asked`, or what `auto`
+/// resolved and the library's reason), and where the memory lives.
+#[derive(Clone, Debug)]
+pub(crate) struct Path {
+    transport: TransportKind,
+    why: String,
+    memory: &'static str,
+}
+
+impl Path {
+    /// The path from `ours` to `theirs` over `kind`, the transports having been `asked`.
+    pub(crate) fn of(
+        asked: TransportChoice,
+        ours: &AgentInfo,
+        theirs: &AgentInfo,
+        kind: TransportKind,
+    ) -> Path {
+        let why = match asked {
+            TransportChoice::Only(_) => "as asked".to_owned(),
+            TransportChoice::Auto => format!("auto: {}", xfer::resolve_reason(ours, theirs, kind)),
+        };
+        Path {
+            transport: kind,
+            why,
+            memory: backend::memory_name(ours.memory),
+        }
+    }
+}
+
 /// The JSON summary of a run.
 #[derive(Serialize)]
 pub(crate) struct Summary {
@@ -276,7 +301,7 @@ pub(crate) struct Summary {
     /// `write` or `read` (`--op`).
     op: &'static str,
     /// Why that transport (`as asked`, or what `auto` saw).
-    path: &'static str,
+    path: String,
     /// What the baseline was, in words (e.g. "raw TCP streams, 2, loopback, 1.0 GiB
     /// buffers"; "scattered memcpy of the same pages, 1 thread").
     baseline_kind: Option<String>,
@@ -307,8 +332,7 @@ pub(crate) struct Summary {
 
 impl Summary {
     pub(crate) fn of(
-        b: &BackendArgs,
-        asked: TransportKind,
+        path: &Path,
         k: &Knobs,
         report: &workload::RunReport,
         verified: bool,
@@ -317,13 +341,13 @@ impl Summary {
         let gbps = report.gbps();
         let (baseline_gbps, baseline_kind) = baseline.map(|m| (m.gbps, m.kind)).unzip();
         Summary {
-            transport: b.transport.name(),
+            transport: path.transport.name(),
             op: k.op.direction().name(),
-            path: b.transport.why(asked),
+            path: path.why.clone(),
             baseline_kind,
             baseline_hot_gbps: None,
             ratio_hot: None,
-            memory: b.memory.name(),
+            memory: path.memory,
             page_size: k.page_size,
             pages: k.pages,
             rails: report.rails.len().max(1),
@@ -340,33 +364,119 @@ impl Summary {
         }
     }
 
-    /// With how the NICs were chosen.
-    pub(crate) fn with_nics(mut self, c: &nics::NicChoice) -> Summary {
-        self.nics = format!("{} ({})", c.names(), c.reason);
+    /// With how the NICs were chosen ([`nics_text`]).
+    pub(crate) fn with_nics(mut self, nics: String) -> Summary {
+        self.nics = nics;
         self
     }
 }
 
-/// Why the command failed; each is one line on stderr.
+/// How a transport's NICs were chosen, as summaries say it: `names (reason)`.
+pub(crate) fn nics_text(c: &NicChoice) -> String {
+    format!("{} ({})", c.names(), c.reason)
+}
+
+/// Why the command failed: one line on stderr (the error and its causes), and the exit
+/// code of its class: 2 for a command line that asks for what cannot be, 3 for bytes that
+/// landed wrong, 1 for everything else that failed.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum CliError {
+    /// The command line asks for what cannot be (exit 2).
     #[error("{0}")]
     Usage(String),
-    #[error("{0}")]
-    Failed(String),
+    /// The library refused an option (out of range, contradicting another, a NIC that is
+    /// not there) (exit 2).
+    #[error(transparent)]
+    Option(xfer::Error),
+    /// The library failed: the agent, the engine, the rendezvous, the directory (exit 1).
+    #[error(transparent)]
+    Failed(xfer::Error),
+    /// Something of the command's own failed, with its cause where there is one (exit 1).
+    #[error("{what}")]
+    Other {
+        /// What failed.
+        what: String,
+        /// Why.
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    },
+    /// The bytes that landed differ from what was sent (exit 3).
     #[error("verification failed: {0}")]
     Mismatch(String),
 }
 
-impl From<Error> for CliError {
-    fn from(e: Error) -> Self {
-        CliError::Failed(fabric_core::error::report(&e))
+impl CliError {
+    /// A failure with no cause beyond its words.
+    pub(crate) fn failed(what: impl Into<String>) -> CliError {
+        CliError::Other {
+            what: what.into(),
+            source: None,
+        }
+    }
+
+    /// A failure of `what`, caused by `source`.
+    pub(crate) fn because(
+        what: impl Into<String>,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> CliError {
+        CliError::Other {
+            what: what.into(),
+            source: Some(source.into()),
+        }
+    }
+
+    /// An I/O failure of `what`.
+    pub(crate) fn io(what: impl Into<String>, source: std::io::Error) -> CliError {
+        CliError::because(what, source)
+    }
+
+    /// The exit code of its class.
+    fn exit_code(&self) -> u8 {
+        match self {
+            CliError::Usage(_) | CliError::Option(_) => 2,
+            CliError::Mismatch(_) => 3,
+            CliError::Failed(_) | CliError::Other { .. } => 1,
+        }
+    }
+}
+
+impl From<xfer::Error> for CliError {
+    /// Options the library refused are the command line's fault; the rest failed.
+    fn from(e: xfer::Error) -> Self {
+        use xfer::nics::NicError;
+        match &e {
+            xfer::Error::Option { .. } => CliError::Option(e),
+            xfer::Error::Nics(n)
+                if !matches!(n, NicError::Interfaces(_) | NicError::Domains(_)) =>
+            {
+                CliError::Option(e)
+            }
+            _ => CliError::Failed(e),
+        }
+    }
+}
+
+impl From<fabric_core::Error> for CliError {
+    fn from(e: fabric_core::Error) -> Self {
+        CliError::Failed(e.into())
     }
 }
 
 impl From<fabric_core::MemoryError> for CliError {
     fn from(e: fabric_core::MemoryError) -> Self {
-        CliError::Failed(e.to_string())
+        CliError::Failed(e.into())
+    }
+}
+
+impl From<xfer::rendezvous::ClientError> for CliError {
+    fn from(e: xfer::rendezvous::ClientError) -> Self {
+        CliError::Failed(e.into())
+    }
+}
+
+impl From<directory::Error> for CliError {
+    fn from(e: directory::Error) -> Self {
+        CliError::Failed(e.into())
     }
 }
 
@@ -375,14 +485,6 @@ pub(crate) fn address_to_text(a: &[u8]) -> String {
     match std::str::from_utf8(a) {
         Ok(s) if s.chars().all(|c| c.is_ascii_graphic()) => s.to_string(),
         _ => format!("hex:{}", hex::encode(a)),
-    }
-}
-
-/// Inverse of [`address_to_text`].
-pub(crate) fn address_from_text(s: &str) -> Result<Vec<u8>, String> {
-    match s.strip_prefix("hex:") {
-        None => Ok(s.as_bytes().to_vec()),
-        Some(h) => hex::decode(h).map_err(|e| format!("bad hex address {s:?}: {e}")),
     }
 }
 
@@ -401,7 +503,7 @@ pub(crate) fn workload_of(k: &Knobs) -> Result<Workload, CliError> {
     k.check_op()?;
     let w = w.whole_pages();
     if let Some(r) = k.rails_asked {
-        setup::check_rails(r).map_err(CliError::Usage)?;
+        xfer::lanes::check_rails(r)?;
     }
     if k.region_size > usize::MAX as u64 {
         return Err(CliError::Usage(
@@ -478,16 +580,16 @@ pub(crate) fn print_summary(s: &Summary, json: bool) {
 /// Connects and exercises every rail before the timed work (zero-length writes; `--no-warmup`
 /// skips it, so the first transfers also pay for connection set-up).
 pub(crate) fn warm_up(
-    g: &RailGroup,
-    src: &GroupRegistration,
-    peer: &GroupPeer,
-    dst: &RemoteDescriptor,
+    agent: &Agent,
+    peer: &Peer,
+    src: &Region,
+    dst: &RegionDescriptor,
     k: &Knobs,
 ) -> Result<(), CliError> {
     if k.no_warmup {
         return Ok(());
     }
-    g.warm_up(peer, src, dst, Duration::from_secs(30))?;
+    agent.warm_up(peer, src, dst, Duration::from_secs(30))?;
     Ok(())
 }
 
@@ -511,12 +613,8 @@ fn main() -> ExitCode {
     match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("xfer: error: {e}");
-            ExitCode::from(match e {
-                CliError::Usage(_) => 2,
-                CliError::Failed(_) => 1,
-                CliError::Mismatch(_) => 3,
-            })
+            eprintln!("xfer: error: {}", report(&e));
+            ExitCode::from(e.exit_code())
         }
     }
 }
@@ -526,10 +624,40 @@ mod tests {
     use super::*;
 
     #[test]
-    fn addresses_round_trip_as_text() {
-        for a in [b"tcp://127.0.0.1:1".to_vec(), vec![0, 1, 2, 255]] {
-            assert_eq!(address_from_text(&address_to_text(&a)).unwrap(), a);
-        }
-        assert!(address_from_text("hex:abc").is_err());
+    fn addresses_are_text_or_hex() {
+        assert_eq!(address_to_text(b"tcp://127.0.0.1:1"), "tcp://127.0.0.1:1");
+        assert_eq!(address_to_text(&[0, 1, 2, 255]), "hex:000102ff");
+    }
+
+    #[test]
+    fn the_path_says_as_asked_or_what_auto_resolved_and_why() {
+        use fabric_core::MemoryLocation;
+        use fabric_core::metadata::TransportInfo;
+        let gpu = |boot: &str| AgentInfo {
+            transports: vec![
+                TransportInfo::new(TransportKind::CudaIpc, vec![b"ipc".to_vec()]),
+                TransportInfo::new(TransportKind::Tcp, vec![b"tcp".to_vec()]),
+            ],
+            ..AgentInfo::new("a", boot, MemoryLocation::Cuda { device: 0 })
+        };
+        let (a, b) = (gpu("boot-1"), gpu("boot-1"));
+        let p = Path::of(TransportChoice::Auto, &a, &b, TransportKind::CudaIpc);
+        assert_eq!(p.why, "auto: GPU memory on both sides of one host");
+        assert_eq!((p.transport, p.memory), (TransportKind::CudaIpc, "cuda"));
+        let other = gpu("boot-2");
+        let p = Path::of(TransportChoice::Auto, &a, &other, TransportKind::Tcp);
+        assert_eq!(p.why, "auto: not GPU memory on one host");
+        let asked = TransportChoice::Only(TransportKind::Tcp);
+        assert_eq!(Path::of(asked, &a, &b, TransportKind::Tcp).why, "as asked");
+    }
+
+    #[test]
+    fn refused_options_are_usage_errors_and_failures_are_not() {
+        let e = CliError::from(xfer::lanes::check_rails(0).unwrap_err());
+        assert_eq!(e.exit_code(), 2, "{e}");
+        let e = CliError::from(fabric_core::Error::InvalidArgument("x".into()));
+        assert_eq!(e.exit_code(), 1, "{e}");
+        let e = CliError::because("baseline", std::io::Error::other("the cause"));
+        assert_eq!(report(&e), "baseline: the cause");
     }
 }

@@ -1,16 +1,20 @@
-//! The cluster directory in the CLI ([`directory`]): `serve --directory --name` publishes
-//! the server, `bench --peer-name` finds one by name, `bench --peers all` writes to every
-//! member in turn as members come and go, and `xfer members` lists or watches a cluster.
+//! The cluster directory in the CLI, on the library's discovery ([`xfer::discovery`]):
+//! `serve --directory --name` publishes the server's agent ([`xfer::Agent::publish`]),
+//! `bench --peer-name` finds one by name ([`xfer::discovery::lookup`]), `bench --peers all`
+//! follows the cluster ([`xfer::Agent::follow`]) and writes to every member in turn as
+//! members come and go, and `xfer members` lists or watches a cluster's records
+//! ([`directory::Record`]).
 
-use crate::backend::MemoryKind;
-use crate::nics::{self, NicChoice};
-use crate::placement::WorkerPins;
-use crate::{BenchArgs, CliError, workload_of};
-use directory::{Directory, Event, Member, Publication, Record};
+use crate::backend::alloc;
+use crate::control::BenchClient;
+use crate::{BenchArgs, CliError, OpArg, workload_of};
+use directory::{Directory, Event, Member, Record};
 use serde::Serialize;
 use std::collections::BTreeMap;
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
+use xfer::discovery::{FollowEvent, Publication};
+use xfer::{Access, Agent, AgentOptions, Region, Role};
 
 /// Where the cluster directory is, and which cluster.
 #[derive(clap::Args, Clone, Debug)]
@@ -31,7 +35,7 @@ impl DirectoryArgs {
         };
         directory::record::check_name("cluster", &self.cluster)
             .map_err(|e| CliError::Usage(format!("--cluster: {e}")))?;
-        directory::open(url).map(Some).map_err(dir_error)
+        Ok(Some(xfer::discovery::open(url)?))
     }
 
     /// Opens the directory, which `what` needs.
@@ -39,11 +43,6 @@ impl DirectoryArgs {
         self.open()?
             .ok_or_else(|| CliError::Usage(format!("{what} needs --directory (or XFER_DIRECTORY)")))
     }
-}
-
-/// A directory error as the CLI reports it (with its sources).
-fn dir_error(e: directory::Error) -> CliError {
-    CliError::Failed(fabric_core::error::report(&e))
 }
 
 /// What `serve` publishes, from its flags.
@@ -63,73 +62,78 @@ pub struct PublishArgs {
     pub advertise: Option<IpAddr>,
 }
 
-/// What a server offers, for its record.
-pub struct Offer<'a> {
-    pub ctl: SocketAddr,
-    pub transport: &'static str,
-    pub addresses: Vec<Vec<u8>>,
-    pub memory: MemoryKind,
-    pub gpu: Option<u32>,
-    pub nics: &'a NicChoice,
+/// A server about to publish itself: the directory, its name there, and where peers reach
+/// its control port.
+pub struct Publishing {
+    dir: Box<dyn Directory>,
+    cluster: String,
+    /// Its member name (its agent's name).
+    pub name: String,
+    /// Where peers say hello (its agent's [`control`](xfer::AgentOptions::control)).
+    pub control: SocketAddr,
+    ttl: Duration,
 }
 
-/// Publishes the server (with `--directory`): its control address, rails and NICs; each
-/// client still gets its own region from the control channel. `None` without a directory.
-pub fn publish(p: &PublishArgs, offer: Offer<'_>) -> Result<Option<Publication>, CliError> {
-    let name = match (&p.dir.directory, &p.name) {
-        (None, None) => return Ok(None),
-        (None, Some(_)) => return Err(CliError::Usage("--name needs --directory".into())),
-        (Some(_), None) => {
-            return Err(CliError::Usage("--directory needs --name for serve".into()));
-        }
-        (Some(_), Some(n)) => n.as_str(),
-    };
-    directory::record::check_name("member", name)
-        .map_err(|e| CliError::Usage(format!("--name: {e}")))?;
-    let host = match (offer.ctl.ip(), p.advertise) {
-        (_, Some(ip)) => ip,
-        (ip, None) if ip.is_unspecified() => {
-            return Err(CliError::Usage(format!(
-                "serving on every interface ({ip}): say which address peers reach this server at \
-                 with --advertise IP (in Kubernetes, the pod IP)"
-            )));
-        }
-        (ip, None) => ip,
-    };
-    let dir = p.dir.require("serve --name")?;
-    let mut r = Record::new(&p.dir.cluster, name, offer.transport);
-    r.control = Some(SocketAddr::new(host, offer.ctl.port()).to_string());
-    r.addresses = offer.addresses;
-    r.memory = offer.memory.name().into();
-    r.gpu = offer.gpu;
-    r.nics = offer.nics.nics.iter().map(|n| n.name.clone()).collect();
-    let publication = dir
-        .publish(r, Duration::from_secs(p.ttl.max(1)))
-        .map_err(dir_error)?;
-    eprintln!(
-        "xfer: published as {name} in cluster {} at {} (ttl {} s)",
-        p.dir.cluster,
-        dir.endpoint(),
-        p.ttl.max(1)
-    );
-    Ok(Some(publication))
+impl Publishing {
+    /// What `serve` will publish with these flags, its control port at `ctl` (checked and
+    /// the directory opened before anything is built); `None` without a directory.
+    pub fn of(p: &PublishArgs, ctl: SocketAddr) -> Result<Option<Publishing>, CliError> {
+        let name = match (&p.dir.directory, &p.name) {
+            (None, None) => return Ok(None),
+            (None, Some(_)) => return Err(CliError::Usage("--name needs --directory".into())),
+            (Some(_), None) => {
+                return Err(CliError::Usage("--directory needs --name for serve".into()));
+            }
+            (Some(_), Some(n)) => n.clone(),
+        };
+        directory::record::check_name("member", &name)
+            .map_err(|e| CliError::Usage(format!("--name: {e}")))?;
+        let host = match (ctl.ip(), p.advertise) {
+            (_, Some(ip)) => ip,
+            (ip, None) if ip.is_unspecified() => {
+                return Err(CliError::Usage(format!(
+                    "serving on every interface ({ip}): say which address peers reach this server \
+                     at with --advertise IP (in Kubernetes, the pod IP)"
+                )));
+            }
+            (ip, None) => ip,
+        };
+        Ok(Some(Publishing {
+            dir: p.dir.require("serve --name")?,
+            cluster: p.dir.cluster.clone(),
+            name,
+            control: SocketAddr::new(host, ctl.port()),
+            ttl: Duration::from_secs(p.ttl.max(1)),
+        }))
+    }
+
+    /// Publishes `agent` (built with this name and control address): its record stays while
+    /// the publication lives. Each client still gets its own region at its hello.
+    pub fn publish(&self, agent: &Agent) -> Result<Publication, CliError> {
+        let publication = agent.publish(&*self.dir, &self.cluster, self.ttl)?;
+        eprintln!(
+            "xfer: published as {} in cluster {} at {} (ttl {} s)",
+            self.name,
+            self.cluster,
+            self.dir.endpoint(),
+            self.ttl.as_secs()
+        );
+        Ok(publication)
+    }
 }
 
-/// The control address of member `name`.
-fn control_of(m: &Member, dir: &dyn Directory) -> Result<SocketAddr, CliError> {
-    let c = m.record.control.as_deref().ok_or_else(|| {
-        CliError::Failed(format!(
-            "member {} in {} offers no control address (not an xfer serve)",
-            m.record.name,
-            dir.endpoint()
+/// The control address member `name` published (`None`: it serves no rendezvous).
+fn control_of(name: &str, info: &xfer::AgentInfo, where_: &str) -> Result<SocketAddr, CliError> {
+    let c = info.control.as_deref().ok_or_else(|| {
+        CliError::failed(format!(
+            "member {name} in {where_} offers no control address (not an xfer serve)"
         ))
     })?;
     c.parse().map_err(|e| {
-        CliError::Failed(format!(
-            "member {}: control address {c:?} in {}: {e}",
-            m.record.name,
-            dir.endpoint()
-        ))
+        CliError::because(
+            format!("member {name}: control address {c:?} in {where_}"),
+            e,
+        )
     })
 }
 
@@ -143,14 +147,22 @@ pub fn resolve_peer(a: &BenchArgs) -> Result<String, CliError> {
         (None, Some(name)) => {
             let dir = a.dir.require("--peer-name")?;
             let cluster = &a.dir.cluster;
-            match dir.lookup(cluster, name).map_err(dir_error)? {
-                Some(m) => Ok(format!("xfer://{}", control_of(&m, &*dir)?)),
+            match xfer::discovery::lookup(&*dir, cluster, name)? {
+                Some(m) => Ok(format!(
+                    "xfer://{}",
+                    control_of(name, &m.info, &dir.endpoint())?
+                )),
                 None => {
                     let names: Vec<String> = dir
                         .members(cluster)
-                        .map(|l| l.members.into_iter().map(|m| m.record.name).collect())
+                        .map(|l| {
+                            l.members
+                                .iter()
+                                .map(|m| m.record.name().to_owned())
+                                .collect()
+                        })
                         .unwrap_or_default();
-                    Err(CliError::Failed(format!(
+                    Err(CliError::failed(format!(
                         "no member {name:?} in cluster {cluster} at {} (members: {})",
                         dir.endpoint(),
                         if names.is_empty() {
@@ -191,10 +203,12 @@ struct Tally {
     bytes: u64,
 }
 
-/// `bench --peers all`: the workload to each member in turn (by name), for `--duration`
-/// seconds, following the cluster as members join and leave. A member whose round fails
-/// (it died mid-transfer, say) is reported and the next member gets its turn; the run goes
-/// on. Fails only if no round succeeded.
+/// `bench --peers all`: one agent follows the cluster, and the workload goes to each
+/// connected member in turn (by name), for `--duration` seconds, as members join and
+/// leave: each round says hello to the member's rendezvous for a region of its own,
+/// connects, writes (or reads) and verifies. A member whose round fails (it died
+/// mid-transfer, say) is reported and the next member gets its turn; the run goes on.
+/// Fails only if no round succeeded.
 pub fn bench_all(a: BenchArgs) -> Result<(), CliError> {
     if a.peer.is_some() || a.peer_name.is_some() {
         return Err(CliError::Usage(
@@ -210,37 +224,74 @@ pub fn bench_all(a: BenchArgs) -> Result<(), CliError> {
         ));
     }
     let dir = a.dir.require("--peers all")?;
-    let watch = dir.watch(&a.dir.cluster).map_err(dir_error)?;
     let w = workload_of(&a.knobs)?;
-    let json = a.knobs.json;
+    a.backend.check_gpus()?;
+    let k = &a.knobs;
+    let json = k.json;
+    // One agent for every round: it listens on every interface, and its NICs face the
+    // members (`--nics auto` takes the route toward the first member there is now, none
+    // toward loopback; without a member yet, the plan's NICs or the routing table).
+    let first = dir.members(&a.dir.cluster)?.members.iter().find_map(|m| {
+        m.record
+            .agent
+            .control
+            .as_deref()?
+            .parse::<SocketAddr>()
+            .ok()
+    });
+    let agent = Agent::new(AgentOptions {
+        role: Role::Initiator,
+        listen: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        toward: first.map(|c| c.ip()),
+        ..a.backend.options(k.pin, k.rails_asked)?
+    })?;
+    let read = k.op == OpArg::Read;
+    if let Some(p) = agent.home() {
+        p.prefer_memory_here("xfer-main");
+    }
+    let local = alloc(agent.info().memory, k.region_size)?;
+    if !read {
+        crate::workload::fill_pattern(&*local, k.seed)?;
+    }
+    let access = if read {
+        Access::LOCAL_WRITE
+    } else {
+        Access::NONE
+    };
+    let src = agent.register(local.clone(), access)?;
+    let following = agent.follow(&*dir, &a.dir.cluster)?;
     let start = Instant::now();
     let until = start + Duration::from_secs(a.duration);
-    let mut members: BTreeMap<String, Member> = BTreeMap::new();
     let mut tally: BTreeMap<String, Tally> = BTreeMap::new();
     let mut last: Option<String> = None;
     let mut round = 0u64;
-    let follow = |members: &mut BTreeMap<String, Member>, e: Event| match e {
-        Event::Joined(m) => {
-            if !json {
-                eprintln!("xfer: member {} joined", m.record.name);
-            }
-            members.insert(m.record.name.clone(), m);
+    let say = |e: FollowEvent| {
+        if json {
+            return;
         }
-        Event::Updated { new, .. } => {
-            members.insert(new.record.name.clone(), *new);
+        match e {
+            FollowEvent::Joined(name) => eprintln!("xfer: member {name} joined"),
+            FollowEvent::Left(name) => eprintln!("xfer: member {name} left"),
+            FollowEvent::Unreachable { name, error } => eprintln!(
+                "xfer: member {name} cannot be connected: {}",
+                fabric_core::error::report(&error)
+            ),
+            FollowEvent::Incompatible { name, theirs, ours } => eprintln!(
+                "xfer: member {name} offers {theirs:?}, this bench {ours:?}: no transport in \
+                 common"
+            ),
+            _ => {}
         }
-        Event::Left(m) => {
-            if !json {
-                eprintln!("xfer: member {} left", m.record.name);
-            }
-            members.remove(&m.record.name);
-        }
-        _ => {}
     };
     while Instant::now() < until {
-        while let Some(e) = watch.try_next() {
-            follow(&mut members, e);
+        while let Some(e) = following.try_event() {
+            say(e);
         }
+        let members: BTreeMap<String, xfer::discovery::Connected> = following
+            .peers()
+            .into_iter()
+            .map(|c| (c.name().to_owned(), c))
+            .collect();
         // The member after the last one, by name.
         let next = last
             .as_ref()
@@ -250,17 +301,18 @@ pub fn bench_all(a: BenchArgs) -> Result<(), CliError> {
                     .next()
             })
             .or_else(|| members.iter().next())
-            .map(|(n, m)| (n.clone(), m.clone()));
-        let Some((name, m)) = next else {
+            .map(|(n, c)| (n.clone(), c.member.info.clone()));
+        let Some((name, info)) = next else {
             let left = until.saturating_duration_since(Instant::now());
-            if let Ok(Some(e)) = watch.next(left.min(Duration::from_millis(200))) {
-                follow(&mut members, e);
+            if let Some(e) = following.next_event(left.min(Duration::from_millis(200))) {
+                say(e);
             }
             continue;
         };
         last = Some(name.clone());
         round += 1;
-        let result = control_of(&m, &*dir).and_then(|ctl| one_round(&a, ctl, &w));
+        let result = control_of(&name, &info, &dir.endpoint())
+            .and_then(|ctl| one_round(&agent, &src, &local, &a, ctl, &w));
         let t = tally.entry(name.clone()).or_default();
         let r = match result {
             Ok((bytes, gbps)) => {
@@ -273,7 +325,7 @@ pub fn bench_all(a: BenchArgs) -> Result<(), CliError> {
                     ok: true,
                     bytes,
                     gbps,
-                    verified: !a.knobs.no_verify,
+                    verified: !k.no_verify,
                     error: None,
                 }
             }
@@ -287,7 +339,7 @@ pub fn bench_all(a: BenchArgs) -> Result<(), CliError> {
                     bytes: 0,
                     gbps: 0.0,
                     verified: false,
-                    error: Some(e.to_string()),
+                    error: Some(fabric_core::error::report(&e)),
                 }
             }
         };
@@ -324,7 +376,7 @@ pub fn bench_all(a: BenchArgs) -> Result<(), CliError> {
         }
     }
     if ok == 0 {
-        return Err(CliError::Failed(format!(
+        return Err(CliError::failed(format!(
             "no round succeeded in {} s ({} members seen)",
             a.duration,
             tally.len()
@@ -333,30 +385,37 @@ pub fn bench_all(a: BenchArgs) -> Result<(), CliError> {
     Ok(())
 }
 
-/// One member's round: the usual bench worker against its control address.
+/// One member's round, from `agent`'s region `src` (memory `local`): hello at its control
+/// address for a region, connect, warm up, the workload, the check; then the member is
+/// disconnected (the region it gave goes when the control connection closes).
 fn one_round(
+    agent: &Agent,
+    src: &Region,
+    local: &std::sync::Arc<dyn fabric_core::MemoryRegion>,
     a: &BenchArgs,
     ctl: SocketAddr,
     w: &crate::workload::Workload,
 ) -> Result<(u64, f64), CliError> {
-    let choices: Vec<NicChoice> =
-        nics::per_worker(&a.backend, false, ctl.ip(), false).map_err(CliError::Usage)?;
-    let first = choices
-        .first()
-        .cloned()
-        .unwrap_or_else(|| NicChoice::unbound(""));
-    let mut a = a.clone();
-    a.knobs.rails = a.knobs.rails_asked.unwrap_or(first.default_rails(1));
-    crate::setup::check_rails(a.knobs.rails).map_err(CliError::Usage)?;
-    // Quiet: the round's line is the report.
-    a.knobs.json = true;
-    let pins = WorkerPins::for_this_machine(a.knobs.pin);
-    let rails = (
-        pins.rail_pins(pins.initiator, a.knobs.rails, 0),
-        pins.initiator,
-    );
-    let (_, report, _, _) = crate::remote::bench_worker(&a, ctl, w, None, rails, None, &first)?;
-    Ok((report.bytes, report.gbps()))
+    let k = &a.knobs;
+    let (client, welcome) = crate::remote::say_hello(a, agent, ctl, None)?;
+    let mut ctl = BenchClient(client);
+    let remote = crate::remote::region_of(&welcome, k)?;
+    if k.op == OpArg::Read {
+        ctl.fill(k.seed)?;
+    }
+    let peer = agent.connect(&welcome.agent)?;
+    let run = (|| {
+        crate::warm_up(agent, &peer, src, &remote, k)?;
+        // Quiet: the round's line is the report.
+        let mut progress = crate::progress::Progress::new(true);
+        let report = crate::workload::run(agent, src, &peer, &remote, w, &mut progress)?;
+        crate::remote::check(k, &mut ctl, &**local, &report)?;
+        Ok((report.bytes, report.gbps()))
+    })();
+    if let Err(e) = agent.disconnect(&peer) {
+        tracing::warn!(error = %fabric_core::error::report(&e), "disconnect failed");
+    }
+    run
 }
 
 /// `xfer members`: the cluster's members, or with `--watch` their joins and leaves live.
@@ -379,10 +438,15 @@ pub struct MembersArgs {
 #[derive(Serialize)]
 struct Shown {
     name: String,
+    /// Its control address (where it says hello), else its first rail's address.
     address: String,
     age_s: u64,
+    /// The transports it offers, in the order it prefers them.
     transport: String,
+    /// Its host's name (for people: two pods of one node have different ones).
     host: String,
+    /// Whether it runs on this host (the same boot id).
+    same_host: bool,
     memory: String,
     gpu: Option<u32>,
     nics: Vec<String>,
@@ -391,23 +455,53 @@ struct Shown {
 }
 
 impl Shown {
-    fn of(m: &Member) -> Shown {
-        let r = &m.record;
+    fn of(r: &Record, boot_id: &str) -> Shown {
+        let a = &r.agent;
+        let mut nics: Vec<String> = Vec::new();
+        for n in a.transports.iter().flat_map(|t| &t.nics) {
+            if !nics.contains(n) {
+                nics.push(n.clone());
+            }
+        }
         Shown {
-            name: r.name.clone(),
-            address: r
+            name: r.name().to_owned(),
+            address: a
                 .control
                 .clone()
-                .or_else(|| r.addresses.first().map(|a| crate::address_to_text(a)))
+                .or_else(|| {
+                    a.transports
+                        .first()
+                        .and_then(|t| t.rails.first())
+                        .map(|x| crate::address_to_text(x))
+                })
                 .unwrap_or_default(),
             age_s: r.age().as_secs(),
-            transport: r.transport.clone(),
-            host: r.host.clone(),
-            memory: r.memory.clone(),
-            gpu: r.gpu,
-            nics: r.nics.clone(),
+            transport: a
+                .transports
+                .iter()
+                .map(|t| t.kind.name())
+                .collect::<Vec<_>>()
+                .join(","),
+            host: a.hostname.clone(),
+            same_host: !boot_id.is_empty() && a.boot_id == boot_id,
+            memory: crate::backend::memory_name(a.memory).to_owned(),
+            gpu: match a.memory {
+                fabric_core::MemoryLocation::Cuda { device } => Some(device),
+                fabric_core::MemoryLocation::Host => None,
+            },
+            nics,
             regions: r.regions.keys().cloned().collect(),
-            instance: format!("{:016x}", r.instance),
+            instance: format!("{:016x}", r.instance()),
+        }
+    }
+
+    /// Its host column: the hostname, marked when it is this host.
+    fn host_text(&self) -> String {
+        match (self.host.is_empty(), self.same_host) {
+            (true, true) => "(this host)".into(),
+            (true, false) => "-".into(),
+            (false, true) => format!("{} (this host)", self.host),
+            (false, false) => self.host.clone(),
         }
     }
 }
@@ -415,29 +509,28 @@ impl Shown {
 /// Runs `xfer members`.
 pub fn members(a: MembersArgs) -> Result<(), CliError> {
     let dir = a.dir.require("xfer members")?;
+    let boot_id = transport_cuda_ipc::boot_id().unwrap_or_default();
     // A watch reports every member present as a join first, then each change from the
     // revision of that listing: nothing between the two is missed.
     if a.watch {
-        let watch = dir.watch(&a.dir.cluster).map_err(dir_error)?;
+        let watch = dir.watch(&a.dir.cluster)?;
         let until = a.watch_for.map(|s| Instant::now() + Duration::from_secs(s));
         loop {
             let left = until.map(|u| u.saturating_duration_since(Instant::now()));
             if left.is_some_and(|l| l.is_zero()) {
                 return Ok(());
             }
-            let Some(e) = watch
-                .next(
-                    left.unwrap_or(Duration::from_secs(1))
-                        .min(Duration::from_secs(1)),
-                )
-                .map_err(dir_error)?
+            let Some(e) = watch.next(
+                left.unwrap_or(Duration::from_secs(1))
+                    .min(Duration::from_secs(1)),
+            )?
             else {
                 continue;
             };
-            let (what, m) = match &e {
-                Event::Joined(m) => ("joined", Some(m)),
-                Event::Updated { new, .. } => ("updated", Some(&**new)),
-                Event::Left(m) => ("left", Some(m)),
+            let (what, m): (&str, &Member) = match &e {
+                Event::Joined(m) => ("joined", m),
+                Event::Updated { new, .. } => ("updated", new),
+                Event::Left(m) => ("left", m),
                 Event::Skipped { key, error } => {
                     if a.json {
                         println!(
@@ -451,8 +544,7 @@ pub fn members(a: MembersArgs) -> Result<(), CliError> {
                 }
                 _ => continue,
             };
-            let Some(m) = m else { continue };
-            let s = Shown::of(m);
+            let s = Shown::of(&m.record, &boot_id);
             if a.json {
                 println!("{}", serde_json::json!({"event": what, "member": s}));
             } else {
@@ -462,11 +554,15 @@ pub fn members(a: MembersArgs) -> Result<(), CliError> {
             let _ = std::io::stdout().flush();
         }
     }
-    let listing = dir.members(&a.dir.cluster).map_err(dir_error)?;
+    let listing = dir.members(&a.dir.cluster)?;
     for (key, e) in &listing.skipped {
         eprintln!("xfer: warning: skipped {key}: {e}");
     }
-    let shown: Vec<Shown> = listing.members.iter().map(Shown::of).collect();
+    let shown: Vec<Shown> = listing
+        .members
+        .iter()
+        .map(|m| Shown::of(&m.record, &boot_id))
+        .collect();
     if a.json {
         println!("{}", serde_json::to_string(&shown).unwrap_or_default());
         return Ok(());
@@ -488,7 +584,7 @@ pub fn members(a: MembersArgs) -> Result<(), CliError> {
             s.address.clone(),
             format!("{} s", s.age_s),
             s.transport.clone(),
-            s.host.clone(),
+            s.host_text(),
             s.gpu.map_or("-".into(), |g| g.to_string()),
             if s.nics.is_empty() {
                 "-".into()
@@ -499,4 +595,58 @@ pub fn members(a: MembersArgs) -> Result<(), CliError> {
     }
     println!("{t}");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fabric_core::MemoryLocation;
+    use fabric_core::metadata::{AgentInfo, TransportInfo, TransportKind};
+
+    #[test]
+    fn a_member_is_shown_from_its_agent_and_on_this_host_by_boot_id() {
+        let mut tcp = TransportInfo::new(TransportKind::Tcp, vec![b"tcp://10.0.0.5:4000".to_vec()]);
+        tcp.nics = vec!["eth1".into()];
+        let agent = AgentInfo {
+            hostname: "pod-a".into(),
+            control: Some("10.0.0.5:7471".into()),
+            transports: vec![
+                TransportInfo::new(TransportKind::CudaIpc, vec![b"ipc".to_vec()]),
+                tcp,
+            ],
+            ..AgentInfo::new("kv-0", "boot-1", MemoryLocation::Cuda { device: 3 })
+        };
+        let r = Record::new("kv", agent);
+        let here = Shown::of(&r, "boot-1");
+        assert_eq!(here.name, "kv-0");
+        assert_eq!(here.address, "10.0.0.5:7471");
+        assert_eq!(here.transport, "cuda-ipc,tcp");
+        assert_eq!((here.memory.as_str(), here.gpu), ("cuda", Some(3)));
+        assert_eq!(here.nics, ["eth1"]);
+        assert_eq!(here.host_text(), "pod-a (this host)");
+        // Another pod of another node: its hostname alone; a pod of this node with another
+        // hostname is still this host (the boot id decides).
+        let there = Shown::of(&r, "boot-2");
+        assert!(!there.same_host);
+        assert_eq!(there.host_text(), "pod-a");
+        assert!(
+            Shown::of(&r, "").host_text() == "pod-a",
+            "an unknown boot id is no match"
+        );
+        let json = serde_json::to_value(&here).unwrap();
+        for field in [
+            "name",
+            "address",
+            "age_s",
+            "transport",
+            "host",
+            "memory",
+            "gpu",
+            "nics",
+            "regions",
+            "instance",
+        ] {
+            assert!(json.get(field).is_some(), "no {field}: {json}");
+        }
+    }
 }

@@ -31,7 +31,6 @@
 //!   `xfer_serve_clients_admitted_total`, `xfer_serve_refusals_total` (`reason`),
 //!   `xfer_serve_events_dropped_total`.
 
-use crate::control::{Refusal, ServeStats};
 use fabric_core::engine::{GroupStats, RailGroup};
 use fabric_core::stats::{HistogramSnapshot, LATENCY_BUCKETS};
 use prometheus_client::collector::Collector;
@@ -45,6 +44,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
+use xfer::rendezvous::{Refusal, ServeStats};
 
 /// Longest request accepted (its request line and headers).
 pub const MAX_REQUEST: usize = 8 << 10;

@@ -12,13 +12,7 @@ use std::time::{Duration, Instant};
 /// After this long in set-up, say so.
 pub const SLOW_SET_UP: Duration = Duration::from_secs(1);
 
-/// The most rails a group may have (`--rails`). A rail is a worker thread with its own
-/// connection or NIC, and `demo` runs two groups; the largest hosts we serve have 4 NICs
-/// per GPU and 32 in all, so 256 leaves room for experiments with many TCP connections
-/// while keeping threads and sockets bounded.
-pub const MAX_RAILS: usize = 256;
-
-/// Stage: the control channel's hello to the server (bench).
+/// Stage: the rendezvous's hello to the server (bench).
 pub const ASKING: &str = "asking the server for a region";
 /// Stage: the rails' workers start (and their transports listen).
 pub const STARTING: &str = "starting rails";
@@ -30,18 +24,6 @@ pub const REGISTERING: &str = "registering memory";
 pub const CONNECTING: &str = "connecting rails";
 /// Stage: a zero-length write on every rail.
 pub const WARMING_UP: &str = "warming up rails";
-
-/// Checks `--rails` against 1 and [`MAX_RAILS`].
-pub fn check_rails(rails: usize) -> Result<(), String> {
-    match rails {
-        0 => Err("--rails must be at least 1".into()),
-        n if n > MAX_RAILS => Err(format!(
-            "--rails {n} is above the limit of {MAX_RAILS} (each rail is a worker thread with \
-             its own connection or NIC)"
-        )),
-        _ => Ok(()),
-    }
-}
 
 /// The clock of one set-up. Stages are named as they begin; [`finish`](Self::finish) ends it.
 pub struct SetUpClock {
@@ -153,15 +135,6 @@ fn watch(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn rails_between_one_and_the_limit() {
-        assert!(check_rails(1).is_ok());
-        assert!(check_rails(MAX_RAILS).is_ok());
-        assert!(check_rails(0).unwrap_err().contains("at least 1"));
-        let e = check_rails(MAX_RAILS + 1).unwrap_err();
-        assert!(e.contains("above the limit of 256"), "{e}");
-    }
 
     #[test]
     fn a_quick_set_up_says_nothing_and_a_slow_one_says_so() {

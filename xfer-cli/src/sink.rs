@@ -13,13 +13,14 @@
 //! within a deadline, each read making progress within its stall limit, [`MAX_BYTES`] in
 //! all and [`MAX_DURATION`] at most; whatever goes wrong ends the sink, never the server.
 
-use crate::nics::RailNic;
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::Barrier;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+use xfer::nics::RailNic;
+use xfer::rendezvous::raw_auth;
 
 /// Most streams one `sink` request may ask for (as many as the most rails).
 pub const MAX_STREAMS: u32 = 256;
@@ -110,7 +111,7 @@ pub enum SinkError {
     /// Reading a stream failed.
     #[error("reading a stream: {0}")]
     Read(#[source] std::io::Error),
-    /// A stream did not pass the authentication ([`crate::raw_auth`]).
+    /// A stream did not pass the authentication ([`raw_auth`]).
     #[error("a stream's authentication: {0}")]
     Auth(#[source] std::io::Error),
     /// Answering a stream with its count failed.
@@ -126,7 +127,7 @@ pub enum SinkError {
 /// Streams are read at once, a thread each; the first failure is returned once every
 /// stream accepted has ended.
 ///
-/// Each stream first passes [`crate::raw_auth::challenge`] against `token` (within the
+/// Each stream first passes [`raw_auth::challenge`] against `token` (within the
 /// stall limit); one that does not is counted as failed.
 pub fn drain(
     listeners: &[TcpListener],
@@ -161,10 +162,10 @@ pub fn drain(
             let spawned = std::thread::Builder::new()
                 .name("xfer-sink".into())
                 .spawn_scoped(scope, move || {
-                    crate::raw_auth::challenge(
+                    raw_auth::challenge(
                         &conn,
                         token,
-                        crate::raw_auth::SINK_CONTEXT,
+                        raw_auth::SINK_CONTEXT,
                         limits.stall.max(Duration::from_millis(1)),
                     )
                     .map_err(SinkError::Auth)?;
@@ -403,7 +404,7 @@ fn connect(nic: Option<&RailNic>, to: SocketAddr) -> std::io::Result<TcpStream> 
 /// up before the clock starts.
 ///
 /// Each stream answers the sink's challenge with `token` first
-/// ([`crate::raw_auth::answer`]), before the clock starts.
+/// ([`raw_auth::answer`]), before the clock starts.
 pub fn send(
     streams: &[Stream],
     per_stream: u64,
@@ -418,9 +419,7 @@ pub fn send(
             gpu_mem::HostMemory::new(share).map_err(|e| SendError::Memory(e.to_string()))?;
         mem.as_mut_slice().fill(0x5A);
         let conn = connect(st.nic.as_ref(), st.to)
-            .and_then(|c| {
-                crate::raw_auth::answer(&c, token, crate::raw_auth::SINK_CONTEXT).map(|()| c)
-            })
+            .and_then(|c| raw_auth::answer(&c, token, raw_auth::SINK_CONTEXT).map(|()| c))
             .map_err(|source| SendError::Connect {
                 stream: i,
                 nic: st.nic.as_ref().map(|n| n.name.clone()),

@@ -3,6 +3,7 @@
 
 use crate::CliError;
 use clap::Args;
+use fabric_core::error::report;
 use serde::Serialize;
 use std::path::PathBuf;
 use topology::{PlacementPlan, Topology};
@@ -28,23 +29,16 @@ struct TopoReport<'a> {
     topology: &'a Topology,
     plan: &'a PlacementPlan,
     /// The NICs `bench --nics auto` runs each worker's rails on, for efa and tcp.
-    rails: Vec<crate::nics::WorkerRails>,
+    rails: Vec<xfer::nics::WorkerRails>,
 }
 
-/// An error and its sources on one line: `a: b: c`.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut msg = e.to_string();
-    let mut src = e.source();
-    while let Some(s) = src {
-        msg.push_str(": ");
-        msg.push_str(&s.to_string());
-        src = s.source();
-    }
-    msg
+/// An error and its sources on one line: `a: b: c` (the library's [`report`]).
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    report(e)
 }
 
-fn topology_error(e: &topology::TopologyError) -> CliError {
-    CliError::Failed(error_chain(e))
+fn topology_error(e: topology::TopologyError) -> CliError {
+    CliError::because("topology", e)
 }
 
 /// A saved topology that cannot be replayed: what hwloc said, and how to write a file it reads.
@@ -62,13 +56,13 @@ fn xml_error(path: &std::path::Path, e: &topology::TopologyError) -> CliError {
         }
         _ => "",
     };
-    CliError::Failed(format!("{}{why}; {how}", error_chain(e)))
+    CliError::failed(format!("{}{why}; {how}", error_chain(e)))
 }
 
 /// Runs `xfer topo`.
 pub fn run(a: TopoArgs) -> Result<(), CliError> {
     if let Some(path) = &a.export {
-        Topology::export_xml(path).map_err(|e| topology_error(&e))?;
+        Topology::export_xml(path).map_err(topology_error)?;
         eprintln!(
             "xfer: saved this machine's topology to {} (replay it with: xfer topo --xml {0})",
             path.display()
@@ -76,10 +70,10 @@ pub fn run(a: TopoArgs) -> Result<(), CliError> {
     }
     let t = match &a.xml {
         Some(path) => Topology::from_xml_file(path).map_err(|e| xml_error(path, &e))?,
-        None => Topology::discover().map_err(|e| topology_error(&e))?,
+        None => Topology::discover().map_err(topology_error)?,
     };
     let plan = t.plan();
-    let rails = crate::nics::rail_map(&t, &plan, a.xml.is_none());
+    let rails = xfer::nics::rail_map(&t, &plan, a.xml.is_none());
     if a.json {
         let report = TopoReport {
             topology: &t,
@@ -88,7 +82,8 @@ pub fn run(a: TopoArgs) -> Result<(), CliError> {
         };
         println!(
             "{}",
-            serde_json::to_string(&report).map_err(|e| CliError::Failed(e.to_string()))?
+            serde_json::to_string(&report)
+                .map_err(|e| CliError::because("cannot encode the JSON", e))?
         );
     } else {
         print!("{}", topology::render_table(&t, &plan));

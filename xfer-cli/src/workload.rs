@@ -8,13 +8,11 @@
 
 use crate::pattern;
 use crate::progress::Progress;
-use fabric_core::engine::{
-    Direction, GroupHandle, GroupPeer, GroupRegistration, GroupTransfer, RailGroup,
-    RemoteDescriptor,
-};
+use fabric_core::engine::{Direction, RailGroup};
 use fabric_core::{Error, MemoryRegion};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
+use xfer::{Agent, Handle, Peer, Region, RegionDescriptor, Transfer};
 
 /// What to move.
 #[derive(Clone, Debug)]
@@ -233,19 +231,22 @@ impl TransferPages {
 }
 
 /// Runs the workload from `src` to `dst` at `peer` (for a READ, from `dst` into `src`), over
-/// every rail of `group`.
+/// every rail of the agent's transport to that peer.
 pub fn run(
-    group: &RailGroup,
-    src: &GroupRegistration,
-    peer: &GroupPeer,
-    dst: &RemoteDescriptor,
+    agent: &Agent,
+    src: &Region,
+    peer: &Peer,
+    dst: &RegionDescriptor,
     w: &Workload,
     progress: &mut Progress,
-) -> Result<RunReport, Error> {
+) -> Result<RunReport, xfer::Error> {
+    let group = agent
+        .group(peer.transport())
+        .ok_or(xfer::Error::RegionNotOnTransport(peer.transport()))?;
     let mut pages = TransferPages::new(w);
     let mut written = vec![false; w.region_pages() as usize];
     let mut more = true;
-    let mut inflight: VecDeque<GroupHandle> = VecDeque::with_capacity(w.depth);
+    let mut inflight: VecDeque<Handle> = VecDeque::with_capacity(w.depth);
     let mut page_writes = 0u64;
     let mut moved = 0u64;
     let start = Instant::now();
@@ -259,26 +260,21 @@ pub fn run(
                 more = false;
                 break;
             };
-            let mut t = GroupTransfer {
-                src: src.clone(),
-                dst: dst.clone(),
-                segments: Vec::with_capacity(chosen.len()),
-                imm: None,
-                timeout: Some(w.transfer_timeout),
-                direction: w.direction,
-                after: None,
-            };
+            let mut segments = Vec::with_capacity(chosen.len());
             for &p in chosen {
                 written[p as usize] = true;
-                t.segments
-                    .push((p * w.page_size, p * w.page_size, w.page_size));
+                segments.push((p * w.page_size, p * w.page_size, w.page_size));
             }
             page_writes += chosen.len() as u64;
-            inflight.push_back(group.submit(peer, t)?);
+            let mut t = Transfer::segments(segments).timeout(w.transfer_timeout);
+            if w.direction == Direction::Read {
+                t = t.read();
+            }
+            inflight.push_back(agent.submit(peer, src, dst, t)?);
         }
         let Some(h) = inflight.front() else { break };
         if let Some(e) = h.failed() {
-            return Err(Error::Op(e));
+            return Err(Error::Op(e).into());
         }
         if h.finished_within(Duration::from_millis(100)) {
             let h = inflight.pop_front().expect("front exists");
@@ -333,10 +329,8 @@ pub fn verify_pages(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
-    use fabric_core::engine::EngineConfig;
-    use fabric_core::mem::MemTransport;
     use fabric_core::{Access, HostBuffer};
     use std::sync::Arc;
 
@@ -390,14 +384,24 @@ mod tests {
         assert_eq!(workload(4096, 1 << 20, 1 << 20).bytes, 1 << 20);
     }
 
+    /// Two agents of this process over in-process copies (`mem`), unpinned.
+    pub(crate) fn mem_agents() -> (Agent, Agent) {
+        let make = || {
+            Agent::new(xfer::AgentOptions {
+                transport: xfer::TransportChoice::Only(xfer::TransportKind::Mem),
+                rails: Some(2),
+                pin: xfer::PinMode::Off,
+                ..xfer::AgentOptions::default()
+            })
+            .expect("a mem agent")
+        };
+        (make(), make())
+    }
+
     /// Runs `w` from a patterned region to a zeroed one over in-process rails; returns the
     /// run and the target.
     fn run_over_mem(w: &Workload) -> (RunReport, Arc<HostBuffer>) {
-        let spawn = || {
-            RailGroup::spawn(2, |_| Ok(MemTransport::new()), EngineConfig::default())
-                .expect("mem rails start")
-        };
-        let (a, b) = (spawn(), spawn());
+        let (a, b) = mem_agents();
         let src = HostBuffer::new_shared(w.region_size as usize).expect("source");
         fill_pattern(&*src, w.seed).expect("fill");
         let dst = HostBuffer::new_shared(w.region_size as usize).expect("target");
@@ -405,8 +409,8 @@ mod tests {
         let d = b
             .register(dst.clone(), Access::REMOTE_WRITE)
             .expect("register target");
-        let peer = a.add_peer(&b.addresses()).expect("peer");
-        let report = run(&a, &s, &peer, &d.remote, w, &mut Progress::new(true)).expect("run");
+        let peer = a.connect(b.info()).expect("peer");
+        let report = run(&a, &s, &peer, d.descriptor(), w, &mut Progress::new(true)).expect("run");
         (report, dst)
     }
 
@@ -429,11 +433,7 @@ mod tests {
     fn a_read_run_lands_the_remote_pattern_in_the_local_region() {
         let mut w = workload(4096, 256 << 10, 1 << 20);
         w.direction = Direction::Read;
-        let spawn = || {
-            RailGroup::spawn(2, |_| Ok(MemTransport::new()), EngineConfig::default())
-                .expect("mem rails start")
-        };
-        let (a, b) = (spawn(), spawn());
+        let (a, b) = mem_agents();
         let local = HostBuffer::new_shared(w.region_size as usize).expect("local");
         let remote = HostBuffer::new_shared(w.region_size as usize).expect("remote");
         fill_pattern(&*remote, w.seed).expect("fill");
@@ -441,8 +441,8 @@ mod tests {
             .register(local.clone(), Access::LOCAL_WRITE)
             .expect("register");
         let r = b.register(remote, Access::REMOTE_READ).expect("register");
-        let peer = a.add_peer(&b.addresses()).expect("peer");
-        let report = run(&a, &l, &peer, &r.remote, &w, &mut Progress::new(true)).expect("run");
+        let peer = a.connect(b.info()).expect("peer");
+        let report = run(&a, &l, &peer, r.descriptor(), &w, &mut Progress::new(true)).expect("run");
         let pages = report.written_pages();
         // 64 pages moved; a page may be chosen by more than one transfer.
         assert_eq!(report.bytes, 64 * 4096);

@@ -12,7 +12,8 @@
 mod common;
 
 use common::{Scrape, Server, serve_on_loopback, xfer};
-use fabric_core::engine::{EngineConfig, GroupTransfer, RailGroup, RemoteDescriptor};
+use fabric_core::engine::{EngineConfig, GroupTransfer, RailGroup};
+use fabric_core::metadata::{AgentInfo, RegionDescriptor, TransportKind};
 use fabric_core::{Access, HostBuffer};
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
@@ -131,14 +132,16 @@ fn cycle(client: &Client, ctl: &str, i: usize) {
     BufReader::new(&c).read_line(&mut line).expect("reply");
     let reply: Value = serde_json::from_str(&line).expect("JSON reply");
     assert_eq!(reply["ok"], true, "cycle {i}: {reply}");
-    let region: RemoteDescriptor =
-        serde_json::from_value(reply["region"].clone()).expect("a region descriptor");
-    let addresses: Vec<Vec<u8>> = reply["addresses"]
-        .as_array()
-        .expect("addresses")
-        .iter()
-        .map(|a| a.as_str().expect("text address").as_bytes().to_vec())
-        .collect();
+    // The server's agent and the region it gave this client (protocol 2's hello reply).
+    let region: RegionDescriptor =
+        serde_json::from_value(reply["regions"]["region"].clone()).expect("a region descriptor");
+    let region = region.on(TransportKind::Tcp).expect("on tcp").clone();
+    let server: AgentInfo = serde_json::from_value(reply["agent"].clone()).expect("an agent");
+    let addresses = server
+        .transport(TransportKind::Tcp)
+        .expect("tcp rails")
+        .rails
+        .clone();
     let peer = group.add_peer(&addresses).expect("data connection");
     let page = (i as u64 * 7) % (REGION_BYTES as u64 / PAGE);
     let t = GroupTransfer::same_pages(client.s.clone(), region.clone(), &[page], PAGE);

@@ -48,6 +48,21 @@ pub fn resolve(ours: &AgentInfo, theirs: &AgentInfo) -> Result<TransportKind> {
     })
 }
 
+/// Why [`resolve`] gives `kind` between `ours` and `theirs`, in words for people (a run's
+/// summary): what of the two agents made it the first transport both offer.
+pub fn resolve_reason(ours: &AgentInfo, theirs: &AgentInfo, kind: TransportKind) -> &'static str {
+    let either = |k: TransportKind| ours.transport(k).is_some() || theirs.transport(k).is_some();
+    match kind {
+        TransportKind::CudaIpc => "GPU memory on both sides of one host",
+        TransportKind::Efa => "EFA on both sides",
+        TransportKind::Tcp if either(TransportKind::Efa) => {
+            "not GPU memory on one host, and EFA on one side only"
+        }
+        TransportKind::Tcp => "not GPU memory on one host",
+        TransportKind::Mem => "both in one process, with nothing else in common",
+    }
+}
+
 /// How many agents this process has made, for default names.
 static AGENTS: AtomicU64 = AtomicU64::new(0);
 
@@ -89,8 +104,10 @@ impl Kept {
     /// Lets go of the memory if nothing else holds it and returns the keep-alive, for the
     /// caller to drop once it holds no lock (dropping a Python buffer view takes the
     /// interpreter's lock, which a thread waiting on ours may hold); else returns itself.
+    /// Memory without a keep-alive owns itself (the `Arc`): the agent's reference goes at
+    /// once, and the memory with the last one, the caller's or a transport's.
     fn release(self) -> std::result::Result<Option<Box<dyn Send>>, Kept> {
-        if Arc::strong_count(&self.mem) > 1 {
+        if self.keep.is_some() && Arc::strong_count(&self.mem) > 1 {
             return Err(self);
         }
         let Kept { mem, keep } = self;
@@ -347,7 +364,8 @@ impl Agent {
     }
 
     /// As [`Agent::new`], with each rail's core given (`pins[i]` for rail `i`; several
-    /// agents of one process placed together, one per GPU, take distinct cores).
+    /// agents of one process placed together, one per GPU, take distinct cores). Its
+    /// [`home`](Agent::home) is then the first rail's core.
     pub fn with_pins(o: AgentOptions, pins: Option<Vec<Option<CorePin>>>) -> Result<Agent> {
         if let Some(r) = o.rails {
             lanes::check_rails(r)?;
@@ -355,9 +373,14 @@ impl Agent {
         let kinds = kinds_for(&o)?;
         let slot = crate::placement::plan_slot(o.memory == MemoryKind::Cuda, o.gpu, o.worker);
         let worker_pins = WorkerPins::for_slot(o.pin, slot);
-        let home = match o.role {
-            Role::Initiator => worker_pins.initiator,
-            Role::Target => worker_pins.target.or(worker_pins.initiator),
+        // Rails placed by the caller (an agent per GPU) have their home where the first
+        // one runs, on its GPU's node; else the role's core of the plan.
+        let home = match &pins {
+            Some(p) => p.first().copied().flatten(),
+            None => match o.role {
+                Role::Initiator => worker_pins.initiator,
+                Role::Target => worker_pins.target.or(worker_pins.initiator),
+            },
         };
         let id = AGENTS.fetch_add(1, Ordering::Relaxed);
         let name = o
@@ -366,20 +389,7 @@ impl Agent {
             .unwrap_or_else(|| format!("xfer-{}-{id}", std::process::id()));
         let mut lanes_built = Vec::new();
         for kind in kinds {
-            let choice = match kind {
-                TransportKind::Tcp | TransportKind::Efa => {
-                    let provider = o.efa.provider.as_deref();
-                    match o.role {
-                        Role::Target => {
-                            nics::choose_to_serve(&o.nics, kind, provider, lanes::toward(&o), slot)?
-                        }
-                        Role::Initiator => {
-                            nics::choose(&o.nics, kind, provider, lanes::toward(&o), slot)?
-                        }
-                    }
-                }
-                _ => NicChoice::unbound(format!("{kind} does not run on a NIC")),
-            };
+            let choice = lanes::nic_choice(&o, kind)?;
             let rails = o.rails.unwrap_or(choice.default_rails(1));
             lanes::check_rails(rails)?;
             let rail_nics = choice.per_rail(rails);
@@ -411,6 +421,7 @@ impl Agent {
         let boot_id = transport_cuda_ipc::boot_id().unwrap_or_default();
         let mut info = AgentInfo::new(&name, &boot_id, memory);
         info.hostname = hostname();
+        info.control = o.control.clone();
         info.transports = lanes_built
             .iter()
             .map(|l| TransportInfo {
@@ -861,4 +872,55 @@ fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use TransportKind::{CudaIpc, Efa, Mem, Tcp};
+
+    /// An agent on the host of `boot_id` with `memory`, offering `kinds` (one rail each).
+    fn agent(boot_id: &str, memory: MemoryLocation, kinds: &[TransportKind]) -> AgentInfo {
+        AgentInfo {
+            transports: kinds
+                .iter()
+                .map(|&k| TransportInfo::new(k, vec![b"rail".to_vec()]))
+                .collect(),
+            ..AgentInfo::new("a", boot_id, memory)
+        }
+    }
+
+    #[test]
+    fn resolve_picks_the_first_transport_both_offer_and_says_why() {
+        let gpu = MemoryLocation::Cuda { device: 0 };
+        let host = MemoryLocation::Host;
+        let both = |a: &AgentInfo, b: &AgentInfo| {
+            let k = resolve(a, b).expect("a transport in common");
+            assert_eq!(resolve(b, a).expect("the same both ways"), k);
+            (k, resolve_reason(a, b, k))
+        };
+        let ipc = agent("boot-1", gpu, &[CudaIpc, Tcp]);
+        assert_eq!(
+            both(&ipc, &agent("boot-1", gpu, &[CudaIpc, Tcp])),
+            (CudaIpc, "GPU memory on both sides of one host")
+        );
+        // Another host (another boot id), or host memory on one side: tcp.
+        for other in [
+            agent("boot-2", gpu, &[CudaIpc, Tcp]),
+            agent("boot-1", host, &[Tcp]),
+        ] {
+            assert_eq!(both(&ipc, &other), (Tcp, "not GPU memory on one host"));
+        }
+        let efa = agent("boot-3", host, &[Efa, Tcp]);
+        assert_eq!(
+            both(&efa, &agent("boot-4", host, &[Efa, Tcp])),
+            (Efa, "EFA on both sides")
+        );
+        assert_eq!(
+            both(&efa, &agent("boot-4", host, &[Tcp])),
+            (Tcp, "not GPU memory on one host, and EFA on one side only")
+        );
+        let e = resolve(&efa, &agent("boot-3", host, &[Mem])).unwrap_err();
+        assert!(matches!(e, Error::NoCommonTransport { .. }), "{e}");
+    }
 }

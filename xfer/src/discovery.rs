@@ -269,6 +269,14 @@ impl directory::Peers for Agent {
     }
 }
 
+/// The member `name` of `cluster` in `dir`, if it is published there with a valid record:
+/// who it is (its [`AgentInfo`], with where its rendezvous listens) and the regions it
+/// offers. Finding a member needs no agent of one's own: a program may look its peer up
+/// first, then build its agent toward the peer's address (its NICs face that way).
+pub fn lookup(dir: &dyn Directory, cluster: &str, name: &str) -> Result<Option<Member>> {
+    Ok(dir.lookup(cluster, name)?.map(|m| m.record.into()))
+}
+
 /// The record of `agent` in `cluster` now.
 fn record_of(agent: &Agent, cluster: &str, ttl: Duration) -> Record {
     let mut r = Record::new(cluster, agent.info().clone());
@@ -301,9 +309,9 @@ impl Agent {
     }
 
     /// The member `name` of `cluster`, if it is published there with a valid record; pass
-    /// its [`info`](Member::info) to [`Agent::connect`].
+    /// its [`info`](Member::info) to [`Agent::connect`]. As [`lookup`], which needs no agent.
     pub fn lookup(&self, dir: &dyn Directory, cluster: &str, name: &str) -> Result<Option<Member>> {
-        Ok(dir.lookup(cluster, name)?.map(|m| m.record.into()))
+        lookup(dir, cluster, name)
     }
 
     /// Follows `cluster` of `dir`: every member but this agent (by name) is connected as it

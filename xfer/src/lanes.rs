@@ -2,8 +2,8 @@
 //! its workers pinned. The one place where backends are built from options.
 
 use crate::error::{Error, Result};
-use crate::nics::{NicChoice, RailNic};
-use crate::options::{AgentOptions, MAX_RAILS, MemoryKind};
+use crate::nics::{self, NicChoice, RailNic};
+use crate::options::{AgentOptions, MAX_RAILS, MemoryKind, Role, TransportChoice};
 use crate::placement::{self, CorePin};
 use fabric_core::engine::{EngineConfig, RailGroup};
 use fabric_core::mem::MemTransport;
@@ -90,17 +90,24 @@ pub fn spawn(
             format!("{} NICs for {rails} rails", nics.len()),
         ));
     }
-    if o.auth_token.is_some() && !matches!(kind, TransportKind::Tcp) {
-        return Err(Error::option(
-            "--auth-token",
-            format!("applies to the tcp transport only, not {kind}"),
-        ));
-    }
-    if o.tcp.checksum && kind != TransportKind::Tcp {
-        return Err(Error::option(
-            "--checksum",
-            format!("applies to the tcp transport only, not {kind}"),
-        ));
+    // Asked for another transport only, a token or checksums would silently do nothing;
+    // with `auto` they guard the tcp lane, and the others (cuda-ipc within a host, efa)
+    // go without, as they would have been chosen without them.
+    if let TransportChoice::Only(only) = o.transport
+        && only != TransportKind::Tcp
+    {
+        if o.auth_token.is_some() {
+            return Err(Error::option(
+                "--auth-token",
+                format!("applies to the tcp transport only, not {only}"),
+            ));
+        }
+        if o.tcp.checksum {
+            return Err(Error::option(
+                "--checksum",
+                format!("applies to the tcp transport only, not {only}"),
+            ));
+        }
     }
     let names: Vec<String> = nics.iter().map(|n| n.name.clone()).collect();
     let nics: Arc<Vec<RailNic>> = Arc::new(nics.to_vec());
@@ -230,4 +237,24 @@ where
 /// The address NIC choice looks toward: the peers' (`toward`), else where the agent listens.
 pub fn toward(o: &AgentOptions) -> IpAddr {
     o.toward.unwrap_or(o.listen)
+}
+
+/// The NICs an agent of `o` runs its `kind` rails on, and why: `o.nics` for tcp and efa
+/// (toward [`toward`], as a server for [`Role::Target`]), none for the transports that run
+/// on no NIC. [`Agent::new`](crate::Agent::new) chooses with it; a caller that needs the
+/// rail count before the agent is built (one core per rail of several agents placed
+/// together) asks it first: `--rails` defaults to one per NIC.
+pub fn nic_choice(o: &AgentOptions, kind: TransportKind) -> Result<NicChoice> {
+    Ok(match kind {
+        TransportKind::Tcp | TransportKind::Efa => {
+            let provider = o.efa.provider.as_deref();
+            // The plan's worker of the agent's GPU (for GPU memory), else its position.
+            let slot = placement::plan_slot(o.memory == MemoryKind::Cuda, o.gpu, o.worker);
+            match o.role {
+                Role::Target => nics::choose_to_serve(&o.nics, kind, provider, toward(o), slot)?,
+                Role::Initiator => nics::choose(&o.nics, kind, provider, toward(o), slot)?,
+            }
+        }
+        _ => NicChoice::unbound(format!("{kind} does not run on a NIC")),
+    })
 }

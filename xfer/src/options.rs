@@ -76,7 +76,9 @@ pub enum Role {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TcpOptions {
     /// WRITEs from host memory carry a CRC32C that the target checks before placing any
-    /// byte (WRITEs are then at most 4 MiB). Targets check sums that come either way.
+    /// byte (WRITEs are then at most 4 MiB). Targets check sums that come either way. With
+    /// [`TransportChoice::Auto`] it applies to the tcp rails; asking for another transport
+    /// only, with it, is refused.
     pub checksum: bool,
     /// With GPU memory: how long a rail naps between polls while its device copies run.
     pub copy_nap: Duration,
@@ -174,8 +176,14 @@ pub struct AgentOptions {
     pub pin: PinMode,
     /// Which of the plan's cores its workers take.
     pub role: Role,
-    /// A shared secret tcp peers must prove (never sent).
+    /// A shared secret tcp peers must prove (never sent). With [`TransportChoice::Auto`]
+    /// it guards the agent's tcp rails; asking for another transport only, with a token,
+    /// is refused (that transport has no such check).
     pub auth_token: Option<String>,
+    /// Where this agent's rendezvous listens (`HOST:PORT`, the address peers reach), if it
+    /// serves one: its [`AgentInfo::control`](fabric_core::metadata::AgentInfo::control),
+    /// so that members who find it in the directory know where to say hello.
+    pub control: Option<String>,
     /// tcp knobs.
     pub tcp: TcpOptions,
     /// efa knobs.
@@ -203,6 +211,7 @@ impl Default for AgentOptions {
             pin: PinMode::Auto,
             role: Role::Initiator,
             auth_token: None,
+            control: None,
             tcp: TcpOptions::default(),
             efa: EfaOptions::default(),
             cuda_ipc: CudaIpcOptions::default(),

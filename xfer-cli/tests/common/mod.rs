@@ -232,8 +232,15 @@ impl Scrape {
     }
 }
 
-/// The control protocol's hello (version 2) without a token, as one line.
-pub const HELLO: &str = "{\"op\":\"hello\",\"version\":2,\"transport\":\"tcp\"}\n";
+/// The control protocol's hello (version 2) without a token, as one line: a client agent
+/// (its `AgentInfo`) that offers tcp on one rail (`tcp://127.0.0.1:9`, in hex; the server
+/// never connects to it).
+pub const HELLO: &str = concat!(
+    "{\"op\":\"hello\",\"version\":2,\"agent\":{\"version\":1,\"name\":\"test-client\",",
+    "\"instance\":1,\"boot_id\":\"\",\"hostname\":\"\",\"memory\":\"Host\",\"transports\":",
+    "[{\"kind\":\"tcp\",\"provider\":null,\"rails\":[\"7463703a2f2f3132372e302e302e313a39\"],",
+    "\"nics\":[]}],\"control\":null}}\n"
+);
 
 /// A raw control connection to `addr` that has read the server's greeting (its first line,
 /// read a byte at a time so that nothing after it is consumed); returns the connection and

@@ -41,7 +41,8 @@ mod server;
 
 pub use client::{Client, ClientError, Welcome, hello};
 pub use server::{
-    ClientSlot, NoService, Refusal, ServeLimits, ServeStats, Service, ServiceClient, Verdict, serve,
+    ClientSlot, Given, NoService, Refusal, Refused, ServeLimits, ServeStats, Service,
+    ServiceClient, Verdict, serve,
 };
 
 use serde::{Deserialize, Serialize};

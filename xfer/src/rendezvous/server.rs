@@ -654,8 +654,17 @@ fn judge(
             None,
         );
     }
-    if let Err(e) = resolve(agents[worker].info(), &req.agent) {
-        return refuse(Refusal::BadRequest, e.to_string(), None);
+    match resolve(agents[worker].info(), &req.agent) {
+        Ok(_) => {}
+        // Told from the server's side: what it offers, and what the client asked for.
+        Err(crate::Error::NoCommonTransport { theirs, ours, .. }) => {
+            let why = format!(
+                "no transport in common: this server offers {ours}, not {theirs} (make both \
+                 with the same transport, or auto)"
+            );
+            return refuse(Refusal::BadRequest, why, None);
+        }
+        Err(e) => return refuse(Refusal::BadRequest, e.to_string(), None),
     }
     match budget.admit() {
         Ok(slot) => door::Verdict::Admit((req, slot)),
