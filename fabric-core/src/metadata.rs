@@ -551,10 +551,16 @@ mod tests {
         let mut b = a.clone();
         assert!(a.same_net_namespace(&b));
         b.net_namespace = "net:[4026532999]".into();
-        assert!(a.same_host(&b) && !a.same_net_namespace(&b), "two pods of one node");
+        assert!(
+            a.same_host(&b) && !a.same_net_namespace(&b),
+            "two pods of one node"
+        );
         b.net_namespace = a.net_namespace.clone();
         b.boot_id = "another".into();
-        assert!(!a.same_net_namespace(&b), "the same inode on another host is another one");
+        assert!(
+            !a.same_net_namespace(&b),
+            "the same inode on another host is another one"
+        );
         let unknown = agent();
         assert!(!unknown.same_net_namespace(&unknown.clone()));
     }

@@ -19,7 +19,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 /// The transport two agents use: the first of cuda-ipc (both hold GPU memory and run on
-/// one host, by boot id), efa, tcp, mem (one process) that both offer. Both sides compute
+/// one host, by boot id, in one network namespace), efa, tcp, mem (one process) that both
+/// offer. Both sides compute
 /// the same answer from each other's [`AgentInfo`], so neither has to tell the other.
 pub fn resolve(ours: &AgentInfo, theirs: &AgentInfo) -> Result<TransportKind> {
     let both = |k: TransportKind| ours.transport(k).is_some() && theirs.transport(k).is_some();
@@ -27,7 +28,9 @@ pub fn resolve(ours: &AgentInfo, theirs: &AgentInfo) -> Result<TransportKind> {
     let pick = TransportKind::ALL.into_iter().find(|&k| {
         both(k)
             && match k {
-                TransportKind::CudaIpc => ours.same_host(theirs) && gpu(ours) && gpu(theirs),
+                TransportKind::CudaIpc => {
+                    ours.same_net_namespace(theirs) && gpu(ours) && gpu(theirs)
+                }
                 _ => true,
             }
     });
@@ -52,7 +55,16 @@ pub fn resolve(ours: &AgentInfo, theirs: &AgentInfo) -> Result<TransportKind> {
 /// summary): what of the two agents made it the first transport both offer.
 pub fn resolve_reason(ours: &AgentInfo, theirs: &AgentInfo, kind: TransportKind) -> &'static str {
     let either = |k: TransportKind| ours.transport(k).is_some() || theirs.transport(k).is_some();
+    let gpu = |a: &AgentInfo| matches!(a.memory, MemoryLocation::Cuda { .. });
     match kind {
+        TransportKind::Tcp
+            if ours.same_host(theirs)
+                && !ours.same_net_namespace(theirs)
+                && gpu(ours)
+                && gpu(theirs) =>
+        {
+            "GPU memory on one host, but in two network namespaces (cuda-ipc needs one)"
+        }
         TransportKind::CudaIpc => "GPU memory on both sides of one host",
         TransportKind::Efa => "EFA on both sides",
         TransportKind::Tcp if either(TransportKind::Efa) => {
@@ -421,6 +433,7 @@ impl Agent {
         let boot_id = transport_cuda_ipc::boot_id().unwrap_or_default();
         let mut info = AgentInfo::new(&name, &boot_id, memory);
         info.hostname = hostname();
+        info.net_namespace = net_namespace();
         info.control = o.control.clone();
         info.transports = lanes_built
             .iter()
@@ -464,6 +477,7 @@ impl Agent {
         let boot_id = transport_cuda_ipc::boot_id().unwrap_or_default();
         let mut info = AgentInfo::new(name, &boot_id, memory);
         info.hostname = hostname();
+        info.net_namespace = net_namespace();
         info.transports = lanes
             .iter()
             .map(|l| TransportInfo::new(l.kind, l.group.addresses()))
@@ -861,6 +875,14 @@ fn plan_has_efa(o: &AgentOptions) -> bool {
 }
 
 /// This host's name, for people (empty if unknown).
+/// This process's network namespace (`/proc/self/ns/net`'s target), empty if unknown.
+fn net_namespace() -> String {
+    std::fs::read_link("/proc/self/ns/net")
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+/// This host's name, empty if unknown.
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_owned())
@@ -886,6 +908,7 @@ mod tests {
                 .iter()
                 .map(|&k| TransportInfo::new(k, vec![b"rail".to_vec()]))
                 .collect(),
+            net_namespace: "net:[1]".into(),
             ..AgentInfo::new("a", boot_id, memory)
         }
     }
@@ -919,6 +942,18 @@ mod tests {
         assert_eq!(
             both(&efa, &agent("boot-4", host, &[Tcp])),
             (Tcp, "not GPU memory on one host, and EFA on one side only")
+        );
+        // Two pods of one node: one boot id, two network namespaces, so no cuda-ipc.
+        let pod = AgentInfo {
+            net_namespace: "net:[2]".into(),
+            ..agent("boot-1", gpu, &[CudaIpc, Tcp])
+        };
+        assert_eq!(
+            both(&ipc, &pod),
+            (
+                Tcp,
+                "GPU memory on one host, but in two network namespaces (cuda-ipc needs one)"
+            )
         );
         let e = resolve(&efa, &agent("boot-3", host, &[Mem])).unwrap_err();
         assert!(matches!(e, Error::NoCommonTransport { .. }), "{e}");

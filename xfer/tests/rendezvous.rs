@@ -107,3 +107,20 @@ fn agents_with_no_transport_in_common_are_told_so() {
     assert!(why.contains("no transport in common"), "{why}");
     assert_eq!(stats.refusals(xfer::rendezvous::Refusal::BadRequest), 1);
 }
+
+#[test]
+fn an_agent_says_which_host_and_network_namespace_it_runs_in() {
+    let a = agent();
+    let ns = std::fs::read_link("/proc/self/ns/net").expect("Linux names its namespaces");
+    assert_eq!(a.info().net_namespace, ns.to_string_lossy());
+    assert!(!a.info().boot_id.is_empty());
+    let b = agent();
+    assert!(a.info().same_net_namespace(b.info()));
+    let (_srv, _dst, at, _stats) = server(None);
+    let (_peer, welcome) = a.rendezvous(at, None, T).expect("rendezvous");
+    assert_eq!(
+        welcome.agent.net_namespace,
+        a.info().net_namespace,
+        "the server's record carries it across"
+    );
+}
