@@ -24,7 +24,6 @@ mod info;
 mod latency;
 mod members;
 mod metrics;
-mod pattern;
 mod progress;
 mod remote;
 mod served;

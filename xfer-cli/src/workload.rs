@@ -6,7 +6,6 @@
 //! Only whole pages move: `--bytes` that is not a whole number of pages is rounded up (see
 //! [`Workload::whole_pages`]), so that every page checked was written whole.
 
-use crate::pattern;
 use crate::progress::Progress;
 use fabric_core::engine::{Direction, RailGroup};
 use fabric_core::{Error, MemoryRegion};
@@ -169,19 +168,10 @@ impl RunReport {
     }
 }
 
-/// Fills `region` with the pattern of `seed`, 4 MiB at a time (host or device memory).
+/// Fills `region` with the pattern of `seed` at the memory's own speed (a kernel for
+/// device memory, every core for host memory: [`gpu_mem::fill_pattern`]).
 pub fn fill_pattern(region: &dyn MemoryRegion, seed: u64) -> Result<(), Error> {
-    const CHUNK: u64 = 4 << 20;
-    let size = region.len() as u64;
-    let mut buf = vec![0u8; CHUNK.min(size) as usize];
-    let mut off = 0;
-    while off < size {
-        let n = CHUNK.min(size - off) as usize;
-        pattern::fill(seed, off, &mut buf[..n]);
-        region.write_from_host(off, &buf[..n])?;
-        off += n as u64;
-    }
-    Ok(())
+    Ok(gpu_mem::fill_pattern(region, seed)?)
 }
 
 /// The pages of a run's transfers, in the order the run submits them: `pages` distinct
@@ -318,7 +308,7 @@ pub fn verify_pages(
         while i < pages.len() && pages[i] * page_size < base + n as u64 {
             let off = (pages[i] * page_size - base) as usize;
             let end = (off + page_size as usize).min(n);
-            if !pattern::matches(seed, pages[i] * page_size, &buf[off..end]) {
+            if !gpu_mem::pattern_matches(seed, pages[i] * page_size, &buf[off..end]) {
                 bad += 1;
                 first.get_or_insert(pages[i]);
             }
