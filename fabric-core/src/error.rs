@@ -248,6 +248,144 @@ impl std::error::Error for Contextual {
     }
 }
 
+/// Which argument of a call was refused, and the values that made it so: the typed cause
+/// of an [`Error::InvalidArgument`].
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Invalid {
+    /// Lists of pages that must pair up have different lengths.
+    #[error("{local} source pages but {remote} destination pages")]
+    PageCounts {
+        /// Pages on the source side.
+        local: usize,
+        /// Pages on the destination side.
+        remote: usize,
+    },
+    /// A page is longer than the distance between pages (they would overlap).
+    #[error("a page of {len} bytes is longer than the {stride}-byte stride")]
+    PageExceedsStride {
+        /// The page length.
+        len: u64,
+        /// The distance between pages.
+        stride: u64,
+    },
+    /// A page index times its stride does not fit in 64 bits.
+    #[error("{side} page {page} overflows its offset")]
+    PageOverflow {
+        /// `"source"` or `"destination"`.
+        side: &'static str,
+        /// The page index.
+        page: u64,
+    },
+    /// A segment's offset plus length, or the sum of a transfer's lengths, does not fit in
+    /// 64 bits.
+    #[error("{what} overflows")]
+    Overflow {
+        /// What overflowed ("segment 3: local range", "the sum of segment lengths").
+        what: String,
+    },
+    /// A local range lies (partly) outside its region.
+    #[error("{what}: local range {offset}+{len} is outside the {region_len}-byte region")]
+    LocalOutOfRange {
+        /// Which range ("segment 3", "SEND").
+        what: String,
+        /// Its offset.
+        offset: u64,
+        /// Its length.
+        len: u64,
+        /// The region's length.
+        region_len: u64,
+    },
+    /// A segment's remote range lies (partly) outside the remote region.
+    #[error(
+        "segment {segment}: {role} {offset}+{len} is outside the remote region of {region_len} bytes"
+    )]
+    RemoteOutOfRange {
+        /// The segment's index in its transfer.
+        segment: usize,
+        /// What the range is to the operation ("destination" of a WRITE, "source" of a
+        /// READ).
+        role: &'static str,
+        /// Its offset.
+        offset: u64,
+        /// Its length.
+        len: u64,
+        /// The remote region's length.
+        region_len: u64,
+    },
+    /// Two segments write the same bytes (the remote ones of a WRITE, the local ones of a
+    /// READ), so what lands would depend on timing.
+    #[error(
+        "segments {first} and {second} overlap at the destination ({}+{} and {}+{})",
+        first_range.0, first_range.1, second_range.0, second_range.1
+    )]
+    Overlap {
+        /// The earlier segment.
+        first: usize,
+        /// The later segment.
+        second: usize,
+        /// The earlier one's destination range (offset, length).
+        first_range: (u64, u64),
+        /// The later one's destination range (offset, length).
+        second_range: (u64, u64),
+    },
+    /// The two sides of a WRITE or READ differ in length.
+    #[error("{op} of {from} bytes into {into} bytes: the lengths must be equal")]
+    LengthMismatch {
+        /// `"write"` or `"read"`.
+        op: &'static str,
+        /// Bytes at the source.
+        from: u64,
+        /// Bytes at the destination.
+        into: u64,
+    },
+    /// An operation is longer than the transport carries in one message.
+    #[error("a {len}-byte {op} exceeds the {limit}-byte limit ({setting})")]
+    TooLarge {
+        /// The operation ("WRITE", "READ", "SEND").
+        op: &'static str,
+        /// Its length.
+        len: u64,
+        /// The limit.
+        limit: u64,
+        /// The setting or property that sets the limit.
+        setting: &'static str,
+    },
+    /// Memory that an operation writes into was registered without `LOCAL_WRITE`.
+    #[error("{what} lands in a region registered without LOCAL_WRITE")]
+    NotLocallyWritable {
+        /// What would write into it ("a READ", "a received message").
+        what: String,
+    },
+    /// Immediate data is carried by a transfer's first segment, and it has none.
+    #[error("immediate data needs at least one segment (its region carries it)")]
+    ImmWithoutSegment,
+    /// A READ cannot carry immediate data: the region's owner hears nothing of it.
+    #[error("a READ carries no immediate data (the owner hears nothing of it)")]
+    ImmOnRead,
+    /// A message size limit of 0 was asked for.
+    #[error("max_msg_size is 0")]
+    ZeroMessageSize,
+    /// A rail group, or a transport's connection, with no rails.
+    #[error("at least one rail is needed")]
+    NoRails,
+    /// A registration or peer of one rail group was used with another.
+    #[error("registration or peer belongs to another rail group")]
+    ForeignHandle,
+    /// A remote descriptor lacks the rail a transfer would use.
+    #[error("the remote descriptor has no rail {rail}")]
+    NoSuchRail {
+        /// The rail's index.
+        rail: usize,
+    },
+    /// A text handed to a C library contains a NUL byte.
+    #[error("{text:?} contains a NUL byte")]
+    Nul {
+        /// The text.
+        text: String,
+    },
+}
+
 /// Errors of calls into a transport or the engine that fail at once.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -258,9 +396,10 @@ pub enum Error {
     /// The peer is not (or no longer) known.
     #[error("unknown peer {0}")]
     UnknownPeer(PeerId),
-    /// An argument is out of range (length, offset, count).
+    /// An argument is out of range or contradicts another (a length, an offset, a count);
+    /// [`Invalid`] says which, with the values.
     #[error("invalid argument: {0}")]
-    InvalidArgument(String),
+    InvalidArgument(Invalid),
     /// An operation was posted that could fail only one way; kept as a typed cause.
     #[error(transparent)]
     Op(#[from] OpError),
@@ -319,6 +458,12 @@ pub enum Error {
         /// Transfers (and SENDs) that use it.
         transfers: usize,
     },
+}
+
+impl From<Invalid> for Error {
+    fn from(i: Invalid) -> Error {
+        Error::InvalidArgument(i)
+    }
 }
 
 impl Error {

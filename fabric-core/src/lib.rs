@@ -47,7 +47,7 @@ pub mod transport;
 pub mod types;
 pub mod wake;
 
-pub use error::{DeviceError, Error, MemoryError, OpError, Result, TransportError};
+pub use error::{DeviceError, Error, Invalid, MemoryError, OpError, Result, TransportError};
 pub use fence::Fence;
 pub use memory::{HostBuffer, MemoryLocation, MemoryRegion, SubRegion};
 pub use transport::{Completion, OpKind, PostOutcome, Transport, TransportLimits};

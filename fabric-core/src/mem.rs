@@ -11,6 +11,7 @@
 //! posted receives or its bounded early-arrival queue at once. Used to test the engine
 //! and to measure its own overhead (`xfer demo --transport mem`).
 
+use crate::Invalid;
 use crate::error::{Error, OpError, Result};
 use crate::in_place;
 use crate::memory::{MemoryRegion, check_range};
@@ -157,8 +158,7 @@ impl MemTransport {
             .local
             .get(&s.key)
             .ok_or_else(|| Error::Op(OpError::LocalKeyInvalid(s.key)))?;
-        check_range(s.offset, s.len, m.len() as u64)
-            .map_err(|e| Error::InvalidArgument(format!("local slice: {e}")))?;
+        check_range(s.offset, s.len, m.len() as u64).map_err(Error::Memory)?;
         Ok(m)
     }
 
@@ -620,9 +620,10 @@ impl Transport for MemTransport {
         let m = self.src(&dst)?.clone();
         let access = self.local[&dst.key].1;
         if !access.contains(Access::LOCAL_WRITE) {
-            return Err(Error::InvalidArgument(
-                "receive buffer registered without LOCAL_WRITE".into(),
-            ));
+            return Err(Invalid::NotLocallyWritable {
+                what: "a received message".into(),
+            }
+            .into());
         }
         let mut inbox = lock(&self.me.inbox);
         let Inbox { recv, events, .. } = &mut *inbox;
@@ -649,8 +650,9 @@ impl Transport for MemTransport {
             return Ok(PostOutcome::NoRoom);
         }
         match self.last_src {
-            Some((key, len)) if key == src.key => check_range(src.offset, src.len, len)
-                .map_err(|e| Error::InvalidArgument(format!("local slice: {e}")))?,
+            Some((key, len)) if key == src.key => {
+                check_range(src.offset, src.len, len).map_err(Error::Memory)?
+            }
             _ => {
                 let len = self.src(&src)?.len() as u64;
                 self.last_src = Some((src.key, len));
@@ -695,9 +697,10 @@ impl Transport for MemTransport {
         }
         self.src(&dst)?;
         if !self.local[&dst.key].1.contains(Access::LOCAL_WRITE) {
-            return Err(Error::InvalidArgument(
-                "read into a region registered without LOCAL_WRITE".into(),
-            ));
+            return Err(Invalid::NotLocallyWritable {
+                what: "a READ".into(),
+            }
+            .into());
         }
         self.peer(peer)?;
         self.writes.push(PendingWrite {

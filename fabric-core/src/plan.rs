@@ -6,6 +6,7 @@
 //! READ plans the same way ([`plan_directed`]): its operations are [`PlannedWrite`]s whose
 //! bytes flow the other way, and the ranges that must not overlap are the local ones.
 
+use crate::Invalid;
 use crate::error::{Error, Result};
 use crate::in_place;
 use crate::memory::check_range;
@@ -82,7 +83,7 @@ pub struct TransferPlan {
 /// - writes longer than `max_msg_size` are split.
 pub fn plan_transfer(segments: &[Segment], max_msg_size: u64) -> Result<TransferPlan> {
     if max_msg_size == 0 {
-        return Err(Error::InvalidArgument("max_msg_size is 0".into()));
+        return Err(Invalid::ZeroMessageSize.into());
     }
     check_destinations(segments)?;
     Ok(build_plan(segments, max_msg_size))
@@ -101,7 +102,7 @@ pub fn plan_directed(
         Direction::Write => plan_transfer(segments, max_msg_size),
         Direction::Read => {
             if max_msg_size == 0 {
-                return Err(Error::InvalidArgument("max_msg_size is 0".into()));
+                return Err(Invalid::ZeroMessageSize.into());
             }
             check_read_ranges(segments)?;
             Ok(build_plan(segments, max_msg_size))
@@ -189,17 +190,22 @@ fn check_destinations(segments: &[Segment]) -> Result<()> {
 
 /// Rejects remote ranges outside their region (`what` the remote side is: a write's
 /// destination, a read's source) and overflowing local ranges.
-fn check_bounds(segments: &[Segment], what: &str) -> Result<()> {
+fn check_bounds(segments: &[Segment], what: &'static str) -> Result<()> {
     for (i, s) in segments.iter().enumerate() {
         check_range(s.dst_offset, s.len, s.dst.len).map_err(|_| {
-            Error::InvalidArgument(format!(
-                "segment {i}: {what} {}+{} is outside the remote region of {} bytes",
-                s.dst_offset, s.len, s.dst.len
-            ))
+            Error::from(Invalid::RemoteOutOfRange {
+                segment: i,
+                role: what,
+                offset: s.dst_offset,
+                len: s.len,
+                region_len: s.dst.len,
+            })
         })?;
         s.src_offset
             .checked_add(s.len)
-            .ok_or_else(|| Error::InvalidArgument(format!("segment {i}: local range overflows")))?;
+            .ok_or_else(|| Invalid::Overflow {
+                what: format!("segment {i}: local range"),
+            })?;
     }
     Ok(())
 }
@@ -353,10 +359,12 @@ fn check_overlaps_general(segments: &[Segment]) -> Result<()> {
 }
 
 fn overlap_error(i: usize, a: &Segment, j: usize, b: &Segment) -> Error {
-    Error::InvalidArgument(format!(
-        "segments {i} and {j} overlap at the destination ({}+{} and {}+{})",
-        a.dst_offset, a.len, b.dst_offset, b.len
-    ))
+    Error::InvalidArgument(Invalid::Overlap {
+        first: i,
+        second: j,
+        first_range: (a.dst_offset, a.len),
+        second_range: (b.dst_offset, b.len),
+    })
 }
 
 /// Splits `writes` over `rails` rails so that each rail carries about the same bytes.

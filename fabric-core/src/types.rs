@@ -165,10 +165,12 @@ pub fn check_write_lengths(src: &LocalSlice, dst: &RemoteSlice) -> crate::Result
     if src.len == dst.len {
         Ok(())
     } else {
-        Err(crate::Error::InvalidArgument(format!(
-            "write of {} local bytes into {} remote bytes: the lengths must be equal",
-            src.len, dst.len
-        )))
+        Err(crate::Invalid::LengthMismatch {
+            op: "write",
+            from: src.len,
+            into: dst.len,
+        }
+        .into())
     }
 }
 
@@ -178,9 +180,11 @@ pub fn check_read_lengths(dst: &LocalSlice, src: &RemoteSlice) -> crate::Result<
     if dst.len == src.len {
         Ok(())
     } else {
-        Err(crate::Error::InvalidArgument(format!(
-            "read of {} remote bytes into {} local bytes: the lengths must be equal",
-            src.len, dst.len
-        )))
+        Err(crate::Invalid::LengthMismatch {
+            op: "read",
+            from: src.len,
+            into: dst.len,
+        }
+        .into())
     }
 }

@@ -175,8 +175,10 @@ fn rails_start_at_once() {
             while *here < N {
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
-                    return Err(fabric_core::Error::InvalidArgument(
-                        "the other rails did not start meanwhile".into(),
+                    // The other rails did not start meanwhile.
+                    return Err(fabric_core::Error::TimedOut(
+                        Duration::from_secs(5),
+                        "the other rails to start",
                     ));
                 }
                 here = cv.wait_timeout(here, left).unwrap().0;

@@ -5,8 +5,8 @@ use fabric_core::engine::{Direction, Engine, EngineConfig, GroupTransfer, RailGr
 use fabric_core::mem::MemTransport;
 use fabric_core::plan::Segment;
 use fabric_core::{
-    Access, Completion, Error, HostBuffer, LocalKey, LocalSlice, MemoryRegion, PeerId, PostOutcome,
-    Registration, RemoteSlice, Transport, TransportLimits, WorkRequestId,
+    Access, Completion, Error, HostBuffer, Invalid, LocalKey, LocalSlice, MemoryRegion, PeerId,
+    PostOutcome, Registration, RemoteSlice, Transport, TransportLimits, WorkRequestId,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -158,7 +158,7 @@ fn bad_reads_fail_at_submit_with_clear_errors() {
         .segment(seg(l.local, 2048, 4096, 4096));
     let e = a.submit(overlapping).err().expect("refused");
     assert!(
-        matches!(&e, Error::InvalidArgument(m) if m.contains("overlap")),
+        matches!(&e, Error::InvalidArgument(Invalid::Overlap { .. })),
         "{e}"
     );
     // The remote range is a READ's source: it must lie in the owner's region.
@@ -167,7 +167,10 @@ fn bad_reads_fail_at_submit_with_clear_errors() {
         .segment(seg(l.local, 0, 8000, 4096));
     let e = a.submit(beyond).err().expect("refused");
     assert!(
-        matches!(&e, Error::InvalidArgument(m) if m.contains("source")),
+        matches!(
+            &e,
+            Error::InvalidArgument(Invalid::RemoteOutOfRange { role: "source", .. })
+        ),
         "{e}"
     );
     // A READ lands in a region that must allow LOCAL_WRITE.
@@ -176,7 +179,10 @@ fn bad_reads_fail_at_submit_with_clear_errors() {
         .err()
         .expect("refused");
     assert!(
-        matches!(&e, Error::InvalidArgument(m) if m.contains("LOCAL_WRITE")),
+        matches!(
+            &e,
+            Error::InvalidArgument(Invalid::NotLocallyWritable { .. })
+        ),
         "{e}"
     );
     // No immediate data: the owner hears nothing of a READ.
@@ -189,7 +195,10 @@ fn bad_reads_fail_at_submit_with_clear_errors() {
         )
         .err()
         .expect("refused");
-    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    assert!(
+        matches!(e, Error::InvalidArgument(Invalid::ImmOnRead)),
+        "{e}"
+    );
     assert_eq!(
         local.to_vec(0, 8192).unwrap(),
         vec![0; 8192],

@@ -87,7 +87,7 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
     fn register(&mut self, mem: Arc<dyn MemoryRegion>, access: Access) -> Result<Registration> {
         let export =
             if access.contains(Access::REMOTE_WRITE) || access.contains(Access::REMOTE_READ) {
-                Some(self.link.export(&mem).map_err(Error::Unsupported)?)
+                Some(self.link.export(&mem)?)
             } else {
                 None
             };
@@ -138,10 +138,13 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
         imm: Option<u32>,
     ) -> Result<PostOutcome> {
         if src.len > self.cfg.max_send_size {
-            return Err(Error::InvalidArgument(format!(
-                "a {}-byte SEND exceeds the {}-byte limit (max_send_size)",
-                src.len, self.cfg.max_send_size
-            )));
+            return Err(fabric_core::Invalid::TooLarge {
+                op: "SEND",
+                len: src.len,
+                limit: self.cfg.max_send_size,
+                setting: "CudaIpcConfig::max_send_size",
+            }
+            .into());
         }
         let mem = self.local_slice(src)?.mem.clone();
         self.live_peer(peer)?;
@@ -196,10 +199,13 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
     ) -> Result<PostOutcome> {
         fabric_core::check_write_lengths(&src, &dst)?;
         if src.len > self.cfg.max_msg_size {
-            return Err(Error::InvalidArgument(format!(
-                "a {}-byte WRITE exceeds the {}-byte limit",
-                src.len, self.cfg.max_msg_size
-            )));
+            return Err(fabric_core::Invalid::TooLarge {
+                op: "WRITE",
+                len: src.len,
+                limit: self.cfg.max_msg_size,
+                setting: "CudaIpcConfig::max_msg_size",
+            }
+            .into());
         }
         let mem = self.local_slice(src)?.mem.clone();
         self.live_peer(peer)?;
@@ -229,16 +235,20 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
     ) -> Result<PostOutcome> {
         fabric_core::check_read_lengths(&dst, &src)?;
         if dst.len > self.cfg.max_msg_size {
-            return Err(Error::InvalidArgument(format!(
-                "a {}-byte READ exceeds the {}-byte limit",
-                dst.len, self.cfg.max_msg_size
-            )));
+            return Err(fabric_core::Invalid::TooLarge {
+                op: "READ",
+                len: dst.len,
+                limit: self.cfg.max_msg_size,
+                setting: "CudaIpcConfig::max_msg_size",
+            }
+            .into());
         }
         let r = self.local_slice(dst)?;
         if !r.access.contains(Access::LOCAL_WRITE) {
-            return Err(Error::InvalidArgument(
-                "read into a region registered without LOCAL_WRITE".into(),
-            ));
+            return Err(fabric_core::Invalid::NotLocallyWritable {
+                what: "a READ".into(),
+            }
+            .into());
         }
         let mem = r.mem.clone();
         self.live_peer(peer)?;

@@ -3,7 +3,7 @@
 //! frames once the copies have finished.
 
 use crate::wire::{self, Grant, Header, KeyInfo, Landed, Op, Reserve, Status, put_frame, records};
-use crate::{Copying, CudaIpcTransport, KeyMap, Link, WriteOp, op_error};
+use crate::{Copying, CudaIpcTransport, KeyMap, Link, LinkError, WriteOp, op_error};
 use fabric_core::{Completion, OpError, OpKind, PeerId, WorkRequestId};
 use std::time::Instant;
 
@@ -18,7 +18,7 @@ impl<L: Link> CudaIpcTransport<L> {
     }
 
     /// Completes the batches whose copies finished (all of them after an error).
-    pub(crate) fn retire_copies(&mut self, done: std::result::Result<u64, String>) {
+    pub(crate) fn retire_copies(&mut self, done: std::result::Result<u64, LinkError>) {
         let (upto, err) = match done {
             Ok(t) => (t, None),
             Err(e) => (u64::MAX, Some(e)),
@@ -149,12 +149,11 @@ impl<L: Link> CudaIpcTransport<L> {
                             offset: info.offset,
                         })
                     }
-                    Ok(m) => Err(format!(
-                        "the peer's region ({} bytes at {}) exceeds its {}-byte allocation",
-                        info.len,
-                        info.offset,
-                        L::mapping_len(&m)
-                    )),
+                    Ok(m) => Err(LinkError::BeyondMapping {
+                        offset: info.offset,
+                        len: info.len,
+                        mapped: L::mapping_len(&m),
+                    }),
                     Err(e) => Err(e),
                 };
                 p.keys.insert(h.x, mapped);
@@ -189,9 +188,10 @@ impl<L: Link> CudaIpcTransport<L> {
                             .link
                             .push(&op.src, op.src_off, &k.mapping, k.offset + op.off, op.len)
                             .map_err(|e| OpError::transport_with("device copy failed", e)),
-                        Some(Err(why)) => Err(OpError::Remote(format!(
-                            "cannot map the peer's memory: {why}"
-                        ))),
+                        Some(Err(why)) => Err(OpError::transport_with(
+                            "cannot map the peer's memory",
+                            why.clone(),
+                        )),
                         None => Err(OpError::Remote(
                             "the peer granted a write without sending its handle".into(),
                         )),

@@ -88,7 +88,7 @@ use fabric_core::{
     RemoteKey, Result, WorkRequestId,
 };
 use gpu_mem::Cuda;
-pub use link::{CudaLink, Link, LinkExport, LoopbackLink, LoopbackMapping};
+pub use link::{CudaLink, Link, LinkError, LinkExport, LoopbackLink, LoopbackMapping};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener};
@@ -176,7 +176,7 @@ struct Peer<M> {
     next_batch: u64,
     /// Batches reserved or copying.
     in_flight: usize,
-    keys: HashMap<u64, std::result::Result<KeyMap<M>, String>>,
+    keys: HashMap<u64, std::result::Result<KeyMap<M>, LinkError>>,
     sends: VecDeque<(WorkRequestId, u64)>,
 }
 

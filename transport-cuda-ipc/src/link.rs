@@ -11,6 +11,50 @@ use gpu_mem::{Cuda, Device, IpcExport, IpcHandle, IpcMapping, PeerCopies};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
+/// Why a [`Link`] could not export, open or copy.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum LinkError {
+    /// The link cannot reach memory of this kind (host memory on the CUDA link).
+    #[error("{0}")]
+    Unsupported(&'static str),
+    /// No region of this process is exported under the handle (never, or no longer).
+    #[error("unknown or stale handle")]
+    StaleHandle,
+    /// The peer's region does not fit in the allocation its handle maps.
+    #[error("the peer's region ({len} bytes at {offset}) exceeds its {mapped}-byte allocation")]
+    BeyondMapping {
+        /// The region's offset in the allocation.
+        offset: u64,
+        /// The region's length.
+        len: u64,
+        /// What the handle maps.
+        mapped: u64,
+    },
+    /// The GPU layer failed (its source is the CUDA driver's error, with its code: a
+    /// sticky fault says so through `GpuMemError::is_sticky`).
+    #[error(transparent)]
+    Device(#[from] gpu_mem::GpuMemError),
+    /// A copy of the loopback link failed, or a range lay outside its region.
+    #[error(transparent)]
+    Memory(#[from] fabric_core::MemoryError),
+}
+
+impl From<LinkError> for fabric_core::Error {
+    fn from(e: LinkError) -> fabric_core::Error {
+        match e {
+            LinkError::Unsupported(why) => fabric_core::Error::Unsupported(why.into()),
+            LinkError::Memory(m) => fabric_core::Error::Memory(m),
+            LinkError::Device(g) => fabric_core::Error::Memory(fabric_core::MemoryError::device(g)),
+            other => fabric_core::Error::Backend {
+                call: "cuda-ipc link",
+                message: other.to_string(),
+                source: Some(Arc::new(other)),
+            },
+        }
+    }
+}
+
 /// An exported region, as the link reports it.
 pub struct LinkExport {
     /// The 64-byte handle peers open.
@@ -33,10 +77,10 @@ pub trait Link: Send + 'static {
     fn device(&self) -> u32;
 
     /// Exports a region peers may write; errors say why it cannot be.
-    fn export(&mut self, mem: &Arc<dyn MemoryRegion>) -> Result<LinkExport, String>;
+    fn export(&mut self, mem: &Arc<dyn MemoryRegion>) -> Result<LinkExport, LinkError>;
 
     /// Opens a peer's handle.
-    fn open(&mut self, handle: &[u8; 64]) -> Result<Arc<Self::Mapping>, String>;
+    fn open(&mut self, handle: &[u8; 64]) -> Result<Arc<Self::Mapping>, LinkError>;
 
     /// Bytes the mapping covers.
     fn mapping_len(mapping: &Self::Mapping) -> u64;
@@ -49,7 +93,7 @@ pub trait Link: Send + 'static {
         dst: &Arc<Self::Mapping>,
         dst_offset: u64,
         len: u64,
-    ) -> Result<(), String>;
+    ) -> Result<(), LinkError>;
 
     /// Queues a copy the other way, for a READ: `len` bytes of the peer's mapping `src` at
     /// `src_offset` into local memory `dst` at `dst_offset`; both ranges are checked. `dst`
@@ -61,16 +105,16 @@ pub trait Link: Send + 'static {
         dst: &Arc<dyn MemoryRegion>,
         dst_offset: u64,
         len: u64,
-    ) -> Result<(), String>;
+    ) -> Result<(), LinkError>;
 
     /// Starts what was queued; returns its ticket.
-    fn submit(&mut self) -> Result<u64, String>;
+    fn submit(&mut self) -> Result<u64, LinkError>;
 
     /// The highest ticket whose copies have finished, without waiting.
-    fn completed(&mut self) -> Result<u64, String>;
+    fn completed(&mut self) -> Result<u64, LinkError>;
 
     /// Waits for every submitted copy; returns the last ticket.
-    fn synchronize(&mut self) -> Result<u64, String>;
+    fn synchronize(&mut self) -> Result<u64, LinkError>;
 
     /// Whether a batch is one driver call.
     fn batched(&self) -> bool {
@@ -88,13 +132,6 @@ pub trait Link: Send + 'static {
 pub struct CudaLink {
     device: Device,
     copies: PeerCopies,
-}
-
-fn text(e: gpu_mem::GpuMemError) -> String {
-    match e.cuda_error() {
-        Some(c) => format!("{e}: {c}"),
-        None => e.to_string(),
-    }
 }
 
 impl CudaLink {
@@ -125,15 +162,14 @@ impl Link for CudaLink {
         self.device.ordinal()
     }
 
-    fn export(&mut self, mem: &Arc<dyn MemoryRegion>) -> Result<LinkExport, String> {
+    fn export(&mut self, mem: &Arc<dyn MemoryRegion>) -> Result<LinkExport, LinkError> {
         if mem.location() == MemoryLocation::Host {
-            return Err(
+            return Err(LinkError::Unsupported(
                 "the cuda-ipc transport reaches only device memory: register host \
-                        memory that peers write or read on the tcp transport"
-                    .into(),
-            );
+                 memory that peers write or read on the tcp transport",
+            ));
         }
-        let x: IpcExport = self.device.export_ipc(mem).map_err(text)?;
+        let x: IpcExport = self.device.export_ipc(mem).map_err(LinkError::from)?;
         Ok(LinkExport {
             handle: *x.handle().as_bytes(),
             offset: x.offset(),
@@ -141,10 +177,10 @@ impl Link for CudaLink {
         })
     }
 
-    fn open(&mut self, handle: &[u8; 64]) -> Result<Arc<IpcMapping>, String> {
+    fn open(&mut self, handle: &[u8; 64]) -> Result<Arc<IpcMapping>, LinkError> {
         self.device
             .open_ipc(&IpcHandle::from_bytes(*handle))
-            .map_err(text)
+            .map_err(LinkError::from)
     }
 
     fn mapping_len(mapping: &IpcMapping) -> u64 {
@@ -158,10 +194,10 @@ impl Link for CudaLink {
         dst: &Arc<IpcMapping>,
         dst_offset: u64,
         len: u64,
-    ) -> Result<(), String> {
+    ) -> Result<(), LinkError> {
         self.copies
             .push(src, src_offset, dst, dst_offset, len)
-            .map_err(text)
+            .map_err(LinkError::from)
     }
 
     fn pull(
@@ -171,22 +207,22 @@ impl Link for CudaLink {
         dst: &Arc<dyn MemoryRegion>,
         dst_offset: u64,
         len: u64,
-    ) -> Result<(), String> {
+    ) -> Result<(), LinkError> {
         self.copies
             .pull(src, src_offset, dst, dst_offset, len)
-            .map_err(text)
+            .map_err(LinkError::from)
     }
 
-    fn submit(&mut self) -> Result<u64, String> {
-        self.copies.submit().map_err(text)
+    fn submit(&mut self) -> Result<u64, LinkError> {
+        self.copies.submit().map_err(LinkError::from)
     }
 
-    fn completed(&mut self) -> Result<u64, String> {
-        self.copies.completed().map_err(text)
+    fn completed(&mut self) -> Result<u64, LinkError> {
+        self.copies.completed().map_err(LinkError::from)
     }
 
-    fn synchronize(&mut self) -> Result<u64, String> {
-        self.copies.synchronize().map_err(text)
+    fn synchronize(&mut self) -> Result<u64, LinkError> {
+        self.copies.synchronize().map_err(LinkError::from)
     }
 
     fn batched(&self) -> bool {
@@ -254,25 +290,17 @@ impl LoopbackLink {
         }
     }
 
-    fn run(&mut self) -> Result<u64, String> {
+    fn run(&mut self) -> Result<u64, LinkError> {
         let mut buf = Vec::new();
         for (ticket, copies) in self.submitted.drain(..) {
             for (local, lo, mapping, mo, len, pull) in copies {
                 buf.resize(len as usize, 0);
                 if pull {
-                    mapping
-                        .0
-                        .read_to_host(mo, &mut buf)
-                        .map_err(|e| e.to_string())?;
-                    local.write_from_host(lo, &buf).map_err(|e| e.to_string())?;
+                    mapping.0.read_to_host(mo, &mut buf)?;
+                    local.write_from_host(lo, &buf)?;
                 } else {
-                    local
-                        .read_to_host(lo, &mut buf)
-                        .map_err(|e| e.to_string())?;
-                    mapping
-                        .0
-                        .write_from_host(mo, &buf)
-                        .map_err(|e| e.to_string())?;
+                    local.read_to_host(lo, &mut buf)?;
+                    mapping.0.write_from_host(mo, &buf)?;
                 }
             }
             self.done = ticket;
@@ -292,9 +320,11 @@ impl Link for LoopbackLink {
         0
     }
 
-    fn export(&mut self, mem: &Arc<dyn MemoryRegion>) -> Result<LinkExport, String> {
+    fn export(&mut self, mem: &Arc<dyn MemoryRegion>) -> Result<LinkExport, LinkError> {
         if mem.location() != MemoryLocation::Host {
-            return Err("the loopback link exports only host memory".into());
+            return Err(LinkError::Unsupported(
+                "the loopback link exports only host memory",
+            ));
         }
         let mut handle = [0u8; 64];
         handle[..8].copy_from_slice(&fabric_core::random_u64().to_le_bytes());
@@ -310,13 +340,13 @@ impl Link for LoopbackLink {
         })
     }
 
-    fn open(&mut self, handle: &[u8; 64]) -> Result<Arc<LoopbackMapping>, String> {
+    fn open(&mut self, handle: &[u8; 64]) -> Result<Arc<LoopbackMapping>, LinkError> {
         loopback_table()
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .get(handle)
             .map(|m| Arc::new(LoopbackMapping(m.clone())))
-            .ok_or_else(|| "unknown or stale handle".to_string())
+            .ok_or(LinkError::StaleHandle)
     }
 
     fn mapping_len(mapping: &LoopbackMapping) -> u64 {
@@ -330,11 +360,9 @@ impl Link for LoopbackLink {
         dst: &Arc<LoopbackMapping>,
         dst_offset: u64,
         len: u64,
-    ) -> Result<(), String> {
-        fabric_core::memory::check_range(src_offset, len, src.len() as u64)
-            .map_err(|e| e.to_string())?;
-        fabric_core::memory::check_range(dst_offset, len, dst.0.len() as u64)
-            .map_err(|e| e.to_string())?;
+    ) -> Result<(), LinkError> {
+        fabric_core::memory::check_range(src_offset, len, src.len() as u64)?;
+        fabric_core::memory::check_range(dst_offset, len, dst.0.len() as u64)?;
         self.queued
             .push((src.clone(), src_offset, dst.clone(), dst_offset, len, false));
         Ok(())
@@ -347,28 +375,26 @@ impl Link for LoopbackLink {
         dst: &Arc<dyn MemoryRegion>,
         dst_offset: u64,
         len: u64,
-    ) -> Result<(), String> {
-        fabric_core::memory::check_range(src_offset, len, src.0.len() as u64)
-            .map_err(|e| e.to_string())?;
-        fabric_core::memory::check_range(dst_offset, len, dst.len() as u64)
-            .map_err(|e| e.to_string())?;
+    ) -> Result<(), LinkError> {
+        fabric_core::memory::check_range(src_offset, len, src.0.len() as u64)?;
+        fabric_core::memory::check_range(dst_offset, len, dst.len() as u64)?;
         self.queued
             .push((dst.clone(), dst_offset, src.clone(), src_offset, len, true));
         Ok(())
     }
 
-    fn submit(&mut self) -> Result<u64, String> {
+    fn submit(&mut self) -> Result<u64, LinkError> {
         let t = self.next;
         self.next += 1;
         self.submitted.push((t, std::mem::take(&mut self.queued)));
         Ok(t)
     }
 
-    fn completed(&mut self) -> Result<u64, String> {
+    fn completed(&mut self) -> Result<u64, LinkError> {
         self.run()
     }
 
-    fn synchronize(&mut self) -> Result<u64, String> {
+    fn synchronize(&mut self) -> Result<u64, LinkError> {
         self.run()
     }
 }

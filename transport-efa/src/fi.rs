@@ -231,8 +231,8 @@ pub(crate) fn c_str(p: *const std::ffi::c_char) -> String {
 
 /// A `malloc`ed copy of `s`, for fields that `fi_freeinfo` will `free`.
 pub(crate) fn c_strdup(s: &str) -> Result<*mut std::ffi::c_char> {
-    let c = std::ffi::CString::new(s)
-        .map_err(|_| Error::InvalidArgument(format!("{s:?} contains a NUL byte")))?;
+    let c =
+        std::ffi::CString::new(s).map_err(|_| fabric_core::Invalid::Nul { text: s.to_owned() })?;
     // SAFETY: c is a valid NUL-terminated string; strdup returns malloc'ed memory or null.
     let p = unsafe { libc::strdup(c.as_ptr()) };
     if p.is_null() {

@@ -66,6 +66,7 @@ mod io;
 mod staging;
 
 use conn::{Conn, Inflight, Payload, ReadInto, ReadOutcome, Shared, TargetRegion};
+use fabric_core::Invalid;
 use fabric_core::memory::check_range;
 use fabric_core::recv::PostedRecv;
 use fabric_core::stats::{PeerState, TransportStats};
@@ -262,7 +263,7 @@ impl TcpTransport {
     /// Listens on `cfg.listen`, ready for peers.
     pub fn new(cfg: TcpConfig) -> Result<TcpTransport> {
         if cfg.rails == 0 {
-            return Err(Error::InvalidArgument("rails must be at least 1".into()));
+            return Err(Invalid::NoRails.into());
         }
         let listener = listen_on(cfg.listen, cfg.interface.as_deref())?;
         let local = listener
@@ -425,9 +426,7 @@ impl TcpTransport {
             .local
             .get(&s.key)
             .ok_or(Error::Op(OpError::LocalKeyInvalid(s.key)))?;
-        check_range(s.offset, s.len, r.mem.len() as u64).map_err(|e| {
-            Error::InvalidArgument(format!("local slice {}+{}: {e}", s.offset, s.len))
-        })?;
+        check_range(s.offset, s.len, r.mem.len() as u64).map_err(Error::Memory)?;
         Ok(r)
     }
 
@@ -476,10 +475,17 @@ impl TcpTransport {
     ) -> Result<PostOutcome> {
         let limit = self.max_msg(op);
         if src.len > limit {
-            return Err(Error::InvalidArgument(format!(
-                "{} bytes exceed the largest message ({limit} bytes)",
-                src.len
-            )));
+            return Err(Invalid::TooLarge {
+                op: if op == OpKind::Send { "SEND" } else { "WRITE" },
+                len: src.len,
+                limit,
+                setting: if limit < self.cfg.max_msg_size {
+                    "the largest checksummed frame"
+                } else {
+                    "TcpConfig::max_msg_size"
+                },
+            }
+            .into());
         }
         self.local_region(src)?;
         let idx = self.pick_conn(peer, first_rail)?;
@@ -500,7 +506,7 @@ impl TcpTransport {
                     self.scratch = vec![0u8; 64 << 10];
                 }
                 let crc = io::checksum(&hdr.encode(), &**mem, *offset, *len, &mut self.scratch)
-                    .map_err(|e| Error::InvalidArgument(format!("checksum of the payload: {e}")))?;
+                    .map_err(Error::Memory)?;
                 Some(crc.to_le_bytes())
             }
             _ => None,
@@ -794,9 +800,10 @@ impl Transport for TcpTransport {
     fn post_recv(&mut self, wr_id: WorkRequestId, dst: LocalSlice) -> Result<PostOutcome> {
         let r = self.local_region(&dst)?;
         if !r.access.contains(Access::LOCAL_WRITE) {
-            return Err(Error::InvalidArgument(
-                "receive buffer registered without LOCAL_WRITE".into(),
-            ));
+            return Err(Invalid::NotLocallyWritable {
+                what: "a received message".into(),
+            }
+            .into());
         }
         let recv = PostedRecv {
             wr_id,
@@ -840,16 +847,20 @@ impl Transport for TcpTransport {
     ) -> Result<PostOutcome> {
         fabric_core::check_read_lengths(&dst, &src)?;
         if dst.len > self.cfg.max_msg_size {
-            return Err(Error::InvalidArgument(format!(
-                "{} bytes exceed the largest message ({} bytes)",
-                dst.len, self.cfg.max_msg_size
-            )));
+            return Err(Invalid::TooLarge {
+                op: "READ",
+                len: dst.len,
+                limit: self.cfg.max_msg_size,
+                setting: "TcpConfig::max_msg_size",
+            }
+            .into());
         }
         let r = self.local_region(&dst)?;
         if !r.access.contains(Access::LOCAL_WRITE) {
-            return Err(Error::InvalidArgument(
-                "read into a region registered without LOCAL_WRITE".into(),
-            ));
+            return Err(Invalid::NotLocallyWritable {
+                what: "a READ".into(),
+            }
+            .into());
         }
         let into = ReadInto {
             mem: r.mem.clone(),

@@ -233,11 +233,7 @@ pub fn run_transfers(
             None => Ok(None),
             Some(w) => w
                 .join()
-                .map_err(|_| {
-                    Error::Engine(fabric_core::Error::InvalidArgument(
-                        "the watcher thread panicked".into(),
-                    ))
-                })?
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
                 .map(Some),
         }
     })?;

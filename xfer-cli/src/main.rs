@@ -654,7 +654,7 @@ mod tests {
     fn refused_options_are_usage_errors_and_failures_are_not() {
         let e = CliError::from(xfer::lanes::check_rails(0).unwrap_err());
         assert_eq!(e.exit_code(), 2, "{e}");
-        let e = CliError::from(fabric_core::Error::InvalidArgument("x".into()));
+        let e = CliError::from(fabric_core::Error::from(fabric_core::Invalid::NoRails));
         assert_eq!(e.exit_code(), 1, "{e}");
         let e = CliError::because("baseline", std::io::Error::other("the cause"));
         assert_eq!(report(&e), "baseline: the cause");

@@ -12,7 +12,7 @@ use fabric_core::engine::{
     TransferHandle,
 };
 use fabric_core::metadata::{AgentInfo, RegionDescriptor, TransportInfo, TransportKind};
-use fabric_core::{Access, Fence, MemoryLocation, MemoryRegion};
+use fabric_core::{Access, Fence, Invalid, MemoryLocation, MemoryRegion};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -306,29 +306,33 @@ impl Transfer {
         len: u64,
     ) -> Result<Transfer> {
         if local.len() != remote.len() {
-            return Err(Error::Engine(fabric_core::Error::InvalidArgument(format!(
-                "{} local pages but {} remote pages",
-                local.len(),
-                remote.len()
-            ))));
+            return Err(Error::Engine(
+                Invalid::PageCounts {
+                    local: local.len(),
+                    remote: remote.len(),
+                }
+                .into(),
+            ));
         }
         if len > local_stride || len > remote_stride {
-            return Err(Error::Engine(fabric_core::Error::InvalidArgument(
-                "the page length exceeds the stride".into(),
-            )));
+            return Err(Error::Engine(
+                Invalid::PageExceedsStride {
+                    len,
+                    stride: local_stride.min(remote_stride),
+                }
+                .into(),
+            ));
         }
         let mut segments = Vec::with_capacity(local.len());
         for (&l, &r) in local.iter().zip(remote) {
-            let lo = l.checked_mul(local_stride);
-            let ro = r.checked_mul(remote_stride);
-            match (lo, ro) {
-                (Some(lo), Some(ro)) => segments.push((lo, ro, len)),
-                _ => {
-                    return Err(Error::Engine(fabric_core::Error::InvalidArgument(format!(
-                        "page {l} or {r} overflows its offset"
-                    ))));
-                }
-            }
+            let overflow = |side, page| Error::Engine(Invalid::PageOverflow { side, page }.into());
+            let lo = l
+                .checked_mul(local_stride)
+                .ok_or_else(|| overflow("source", l))?;
+            let ro = r
+                .checked_mul(remote_stride)
+                .ok_or_else(|| overflow("destination", r))?;
+            segments.push((lo, ro, len));
         }
         Ok(Transfer::segments(segments))
     }

@@ -49,6 +49,7 @@ pub use counters::{CounterSnapshot, Counters, EngineStats, GroupStats};
 pub use handle::{Received, RecvHandle, TransferHandle, TransferResult, TransferStats};
 pub use notes::Notifications;
 
+use crate::Invalid;
 use crate::error::{Error, OpError, Result};
 use crate::fence::Fence;
 use crate::memory::{MemoryRegion, check_range};
@@ -529,11 +530,10 @@ impl Engine {
                         .get(&s.src)
                         .ok_or_else(|| Error::Op(OpError::LocalKeyInvalid(s.src)))?;
                     if direction == Direction::Read && !access.contains(Access::LOCAL_WRITE) {
-                        return Err(Error::InvalidArgument(format!(
-                            "segment {i}: a READ lands in local region {:?}, registered \
-                             without LOCAL_WRITE",
-                            s.src
-                        )));
+                        return Err(Invalid::NotLocallyWritable {
+                            what: format!("segment {i}: a READ into local region {:?}", s.src),
+                        }
+                        .into());
                     }
                     last = Some((s.src, size));
                     size
@@ -556,9 +556,7 @@ impl Engine {
                 });
             }
             if imm.is_some() {
-                return Err(Error::InvalidArgument(
-                    "a READ carries no immediate data (the owner hears nothing of it)".into(),
-                ));
+                return Err(Invalid::ImmOnRead.into());
             }
         }
         Ok(())
@@ -572,9 +570,7 @@ impl Engine {
         let imm = match (t.imm, t.segments.first()) {
             (None, _) => None,
             (Some(_), None) => {
-                return Err(Error::InvalidArgument(
-                    "immediate data needs at least one segment (its region carries it)".into(),
-                ));
+                return Err(Invalid::ImmWithoutSegment.into());
             }
             (Some(v), Some(first)) => Some((v, *first)),
         };
@@ -685,9 +681,12 @@ impl Engine {
 }
 
 fn local_range_error(what: &str, offset: u64, len: u64, size: u64) -> Error {
-    Error::InvalidArgument(format!(
-        "{what}: local range {offset}+{len} is outside the {size}-byte region"
-    ))
+    Error::InvalidArgument(Invalid::LocalOutOfRange {
+        what: what.to_owned(),
+        offset,
+        len,
+        region_len: size,
+    })
 }
 
 /// A control command sent to an engine's worker, its answer not read yet.

@@ -24,6 +24,7 @@ use super::{
     Engine, EngineConfig, Event, Pending, Slot, Transfer, TransferHandle, TransferResult,
     TransferStats, WorkerLink,
 };
+use crate::Invalid;
 use crate::error::{Error, OpError, Result};
 use crate::fence::Fence;
 use crate::memory::MemoryRegion;
@@ -154,25 +155,29 @@ impl GroupTransfer {
         len: u64,
     ) -> Result<GroupTransfer> {
         if src_pages.len() != dst_pages.len() {
-            return Err(Error::InvalidArgument(format!(
-                "{} source pages but {} destination pages",
-                src_pages.len(),
-                dst_pages.len()
-            )));
+            return Err(Invalid::PageCounts {
+                local: src_pages.len(),
+                remote: dst_pages.len(),
+            }
+            .into());
         }
         if len > src_stride || len > dst_stride {
-            return Err(Error::InvalidArgument(
-                "page length exceeds the stride".into(),
-            ));
+            return Err(Invalid::PageExceedsStride {
+                len,
+                stride: src_stride.min(dst_stride),
+            }
+            .into());
         }
         let mut segments = Vec::with_capacity(src_pages.len());
         for (&s, &d) in src_pages.iter().zip(dst_pages) {
-            let so = s
-                .checked_mul(src_stride)
-                .ok_or_else(|| Error::InvalidArgument(format!("source page {s} overflows")))?;
-            let d_o = d
-                .checked_mul(dst_stride)
-                .ok_or_else(|| Error::InvalidArgument(format!("destination page {d} overflows")))?;
+            let so = s.checked_mul(src_stride).ok_or(Invalid::PageOverflow {
+                side: "source",
+                page: s,
+            })?;
+            let d_o = d.checked_mul(dst_stride).ok_or(Invalid::PageOverflow {
+                side: "destination",
+                page: d,
+            })?;
             segments.push((so, d_o, len));
         }
         Ok(GroupTransfer {
@@ -447,9 +452,7 @@ impl RailGroup {
         F: Fn(usize) -> Result<T> + Send + Sync + 'static,
     {
         if n == 0 {
-            return Err(Error::InvalidArgument(
-                "a rail group needs at least one rail".into(),
-            ));
+            return Err(Invalid::NoRails.into());
         }
         let make = Arc::new(make);
         let started = at_once((0..n).collect(), |i| {
@@ -608,15 +611,17 @@ impl RailGroup {
         }
         let n = self.rails.len();
         if t.src.locals.len() != n || peer.rails.len() != n || peer.remote_rail.len() != n {
-            return Err(Error::InvalidArgument(
-                "registration or peer belongs to another rail group".into(),
-            ));
+            return Err(Invalid::ForeignHandle.into());
         }
         let mut dsts = Vec::with_capacity(n);
         for &r in &peer.remote_rail {
-            dsts.push(t.dst.rails.get(r).copied().ok_or_else(|| {
-                Error::InvalidArgument(format!("the remote descriptor has no rail {r}"))
-            })?);
+            dsts.push(
+                t.dst
+                    .rails
+                    .get(r)
+                    .copied()
+                    .ok_or_else(|| Error::from(Invalid::NoSuchRail { rail: r }))?,
+            );
         }
         let segs: Vec<Segment> = t
             .segments
@@ -649,16 +654,16 @@ impl RailGroup {
         let total = segs
             .iter()
             .try_fold(0u64, |a, s| a.checked_add(s.len))
-            .ok_or_else(|| Error::InvalidArgument("segment lengths overflow".into()))?;
+            .ok_or_else(|| Invalid::Overflow {
+                what: "the sum of segment lengths".into(),
+            })?;
         let chunk = self.balance().chunk_bytes(total, n);
         // Writes no longer than a chunk, so that one large segment spreads over the rails.
         let plan = plan_directed(&segs, limit.min(chunk), t.direction)?;
         let imm = match (t.imm, t.segments.first()) {
             (None, _) => None,
             (Some(_), None) => {
-                return Err(Error::InvalidArgument(
-                    "immediate data needs at least one segment".into(),
-                ));
+                return Err(Invalid::ImmWithoutSegment.into());
             }
             (Some(v), Some(&(so, d_o, _))) => Some((v, so, d_o)),
         };
@@ -828,10 +833,9 @@ impl RailGroup {
                 .get(*peer.remote_rail.get(i).unwrap_or(&0))
                 .copied()
                 .ok_or_else(|| {
-                    Error::InvalidArgument(format!(
-                        "the remote descriptor has no rail {}",
-                        peer.remote_rail[i]
-                    ))
+                    Error::from(Invalid::NoSuchRail {
+                        rail: peer.remote_rail[i],
+                    })
                 })?;
             let t = Transfer::new(peer.rails[i])
                 .segment(Segment {

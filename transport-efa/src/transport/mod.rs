@@ -352,10 +352,13 @@ impl EfaTransport {
             return Err(Error::Op(OpError::PermissionDenied));
         }
         if slice.len > self.info.max_msg_size {
-            return Err(Error::InvalidArgument(format!(
-                "{} bytes exceed the provider's max_msg_size of {}",
-                slice.len, self.info.max_msg_size
-            )));
+            return Err(fabric_core::Invalid::TooLarge {
+                op: "message",
+                len: slice.len,
+                limit: self.info.max_msg_size,
+                setting: "the provider's max_msg_size",
+            }
+            .into());
         }
         Ok(reg)
     }
