@@ -313,6 +313,13 @@ impl SourceSync {
             .collect()
     }
 
+    /// The directory member attached as destination `rank` (by [`refresh`](Self::refresh)):
+    /// its name and its agent's instance.
+    pub fn member(&self, rank: u32) -> Option<(&str, u64)> {
+        let m = self.dests.get(&rank)?.member.as_ref()?;
+        Some((m.name.as_str(), m.instance))
+    }
+
     /// The pairs it sends destination `rank`.
     pub fn pairs_to(&self, rank: u32) -> Option<&[RegionPair]> {
         self.dests.get(&rank).map(|d| d.pairs.as_slice())
