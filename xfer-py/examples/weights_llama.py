@@ -263,7 +263,16 @@ def trainer(args, conn, rank):
                 mem.fill(ps, buf, arg)
             t = time.monotonic()
             failed = sender.send_weights(arg)
-            conn.send(("pushed", {"s": time.monotonic() - t, "failed": {d: repr(x) for d, x in failed.items()}}))
+            s = time.monotonic() - t
+            redone = {}
+            if failed:
+                # Each failed alone; redo them alone, over a new connection (a receiver
+                # that restarted would be attached again with its new info instead).
+                for d in failed:
+                    sender.source.reconnect(d)
+                again = sender.send_weights(arg, destinations=sorted(failed))
+                redone = {d: repr(x) for d, x in again.items()}
+            conn.send(("pushed", {"s": s, "failed": {d: repr(x) for d, x in failed.items()}, "still_failed": redone}))
         else:
             break
     e.close()
@@ -363,7 +372,10 @@ def main(argv=None):
             pushed = [c.recv()[1] for c in trainers]
             updated = [c.recv()[1] for c in receivers]
             s = max(p["s"] for p in pushed)
-            good = all(not p["failed"] for p in pushed) and all(u["ok"] for u in updated)
+            good = all(not p["still_failed"] for p in pushed) and all(u["ok"] for u in updated)
+            for i, p in enumerate(pushed):
+                for d, why in p["failed"].items():
+                    print(f"version {v}: trainer {i} -> receiver {d} failed alone ({why}); redone: {d not in p['still_failed']}", flush=True)
             ok &= good
             print(f"version {v}: pushed in {s:.3f} s ({plan.bytes * 8 / s / 1e9:.2f} Gbps), every byte of {len(updated)} receivers checked: {good}", flush=True)
             if not good:

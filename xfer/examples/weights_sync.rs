@@ -5,12 +5,13 @@
 //!
 //! ```text
 //! cargo run --release -p xfer --example weights_sync -- [transport=tcp|cuda-ipc|auto]
-//!     [rails=N] [memory=host|cuda] [layers=N] [rounds=N] [page=BYTES] [chunk=BYTES]
-//!     [inflight=BYTES] [json=PATH]
+//!     [rails=N] [memory=host|cuda] [layers=N | bytes=BYTES] [rounds=N] [page=BYTES]
+//!     [chunk=BYTES] [inflight=BYTES] [json=PATH]
 //! ```
 //!
 //! Defaults: tcp, 2 rails, host memory, 32 layers (the real model: 16.06 GB of BF16 weights,
-//! 8.03 GB per process), 3 rounds after a warm-up round, 64 KiB pages. Each round is a
+//! 8.03 GB per process; `bytes=16GiB` takes as many layers as make at least that much: 35,
+//! 16.2 GiB), 3 rounds after a warm-up round, 64 KiB pages. Each round is a
 //! baseline, then a sync: in the baseline each source writes, to each destination, as many
 //! bytes as the sync sends it, as one transfer of contiguous pages (both sources and both
 //! destinations at once); in the sync each source pushes its plan with
@@ -98,6 +99,7 @@ impl Opts {
                 "rails" => o.rails = v.parse()?,
                 "memory" => o.memory = v.into(),
                 "layers" => o.layers = v.parse()?,
+                "bytes" => o.layers = layers_for(parse_bytes(v)?),
                 "rounds" => o.rounds = v.parse()?,
                 "page" => o.page = parse_bytes(v)?,
                 "chunk" => o.chunk = parse_bytes(v)?,
@@ -190,6 +192,13 @@ fn model(layers: u64) -> Vec<(TensorSpec, Option<usize>)> {
     add("model.norm.weight".into(), vec![HIDDEN], None);
     add("lm_head.weight".into(), vec![VOCAB, HIDDEN], Some(0));
     t
+}
+
+/// The fewest layers whose model holds at least `bytes`.
+fn layers_for(bytes: u64) -> u64 {
+    let size = |l: u64| -> u64 { (model(l).iter()).map(|(t, _)| t.bytes().unwrap_or(0)).sum() };
+    let (fixed, per) = (size(0), size(1) - size(0));
+    bytes.saturating_sub(fixed).div_ceil(per.max(1))
 }
 
 /// One region `weights` holding `pieces` packed in order.
@@ -515,9 +524,13 @@ fn source(o: &Opts) -> Res<()> {
                     };
                     let local: Vec<u64> = (0..n).collect();
                     let remote: Vec<u64> = (first..first + n).collect();
-                    let t = Transfer::pages(&local, o.page, &remote, o.page, o.page)?
-                        .imm(BASE_IMM + k)
-                        .timeout(T);
+                    let t = if n == 0 {
+                        // Less than a page: the immediate value alone.
+                        Transfer::segments(vec![(0, 0, 0)])
+                    } else {
+                        Transfer::pages(&local, o.page, &remote, o.page, o.page)?
+                    };
+                    let t = t.imm(BASE_IMM + k).timeout(T);
                     handles.push(a.submit(&p.peer, &region, p.region("weights")?, t)?);
                 }
                 let mut bytes = 0;

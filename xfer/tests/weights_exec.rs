@@ -520,3 +520,28 @@ fn a_joiner_is_planned_in_without_replanning_the_others_and_a_leaver_dropped() {
     assert!(plan.remove_destination(2));
     assert_eq!(plan.pairs(), &before[..]);
 }
+
+#[test]
+fn a_destination_whose_connection_broke_is_reconnected_and_redone() {
+    let mut s = small_sync(SyncOptions::default(), true);
+    // Source 0's peer for destination 1 goes away (as a broken connection does).
+    let d1 = s.receivers[1].agent().clone();
+    let peer = s.senders[0].agent().connect(d1.info()).unwrap();
+    s.senders[0]
+        .attach(1, peer.clone(), s.receivers[1].descriptors())
+        .unwrap();
+    s.senders[0].agent().disconnect(&peer).unwrap();
+    let r = s.senders[0].push(12).unwrap();
+    assert_eq!(r.failed(), vec![1], "{r:?}");
+    assert!(r.destinations[&0].is_ok());
+    assert!(s.senders[1].push(12).unwrap().is_ok());
+    s.receivers[0].wait(12, T).unwrap();
+    s.senders[0].reconnect(1).unwrap();
+    assert!(s.senders[0].push_to(12, &[1]).unwrap().is_ok());
+    s.receivers[1].wait(12, T).unwrap();
+    assert_landed(&s.dst, &s.dst_bufs, "after the reconnect");
+    assert!(matches!(
+        s.senders[0].reconnect(7),
+        Err(SyncError::NotAttached { rank: 7, .. })
+    ));
+}
