@@ -22,6 +22,18 @@ weight-transfer engine (``init_transfer_engine``, ``start_weight_update``,
 ``update_weights``, ``finish_weight_update``, ``shutdown``), so that an adapter for it is a
 few lines (see ``examples/weights_llama.py``).
 
+An adapter for vLLM is the receiver's calls under its names (the trainer side attaches
+each worker by ``info()`` and calls ``send_weights(version)``)::
+
+    class XferWeightTransferEngine(WeightTransferEngine):
+        def init_transfer_engine(self, init_info):
+            self.r = WeightReceiver(xfer.Engine(memory="cuda"), builder_for(self.model), **init_info["sync"])
+            self.r.init_transfer_engine(init_info)
+        def start_weight_update(self): self.r.start_weight_update()
+        def update_weights(self, update_info): self.r.update_weights(update_info)
+        def finish_weight_update(self): self.r.finish_weight_update()
+        def shutdown(self): self.r.shutdown()
+
 >>> import numpy as np, xfer
 >>> from xfer.weights import LayoutBuilder, Plan, Source, Destination, split, whole
 >>> w = np.arange(24, dtype=np.uint16).reshape(4, 6)            # the model: one 4 x 6 tensor
