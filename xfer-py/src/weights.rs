@@ -462,7 +462,9 @@ impl PySource {
     /// prepare(piece, tensor_name, region): called once per piece of the layout, just
     /// before its first bytes are sent (with the GIL), where dtype conversion or FSDP
     /// gathering would write it into its registered tensor; it returns None, or the CUDA
-    /// stream that writes it (the piece's transfers wait for the work queued there).
+    /// stream that writes it (the piece's transfers wait for the work queued there). It
+    /// must not call this Source (the push holds it); an exception it raises fails the
+    /// destinations that need the piece.
     /// stream: the stream whose queued work every transfer waits for (default: torch's
     /// current stream of the first CUDA registration; none for host memory).
     #[pyo3(signature = (version, destinations=None, prepare=None, stream=None))]
