@@ -8,6 +8,8 @@
 #   bash .carry/gpu/efa-hmem-proof.sh LF   # libfabric with FI_HMEM (LF: a CUDA-enabled
 #                                          # libfabric prefix, see the script)
 #   bash .carry/gpu/bench.sh        # docs/benchmarks.md's figures on that machine
+#   bash .carry/gpu/weights-proof.sh [WHEEL]   # weight sync: 2 -> 2 processes, 16 GiB of
+#                                              # GPU weights, cuda-ipc and tcp x8; Python
 #   .carry/gpu/sim_p5 8 4 3         # the engine alone at p5 scale (see benches/examples)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -18,6 +20,9 @@ cp target/release/xfer "$out/xfer"
 # The engine alone at p5 scale (8 workers x 4 rails of a transport that moves no bytes).
 cargo build --release -p xfer-benches --example sim_p5
 cp target/release/examples/sim_p5 "$out/sim_p5"
+# Weight sync between processes, against a paged write of the same bytes (weights-proof.sh).
+cargo build --release -p xfer --example weights_sync
+cp target/release/examples/weights_sync "$out/weights_sync"
 # Test executables: `cargo test --no-run` names each one ("Executable tests/x.rs (PATH)").
 copy() { # PACKAGE TEST NAME
     local exe
@@ -35,6 +40,10 @@ copy transport-efa shm_cuda_one_process efa_hmem_one_process
 copy transport-efa stream_order_shm efa_stream_order
 strip "$out"/* 2>/dev/null || true
 cp scripts/gpu-proof.sh scripts/ipc-proof.sh scripts/efa-hmem-proof.sh scripts/proof-lib.sh \
-    scripts/bench.sh "$out/"
+    scripts/bench.sh scripts/weights-proof.sh "$out/"
+# The Python weight-sync example and its tests, for weights-proof.sh with a wheel.
+mkdir -p "$out/py/examples" "$out/py/tests"
+cp xfer-py/examples/weights_llama.py "$out/py/examples/"
+cp xfer-py/tests/conftest.py xfer-py/tests/test_weights.py "$out/py/tests/"
 echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' (with uncommitted changes)')" >"$out/COMMIT"
 du -sh "$out"

@@ -677,10 +677,64 @@ impl Drop for Engine {
     }
 }
 
+impl Engine {
+    /// A handle on the agent (for `xfer.weights`), or `EngineClosed`.
+    pub(crate) fn agent_handle(&self) -> PyResult<Agent> {
+        self.shared.agent()
+    }
+
+    /// Whether `reg` is a registration of this engine and open (else `InvalidArgument`).
+    pub(crate) fn check_registration(&self, reg: &Registration) -> PyResult<()> {
+        self.check_own(&reg.shared, "registration")?;
+        if reg.closed.load(Ordering::Acquire) {
+            return Err(invalid(
+                "this registration is closed: register the memory again",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether `peer` is a peer of this engine and not removed (else `InvalidArgument`).
+    pub(crate) fn check_peer(&self, peer: &Peer) -> PyResult<()> {
+        self.check_own(&peer.shared, "peer")?;
+        if peer.removed.load(Ordering::Acquire) {
+            return Err(invalid("this peer was removed: add it again"));
+        }
+        Ok(())
+    }
+}
+
+impl Peer {
+    /// The library's peer.
+    pub(crate) fn inner(&self) -> &xfer::Peer {
+        &self.peer
+    }
+}
+
 impl Registration {
     /// The library's descriptor of this region (for a directory record).
     pub(crate) fn region_descriptor(&self) -> &RegionDescriptor {
         self.region.descriptor()
+    }
+
+    /// The library's region.
+    pub(crate) fn region(&self) -> &xfer::Region {
+        &self.region
+    }
+
+    /// The CUDA device of this memory, if it is GPU memory.
+    pub(crate) fn cuda_device(&self) -> Option<u32> {
+        match self.location {
+            MemoryLocation::Cuda { device } => Some(device),
+            _ => None,
+        }
+    }
+
+    /// The registered object, while the registration is open.
+    pub(crate) fn object(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        lock(&self.shared.objs)
+            .get(&self.id)
+            .map(|o| o.clone_ref(py))
     }
 
     /// Deregisters; on success lets go of the object (the agent gives the memory back now,

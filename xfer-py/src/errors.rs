@@ -174,7 +174,36 @@ pub fn agent_error(e: &xfer::Error) -> PyErr {
         X::NotJoined { .. } | X::NotLeft { .. } => TimedOut::new_err(e.to_string()),
         X::Engine(inner) => engine_error(inner),
         X::Closed => EngineClosed::new_err(e.to_string()),
+        X::WeightSync(s) => sync_error(s),
+        X::WeightPlan(_) | X::WeightCheck(_) => InvalidArgument::new_err(report(e)),
         _ => TransportFailed::new_err(report(e)),
+    }
+}
+
+/// The exception for a weight sync's failure ([`xfer::weights::SyncError`]), with the
+/// whole chain in its message (it names the destination or source concerned): a failed
+/// transfer is raised as its engine error's class (`PeerUnreachable`, `PeerRemoved`,
+/// `TimedOut`, ...), an update that did not land or sources that did not settle in time as
+/// `TimedOut`, the agent's own failures as [`agent_error`] says, and what the caller gave
+/// wrong (a version, a rank, regions, layouts) as `InvalidArgument`.
+pub fn sync_error(e: &xfer::weights::SyncError) -> PyErr {
+    use xfer::weights::SyncError as S;
+    let msg = report(e);
+    match e {
+        S::Transfer { source, .. } => {
+            let typed = op_error(source);
+            Python::attach(|py| {
+                let ty = typed.get_type(py);
+                PyErr::from_type(ty, msg)
+            })
+        }
+        S::Submit { source, .. } => {
+            let typed = agent_error(source);
+            Python::attach(|py| PyErr::from_type(typed.get_type(py), msg))
+        }
+        S::NotLanded { .. } | S::Unsettled { .. } | S::Torn { .. } => TimedOut::new_err(msg),
+        S::Agent(a) => agent_error(a),
+        _ => InvalidArgument::new_err(msg),
     }
 }
 

@@ -8,7 +8,8 @@
 //! every call that waits, buffers taken without copies through the buffer protocol,
 //! `__cuda_array_interface__` or DLPack ([`memory`]), CUDA stream order for GPU memory
 //! (`stream`), errors as a class hierarchy under `xfer.Error` ([`errors`]), and
-//! `xfer.Directory`. Addresses and descriptors are the library's metadata as bytes
+//! `xfer.Directory`, and `xfer.weights` ([`weights`]): layouts, plans and the weight sync.
+//! Addresses and descriptors are the library's metadata as bytes
 //! (`AgentInfo::to_bytes`, `RegionDescriptor::to_bytes`).
 //!
 //! ```
@@ -42,6 +43,7 @@ mod handle;
 pub mod memory;
 pub mod options;
 mod stream;
+pub mod weights;
 
 use pyo3::prelude::*;
 
@@ -55,6 +57,10 @@ fn _xfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<directory::Directory>()?;
     m.add_class::<directory::Publication>()?;
     m.add_class::<directory::Watch>()?;
+    m.add_class::<weights::PyLayout>()?;
+    m.add_class::<weights::PyPlan>()?;
+    m.add_class::<weights::PySource>()?;
+    m.add_class::<weights::PyDestination>()?;
     errors::add(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

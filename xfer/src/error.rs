@@ -108,6 +108,9 @@ pub enum Error {
     /// A weight-sync plan is wrong for its layouts.
     #[error(transparent)]
     WeightCheck(#[from] crate::weights::CheckError),
+    /// A weight sync (a push, a pull, a wait) failed.
+    #[error(transparent)]
+    WeightSync(#[from] crate::weights::SyncError),
 }
 
 impl Error {

@@ -54,7 +54,9 @@
 //! hash) keys the weight-sync planner's maps.
 //!
 //! Weight sync ([`weights`]): layouts of what each trainer and inference rank holds, the
-//! static plan of byte runs between them, and its checker.
+//! static plan of byte runs between them, its checker, and its execution over agents
+//! ([`weights::exec`]: pushes signalled per destination with immediate data, pulls, a
+//! failed destination failing alone, membership through the directory).
 #![warn(missing_docs)]
 
 mod agent;

@@ -19,6 +19,9 @@ bytes: any Rust program of the library reads them.
 >>> b.wait_imm(7, timeout=5); bool((dst == src).all())
 True
 
+:mod:`xfer.weights` syncs a model's weights from trainer ranks to inference ranks laid out
+another way (layouts, a static plan, pushes with immediate data per destination, pulls).
+
 Errors are subclasses of :class:`Error`, one per kind (``TimedOut``,
 ``PeerUnreachable``, ``PeerRemoved``, ``RemoteKeyInvalid``, ``OutOfBounds``,
 ``PermissionDenied``, ``InvalidArgument``, ...), raised with the engine's message.
@@ -48,6 +51,7 @@ from ._xfer import (  # noqa: F401
     Watch,
     __version__,
 )
+from . import weights  # noqa: E402, F401
 
 __all__ = [
     "Engine",
@@ -71,4 +75,5 @@ __all__ = [
     "RegionInUse",
     "Unsupported",
     "TransportFailed",
+    "weights",
 ]

@@ -13,9 +13,13 @@
 //! - [`Plan::timing`]: the busiest rank's bytes over a per-GPU NIC rate, against a lower
 //!   bound for the layouts ([`Bound`]).
 //!
-//! Pure logic: no agent, no I/O. Executing a plan (pushes with WRITEs, or pulls with READs,
-//! over [`Agent`](crate::Agent)) takes its region pairs and their segments. Errors are
-//! typed ([`LayoutError`], [`PlanError`], [`CheckError`]) and convert into
+//! - [`exec`](mod@exec): executing a plan over [`Agent`](crate::Agent)s: sources push with
+//!   WRITEs pipelined in chunks, every destination learning from immediate data that its
+//!   update landed, or destinations pull with READs; a failed destination fails alone;
+//!   membership through the cluster directory.
+//!
+//! Planning and checking are pure logic: no agent, no I/O. Errors are typed
+//! ([`LayoutError`], [`PlanError`], [`CheckError`], [`SyncError`]) and convert into
 //! [`crate::Error`].
 //!
 //! ```
@@ -52,6 +56,7 @@
 //! ```
 
 pub mod check;
+pub mod exec;
 mod geometry;
 mod inputs;
 pub mod layout;
@@ -60,6 +65,7 @@ mod planner;
 mod runs;
 
 pub use check::{CheckError, CheckReport, check};
+pub use exec::{DestinationSync, SourceSync, SyncError, SyncOptions};
 pub use layout::{
     ElementBox, Holding, Layout, LayoutError, MAX_DIMS, Piece, RegionSpec, TensorSpec,
 };

@@ -318,6 +318,115 @@ impl Plan {
         super::planner::plan(sources, destinations, options)
     }
 
+    /// Plans one more destination, `layout`, against `sources` (the layouts this plan was
+    /// made from, in rank order) without touching the pairs already planned: its pairs are
+    /// added, it gets the next rank (returned), and the bound takes its bytes into account.
+    ///
+    /// Its pairs are exactly those of `Plan::new(sources, &[layout])` (ranked anew), so
+    /// they depend on the sources and on it alone: processes that each hold a copy of a
+    /// plan (every source of a push) compute the same pairs for a joiner whatever order
+    /// they learn of joiners in. Where several sources hold a range it needs, the range is
+    /// balanced over them by the joiner's own bytes, not by the loads the plan already puts
+    /// on them (that would make the pairs depend on which joiners came first). The sum of
+    /// two balanced loads is balanced, so a plan whose sources are balanced stays so.
+    ///
+    /// Fails with [`PlanError::SourceCount`] if `sources` is not as many layouts as the
+    /// plan's sources, and as [`Plan::new`] fails for a layout that cannot be planned
+    /// (errors name the new rank).
+    pub fn add_destination(
+        &mut self,
+        sources: &[Layout],
+        layout: &Layout,
+    ) -> Result<u32, PlanError> {
+        let rank = self.destinations;
+        if sources.len() != self.sources as usize {
+            return Err(PlanError::SourceCount {
+                plan: self.sources,
+                layouts: sources.len(),
+            });
+        }
+        let pairs = Plan::destination_pairs(sources, layout, rank)?;
+        let next = rank.checked_add(1).ok_or(PlanError::TooManyRanks {
+            side: Side::Destination,
+            count: rank as usize + 1,
+        })?;
+        let bytes = pairs.iter().fold(0u64, |a, p| a.saturating_add(p.bytes()));
+        self.pairs.extend(pairs);
+        // Stable: the pairs already planned keep their order, the new rank's go last in
+        // each source's block.
+        self.pairs.sort_by_key(|p| (p.src, p.dst));
+        self.destinations = next;
+        // Every term of the old bound still holds with more work to do; the joiner must
+        // receive its own bytes.
+        if bytes > self.bound.bytes {
+            self.bound = Bound {
+                bytes,
+                limit: Limit::Destination { rank },
+            };
+        }
+        Ok(rank)
+    }
+
+    /// The pairs that [`Plan::add_destination`] would add for `layout` at `rank`: those of
+    /// `Plan::new(sources, &[layout])`, with the destination rank set to `rank`.
+    pub fn destination_pairs(
+        sources: &[Layout],
+        layout: &Layout,
+        rank: u32,
+    ) -> Result<Vec<RegionPair>, PlanError> {
+        let one = Plan::new(sources, std::slice::from_ref(layout)).map_err(|e| match e {
+            PlanError::Uncovered {
+                tensor, elements, ..
+            } => PlanError::Uncovered {
+                tensor,
+                dst_rank: rank,
+                elements,
+            },
+            PlanError::Layout {
+                side: Side::Destination,
+                source,
+                ..
+            } => PlanError::Layout {
+                side: Side::Destination,
+                rank,
+                source,
+            },
+            PlanError::TensorMismatch {
+                tensor,
+                side: Side::Destination,
+                shape,
+                elem_size,
+                expected_shape,
+                expected_elem_size,
+                ..
+            } => PlanError::TensorMismatch {
+                tensor,
+                side: Side::Destination,
+                rank,
+                shape,
+                elem_size,
+                expected_shape,
+                expected_elem_size,
+            },
+            e => e,
+        })?;
+        let mut pairs = one.pairs;
+        for p in &mut pairs {
+            p.dst.rank = rank;
+        }
+        Ok(pairs)
+    }
+
+    /// Drops destination `rank` from the plan: its pairs go, the others stay as they are,
+    /// and its rank is not given to anyone else (so that every other rank keeps meaning
+    /// the same destination; [`check`](super::check()) then takes a layout with no pieces
+    /// in its place). Returns whether it had pairs.
+    pub fn remove_destination(&mut self, rank: u32) -> bool {
+        let before = self.pairs.len();
+        self.pairs.retain(|p| p.dst.rank != rank);
+        self.pairs.len() != before
+    }
+
     /// The runs, per region pair, sorted by source rank and region, then destination rank
     /// and region.
     pub fn pairs(&self) -> &[RegionPair] {
@@ -495,4 +604,13 @@ pub enum PlanError {
     /// More than `u32::MAX` distinct tensors.
     #[error("more than u32::MAX distinct tensors")]
     TooManyTensors,
+    /// [`Plan::add_destination`] was given another number of source layouts than the plan
+    /// has sources.
+    #[error("the plan has {plan} sources, but {layouts} source layouts were given")]
+    SourceCount {
+        /// The plan's sources.
+        plan: u32,
+        /// The layouts given.
+        layouts: usize,
+    },
 }
