@@ -36,6 +36,50 @@ struct Shared {
     accept: Accept,
     /// The agent's metadata, as bytes (`Engine.address`).
     address: Vec<u8>,
+    /// Rendezvous servers started by `Engine.serve`, stopped by `close`.
+    servers: Mutex<Vec<Arc<ServerCell>>>,
+}
+
+/// A rendezvous server; `None` once stopped.
+type ServerCell = Mutex<Option<xfer::rendezvous::Server>>;
+
+/// A direct-rendezvous server of an engine, from `Engine.serve`: peers'
+/// `Engine.rendezvous(address)` reach the engine through it and get its offered regions by
+/// name. It stops with `stop()` or when the engine closes.
+#[pyclass(module = "xfer", frozen)]
+pub struct Server {
+    cell: Arc<ServerCell>,
+    address: String,
+}
+
+#[pymethods]
+impl Server {
+    /// Where it listens, "IP:PORT".
+    #[getter]
+    fn address(&self) -> &str {
+        &self.address
+    }
+
+    /// Stops accepting: the port closes, clients already served keep their connections.
+    /// Stopping twice is fine.
+    fn stop(&self, py: Python<'_>) -> PyResult<()> {
+        let s = lock(&self.cell).take();
+        match s {
+            Some(s) => py
+                .detach(|| s.stop())
+                .map_err(|e| invalid(format!("the rendezvous server had failed: {e}"))),
+            None => Ok(()),
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        let state = if lock(&self.cell).is_some() {
+            "serving"
+        } else {
+            "stopped"
+        };
+        format!("xfer.Server({:?}, {state})", self.address)
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -184,6 +228,7 @@ impl Engine {
                 next_reg: AtomicU64::new(1),
                 accept,
                 address,
+                servers: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -413,6 +458,88 @@ impl Engine {
         })
     }
 
+    /// Offers `registration` to peers under `name`: a peer that meets this engine through
+    /// `serve`/`rendezvous` (or the directory) finds its descriptor by that name.
+    fn offer(&self, name: &str, registration: &Registration) -> PyResult<()> {
+        self.check_registration(registration)?;
+        if name.is_empty() {
+            return Err(invalid("offer: the name is empty"));
+        }
+        self.shared.agent()?.offer(name, registration.region());
+        Ok(())
+    }
+
+    /// Serves the direct rendezvous on `listen` ("IP:PORT"; port 0 picks a free one) on a
+    /// thread of its own: a peer's `Engine.rendezvous(server.address)` connects to this
+    /// engine and gets the regions it offered. With `auth_token`, clients must prove they
+    /// know it. Returns the Server; it stops with `Server.stop()` or `close()`.
+    #[pyo3(signature = (listen="127.0.0.1:0", auth_token=None))]
+    fn serve(&self, py: Python<'_>, listen: &str, auth_token: Option<String>) -> PyResult<Server> {
+        let agent = self.shared.agent()?;
+        let at: std::net::SocketAddr = listen
+            .parse()
+            .map_err(|e| invalid(format!("listen: {listen:?} is not IP:PORT ({e})")))?;
+        let server = py
+            .detach(move || {
+                let l = std::net::TcpListener::bind(at)?;
+                xfer::rendezvous::Server::start(
+                    l,
+                    vec![agent],
+                    xfer::rendezvous::ServeLimits::default(),
+                    Arc::new(xfer::rendezvous::ServeStats::default()),
+                    auth_token,
+                    Arc::new(xfer::rendezvous::NoService),
+                )
+            })
+            .map_err(|e| pyo3::exceptions::PyOSError::new_err(format!("serve on {listen}: {e}")))?;
+        let address = server.local_addr().to_string();
+        let cell = Arc::new(Mutex::new(Some(server)));
+        lock(&self.shared.servers).push(cell.clone());
+        Ok(Server { cell, address })
+    }
+
+    /// The direct rendezvous: connects to the engine serving at `address` ("HOST:PORT",
+    /// from its `Engine.serve`), over the best transport both offer, within `timeout`
+    /// seconds. Returns (Peer, regions): what it offered, name -> descriptor bytes for
+    /// write/read.
+    #[pyo3(signature = (address, auth_token=None, timeout=20.0))]
+    fn rendezvous<'py>(
+        &self,
+        py: Python<'py>,
+        address: &str,
+        auth_token: Option<String>,
+        timeout: f64,
+    ) -> PyResult<(Peer, Bound<'py, pyo3::types::PyDict>)> {
+        use std::net::ToSocketAddrs;
+        if self.closed() {
+            return Err(EngineClosed::new_err("the engine is closed"));
+        }
+        let within = seconds(Some(timeout), "timeout")?.unwrap_or_default();
+        let at = address
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or_else(|| invalid(format!("address: {address:?} is not HOST:PORT")))?;
+        let (peer, welcome) = self
+            .shared
+            .with_agent(py, |a| a.rendezvous(at, auth_token.as_deref(), within))?;
+        let regions = pyo3::types::PyDict::new(py);
+        for (name, d) in &welcome.regions {
+            let bytes = d
+                .to_bytes()
+                .map_err(|e| metadata_error("the server's region", &e))?;
+            regions.set_item(name, PyBytes::new(py, &bytes))?;
+        }
+        Ok((
+            Peer {
+                shared: self.shared.clone(),
+                peer,
+                removed: AtomicBool::new(false),
+            },
+            regions,
+        ))
+    }
+
     /// Removes a peer; its pending transfers fail with PeerRemoved.
     fn remove_peer(&self, py: Python<'_>, peer: &Peer) -> PyResult<()> {
         self.check_own(&peer.shared, "peer")?;
@@ -611,6 +738,16 @@ impl Engine {
         let Some(agent) = lock(&self.shared.agent).take() else {
             return;
         };
+        // Servers first: each holds a handle on the agent.
+        let servers = std::mem::take(&mut *lock(&self.shared.servers));
+        py.detach(move || {
+            for s in servers {
+                // Its error, if it had one, was the caller's to see through Server.stop().
+                if let Some(s) = lock(&s).take() {
+                    let _ = s.stop();
+                }
+            }
+        });
         // The registered objects go first (with the GIL, outside the lock); what keeps
         // their memory alive is the agent's, given back as its transports let go.
         let objs = std::mem::take(&mut *lock(&self.shared.objs));

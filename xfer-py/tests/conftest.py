@@ -5,6 +5,10 @@ CUDA GPU is missing, and fail instead when XFER_REQUIRE_CUDA=1.
 """
 
 import os
+import shutil
+import socket
+import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -46,3 +50,40 @@ def pair(request):
     yield a, b, p
     a.close()
     b.close()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def etcd_url(tmp_path):
+    exe = shutil.which("etcd")
+    if exe is None:
+        if os.environ.get("XFER_REQUIRE_ETCD"):
+            pytest.fail("XFER_REQUIRE_ETCD is set but no etcd is on PATH (Debian: etcd-server)")
+        pytest.skip("needs etcd on PATH (Debian: etcd-server)")
+    c, p = free_port(), free_port()
+    cu, pu = f"http://127.0.0.1:{c}", f"http://127.0.0.1:{p}"
+    log = open(tmp_path / "etcd.log", "wb")
+    proc = subprocess.Popen(
+        [exe, "--name", "t", "--data-dir", str(tmp_path / "data"),
+         "--listen-client-urls", cu, "--advertise-client-urls", cu,
+         "--listen-peer-urls", pu, "--initial-advertise-peer-urls", pu,
+         "--initial-cluster", f"t={pu}", "--logger", "zap", "--log-level", "warn"],
+        stdout=log, stderr=log)
+    url = f"etcd://127.0.0.1:{c}"
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            xfer.Directory(url)
+            break
+        except xfer.DirectoryError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.fail("etcd did not start: " + (tmp_path / "etcd.log").read_text())
+    yield url
+    proc.kill()
+    proc.wait()

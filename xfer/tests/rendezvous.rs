@@ -124,3 +124,27 @@ fn an_agent_says_which_host_and_network_namespace_it_runs_in() {
         "the server's record carries it across"
     );
 }
+
+#[test]
+fn a_started_server_serves_until_stopped_and_then_its_port_is_closed() {
+    let a = agent();
+    let buf = HostBuffer::new_shared(4096).unwrap();
+    let r = a.register(buf.clone(), Access::REMOTE_WRITE).unwrap();
+    a.offer("kv", &r);
+    let srv = xfer::rendezvous::Server::start(
+        TcpListener::bind("127.0.0.1:0").unwrap(),
+        vec![a.clone()],
+        ServeLimits::default(),
+        Arc::new(ServeStats::default()),
+        None,
+        Arc::new(NoService),
+    )
+    .expect("started");
+    let at = srv.local_addr();
+    let c = agent();
+    let (_peer, welcome) = c.rendezvous(at, None, T).expect("served");
+    assert!(welcome.regions.contains_key("kv"));
+    srv.stop().expect("stopped cleanly");
+    let e = std::net::TcpStream::connect_timeout(&at, T).expect_err("nobody listens any more");
+    assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused, "{e}");
+}

@@ -90,6 +90,15 @@ class Peer:
     def name(self) -> str:
         """The peer's name, as its address says."""
 
+class Server:
+    """A direct-rendezvous server of an engine, from Engine.serve."""
+
+    @property
+    def address(self) -> str:
+        """Where it listens, "IP:PORT"."""
+    def stop(self) -> None:
+        """Stops accepting; clients already served keep their connections."""
+
 class Handle:
     """A submitted transfer: wait(), done(), or await it."""
 
@@ -153,6 +162,16 @@ class Engine:
         """Adds a peer by its Engine.address, over the best transport both offer.
 
         Bytes that are not an address raise InvalidArgument naming what is wrong."""
+    def offer(self, name: str, registration: Registration) -> None:
+        """Offers an open registration to peers under `name` (serve/rendezvous, directory)."""
+    def serve(self, listen: str = "127.0.0.1:0", auth_token: str | None = None) -> Server:
+        """Serves the direct rendezvous on `listen` ("IP:PORT", port 0 picks one) until
+        Server.stop() or close()."""
+    def rendezvous(
+        self, address: str, auth_token: str | None = None, timeout: float = 20.0
+    ) -> tuple[Peer, dict[str, bytes]]:
+        """Connects to the engine serving at `address`; returns the peer and the regions it
+        offers, name -> descriptor bytes."""
     def remove_peer(self, peer: Peer) -> None:
         """Removes a peer; its pending transfers fail with PeerRemoved."""
     def write(

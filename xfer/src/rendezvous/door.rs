@@ -31,6 +31,28 @@ use transport_tcp::auth::Nonce;
 /// The listener's token; connections take the others.
 const LISTENER: Token = Token(usize::MAX);
 
+/// The token of the [`Stop`] handle's waker.
+const STOP: Token = Token(usize::MAX - 1);
+
+/// Ends a door's loop from another thread: [`Door::run`] returns `Ok(())` at its next
+/// turn after [`stop`](Stop::stop).
+#[derive(Clone)]
+pub struct Stop {
+    waker: std::sync::Arc<mio::Waker>,
+    stopped: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Stop {
+    /// Asks the loop to end (the listener and every pending connection close with it).
+    pub fn stop(&self) {
+        self.stopped
+            .store(true, std::sync::atomic::Ordering::Release);
+        if let Err(e) = self.waker.wake() {
+            tracing::warn!(error = %e, "could not wake the rendezvous loop to stop it");
+        }
+    }
+}
+
 /// How many bytes one read of a pending connection takes at most.
 const READ_CHUNK: usize = 4096;
 
@@ -107,6 +129,7 @@ pub struct Door {
     /// Per address, its pending tokens in order of acceptance.
     by_address: HashMap<IpAddr, VecDeque<Token>>,
     next: usize,
+    stop: Stop,
 }
 
 impl Door {
@@ -119,6 +142,10 @@ impl Door {
             LISTENER,
             Interest::READABLE,
         )?;
+        let stop = Stop {
+            waker: std::sync::Arc::new(mio::Waker::new(poll.registry(), STOP)?),
+            stopped: Default::default(),
+        };
         Ok(Door {
             listener,
             poll,
@@ -127,10 +154,16 @@ impl Door {
             order: VecDeque::new(),
             by_address: HashMap::new(),
             next: 0,
+            stop,
         })
     }
 
-    /// Runs the loop until an error of the poll itself: accepts, greets each connection
+    /// A handle that ends [`run`](Door::run) from another thread.
+    pub fn stopper(&self) -> Stop {
+        self.stop.clone()
+    }
+
+    /// Runs the loop until an error of the poll itself or a [`Stop`]: accepts, greets each connection
     /// with `greeting(nonce)` (a line, newline included), reads hellos, hands each complete
     /// one to `judge`, hands admitted connections to `admit`, and reports every connection
     /// the door closes itself to `closed` (with its address and why). `on_pending` hears
@@ -154,7 +187,13 @@ impl Door {
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(e),
             }
+            if self.stop.stopped.load(std::sync::atomic::Ordering::Acquire) {
+                return Ok(());
+            }
             for ev in events.iter() {
+                if ev.token() == STOP {
+                    continue;
+                }
                 if ev.token() == LISTENER {
                     self.accept_all(&greeting, &mut closed);
                 } else {

@@ -41,7 +41,7 @@ mod server;
 
 pub use client::{Client, ClientError, Welcome, hello};
 pub use server::{
-    ClientSlot, Given, NoService, Refusal, Refused, ServeLimits, ServeStats, Service,
+    ClientSlot, Given, NoService, Refusal, Refused, ServeLimits, ServeStats, Server, Service,
     ServiceClient, Verdict, serve,
 };
 

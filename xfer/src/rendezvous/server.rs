@@ -479,8 +479,75 @@ pub fn serve<S: Service>(
     token: Option<String>,
     service: Arc<S>,
 ) -> std::io::Result<()> {
+    let door = door_for(listener, &limits)?;
+    run_door(door, agents, limits, stats, token, service)
+}
+
+/// A rendezvous server on a thread of its own (what [`serve`] does, until
+/// [`stop`](Server::stop) or until it is dropped).
+pub struct Server {
+    addr: SocketAddr,
+    stop: door::Stop,
+    thread: Option<std::thread::JoinHandle<std::io::Result<()>>>,
+}
+
+impl Server {
+    /// Serves clients for `agents` on `listener` as [`serve`] does, on a new thread.
+    pub fn start<S: Service>(
+        listener: TcpListener,
+        agents: Vec<Agent>,
+        limits: ServeLimits,
+        stats: Arc<ServeStats>,
+        token: Option<String>,
+        service: Arc<S>,
+    ) -> std::io::Result<Server> {
+        let addr = listener.local_addr()?;
+        let door = door_for(listener, &limits)?;
+        let stop = door.stopper();
+        let thread = std::thread::Builder::new()
+            .name("xfer-rendezvous-door".into())
+            .spawn(move || run_door(door, agents, limits, stats, token, service))?;
+        Ok(Server {
+            addr,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Where it listens.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stops accepting: the listener and every connection still waiting for its hello
+    /// close; connections already admitted run to their end (each holds its agent until
+    /// its client says goodbye or goes). Returns the loop's error, if it had one.
+    pub fn stop(mut self) -> std::io::Result<()> {
+        self.stop_now()
+    }
+
+    fn stop_now(&mut self) -> std::io::Result<()> {
+        self.stop.stop();
+        match self.thread.take().map(|t| t.join()) {
+            Some(Ok(r)) => r,
+            Some(Err(_)) => Err(std::io::Error::other("the rendezvous loop panicked")),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Err(e) = self.stop_now() {
+            tracing::warn!(error = %e, "the rendezvous server had failed");
+        }
+    }
+}
+
+/// The door of a server on `listener`, bounded by `limits`.
+fn door_for(listener: TcpListener, limits: &ServeLimits) -> std::io::Result<Door> {
     raise_fd_limit();
-    let door = Door::new(
+    Door::new(
         listener,
         DoorLimits {
             hello_timeout: limits.hello_timeout,
@@ -489,7 +556,18 @@ pub fn serve<S: Service>(
             max_hello_bytes: usize::try_from(limits.max_request_bytes.min(MAX_HELLO))
                 .unwrap_or(usize::MAX),
         },
-    )?;
+    )
+}
+
+/// Runs `door` for `agents` until it stops or fails (see [`serve`]).
+fn run_door<S: Service>(
+    door: Door,
+    agents: Vec<Agent>,
+    limits: ServeLimits,
+    stats: Arc<ServeStats>,
+    token: Option<String>,
+    service: Arc<S>,
+) -> std::io::Result<()> {
     let budget = Arc::new(Budget {
         rate: std::sync::Mutex::new(RegionRate::new(limits.region_rate, Instant::now())),
         limits,
