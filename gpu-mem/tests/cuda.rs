@@ -814,9 +814,16 @@ fn the_position_pattern_is_written_on_the_device_and_reads_back_as_the_host_comp
     }
     // What it costs at size (printed: a figure, not a test of speed): 32 GiB where the
     // device has 80 GiB or more, else 8 GiB.
-    let gib: usize = if gpu.info().unwrap().total_memory >= 80 << 30 { 32 } else { 8 };
+    let gib: usize = if gpu.info().unwrap().total_memory >= 80 << 30 {
+        32
+    } else {
+        8
+    };
     let big = gpu.alloc(gib << 30).unwrap();
     let t = Instant::now();
     gpu_mem::fill_pattern(&big, 1).unwrap();
-    println!("pattern fill of {gib} GiB of device memory: {:?}", t.elapsed());
+    println!(
+        "pattern fill of {gib} GiB of device memory: {:?}",
+        t.elapsed()
+    );
 }
