@@ -97,7 +97,7 @@ pub struct GroupTransfer {
     pub direction: Direction,
     /// Work the transfer waits for before any rail touches its local memory: a CUDA event
     /// recorded on the stream whose kernels write the source, say. See
-    /// [`Transfer`](super::Transfer) on ordering with the application's own work.
+    /// [`Transfer`] on ordering with the application's own work.
     pub after: Option<Arc<dyn Fence>>,
 }
 
