@@ -12,7 +12,9 @@
 # torch, numpy and pytest there; WHEELHOUSE, a folder of wheels, supplies missing ones
 # without a network), runs the whole pytest suite with XFER_REQUIRE_CUDA=1 (so the CUDA cases fail
 # instead of skipping), then the KV-cache example GPU -> GPU over cuda-ipc and over tcp (and
-# GPU 0 -> GPU 1 where there are two). Exits non-zero when any step failed.
+# GPU 0 -> GPU 1 where there are two). Exits non-zero when any step failed. The efa-over-shm
+# case needs a libfabric built with CUDA: export XFER_LIBFABRIC=LF/lib/libfabric.so.1 and
+# XFER_REQUIRE_HMEM=1 (LF as for efa-hmem-proof.sh) to run it; without them it is skipped.
 set -euo pipefail
 if (($# < 1)) || [[ ! -f $1 ]]; then
     echo "usage: $0 WHEEL [WHEELHOUSE]" >&2

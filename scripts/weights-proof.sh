@@ -21,7 +21,8 @@
 # Rust part about 5, the Python part more, mostly generating and checking 16 GB models).
 # XFER_WEIGHTS_MEMORY=host and XFER_WEIGHTS_BYTES (e.g. 2GiB) make a smaller run (the
 # python steps then use numpy, one layer): a check of the script itself on a machine
-# without a GPU. Exits non-zero when any step failed.
+# without a GPU. XFER_WEIGHTS_PY_LAYERS=K runs the Python examples on the model's first K
+# layers (same shapes, fewer of them). Exits non-zero when any step failed.
 set -euo pipefail
 wheel=${1:+$(realpath "$1")}
 house=${2:+$(realpath "$2")}
@@ -73,6 +74,7 @@ device=cpu
 [[ $memory == cuda ]] && device=cuda
 layers=()
 [[ $memory == cuda ]] || layers=(--layers 1)
+[[ -n ${XFER_WEIGHTS_PY_LAYERS:-} ]] && layers=(--layers "$XFER_WEIGHTS_PY_LAYERS")
 ex() { step "weights_llama $*" "$py" py/examples/weights_llama.py --device "$device" "${layers[@]}" "$@"; }
 ex --transport tcp --rails 8
 ex --transport auto                       # cuda-ipc between the ranks' processes (GPU)

@@ -144,8 +144,21 @@ def test_a_write_waits_for_the_kernel_that_computes_its_source(transport, where)
         assert filled == ORDER_BYTES, f"{filled} of {ORDER_BYTES} bytes carry the kernel's fill"
 
 
+def hmem_libfabric_or_skip(torch):
+    """Skips when the libfabric xfer loads cannot register CUDA memory (Debian's is built
+    without CUDA; XFER_LIBFABRIC names one that is), or fails under XFER_REQUIRE_HMEM=1."""
+    try:
+        with xfer.Engine(transport="efa", provider="shm", memory="cuda") as e:
+            e.register(torch.zeros(4096, dtype=torch.uint8, device="cuda:0"))
+    except (xfer.Unsupported, xfer.TransportFailed) as err:
+        if os.environ.get("XFER_REQUIRE_HMEM") == "1":
+            pytest.fail(f"XFER_REQUIRE_HMEM=1 but {err}")
+        pytest.skip(f"needs a libfabric built with CUDA (XFER_LIBFABRIC): {err}")
+
+
 def test_a_write_over_efa_shm_between_processes_waits_for_the_kernel():
     torch = cuda_or_skip()
+    hmem_libfabric_or_skip(torch)
     proc, addr, desc = spawn_peer(
         "--transport", "efa", "--provider", "shm", "--device", "cuda", "--bytes", str(ORDER_BYTES)
     )
