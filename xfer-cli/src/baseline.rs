@@ -3,7 +3,9 @@
 //!
 //! - tcp with host memory: [`tcp_streams`], raw TCP streams over loopback, as many as rails,
 //!   moving the same bytes from and into memory of the region's size (and, for
-//!   `baseline_hot_gbps`, through 1 MiB buffers that stay in the CPU's caches);
+//!   `baseline_hot_gbps`, through 1 MiB buffers that stay in the CPU's caches); and, for
+//!   `baseline_pages_gbps`, [`tcp_pages`]: the same streams moving the run's page size as
+//!   random pages, [`GATHER`] per `writev`, placed by `readv` into the same pages;
 //! - mem: [`scattered_memcpy`], a `memcpy` of each page of the run's transfers (the same
 //!   pages: [`TransferPages`]) between the run's own regions, on as many threads as rails;
 //! - cuda-ipc: [`scattered_device_copies`], the same pages copied device to device with
@@ -221,6 +223,184 @@ fn tcp_streams_io(bytes: u64, streams: usize, footprint: usize) -> std::io::Resu
     Ok(got as f64 * 8.0 / secs / 1e9)
 }
 
+/// Pages gathered per `writev` (and scattered per `readv`) by [`tcp_pages`].
+pub const GATHER: usize = 16;
+
+/// The kind of [`tcp_pages`].
+pub fn tcp_pages_kind(streams: usize, page: usize, footprint: usize) -> String {
+    let all = stream_share(footprint, streams) as u64 * streams.max(1) as u64;
+    format!(
+        "raw TCP streams, {streams}, loopback, writev of {GATHER} random {} pages of {} into the \
+         same pages",
+        format_size(page as u64),
+        format_size(all)
+    )
+}
+
+/// A small deterministic generator (splitmix64): both ends of a stream draw the same pages.
+struct Draw(u64);
+
+impl Draw {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// The byte offsets of the next [`GATHER`] pages of a `share`-byte buffer: one random
+    /// page from each of `GATHER` equal lanes, so they are distinct and in increasing order.
+    fn pages(&mut self, share: usize, page: usize) -> [usize; GATHER] {
+        let lane_pages = share / page / GATHER;
+        let mut at = [0usize; GATHER];
+        for (i, a) in at.iter_mut().enumerate() {
+            let p = i * lane_pages + (self.next() % lane_pages as u64) as usize;
+            *a = p * page;
+        }
+        at
+    }
+}
+
+/// Moves `bytes` over `streams` loopback connections as pages: each writer sends
+/// [`GATHER`] random `page`-byte pages of its share of a `footprint`-byte source with one
+/// `writev`, and its reader places them with `readv` at the same offsets of a
+/// `footprint`-byte destination (both ends draw the same pages from `seed`; no framing).
+/// This is what a transport of scattered pages does at least, without its headers,
+/// completions or scheduling; returns Gbit/s, or `None` when a share holds fewer than
+/// [`GATHER`] pages.
+pub fn tcp_pages(
+    bytes: u64,
+    streams: usize,
+    footprint: usize,
+    page: usize,
+    seed: u64,
+) -> Result<Option<f64>, BaselineError> {
+    tcp_pages_io(bytes, streams.max(1), footprint, page, seed).map_err(BaselineError::Streams)
+}
+
+fn tcp_pages_io(
+    bytes: u64,
+    streams: usize,
+    footprint: usize,
+    page: usize,
+    seed: u64,
+) -> std::io::Result<Option<f64>> {
+    let share = stream_share(footprint, streams);
+    if page == 0 || share / page < GATHER {
+        return Ok(None);
+    }
+    let group = (GATHER * page) as u64;
+    let groups = bytes / streams as u64 / group;
+    let alloc =
+        || gpu_mem::HostMemory::new(share).map_err(|e| std::io::Error::other(e.to_string()));
+    let mut srcs = (0..streams)
+        .map(|_| alloc())
+        .collect::<std::io::Result<Vec<_>>>()?;
+    for s in &mut srcs {
+        s.as_mut_slice().fill(0x5A);
+    }
+    let mut dsts = (0..streams)
+        .map(|_| alloc())
+        .collect::<std::io::Result<Vec<_>>>()?;
+    for d in &mut dsts {
+        d.as_mut_slice().fill(0);
+    }
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    // Stream i's pages come from seed + i at both ends; a writer sends its index first.
+    let start = Instant::now();
+    let readers = std::thread::spawn(move || -> std::io::Result<u64> {
+        let mut handles = Vec::new();
+        for mut mem in dsts.drain(..) {
+            let (mut s, _) = listener.accept()?;
+            handles.push(std::thread::spawn(move || -> std::io::Result<u64> {
+                let mut id = [0u8; 8];
+                s.read_exact(&mut id)?;
+                let mut draw = Draw(seed.wrapping_add(u64::from_le_bytes(id)));
+                let buf = mem.as_mut_slice();
+                let mut total = 0u64;
+                for _ in 0..groups {
+                    let at = draw.pages(share, page);
+                    // Disjoint, increasing pages: split the buffer at each of them.
+                    let mut rest: &mut [u8] = buf;
+                    let mut base = 0usize;
+                    let mut iov = Vec::with_capacity(GATHER);
+                    for &a in &at {
+                        let (_, tail) = rest.split_at_mut(a - base);
+                        let (p, tail) = tail.split_at_mut(page);
+                        iov.push(std::io::IoSliceMut::new(p));
+                        rest = tail;
+                        base = a + page;
+                    }
+                    let mut iov = &mut iov[..];
+                    let mut left = group;
+                    while left > 0 {
+                        let n = s.read_vectored(iov)?;
+                        if n == 0 {
+                            return Err(std::io::ErrorKind::UnexpectedEof.into());
+                        }
+                        left -= n as u64;
+                        total += n as u64;
+                        std::io::IoSliceMut::advance_slices(&mut iov, n);
+                    }
+                }
+                Ok(total)
+            }));
+        }
+        let mut total = 0;
+        for h in handles {
+            total += h
+                .join()
+                .map_err(|_| std::io::Error::other("reader panicked"))??;
+        }
+        Ok(total)
+    });
+    let writers: Vec<_> = srcs
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut mem)| {
+            std::thread::spawn(move || -> std::io::Result<()> {
+                let mut s = TcpStream::connect(addr)?;
+                s.write_all(&(i as u64).to_le_bytes())?;
+                let mut draw = Draw(seed.wrapping_add(i as u64));
+                let mine = mem.as_mut_slice();
+                for _ in 0..groups {
+                    let at = draw.pages(share, page);
+                    let mut iov: Vec<std::io::IoSlice<'_>> = at
+                        .iter()
+                        .map(|&a| std::io::IoSlice::new(&mine[a..a + page]))
+                        .collect();
+                    let mut iov = &mut iov[..];
+                    while !iov.is_empty() {
+                        let n = s.write_vectored(iov)?;
+                        if n == 0 {
+                            return Err(std::io::ErrorKind::WriteZero.into());
+                        }
+                        std::io::IoSlice::advance_slices(&mut iov, n);
+                    }
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    for w in writers {
+        w.join()
+            .map_err(|_| std::io::Error::other("writer panicked"))??;
+    }
+    let got = readers
+        .join()
+        .map_err(|_| std::io::Error::other("reader panicked"))??;
+    let secs = start.elapsed().as_secs_f64();
+    if got != groups * group * streams as u64 {
+        return Err(std::io::Error::other(format!(
+            "baseline moved {got} bytes, expected {}",
+            groups * group * streams as u64
+        )));
+    }
+    Ok(Some(got as f64 * 8.0 / secs / 1e9))
+}
+
 /// Checks that every page of `w` lies inside `region` (pages are below `w.region_pages()`).
 fn check_pages(w: &Workload, region: &dyn MemoryRegion) -> Result<(), fabric_core::MemoryError> {
     let span = w.region_pages().saturating_mul(w.page_size);
@@ -435,6 +615,38 @@ mod tests {
             transfer_timeout: Duration::from_secs(10),
             direction: Direction::Write,
         }
+    }
+
+    /// The raw page streams' draws are what both ends need: the same pages from the same
+    /// seed, distinct, increasing, whole pages inside the share, spread over all of it.
+    #[test]
+    fn page_draws_are_repeatable_distinct_and_inside_the_share() {
+        let (share, page) = (1 << 20, 4096);
+        let (mut a, mut b) = (Draw(7), Draw(7));
+        let mut seen_last_lane = false;
+        for _ in 0..1000 {
+            let at = a.pages(share, page);
+            assert_eq!(at, b.pages(share, page));
+            assert!(at.windows(2).all(|w| w[0] + page <= w[1]), "{at:?}");
+            assert!(
+                at.iter().all(|&x| x % page == 0 && x + page <= share),
+                "{at:?}"
+            );
+            seen_last_lane |= at[GATHER - 1] >= share - share / GATHER;
+        }
+        assert!(seen_last_lane);
+        assert_ne!(Draw(7).pages(share, page), Draw(8).pages(share, page));
+    }
+
+    /// Too few pages for a gather is no baseline, not an error; otherwise every byte moves.
+    #[test]
+    fn page_streams_move_whole_gathers_or_say_they_cannot() {
+        assert_eq!(
+            tcp_pages(1 << 20, 1, 1 << 20, 128 << 10, 1).expect("runs"),
+            None
+        );
+        let gbps = tcp_pages(8 << 20, 2, 4 << 20, 4096, 1).expect("runs");
+        assert!(gbps.is_some_and(|g| g > 0.0), "{gbps:?}");
     }
 
     /// The memcpy baseline copies exactly the pages the engine's run writes: run over mem

@@ -57,15 +57,20 @@ pub fn run(a: DemoArgs) -> Result<(), CliError> {
     let nics = pair.initiator.nics(kind).map(nics_text).unwrap_or_default();
     let rails = pair.initiator.group(kind).map_or(1, |g| g.rails().len());
     let (report, verified, regions) = one_worker(pair, clock, k, &w, !k.json, None)?;
-    let (measured, hot) = if a.baseline {
-        let (m, hot) = run_baseline(kind, &a.backend, k, rails, &w, &report, regions)?;
-        (Some(m), hot)
+    let (measured, extra) = if a.baseline {
+        let (m, extra) = run_baseline(kind, &a.backend, k, rails, &w, &report, regions)?;
+        (Some(m), extra)
     } else {
-        (None, None)
+        (None, Extra::default())
     };
     let mut summary = Summary::of(&path, k, &report, verified, measured).with_nics(nics);
-    summary.baseline_hot_gbps = hot;
-    summary.ratio_hot = hot.map(|h| summary.gbps / h);
+    summary.baseline_hot_gbps = extra.hot;
+    summary.ratio_hot = extra.hot.map(|h| summary.gbps / h);
+    if let Some(p) = extra.pages {
+        summary.ratio_pages = Some(summary.gbps / p.gbps);
+        summary.baseline_pages_gbps = Some(p.gbps);
+        summary.baseline_pages_kind = Some(p.kind);
+    }
     print_summary(&summary, k.json);
     Ok(())
 }
@@ -130,6 +135,15 @@ impl Pair {
 /// the engine, on the same path `kind` (see [`baseline`]), with the run's own regions where
 /// it copies memory, as many threads or streams as `rails`. Returns what it measured and,
 /// for tcp, the cache-hot streams' Gbps.
+/// What a tcp baseline measures besides its main figure.
+#[derive(Default)]
+struct Extra {
+    /// The streams through 1 MiB cache-hot buffers.
+    hot: Option<f64>,
+    /// The streams moving the run's page size as random pages ([`baseline::tcp_pages`]).
+    pages: Option<Measured>,
+}
+
 fn run_baseline(
     kind: TransportKind,
     b: &BackendArgs,
@@ -138,7 +152,7 @@ fn run_baseline(
     w: &Workload,
     report: &RunReport,
     (local, remote): Regions,
-) -> Result<(Measured, Option<f64>), CliError> {
+) -> Result<(Measured, Extra), CliError> {
     let failed = |e: BaselineError| CliError::because("baseline", e);
     match kind {
         TransportKind::Mem => {
@@ -154,7 +168,7 @@ fn run_baseline(
             let gbps =
                 baseline::scattered_memcpy(&**from, &**to, w, rails, &pins).map_err(failed)?;
             let kind = baseline::memcpy_kind(rails);
-            Ok((Measured { gbps, kind }, None))
+            Ok((Measured { gbps, kind }, Extra::default()))
         }
         TransportKind::CudaIpc => {
             let cuda = cuda()?;
@@ -174,7 +188,7 @@ fn run_baseline(
                 baseline::scattered_device_copies(&r, w, reads(k), rails, b.cuda_copy)
                     .map_err(failed)?;
             let kind = baseline::device_copies_kind(method, rails, g0, g1);
-            Ok((Measured { gbps, kind }, None))
+            Ok((Measured { gbps, kind }, Extra::default()))
         }
         _ => {
             // tcp with host memory. The regions go first: the streams map as much memory.
@@ -183,7 +197,21 @@ fn run_baseline(
                 .map_err(failed)?;
             let hot = baseline::tcp_streams(report.bytes, rails, 1 << 20).map_err(failed)?;
             let kind = baseline::tcp_kind(rails, k.region_size as usize);
-            Ok((Measured { gbps, kind }, Some(hot)))
+            let page = w.page_size as usize;
+            let pages =
+                baseline::tcp_pages(report.bytes, rails, k.region_size as usize, page, w.seed)
+                    .map_err(failed)?
+                    .map(|gbps| Measured {
+                        gbps,
+                        kind: baseline::tcp_pages_kind(rails, page, k.region_size as usize),
+                    });
+            Ok((
+                Measured { gbps, kind },
+                Extra {
+                    hot: Some(hot),
+                    pages,
+                },
+            ))
         }
     }
 }

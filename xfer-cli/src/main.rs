@@ -308,6 +308,16 @@ pub(crate) struct Summary {
     baseline_hot_gbps: Option<f64>,
     /// `gbps / baseline_hot_gbps`.
     ratio_hot: Option<f64>,
+    /// TCP only: the streams moving the run's page size as random pages, 16 per `writev`,
+    /// placed by `readv` into the same pages (absent when the region holds too few pages).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    baseline_pages_gbps: Option<f64>,
+    /// What that baseline was, in words.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    baseline_pages_kind: Option<String>,
+    /// `gbps / baseline_pages_gbps`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ratio_pages: Option<f64>,
     memory: &'static str,
     page_size: u64,
     pages: u64,
@@ -346,6 +356,9 @@ impl Summary {
             baseline_kind,
             baseline_hot_gbps: None,
             ratio_hot: None,
+            baseline_pages_gbps: None,
+            baseline_pages_kind: None,
+            ratio_pages: None,
             memory: path.memory,
             page_size: k.page_size,
             pages: k.pages,
@@ -573,6 +586,11 @@ pub(crate) fn print_summary(s: &Summary, json: bool) {
         println!(
             "baseline, cache-hot (the same streams through 1 MiB buffers): {b:.2} Gbps; ratio {r:.3}"
         );
+    }
+    if let (Some(b), Some(r), Some(kind)) =
+        (s.baseline_pages_gbps, s.ratio_pages, &s.baseline_pages_kind)
+    {
+        println!("baseline, pages: {kind}: {b:.2} Gbps; ratio {r:.3}");
     }
 }
 

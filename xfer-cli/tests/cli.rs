@@ -1014,7 +1014,8 @@ fn demo_baseline_over_mem_is_a_scattered_memcpy_of_the_same_pages() {
 }
 
 /// `demo --transport tcp --baseline`: raw TCP streams on loopback, one per rail, through
-/// buffers of the region's size, and the cache-hot figure beside it.
+/// buffers of the region's size, and beside it the cache-hot figure and the streams moving
+/// the run's pages.
 #[test]
 fn demo_baseline_over_tcp_is_raw_tcp_streams_on_loopback() {
     let out = small_demo(&["--transport", "tcp", "--rails", "2", "--baseline"]);
@@ -1029,6 +1030,43 @@ fn demo_baseline_over_tcp_is_raw_tcp_streams_on_loopback() {
     let hot = j["baseline_hot_gbps"].as_f64().expect("baseline_hot_gbps");
     let ratio_hot = j["ratio_hot"].as_f64().expect("ratio_hot");
     assert!(hot > 0.0 && ratio_hot > 0.0 && ratio_hot.is_finite(), "{j}");
+    // And the same streams moving the run's pages, 16 random ones per writev.
+    assert_eq!(
+        j["baseline_pages_kind"].as_str(),
+        Some(
+            "raw TCP streams, 2, loopback, writev of 16 random 4.0 KiB pages of 4.0 MiB into \
+             the same pages"
+        ),
+        "{j}"
+    );
+    let pages = j["baseline_pages_gbps"]
+        .as_f64()
+        .expect("baseline_pages_gbps");
+    let ratio_pages = j["ratio_pages"].as_f64().expect("ratio_pages");
+    assert!(
+        pages > 0.0 && ratio_pages > 0.0 && ratio_pages.is_finite(),
+        "{j}"
+    );
+    let out = xfer(&[
+        "demo",
+        "--page-size",
+        "4KiB",
+        "--pages",
+        "64",
+        "--bytes",
+        "4MiB",
+        "--region-size",
+        "4MiB",
+        "--transport",
+        "tcp",
+        "--baseline",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("baseline, pages: raw TCP streams, 1")),
+        "{text}"
+    );
 }
 
 /// `demo --baseline` where no like-for-like run exists in one process (efa; GPU memory

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Small pages against raw sockets, in one call: for each workload (PAGE:RAILS), RUNS runs of
+# `xfer demo --transport tcp --baseline` (host memory), each of which times the engine and
+# then, in the same process, raw TCP streams (one per rail) moving the same page size as
+# random pages, 16 per writev, placed by readv into the same pages of a region of the same
+# size (`baseline_pages_gbps`). Prints every run, then per workload the medians of the
+# engine's Gbps, the raw streams' Gbps and their ratio.
+#
+#   scripts/small-pages.sh [PAGE:RAILS ...]     # default: 4KiB:1 4KiB:2 4KiB:8 64KiB:1 64KiB:8
+#   XFER=target/release/xfer RUNS=3 BYTES_4K=4GiB BYTES_64K=16GiB (the defaults)
+#   MIN="4KiB:8=0.85 64KiB:1=1.0"   # exit 1 when a workload's median ratio is below its floor
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+X=${XFER:-target/release/xfer}
+RUNS=${RUNS:-3}
+[[ -x $X ]] || { echo "no $X: cargo build --release -p xfer-cli (or set XFER)" >&2; exit 2; }
+(($# > 0)) || set -- 4KiB:1 4KiB:2 4KiB:8 64KiB:1 64KiB:8
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+echo "== $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(nproc) cores, $(uname -r)"
+for run in $(seq "$RUNS"); do
+    for wl in "$@"; do
+        page=${wl%%:*} rails=${wl#*:}
+        bytes=${BYTES_64K:-16GiB}
+        [[ $page == 4KiB ]] && bytes=${BYTES_4K:-4GiB}
+        "$X" demo --transport tcp --page-size "$page" --rails "$rails" --bytes "$bytes" \
+            --baseline --json >"$tmp/out.json" 2>"$tmp/err" ||
+            { echo "$wl run $run failed: $(tail -1 "$tmp/err")" >&2; exit 1; }
+        python3 - "$tmp/out.json" "$wl" "$run" "$tmp/$wl" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+row = (d["gbps"], d["baseline_pages_gbps"], d["ratio_pages"])
+print(f"{sys.argv[2]} run {sys.argv[3]}: xfer {row[0]:.2f} Gbps, raw pages {row[1]:.2f} Gbps, ratio {row[2]:.3f}")
+open(sys.argv[4], "a").write(" ".join(map(str, row)) + "\n")
+PY
+    done
+done
+python3 - "$tmp" "${MIN:-}" "$@" <<'PY'
+import statistics, sys
+tmp, floors, workloads = sys.argv[1], dict(f.split("=") for f in sys.argv[2].split()), sys.argv[3:]
+low = []
+for wl in workloads:
+    rows = [list(map(float, l.split())) for l in open(f"{tmp}/{wl}")]
+    med = [statistics.median(c) for c in zip(*rows)]
+    floor = float(floors.get(wl, 0))
+    flag = "" if med[2] >= floor else f"  BELOW {floor}"
+    print(f"{wl}: median of {len(rows)}: xfer {med[0]:.2f} Gbps, raw pages {med[1]:.2f} Gbps, ratio {med[2]:.3f}{flag}")
+    if flag:
+        low.append(wl)
+sys.exit(1 if low else 0)
+PY
