@@ -134,13 +134,13 @@ fn stall_once(net: &NetPair, bench: &Child, slow: &str, from: u64, after: u64) -
     eventually(&format!("{slow} has sent {after} bytes"), within, || {
         net.tx_bytes(Side::A, slow).unwrap() - from >= after
     });
-    let pid = bench.id().to_string();
+    let pid = bench.id();
     let tx = || -> Vec<u64> {
         (0..NICS)
             .map(|i| net.tx_bytes(Side::A, &NetPair::veth(i)).unwrap())
             .collect()
     };
-    netns::run("kill", &["-STOP", &pid]).unwrap();
+    signal(pid, libc::SIGSTOP);
     let stopped = tx();
     eventually("every send queue is empty", within, || {
         [Side::A, Side::B]
@@ -148,8 +148,24 @@ fn stall_once(net: &NetPair, bench: &Child, slow: &str, from: u64, after: u64) -
             .all(|s| send_queues(net, s).iter().all(|&q| q == 0))
     });
     let drained = tx();
-    netns::run("kill", &["-CONT", &pid]).unwrap();
+    signal(pid, libc::SIGCONT);
     drained.iter().zip(&stopped).map(|(d, s)| d - s).collect()
+}
+
+/// Sends `sig` to process `pid` (a child of this test), through the C library: a minimal
+/// Debian has no `kill` executable (procps), only the shells' builtin.
+fn signal(pid: u32, sig: libc::c_int) {
+    let pid = libc::pid_t::try_from(pid).expect("a pid fits pid_t");
+    // SAFETY: kill(2) takes plain integers and touches no memory of ours; pid is our own
+    // child's, which has not been waited for yet (wait_with_output comes later), so the id
+    // still names it.
+    let rc = unsafe { libc::kill(pid, sig) };
+    assert_eq!(
+        rc,
+        0,
+        "kill({pid}, {sig}): {}",
+        std::io::Error::last_os_error()
+    );
 }
 
 /// Each NIC's share of the bytes all four sent.
