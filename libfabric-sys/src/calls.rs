@@ -200,6 +200,22 @@ pub unsafe fn fi_av_remove(
     jump!((*av).ops, remove(av, fi_addr, count, flags))
 }
 
+/// `fi_cntr_open`.
+pub unsafe fn fi_cntr_open(
+    domain: *mut fid_domain,
+    attr: *mut fi_cntr_attr,
+    cntr: *mut *mut fid_cntr,
+    context: *mut c_void,
+) -> c_int {
+    jump!((*domain).ops, cntr_open(domain, attr, cntr, context))
+}
+
+/// `fi_cntr_read` (an empty ops entry reads as `u64::MAX - FI_ENOSYS + 1`, never a count a
+/// caller waits for).
+pub unsafe fn fi_cntr_read(cntr: *mut fid_cntr) -> u64 {
+    jump!((*cntr).ops, read(cntr))
+}
+
 /// `fi_cq_read`.
 pub unsafe fn fi_cq_read(cq: *mut fid_cq, buf: *mut c_void, count: usize) -> isize {
     jump!((*cq).ops, read(cq, buf, count))

@@ -123,6 +123,7 @@ fid_object!(
     fid_cq => "completion queue",
     fid_ep => "endpoint",
     fid_mr => "memory registration",
+    fid_cntr => "counter",
 );
 
 /// Owns one libfabric object and closes it on drop.

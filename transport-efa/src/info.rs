@@ -171,13 +171,21 @@ pub(crate) fn supported_mr_mode(hmem: bool) -> u64 {
 }
 
 /// Builds the hints for FI_EP_RDM with FI_MSG | FI_RMA (and FI_HMEM when asked).
-fn hints(lib: &'static sys::Libfabric, hmem: bool, provider: Option<&str>) -> Result<InfoList> {
+fn hints(
+    lib: &'static sys::Libfabric,
+    hmem: bool,
+    provider: Option<&str>,
+    rma_event: bool,
+) -> Result<InfoList> {
     let hints = InfoList::alloc(lib)?;
     let p = hints.as_ptr();
     // SAFETY: fi_allocinfo returned an fi_info whose attribute pointers are all allocated;
     // we are its only user. Strings we put in are malloc'ed, as fi_freeinfo expects.
     unsafe {
-        (*p).caps = sys::FI_MSG | sys::FI_RMA | if hmem { sys::FI_HMEM } else { 0 };
+        (*p).caps = sys::FI_MSG
+            | sys::FI_RMA
+            | if hmem { sys::FI_HMEM } else { 0 }
+            | if rma_event { sys::FI_RMA_EVENT } else { 0 };
         // We give every operation a context of fi_context2 size, which satisfies both.
         (*p).mode = sys::FI_CONTEXT | sys::FI_CONTEXT2;
         (*(*p).ep_attr).type_ = sys::FI_EP_RDM;
@@ -198,8 +206,17 @@ fn hints(lib: &'static sys::Libfabric, hmem: bool, provider: Option<&str>) -> Re
 
 /// Calls `fi_getinfo` with our hints; `Ok(None)` when nothing matches (-FI_ENODATA).
 pub(crate) fn getinfo(hmem: bool, provider: Option<&str>) -> Result<Option<InfoList>> {
+    getinfo_with(hmem, provider, false)
+}
+
+/// As [`getinfo`], also asking for FI_RMA_EVENT (counters of peers' RMA) with `rma_event`.
+pub(crate) fn getinfo_with(
+    hmem: bool,
+    provider: Option<&str>,
+    rma_event: bool,
+) -> Result<Option<InfoList>> {
     let lib = lib()?;
-    let hints = hints(lib, hmem, provider)?;
+    let hints = hints(lib, hmem, provider, rma_event)?;
     let mut out: *mut sys::fi_info = std::ptr::null_mut();
     // SAFETY: hints is a valid fi_info of this library; out receives a list we own (freed
     // by InfoList).

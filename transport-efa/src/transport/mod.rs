@@ -81,6 +81,9 @@ pub struct EfaTransport {
     ops: OpTable,
     av: Owned<sys::fid_av>,
     cq: Owned<sys::fid_cq>,
+    /// Counts peers' writes into this endpoint's memory, where the provider offers it and
+    /// gives no descriptor to sleep on (shm): see [`wait`].
+    remote_writes: Option<Owned<sys::fid_cntr>>,
     domain: Owned<sys::fid_domain>,
     fabric: Owned<sys::fid_fabric>,
 
@@ -96,6 +99,10 @@ pub struct EfaTransport {
     device_only: bool,
     /// [`EfaConfig::idle_nap`].
     idle_nap: Duration,
+    /// `remote_writes` when last read, and until when the endpoint counts as being written
+    /// to (it then polls instead of napping).
+    writes_seen: u64,
+    written_until: Option<std::time::Instant>,
     /// How many operations one provider call carries at most ([`EfaConfig::max_gather`],
     /// capped by the provider's iovec limits); 1: each goes alone, as it is posted.
     gather: usize,
@@ -198,7 +205,19 @@ impl EfaTransport {
     /// [`Error::Backend`] when a libfabric call fails.
     pub fn new(config: &EfaConfig) -> Result<EfaTransport> {
         let provider = config.provider_name();
-        let Some(list) = info::getinfo(config.hmem, provider.as_deref())? else {
+        // shm lands a peer's small writes only inside this side's progress, and tells it
+        // nothing of them: ask it for counters of peers' writes (FI_RMA_EVENT), so that an
+        // idle target can see writes arriving (see `wait`). A library that cannot is asked
+        // again without.
+        let counted = provider.as_deref() == Some("shm");
+        let list = match counted {
+            true => match info::getinfo_with(config.hmem, provider.as_deref(), true)? {
+                Some(list) => Some(list),
+                None => info::getinfo(config.hmem, provider.as_deref())?,
+            },
+            false => info::getinfo(config.hmem, provider.as_deref())?,
+        };
+        let Some(list) = list else {
             return Err(info::no_such_provider(
                 provider.as_deref().unwrap_or("(FI_PROVIDER)"),
                 config.hmem,
@@ -267,6 +286,11 @@ impl EfaTransport {
         // SAFETY: as above.
         let rc = unsafe { sys::fi_ep_bind(ep.as_ptr(), cq.fid(), sys::FI_TRANSMIT | sys::FI_RECV) };
         check("fi_ep_bind(cq)", rc as isize)?;
+        let remote_writes = if entry.caps & sys::FI_RMA_EVENT != 0 && wait_fd.is_none() {
+            wait::open_write_counter(&domain, &ep)?
+        } else {
+            None
+        };
         // SAFETY: ep is bound to its AV and CQ.
         let rc = unsafe { sys::fi_enable(ep.as_ptr()) };
         check("fi_enable", rc as isize)?;
@@ -298,6 +322,9 @@ impl EfaTransport {
             dmabuf: crate::fi::lib().is_ok_and(info::has_dmabuf),
             device_only: config.hmem_device_only,
             idle_nap: config.idle_nap,
+            writes_seen: 0,
+            written_until: None,
+            remote_writes,
             gather,
             addr_format,
             raw_address,

@@ -203,3 +203,41 @@ fn the_gather_limit_is_the_smallest_of_the_asked_the_cap_and_the_providers() {
     assert_eq!(gather_limit(0, 4, 4), 1);
     assert_eq!(gather_limit(2, 4, 4), 2);
 }
+
+/// Over shm, which lands a peer's writes only inside the target's own progress and gives
+/// the target no completion for them, the target counts them (FI_RMA_EVENT): that count is
+/// how an idle target sees writes arriving and polls instead of napping (`wait`).
+#[test]
+fn an_shm_target_counts_the_writes_it_is_given() {
+    let cfg = EfaConfig::with_provider("shm");
+    let make = match EfaTransport::new(&cfg) {
+        Ok(_) => move || EfaTransport::new(&cfg).expect("open endpoint"),
+        Err(e) if std::env::var("XFER_REQUIRE_LIBFABRIC").is_ok_and(|v| v == "1") => {
+            panic!("libfabric's shm provider is required (XFER_REQUIRE_LIBFABRIC=1): {e}")
+        }
+        Err(e) => {
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "skipped: libfabric shm not usable: {e}");
+            return;
+        }
+    };
+    let mut p = Pair::new(&make, opts());
+    assert_eq!(
+        p.b.remote_writes_counted(),
+        Some(0),
+        "shm offers FI_RMA_EVENT"
+    );
+    let src = Canaried::with(opts().alloc, &mut p.a, 8 * PAGE, Access::NONE, 1);
+    let dst = Canaried::with(opts().alloc, &mut p.b, 8 * PAGE, Access::REMOTE_WRITE, 0);
+    for i in 0..5 {
+        let (l, r) = (src.local(i * PAGE, PAGE), dst.remote(i * PAGE, PAGE));
+        assert_eq!(p.write_once(l, r, None).result, Ok(PAGE));
+    }
+    assert_eq!(p.b.remote_writes_counted(), Some(5));
+    assert_eq!(
+        p.a.remote_writes_counted(),
+        Some(0),
+        "a was written nothing"
+    );
+    dst.assert_canaries();
+}

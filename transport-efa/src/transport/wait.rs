@@ -63,7 +63,65 @@ pub(super) fn open_cq(
     Ok((open(sys::FI_WAIT_NONE)?, None))
 }
 
+/// How long an endpoint whose peers' writes are counted keeps polling after it last saw the
+/// count move: writes come in bursts (a transfer is many), and shm lands each only inside
+/// this side's progress.
+const WRITTEN_LINGER: Duration = Duration::from_micros(200);
+
+/// Opens a counter of peers' writes into `ep`'s memory (FI_REMOTE_WRITE) and binds it to
+/// `ep` (before `fi_enable`); `None`, with a debug line, where the provider refuses.
+pub(super) fn open_write_counter(
+    domain: &Owned<sys::fid_domain>,
+    ep: &Owned<sys::fid_ep>,
+) -> Result<Option<Owned<sys::fid_cntr>>> {
+    let mut attr = sys::fi_cntr_attr {
+        events: sys::FI_CNTR_EVENTS_COMP,
+        wait_obj: sys::FI_WAIT_NONE,
+        wait_set: std::ptr::null_mut(),
+        flags: 0,
+    };
+    let mut cntr = std::ptr::null_mut();
+    // SAFETY: domain is open; attr is a valid attribute struct; cntr receives the object.
+    let rc =
+        unsafe { sys::fi_cntr_open(domain.as_ptr(), &mut attr, &mut cntr, std::ptr::null_mut()) };
+    if rc != 0 {
+        tracing::debug!(rc, "no counter of peers' writes: fi_cntr_open refused");
+        return Ok(None);
+    }
+    let cntr = Owned::new("fi_cntr_open", cntr)?;
+    // SAFETY: ep and cntr are open objects of the same domain; ep is not enabled yet.
+    let rc = unsafe { sys::fi_ep_bind(ep.as_ptr(), cntr.fid(), sys::FI_REMOTE_WRITE) };
+    if rc != 0 {
+        tracing::debug!(rc, "no counter of peers' writes: fi_ep_bind refused");
+        return Ok(None);
+    }
+    Ok(Some(cntr))
+}
+
 impl EfaTransport {
+    /// Peers' writes into this endpoint's memory so far, where they are counted.
+    pub(crate) fn remote_writes_counted(&self) -> Option<u64> {
+        // SAFETY: the counter is open (owned by self) and read on this transport's thread.
+        self.remote_writes
+            .as_ref()
+            .map(|c| unsafe { sys::fi_cntr_read(c.as_ptr()) })
+    }
+
+    /// Whether peers are writing into this endpoint: its counter moved since the last look,
+    /// or did less than [`WRITTEN_LINGER`] ago.
+    fn being_written(&mut self) -> bool {
+        let Some(n) = self.remote_writes_counted() else {
+            return false;
+        };
+        let now = Instant::now();
+        if n != self.writes_seen {
+            self.writes_seen = n;
+            self.written_until = Some(now + WRITTEN_LINGER);
+            return true;
+        }
+        self.written_until.is_some_and(|t| now < t)
+    }
+
     /// [`Transport::wait`](fabric_core::Transport::wait): returns once a completion is
     /// ready for the next `poll` (kept in `self.ready`), or after `timeout`.
     ///
@@ -79,6 +137,11 @@ impl EfaTransport {
             let nap = self.idle_nap;
             if nap.is_zero() && self.info.data_progress == crate::info::Progress::Manual {
                 return self.spin_for_progress(timeout);
+            }
+            if self.being_written() {
+                // Peers' writes are landing, and land only while we read the CQ: poll
+                // (yielding the core) instead of napping, as long as the count moves.
+                return self.spin_for_progress(timeout.min(WRITTEN_LINGER));
             }
             // Nothing to sleep on but the engine's wake-ups: nap on those.
             return self.sleep_on(None, timeout.min(nap));
