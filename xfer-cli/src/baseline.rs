@@ -237,16 +237,21 @@ pub fn tcp_pages_kind(streams: usize, page: usize, footprint: usize) -> String {
     )
 }
 
-/// A small deterministic generator (splitmix64): both ends of a stream draw the same pages.
-struct Draw(u64);
+/// A deterministic draw (the words of gpu-mem's position pattern of a seed, in turn): both
+/// ends of a stream draw the same pages.
+struct Draw {
+    seed: u64,
+    drawn: u64,
+}
 
 impl Draw {
+    fn new(seed: u64) -> Draw {
+        Draw { seed, drawn: 0 }
+    }
+
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.drawn += 1;
+        gpu_mem::pattern_word(self.seed, self.drawn)
     }
 
     /// The byte offsets of the next [`GATHER`] pages of a `share`-byte buffer: one random
@@ -317,7 +322,7 @@ fn tcp_pages_io(
             handles.push(std::thread::spawn(move || -> std::io::Result<u64> {
                 let mut id = [0u8; 8];
                 s.read_exact(&mut id)?;
-                let mut draw = Draw(seed.wrapping_add(u64::from_le_bytes(id)));
+                let mut draw = Draw::new(seed.wrapping_add(u64::from_le_bytes(id)));
                 let buf = mem.as_mut_slice();
                 let mut total = 0u64;
                 for _ in 0..groups {
@@ -363,7 +368,7 @@ fn tcp_pages_io(
             std::thread::spawn(move || -> std::io::Result<()> {
                 let mut s = TcpStream::connect(addr)?;
                 s.write_all(&(i as u64).to_le_bytes())?;
-                let mut draw = Draw(seed.wrapping_add(i as u64));
+                let mut draw = Draw::new(seed.wrapping_add(i as u64));
                 let mine = mem.as_mut_slice();
                 for _ in 0..groups {
                     let at = draw.pages(share, page);
@@ -622,7 +627,7 @@ mod tests {
     #[test]
     fn page_draws_are_repeatable_distinct_and_inside_the_share() {
         let (share, page) = (1 << 20, 4096);
-        let (mut a, mut b) = (Draw(7), Draw(7));
+        let (mut a, mut b) = (Draw::new(7), Draw::new(7));
         let mut seen_last_lane = false;
         for _ in 0..1000 {
             let at = a.pages(share, page);
@@ -635,7 +640,10 @@ mod tests {
             seen_last_lane |= at[GATHER - 1] >= share - share / GATHER;
         }
         assert!(seen_last_lane);
-        assert_ne!(Draw(7).pages(share, page), Draw(8).pages(share, page));
+        assert_ne!(
+            Draw::new(7).pages(share, page),
+            Draw::new(8).pages(share, page)
+        );
     }
 
     /// Too few pages for a gather is no baseline, not an error; otherwise every byte moves.

@@ -210,12 +210,14 @@ impl EfaTransport {
         // idle target can see writes arriving (see `wait`). A library that cannot is asked
         // again without.
         let counted = provider.as_deref() == Some("shm");
-        let list = match counted {
-            true => match info::getinfo_with(config.hmem, provider.as_deref(), true)? {
-                Some(list) => Some(list),
-                None => info::getinfo(config.hmem, provider.as_deref())?,
-            },
-            false => info::getinfo(config.hmem, provider.as_deref())?,
+        let with_counter = if counted {
+            info::getinfo_with(config.hmem, provider.as_deref(), true)?
+        } else {
+            None
+        };
+        let list = match with_counter {
+            Some(list) => Some(list),
+            None => info::getinfo(config.hmem, provider.as_deref())?,
         };
         let Some(list) = list else {
             return Err(info::no_such_provider(
