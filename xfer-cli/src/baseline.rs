@@ -146,6 +146,60 @@ pub fn tcp_streams(bytes: u64, streams: usize, footprint: usize) -> Result<f64, 
 
 fn tcp_streams_io(bytes: u64, streams: usize, footprint: usize) -> std::io::Result<f64> {
     let share = stream_share(footprint, streams);
+    let per = bytes / streams as u64;
+    let (got, secs) = loopback_streams(
+        streams,
+        share,
+        move |_, mine, s| {
+            let mut left = per;
+            let mut at = 0usize;
+            while left > 0 {
+                let n = left.min(CHUNK as u64) as usize;
+                s.write_all(&mine[at..at + n])?;
+                left -= n as u64;
+                at = if at + CHUNK >= share { 0 } else { at + CHUNK };
+            }
+            Ok(())
+        },
+        move |_, buf, s| {
+            let mut total = 0u64;
+            let mut at = 0usize;
+            loop {
+                let end = (at + CHUNK).min(share);
+                let n = s.read(&mut buf[at..end])?;
+                if n == 0 {
+                    return Ok(total);
+                }
+                total += n as u64;
+                at = if at + n >= share { 0 } else { at + n };
+            }
+        },
+    )?;
+    if got != per * streams as u64 {
+        return Err(std::io::Error::other(format!(
+            "baseline moved {got} bytes, expected {}",
+            per * streams as u64
+        )));
+    }
+    Ok(got as f64 * 8.0 / secs / 1e9)
+}
+
+/// Runs `streams` loopback TCP connections, each between a writer thread and a reader
+/// thread with buffers of `share` bytes of their own (huge pages, faulted in and the
+/// source filled before the clock starts): `write(i, source, socket)` on stream `i`'s
+/// writer, `read(i, destination, socket)` (returning the bytes it read) on its reader.
+/// Returns the bytes all readers read and the seconds from the first connection to the last
+/// reader's end.
+fn loopback_streams<W, R>(
+    streams: usize,
+    share: usize,
+    write: W,
+    read: R,
+) -> std::io::Result<(u64, f64)>
+where
+    W: Fn(usize, &mut [u8], &mut TcpStream) -> std::io::Result<()> + Copy + Send + 'static,
+    R: Fn(usize, &mut [u8], &mut TcpStream) -> std::io::Result<u64> + Copy + Send + 'static,
+{
     let alloc =
         || gpu_mem::HostMemory::new(share).map_err(|e| std::io::Error::other(e.to_string()));
     let mut srcs = (0..streams)
@@ -157,27 +211,23 @@ fn tcp_streams_io(bytes: u64, streams: usize, footprint: usize) -> std::io::Resu
     let mut dsts = (0..streams)
         .map(|_| alloc())
         .collect::<std::io::Result<Vec<_>>>()?;
+    for d in &mut dsts {
+        d.as_mut_slice().fill(0);
+    }
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
-    let per = bytes / streams as u64;
     let start = Instant::now();
     let readers = std::thread::spawn(move || -> std::io::Result<u64> {
         let mut handles = Vec::new();
         for mut mem in dsts.drain(..) {
             let (mut s, _) = listener.accept()?;
             handles.push(std::thread::spawn(move || -> std::io::Result<u64> {
-                let buf = mem.as_mut_slice();
-                let mut total = 0u64;
-                let mut at = 0usize;
-                loop {
-                    let end = (at + CHUNK).min(share);
-                    let n = s.read(&mut buf[at..end])?;
-                    if n == 0 {
-                        return Ok(total);
-                    }
-                    total += n as u64;
-                    at = if at + n >= share { 0 } else { at + n };
-                }
+                // Streams connect in any order: each writer says which it is first.
+                let mut id = [0u8; 8];
+                s.read_exact(&mut id)?;
+                let i = usize::try_from(u64::from_le_bytes(id))
+                    .map_err(|_| std::io::Error::other("stream index out of range"))?;
+                read(i, mem.as_mut_slice(), &mut s)
             }));
         }
         let mut total = 0;
@@ -190,19 +240,12 @@ fn tcp_streams_io(bytes: u64, streams: usize, footprint: usize) -> std::io::Resu
     });
     let writers: Vec<_> = srcs
         .into_iter()
-        .map(|mut mem| {
+        .enumerate()
+        .map(|(i, mut mem)| {
             std::thread::spawn(move || -> std::io::Result<()> {
                 let mut s = TcpStream::connect(addr)?;
-                let mine = mem.as_mut_slice();
-                let mut left = per;
-                let mut at = 0usize;
-                while left > 0 {
-                    let n = left.min(CHUNK as u64) as usize;
-                    s.write_all(&mine[at..at + n])?;
-                    left -= n as u64;
-                    at = if at + CHUNK >= share { 0 } else { at + CHUNK };
-                }
-                Ok(())
+                s.write_all(&(i as u64).to_le_bytes())?;
+                write(i, mem.as_mut_slice(), &mut s)
             })
         })
         .collect();
@@ -213,14 +256,7 @@ fn tcp_streams_io(bytes: u64, streams: usize, footprint: usize) -> std::io::Resu
     let got = readers
         .join()
         .map_err(|_| std::io::Error::other("reader panicked"))??;
-    let secs = start.elapsed().as_secs_f64();
-    if got != per * streams as u64 {
-        return Err(std::io::Error::other(format!(
-            "baseline moved {got} bytes, expected {}",
-            per * streams as u64
-        )));
-    }
-    Ok(got as f64 * 8.0 / secs / 1e9)
+    Ok((got, start.elapsed().as_secs_f64()))
 }
 
 /// Pages gathered per `writev` (and scattered per `readv`) by [`tcp_pages`].
@@ -297,106 +333,60 @@ fn tcp_pages_io(
     }
     let group = (GATHER * page) as u64;
     let groups = bytes / streams as u64 / group;
-    let alloc =
-        || gpu_mem::HostMemory::new(share).map_err(|e| std::io::Error::other(e.to_string()));
-    let mut srcs = (0..streams)
-        .map(|_| alloc())
-        .collect::<std::io::Result<Vec<_>>>()?;
-    for s in &mut srcs {
-        s.as_mut_slice().fill(0x5A);
-    }
-    let mut dsts = (0..streams)
-        .map(|_| alloc())
-        .collect::<std::io::Result<Vec<_>>>()?;
-    for d in &mut dsts {
-        d.as_mut_slice().fill(0);
-    }
-    let listener = TcpListener::bind("127.0.0.1:0")?;
-    let addr = listener.local_addr()?;
-    // Stream i's pages come from seed + i at both ends; a writer sends its index first.
-    let start = Instant::now();
-    let readers = std::thread::spawn(move || -> std::io::Result<u64> {
-        let mut handles = Vec::new();
-        for mut mem in dsts.drain(..) {
-            let (mut s, _) = listener.accept()?;
-            handles.push(std::thread::spawn(move || -> std::io::Result<u64> {
-                let mut id = [0u8; 8];
-                s.read_exact(&mut id)?;
-                let mut draw = Draw::new(seed.wrapping_add(u64::from_le_bytes(id)));
-                let buf = mem.as_mut_slice();
-                let mut total = 0u64;
-                for _ in 0..groups {
-                    let at = draw.pages(share, page);
-                    // Disjoint, increasing pages: split the buffer at each of them.
-                    let mut rest: &mut [u8] = buf;
-                    let mut base = 0usize;
-                    let mut iov = Vec::with_capacity(GATHER);
-                    for &a in &at {
-                        let (_, tail) = rest.split_at_mut(a - base);
-                        let (p, tail) = tail.split_at_mut(page);
-                        iov.push(std::io::IoSliceMut::new(p));
-                        rest = tail;
-                        base = a + page;
+    // Stream i's pages come from seed + i at both ends.
+    let (got, secs) = loopback_streams(
+        streams,
+        share,
+        move |i, mine, s| {
+            let mut draw = Draw::new(seed.wrapping_add(i as u64));
+            for _ in 0..groups {
+                let at = draw.pages(share, page);
+                let mut iov: Vec<std::io::IoSlice<'_>> = at
+                    .iter()
+                    .map(|&a| std::io::IoSlice::new(&mine[a..a + page]))
+                    .collect();
+                let mut iov = &mut iov[..];
+                while !iov.is_empty() {
+                    let n = s.write_vectored(iov)?;
+                    if n == 0 {
+                        return Err(std::io::ErrorKind::WriteZero.into());
                     }
-                    let mut iov = &mut iov[..];
-                    let mut left = group;
-                    while left > 0 {
-                        let n = s.read_vectored(iov)?;
-                        if n == 0 {
-                            return Err(std::io::ErrorKind::UnexpectedEof.into());
-                        }
-                        left -= n as u64;
-                        total += n as u64;
-                        std::io::IoSliceMut::advance_slices(&mut iov, n);
-                    }
+                    std::io::IoSlice::advance_slices(&mut iov, n);
                 }
-                Ok(total)
-            }));
-        }
-        let mut total = 0;
-        for h in handles {
-            total += h
-                .join()
-                .map_err(|_| std::io::Error::other("reader panicked"))??;
-        }
-        Ok(total)
-    });
-    let writers: Vec<_> = srcs
-        .into_iter()
-        .enumerate()
-        .map(|(i, mut mem)| {
-            std::thread::spawn(move || -> std::io::Result<()> {
-                let mut s = TcpStream::connect(addr)?;
-                s.write_all(&(i as u64).to_le_bytes())?;
-                let mut draw = Draw::new(seed.wrapping_add(i as u64));
-                let mine = mem.as_mut_slice();
-                for _ in 0..groups {
-                    let at = draw.pages(share, page);
-                    let mut iov: Vec<std::io::IoSlice<'_>> = at
-                        .iter()
-                        .map(|&a| std::io::IoSlice::new(&mine[a..a + page]))
-                        .collect();
-                    let mut iov = &mut iov[..];
-                    while !iov.is_empty() {
-                        let n = s.write_vectored(iov)?;
-                        if n == 0 {
-                            return Err(std::io::ErrorKind::WriteZero.into());
-                        }
-                        std::io::IoSlice::advance_slices(&mut iov, n);
-                    }
+            }
+            Ok(())
+        },
+        move |i, buf, s| {
+            let mut draw = Draw::new(seed.wrapping_add(i as u64));
+            let mut total = 0u64;
+            for _ in 0..groups {
+                let at = draw.pages(share, page);
+                // Disjoint, increasing pages: split the buffer at each of them.
+                let mut rest: &mut [u8] = &mut *buf;
+                let mut base = 0usize;
+                let mut iov = Vec::with_capacity(GATHER);
+                for &a in &at {
+                    let (_, tail) = rest.split_at_mut(a - base);
+                    let (p, tail) = tail.split_at_mut(page);
+                    iov.push(std::io::IoSliceMut::new(p));
+                    rest = tail;
+                    base = a + page;
                 }
-                Ok(())
-            })
-        })
-        .collect();
-    for w in writers {
-        w.join()
-            .map_err(|_| std::io::Error::other("writer panicked"))??;
-    }
-    let got = readers
-        .join()
-        .map_err(|_| std::io::Error::other("reader panicked"))??;
-    let secs = start.elapsed().as_secs_f64();
+                let mut iov = &mut iov[..];
+                let mut left = group;
+                while left > 0 {
+                    let n = s.read_vectored(iov)?;
+                    if n == 0 {
+                        return Err(std::io::ErrorKind::UnexpectedEof.into());
+                    }
+                    left -= n as u64;
+                    total += n as u64;
+                    std::io::IoSliceMut::advance_slices(&mut iov, n);
+                }
+            }
+            Ok(total)
+        },
+    )?;
     if got != groups * group * streams as u64 {
         return Err(std::io::Error::other(format!(
             "baseline moved {got} bytes, expected {}",

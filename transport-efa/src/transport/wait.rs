@@ -101,10 +101,11 @@ pub(super) fn open_write_counter(
 impl EfaTransport {
     /// Peers' writes into this endpoint's memory so far, where they are counted.
     pub(crate) fn remote_writes_counted(&self) -> Option<u64> {
-        // SAFETY: the counter is open (owned by self) and read on this transport's thread.
-        self.remote_writes
-            .as_ref()
-            .map(|c| unsafe { sys::fi_cntr_read(c.as_ptr()) })
+        self.remote_writes.as_ref().map(|c| {
+            // SAFETY: the counter is open (owned by self) and read on this transport's
+            // thread.
+            unsafe { sys::fi_cntr_read(c.as_ptr()) }
+        })
     }
 
     /// Whether peers are writing into this endpoint: its counter moved since the last look,
