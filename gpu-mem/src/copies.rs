@@ -2,19 +2,22 @@
 //! (into peers' memory) and [`StagedCopies`] (between device memory and pinned staging).
 //!
 //! Ranges `(dst, src, len)` are queued as device-visible addresses, checked by the caller;
-//! [`RangeCopies::submit`] issues them with the chosen [`CopyMethod`] and records an event
-//! that keeps the regions they touch alive until it completes.
+//! [`RangeCopies::submit`] issues them with the chosen [`CopyMethod`] and marks the stream
+//! (its completion word, else an event) so that the regions they touch stay alive until the
+//! copies are done.
 
 use crate::device::Device;
 use crate::error::{GpuMemError, check_call};
 use crate::gather::{DescList, GatherKernel};
 use crate::range::check_range;
 use crate::stream::{EventInner, new_nonblocking_stream};
+use crate::word::{CHECK_EVERY, StreamWord};
 use cudarc::driver::sys;
 use fabric_core::{MemoryLocation, MemoryRegion};
 use std::collections::VecDeque;
 use std::ffi::c_void;
 use std::sync::{Arc, OnceLock};
+use std::time::Instant;
 
 /// `cuMemcpyBatchAsync` as CUDA 12.8 declares it.
 type BatchFn = unsafe extern "C" fn(
@@ -79,9 +82,10 @@ impl CopyMethod {
 /// Keeps memory a queued copy touches alive until its event completes.
 type KeepAlive = Box<dyn Send + Sync>;
 
-/// The copies of one submit: their event, the kernel's list of ranges, what they use.
+/// The copies of one submit: their event (none where the completion word tells), the
+/// kernel's list of ranges, what they use.
 struct Fence {
-    event: Arc<EventInner>,
+    event: Option<Arc<EventInner>>,
     ticket: u64,
     list: Option<DescList>,
     keep: Vec<KeepAlive>,
@@ -107,6 +111,11 @@ pub(crate) struct RangeCopies {
     last_kept: Vec<usize>,
     fences: VecDeque<Fence>,
     spare: Vec<Arc<EventInner>>,
+    /// Where the stream writes each submit's ticket once its copies are done (`None`: the
+    /// driver cannot, and each submit records an event instead).
+    word: Option<StreamWord>,
+    /// When the driver was last asked about the stream while the word stood still.
+    checked: Instant,
     next_ticket: u64,
     done: u64,
     /// Scratch for the kernel's ranges.
@@ -156,6 +165,14 @@ impl RangeCopies {
         }
         device.bind()?;
         let stream = new_nonblocking_stream()?;
+        let word = match StreamWord::probe(device, stream) {
+            Ok(w) => w,
+            Err(e) => {
+                // SAFETY: created above, unused by anything else, destroyed once.
+                unsafe { sys::cuStreamDestroy_v2(stream) };
+                return Err(e);
+            }
+        };
         Ok(RangeCopies {
             device: device.clone(),
             stream,
@@ -171,6 +188,8 @@ impl RangeCopies {
             last_kept: Vec::new(),
             fences: VecDeque::new(),
             spare: Vec::new(),
+            word,
+            checked: Instant::now(),
             next_ticket: 1,
             done: 0,
             aligned: Vec::new(),
@@ -220,9 +239,9 @@ impl RangeCopies {
         }
     }
 
-    /// Issues every queued copy and records an event; returns its ticket. On error none of
+    /// Issues every queued copy and marks the stream; returns its ticket. On error none of
     /// the queued copies may be assumed done (nor assumed not done); the memory they use
-    /// stays alive until the stream has passed the event anyway.
+    /// stays alive until the stream has passed its mark anyway.
     pub(crate) fn submit(&mut self) -> Result<u64, GpuMemError> {
         self.device.bind()?;
         let n = self.sizes.len();
@@ -237,26 +256,48 @@ impl RangeCopies {
         self.sizes.clear();
         self.kernel_ok.clear();
         self.last_kept.clear();
-        let event = match self.spare.pop() {
-            Some(e) => e,
-            None => Arc::new(EventInner::new(&self.device)?),
-        };
-        // Recorded even after an error, so the memory stays alive until the stream has
-        // finished whatever it did start.
-        check_call(
-            // SAFETY: event and stream are live handles of this context, which is current.
-            unsafe { sys::cuEventRecord(event.event, self.stream) },
-            "cuEventRecord",
-        )?;
         let ticket = self.next_ticket;
         self.next_ticket += 1;
+        // The stream is marked even after an error, so the memory stays alive until it has
+        // finished whatever it did start; the fence is kept whatever happens (a fence whose
+        // mark failed is retired once the stream is seen idle).
+        let (event, marked) = match &self.word {
+            // SAFETY: the stream is this context's, which is current; the word lives as
+            // long as self, whose Drop synchronises the stream first.
+            Some(w) => (None, unsafe { w.write(self.stream, ticket) }),
+            None => match self.record_event() {
+                Ok(e) => (Some(e), Ok(())),
+                Err(e) => (None, Err(e)),
+            },
+        };
         self.fences.push_back(Fence {
             event,
             ticket,
             list,
             keep: std::mem::take(&mut self.keep),
         });
+        marked?;
         issued.map(|()| ticket)
+    }
+
+    /// An event recorded on the stream now.
+    fn record_event(&mut self) -> Result<Arc<EventInner>, GpuMemError> {
+        let event = match self.spare.pop() {
+            Some(e) => e,
+            None => Arc::new(EventInner::new(&self.device)?),
+        };
+        let r = check_call(
+            // SAFETY: event and stream are live handles of this context, which is current.
+            unsafe { sys::cuEventRecord(event.event, self.stream) },
+            "cuEventRecord",
+        );
+        match r {
+            Ok(()) => Ok(event),
+            Err(e) => {
+                self.spare.push(event);
+                Err(e)
+            }
+        }
     }
 
     /// Launches the copy kernel for the queued copies it may move, plain copies for the
@@ -341,13 +382,51 @@ impl RangeCopies {
 
     /// The highest ticket whose copies have all finished (0 before any), without waiting.
     pub(crate) fn completed(&mut self) -> Result<u64, GpuMemError> {
+        if let Some(w) = &self.word {
+            let seen = w.read();
+            while self.fences.front().is_some_and(|f| f.ticket <= seen) {
+                self.retire_front();
+            }
+            if !self.fences.is_empty() && self.checked.elapsed() >= CHECK_EVERY {
+                self.checked = Instant::now();
+                if self.stream_idle()? {
+                    // Idle with tickets unseen: their marks failed to queue. The copies
+                    // before them have finished all the same.
+                    while !self.fences.is_empty() {
+                        self.retire_front();
+                    }
+                }
+            }
+            return Ok(self.done);
+        }
         while let Some(f) = self.fences.front() {
-            if !f.event.query()? {
+            let done = match &f.event {
+                Some(e) => e.query()?,
+                // Its event failed to record: done once the stream is idle.
+                None => self.stream_idle()?,
+            };
+            if !done {
                 break;
             }
             self.retire_front();
         }
         Ok(self.done)
+    }
+
+    /// Whether the stream has finished all its work; its error if it failed.
+    fn stream_idle(&self) -> Result<bool, GpuMemError> {
+        self.device.bind()?;
+        // SAFETY: the stream is a live handle of this context, which is current.
+        match unsafe { sys::cuStreamQuery(self.stream) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            other => check_call(other, "cuStreamQuery").map(|()| false),
+        }
+    }
+
+    /// How completions are learnt: `word` (the stream writes host memory) or `event`.
+    pub(crate) fn completion(&self) -> &'static str {
+        if self.word.is_some() { "word" } else { "event" }
     }
 
     /// Tickets submitted and not yet seen complete.
@@ -377,7 +456,9 @@ impl RangeCopies {
             if let (Some(l), Some(k)) = (f.list, self.kernel.as_mut()) {
                 k.recycle(l);
             }
-            self.spare.push(f.event);
+            if let Some(e) = f.event {
+                self.spare.push(e);
+            }
         }
     }
 }
@@ -467,6 +548,12 @@ impl StagedCopies {
     /// How marks are copied.
     pub fn method(&self) -> CopyMethod {
         self.copies.method()
+    }
+
+    /// How completed marks are learnt: `"word"` (the stream writes a word of host memory
+    /// that polling reads, no driver call) or `"event"` (a CUDA event per mark, queried).
+    pub fn completion(&self) -> &'static str {
+        self.copies.completion()
     }
 
     /// Checks that `offset..+len` of `region` is memory of this device; its address.

@@ -39,7 +39,7 @@ unsafe impl Send for DescList {}
 unsafe impl Sync for DescList {}
 
 impl DescList {
-    fn new(device: &Device, entries: usize) -> Result<DescList, GpuMemError> {
+    pub(crate) fn new(device: &Device, entries: usize) -> Result<DescList, GpuMemError> {
         device.bind()?;
         let bytes = entries * 24;
         let mut p: *mut c_void = std::ptr::null_mut();
@@ -71,6 +71,18 @@ impl DescList {
         };
         check_call(r, "cuMemHostGetDevicePointer")?;
         Ok(list)
+    }
+}
+
+impl DescList {
+    /// The list's first word as the host sees it.
+    pub(crate) fn host_word(&self) -> *mut u64 {
+        self.host.as_ptr()
+    }
+
+    /// The list's first word as the device sees it.
+    pub(crate) fn device_word(&self) -> sys::CUdeviceptr {
+        self.dev
     }
 }
 

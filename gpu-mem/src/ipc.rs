@@ -424,6 +424,12 @@ impl PeerCopies {
         self.copies.note()
     }
 
+    /// How finished batches are learnt: `"word"` (the stream writes a word of host memory
+    /// that polling reads, no driver call) or `"event"` (a CUDA event per batch, queried).
+    pub fn completion(&self) -> &'static str {
+        self.copies.completion()
+    }
+
     /// Whether a batch is one driver call (kernel launch or batched copy).
     pub fn batched(&self) -> bool {
         self.copies.method() != CopyMethod::Memcpy

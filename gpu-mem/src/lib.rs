@@ -66,6 +66,7 @@ mod range;
 mod stream;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod word;
 
 pub use buffer::{DeviceBuffer, DmabufExport};
 pub use copies::{CopyMethod, StagedCopies};

@@ -586,6 +586,53 @@ fn ipc_refuses_garbage_handles_and_host_memory() {
 
 #[test]
 #[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/gpu-proof.sh)"]
+fn peer_copies_learn_of_finished_batches_from_the_stream_written_word() {
+    let cuda = gpu_mem::testing::require_gpus(1);
+    let gpu = cuda.device(0).unwrap();
+    let dst: Arc<dyn MemoryRegion> = Arc::new(gpu.alloc_zeroed(4 * MIB).unwrap());
+    let export = gpu.export_ipc(&dst).unwrap();
+    let mapping = gpu.open_ipc(&export.handle()).unwrap();
+    let src: Arc<dyn MemoryRegion> = Arc::new(gpu.alloc(4 * MIB).unwrap());
+    let data = pattern(4 * MIB, 11);
+    src.write_from_host(0, &data).unwrap();
+    let mut copies = gpu_mem::PeerCopies::new(&gpu).unwrap();
+    // Every GPU this engine targets has stream memory operations: polling must not need a
+    // driver call per poll (which eight rails' workers would contend on).
+    assert_eq!(copies.completion(), "word");
+    let mut last = 0;
+    for batch in 0..64u64 {
+        // Each batch rewrites the whole destination page by page, so a ticket reported done
+        // too early would show the previous batch's bytes or a mix.
+        for p in 0..(4 * MIB as u64 / 4096) {
+            let q = (p * 7 + batch) % (4 * MIB as u64 / 4096);
+            copies
+                .push(&src, q * 4096, &mapping, export.offset() + p * 4096, 4096)
+                .unwrap();
+        }
+        last = copies.submit().unwrap();
+    }
+    let start = std::time::Instant::now();
+    while copies.completed().unwrap() < last {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(10),
+            "the word never reached ticket {last}"
+        );
+        std::hint::spin_loop();
+    }
+    let mut back = vec![0u8; 4 * MIB];
+    dst.read_to_host(0, &mut back).unwrap();
+    let pages = 4 * MIB / 4096;
+    for p in 0..pages {
+        let q = (p * 7 + 63) % pages;
+        assert!(
+            back[p * 4096..(p + 1) * 4096] == data[q * 4096..(q + 1) * 4096],
+            "page {p} is not the last batch's"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/gpu-proof.sh)"]
 fn ipc_export_opened_in_the_same_process_copies_in_bounds_only() {
     let cuda = gpu_mem::testing::require_gpus(1);
     let gpu = cuda.device(0).unwrap();

@@ -230,9 +230,14 @@ impl Link for CudaLink {
     }
 
     fn copy_method(&self) -> String {
+        let how = format!(
+            "{}, completions by {}",
+            self.copies.method().name(),
+            self.copies.completion()
+        );
         match self.copies.method_note() {
-            Some(n) => format!("{} ({n})", self.copies.method().name()),
-            None => self.copies.method().name().into(),
+            Some(n) => format!("{how} ({n})"),
+            None => how,
         }
     }
 }

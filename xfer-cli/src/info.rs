@@ -145,10 +145,13 @@ fn cuda_ipc_report(c: &CudaReport) -> CudaIpcReport {
             .filter_map(|d| cuda.device(d.ordinal).ok())
             .collect();
         copy_method = devs.first().map(|d| match gpu_mem::PeerCopies::new(d) {
-            Ok(c) => match c.method_note() {
-                Some(n) => format!("{} ({n})", c.method().name()),
-                None => c.method().name().to_string(),
-            },
+            Ok(c) => {
+                let how = format!("{}, completions by {}", c.method().name(), c.completion());
+                match c.method_note() {
+                    Some(n) => format!("{how} ({n})"),
+                    None => how,
+                }
+            }
             Err(e) => format!("unavailable: {e}"),
         });
         for a in &devs {
