@@ -39,6 +39,7 @@ fn setups() -> Vec<Setup> {
         Setup::Engine(Backend::Tcp { rails: 1 }),
         Setup::Engine(Backend::Tcp { rails: 4 }),
         Setup::Group(Backend::Tcp { rails: 1 }, 4),
+        Setup::Engine(Backend::CudaIpcLoopback),
     ];
     // ---- efa joins here -------------------------------------------------------------
     // transport-efa (libfabric FI_EP_RDM) over the `tcp` provider on loopback: one

@@ -38,6 +38,7 @@ use std::collections::VecDeque;
 pub use fastrand::Rng;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use transport_cuda_ipc::{CudaIpcConfig, CudaIpcTransport, LoopbackLink};
 use transport_tcp::{TcpConfig, TcpTransport};
 
 /// Size of the source and target regions of the transport benches (the demo uses 1 GiB;
@@ -71,6 +72,11 @@ pub enum Backend {
         /// The libfabric provider, e.g. `tcp`.
         provider: &'static str,
     },
+    /// `transport_cuda_ipc::CudaIpcTransport` over its loopback link: the whole cuda-ipc
+    /// protocol (reservations, grants, completions, DONE frames over the control socket)
+    /// with host memory copied by the CPU. With small pages it measures what the protocol
+    /// costs per page, which a GPU run hides behind nothing else. One transport: one rail.
+    CudaIpcLoopback,
 }
 
 impl Backend {
@@ -81,6 +87,7 @@ impl Backend {
             Backend::Tcp { .. } => "tcp".into(),
             #[cfg(feature = "efa")]
             Backend::Efa { provider } => format!("efa-{provider}"),
+            Backend::CudaIpcLoopback => "cuda-ipc-loopback".into(),
         }
     }
 
@@ -110,6 +117,7 @@ impl Backend {
                     engine_cfg(name),
                 )
             }
+            Backend::CudaIpcLoopback => Engine::spawn(ipc_loopback, engine_cfg(name)),
         }
     }
 
@@ -131,8 +139,13 @@ impl Backend {
                     engine_cfg(name),
                 )
             }
+            Backend::CudaIpcLoopback => RailGroup::spawn(n, |_| ipc_loopback(), engine_cfg(name)),
         }
     }
+}
+
+fn ipc_loopback() -> Result<CudaIpcTransport<LoopbackLink>> {
+    CudaIpcTransport::with_link(LoopbackLink::new(), CudaIpcConfig::default())
 }
 
 fn engine_cfg(name: &str) -> EngineConfig {

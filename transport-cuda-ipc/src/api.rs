@@ -10,7 +10,7 @@ use fabric_core::{
     Registration, RemoteKey, RemoteRegion, RemoteSlice, Result, Transport, TransportLimits,
     WorkRequestId,
 };
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::os::fd::AsRawFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixStream};
@@ -65,10 +65,10 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
                 address: address.to_vec(),
                 broken: None,
                 pending: VecDeque::new(),
-                reserving: HashMap::new(),
+                reserving: Default::default(),
                 next_batch: 1,
                 in_flight: 0,
-                keys: HashMap::new(),
+                keys: Default::default(),
                 sends: VecDeque::new(),
             },
         );

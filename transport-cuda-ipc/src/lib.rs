@@ -36,7 +36,8 @@
 //! implements; `gpu-mem` for the device memory, copies, events and IPC handles
 //! (the workspace's one wrapper of the CUDA driver); `libc` for `poll` on the control
 //! sockets; `tracing` for the warnings about refused and closed connections, as the other
-//! transports log them. The tests use `hex`, the workspace's encoder, for the address one
+//! transports log them; `rustc-hash` for the maps looked up per operation (as fabric-core's
+//! in-process transport uses it). The tests use `hex`, the workspace's encoder, for the address one
 //! process hands the other on its stdout.
 //!
 //! ```no_run
@@ -89,12 +90,20 @@ use fabric_core::{
 };
 use gpu_mem::Cuda;
 pub use link::{CudaLink, Link, LinkError, LinkExport, LoopbackLink, LoopbackMapping};
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use wire::{Reserve, Status};
+
+/// The maps on the data path, looked up once or more per operation: their keys are integers
+/// this process chose (local keys, peer ids, batch numbers) or random 64-bit remote keys, so
+/// FxHash's multiply spreads them well, at a fraction of SipHash's cost (which was a tenth of
+/// a small write's time).
+type FastMap<K, V> = rustc_hash::FxHashMap<K, V>;
+/// See [`FastMap`].
+type FastSet<K> = rustc_hash::FxHashSet<K>;
 
 /// Settings of a [`CudaIpcTransport`].
 #[derive(Clone, Debug)]
@@ -172,11 +181,11 @@ struct Peer<M> {
     /// Set once the connection is gone: later posts fail with this.
     broken: Option<String>,
     pending: VecDeque<WriteOp>,
-    reserving: HashMap<u64, (Instant, Vec<WriteOp>)>,
+    reserving: FastMap<u64, (Instant, Vec<WriteOp>)>,
     next_batch: u64,
     /// Batches reserved or copying.
     in_flight: usize,
-    keys: HashMap<u64, std::result::Result<KeyMap<M>, LinkError>>,
+    keys: FastMap<u64, std::result::Result<KeyMap<M>, LinkError>>,
     sends: VecDeque<(WorkRequestId, u64)>,
 }
 
@@ -189,10 +198,10 @@ enum Role {
         /// Known after HELLO.
         peer: Option<PeerId>,
         /// Keys whose handle this connection was sent.
-        known_keys: HashSet<u64>,
+        known_keys: FastSet<u64>,
         /// Regions of granted batches, kept alive until DONE, and how many writes each
         /// batch was granted.
-        granted: HashMap<u64, (Vec<Arc<dyn MemoryRegion>>, usize)>,
+        granted: FastMap<u64, (Vec<Arc<dyn MemoryRegion>>, usize)>,
         opened: Instant,
     },
 }
@@ -239,11 +248,11 @@ pub struct CudaIpcTransport<L: Link = CudaLink> {
     address: Vec<u8>,
     boot_id: String,
     conns: Vec<Option<Conn>>,
-    peers: HashMap<PeerId, Peer<L::Mapping>>,
+    peers: FastMap<PeerId, Peer<L::Mapping>>,
     passive: HashMap<Vec<u8>, PeerId>,
     next_peer: u64,
-    local: HashMap<LocalKey, LocalRegion>,
-    targets: HashMap<u64, TargetRegion>,
+    local: FastMap<LocalKey, LocalRegion>,
+    targets: FastMap<u64, TargetRegion>,
     next_local: u64,
     /// Posted receives and early arrivals (fabric-core's one matching piece).
     recv: fabric_core::recv::RecvMatch,
@@ -315,11 +324,11 @@ impl<L: Link> CudaIpcTransport<L> {
             address,
             boot_id,
             conns: Vec::new(),
-            peers: HashMap::new(),
+            peers: FastMap::default(),
             passive: HashMap::new(),
             next_peer: 1,
-            local: HashMap::new(),
-            targets: HashMap::new(),
+            local: FastMap::default(),
+            targets: FastMap::default(),
             next_local: 1,
             recv,
             copying: VecDeque::new(),
@@ -336,7 +345,8 @@ impl<L: Link> CudaIpcTransport<L> {
         self.link.batched()
     }
 
-    /// How the link copies (`kernel`, `batch`, `memcpy`, or `cpu` for the loopback link).
+    /// How the link copies (`kernel`, `batch`, `memcpy`, or `cpu` for the loopback link) and,
+    /// on the CUDA link, how finished batches are learnt (`completions by word` or `event`).
     pub fn copy_method(&self) -> String {
         self.link.copy_method()
     }
@@ -371,8 +381,8 @@ impl<L: Link> CudaIpcTransport<L> {
                         io,
                         role: Role::Target {
                             peer: None,
-                            known_keys: HashSet::new(),
-                            granted: HashMap::new(),
+                            known_keys: FastSet::default(),
+                            granted: FastMap::default(),
                             opened: Instant::now(),
                         },
                         paused: false,

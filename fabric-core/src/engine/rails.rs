@@ -27,7 +27,7 @@ use super::{
 use crate::Invalid;
 use crate::error::{Error, OpError, Result};
 use crate::fence::Fence;
-use crate::memory::MemoryRegion;
+use crate::memory::{MemoryRegion, SubRegion};
 use crate::plan::{Direction, PlannedWrite, Segment, plan_directed};
 use crate::stats::LatencyHistogram;
 use crate::transport::Transport;
@@ -563,8 +563,17 @@ impl RailGroup {
         mem: Arc<dyn MemoryRegion>,
         access: Access,
     ) -> Result<GroupRegistration> {
+        // Each rail gets its own handle on the memory (a window over all of it): a transport
+        // holds its region per operation in flight, and one reference count shared by every
+        // rail's thread would be a cache line they fight over millions of times a second.
+        let len = mem.len() as u64;
+        let mut views = Vec::with_capacity(self.rails.len());
+        for _ in &self.rails {
+            let view: Arc<dyn MemoryRegion> = Arc::new(SubRegion::new(mem.clone(), 0, len)?);
+            views.push(view);
+        }
         let done = self.on_every_rail(
-            |_, e| e.start_register(mem.clone(), access),
+            |i, e| e.start_register(views[i].clone(), access),
             |e, r| e.start_deregister(r.local),
         )?;
         let (locals, rails) = done.into_iter().map(|r| (r.local, r.remote)).unzip();
