@@ -48,6 +48,7 @@ impl Transport for NullTransport {
             max_outstanding: 1 << 16,
             write_imm: true,
             busy_poll: false,
+            strided_writes: false,
         }
     }
     fn add_peer(&mut self, _address: &[u8]) -> Result<PeerId> {

@@ -269,6 +269,22 @@ pub enum Invalid {
         /// The distance between pages.
         stride: u64,
     },
+    /// A strided write's rows are malformed.
+    #[error(
+        "strided write of {count} rows of {len} bytes (source stride {src_stride}, destination stride {dst_stride}): {why}"
+    )]
+    Rows {
+        /// Rows asked for.
+        count: u64,
+        /// A row's length.
+        len: u64,
+        /// Source stride.
+        src_stride: u64,
+        /// Destination stride.
+        dst_stride: u64,
+        /// What is wrong.
+        why: String,
+    },
     /// A page index times its stride does not fit in 64 bits.
     #[error("{side} page {page} overflows its offset")]
     PageOverflow {

@@ -52,6 +52,6 @@ pub use fence::Fence;
 pub use memory::{HostBuffer, MemoryLocation, MemoryRegion, SubRegion};
 pub use transport::{Completion, OpKind, PostOutcome, Transport, TransportLimits};
 pub use types::{
-    Access, LocalKey, LocalSlice, PeerId, Registration, RemoteKey, RemoteRegion, RemoteSlice,
+    Access, LocalKey, LocalSlice, PeerId, Registration, RemoteKey, RemoteRegion, RemoteSlice, Rows,
     WorkRequestId, check_read_lengths, check_write_lengths, random_u64,
 };

@@ -489,6 +489,7 @@ impl Transport for MemTransport {
             max_outstanding: MAX_PENDING,
             write_imm: true,
             busy_poll: true,
+            strided_writes: false,
         }
     }
 

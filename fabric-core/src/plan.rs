@@ -2,7 +2,9 @@
 //! post.
 //!
 //! Planning coalesces neighbouring segments that are adjacent on both sides, splits what
-//! exceeds the transport's largest message, and shards the writes over rails by bytes. A
+//! exceeds the transport's largest message, and shards the writes over rails by bytes. For
+//! a transport with strided writes ([`plan_with_rows`]) it also turns runs of equally long
+//! segments at constant strides into one write of [`Rows`]. A
 //! READ plans the same way ([`plan_directed`]): its operations are [`PlannedWrite`]s whose
 //! bytes flow the other way, and the ranges that must not overlap are the local ones.
 
@@ -10,7 +12,7 @@ use crate::Invalid;
 use crate::error::{Error, Result};
 use crate::in_place;
 use crate::memory::check_range;
-use crate::types::{LocalKey, LocalSlice, RemoteRegion, RemoteSlice};
+use crate::types::{LocalKey, LocalSlice, RemoteRegion, RemoteSlice, Rows};
 
 /// Which way a transfer's bytes flow.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -59,10 +61,23 @@ pub struct Segment {
 /// One write of a plan (or one read: then the bytes go from `dst` into `src`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PlannedWrite {
-    /// Source bytes (a read's destination).
+    /// Source bytes (a read's destination); a strided write's first row.
     pub src: LocalSlice,
-    /// Destination bytes (a read's source).
+    /// Destination bytes (a read's source); a strided write's first row.
     pub dst: RemoteSlice,
+    /// A strided write's rows ([`Transport::post_write_rows`](crate::Transport::post_write_rows));
+    /// `None` for a plain write.
+    pub rows: Option<Rows>,
+}
+
+impl PlannedWrite {
+    /// Bytes it moves: every row's.
+    pub fn bytes(&self) -> u64 {
+        match self.rows {
+            Some(r) => self.src.len.saturating_mul(r.count),
+            None => self.src.len,
+        }
+    }
 }
 
 /// The writes that carry one transfer.
@@ -86,7 +101,7 @@ pub fn plan_transfer(segments: &[Segment], max_msg_size: u64) -> Result<Transfer
         return Err(Invalid::ZeroMessageSize.into());
     }
     check_destinations(segments)?;
-    Ok(build_plan(segments, max_msg_size))
+    Ok(build_plan(segments, max_msg_size, false))
 }
 
 /// Plans `segments` for a transfer in `direction`: [`plan_transfer`] for a WRITE; for a
@@ -98,14 +113,36 @@ pub fn plan_directed(
     max_msg_size: u64,
     direction: Direction,
 ) -> Result<TransferPlan> {
+    plan_with_rows(segments, max_msg_size, direction, false)
+}
+
+/// [`plan_directed`], and when `rows` is set (a transport with
+/// [`strided_writes`](crate::TransportLimits::strided_writes)) and the transfer is a WRITE,
+/// consecutive segments (after coalescing) of one length, in the same regions, whose
+/// offsets advance by constant strides no shorter than that length on both sides, become
+/// one strided write of at most `max_msg_size` bytes: a tensor-parallel piece of a weight
+/// matrix, one segment per row, is then a few operations instead of thousands.
+pub fn plan_with_rows(
+    segments: &[Segment],
+    max_msg_size: u64,
+    direction: Direction,
+    rows: bool,
+) -> Result<TransferPlan> {
     match direction {
+        Direction::Write if rows => {
+            if max_msg_size == 0 {
+                return Err(Invalid::ZeroMessageSize.into());
+            }
+            check_destinations(segments)?;
+            Ok(build_plan(segments, max_msg_size, true))
+        }
         Direction::Write => plan_transfer(segments, max_msg_size),
         Direction::Read => {
             if max_msg_size == 0 {
                 return Err(Invalid::ZeroMessageSize.into());
             }
             check_read_ranges(segments)?;
-            Ok(build_plan(segments, max_msg_size))
+            Ok(build_plan(segments, max_msg_size, false))
         }
     }
 }
@@ -132,12 +169,17 @@ fn check_read_ranges(segments: &[Segment]) -> Result<()> {
     check_overlaps(&local)
 }
 
-/// Coalesces and splits checked segments.
-fn build_plan(segments: &[Segment], max_msg_size: u64) -> TransferPlan {
+/// Coalesces and splits checked segments (and groups them into rows, with `rows`).
+fn build_plan(segments: &[Segment], max_msg_size: u64, rows: bool) -> TransferPlan {
     // One write per segment unless segments merge or split: reserve for that.
-    let mut plan = TransferPlan {
-        writes: Vec::with_capacity(segments.len()),
-        bytes: 0,
+    let mut b = Builder {
+        plan: TransferPlan {
+            writes: Vec::with_capacity(if rows { 16 } else { segments.len() }),
+            bytes: 0,
+        },
+        max: max_msg_size,
+        rows,
+        group: None,
     };
     let mut pending: Option<Segment> = None;
     for s in segments.iter().filter(|s| s.len > 0) {
@@ -151,13 +193,114 @@ fn build_plan(segments: &[Segment], max_msg_size: u64) -> TransferPlan {
             continue;
         }
         if let Some(done) = pending.replace(*s) {
-            push_writes(&mut plan, &done, max_msg_size);
+            b.take(done);
         }
     }
     if let Some(done) = pending {
-        push_writes(&mut plan, &done, max_msg_size);
+        b.take(done);
     }
-    plan
+    b.flush();
+    b.plan
+}
+
+/// Rows being gathered: the first row's segment, how many rows, and the strides.
+struct Group {
+    first: Segment,
+    count: u64,
+    src_stride: u64,
+    dst_stride: u64,
+}
+
+/// Turns coalesced segments into writes.
+struct Builder {
+    plan: TransferPlan,
+    max: u64,
+    rows: bool,
+    group: Option<Group>,
+}
+
+impl Builder {
+    /// Takes the next coalesced segment: it extends the rows being gathered, or they are
+    /// written out and it starts new ones (or, too long to be a row, is written alone).
+    fn take(&mut self, s: Segment) {
+        if !self.rows || s.len > self.max {
+            self.flush();
+            push_writes(&mut self.plan, &s, self.max);
+            return;
+        }
+        if let Some(g) = self.group.as_mut()
+            && extends(g, &s, self.max)
+        {
+            if g.count == 1 {
+                g.src_stride = s.src_offset - g.first.src_offset;
+                g.dst_stride = s.dst_offset - g.first.dst_offset;
+            }
+            g.count += 1;
+            return;
+        }
+        self.flush();
+        self.group = Some(Group {
+            first: s,
+            count: 1,
+            src_stride: 0,
+            dst_stride: 0,
+        });
+    }
+
+    /// Writes out the rows being gathered: one plain write for a single row.
+    fn flush(&mut self) {
+        let Some(g) = self.group.take() else { return };
+        if g.count == 1 {
+            push_writes(&mut self.plan, &g.first, self.max);
+            return;
+        }
+        let f = g.first;
+        in_place::push(&mut self.plan.writes, || PlannedWrite {
+            src: LocalSlice {
+                key: f.src,
+                offset: f.src_offset,
+                len: f.len,
+            },
+            dst: RemoteSlice {
+                region: f.dst,
+                offset: f.dst_offset,
+                len: f.len,
+            },
+            rows: Some(Rows {
+                count: g.count,
+                src_stride: g.src_stride,
+                dst_stride: g.dst_stride,
+            }),
+        });
+        self.plan.bytes += f.len * g.count;
+    }
+}
+
+/// Whether `s` is the next row of `g`: same regions and length, at the strides (or, for
+/// the second row, at strides no shorter than a row), and the rows still within `max`.
+fn extends(g: &Group, s: &Segment, max: u64) -> bool {
+    let f = &g.first;
+    if s.src != f.src || s.dst != f.dst || s.len != f.len {
+        return false;
+    }
+    let Some(total) = (g.count + 1).checked_mul(f.len) else {
+        return false;
+    };
+    if total > max {
+        return false;
+    }
+    if g.count == 1 {
+        return s.src_offset >= f.src_offset.saturating_add(f.len)
+            && s.dst_offset >= f.dst_offset.saturating_add(f.len)
+            && f.len > 0;
+    }
+    let at = |base: u64, stride: u64| {
+        g.count
+            .checked_mul(stride)
+            .and_then(|o| base.checked_add(o))
+    };
+    at(f.src_offset, g.src_stride) == Some(s.src_offset)
+        && at(f.dst_offset, g.dst_stride) == Some(s.dst_offset)
 }
 
 /// Appends the writes of one (merged) segment, split at `max_msg_size`.
@@ -176,6 +319,7 @@ fn push_writes(plan: &mut TransferPlan, s: &Segment, max_msg_size: u64) {
                 offset: s.dst_offset + done,
                 len: n,
             },
+            rows: None,
         });
         done += n;
     }
@@ -381,7 +525,7 @@ pub fn shard_by_bytes(writes: &[PlannedWrite], rails: usize) -> Vec<Vec<PlannedW
             .min_by_key(|&(i, &b)| (b, i))
             .expect("rails >= 1");
         out[r].push(*w);
-        load[r] += w.dst.len.max(1);
+        load[r] += w.bytes().max(1);
     }
     out
 }
@@ -417,6 +561,115 @@ mod tests {
         assert_eq!(lens, vec![16, 4, 16, 9]);
         assert_eq!(p.writes[1].dst.offset, 116);
         assert_eq!(p.bytes, 45);
+    }
+
+    /// `n` rows of `len` bytes: source rows `src_stride` apart from 0, destination rows
+    /// `dst_stride` apart from `dst0`.
+    fn rows(n: u64, len: u64, src_stride: u64, dst0: u64, dst_stride: u64) -> Vec<Segment> {
+        (0..n)
+            .map(|i| seg(i * src_stride, dst0 + i * dst_stride, len))
+            .collect()
+    }
+
+    #[test]
+    fn rows_at_constant_strides_become_one_strided_write_where_the_transport_has_them() {
+        // A tensor-parallel piece: 64 rows of 2 KiB, every other 2 KiB of the source,
+        // packed at the destination... which coalesces on the destination side only, so
+        // it stays 64 segments, and becomes one write of rows.
+        let segs = rows(64, 2048, 4096, 0, 2048);
+        let p = plan_with_rows(&segs, 1 << 20, Direction::Write, true).unwrap();
+        assert_eq!(p.writes.len(), 1);
+        let w = p.writes[0];
+        assert_eq!(
+            (w.src.offset, w.src.len, w.dst.offset, w.dst.len),
+            (0, 2048, 0, 2048)
+        );
+        assert_eq!(
+            w.rows,
+            Some(Rows {
+                count: 64,
+                src_stride: 4096,
+                dst_stride: 2048
+            })
+        );
+        assert_eq!((w.bytes(), p.bytes), (64 * 2048, 64 * 2048));
+        // Without strided writes, or for a READ: one write per row.
+        for (rows, dir) in [(false, Direction::Write), (true, Direction::Read)] {
+            let p = plan_with_rows(&segs, 1 << 20, dir, rows).unwrap();
+            assert_eq!(p.writes.len(), 64);
+            assert!(p.writes.iter().all(|w| w.rows.is_none()));
+        }
+    }
+
+    #[test]
+    fn rows_end_where_the_pattern_or_the_size_limit_ends() {
+        let mut segs = rows(10, 100, 300, 0, 200);
+        // A row of another length, then rows at other strides.
+        segs.push(seg(5000, 5000, 50));
+        segs.extend(rows(3, 100, 1000, 0, 0).into_iter().map(|mut s| {
+            s.src_offset += 6000;
+            s.dst_offset = 6000 + s.src_offset - 6000;
+            s
+        }));
+        // A size limit of 4 rows: 10 rows become 4 + 4 + 2.
+        let p = plan_with_rows(&segs, 400, Direction::Write, true).unwrap();
+        let shape: Vec<(u64, u64)> = p
+            .writes
+            .iter()
+            .map(|w| (w.src.offset, w.rows.map_or(1, |r| r.count)))
+            .collect();
+        assert_eq!(
+            shape,
+            vec![(0, 4), (1200, 4), (2400, 2), (5000, 1), (6000, 3)]
+        );
+        assert_eq!(p.bytes, 10 * 100 + 50 + 300);
+        // The rows cover exactly the segments' bytes.
+        let mut covered: Vec<(u64, u64, u64)> = Vec::new();
+        for w in &p.writes {
+            let r = w.rows.unwrap_or(Rows {
+                count: 1,
+                src_stride: 0,
+                dst_stride: 0,
+            });
+            for i in 0..r.count {
+                covered.push((
+                    w.src.offset + i * r.src_stride,
+                    w.dst.offset + i * r.dst_stride,
+                    w.src.len,
+                ));
+            }
+        }
+        let want: Vec<(u64, u64, u64)> = segs
+            .iter()
+            .map(|s| (s.src_offset, s.dst_offset, s.len))
+            .collect();
+        assert_eq!(covered, want);
+    }
+
+    #[test]
+    fn rows_are_checked_for_count_strides_and_overflow() {
+        let ok = Rows {
+            count: 3,
+            src_stride: 10,
+            dst_stride: 4,
+        };
+        assert_eq!(ok.check(4).unwrap(), (24, 12, 12));
+        for bad in [
+            Rows { count: 1, ..ok },
+            Rows {
+                src_stride: 3,
+                ..ok
+            },
+            Rows {
+                count: u64::MAX,
+                ..ok
+            },
+        ] {
+            assert!(matches!(
+                bad.check(4),
+                Err(Error::InvalidArgument(Invalid::Rows { .. }))
+            ));
+        }
     }
 
     #[test]

@@ -16,7 +16,7 @@
 
 use crate::memory::{HostBuffer, MemoryRegion, SubRegion};
 use crate::transport::{Completion, OpKind, PostOutcome, Transport};
-use crate::types::{Access, LocalSlice, PeerId, Registration, RemoteSlice, WorkRequestId};
+use crate::types::{Access, LocalSlice, PeerId, Registration, RemoteSlice, Rows, WorkRequestId};
 use crate::{Error, OpError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -418,6 +418,115 @@ pub fn write_with_imm<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
     let c = p.take_a(1, "write completion").remove(0);
     assert_eq!(c.result, Ok(1 << 20));
     dst.assert_canaries();
+}
+
+/// A strided write (`post_write_rows`) lands every row where its strides say and nothing
+/// between them, with one completion for all its bytes and the immediate data after the
+/// last row; one whose last row passes the region's end fails whole, before any byte
+/// lands; malformed rows are refused at post. A backend without strided writes refuses
+/// them as unsupported, and says so in its limits.
+pub fn strided_writes_land_their_rows<T: Transport>(make: &dyn Fn() -> T, opts: SuiteOptions) {
+    let mut p = Pair::new(make, opts);
+    let src = Canaried::with(opts.alloc, &mut p.a, 1 << 20, Access::NONE, 0);
+    let dst = Canaried::with(opts.alloc, &mut p.b, 1 << 20, Access::REMOTE_WRITE, 0);
+    let data = pattern(21, 1 << 20);
+    src.write(0, &data);
+    let peer = p.b_at_a;
+    // 100 rows of 1 KiB, every 4 KiB of the source from 512, packed at the destination
+    // from 64 (a tensor-parallel piece of a row-major matrix).
+    let (len, rows) = (1024u64, 100u64);
+    let r = Rows {
+        count: rows,
+        src_stride: 4096,
+        dst_stride: len,
+    };
+    if !p.a.limits().strided_writes {
+        let e =
+            p.a.post_write_rows(
+                peer,
+                wr(0),
+                src.local(512, len),
+                dst.remote(64, len),
+                r,
+                None,
+            )
+            .expect_err("a backend without strided writes refuses them");
+        assert!(matches!(e, Error::UnsupportedOp { .. }), "{e:?}");
+        return;
+    }
+    p.post_a(|t| {
+        t.post_write_rows(
+            peer,
+            wr(0),
+            src.local(512, len),
+            dst.remote(64, len),
+            r,
+            Some(0x5EED),
+        )
+    });
+    let done = p.take_b(1, "remote write completion").remove(0);
+    assert_eq!((done.op, done.imm), (OpKind::RemoteWrite, Some(0x5EED)));
+    let mut want = vec![0u8; 1 << 20];
+    for i in 0..rows as usize {
+        let from = 512 + i * 4096;
+        want[64 + i * 1024..64 + (i + 1) * 1024].copy_from_slice(&data[from..from + 1024]);
+    }
+    assert!(
+        dst.read(0, 1 << 20) == want,
+        "the rows had not all landed, or landed elsewhere, when the imm arrived"
+    );
+    let c = p.take_a(1, "strided write completion").remove(0);
+    assert_eq!(c.result, Ok(rows * len));
+    // The last row would end 64 bytes past the region: nothing of it lands.
+    let before = dst.read(0, 1 << 20);
+    let far = Rows {
+        count: 16,
+        src_stride: 4096,
+        dst_stride: 65536,
+    };
+    let start = (1 << 20) - 15 * 65536 - len + 64;
+    p.post_a(|t| {
+        t.post_write_rows(
+            peer,
+            WorkRequestId(78),
+            src.local(0, len),
+            dst.remote(start, len),
+            far,
+            None,
+        )
+    });
+    let c = p.take_a(1, "out-of-bounds strided write").remove(0);
+    assert_remote_error(
+        &c,
+        opts.exact_remote_errors,
+        |e| matches!(e, OpError::OutOfBounds { .. }),
+        "strided past the end",
+    );
+    assert!(
+        dst.read(0, 1 << 20) == before,
+        "a refused strided write landed bytes"
+    );
+    dst.assert_canaries();
+    // Malformed rows are refused at post: one row, or rows that overlap.
+    for bad in [
+        Rows { count: 1, ..r },
+        Rows {
+            dst_stride: len - 1,
+            ..r
+        },
+    ] {
+        let e =
+            p.a.post_write_rows(
+                peer,
+                wr(1),
+                src.local(0, len),
+                dst.remote(0, len),
+                bad,
+                None,
+            )
+            .expect_err("malformed rows");
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+    }
 }
 
 fn assert_remote_error(c: &Completion, exact: bool, want: impl Fn(&OpError) -> bool, what: &str) {
@@ -1273,7 +1382,7 @@ macro_rules! conformance_suite {
             write_without_imm, write_with_imm, bad_remote_key_fails, out_of_bounds_write_fails,
             write_without_permission_fails, write_after_deregister_fails, local_errors_fail_at_post,
             remove_peer_with_ops_in_flight, many_operations_in_flight, zero_and_large_segments,
-            idle_target_progresses_through_wait);
+            idle_target_progresses_through_wait, strided_writes_land_their_rows);
     };
     (@cases $make:expr, $opts:expr; $($case:ident),* $(,)?
         ; ignore $($ignored:ident = $why:literal),* $(,)?) => {

@@ -4,7 +4,7 @@ use crate::error::{OpError, Result};
 use crate::memory::MemoryRegion;
 use crate::stats::TransportStats;
 use crate::types::{
-    Access, LocalKey, LocalSlice, PeerId, Registration, RemoteSlice, WorkRequestId,
+    Access, LocalKey, LocalSlice, PeerId, Registration, RemoteSlice, Rows, WorkRequestId,
 };
 use crate::wake::{NoWake, Wake};
 use std::sync::Arc;
@@ -78,6 +78,10 @@ pub struct TransportLimits {
     /// `wait` cannot block on readiness (no file descriptor to sleep on): the engine polls
     /// without pausing while operations are in flight, and naps only when idle.
     pub busy_poll: bool,
+    /// [`post_write_rows`](Transport::post_write_rows) is implemented: the planner then
+    /// turns runs of equally long segments at constant strides (a tensor-parallel piece's
+    /// rows) into one strided write instead of one write per row.
+    pub strided_writes: bool,
 }
 
 /// A reliable, connectionless-looking transport with RDMA semantics.
@@ -143,6 +147,32 @@ pub trait Transport: Send + 'static {
         dst: RemoteSlice,
         imm: Option<u32>,
     ) -> Result<PostOutcome>;
+
+    /// Writes `rows.count` rows of `src.len` bytes into the peer's memory: row `i` from
+    /// `src.offset + i * rows.src_stride` to `dst.offset + i * rows.dst_stride`, as one
+    /// operation with one completion (its result the bytes of all rows). `src` and `dst`
+    /// are the first row (equal lengths); every row must lie in its region, which the
+    /// target checks for the whole span before any byte lands, as for a plain write.
+    /// Immediate data, if any, is delivered once every row has landed.
+    ///
+    /// The default refuses with [`Error::UnsupportedOp`](crate::Error::UnsupportedOp): a
+    /// backend that implements it overrides this and sets
+    /// [`TransportLimits::strided_writes`], and only then does the engine post one.
+    fn post_write_rows(
+        &mut self,
+        peer: PeerId,
+        wr_id: WorkRequestId,
+        src: LocalSlice,
+        dst: RemoteSlice,
+        rows: Rows,
+        imm: Option<u32>,
+    ) -> Result<PostOutcome> {
+        let _ = (peer, wr_id, src, dst, rows, imm);
+        Err(crate::Error::UnsupportedOp {
+            backend: self.name(),
+            op: "strided WRITE",
+        })
+    }
 
     /// Reads the peer's memory at `src` into the local range `dst` (one-sided: the owner's
     /// application does nothing; its transport serves the read inside its own `poll`).

@@ -159,6 +159,60 @@ pub struct RemoteSlice {
     pub len: u64,
 }
 
+/// Rows of a strided WRITE: `count` rows of the slices' length, row `i` read at the source
+/// slice's offset plus `i * src_stride` and written at the destination slice's offset plus
+/// `i * dst_stride` (see [`Transport::post_write_rows`](crate::Transport::post_write_rows)).
+/// The rows of a tensor's tensor-parallel piece are one such write, where plain writes
+/// would need one per row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rows {
+    /// Rows, two or more.
+    pub count: u64,
+    /// From one row's source start to the next's, at least the row's length.
+    pub src_stride: u64,
+    /// From one row's destination start to the next's, at least the row's length (rows
+    /// never overlap).
+    pub dst_stride: u64,
+}
+
+impl Rows {
+    /// Checks a strided WRITE whose rows are `len` bytes long: two rows or more, strides
+    /// no shorter than a row, and the ranges it spans expressible in 64 bits. Returns the
+    /// span of its rows on each side (first row's start to last row's end) and the
+    /// bytes it moves: `(src_span, dst_span, bytes)`.
+    pub fn check(&self, len: u64) -> crate::Result<(u64, u64, u64)> {
+        let bad = |why: &str| -> crate::Error {
+            crate::Invalid::Rows {
+                count: self.count,
+                len,
+                src_stride: self.src_stride,
+                dst_stride: self.dst_stride,
+                why: why.into(),
+            }
+            .into()
+        };
+        if self.count < 2 {
+            return Err(bad("a strided write has two rows or more"));
+        }
+        if self.src_stride < len || self.dst_stride < len {
+            return Err(bad("a stride is shorter than a row"));
+        }
+        let span = |stride: u64| {
+            (self.count - 1)
+                .checked_mul(stride)
+                .and_then(|v| v.checked_add(len))
+        };
+        match (
+            span(self.src_stride),
+            span(self.dst_stride),
+            self.count.checked_mul(len),
+        ) {
+            (Some(s), Some(d), Some(b)) => Ok((s, d, b)),
+            _ => Err(bad("the rows span more than 64 bits of offsets")),
+        }
+    }
+}
+
 /// Checks that a WRITE's source and destination have the same length, as
 /// [`Transport::post_write`](crate::Transport::post_write) requires of every backend.
 pub fn check_write_lengths(src: &LocalSlice, dst: &RemoteSlice) -> crate::Result<()> {

@@ -304,6 +304,7 @@ impl fabric_core::Transport for Gated {
     fn limits(&self) -> fabric_core::TransportLimits {
         fabric_core::TransportLimits {
             busy_poll: true,
+            strided_writes: false,
             ..self.inner.limits()
         }
     }

@@ -494,6 +494,62 @@ impl PeerCopies {
         Ok(())
     }
 
+    /// Queues the copies of a strided write: `rows` rows of `len` bytes, row `i` from `src`
+    /// at `src_at.0 + i * src_at.1` into `dst` at `dst_at.0 + i * dst_at.1` (offset and
+    /// stride on each side). The spans are checked once, not per row; device sources go
+    /// into the batch's copy list (the kernel moves every row in the same launch), host
+    /// sources row by row as [`push`](Self::push) copies them.
+    pub fn push_rows(
+        &mut self,
+        src: &Arc<dyn MemoryRegion>,
+        (src_offset, src_stride): (u64, u64),
+        dst: &Arc<IpcMapping>,
+        (dst_offset, dst_stride): (u64, u64),
+        len: u64,
+        rows: u64,
+    ) -> Result<(), GpuMemError> {
+        if rows == 0 || len == 0 {
+            return Ok(());
+        }
+        let span = |stride: u64| {
+            (rows - 1)
+                .checked_mul(stride)
+                .and_then(|v| v.checked_add(len))
+                .ok_or(GpuMemError::OutOfBounds {
+                    offset: src_offset,
+                    len: u64::MAX,
+                    size: src.len() as u64,
+                })
+        };
+        check_range(src_offset, span(src_stride)?, src.len() as u64)?;
+        check_range(dst_offset, span(dst_stride)?, dst.size)?;
+        match src.location() {
+            MemoryLocation::Cuda { device } => {
+                let kernel_ok = device == self.copies.device().ordinal() && dst.direct;
+                let (from, to) = (src.device_addr() + src_offset, dst.base + dst_offset);
+                for i in 0..rows {
+                    self.copies
+                        .queue(to + i * dst_stride, from + i * src_stride, len, kernel_ok);
+                }
+                self.copies.keep(src);
+                self.copies.keep(dst);
+                Ok(())
+            }
+            MemoryLocation::Host => {
+                for i in 0..rows {
+                    self.push(
+                        src,
+                        src_offset + i * src_stride,
+                        dst,
+                        dst_offset + i * dst_stride,
+                        len,
+                    )?;
+                }
+                Ok(())
+            }
+        }
+    }
+
     /// Queues a copy of `len` bytes the other way: from the peer's allocation `src` at
     /// `src_offset` into local memory `dst` at `dst_offset` (a one-sided READ). Both ranges
     /// are checked. `dst` must not be touched by the caller until the copy's ticket has

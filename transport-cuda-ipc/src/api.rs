@@ -7,7 +7,7 @@ use crate::{
 };
 use fabric_core::{
     Access, Completion, Error, LocalKey, LocalSlice, MemoryRegion, OpError, PeerId, PostOutcome,
-    Registration, RemoteKey, RemoteRegion, RemoteSlice, Result, Transport, TransportLimits,
+    Registration, RemoteKey, RemoteRegion, RemoteSlice, Result, Rows, Transport, TransportLimits,
     WorkRequestId,
 };
 use std::collections::VecDeque;
@@ -32,6 +32,7 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
             max_outstanding: self.cfg.max_outstanding,
             write_imm: true,
             busy_poll: false,
+            strided_writes: true,
         }
     }
 
@@ -198,32 +199,20 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
         imm: Option<u32>,
     ) -> Result<PostOutcome> {
         fabric_core::check_write_lengths(&src, &dst)?;
-        if src.len > self.cfg.max_msg_size {
-            return Err(fabric_core::Invalid::TooLarge {
-                op: "WRITE",
-                len: src.len,
-                limit: self.cfg.max_msg_size,
-                setting: "CudaIpcConfig::max_msg_size",
-            }
-            .into());
-        }
-        let mem = self.local_slice(src)?.mem.clone();
-        self.live_peer(peer)?;
-        if self.outstanding >= self.cfg.max_outstanding {
-            return Ok(PostOutcome::NoRoom);
-        }
-        self.live_peer(peer)?.pending.push_back(WriteOp {
-            wr: wr_id,
-            src: mem,
-            src_off: src.offset,
-            key: dst.region.key.0,
-            off: dst.offset,
-            len: dst.len,
-            imm,
-            read: false,
-        });
-        self.outstanding += 1;
-        Ok(PostOutcome::Posted)
+        self.queue_write(peer, wr_id, src, dst, None, imm)
+    }
+
+    fn post_write_rows(
+        &mut self,
+        peer: PeerId,
+        wr_id: WorkRequestId,
+        src: LocalSlice,
+        dst: RemoteSlice,
+        rows: Rows,
+        imm: Option<u32>,
+    ) -> Result<PostOutcome> {
+        fabric_core::check_write_lengths(&src, &dst)?;
+        self.queue_write(peer, wr_id, src, dst, Some(rows), imm)
     }
 
     fn post_read(
@@ -264,6 +253,9 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
             len: src.len,
             imm: None,
             read: true,
+            rows: 1,
+            src_stride: 0,
+            dst_stride: 0,
         });
         self.outstanding += 1;
         Ok(PostOutcome::Posted)
@@ -368,5 +360,62 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
 
     fn waker(&mut self) -> Arc<dyn fabric_core::wake::Wake> {
         self.wake.waker()
+    }
+}
+
+impl<L: Link> CudaIpcTransport<L> {
+    /// Queues a WRITE (of `rows`, when strided) for the peer's next reservation, after
+    /// checking its sizes and its local span.
+    fn queue_write(
+        &mut self,
+        peer: PeerId,
+        wr_id: WorkRequestId,
+        src: LocalSlice,
+        dst: RemoteSlice,
+        rows: Option<Rows>,
+        imm: Option<u32>,
+    ) -> Result<PostOutcome> {
+        let (count, src_stride, dst_stride, src_span, bytes) = match rows {
+            None => (1, 0, 0, src.len, src.len),
+            Some(r) => {
+                let (src_span, _, bytes) = r.check(src.len)?;
+                (r.count, r.src_stride, r.dst_stride, src_span, bytes)
+            }
+        };
+        if bytes > self.cfg.max_msg_size {
+            return Err(fabric_core::Invalid::TooLarge {
+                op: "WRITE",
+                len: bytes,
+                limit: self.cfg.max_msg_size,
+                setting: "CudaIpcConfig::max_msg_size",
+            }
+            .into());
+        }
+        let mem = self
+            .local_slice(LocalSlice {
+                len: src_span,
+                ..src
+            })?
+            .mem
+            .clone();
+        self.live_peer(peer)?;
+        if self.outstanding >= self.cfg.max_outstanding {
+            return Ok(PostOutcome::NoRoom);
+        }
+        self.live_peer(peer)?.pending.push_back(WriteOp {
+            wr: wr_id,
+            src: mem,
+            src_off: src.offset,
+            key: dst.region.key.0,
+            off: dst.offset,
+            len: dst.len,
+            imm,
+            read: false,
+            rows: count,
+            src_stride,
+            dst_stride,
+        });
+        self.outstanding += 1;
+        Ok(PostOutcome::Posted)
     }
 }

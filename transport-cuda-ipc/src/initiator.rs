@@ -33,9 +33,12 @@ impl<L: Link> CudaIpcTransport<L> {
                 let result = match &err {
                     None => {
                         if let Some(imm) = op.imm {
-                            landed.push(Landed { imm, len: op.len });
+                            landed.push(Landed {
+                                imm,
+                                len: op.bytes(),
+                            });
                         }
-                        Ok(op.len)
+                        Ok(op.bytes())
                     }
                     Some(e) => Err(OpError::transport_with("device copy failed", e.clone())),
                 };
@@ -84,7 +87,7 @@ impl<L: Link> CudaIpcTransport<L> {
                     .map(|o| Reserve {
                         key: o.key,
                         offset: o.off,
-                        len: o.len,
+                        len: o.dst_span(),
                     })
                     .collect();
                 let batch = p.next_batch;
@@ -183,6 +186,17 @@ impl<L: Link> CudaIpcTransport<L> {
                         Some(Ok(k)) if op.read => self
                             .link
                             .pull(&k.mapping, k.offset + op.off, &op.src, op.src_off, op.len)
+                            .map_err(|e| OpError::transport_with("device copy failed", e)),
+                        Some(Ok(k)) if op.rows > 1 => self
+                            .link
+                            .push_rows(
+                                &op.src,
+                                (op.src_off, op.src_stride),
+                                &k.mapping,
+                                (k.offset + op.off, op.dst_stride),
+                                op.len,
+                                op.rows,
+                            )
                             .map_err(|e| OpError::transport_with("device copy failed", e)),
                         Some(Ok(k)) => self
                             .link

@@ -165,6 +165,24 @@ struct WriteOp {
     imm: Option<u32>,
     /// A READ: the copy goes from the peer's range into `src`.
     read: bool,
+    /// Rows of a strided write (1 for a plain one; `len` is then a row's length), and the
+    /// distances between rows' starts on each side.
+    rows: u64,
+    src_stride: u64,
+    dst_stride: u64,
+}
+
+impl WriteOp {
+    /// Bytes it moves (checked not to overflow when posted).
+    fn bytes(&self) -> u64 {
+        self.len * self.rows
+    }
+
+    /// Bytes of the peer's region it spans, first row's start to last row's end (checked
+    /// when posted): what the reservation asks the target to check.
+    fn dst_span(&self) -> u64 {
+        (self.rows - 1) * self.dst_stride + self.len
+    }
 }
 
 /// A peer's region as this side reaches it.
@@ -269,7 +287,7 @@ fn op_error(status: u32, op: &WriteOp, region_len: u64) -> OpError {
         Some(Status::BadKey) => OpError::RemoteKeyInvalid(RemoteKey(op.key)),
         Some(Status::OutOfBounds) => OpError::OutOfBounds {
             offset: op.off,
-            len: op.len,
+            len: op.dst_span(),
             region_len,
         },
         Some(Status::NoPermission) => OpError::PermissionDenied,

@@ -95,6 +95,31 @@ pub trait Link: Send + 'static {
         len: u64,
     ) -> Result<(), LinkError>;
 
+    /// Queues the copies of a strided write: `rows` rows of `len` bytes, row `i` from
+    /// `src` at `src.0 + i * src.1` into `dst` at `dst.0 + i * dst.1` (offset and stride on
+    /// each side). Both spans are checked. The default queues each row with
+    /// [`push`](Self::push).
+    fn push_rows(
+        &mut self,
+        src: &Arc<dyn MemoryRegion>,
+        (src_offset, src_stride): (u64, u64),
+        dst: &Arc<Self::Mapping>,
+        (dst_offset, dst_stride): (u64, u64),
+        len: u64,
+        rows: u64,
+    ) -> Result<(), LinkError> {
+        for i in 0..rows {
+            self.push(
+                src,
+                src_offset + i * src_stride,
+                dst,
+                dst_offset + i * dst_stride,
+                len,
+            )?;
+        }
+        Ok(())
+    }
+
     /// Queues a copy the other way, for a READ: `len` bytes of the peer's mapping `src` at
     /// `src_offset` into local memory `dst` at `dst_offset`; both ranges are checked. `dst`
     /// is written until the ticket of the next [`submit`](Self::submit) completes.
@@ -197,6 +222,20 @@ impl Link for CudaLink {
     ) -> Result<(), LinkError> {
         self.copies
             .push(src, src_offset, dst, dst_offset, len)
+            .map_err(LinkError::from)
+    }
+
+    fn push_rows(
+        &mut self,
+        src: &Arc<dyn MemoryRegion>,
+        src_at: (u64, u64),
+        dst: &Arc<IpcMapping>,
+        dst_at: (u64, u64),
+        len: u64,
+        rows: u64,
+    ) -> Result<(), LinkError> {
+        self.copies
+            .push_rows(src, src_at, dst, dst_at, len, rows)
             .map_err(LinkError::from)
     }
 

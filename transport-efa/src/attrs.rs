@@ -70,6 +70,7 @@ impl Policy {
             max_outstanding: tx_size.max(1),
             write_imm: self.imm,
             busy_poll,
+            strided_writes: false,
         }
     }
 }

@@ -669,6 +669,7 @@ impl Transport for TcpTransport {
             max_outstanding: self.cfg.max_outstanding,
             write_imm: true,
             busy_poll: false,
+            strided_writes: false,
         }
     }
 

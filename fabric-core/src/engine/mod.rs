@@ -53,7 +53,7 @@ use crate::Invalid;
 use crate::error::{Error, OpError, Result};
 use crate::fence::Fence;
 use crate::memory::{MemoryRegion, check_range};
-use crate::plan::{Segment, plan_directed};
+use crate::plan::{Segment, plan_with_rows};
 use crate::stats::{LatencyHistogram, TransportStats};
 use crate::transport::{Transport, TransportLimits};
 use crate::types::{Access, LocalKey, LocalSlice, PeerId, Registration};
@@ -565,7 +565,12 @@ impl Engine {
     pub(crate) fn job(&self, t: Transfer, slot: Arc<Slot<TransferResult>>) -> Result<Job> {
         self.check_direction(t.direction, t.imm)?;
         self.check_segments(&t.segments, t.direction)?;
-        let plan = plan_directed(&t.segments, self.limits.max_msg_size, t.direction)?;
+        let plan = plan_with_rows(
+            &t.segments,
+            self.limits.max_msg_size,
+            t.direction,
+            self.limits.strided_writes,
+        )?;
         let now = Instant::now();
         let imm = match (t.imm, t.segments.first()) {
             (None, _) => None,

@@ -28,7 +28,7 @@ use crate::Invalid;
 use crate::error::{Error, OpError, Result};
 use crate::fence::Fence;
 use crate::memory::{MemoryRegion, SubRegion};
-use crate::plan::{Direction, PlannedWrite, Segment, plan_directed};
+use crate::plan::{Direction, PlannedWrite, Segment, plan_with_rows};
 use crate::stats::LatencyHistogram;
 use crate::transport::Transport;
 use crate::types::{Access, LocalKey, PeerId, RemoteRegion};
@@ -340,10 +340,10 @@ impl Shared {
             let mut chunk = Vec::new();
             let mut bytes = 0u64;
             while let Some(next) = w.writes.front() {
-                if !chunk.is_empty() && bytes.saturating_add(next.src.len) > limit {
+                if !chunk.is_empty() && bytes.saturating_add(next.bytes()) > limit {
                     break;
                 }
-                bytes = bytes.saturating_add(next.src.len);
+                bytes = bytes.saturating_add(next.bytes());
                 chunk.push(*next);
                 w.writes.pop_front();
             }
@@ -668,7 +668,8 @@ impl RailGroup {
             })?;
         let chunk = self.balance().chunk_bytes(total, n);
         // Writes no longer than a chunk, so that one large segment spreads over the rails.
-        let plan = plan_directed(&segs, limit.min(chunk), t.direction)?;
+        let rows = self.rails.iter().all(|e| e.limits().strided_writes);
+        let plan = plan_with_rows(&segs, limit.min(chunk), t.direction, rows)?;
         let imm = match (t.imm, t.segments.first()) {
             (None, _) => None,
             (Some(_), None) => {
@@ -965,7 +966,7 @@ fn at_once<T: Send, R: Send>(items: Vec<T>, f: impl Fn(T) -> R + Sync) -> Vec<R>
 pub type GroupHandle = TransferHandle;
 
 fn chunk_len(writes: &[PlannedWrite]) -> u64 {
-    writes.iter().map(|w| w.src.len).sum()
+    writes.iter().map(PlannedWrite::bytes).sum()
 }
 
 /// `writes` (planned with rail 0's keys) as rail `src`/`dst` names the same memory.

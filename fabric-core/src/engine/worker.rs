@@ -450,6 +450,7 @@ impl<T: Transport> Worker<T> {
                     offset: s.dst_offset,
                     len: 0,
                 },
+                rows: None,
             };
             (w, v)
         });
@@ -676,9 +677,9 @@ impl<T: Transport> Worker<T> {
             };
             let (n, no_room) = match q.op {
                 QueuedOp::Writes => self.post_writes(q, self.cfg.batch - posted),
-                QueuedOp::Imm(w, v) => self.post_one(q, |t, peer, wr| {
-                    t.post_write(peer, wr, w.src, w.dst, Some(v))
-                }),
+                QueuedOp::Imm(w, v) => {
+                    self.post_one(q, |t, peer, wr| post_planned(t, peer, wr, w, Some(v)))
+                }
                 QueuedOp::Send(src, imm) => {
                     self.post_one(q, |t, peer, wr| t.post_send(peer, wr, src, imm))
                 }
@@ -725,7 +726,7 @@ impl<T: Transport> Worker<T> {
             let r = if read {
                 self.t.post_read(peer, wr, w.src, w.dst)
             } else {
-                self.t.post_write(peer, wr, w.src, w.dst, None)
+                post_planned(&mut self.t, peer, wr, w, None)
             };
             match r {
                 Ok(PostOutcome::Posted) => {
@@ -945,6 +946,20 @@ impl<T: Transport> Worker<T> {
                 _ => {}
             }
         }
+    }
+}
+
+/// Posts a planned write: plain, or strided when it has rows.
+fn post_planned<T: Transport>(
+    t: &mut T,
+    peer: PeerId,
+    wr: WorkRequestId,
+    w: PlannedWrite,
+    imm: Option<u32>,
+) -> Result<PostOutcome> {
+    match w.rows {
+        None => t.post_write(peer, wr, w.src, w.dst, imm),
+        Some(rows) => t.post_write_rows(peer, wr, w.src, w.dst, rows, imm),
     }
 }
 
