@@ -79,6 +79,10 @@ impl CopyMethod {
     }
 }
 
+/// The longest range one block of the copy kernel moves: longer ones are cut into pieces of
+/// this size (a multiple of 16, so that every piece stays aligned).
+const KERNEL_PIECE: u64 = 64 << 10;
+
 /// Keeps memory a queued copy touches alive until its event completes.
 type KeepAlive = Box<dyn Send + Sync>;
 
@@ -307,8 +311,15 @@ impl RangeCopies {
         let mut odd = Vec::new();
         for i in 0..self.sizes.len() {
             if self.kernel_ok[i] && (self.dsts[i] | self.srcs[i]) & 15 == 0 {
-                self.aligned
-                    .push((self.dsts[i], self.srcs[i], self.sizes[i] as u64));
+                // One block copies one range: a large range is cut so that many blocks
+                // share it (a 1 GiB write went at one block's pace, about 37 GB/s).
+                let (d, s, len) = (self.dsts[i], self.srcs[i], self.sizes[i] as u64);
+                let mut at = 0;
+                while at < len {
+                    let n = (len - at).min(KERNEL_PIECE);
+                    self.aligned.push((d + at, s + at, n));
+                    at += n;
+                }
             } else {
                 odd.push(i);
             }
