@@ -50,6 +50,7 @@ cases!(
     many_operations_in_flight,
     zero_and_large_segments,
     idle_target_progresses_through_wait,
+    strided_writes_land_their_rows,
     read_lands_in_initiator,
     read_bad_remote_key_fails,
     read_out_of_bounds_fails,
