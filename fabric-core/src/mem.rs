@@ -19,7 +19,7 @@ use crate::recv::{Arrival, PostedRecv, RecvMatch};
 use crate::stats::{PeerState, TransportStats};
 use crate::transport::{Completion, OpKind, PostOutcome, Transport, TransportLimits};
 use crate::types::{
-    Access, LocalKey, LocalSlice, PeerId, Registration, RemoteKey, RemoteRegion, RemoteSlice,
+    Access, LocalKey, LocalSlice, PeerId, Registration, RemoteKey, RemoteRegion, RemoteSlice, Rows,
     WorkRequestId,
 };
 use crate::wake::{Signal, Wake};
@@ -96,6 +96,31 @@ struct PendingWrite {
     imm: Option<u32>,
     /// A READ: bytes go from `dst` (the peer's) into `src` (ours).
     read: bool,
+    /// A strided write's rows (`src` and `dst` are then its first row; checked at post).
+    rows: Option<Rows>,
+}
+
+impl PendingWrite {
+    /// The strides and rows: `(count, src_stride, dst_stride)`, one row for a plain write.
+    fn shape(&self) -> (u64, u64, u64) {
+        match self.rows {
+            Some(r) => (r.count, r.src_stride, r.dst_stride),
+            None => (1, 0, 0),
+        }
+    }
+
+    /// Bytes it moves.
+    fn bytes(&self) -> u64 {
+        self.dst.len.saturating_mul(self.shape().0)
+    }
+
+    /// The span of its rows on one side, from the first row's start to the last's end.
+    fn span(&self, stride: u64) -> u64 {
+        let (count, _, _) = self.shape();
+        (count - 1)
+            .saturating_mul(stride)
+            .saturating_add(self.dst.len)
+    }
 }
 
 /// The in-memory transport.
@@ -191,7 +216,7 @@ impl MemTransport {
             let mut n = 0;
             let mut bytes = 0;
             while n < rest.len().min(RUN_OPS) && rest[n].peer == first.peer && bytes < RUN_BYTES {
-                bytes += rest[n].dst.len;
+                bytes += rest[n].bytes();
                 n += 1;
             }
             let (run, tail) = rest.split_at(n);
@@ -410,41 +435,54 @@ fn write_into(
     if !d.access.contains(need) {
         return Err(OpError::PermissionDenied);
     }
-    if check_range(dst.offset, dst.len, d.len).is_err() {
+    // A strided write's whole span is checked before any of its rows lands.
+    let (count, src_stride, dst_stride) = w.shape();
+    let dst_span = w.span(dst_stride);
+    if check_range(dst.offset, dst_span, d.len).is_err() {
         return Err(OpError::OutOfBounds {
             offset: dst.offset,
-            len: dst.len,
+            len: dst_span,
             region_len: d.len,
         });
     }
     match (s.base, d.base) {
         (Some(sb), Some(db)) => {
-            check_range(src.offset, src.len, s.len).map_err(OpError::transport)?;
-            let local = sb.as_ptr().wrapping_add(src.offset as usize);
-            let remote = db.as_ptr().wrapping_add(dst.offset as usize);
-            let (from, to) = if w.read {
-                (remote, local)
-            } else {
-                (local, remote)
-            };
-            // SAFETY: both ranges lie inside their regions (checked just above), which
-            // are alive and unmoved for the whole run (see `View::base`); `copy` tolerates
-            // overlap (a region written to itself).
-            unsafe { std::ptr::copy(from, to, dst.len as usize) };
-            Ok(dst.len)
+            check_range(src.offset, w.span(src_stride), s.len).map_err(OpError::transport)?;
+            for i in 0..count {
+                let local = sb
+                    .as_ptr()
+                    .wrapping_add((src.offset + i * src_stride) as usize);
+                let remote = db
+                    .as_ptr()
+                    .wrapping_add((dst.offset + i * dst_stride) as usize);
+                let (from, to) = if w.read {
+                    (remote, local)
+                } else {
+                    (local, remote)
+                };
+                // SAFETY: both spans lie inside their regions (checked just above), so
+                // every row does; the regions are alive and unmoved for the whole run (see
+                // `View::base`); `copy` tolerates overlap (a region written to itself).
+                unsafe { std::ptr::copy(from, to, dst.len as usize) };
+            }
+            Ok(w.bytes())
         }
         _ => {
             // Views exist only for registered regions, so both lookups succeed.
-            match (local.get(&src.key), inbox.targets.get(&dst.region.key.0)) {
-                (Some(sm), Some(t)) if w.read => {
-                    copy_region(&*t.mem, dst.offset, &*sm.0, src.offset, dst.len).map(|_| dst.len)
+            let (sm, t) = match (local.get(&src.key), inbox.targets.get(&dst.region.key.0)) {
+                (Some(sm), Some(t)) => (sm, t),
+                (None, _) => return Err(OpError::LocalKeyInvalid(src.key)),
+                (_, None) => return Err(OpError::RemoteKeyInvalid(dst.region.key)),
+            };
+            for i in 0..count {
+                let (so, d_o) = (src.offset + i * src_stride, dst.offset + i * dst_stride);
+                if w.read {
+                    copy_region(&*t.mem, d_o, &*sm.0, so, dst.len)?;
+                } else {
+                    copy_region(&*sm.0, so, &*t.mem, d_o, dst.len)?;
                 }
-                (Some(sm), Some(t)) => {
-                    copy_region(&*sm.0, src.offset, &*t.mem, dst.offset, dst.len).map(|_| dst.len)
-                }
-                (None, _) => Err(OpError::LocalKeyInvalid(src.key)),
-                (_, None) => Err(OpError::RemoteKeyInvalid(dst.region.key)),
             }
+            Ok(w.bytes())
         }
     }
 }
@@ -489,7 +527,7 @@ impl Transport for MemTransport {
             max_outstanding: MAX_PENDING,
             write_imm: true,
             busy_poll: true,
-            strided_writes: false,
+            strided_writes: true,
         }
     }
 
@@ -647,42 +685,21 @@ impl Transport for MemTransport {
         imm: Option<u32>,
     ) -> Result<PostOutcome> {
         crate::types::check_write_lengths(&src, &dst)?;
-        if self.done.len() + self.writes.len() >= MAX_PENDING {
-            return Ok(PostOutcome::NoRoom);
-        }
-        match self.last_src {
-            Some((key, len)) if key == src.key => {
-                check_range(src.offset, src.len, len).map_err(Error::Memory)?
-            }
-            _ => {
-                let len = self.src(&src)?.len() as u64;
-                self.last_src = Some((src.key, len));
-            }
-        }
-        let alive = match &self.last_peer {
-            Some((p, ep)) if *p == peer => ep.strong_count() > 0,
-            _ => {
-                let ep = self
-                    .peers
-                    .get(&peer)
-                    .ok_or_else(|| Error::UnknownPeer(peer))?;
-                let alive = ep.strong_count() > 0;
-                self.last_peer = Some((peer, ep.clone()));
-                alive
-            }
-        };
-        if !alive {
-            return Err(endpoint_dropped(peer));
-        }
-        in_place::push(&mut self.writes, || PendingWrite {
-            peer,
-            wr_id,
-            src,
-            dst,
-            imm,
-            read: false,
-        });
-        Ok(PostOutcome::Posted)
+        self.queue_write(peer, wr_id, src, dst, None, imm)
+    }
+
+    fn post_write_rows(
+        &mut self,
+        peer: PeerId,
+        wr_id: WorkRequestId,
+        src: LocalSlice,
+        dst: RemoteSlice,
+        rows: Rows,
+        imm: Option<u32>,
+    ) -> Result<PostOutcome> {
+        crate::types::check_write_lengths(&src, &dst)?;
+        rows.check(src.len)?;
+        self.queue_write(peer, wr_id, src, dst, Some(rows), imm)
     }
 
     fn post_read(
@@ -711,6 +728,7 @@ impl Transport for MemTransport {
             dst: src,
             imm: None,
             read: true,
+            rows: None,
         });
         Ok(PostOutcome::Posted)
     }
@@ -734,5 +752,64 @@ impl Transport for MemTransport {
             out.append(&mut inbox.events);
         }
         Ok(out.len() - n0)
+    }
+}
+
+impl MemTransport {
+    /// Queues a WRITE (of `rows`, when strided, already checked) after checking its local
+    /// span and its peer; it runs at the next poll.
+    fn queue_write(
+        &mut self,
+        peer: PeerId,
+        wr_id: WorkRequestId,
+        src: LocalSlice,
+        dst: RemoteSlice,
+        rows: Option<Rows>,
+        imm: Option<u32>,
+    ) -> Result<PostOutcome> {
+        if self.done.len() + self.writes.len() >= MAX_PENDING {
+            return Ok(PostOutcome::NoRoom);
+        }
+        let span = match rows {
+            Some(r) => (r.count - 1)
+                .saturating_mul(r.src_stride)
+                .saturating_add(src.len),
+            None => src.len,
+        };
+        match self.last_src {
+            Some((key, len)) if key == src.key => {
+                check_range(src.offset, span, len).map_err(Error::Memory)?
+            }
+            _ => {
+                let len = self.src(&src)?.len() as u64;
+                check_range(src.offset, span, len).map_err(Error::Memory)?;
+                self.last_src = Some((src.key, len));
+            }
+        }
+        let alive = match &self.last_peer {
+            Some((p, ep)) if *p == peer => ep.strong_count() > 0,
+            _ => {
+                let ep = self
+                    .peers
+                    .get(&peer)
+                    .ok_or_else(|| Error::UnknownPeer(peer))?;
+                let alive = ep.strong_count() > 0;
+                self.last_peer = Some((peer, ep.clone()));
+                alive
+            }
+        };
+        if !alive {
+            return Err(endpoint_dropped(peer));
+        }
+        in_place::push(&mut self.writes, || PendingWrite {
+            peer,
+            wr_id,
+            src,
+            dst,
+            imm,
+            read: false,
+            rows,
+        });
+        Ok(PostOutcome::Posted)
     }
 }

@@ -127,10 +127,11 @@ fn bad_segments_fail_at_submit() {
 fn counters_are_up_to_date_when_a_transfer_completes() {
     let s = setup(mem_engine(), mem_engine(), 1 << 20);
     for round in 1..=20u64 {
-        // 64 pages to every other destination page: none coalesce.
+        // 64 pages to every other destination page, backwards: none coalesce, and no
+        // run of them is rows of a strided write (strides go forwards).
         let mut t = Transfer::new(s.peer);
         for i in 0..64u64 {
-            t = t.segment(page(&s, i, 2 * i + round % 2, 4096));
+            t = t.segment(page(&s, i, 2 * (63 - i) + round % 2, 4096));
         }
         let stats = s.a.submit(t).unwrap().wait(T).unwrap();
         assert_eq!(stats.ops, 64);
@@ -147,9 +148,10 @@ fn counters_are_up_to_date_when_a_transfer_completes() {
 fn a_failed_post_drops_the_rest_of_its_transfer() {
     let s = setup(mem_engine(), mem_engine(), 1 << 20);
     let transfer = |peer| {
+        // Backwards, as above: one write per page.
         let mut t = Transfer::new(peer).imm(3);
         for i in 0..100u64 {
-            t = t.segment(page(&s, i, 2 * i, 4096));
+            t = t.segment(page(&s, i, 2 * (99 - i), 4096));
         }
         t
     };
@@ -172,7 +174,7 @@ fn a_failed_post_drops_the_rest_of_its_transfer() {
     for i in 0..100u64 {
         assert_eq!(
             s.src.to_vec(i * 4096, 4096).unwrap(),
-            s.dst.to_vec(2 * i * 4096, 4096).unwrap()
+            s.dst.to_vec(2 * (99 - i) * 4096, 4096).unwrap()
         );
     }
 }
