@@ -15,7 +15,6 @@ use fabric_core::{
     Access, Error, LocalKey, MemoryLocation, MemoryRegion, OpError, RemoteKey, RemoteRegion, Result,
 };
 use libfabric_sys as sys;
-use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
 
@@ -255,7 +254,10 @@ fn mr_regattr(t: &Target<'_>, attr: &sys::fi_mr_attr, flags: u64) -> Result<*mut
 }
 
 /// Deregisters `key`: at once, or when its last operation in flight finishes.
-pub(crate) fn deregister(regs: &mut HashMap<LocalKey, Registered>, key: LocalKey) -> Result<()> {
+pub(crate) fn deregister(
+    regs: &mut crate::FastMap<LocalKey, Registered>,
+    key: LocalKey,
+) -> Result<()> {
     match regs.get_mut(&key) {
         Some(r) if !r.deregistered => {
             if r.inflight == 0 {
@@ -270,7 +272,7 @@ pub(crate) fn deregister(regs: &mut HashMap<LocalKey, Registered>, key: LocalKey
 }
 
 /// Releases one in-flight operation's hold on `key`.
-pub(crate) fn release(regs: &mut HashMap<LocalKey, Registered>, key: LocalKey) {
+pub(crate) fn release(regs: &mut crate::FastMap<LocalKey, Registered>, key: LocalKey) {
     if let Some(r) = regs.get_mut(&key) {
         r.inflight = r.inflight.saturating_sub(1);
         if r.deregistered && r.inflight == 0 {

@@ -1,5 +1,6 @@
 //! [`EfaTransport`]: the [`Transport`] over one libfabric FI_EP_RDM endpoint.
 
+use crate::FastMap;
 use crate::address;
 use crate::attrs::Policy;
 use crate::config::EfaConfig;
@@ -13,7 +14,7 @@ use fabric_core::{
     PostOutcome, Registration, RemoteSlice, Result, Transport, TransportLimits, WorkRequestId,
 };
 use libfabric_sys as sys;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -77,7 +78,7 @@ pub struct EfaTransport {
     // memory they keep alive), then the operation contexts, the AV and CQ, the domain, and
     // the fabric last.
     ep: Owned<sys::fid_ep>,
-    regs: HashMap<LocalKey, Registered>,
+    regs: FastMap<LocalKey, Registered>,
     ops: OpTable,
     av: Owned<sys::fid_av>,
     cq: Owned<sys::fid_cq>,
@@ -109,7 +110,7 @@ pub struct EfaTransport {
     addr_format: u32,
     /// What `fi_getname` returned.
     raw_address: Vec<u8>,
-    peers: HashMap<PeerId, Peer>,
+    peers: FastMap<PeerId, Peer>,
     /// Peers with a non-empty backlog.
     backlogged: Vec<PeerId>,
     next_peer: u64,
@@ -311,7 +312,7 @@ impl EfaTransport {
         );
         Ok(EfaTransport {
             ep,
-            regs: HashMap::new(),
+            regs: FastMap::default(),
             ops: OpTable::default(),
             av,
             cq,
@@ -330,7 +331,7 @@ impl EfaTransport {
             gather,
             addr_format,
             raw_address,
-            peers: HashMap::new(),
+            peers: FastMap::default(),
             backlogged: Vec::new(),
             next_peer: 1,
             next_local_key: 1,
