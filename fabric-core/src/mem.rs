@@ -698,7 +698,6 @@ impl Transport for MemTransport {
         imm: Option<u32>,
     ) -> Result<PostOutcome> {
         crate::types::check_write_lengths(&src, &dst)?;
-        rows.check(src.len)?;
         self.queue_write(peer, wr_id, src, dst, Some(rows), imm)
     }
 
@@ -756,8 +755,8 @@ impl Transport for MemTransport {
 }
 
 impl MemTransport {
-    /// Queues a WRITE (of `rows`, when strided, already checked) after checking its local
-    /// span and its peer; it runs at the next poll.
+    /// Queues a WRITE (of `rows`, when strided) after checking the rows, its local span and
+    /// its peer; it runs at the next poll.
     fn queue_write(
         &mut self,
         peer: PeerId,
@@ -767,15 +766,13 @@ impl MemTransport {
         rows: Option<Rows>,
         imm: Option<u32>,
     ) -> Result<PostOutcome> {
+        let span = match rows {
+            Some(r) => r.check(src.len)?.0,
+            None => src.len,
+        };
         if self.done.len() + self.writes.len() >= MAX_PENDING {
             return Ok(PostOutcome::NoRoom);
         }
-        let span = match rows {
-            Some(r) => (r.count - 1)
-                .saturating_mul(r.src_stride)
-                .saturating_add(src.len),
-            None => src.len,
-        };
         match self.last_src {
             Some((key, len)) if key == src.key => {
                 check_range(src.offset, span, len).map_err(Error::Memory)?

@@ -584,17 +584,44 @@ fn ipc_refuses_garbage_handles_and_host_memory() {
     ));
 }
 
+/// A 4 MiB device source filled with `data` (`pattern(_, seed)`), and a zeroed 4 MiB
+/// destination exported and opened again through CUDA IPC, as a peer's region is.
+struct PeerPair {
+    src: Arc<dyn MemoryRegion>,
+    data: Vec<u8>,
+    dst: Arc<dyn MemoryRegion>,
+    export: gpu_mem::IpcExport,
+    mapping: Arc<gpu_mem::IpcMapping>,
+}
+
+fn peer_pair(gpu: &gpu_mem::Device, seed: u8) -> PeerPair {
+    let dst: Arc<dyn MemoryRegion> = Arc::new(gpu.alloc_zeroed(4 * MIB).unwrap());
+    let export = gpu.export_ipc(&dst).unwrap();
+    let mapping = gpu.open_ipc(&export.handle()).unwrap();
+    let src: Arc<dyn MemoryRegion> = Arc::new(gpu.alloc(4 * MIB).unwrap());
+    let data = pattern(4 * MIB, seed);
+    src.write_from_host(0, &data).unwrap();
+    PeerPair {
+        src,
+        data,
+        dst,
+        export,
+        mapping,
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/gpu-proof.sh)"]
 fn peer_copies_learn_of_finished_batches_from_the_stream_written_word() {
     let cuda = gpu_mem::testing::require_gpus(1);
     let gpu = cuda.device(0).unwrap();
-    let dst: Arc<dyn MemoryRegion> = Arc::new(gpu.alloc_zeroed(4 * MIB).unwrap());
-    let export = gpu.export_ipc(&dst).unwrap();
-    let mapping = gpu.open_ipc(&export.handle()).unwrap();
-    let src: Arc<dyn MemoryRegion> = Arc::new(gpu.alloc(4 * MIB).unwrap());
-    let data = pattern(4 * MIB, 11);
-    src.write_from_host(0, &data).unwrap();
+    let PeerPair {
+        src,
+        data,
+        dst,
+        export,
+        mapping,
+    } = peer_pair(&gpu, 11);
     let mut copies = gpu_mem::PeerCopies::new(&gpu).unwrap();
     // Every GPU this engine targets has stream memory operations: polling must not need a
     // driver call per poll (which eight rails' workers would contend on).
@@ -636,12 +663,13 @@ fn peer_copies_learn_of_finished_batches_from_the_stream_written_word() {
 fn a_long_range_cut_into_pieces_for_the_copy_kernel_lands_whole() {
     let cuda = gpu_mem::testing::require_gpus(1);
     let gpu = cuda.device(0).unwrap();
-    let dst: Arc<dyn MemoryRegion> = Arc::new(gpu.alloc_zeroed(4 * MIB).unwrap());
-    let export = gpu.export_ipc(&dst).unwrap();
-    let mapping = gpu.open_ipc(&export.handle()).unwrap();
-    let src: Arc<dyn MemoryRegion> = Arc::new(gpu.alloc(4 * MIB).unwrap());
-    let data = pattern(4 * MIB, 5);
-    src.write_from_host(0, &data).unwrap();
+    let PeerPair {
+        src,
+        data,
+        dst,
+        export,
+        mapping,
+    } = peer_pair(&gpu, 5);
     let mut copies = gpu_mem::PeerCopies::with_method(&gpu, gpu_mem::CopyMethod::Kernel).unwrap();
     // Aligned ends (the kernel's path), a length that is no multiple of the pieces nor of
     // 16 bytes: the last piece ends in a byte-wise tail.
