@@ -3,11 +3,9 @@
 //! caps 64 KiB pages far below NVLink speed).
 //!
 //! The kernel (`gather.ptx`, hand-written PTX, JIT-compiled by the driver for the device)
-//! reads its list of `(dst, src, len)` from device memory: the host writes the list into
-//! pinned memory, and one copy on the launch's stream moves it to the device first (read
-//! across PCIe by every block, a descriptor at a time, the list capped the copies at about
-//! twelve million ranges a second). Each list stays untouched until an event recorded
-//! after the launch says the kernel is done.
+//! reads its list of `(dst, src, len)` from pinned host memory mapped into the device's
+//! address space; each list stays untouched until an event recorded after the launch says
+//! the kernel is done.
 
 use crate::device::Device;
 use crate::error::{GpuMemError, check_call};
@@ -26,14 +24,11 @@ const MAX_BLOCKS: u32 = 1056;
 /// Ranges a descriptor list holds at least.
 const MIN_ENTRIES: usize = 1024;
 
-/// One list of `(dst, src, len)` in pinned, device-mapped host memory, and (for the copy
-/// kernel) a device buffer of the same size that the launch's stream fills from it.
+/// One list of `(dst, src, len)` in pinned, device-mapped host memory.
 pub(crate) struct DescList {
     device: Device,
     host: NonNull<u64>,
     dev: sys::CUdeviceptr,
-    /// Device memory the kernel reads the list from (0 until the first launch needs it).
-    on_device: sys::CUdeviceptr,
     entries: usize,
 }
 
@@ -72,7 +67,6 @@ impl DescList {
             device: device.clone(),
             host,
             dev,
-            on_device: 0,
             entries,
         };
         check_call(r, "cuMemHostGetDevicePointer")?;
@@ -95,15 +89,10 @@ impl DescList {
 impl Drop for DescList {
     fn drop(&mut self) {
         if self.device.bind().is_ok() {
-            // SAFETY: allocated by cuMemHostAlloc (and cuMemAlloc) and freed once; owners
-            // drop lists only after the kernels (and copies) that read them have completed
-            // (or the stream was synchronised).
-            unsafe {
-                sys::cuMemFreeHost(self.host.as_ptr().cast());
-                if self.on_device != 0 {
-                    sys::cuMemFree_v2(self.on_device);
-                }
-            }
+            // SAFETY: allocated by cuMemHostAlloc and freed once; owners drop lists only
+            // after the kernels that read them have completed (or the stream was
+            // synchronised).
+            unsafe { sys::cuMemFreeHost(self.host.as_ptr().cast()) };
         }
     }
 }
@@ -164,23 +153,10 @@ impl GatherKernel {
     ) -> Result<DescList, GpuMemError> {
         let n = copies.len();
         let pos = self.spare.iter().position(|l| l.entries >= n);
-        let mut list = match pos {
+        let list = match pos {
             Some(i) => self.spare.swap_remove(i),
             None => DescList::new(&self.device, n.max(MIN_ENTRIES))?,
         };
-        if list.on_device == 0 {
-            let mut d: sys::CUdeviceptr = 0;
-            let r = check_call(
-                // SAFETY: d is a valid out-pointer; the caller made the context current.
-                unsafe { sys::cuMemAlloc_v2(&mut d, list.entries * 24) },
-                "cuMemAlloc (copy list)",
-            );
-            if let Err(e) = r {
-                self.spare.push(list);
-                return Err(e);
-            }
-            list.on_device = d;
-        }
         for (i, &(d, s, l)) in copies.iter().enumerate() {
             // SAFETY: i < n <= list.entries, so the three words lie inside the list, which
             // no kernel reads any more (it was recycled after its event, or is new).
@@ -191,26 +167,7 @@ impl GatherKernel {
                 p.add(2).write(l);
             }
         }
-        let staged = check_call(
-            // SAFETY: both buffers hold at least n * 24 bytes (entries >= n); the host list
-            // stays untouched, and both stay allocated, until the caller recycles the list
-            // after an event recorded behind this copy and the launch; the stream belongs
-            // to the current context.
-            unsafe {
-                sys::cuMemcpyHtoDAsync_v2(
-                    list.on_device,
-                    list.host.as_ptr().cast::<c_void>(),
-                    n * 24,
-                    stream,
-                )
-            },
-            "cuMemcpyHtoDAsync (copy list)",
-        );
-        if let Err(e) = staged {
-            self.spare.push(list);
-            return Err(e);
-        }
-        let mut descs = list.on_device;
+        let mut descs = list.dev;
         let mut count = n as u32;
         let mut params = [
             (&mut descs as *mut sys::CUdeviceptr).cast::<c_void>(),
