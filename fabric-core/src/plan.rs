@@ -174,7 +174,7 @@ fn build_plan(segments: &[Segment], max_msg_size: u64, rows: bool) -> TransferPl
     // One write per segment unless segments merge or split: reserve for that.
     let mut b = Builder {
         plan: TransferPlan {
-            writes: Vec::with_capacity(if rows { 16 } else { segments.len() }),
+            writes: Vec::with_capacity(segments.len()),
             bytes: 0,
         },
         max: max_msg_size,

@@ -69,8 +69,8 @@ impl StreamWord {
         // SAFETY: the stream belongs to the device's context (bound by DescList::new); the
         // word stays alive until the synchronisation below.
         let written = unsafe { word.write(stream, 0) };
-        // SAFETY: the stream is a live handle of the current context.
         let synced = check_call(
+            // SAFETY: the stream is a live handle of the current context.
             unsafe { sys::cuStreamSynchronize(stream) },
             "cuStreamSynchronize",
         );

@@ -646,8 +646,7 @@ fn peer_copies_learn_of_finished_batches_from_the_stream_written_word() {
         );
         std::hint::spin_loop();
     }
-    let mut back = vec![0u8; 4 * MIB];
-    dst.read_to_host(0, &mut back).unwrap();
+    let back = dst.to_vec_for_test();
     let pages = 4 * MIB / 4096;
     for p in 0..pages {
         let q = (p * 7 + 63) % pages;
