@@ -149,7 +149,7 @@ impl Shared {
         max_msg_size: u64,
     ) -> Shared {
         Shared {
-            targets: HashMap::new(),
+            targets: crate::FastMap::default(),
             // Bounded by `early`, which also counts the room granted as credit.
             recv: RecvMatch::new(usize::MAX, usize::MAX),
             early: EarlyRoom::new(max_unexpected_count, max_unexpected_bytes),

@@ -45,7 +45,7 @@ use fabric_core::stats::TransportStats;
 use fabric_core::{
     Access, Completion, MemoryRegion, OpError, OpKind, PeerId, RemoteKey, WorkRequestId,
 };
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::io::Read;
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
@@ -87,7 +87,7 @@ pub(crate) struct TargetRegion {
 
 /// State shared by all connections of a transport, that incoming frames act on.
 pub(crate) struct Shared {
-    pub targets: HashMap<u64, TargetRegion>,
+    pub targets: crate::FastMap<u64, TargetRegion>,
     /// Posted receives and early arrivals (fabric-core's one matching piece).
     pub recv: RecvMatch,
     /// Room in the early-arrival queue: what is queued, on its way, or granted as credit.
