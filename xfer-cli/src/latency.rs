@@ -11,11 +11,45 @@ use fabric_core::engine::WARM_UP_IMM;
 use serde::Serialize;
 use std::io::{IoSlice, Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 use xfer::{Agent, Error, Peer, Region, RegionDescriptor, Transfer};
 
 /// Most transfers timed in one run (whatever `--bytes` asks).
 pub const MAX_SAMPLES: u64 = 200_000;
+
+/// How long the immediate-data watcher waits for an event before it looks whether the
+/// transfers have stopped.
+const WATCH_SLICE: Duration = Duration::from_millis(50);
+
+/// The pages of each timed transfer: `per` distinct pages of a region of `region_pages`
+/// (a partial Fisher-Yates shuffle), since a transfer whose pages repeat writes one
+/// destination twice, which the engine refuses.
+struct DistinctPages {
+    perm: Vec<u64>,
+    per: usize,
+    rng: fastrand::Rng,
+}
+
+impl DistinctPages {
+    fn new(region_pages: u64, per: u64, seed: u64) -> DistinctPages {
+        let perm: Vec<u64> = (0..region_pages).collect();
+        DistinctPages {
+            per: (per.min(region_pages)) as usize,
+            perm,
+            rng: fastrand::Rng::with_seed(seed),
+        }
+    }
+
+    /// The next transfer's pages.
+    fn next(&mut self) -> &[u64] {
+        for i in 0..self.per {
+            let j = self.rng.usize(i..self.perm.len());
+            self.perm.swap(i, j);
+        }
+        &self.perm[..self.per]
+    }
+}
 
 /// Transfers to time: as many as `--bytes` holds, at least one, at most [`MAX_SAMPLES`].
 pub fn sample_count(w: &Workload) -> u64 {
@@ -197,45 +231,61 @@ pub fn run_transfers(
     count: u64,
 ) -> Result<(Vec<Duration>, Vec<Duration>), Error> {
     let timeout = Duration::from_secs(30);
-    let (page_size, pages, region_pages) = (w.page_size, w.pages, w.region_pages());
-    let mut rng = fastrand::Rng::with_seed(w.seed);
+    let page_size = w.page_size;
+    let mut pages = DistinctPages::new(w.region_pages(), w.pages, w.seed);
     let mut times = Vec::with_capacity(count as usize);
     let mut submitted = Vec::with_capacity(count as usize);
+    // Set when the transfers stop early (an error), so that the watcher gives up at once
+    // instead of waiting for events that will not come.
+    let stopped = AtomicBool::new(false);
     let watch = |t: &Agent| -> Result<Vec<(u32, Instant)>, Error> {
         let mut seen = Vec::with_capacity(count as usize);
-        while (seen.len() as u64) < count {
-            let ev = t.next_event(timeout)?;
-            if let Some(v) = ev.imm() {
-                seen.push((v, Instant::now()));
+        let mut waited = Duration::ZERO;
+        while (seen.len() as u64) < count && !stopped.load(Ordering::Acquire) {
+            match t.next_event(WATCH_SLICE) {
+                Ok(ev) => {
+                    waited = Duration::ZERO;
+                    if let Some(v) = ev.imm() {
+                        seen.push((v, Instant::now()));
+                    }
+                }
+                Err(Error::Engine(fabric_core::Error::TimedOut(..))) if waited < timeout => {
+                    waited += WATCH_SLICE;
+                }
+                Err(e) => return Err(e),
             }
         }
         Ok(seen)
     };
     let seen = std::thread::scope(|s| -> Result<Option<Vec<(u32, Instant)>>, Error> {
-        let watcher = target.map(|t| s.spawn(move || watch(t)));
-        for i in 0..count {
-            let mut segments = Vec::with_capacity(pages as usize);
-            for _ in 0..pages {
-                let p = rng.u64(..region_pages) * page_size;
-                segments.push((p, p, page_size));
+        let watcher = target.map(|t| s.spawn(|| watch(t)));
+        let mut run = || -> Result<(), Error> {
+            for i in 0..count {
+                let segments = (pages.next().iter())
+                    .map(|&p| (p * page_size, p * page_size, page_size))
+                    .collect();
+                // Never the warm-up value, which rail groups drop.
+                let t = Transfer::segments(segments)
+                    .imm((i % WARM_UP_IMM as u64) as u32)
+                    .timeout(timeout);
+                let t0 = Instant::now();
+                let h = agent.submit(peer, src, dst, t)?;
+                h.wait(timeout)?;
+                times.push(t0.elapsed());
+                submitted.push(t0);
             }
-            // Never the warm-up value, which rail groups drop.
-            let t = Transfer::segments(segments)
-                .imm((i % WARM_UP_IMM as u64) as u32)
-                .timeout(timeout);
-            let t0 = Instant::now();
-            let h = agent.submit(peer, src, dst, t)?;
-            h.wait(timeout)?;
-            times.push(t0.elapsed());
-            submitted.push(t0);
+            Ok(())
+        };
+        let ran = run();
+        if ran.is_err() {
+            stopped.store(true, Ordering::Release);
         }
-        match watcher {
-            None => Ok(None),
-            Some(w) => w
-                .join()
+        let seen = watcher.map(|w| {
+            w.join()
                 .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-                .map(Some),
-        }
+        });
+        ran?;
+        seen.transpose()
     })?;
     let mut imm = Vec::new();
     if let Some(seen) = seen {

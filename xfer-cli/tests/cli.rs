@@ -388,6 +388,25 @@ fn small_demo(extra: &[&str]) -> Output {
     xfer(&args)
 }
 
+/// `demo --latency` with many pages per transfer: each transfer's pages are distinct (64 of a
+/// region's 1024: drawn with replacement, nearly every transfer would repeat a page, which
+/// the engine refuses as an overlap), and every transfer is timed both ways.
+#[test]
+fn demo_latency_of_many_pages_a_transfer_times_every_transfer() {
+    let out = small_demo(&["--latency", "--transport", "tcp"]);
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j = stdout_json(&out);
+    assert_eq!(j["pages"], 64, "{j}");
+    // 4 MiB in transfers of 64 pages of 4 KiB.
+    for series in ["transfer", "imm_event", "raw_tcp_round_trip"] {
+        assert_eq!(j[series]["count"], 16, "{series}: {j}");
+    }
+}
+
 #[test]
 fn demo_over_three_rails_and_over_mem_verifies() {
     for extra in [
