@@ -85,8 +85,8 @@ impl Opts {
             layers: 32,
             rounds: 3,
             page: 64 << 10,
-            chunk: 8 << 20,
-            inflight: 256 << 20,
+            chunk: SyncOptions::default().chunk_bytes,
+            inflight: SyncOptions::default().max_inflight_bytes,
             json: None,
             rest: BTreeMap::new(),
         };

@@ -113,12 +113,15 @@ use std::time::Duration;
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct SyncOptions {
-    /// Bytes per transfer, at most (default 8 MiB): a longer row is cut.
+    /// Bytes per transfer, at most (default 64 MiB): a longer row is cut. Every transfer
+    /// costs a fixed round of work on both sides (tens of microseconds over cuda-ipc), so
+    /// small chunks cap the rate: on an H200 over cuda-ipc, 1 MiB chunks synced 0.87 Tbps, 8 MiB
+    /// 3.2 Tbps and 64 MiB 6.3 Tbps, against 8.1-8.7 Tbps for a paged write of the same bytes.
     pub chunk_bytes: u64,
     /// Segments per transfer, at most (default 16 384): what one transfer's segment list
     /// holds.
     pub chunk_segments: usize,
-    /// No transfer starts while this many bytes are in flight (default 256 MiB).
+    /// No transfer starts while this many bytes are in flight (default 1 GiB: 16 chunks).
     pub max_inflight_bytes: u64,
     /// Transfers in flight, at most (default 64).
     pub max_inflight_transfers: usize,
@@ -134,9 +137,9 @@ pub struct SyncOptions {
 impl Default for SyncOptions {
     fn default() -> SyncOptions {
         SyncOptions {
-            chunk_bytes: 8 << 20,
+            chunk_bytes: 64 << 20,
             chunk_segments: 16 << 10,
-            max_inflight_bytes: 256 << 20,
+            max_inflight_bytes: 1 << 30,
             max_inflight_transfers: 64,
             transfer_timeout: Duration::from_secs(60),
             pull_retry: Duration::from_millis(20),
