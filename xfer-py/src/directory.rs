@@ -5,7 +5,7 @@
 //! `AgentInfo`, under the member's name, and each region's `RegionDescriptor`), as bytes.
 
 use crate::engine::{Engine, Registration};
-use crate::errors::{directory_error, invalid, metadata_error};
+use crate::errors::{agent_error, directory_error, invalid, metadata_error};
 use directory::{Event, Member, Record};
 use fabric_core::MemoryLocation;
 use pyo3::prelude::*;
@@ -25,7 +25,39 @@ pub struct Directory {
 /// A published record; `withdraw()` (or closing the directory's process) removes it.
 #[pyclass(module = "xfer", frozen)]
 pub struct Publication {
-    inner: Mutex<Option<directory::Publication>>,
+    inner: Mutex<Option<Published>>,
+}
+
+/// What a [`Publication`] holds: a record put together by `publish`, or an engine's own
+/// (`join`), which `update` renews with what the engine offers then.
+enum Published {
+    Record(directory::Publication),
+    Engine(xfer::discovery::Publication),
+}
+
+/// A cluster followed by an engine (`Directory.follow`): every other member is connected
+/// as it joins and disconnected as it leaves, on a thread of the library's; weight-sync
+/// members refresh against it (`Source.refresh`, `Destination.refresh`). `close()` (or
+/// dropping it) stops following; the peers stay connected.
+#[pyclass(module = "xfer", frozen)]
+pub struct Following {
+    inner: Mutex<Option<xfer::discovery::Following>>,
+}
+
+impl Following {
+    /// Runs `f` on the following with the GIL released, or fails if it was closed.
+    pub(crate) fn with<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&xfer::discovery::Following) -> R + Send,
+    ) -> PyResult<R> {
+        let inner = &self.inner;
+        py.detach(|| {
+            let g = inner.lock().unwrap_or_else(|p| p.into_inner());
+            g.as_ref().map(f)
+        })
+        .ok_or_else(|| invalid("this Following was closed"))
+    }
 }
 
 /// A cluster's joins, updates and leaves, in order, from `Directory.watch()`.
@@ -129,7 +161,40 @@ impl Directory {
             .detach(|| self.dir.publish(r, Duration::from_secs_f64(ttl)))
             .map_err(|e| directory_error(&e))?;
         Ok(Publication {
-            inner: Mutex::new(Some(p)),
+            inner: Mutex::new(Some(Published::Record(p))),
+        })
+    }
+
+    /// Publishes `engine` under its own name (`Engine.name`) with every registration it
+    /// offers now (`Engine.offer`, and the weight sync's `Source.offer` and
+    /// `Destination.offer`), for `ttl` seconds past this process's last renewal: how a
+    /// weight-sync member makes itself known to the others. Offer more later, then call
+    /// `Publication.update()`.
+    #[pyo3(signature = (engine, ttl=10.0))]
+    fn join(&self, py: Python<'_>, engine: &Engine, ttl: f64) -> PyResult<Publication> {
+        if !(ttl.is_finite() && ttl > 0.0) {
+            return Err(invalid(format!(
+                "ttl must be a positive number of seconds, not {ttl}"
+            )));
+        }
+        let agent = engine.agent_handle()?;
+        let p = py
+            .detach(|| agent.publish(&*self.dir, &self.cluster, Duration::from_secs_f64(ttl)))
+            .map_err(|e| agent_error(&e))?;
+        Ok(Publication {
+            inner: Mutex::new(Some(Published::Engine(p))),
+        })
+    }
+
+    /// Follows the cluster with `engine`: every member but the engine itself (by name) is
+    /// connected as it joins (the members there now first) and disconnected as it leaves.
+    fn follow(&self, py: Python<'_>, engine: &Engine) -> PyResult<Following> {
+        let agent = engine.agent_handle()?;
+        let f = py
+            .detach(|| agent.follow(&*self.dir, &self.cluster))
+            .map_err(|e| agent_error(&e))?;
+        Ok(Following {
+            inner: Mutex::new(Some(f)),
         })
     }
 
@@ -166,8 +231,52 @@ impl Publication {
     fn withdraw(&self, py: Python<'_>) -> PyResult<()> {
         let p = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
         match p {
-            Some(p) => py.detach(|| p.withdraw()).map_err(|e| directory_error(&e)),
+            Some(Published::Record(p)) => {
+                py.detach(|| p.withdraw()).map_err(|e| directory_error(&e))
+            }
+            Some(Published::Engine(p)) => py.detach(|| p.withdraw()).map_err(|e| agent_error(&e)),
             None => Ok(()),
+        }
+    }
+
+    /// Publishes the engine again with what it offers now (a `Directory.join`
+    /// publication; one made by `publish` holds a fixed record: publish again instead).
+    fn update(&self, py: Python<'_>) -> PyResult<()> {
+        let inner = &self.inner;
+        py.detach(|| {
+            let mut g = inner.lock().unwrap_or_else(|p| p.into_inner());
+            match g.as_mut() {
+                Some(Published::Engine(p)) => p.update().map_err(|e| agent_error(&e)),
+                Some(Published::Record(_)) => Err(invalid(
+                    "update() renews what Directory.join published; this record came from \
+                     publish(): publish it again",
+                )),
+                None => Err(invalid("this publication was withdrawn")),
+            }
+        })
+    }
+}
+
+#[pymethods]
+impl Following {
+    /// The names of the members connected now.
+    fn peers(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        self.with(py, |f| {
+            f.peers().iter().map(|c| c.name().to_owned()).collect()
+        })
+    }
+
+    /// Stops following (the peers it connected stay connected).
+    fn close(&self, py: Python<'_>) {
+        let inner = &self.inner;
+        let f = inner.lock().unwrap_or_else(|p| p.into_inner()).take();
+        py.detach(|| drop(f));
+    }
+
+    fn __repr__(&self) -> String {
+        match &*self.inner.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(f) => format!("Following(cluster={:?})", f.cluster()),
+            None => "Following(closed)".into(),
         }
     }
 }

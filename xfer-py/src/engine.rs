@@ -367,6 +367,13 @@ impl Engine {
         })
     }
 
+    /// The engine's name: what peers see, and the member name `Directory.join` publishes
+    /// it under.
+    #[getter]
+    fn name(&self, py: Python<'_>) -> PyResult<String> {
+        self.shared.with_agent(py, |a| Ok(a.name().to_owned()))
+    }
+
     /// The transports the engine offers, in the order they are preferred for a peer.
     #[getter]
     fn transports(&self, py: Python<'_>) -> PyResult<Vec<&'static str>> {

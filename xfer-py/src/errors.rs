@@ -207,6 +207,15 @@ pub fn sync_error(e: &xfer::weights::SyncError) -> PyErr {
     }
 }
 
+/// The exception of a weight-sync wait for members (`wait_attached`, `wait_sources`): one
+/// that ran out of time (`NotAttached`) is `TimedOut`, the rest as [`sync_error`].
+pub fn member_wait_error(e: &xfer::weights::SyncError) -> PyErr {
+    match e {
+        xfer::weights::SyncError::NotAttached { .. } => TimedOut::new_err(report(e)),
+        _ => sync_error(e),
+    }
+}
+
 /// The exception for bytes (`what`: an address, a descriptor) that are not valid
 /// metadata: `InvalidArgument` naming the metadata error.
 pub fn metadata_error(what: &str, e: &fabric_core::metadata::MetadataError) -> PyErr {

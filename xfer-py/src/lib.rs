@@ -58,6 +58,7 @@ fn _xfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<directory::Directory>()?;
     m.add_class::<directory::Publication>()?;
     m.add_class::<directory::Watch>()?;
+    m.add_class::<directory::Following>()?;
     m.add_class::<weights::PyLayout>()?;
     m.add_class::<weights::PyPlan>()?;
     m.add_class::<weights::PySource>()?;

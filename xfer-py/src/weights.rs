@@ -12,15 +12,16 @@
 //! the pieces it prepared.
 
 use crate::args::{SIGNAL_EVERY, seconds, wait_sliced};
+use crate::directory::Following;
 use crate::engine::{Engine, Peer, Registration};
-use crate::errors::{invalid, metadata_error, sync_error};
+use crate::errors::{invalid, member_wait_error, metadata_error, sync_error};
 use fabric_core::Fence;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use xfer::RegionDescriptor;
-use xfer::weights::exec::{DestinationSync, SourceInfo, SourceSync, SyncOptions};
+use xfer::weights::exec::{Changes, DestinationSync, SourceInfo, SourceSync, SyncOptions};
 use xfer::weights::{Holding, Layout, Piece, Plan, RegionSpec, TensorSpec, check};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -340,6 +341,26 @@ fn sync_options(
 }
 
 /// A version from Python.
+/// A refresh's changes as a dict: "attached" and "dropped" (lists of (rank, member name)),
+/// "waiting" (list of (member name, why)).
+fn changes_dict<'py>(py: Python<'py>, c: Changes) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("attached", c.attached)?;
+    d.set_item("dropped", c.dropped)?;
+    d.set_item("waiting", c.waiting)?;
+    Ok(d)
+}
+
+/// `timeout` in seconds, as a duration (finite and not negative).
+fn wait_timeout(timeout: f64) -> PyResult<Duration> {
+    if !(timeout.is_finite() && timeout >= 0.0) {
+        return Err(invalid(format!(
+            "timeout must be seconds >= 0, not {timeout}"
+        )));
+    }
+    Ok(Duration::from_secs_f64(timeout))
+}
+
 fn version_of(v: i64) -> PyResult<u32> {
     u32::try_from(v).map_err(|_| invalid(format!("version={v}: expected 0..2**32")))
 }
@@ -548,6 +569,38 @@ impl PySource {
         lock(&self.sync).offer();
     }
 
+    /// Brings the destinations in line with the cluster `following` follows (see
+    /// `Directory.follow`): every destination member (one that offered a destination's
+    /// record and joined) is attached, under its planned rank, or planned in first if it
+    /// joined later; every attached one that left is dropped. Returns the changes as a dict
+    /// ("attached", "dropped": lists of (rank, name); "waiting": (name, why) for members
+    /// that cannot be attached yet, which a later refresh tries again).
+    fn refresh<'py>(&self, py: Python<'py>, following: &Following) -> PyResult<Bound<'py, PyDict>> {
+        let sync = &self.sync;
+        let c = following
+            .with(py, |f| lock(sync).refresh(f))?
+            .map_err(|e| sync_error(&e))?;
+        changes_dict(py, c)
+    }
+
+    /// Refreshes until `count` destinations are attached (each change of the cluster
+    /// wakes it), or fails with `TimedOut` after `timeout` seconds; returns the changes.
+    #[pyo3(signature = (following, count, timeout=60.0))]
+    fn wait_attached<'py>(
+        &self,
+        py: Python<'py>,
+        following: &Following,
+        count: usize,
+        timeout: f64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let t = wait_timeout(timeout)?;
+        let sync = &self.sync;
+        let c = following
+            .with(py, |f| lock(sync).wait_attached(f, count, t))?
+            .map_err(|e| member_wait_error(&e))?;
+        changes_dict(py, c)
+    }
+
     /// Its rank.
     #[getter]
     fn rank(&self) -> u32 {
@@ -706,6 +759,34 @@ impl PyDestination {
     /// Offers the layout's regions under their names and the record (for the directory).
     fn offer(&self) {
         lock(&self.sync).offer();
+    }
+
+    /// Attaches the sources among the members of the cluster `following` follows (see
+    /// `Directory.follow`), for pulls, and drops those that left. Returns the changes as
+    /// `Source.refresh` does.
+    fn refresh<'py>(&self, py: Python<'py>, following: &Following) -> PyResult<Bound<'py, PyDict>> {
+        let sync = &self.sync;
+        let c = following
+            .with(py, |f| lock(sync).refresh(f))?
+            .map_err(|e| sync_error(&e))?;
+        changes_dict(py, c)
+    }
+
+    /// Refreshes until every source is attached (each change of the cluster wakes it), or
+    /// fails with `TimedOut` after `timeout` seconds; returns the changes.
+    #[pyo3(signature = (following, timeout=60.0))]
+    fn wait_sources<'py>(
+        &self,
+        py: Python<'py>,
+        following: &Following,
+        timeout: f64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let t = wait_timeout(timeout)?;
+        let sync = &self.sync;
+        let c = following
+            .with(py, |f| lock(sync).wait_sources(f, t))?
+            .map_err(|e| member_wait_error(&e))?;
+        changes_dict(py, c)
     }
 
     /// Its registrations' descriptors (bytes, one per region): what sources attach it with.

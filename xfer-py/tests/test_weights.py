@@ -200,3 +200,72 @@ def test_the_prepare_hook_sees_each_piece_once_before_it_goes():
 
     report = senders[1].source.push(3, prepare=boom)
     assert all(isinstance(r, xfer.InvalidArgument) and "no such dtype" in str(r) for r in report.values()), report
+
+
+def test_members_meet_by_name_through_the_directory_and_a_joiner_is_planned_in(tmp_path):
+    """Sources and destinations find each other through a file:// directory: each offers its
+    record and regions and joins under its engine's name; the sources attach the planned
+    destinations from their records and push; a replica that joins later (no rank) is
+    planned in by the sources' refresh and gets the next push, and attaches the sources
+    for pulls by its own refresh."""
+    directory = xfer.Directory(f"file://{tmp_path}/members.json", cluster="weights")
+    full, bias = model(), np.arange(16, dtype=np.uint32) + 1000
+    src_b, dst_b, outs = [], [], []
+    for i in range(2):
+        b = LayoutBuilder()
+        b.add("w", np.ascontiguousarray(full[4 * i : 4 * i + 4]), [("w", (8, 16), split((8, 16), 0, 2, i))])
+        b.add("b", bias.copy(), [("b", (16,), whole((16,)))])
+        src_b.append(b)
+        out, ob = np.zeros((8, 8), dtype=np.uint32), np.zeros(8, dtype=np.uint32)
+        d = LayoutBuilder()
+        d.add("w", out, [("w", (8, 16), split((8, 16), 1, 2, i))])
+        d.add("b", ob, [("b", (16,), Flat(8 * i, 8 * i + 8))])
+        dst_b.append(d)
+        outs.append((out, ob))
+    plan = Plan([b.layout for b in src_b], [b.layout for b in dst_b])
+    senders = [WeightSender(xfer.Engine(transport="tcp"), plan, i, b) for i, b in enumerate(src_b)]
+    receivers = [WeightReceiver(xfer.Engine(transport="tcp"), b, sources=2, rank=i) for i, b in enumerate(dst_b)]
+    joined = []
+    for s in senders:
+        s.source.offer()
+        joined.append(directory.join(s.engine))
+    for r in receivers:
+        r.destination.offer()
+        joined.append(directory.join(r.engine))
+    follows = [directory.follow(s.engine) for s in senders]
+    for s, f in zip(senders, follows):
+        changes = s.source.wait_attached(f, 2, timeout=30)
+        assert sorted(changes["attached"]) == sorted((i, r.engine.name) for i, r in enumerate(receivers))
+        assert {r.engine.name for r in receivers} <= set(f.peers())
+    for s in senders:
+        assert s.send_weights(1) == {}
+    for i, r in enumerate(receivers):
+        r.update_weights({"version": 1, "timeout": 10})
+        assert landed(full, bias, outs, i)
+    # A replica of the whole model joins.
+    b, (out, ob) = whole_builder()
+    j = WeightReceiver(xfer.Engine(transport="tcp"), b, sources=2)
+    j.destination.offer()
+    joined.append(directory.join(j.engine))
+    for s, f in zip(senders, follows):
+        changes = s.source.wait_attached(f, 3, timeout=30)
+        assert [name for _, name in changes["attached"]] == [j.engine.name]
+        assert sorted(s.source.attached) == [0, 1, 2]
+    for s in senders:
+        assert s.send_weights(2) == {}
+    j.destination.wait(2, timeout=10)
+    assert np.array_equal(out, full) and np.array_equal(ob, bias)
+    jf = directory.follow(j.engine)
+    changes = j.destination.wait_sources(jf, timeout=30)
+    assert sorted(changes["attached"]) == sorted((i, s.engine.name) for i, s in enumerate(senders))
+    # A destination that finds no sources in its cluster times out, naming what it waits for.
+    alone = xfer.Directory(f"file://{tmp_path}/members.json", cluster="empty")
+    lonely = WeightReceiver(xfer.Engine(transport="tcp"), whole_builder()[0], sources=2)
+    with pytest.raises(xfer.TimedOut, match="source"):
+        lonely.destination.wait_sources(alone.follow(lonely.engine), timeout=0.2)
+    for p in joined:
+        p.withdraw()
+    for f in follows + [jf]:
+        f.close()
+    with pytest.raises(xfer.InvalidArgument, match="closed"):
+        jf.peers()

@@ -34,6 +34,7 @@ from ._xfer import (  # noqa: F401
     Engine,
     EngineClosed,
     Error,
+    Following,
     Handle,
     InvalidArgument,
     OutOfBounds,
@@ -57,6 +58,7 @@ from . import weights  # noqa: E402, F401
 __all__ = [
     "Engine",
     "Directory",
+    "Following",
     "Publication",
     "Watch",
     "DirectoryError",

@@ -146,6 +146,9 @@ class Engine:
     def transport(self) -> Literal["auto", "tcp", "cuda-ipc", "mem", "efa"]:
         """The transport's name when the engine offers exactly one, else "auto"."""
     @property
+    def name(self) -> str:
+        """The engine's name: what peers see, and the name Directory.join publishes."""
+    @property
     def transports(self) -> list[str]:
         """The transports the engine offers, in the order they are preferred."""
     @property
@@ -255,6 +258,16 @@ class DirectoryError(Error):
 class Publication:
     """A published record; withdraw() removes it (a dead process's goes after its ttl)."""
     def withdraw(self) -> None: ...
+    def update(self) -> None:
+        """Publishes a joined engine again with what it offers now (Directory.join only)."""
+
+class Following:
+    """A cluster followed by an engine (Directory.follow): members are connected as they
+    join and disconnected as they leave; weight-sync members refresh against it."""
+    def peers(self) -> list[str]:
+        """The names of the members connected now."""
+    def close(self) -> None:
+        """Stops following; the peers stay connected."""
 
 class Watch:
     """A cluster's changes in order: every member now as "joined", then each change."""
@@ -275,6 +288,10 @@ class Directory:
         regions: dict[str, Registration] | None = None,
         ttl: float = 10.0,
     ) -> Publication: ...
+    def join(self, engine: Engine, ttl: float = 10.0) -> Publication:
+        """Publishes `engine` under its own name with every registration it offers now."""
+    def follow(self, engine: Engine) -> Following:
+        """Connects `engine` to every other member as it joins (the members now first)."""
     def lookup(self, name: str) -> dict[str, Any] | None: ...
     def members(self) -> list[dict[str, Any]]: ...
     def watch(self) -> Watch: ...

@@ -3,7 +3,7 @@
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from . import Engine, Peer, Registration
+from . import Engine, Following, Peer, Registration
 
 Box = list[tuple[int, int]]
 
@@ -90,6 +90,10 @@ class Source:
         """rank -> what landed (bytes, transfers, segments, landed_s), or the exception
         that failed that destination alone."""
     def offer(self) -> None: ...
+    def refresh(self, following: Following) -> dict[str, list[tuple[Any, str]]]:
+        """Attaches the destination members that joined (planning in new ones), drops
+        those that left: {"attached": [(rank, name)], "dropped": [...], "waiting": [(name, why)]}."""
+    def wait_attached(self, following: Following, count: int, timeout: float = 60.0) -> dict[str, list[tuple[Any, str]]]: ...
     @property
     def rank(self) -> int: ...
     @property
@@ -120,6 +124,9 @@ class Destination:
     ) -> None: ...
     def pull(self, version: int | None = None, timeout: float = 60.0) -> int: ...
     def offer(self) -> None: ...
+    def refresh(self, following: Following) -> dict[str, list[tuple[Any, str]]]:
+        """Attaches the source members (for pulls), drops those that left."""
+    def wait_sources(self, following: Following, timeout: float = 60.0) -> dict[str, list[tuple[Any, str]]]: ...
     @property
     def descriptors(self) -> list[bytes]: ...
     @property
