@@ -45,6 +45,11 @@ pub struct Following {
 }
 
 impl Following {
+    /// The following, `None` once closed (for callers already without the GIL).
+    pub(crate) fn inner(&self) -> std::sync::MutexGuard<'_, Option<xfer::discovery::Following>> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Runs `f` on the following with the GIL released, or fails if it was closed.
     pub(crate) fn with<R: Send>(
         &self,

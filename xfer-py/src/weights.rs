@@ -21,6 +21,7 @@ use pyo3::types::{PyBytes, PyDict};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use xfer::RegionDescriptor;
+use xfer::weights::SyncError;
 use xfer::weights::exec::{Changes, DestinationSync, SourceInfo, SourceSync, SyncOptions};
 use xfer::weights::{Holding, Layout, Piece, Plan, RegionSpec, TensorSpec, check};
 
@@ -340,7 +341,6 @@ fn sync_options(
     Ok(o)
 }
 
-/// A version from Python.
 /// A refresh's changes as a dict: "attached" and "dropped" (lists of (rank, member name)),
 /// "waiting" (list of (member name, why)).
 fn changes_dict<'py>(py: Python<'py>, c: Changes) -> PyResult<Bound<'py, PyDict>> {
@@ -359,6 +359,65 @@ fn wait_timeout(timeout: f64) -> PyResult<Duration> {
         )));
     }
     Ok(Duration::from_secs_f64(timeout))
+}
+
+/// Refreshes with `refresh` until `done`, sleeping between two refreshes until the cluster
+/// changes (at most a slice of `wait_sliced`, so that Python signals are seen), for at most
+/// `timeout`; then `give_up` (the library's own wait, with no time left) says why. Returns
+/// every change seen.
+fn wait_members<'py, S: Send>(
+    py: Python<'py>,
+    following: &Following,
+    sync: &Mutex<S>,
+    timeout: Duration,
+    refresh: impl Fn(&mut S, &xfer::discovery::Following) -> Result<Changes, SyncError> + Sync,
+    done: impl Fn(&S) -> bool + Sync,
+    give_up: impl FnOnce(&mut S, &xfer::discovery::Following) -> Result<Changes, SyncError> + Send,
+) -> PyResult<Bound<'py, PyDict>> {
+    let closed = || invalid("this Following was closed");
+    let mut all = Changes::default();
+    let got = wait_sliced(py, Some(timeout), |slice| {
+        let guard = following.inner();
+        let Some(f) = guard.as_ref() else {
+            return Some(Err(None));
+        };
+        let mut s = lock(sync);
+        match refresh(&mut s, f) {
+            Err(e) => Some(Err(Some(e))),
+            Ok(c) => {
+                all.attached.extend(c.attached);
+                all.dropped.extend(c.dropped);
+                all.waiting = c.waiting;
+                if done(&s) {
+                    return Some(Ok(()));
+                }
+                drop(s);
+                let _ = f.next_event(slice);
+                None
+            }
+        }
+    })?;
+    match got {
+        Some(Ok(())) => changes_dict(py, all),
+        Some(Err(Some(e))) => Err(sync_error(&e)),
+        Some(Err(None)) => Err(closed()),
+        None => {
+            let last = py.detach(|| {
+                let guard = following.inner();
+                guard.as_ref().map(|f| give_up(&mut lock(sync), f))
+            });
+            match last {
+                None => Err(closed()),
+                Some(Err(e)) => Err(member_wait_error(&e)),
+                Some(Ok(c)) => {
+                    all.attached.extend(c.attached);
+                    all.dropped.extend(c.dropped);
+                    all.waiting = c.waiting;
+                    changes_dict(py, all)
+                }
+            }
+        }
+    }
 }
 
 fn version_of(v: i64) -> PyResult<u32> {
@@ -594,11 +653,15 @@ impl PySource {
         timeout: f64,
     ) -> PyResult<Bound<'py, PyDict>> {
         let t = wait_timeout(timeout)?;
-        let sync = &self.sync;
-        let c = following
-            .with(py, |f| lock(sync).wait_attached(f, count, t))?
-            .map_err(|e| member_wait_error(&e))?;
-        changes_dict(py, c)
+        wait_members(
+            py,
+            following,
+            &self.sync,
+            t,
+            |s, f| s.refresh(f),
+            |s| s.attached().len() >= count,
+            |s, f| s.wait_attached(f, count, Duration::ZERO),
+        )
     }
 
     /// Its rank.
@@ -782,11 +845,15 @@ impl PyDestination {
         timeout: f64,
     ) -> PyResult<Bound<'py, PyDict>> {
         let t = wait_timeout(timeout)?;
-        let sync = &self.sync;
-        let c = following
-            .with(py, |f| lock(sync).wait_sources(f, t))?
-            .map_err(|e| member_wait_error(&e))?;
-        changes_dict(py, c)
+        wait_members(
+            py,
+            following,
+            &self.sync,
+            t,
+            |s, f| s.refresh(f),
+            |s| s.attached_sources().len() as u32 >= s.sources(),
+            |s, f| s.wait_sources(f, Duration::ZERO),
+        )
     }
 
     /// Its registrations' descriptors (bytes, one per region): what sources attach it with.
