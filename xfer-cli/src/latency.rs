@@ -6,7 +6,7 @@
 //! channel's `echo` request opens the answering end there), so both series cross the same
 //! path; it has no immediate-data series, the target's clock being another process's.
 
-use crate::workload::Workload;
+use crate::workload::{PageDraw, Workload};
 use fabric_core::engine::WARM_UP_IMM;
 use serde::Serialize;
 use std::io::{IoSlice, Read, Write};
@@ -21,35 +21,6 @@ pub const MAX_SAMPLES: u64 = 200_000;
 /// How long the immediate-data watcher waits for an event before it looks whether the
 /// transfers have stopped.
 const WATCH_SLICE: Duration = Duration::from_millis(50);
-
-/// The pages of each timed transfer: `per` distinct pages of a region of `region_pages`
-/// (a partial Fisher-Yates shuffle), since a transfer whose pages repeat writes one
-/// destination twice, which the engine refuses.
-struct DistinctPages {
-    perm: Vec<u64>,
-    per: usize,
-    rng: fastrand::Rng,
-}
-
-impl DistinctPages {
-    fn new(region_pages: u64, per: u64, seed: u64) -> DistinctPages {
-        let perm: Vec<u64> = (0..region_pages).collect();
-        DistinctPages {
-            per: (per.min(region_pages)) as usize,
-            perm,
-            rng: fastrand::Rng::with_seed(seed),
-        }
-    }
-
-    /// The next transfer's pages.
-    fn next(&mut self) -> &[u64] {
-        for i in 0..self.per {
-            let j = self.rng.usize(i..self.perm.len());
-            self.perm.swap(i, j);
-        }
-        &self.perm[..self.per]
-    }
-}
 
 /// Transfers to time: as many as `--bytes` holds, at least one, at most [`MAX_SAMPLES`].
 pub fn sample_count(w: &Workload) -> u64 {
@@ -232,7 +203,7 @@ pub fn run_transfers(
 ) -> Result<(Vec<Duration>, Vec<Duration>), Error> {
     let timeout = Duration::from_secs(30);
     let page_size = w.page_size;
-    let mut pages = DistinctPages::new(w.region_pages(), w.pages, w.seed);
+    let mut pages = PageDraw::new(w.region_pages(), w.seed);
     let mut times = Vec::with_capacity(count as usize);
     let mut submitted = Vec::with_capacity(count as usize);
     // Set when the transfers stop early (an error), so that the watcher gives up at once
@@ -261,7 +232,7 @@ pub fn run_transfers(
         let watcher = target.map(|t| s.spawn(|| watch(t)));
         let mut run = || -> Result<(), Error> {
             for i in 0..count {
-                let segments = (pages.next().iter())
+                let segments = (pages.draw(w.pages as usize).iter())
                     .map(|&p| (p * page_size, p * page_size, page_size))
                     .collect();
                 // Never the warm-up value, which rail groups drop.

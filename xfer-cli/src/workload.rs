@@ -180,19 +180,50 @@ pub fn fill_pattern(region: &dyn MemoryRegion, seed: u64) -> Result<(), Error> {
 /// engine's run and the demo's direct-copy baselines take their pages from here, so both
 /// move the same pages.
 pub struct TransferPages {
-    perm: Vec<u64>,
-    rng: fastrand::Rng,
+    pages: PageDraw,
     page_size: u64,
     per_transfer: u64,
     left: u64,
+}
+
+/// Distinct pages drawn at random from a region's, seeded: each draw is a partial
+/// Fisher-Yates shuffle of the page indices, so a draw never holds a page twice (a
+/// transfer that writes one destination twice is refused).
+pub struct PageDraw {
+    perm: Vec<u64>,
+    rng: fastrand::Rng,
+}
+
+impl PageDraw {
+    /// Draws from the pages `0..region_pages`, with `seed`.
+    pub fn new(region_pages: u64, seed: u64) -> PageDraw {
+        PageDraw {
+            perm: (0..region_pages).collect(),
+            rng: fastrand::Rng::with_seed(seed),
+        }
+    }
+
+    /// `n` distinct pages (all of the region's if it holds fewer).
+    pub fn draw(&mut self, n: usize) -> &[u64] {
+        let n = n.min(self.perm.len());
+        for i in 0..n {
+            let j = self.rng.usize(i..self.perm.len());
+            self.perm.swap(i, j);
+        }
+        &self.perm[..n]
+    }
+
+    /// The region's pages.
+    pub fn region_pages(&self) -> usize {
+        self.perm.len()
+    }
 }
 
 impl TransferPages {
     /// The pages of `w`'s transfers.
     pub fn new(w: &Workload) -> TransferPages {
         TransferPages {
-            perm: (0..w.region_pages()).collect(),
-            rng: fastrand::Rng::with_seed(w.seed),
+            pages: PageDraw::new(w.region_pages(), w.seed),
             page_size: w.page_size,
             per_transfer: w.pages * w.page_size,
             left: w.bytes,
@@ -207,16 +238,12 @@ impl TransferPages {
         // Whole pages only (see `Workload::whole_pages`): a partial page left over is sent
         // whole.
         let n = (self.left.min(self.per_transfer).div_ceil(self.page_size) as usize)
-            .min(self.perm.len());
+            .min(self.pages.region_pages());
         if n == 0 {
             return None;
         }
         self.left = self.left.saturating_sub(n as u64 * self.page_size);
-        for i in 0..n {
-            let j = self.rng.usize(i..self.perm.len());
-            self.perm.swap(i, j);
-        }
-        Some(&self.perm[..n])
+        Some(self.pages.draw(n))
     }
 }
 

@@ -71,6 +71,16 @@ pub struct Watch {
     inner: Mutex<directory::Watch>,
 }
 
+/// A record's time to live: a positive, finite number of seconds.
+fn ttl_of(ttl: f64) -> PyResult<Duration> {
+    if !(ttl.is_finite() && ttl > 0.0) {
+        return Err(invalid(format!(
+            "ttl must be a positive number of seconds, not {ttl}"
+        )));
+    }
+    Duration::try_from_secs_f64(ttl).map_err(|_| invalid(format!("ttl={ttl} is too large")))
+}
+
 /// A member as a dict: name, address (bytes for Engine.add_peer), regions (name ->
 /// descriptor bytes), transport, host, memory, gpu, nics, control, instance, age_s.
 fn member_dict<'py>(py: Python<'py>, m: &Member) -> PyResult<Bound<'py, PyDict>> {
@@ -150,20 +160,16 @@ impl Directory {
         regions: Option<HashMap<String, PyRef<'_, Registration>>>,
         ttl: f64,
     ) -> PyResult<Publication> {
-        if !(ttl.is_finite() && ttl > 0.0) {
-            return Err(invalid(format!(
-                "ttl must be a positive number of seconds, not {ttl}"
-            )));
-        }
+        let ttl = ttl_of(ttl)?;
         let mut agent = engine.info(py)?;
         agent.name = name.to_owned();
         let mut r = Record::new(&self.cluster, agent);
         for (n, reg) in regions.unwrap_or_default() {
             r.regions.insert(n, reg.region_descriptor().clone());
         }
-        r.ttl_ms = (ttl * 1e3) as u64;
+        r.ttl_ms = ttl.as_millis().try_into().unwrap_or(u64::MAX);
         let p = py
-            .detach(|| self.dir.publish(r, Duration::from_secs_f64(ttl)))
+            .detach(|| self.dir.publish(r, ttl))
             .map_err(|e| directory_error(&e))?;
         Ok(Publication {
             inner: Mutex::new(Some(Published::Record(p))),
@@ -177,14 +183,10 @@ impl Directory {
     /// `Publication.update()`.
     #[pyo3(signature = (engine, ttl=10.0))]
     fn join(&self, py: Python<'_>, engine: &Engine, ttl: f64) -> PyResult<Publication> {
-        if !(ttl.is_finite() && ttl > 0.0) {
-            return Err(invalid(format!(
-                "ttl must be a positive number of seconds, not {ttl}"
-            )));
-        }
+        let ttl = ttl_of(ttl)?;
         let agent = engine.agent_handle()?;
         let p = py
-            .detach(|| agent.publish(&*self.dir, &self.cluster, Duration::from_secs_f64(ttl)))
+            .detach(|| agent.publish(&*self.dir, &self.cluster, ttl))
             .map_err(|e| agent_error(&e))?;
         Ok(Publication {
             inner: Mutex::new(Some(Published::Engine(p))),

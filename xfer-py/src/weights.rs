@@ -351,14 +351,17 @@ fn changes_dict<'py>(py: Python<'py>, c: Changes) -> PyResult<Bound<'py, PyDict>
     Ok(d)
 }
 
-/// `timeout` in seconds, as a duration (finite and not negative).
-fn wait_timeout(timeout: f64) -> PyResult<Duration> {
-    if !(timeout.is_finite() && timeout >= 0.0) {
-        return Err(invalid(format!(
-            "timeout must be seconds >= 0, not {timeout}"
-        )));
-    }
-    Ok(Duration::from_secs_f64(timeout))
+/// One refresh of a member sync against `following`, with the GIL released; its changes.
+fn refresh_members<'py, S: Send>(
+    py: Python<'py>,
+    following: &Following,
+    sync: &Mutex<S>,
+    refresh: impl FnOnce(&mut S, &xfer::discovery::Following) -> Result<Changes, SyncError> + Send,
+) -> PyResult<Bound<'py, PyDict>> {
+    let c = following
+        .with(py, |f| refresh(&mut lock(sync), f))?
+        .map_err(|e| sync_error(&e))?;
+    changes_dict(py, c)
 }
 
 /// Refreshes with `refresh` until `done`, sleeping between two refreshes until the cluster
@@ -385,9 +388,7 @@ fn wait_members<'py, S: Send>(
         match refresh(&mut s, f) {
             Err(e) => Some(Err(Some(e))),
             Ok(c) => {
-                all.attached.extend(c.attached);
-                all.dropped.extend(c.dropped);
-                all.waiting = c.waiting;
+                all.merge(c);
                 if done(&s) {
                     return Some(Ok(()));
                 }
@@ -410,9 +411,7 @@ fn wait_members<'py, S: Send>(
                 None => Err(closed()),
                 Some(Err(e)) => Err(member_wait_error(&e)),
                 Some(Ok(c)) => {
-                    all.attached.extend(c.attached);
-                    all.dropped.extend(c.dropped);
-                    all.waiting = c.waiting;
+                    all.merge(c);
                     changes_dict(py, all)
                 }
             }
@@ -635,11 +634,7 @@ impl PySource {
     /// ("attached", "dropped": lists of (rank, name); "waiting": (name, why) for members
     /// that cannot be attached yet, which a later refresh tries again).
     fn refresh<'py>(&self, py: Python<'py>, following: &Following) -> PyResult<Bound<'py, PyDict>> {
-        let sync = &self.sync;
-        let c = following
-            .with(py, |f| lock(sync).refresh(f))?
-            .map_err(|e| sync_error(&e))?;
-        changes_dict(py, c)
+        refresh_members(py, following, &self.sync, |s, f| s.refresh(f))
     }
 
     /// Refreshes until `count` destinations are attached (each change of the cluster
@@ -652,7 +647,7 @@ impl PySource {
         count: usize,
         timeout: f64,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let t = wait_timeout(timeout)?;
+        let t = seconds(Some(timeout), "timeout")?.unwrap_or_default();
         wait_members(
             py,
             following,
@@ -828,11 +823,7 @@ impl PyDestination {
     /// `Directory.follow`), for pulls, and drops those that left. Returns the changes as
     /// `Source.refresh` does.
     fn refresh<'py>(&self, py: Python<'py>, following: &Following) -> PyResult<Bound<'py, PyDict>> {
-        let sync = &self.sync;
-        let c = following
-            .with(py, |f| lock(sync).refresh(f))?
-            .map_err(|e| sync_error(&e))?;
-        changes_dict(py, c)
+        refresh_members(py, following, &self.sync, |s, f| s.refresh(f))
     }
 
     /// Refreshes until every source is attached (each change of the cluster wakes it), or
@@ -844,7 +835,7 @@ impl PyDestination {
         following: &Following,
         timeout: f64,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let t = wait_timeout(timeout)?;
+        let t = seconds(Some(timeout), "timeout")?.unwrap_or_default();
         wait_members(
             py,
             following,

@@ -31,6 +31,16 @@ pub struct Changes {
     pub waiting: Vec<(String, String)>,
 }
 
+impl Changes {
+    /// Adds a later refresh's changes to these: its attached and dropped ranks after
+    /// these, and its members still waiting instead of these (the latest word on them).
+    pub fn merge(&mut self, later: Changes) {
+        self.attached.extend(later.attached);
+        self.dropped.extend(later.dropped);
+        self.waiting = later.waiting;
+    }
+}
+
 /// How long reading a member's record may take.
 const RECORD_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -195,9 +205,7 @@ impl SourceSync {
         let mut all = Changes::default();
         loop {
             let c = self.refresh(following)?;
-            all.attached.extend(c.attached);
-            all.dropped.extend(c.dropped);
-            all.waiting = c.waiting;
+            all.merge(c);
             if self.attached().len() >= count {
                 return Ok(all);
             }
@@ -316,9 +324,7 @@ impl DestinationSync {
         let mut all = Changes::default();
         loop {
             let c = self.refresh(following)?;
-            all.attached.extend(c.attached);
-            all.dropped.extend(c.dropped);
-            all.waiting = c.waiting;
+            all.merge(c);
             let missing = (0..self.sources).find(|s| !self.links.contains_key(s));
             let Some(missing) = missing else {
                 return Ok(all);
