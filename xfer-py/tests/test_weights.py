@@ -64,9 +64,10 @@ def model(shape=(8, 16)):
     return np.arange(int(np.prod(shape)), dtype=np.uint32).reshape(shape)
 
 
-def sources_and_destinations(transport):
+def layouts():
     """2 sources (row halves of a 8 x 16 uint32 tensor and a whole bias) and 2 destinations
-    (column halves, and a flat shard of the bias each)."""
+    (column halves, and a flat shard of the bias each): the tensors, the builders, the
+    destinations' arrays and the plan."""
     full, bias = model(), np.arange(16, dtype=np.uint32) + 1000
     src_b, dst_b, outs = [], [], []
     for i in range(2):
@@ -81,6 +82,13 @@ def sources_and_destinations(transport):
         dst_b.append(d)
         outs.append((out, ob))
     plan = Plan([b.layout for b in src_b], [b.layout for b in dst_b])
+    return full, bias, src_b, dst_b, outs, plan
+
+
+def sources_and_destinations(transport):
+    """The senders and receivers of :func:`layouts`, every sender attached to every
+    receiver."""
+    full, bias, src_b, dst_b, outs, plan = layouts()
     senders = [WeightSender(xfer.Engine(transport=transport), plan, i, b) for i, b in enumerate(src_b)]
     receivers = [WeightReceiver(xfer.Engine(transport=transport), b, sources=2, rank=i) for i, b in enumerate(dst_b)]
     for s in senders:
@@ -209,20 +217,7 @@ def test_members_meet_by_name_through_the_directory_and_a_joiner_is_planned_in(t
     planned in by the sources' refresh and gets the next push, and attaches the sources
     for pulls by its own refresh."""
     directory = xfer.Directory(f"file://{tmp_path}/members.json", cluster="weights")
-    full, bias = model(), np.arange(16, dtype=np.uint32) + 1000
-    src_b, dst_b, outs = [], [], []
-    for i in range(2):
-        b = LayoutBuilder()
-        b.add("w", np.ascontiguousarray(full[4 * i : 4 * i + 4]), [("w", (8, 16), split((8, 16), 0, 2, i))])
-        b.add("b", bias.copy(), [("b", (16,), whole((16,)))])
-        src_b.append(b)
-        out, ob = np.zeros((8, 8), dtype=np.uint32), np.zeros(8, dtype=np.uint32)
-        d = LayoutBuilder()
-        d.add("w", out, [("w", (8, 16), split((8, 16), 1, 2, i))])
-        d.add("b", ob, [("b", (16,), Flat(8 * i, 8 * i + 8))])
-        dst_b.append(d)
-        outs.append((out, ob))
-    plan = Plan([b.layout for b in src_b], [b.layout for b in dst_b])
+    full, bias, src_b, dst_b, outs, plan = layouts()
     senders = [WeightSender(xfer.Engine(transport="tcp"), plan, i, b) for i, b in enumerate(src_b)]
     receivers = [WeightReceiver(xfer.Engine(transport="tcp"), b, sources=2, rank=i) for i, b in enumerate(dst_b)]
     joined = []
