@@ -78,7 +78,33 @@ impl Etcd {
         self.dir.join("data")
     }
 
+    /// Starts etcd and waits until it answers. A start that fails because a port is taken
+    /// is tried again until [`START_TIMEOUT`]: the ports were free when chosen, but while
+    /// etcd is down (before a restart) any process's outgoing connection may take one as
+    /// its own local port for a moment.
     fn spawn(&mut self) {
+        let until = Instant::now() + START_TIMEOUT;
+        loop {
+            let from = self.log().len();
+            self.start_child();
+            match self.wait_ready(until) {
+                Ok(()) => return,
+                Err(_)
+                    if Instant::now() < until
+                        && self
+                            .log()
+                            .get(from..)
+                            .is_some_and(|l| l.contains("address already in use")) =>
+                {
+                    // Back off before trying the same ports again.
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Err(status) => panic!("etcd exited with {status} at start:\n{}", self.log()),
+            }
+        }
+    }
+
+    fn start_child(&mut self) {
         let c = format!("http://127.0.0.1:{}", self.client_port);
         let p = format!("http://127.0.0.1:{}", self.peer_port);
         let log = std::fs::OpenOptions::new()
@@ -104,12 +130,11 @@ impl Etcd {
             .spawn()
             .unwrap_or_else(|e| panic!("starting {}: {e}", self.bin.display()));
         self.child = Some(child);
-        self.wait_ready();
     }
 
-    /// Waits until etcd answers a status call, or panics with its log.
-    fn wait_ready(&mut self) {
-        let until = Instant::now() + START_TIMEOUT;
+    /// Waits until etcd answers a status call (at the latest by `until`, else panics with
+    /// its log); an etcd that exits first is reaped and its status returned.
+    fn wait_ready(&mut self, until: Instant) -> Result<(), std::process::ExitStatus> {
         let opts = EtcdOptions {
             connect_timeout: Duration::from_millis(500),
             ..EtcdOptions::default()
@@ -118,10 +143,11 @@ impl Etcd {
             if let Some(c) = self.child.as_mut()
                 && let Ok(Some(status)) = c.try_wait()
             {
-                panic!("etcd exited with {status} at start:\n{}", self.log());
+                self.child = None;
+                return Err(status);
             }
             if EtcdDirectory::connect(&[self.endpoint()], opts.clone()).is_ok() {
-                return;
+                return Ok(());
             }
             if Instant::now() > until {
                 panic!(

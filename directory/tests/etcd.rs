@@ -343,3 +343,39 @@ fn members_survive_an_etcd_restart() {
 fn members_republish_into_an_etcd_that_lost_its_data() {
     survive_restart(true);
 }
+
+/// The harness restarts etcd on its own ports even when one is taken for a while (as any
+/// process's outgoing connection may take it while etcd is down): the start that fails
+/// with the port in use is tried again once the port is free.
+#[test]
+fn a_restart_waits_for_its_port_to_be_free_again() {
+    let Some(mut e) = Etcd::start_or_skip() else {
+        return;
+    };
+    e.kill();
+    let port: u16 = (e.endpoint().rsplit(':').next())
+        .and_then(|p| p.parse().ok())
+        .expect("the endpoint's port");
+    let squatter = std::net::TcpListener::bind(("127.0.0.1", port)).expect("taking etcd's port");
+    let log = e.dir().join("etcd.log");
+    let before = std::fs::read_to_string(&log).unwrap_or_default().len();
+    std::thread::scope(|s| {
+        let restarted = s.spawn(|| e.restart(false));
+        // Free the port once etcd has failed on it at least once.
+        eventually(
+            "etcd to find its port taken",
+            Duration::from_secs(15),
+            || {
+                std::fs::read_to_string(&log)
+                    .unwrap_or_default()
+                    .get(before..)
+                    .is_some_and(|l| l.contains("address already in use"))
+            },
+        );
+        drop(squatter);
+        restarted.join().expect("the restart");
+    });
+    let d = connect(&e);
+    d.publish(record("after-the-squatter"), TTL)
+        .expect("publishing after the restart");
+}
