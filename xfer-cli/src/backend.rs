@@ -129,11 +129,16 @@ pub struct BackendArgs {
     /// domains). Rail i runs on NIC i mod N; --rails defaults to N.
     #[arg(long, value_name = "auto|NAME,...", default_value = "auto", value_parser = parse_nics)]
     pub nics: Nics,
-    /// Several rails: each holds in flight what it moves in this many microseconds at its
-    /// measured rate (at least 2 chunks), and takes chunks of half that (see the library's
-    /// `Balance`). Larger keeps fast pipes fuller; smaller ends a slow NIC's tail sooner.
+    /// Several rails: each measures its rate over windows of this many microseconds and
+    /// takes chunks of up to half that much of its work (the library's `Balance::horizon`).
     #[arg(long = "rail-horizon", value_name = "US")]
     pub rail_horizon_us: Option<u64>,
+    /// Several rails: each holds in flight what it moves in this many microseconds at its
+    /// measured rate (at least --rail-in-flight chunks); the rest waits for the first rail
+    /// with room (`Balance::lead`). Larger keeps fast pipes fuller; smaller lets fast rails
+    /// take more of each transfer and ends a slow NIC's tail sooner.
+    #[arg(long = "rail-lead", value_name = "US")]
+    pub rail_lead_us: Option<u64>,
     /// Several rails: chunks per rail a large transfer is cut into at first (the library's
     /// `Balance::chunks_per_rail`, default 16); 1 gives each rail its fair share at once.
     #[arg(long = "rail-chunks", value_name = "N")]
@@ -228,6 +233,7 @@ impl BackendArgs {
             },
             balance: BalanceOptions {
                 horizon: self.rail_horizon_us.map(us),
+                lead: self.rail_lead_us.map(us),
                 chunks_per_rail: self.rail_chunks,
                 max_chunk: self.rail_max_chunk,
                 in_flight: self.rail_in_flight,

@@ -202,6 +202,9 @@ pub fn spawn(
     if let Some(h) = o.balance.horizon {
         b.horizon = h;
     }
+    if let Some(l) = o.balance.lead {
+        b.lead = l;
+    }
     if let Some(n) = o.balance.chunks_per_rail {
         b.chunks_per_rail = n.max(1);
     }

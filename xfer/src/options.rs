@@ -135,8 +135,12 @@ pub struct WorkerOptions {
 /// keeps its default).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct BalanceOptions {
-    /// What a rail holds in flight, in time at its measured rate.
+    /// The window a rail's rate is measured over (and twice the largest chunk a rail takes,
+    /// in time at that rate).
     pub horizon: Option<Duration>,
+    /// What a rail holds in flight beyond its `in_flight` chunks, in time at its measured
+    /// rate; the rest waits for the first rail with room.
+    pub lead: Option<Duration>,
     /// Chunks per rail a large transfer is cut into.
     pub chunks_per_rail: Option<u64>,
     /// The largest first chunk.
