@@ -508,7 +508,10 @@ fn source(o: &Opts) -> Res<()> {
                 let failed: Vec<String> = (r.destinations.iter())
                     .filter_map(|(d, x)| x.as_ref().err().map(|e| format!("{d}: {e}")))
                     .collect();
-                say(serde_json::json!({"pushed": v, "s": s, "bytes": r.bytes(), "failed": failed}));
+                say(
+                    serde_json::json!({"pushed": v, "s": s, "bytes": r.bytes(), "failed": failed,
+                    "waited_s": r.waited.as_secs_f64()}),
+                );
             }
             (Some("base"), Some(k)) => {
                 let k: u32 = k.parse()?;
@@ -658,8 +661,15 @@ fn coordinator(o: &Opts) -> Res<()> {
         }
         let mut slowest = 0f64;
         let mut bytes = 0u64;
+        let mut busy = Vec::new();
         for s in &mut srcs {
             let r = s.recv()?;
+            let (took, waited) = (r["s"].as_f64(), r["waited_s"].as_f64());
+            busy.push(format!(
+                "{:.1}/{:.1} ms",
+                (took.unwrap_or(0.0) - waited.unwrap_or(0.0)) * 1e3,
+                took.unwrap_or(0.0) * 1e3
+            ));
             if !r["failed"].as_array().is_none_or(|a| a.is_empty()) {
                 ok = false;
                 eprintln!("push failed: {r}");
@@ -676,9 +686,10 @@ fn coordinator(o: &Opts) -> Res<()> {
         }
         let s = bytes as f64 * 8.0 / slowest / 1e9;
         eprintln!(
-            "round {round}{}: paged write {b:.2} Gbps, sync {s:.2} Gbps ({:.3} s), every byte checked: {ok}",
+            "round {round}{}: paged write {b:.2} Gbps, sync {s:.2} Gbps ({:.3} s; each source's thread busy {}), every byte checked: {ok}",
             if round == 0 { " (warm-up)" } else { "" },
-            slowest
+            slowest,
+            busy.join(", ")
         );
         if round > 0 {
             base.push(b);

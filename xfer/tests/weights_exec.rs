@@ -146,6 +146,8 @@ fn push_then_pull(c: &Case, opts: SyncOptions) {
                 let report = s.push(v).unwrap();
                 assert!(report.is_ok(), "{report:?}");
                 assert_eq!(report.destinations.len(), n);
+                // Waiting for completions is part of the push's time, never more.
+                assert!(report.waited <= report.elapsed, "{report:?}");
             });
         }
     });

@@ -55,6 +55,10 @@ pub struct PushReport {
     pub destinations: BTreeMap<u32, Result<PushStats, SyncError>>,
     /// How long the push took.
     pub elapsed: Duration,
+    /// Of `elapsed`, how long the pushing thread waited for transfers to complete; the rest
+    /// it spent cutting chunks, submitting them and in the prepare hook. A push whose
+    /// waiting is a small part of it is bound by that thread, not by the transport.
+    pub waited: Duration,
 }
 
 impl PushReport {
@@ -553,6 +557,7 @@ impl SourceSync {
         };
         let (tx, rx) = mpsc::channel::<(usize, u64, TransferResult)>();
         let timeout = self.options.transfer_timeout;
+        let mut waited = Duration::ZERO;
         loop {
             match pipe.next() {
                 Step::Chunk(c) => {
@@ -614,7 +619,10 @@ impl SourceSync {
                 Step::Wait => {
                     // We hold a sender, so this waits for a worker's callback: every
                     // transfer completes (its timeout at the latest).
-                    let Ok((lane, bytes, r)) = rx.recv() else {
+                    let asleep = Instant::now();
+                    let got = rx.recv();
+                    waited += asleep.elapsed();
+                    let Ok((lane, bytes, r)) = got else {
                         break;
                     };
                     match r {
@@ -659,6 +667,7 @@ impl SourceSync {
             version,
             destinations: results,
             elapsed: start.elapsed(),
+            waited,
         })
     }
 
