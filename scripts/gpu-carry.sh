@@ -7,6 +7,7 @@
 #   bash .carry/gpu/ipc-proof.sh    # CUDA IPC: tests and figures
 #   bash .carry/gpu/efa-hmem-proof.sh LF   # libfabric with FI_HMEM (LF: a CUDA-enabled
 #                                          # libfabric prefix, see the script)
+#   XFER=.carry/gpu/xfer bash .carry/gpu/efa-small.sh LF   # small writes against fi_rma_bw
 #   bash .carry/gpu/bench.sh        # docs/benchmarks.md's figures on that machine
 #   bash .carry/gpu/weights-proof.sh [WHEEL]   # weight sync: 2 -> 2 processes, 16 GiB of
 #                                              # GPU weights, cuda-ipc and tcp x8; Python
@@ -39,7 +40,7 @@ copy transport-efa hmem_cuda efa_hmem_tests
 copy transport-efa shm_cuda_one_process efa_hmem_one_process
 copy transport-efa stream_order_shm efa_stream_order
 strip "$out"/* 2>/dev/null || true
-cp scripts/gpu-proof.sh scripts/ipc-proof.sh scripts/efa-hmem-proof.sh scripts/proof-lib.sh \
+cp scripts/gpu-proof.sh scripts/ipc-proof.sh scripts/efa-hmem-proof.sh scripts/efa-small.sh scripts/proof-lib.sh \
     scripts/bench.sh scripts/weights-proof.sh "$out/"
 # The Python weight-sync example and its tests, for weights-proof.sh with a wheel.
 mkdir -p "$out/py/examples" "$out/py/tests"

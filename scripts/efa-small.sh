@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Small writes through the efa backend against libfabric's own benchmark, operations per
+# second, over the shm provider between two processes, host memory: `xfer bench --transport
+# efa --provider shm` (against `xfer serve`) and fabtests' `fi_rma_bw -o writedata -U` with
+# the same write size and 64 writes in flight (fi_rma_bw's window; the bench keeps 4
+# transfers of 16 writes in flight per rail over a 4 MiB working set, `--depth 4*RAILS
+# --pages 16`; SHAPE="--depth 1 --pages 64" posts 64 and waits for them, as fi_rma_bw
+# does), runs interleaved. RAILS=4 runs 4 bench rails against 4 fi_rma_bw pairs at once
+# (their sum).
+#
+#   bash scripts/efa-small.sh LF_PREFIX [SIZE ...]     # default sizes: 64 1024 4096
+#   LF_PREFIX: libfabric 2.x with fabtests (bin/fi_rma_bw), e.g. from
+#   ../shared/vendor/build-libfabric-cuda.sh; XFER=target/release/xfer RUNS=3 RAILS=1
+#
+# Prints every run, then per size the medians (M writes/s) and their ratio.
+set -euo pipefail
+LF=$(cd "${1:?usage: efa-small.sh LF_PREFIX [SIZE ...]}" && pwd)
+shift
+(($# > 0)) || set -- 64 1024 4096
+X=$(realpath "${XFER:-target/release/xfer}")
+RUNS=${RUNS:-3}
+RAILS=${RAILS:-1}
+read -r -a shape <<<"${SHAPE:---depth $((4 * RAILS)) --pages 16}"
+export XFER_LIBFABRIC=$LF/lib/libfabric.so.1
+export FI_PROVIDER_PATH=$LF/lib/libfabric
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+cd "$tmp"
+
+# fi_rma_bw: RAILS pairs at once, each on its own port; prints their summed M writes/s.
+rma_bw() { # size
+    local size=$1 pids=() i port
+    for i in $(seq "$RAILS"); do
+        port=$((9300 + RANDOM % 500 + 600 * i))
+        env LD_LIBRARY_PATH="$LF/lib" timeout 60 "$LF/bin/fi_rma_bw" -p shm -E"$port" -U -o writedata \
+            -S "$size" -W 64 -I 300000 >/dev/null 2>&1 &
+        pids+=($!)
+        sleep 0.3
+        env LD_LIBRARY_PATH="$LF/lib" timeout 60 "$LF/bin/fi_rma_bw" -p shm -E"$port" -U -o writedata \
+            -S "$size" -W 64 -I 300000 127.0.0.1 >"fi$i.out" 2>&1 &
+        pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p" || true; done
+    # The result row: bytes, iters, total, time, MB/sec, usec/xfer, Mxfers/sec.
+    cat fi*.out | awk '$1 ~ /^[0-9]+[kmg]?$/ && NF == 7 && $7 ~ /^[0-9.]+$/ {s += $7} END {printf "%.3f\n", s}'
+    rm -f fi*.out
+}
+
+# xfer bench against xfer serve: prints M writes/s, or fails.
+bench() { # size
+    local size=$1 port=$((7500 + RANDOM % 400)) json
+    timeout 120 "$X" serve --transport efa --provider shm --listen 127.0.0.1:$port \
+        --rails "$RAILS" --region-size 4MiB >serve.log 2>&1 &
+    local srv=$!
+    for _ in $(seq 100); do grep -q "xfer bench" serve.log && break; sleep 0.1; done
+    json=$(timeout 120 "$X" bench --peer xfer://127.0.0.1:$port --transport efa --provider shm \
+        --rails "$RAILS" --region-size 4MiB --page-size "$size" "${shape[@]}" \
+        --bytes $((size * 4000000)) --json 2>bench.err) || {
+        kill $srv 2>/dev/null; cat bench.err serve.log >&2; return 1; }
+    kill $srv 2>/dev/null; wait $srv 2>/dev/null || true
+    python3 -c 'import json,sys; d=json.loads(sys.argv[1]); assert d["verified"], d; print(round(d["mops"],3))' "$json"
+}
+
+echo "== efa over shm, two processes, host memory, $RAILS rail(s) (${shape[*]}), $(nproc) cores, $RUNS runs"
+declare -A fi us
+for run in $(seq "$RUNS"); do
+    for size in "$@"; do
+        f=$(rma_bw "$size")
+        u=$(bench "$size")
+        echo "$size B run $run: fi_rma_bw $f M/s, xfer $u M/s"
+        fi[$size]+="$f "
+        us[$size]+="$u "
+    done
+done
+for size in "$@"; do
+    python3 - "$size" "${fi[$size]}" "${us[$size]}" <<'PY'
+import statistics, sys
+size, f, u = sys.argv[1], list(map(float, sys.argv[2].split())), list(map(float, sys.argv[3].split()))
+mf, mu = statistics.median(f), statistics.median(u)
+print(f"{size} B: median fi_rma_bw {mf:.2f} M/s, xfer {mu:.2f} M/s, ratio {mu / mf if mf else 0:.2f}")
+PY
+done
