@@ -292,6 +292,8 @@ struct Gated {
     inner: MemTransport,
     open: std::sync::Arc<std::sync::atomic::AtomicBool>,
     held: Vec<fabric_core::Completion>,
+    /// Bytes of the writes posted to it.
+    posted: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl fabric_core::Transport for Gated {
@@ -348,7 +350,13 @@ impl fabric_core::Transport for Gated {
         dst: fabric_core::RemoteSlice,
         imm: Option<u32>,
     ) -> fabric_core::Result<fabric_core::PostOutcome> {
-        self.inner.post_write(peer, wr_id, src, dst, imm)
+        let len = src.len;
+        let r = self.inner.post_write(peer, wr_id, src, dst, imm);
+        if r.is_ok() {
+            self.posted
+                .fetch_add(len, std::sync::atomic::Ordering::AcqRel);
+        }
+        r
     }
     fn poll(&mut self, out: &mut Vec<fabric_core::Completion>) -> fabric_core::Result<usize> {
         let mut got = Vec::new();
@@ -417,18 +425,29 @@ fn a_stalled_rail_carries_only_its_first_chunks() {
 
 /// A group of `gates.len()` gated rails, rail `i` held back while `gates[i]` is false.
 fn gated_group(gates: Vec<std::sync::Arc<std::sync::atomic::AtomicBool>>) -> RailGroup {
-    RailGroup::spawn(
+    gated_group_counting(gates).0
+}
+
+/// [`gated_group`], and the bytes posted to each rail's transport.
+fn gated_group_counting(
+    gates: Vec<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+) -> (RailGroup, Vec<std::sync::Arc<std::sync::atomic::AtomicU64>>) {
+    let posted: Vec<_> = gates.iter().map(|_| Default::default()).collect();
+    let counters = posted.clone();
+    let g = RailGroup::spawn(
         gates.len(),
         move |i| {
             Ok(Gated {
                 inner: MemTransport::new(),
                 open: gates[i].clone(),
                 held: Vec::new(),
+                posted: std::sync::Arc::clone(&counters[i]),
             })
         },
         EngineConfig::default(),
     )
-    .unwrap()
+    .unwrap();
+    (g, posted)
 }
 
 /// Transfers of one chunk go to the rail with the least in flight, not always to rail 0.
@@ -507,5 +526,74 @@ fn a_region_in_use_stays_registered_on_every_rail() {
     assert!(
         a.submit(&peer, page(2)).is_err(),
         "deregistered from every rail"
+    );
+}
+
+/// What a stalled rail whose rate is known holds of a new transfer: with the default
+/// `lead` (zero) its `in_flight` chunks and no more, the rest going to the rails that
+/// move; with a lead of 16 ms of its (fast) rate it takes a quarter of the transfer at
+/// submit, which then waits for it. Rates are learned first (a rate is unknown until a
+/// rail has moved chunks for a horizon, and an unknown rate gives no lead at all).
+#[test]
+fn a_stalled_rail_with_a_known_rate_holds_only_its_in_flight_chunks() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    assert_eq!(fabric_core::engine::Balance::default().lead, Duration::ZERO);
+    let held = |lead: Duration| -> u64 {
+        let gates: Vec<_> = (0..4).map(|_| Arc::new(AtomicBool::new(true))).collect();
+        let (a, posted) = gated_group_counting(gates.clone());
+        let b = group(2);
+        let chunk = 256u64 << 10;
+        let mut balance = a.balance();
+        balance.horizon = Duration::from_millis(1);
+        balance.max_rail_chunk = chunk;
+        balance.lead = lead;
+        a.set_balance(balance);
+        let len = 64usize << 20;
+        let src = HostBuffer::new_shared(len).unwrap();
+        src.write(0, &pattern(11, len)).unwrap();
+        let dst = HostBuffer::new_shared(len).unwrap();
+        let s = a.register(src.clone(), Access::NONE).unwrap();
+        let d = b.register(dst.clone(), Access::REMOTE_WRITE).unwrap();
+        let peer = a.add_peer(&b.addresses()).unwrap();
+        // Every rail moves 16 MiB a transfer, chunk after chunk: longer than the horizon.
+        let all: Vec<u64> = (0..(len as u64 / chunk)).collect();
+        for _ in 0..3 {
+            let t = GroupTransfer::same_pages(s.clone(), d.remote.clone(), &all, chunk);
+            a.submit(&peer, t).unwrap().wait(T).unwrap();
+        }
+        gates[3].store(false, Ordering::Release);
+        let before = posted[3].load(Ordering::Acquire);
+        // 16 MiB: 64 chunks of 256 KiB.
+        let pages: Vec<u64> = (0..64).collect();
+        let t = GroupTransfer::same_pages(s, d.remote, &pages, chunk);
+        let fast = |a: &RailGroup| a.rail_counters()[..3].iter().map(|c| c.bytes).sum::<u64>();
+        let warm = fast(&a);
+        let h = a.submit(&peer, t).unwrap();
+        let taken = || posted[3].load(Ordering::Acquire) - before;
+        // The stalled rail lands nothing, so it takes nothing after what it took at submit:
+        // wait until the open rails have carried all the rest.
+        let deadline = std::time::Instant::now() + T;
+        while fast(&a) - warm + taken() < 64 * chunk {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the open rails stopped"
+            );
+            std::thread::yield_now();
+        }
+        let took = taken();
+        assert!(!h.is_finished(), "finished before the stalled rail moved");
+        gates[3].store(true, Ordering::Release);
+        assert_eq!(h.wait(T).unwrap().bytes, 64 * chunk);
+        assert!(dst.to_vec(0, len).unwrap() == src.to_vec(0, len).unwrap());
+        took
+    };
+    let chunk = 256u64 << 10;
+    let in_flight = fabric_core::engine::Balance::default().in_flight as u64;
+    assert_eq!(held(Duration::ZERO), in_flight * chunk, "default lead");
+    let greedy = held(Duration::from_millis(16));
+    assert!(
+        greedy > in_flight * chunk,
+        "a 16 ms lead took only {greedy} bytes: the rates were not learned"
     );
 }
