@@ -11,6 +11,32 @@ fn group(n: usize) -> RailGroup {
     RailGroup::spawn(n, |_| Ok(MemTransport::new()), EngineConfig::default()).unwrap()
 }
 
+/// Both ends of a `len`-byte transfer: a source in `a` filled with pattern `seed`, a
+/// zeroed destination in `b`, each registered on every rail, and `b` added as `a`'s peer.
+struct Ends {
+    src: std::sync::Arc<HostBuffer>,
+    dst: std::sync::Arc<HostBuffer>,
+    s: fabric_core::engine::GroupRegistration,
+    d: fabric_core::engine::GroupRegistration,
+    peer: fabric_core::engine::GroupPeer,
+}
+
+fn ends(a: &RailGroup, b: &RailGroup, len: usize, seed: u64) -> Ends {
+    let src = HostBuffer::new_shared(len).unwrap();
+    src.write(0, &pattern(seed, len)).unwrap();
+    let dst = HostBuffer::new_shared(len).unwrap();
+    let s = a.register(src.clone(), Access::NONE).unwrap();
+    let d = b.register(dst.clone(), Access::REMOTE_WRITE).unwrap();
+    let peer = a.add_peer(&b.addresses()).unwrap();
+    Ends {
+        src,
+        dst,
+        s,
+        d,
+        peer,
+    }
+}
+
 #[test]
 fn a_transfer_is_spread_over_all_rails_and_imm_follows() {
     let a = group(4);
@@ -201,13 +227,7 @@ fn spread_transfer() -> (
 ) {
     let a = group(4);
     let b = group(4);
-    let len = 2 << 20;
-    let src = HostBuffer::new_shared(len).unwrap();
-    src.write(0, &pattern(3, len)).unwrap();
-    let dst = HostBuffer::new_shared(len).unwrap();
-    let s = a.register(src, Access::NONE).unwrap();
-    let d = b.register(dst, Access::REMOTE_WRITE).unwrap();
-    let peer = a.add_peer(&b.addresses()).unwrap();
+    let Ends { s, d, peer, .. } = ends(&a, &b, 2 << 20, 3);
     // Not adjacent, so not coalesced: 64 writes, sharded over the 4 rails.
     let pages: Vec<u64> = (0..128).step_by(2).collect();
     let mut t = GroupTransfer::same_pages(s, d.remote, &pages, 16384);
@@ -387,12 +407,13 @@ fn a_stalled_rail_carries_only_its_first_chunks() {
     let a = gated_group(gates);
     let b = group(2);
     let len = 64 << 20;
-    let src = HostBuffer::new_shared(len).unwrap();
-    src.write(0, &pattern(5, len)).unwrap();
-    let dst = HostBuffer::new_shared(len).unwrap();
-    let s = a.register(src.clone(), Access::NONE).unwrap();
-    let d = b.register(dst.clone(), Access::REMOTE_WRITE).unwrap();
-    let peer = a.add_peer(&b.addresses()).unwrap();
+    let Ends {
+        src,
+        dst,
+        s,
+        d,
+        peer,
+    } = ends(&a, &b, len, 5);
     let pages: Vec<u64> = (0..1024).collect();
     let mut t = GroupTransfer::same_pages(s, d.remote, &pages, 65536);
     t.imm = Some(9);
@@ -496,12 +517,13 @@ fn a_region_in_use_stays_registered_on_every_rail() {
     let gates: Vec<_> = (0..2).map(|_| Arc::new(AtomicBool::new(false))).collect();
     let (a, b) = (gated_group(gates.clone()), group(2));
     let len = 1 << 20;
-    let src = HostBuffer::new_shared(len).unwrap();
-    src.write(0, &pattern(11, len)).unwrap();
-    let dst = HostBuffer::new_shared(len).unwrap();
-    let s = a.register(src.clone(), Access::NONE).unwrap();
-    let d = b.register(dst.clone(), Access::REMOTE_WRITE).unwrap();
-    let peer = a.add_peer(&b.addresses()).unwrap();
+    let Ends {
+        src,
+        dst,
+        s,
+        d,
+        peer,
+    } = ends(&a, &b, len, 11);
     let page = |p: u64| GroupTransfer::same_pages(s.clone(), d.remote.clone(), &[p], 4096);
     // One page: one rail's chunk, held there.
     let first = a.submit(&peer, page(0)).unwrap();
@@ -539,23 +561,25 @@ fn a_stalled_rail_with_a_known_rate_holds_only_its_in_flight_chunks() {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
     assert_eq!(fabric_core::engine::Balance::default().lead, Duration::ZERO);
+    const CHUNK: u64 = 256 << 10;
     let held = |lead: Duration| -> u64 {
         let gates: Vec<_> = (0..4).map(|_| Arc::new(AtomicBool::new(true))).collect();
         let (a, posted) = gated_group_counting(gates.clone());
         let b = group(2);
-        let chunk = 256u64 << 10;
+        let chunk = CHUNK;
         let mut balance = a.balance();
         balance.horizon = Duration::from_millis(1);
         balance.max_rail_chunk = chunk;
         balance.lead = lead;
         a.set_balance(balance);
         let len = 64usize << 20;
-        let src = HostBuffer::new_shared(len).unwrap();
-        src.write(0, &pattern(11, len)).unwrap();
-        let dst = HostBuffer::new_shared(len).unwrap();
-        let s = a.register(src.clone(), Access::NONE).unwrap();
-        let d = b.register(dst.clone(), Access::REMOTE_WRITE).unwrap();
-        let peer = a.add_peer(&b.addresses()).unwrap();
+        let Ends {
+            src,
+            dst,
+            s,
+            d,
+            peer,
+        } = ends(&a, &b, len, 11);
         // Every rail moves 16 MiB a transfer, chunk after chunk: longer than the horizon.
         let all: Vec<u64> = (0..(len as u64 / chunk)).collect();
         for _ in 0..3 {
@@ -588,12 +612,11 @@ fn a_stalled_rail_with_a_known_rate_holds_only_its_in_flight_chunks() {
         assert!(dst.to_vec(0, len).unwrap() == src.to_vec(0, len).unwrap());
         took
     };
-    let chunk = 256u64 << 10;
     let in_flight = fabric_core::engine::Balance::default().in_flight as u64;
-    assert_eq!(held(Duration::ZERO), in_flight * chunk, "default lead");
+    assert_eq!(held(Duration::ZERO), in_flight * CHUNK, "default lead");
     let greedy = held(Duration::from_millis(16));
     assert!(
-        greedy > in_flight * chunk,
+        greedy > in_flight * CHUNK,
         "a 16 ms lead took only {greedy} bytes: the rates were not learned"
     );
 }
