@@ -310,6 +310,7 @@ impl GroupPair {
                     .into_iter()
                     .map(|slot| (slot * layout.stride, slot * layout.stride, layout.page_size))
                     .collect(),
+                runs: Vec::new(),
                 imm: None,
                 timeout: Some(TRANSFER_TIMEOUT),
                 direction: Default::default(),

@@ -58,6 +58,76 @@ pub struct Segment {
     pub len: u64,
 }
 
+/// Rows of equal length at constant strides, between one local region and one remote
+/// region: row `i` is `len` bytes at `src_offset + i * src_stride` locally and
+/// `dst_offset + i * dst_stride` remotely (the fields name a WRITE's flow, as
+/// [`Segment`]'s do). A tensor-parallel piece of a weight matrix is one run where a segment
+/// list would need a segment per row. `count` 1 is a plain segment (its strides are not
+/// looked at) and `count` 0 holds nothing; from two rows on, strides are no shorter than
+/// a row (see [`Rows::check`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct StridedRun {
+    /// Offset of the first row in the local region.
+    pub src_offset: u64,
+    /// Offset of the first row in the remote region.
+    pub dst_offset: u64,
+    /// Bytes per row.
+    pub len: u64,
+    /// Rows.
+    pub count: u64,
+    /// From one row's local start to the next's.
+    pub src_stride: u64,
+    /// From one row's remote start to the next's.
+    pub dst_stride: u64,
+}
+
+impl StridedRun {
+    /// A run of one row: the segment `(src_offset, dst_offset, len)`.
+    pub fn contiguous(src_offset: u64, dst_offset: u64, len: u64) -> StridedRun {
+        StridedRun {
+            src_offset,
+            dst_offset,
+            len,
+            count: 1,
+            src_stride: 0,
+            dst_stride: 0,
+        }
+    }
+
+    /// Whether it moves no byte (no row, or rows of no length).
+    pub fn is_empty(&self) -> bool {
+        self.count == 0 || self.len == 0
+    }
+
+    /// Checks its shape and returns the bytes it spans on each side, first row's start to
+    /// last row's end, and the bytes it moves: `(src_span, dst_span, bytes)` (all zero for
+    /// an empty run).
+    pub fn spans(&self) -> Result<(u64, u64, u64)> {
+        match self.count {
+            _ if self.is_empty() => Ok((0, 0, 0)),
+            1 => Ok((self.len, self.len, self.len)),
+            _ => self.rows().check(self.len),
+        }
+    }
+
+    /// Row `i`'s offsets `(local, remote)` (for rows below `count` of a run whose ranges
+    /// were checked to fit in 64 bits).
+    fn row(&self, i: u64) -> (u64, u64) {
+        (
+            self.src_offset + i * self.src_stride,
+            self.dst_offset + i * self.dst_stride,
+        )
+    }
+
+    fn rows(&self) -> Rows {
+        Rows {
+            count: self.count,
+            src_stride: self.src_stride,
+            dst_stride: self.dst_stride,
+        }
+    }
+}
+
 /// One write of a plan (or one read: then the bytes go from `dst` into `src`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PlannedWrite {
@@ -145,6 +215,127 @@ pub fn plan_with_rows(
             Ok(build_plan(segments, max_msg_size, false))
         }
     }
+}
+
+/// Plans `segments` and then `runs` (whose rows lie in local region `src` and remote region
+/// `dst`) as [`plan_with_rows`] plans their rows as segments, with the same checks and
+/// errors, without listing the rows where it need not: for a WRITE on a transport with
+/// strided writes (`rows`), a run whose rows fit in a write is checked by its first and
+/// last row and planned as strided writes of at most `max_msg_size` bytes, so that its cost
+/// does not grow with its rows. Runs are checked first ([`StridedRun::spans`]); where their
+/// destinations' spans (and the segments) overlap, or a row is longer than a write, the
+/// rows are listed and planned as segments, numbered after `segments` in errors.
+pub fn plan_runs(
+    segments: &[Segment],
+    runs: &[StridedRun],
+    src: LocalKey,
+    dst: RemoteRegion,
+    max_msg_size: u64,
+    direction: Direction,
+    rows: bool,
+) -> Result<TransferPlan> {
+    if max_msg_size == 0 {
+        return Err(Invalid::ZeroMessageSize.into());
+    }
+    let mut extents = Vec::with_capacity(runs.len());
+    let mut whole = rows && direction == Direction::Write;
+    for (i, r) in runs.iter().enumerate() {
+        let (src_span, dst_span, _) = r.spans()?;
+        if r.is_empty() {
+            continue;
+        }
+        whole &= r.count == 1 || r.len <= max_msg_size;
+        r.src_offset
+            .checked_add(src_span)
+            .ok_or_else(|| Invalid::Overflow {
+                what: format!("run {i}: local range"),
+            })?;
+        // The remote side's range: a WRITE's destination, a READ's source.
+        check_range(r.dst_offset, dst_span, dst.len).map_err(|_| {
+            Error::from(Invalid::RemoteOutOfRange {
+                segment: segments.len() + i,
+                role: match direction {
+                    Direction::Write => "destination",
+                    Direction::Read => "source",
+                },
+                offset: r.dst_offset,
+                len: dst_span,
+                region_len: dst.len,
+            })
+        })?;
+        extents.push(Segment {
+            src,
+            src_offset: r.src_offset,
+            dst,
+            dst_offset: r.dst_offset,
+            len: dst_span,
+        });
+    }
+    if whole {
+        let mut all = Vec::with_capacity(segments.len() + extents.len());
+        all.extend_from_slice(segments);
+        all.extend_from_slice(&extents);
+        // Disjoint spans hold disjoint rows; spans that overlap (rows of two runs
+        // interleaved, say) are decided row by row below.
+        whole = check_bounds(segments, "destination").is_ok() && check_overlaps(&all).is_ok();
+    }
+    if !whole {
+        let mut all = segments.to_vec();
+        for r in runs.iter().filter(|r| !r.is_empty()) {
+            for i in 0..r.count {
+                let (so, d_o) = r.row(i);
+                in_place::push(&mut all, || Segment {
+                    src,
+                    src_offset: so,
+                    dst,
+                    dst_offset: d_o,
+                    len: r.len,
+                });
+            }
+        }
+        return plan_with_rows(&all, max_msg_size, direction, rows);
+    }
+    let mut plan = build_plan(segments, max_msg_size, true);
+    for r in runs.iter().filter(|r| !r.is_empty()) {
+        if r.count == 1 {
+            let s = Segment {
+                src,
+                src_offset: r.src_offset,
+                dst,
+                dst_offset: r.dst_offset,
+                len: r.len,
+            };
+            push_writes(&mut plan, &s, max_msg_size);
+            continue;
+        }
+        // As many rows per write as fit in one.
+        let per = (max_msg_size / r.len).max(1);
+        let mut i = 0;
+        while i < r.count {
+            let n = (r.count - i).min(per);
+            let (so, d_o) = r.row(i);
+            in_place::push(&mut plan.writes, || PlannedWrite {
+                src: LocalSlice {
+                    key: src,
+                    offset: so,
+                    len: r.len,
+                },
+                dst: RemoteSlice {
+                    region: dst,
+                    offset: d_o,
+                    len: r.len,
+                },
+                rows: (n > 1).then_some(Rows {
+                    count: n,
+                    src_stride: r.src_stride,
+                    dst_stride: r.dst_stride,
+                }),
+            });
+            plan.bytes += n * r.len;
+            i += n;
+        }
+    }
+    Ok(plan)
 }
 
 /// A READ's checks: remote ranges inside their regions, local ranges without overlap.
@@ -739,6 +930,75 @@ mod tests {
         }
     }
 
+    fn run(src: u64, dst: u64, len: u64, count: u64, ss: u64, ds: u64) -> StridedRun {
+        StridedRun {
+            src_offset: src,
+            dst_offset: dst,
+            len,
+            count,
+            src_stride: ss,
+            dst_stride: ds,
+        }
+    }
+
+    #[test]
+    fn a_run_is_planned_as_strided_writes_whatever_its_rows() {
+        let dst = region(9, 1 << 20);
+        // 1000 rows of 100 bytes, every other row of the source, back to back at the
+        // destination; writes of at most 1000 bytes hold 10 rows.
+        let r = run(0, 0, 100, 1000, 200, 100);
+        let p = plan_runs(&[], &[r], LocalKey(1), dst, 1000, Direction::Write, true).unwrap();
+        assert_eq!(p.bytes, 100_000);
+        assert_eq!(p.writes.len(), 100);
+        assert!(
+            p.writes
+                .iter()
+                .all(|w| w.rows.is_some_and(|r| r.count == 10))
+        );
+        assert_eq!(p.writes[3].src.offset, 30 * 200);
+        assert_eq!(p.writes[3].dst.offset, 30 * 100);
+        // Without strided writes: a write per row, as if each were a segment.
+        let p = plan_runs(&[], &[r], LocalKey(1), dst, 1000, Direction::Write, false).unwrap();
+        assert_eq!(p.writes.len(), 1000);
+    }
+
+    #[test]
+    fn runs_are_checked_as_their_rows_would_be() {
+        let dst = region(9, 10_000);
+        let plan = |runs: &[StridedRun]| {
+            plan_runs(
+                &[seg(0, 0, 10)],
+                runs,
+                LocalKey(1),
+                dst,
+                1 << 20,
+                Direction::Write,
+                true,
+            )
+        };
+        // The last row ends past the region: named as the entry after the segment.
+        let e = plan(&[run(0, 100, 10, 100, 10, 100)])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("segment 1"), "{e}");
+        // A stride shorter than a row.
+        assert!(plan(&[run(0, 100, 10, 3, 10, 5)]).is_err());
+        // A row on the segment's bytes.
+        let e = plan(&[run(0, 5, 10, 3, 10, 20)]).unwrap_err().to_string();
+        assert!(e.contains("overlap"), "{e}");
+        // Two runs whose rows interleave without touching: their spans overlap, their
+        // rows do not; and then one whose rows do.
+        let p = plan(&[run(0, 100, 10, 5, 10, 20), run(100, 110, 10, 5, 10, 20)]).unwrap();
+        assert_eq!(p.bytes, 10 + 100);
+        assert!(plan(&[run(0, 100, 10, 5, 10, 20), run(100, 105, 10, 5, 10, 20)]).is_err());
+        // Empty runs hold nothing and are not checked against the region.
+        let p = plan(&[
+            run(1 << 40, 1 << 40, 10, 0, 0, 0),
+            run(0, 1 << 40, 0, 9, 1, 1),
+        ]);
+        assert_eq!(p.unwrap().bytes, 10);
+    }
+
     proptest! {
         /// The fast overlap checks (sorted input, packed keys) reject exactly what the
         /// general one rejects, with the same message (the same pair of segments).
@@ -797,6 +1057,62 @@ mod tests {
             }
             let shards = shard_by_bytes(&plan.writes, rails);
             prop_assert_eq!(shards.iter().map(Vec::len).sum::<usize>(), plan.writes.len());
+        }
+
+        /// Runs plan to the bytes their rows plan to as segments (or both fail), on a
+        /// backend with strided writes and without, written and read.
+        #[test]
+        fn runs_move_the_bytes_of_their_rows(
+            runs in proptest::collection::vec(
+                (0u64..4000, 0u64..4000, 0u64..40, 0u64..12, 0u64..80, 0u64..80), 0..6),
+            segs in proptest::collection::vec((0u64..4000, 0u64..4000, 0u64..100), 0..4),
+            max in 1u64..600,
+            rows in any::<bool>(),
+            read in any::<bool>(),
+        ) {
+            let runs: Vec<StridedRun> = runs.iter().map(|&(s, d, len, count, ss, ds)| StridedRun {
+                src_offset: s, dst_offset: d, len, count, src_stride: ss, dst_stride: ds,
+            }).collect();
+            let segs: Vec<Segment> = segs.iter().map(|&(s, d, l)| Segment {
+                dst: region(9, 8000), ..seg(s, d, l)
+            }).collect();
+            let dir = if read { Direction::Read } else { Direction::Write };
+            let got = plan_runs(&segs, &runs, LocalKey(1), region(9, 8000), max, dir, rows);
+            // The same rows listed, where every run's shape is valid.
+            let shapes: Result<Vec<_>> = runs.iter().map(StridedRun::spans).collect();
+            let mut listed = segs.clone();
+            for r in runs.iter().filter(|r| !r.is_empty()) {
+                for i in 0..r.count {
+                    let (so, d_o) = r.row(i);
+                    listed.push(Segment { dst: region(9, 8000), ..seg(so, d_o, r.len) });
+                }
+            }
+            let want = shapes.and_then(|_| plan_with_rows(&listed, max, dir, rows));
+            match (got, want) {
+                (Ok(g), Ok(w)) => {
+                    prop_assert_eq!(g.bytes, w.bytes);
+                    let bytes = |p: &TransferPlan| {
+                        let mut v = Vec::new();
+                        for w in &p.writes {
+                            let r = w.rows.unwrap_or(Rows { count: 1, src_stride: 0, dst_stride: 0 });
+                            assert!(w.bytes() > 0 && w.src.len <= max.max(1));
+                            for i in 0..r.count {
+                                for b in 0..w.src.len {
+                                    v.push((w.dst.offset + i * r.dst_stride + b, w.src.offset + i * r.src_stride + b));
+                                }
+                            }
+                        }
+                        v.sort_unstable();
+                        v
+                    };
+                    prop_assert_eq!(bytes(&g), bytes(&w));
+                    if !rows || read {
+                        prop_assert!(g.writes.iter().all(|w| w.rows.is_none()));
+                    }
+                }
+                (Err(_), Err(_)) => {}
+                (g, w) => prop_assert!(false, "runs {:?} against rows {:?}", g.map(|p| p.bytes), w.map(|p| p.bytes)),
+            }
         }
     }
 }

@@ -620,3 +620,106 @@ fn a_stalled_rail_with_a_known_rate_holds_only_its_in_flight_chunks() {
         "a 16 ms lead took only {greedy} bytes: the rates were not learned"
     );
 }
+
+#[test]
+fn strided_runs_land_every_row_as_few_strided_writes_over_every_rail() {
+    use fabric_core::plan::StridedRun;
+    let a = group(4);
+    let b = group(4);
+    let len = 4 << 20;
+    let e = ends(&a, &b, len, 5);
+    // 16 384 rows of 96 bytes, every other 192-byte row of the source, back to back from
+    // byte 1000 of the destination (a tensor-parallel half of each row); and a plain segment.
+    let (rows, row) = (16384u64, 96u64);
+    let run = StridedRun {
+        src_offset: 64,
+        dst_offset: 1000,
+        len: row,
+        count: rows,
+        src_stride: 2 * row,
+        dst_stride: row,
+    };
+    let t = GroupTransfer {
+        segments: vec![(len as u64 - 10, 0, 10)],
+        runs: vec![run],
+        imm: Some(77),
+        ..GroupTransfer::same_pages(e.s.clone(), e.d.remote.clone(), &[], 1)
+    };
+    let stats = a.submit(&e.peer, t).unwrap().wait(T).unwrap();
+    b.wait_imm(77, 1, T).unwrap();
+    assert_eq!(stats.bytes, rows * row + 10);
+    let src = e.src.to_vec(0, len).unwrap();
+    let dst = e.dst.to_vec(0, len).unwrap();
+    assert_eq!(dst[..10], src[len - 10..]);
+    assert_eq!(
+        dst[10..1000],
+        vec![0; 990][..],
+        "bytes before the rows stay"
+    );
+    for i in 0..rows as usize {
+        let (s, d) = (64 + i * 2 * row as usize, 1000 + i * row as usize);
+        assert!(
+            dst[d..d + row as usize] == src[s..s + row as usize],
+            "row {i}"
+        );
+    }
+    let end = 1000 + (rows * row) as usize;
+    assert!(
+        dst[end..].iter().all(|&b| b == 0),
+        "bytes after the rows stay"
+    );
+    // Strided writes of up to a chunk each, not a write per row; every rail took some.
+    assert!(stats.ops < 64, "{} operations for {rows} rows", stats.ops);
+    let per_rail = a.rail_counters();
+    assert!(per_rail.iter().all(|c| c.bytes > 0), "{per_rail:?}");
+}
+
+#[test]
+fn a_bad_run_fails_at_submit_and_moves_nothing() {
+    use fabric_core::plan::StridedRun;
+    let a = group(2);
+    let b = group(2);
+    let e = ends(&a, &b, 65536, 6);
+    let submit = |run: StridedRun| {
+        let t = GroupTransfer {
+            runs: vec![run],
+            ..GroupTransfer::same_pages(e.s.clone(), e.d.remote.clone(), &[], 1)
+        };
+        a.submit(&e.peer, t)
+    };
+    let ok = StridedRun {
+        src_offset: 0,
+        dst_offset: 0,
+        len: 100,
+        count: 10,
+        src_stride: 200,
+        dst_stride: 100,
+    };
+    // Past the local region's end, past the remote one's, strides shorter than a row.
+    for bad in [
+        StridedRun {
+            src_offset: 65536 - 1000,
+            ..ok
+        },
+        StridedRun {
+            dst_offset: 65536 - 500,
+            ..ok
+        },
+        StridedRun {
+            dst_stride: 50,
+            ..ok
+        },
+        StridedRun {
+            count: u64::MAX,
+            ..ok
+        },
+    ] {
+        assert!(
+            matches!(submit(bad), Err(Error::InvalidArgument(_))),
+            "{bad:?} was accepted"
+        );
+    }
+    assert!(e.dst.to_vec(0, 65536).unwrap().iter().all(|&b| b == 0));
+    submit(ok).unwrap().wait(T).unwrap();
+    assert_eq!(e.dst.to_vec(0, 100).unwrap(), e.src.to_vec(0, 100).unwrap());
+}

@@ -86,6 +86,7 @@ fn a_rail_group_sends_rows_as_strided_writes_on_every_rail() {
         segments: (0..ROWS)
             .map(|i| (128 + i * SRC_STRIDE, i * ROW, ROW))
             .collect(),
+        runs: Vec::new(),
         imm: Some(4),
         timeout: Some(T),
         direction: Default::default(),

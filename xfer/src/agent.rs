@@ -12,6 +12,7 @@ use fabric_core::engine::{
     TransferHandle,
 };
 use fabric_core::metadata::{AgentInfo, RegionDescriptor, TransportInfo, TransportKind};
+use fabric_core::plan::StridedRun;
 use fabric_core::{Access, Fence, Invalid, MemoryLocation, MemoryRegion};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -281,6 +282,7 @@ impl Peer {
 #[derive(Clone, Debug, Default)]
 pub struct Transfer {
     segments: Vec<(u64, u64, u64)>,
+    runs: Vec<StridedRun>,
     imm: Option<u32>,
     timeout: Option<Duration>,
     direction: Direction,
@@ -294,6 +296,23 @@ impl Transfer {
             segments,
             ..Transfer::default()
         }
+    }
+
+    /// Rows at constant strides (see [`StridedRun`]): a strided piece of a tensor as one
+    /// entry per run, not one per row. Where the backend has strided writes (cuda-ipc,
+    /// mem) a WRITE's run is posted as such, so submitting it costs the same whatever its
+    /// rows; elsewhere its rows are moved as segments.
+    pub fn runs(runs: Vec<StridedRun>) -> Transfer {
+        Transfer {
+            runs,
+            ..Transfer::default()
+        }
+    }
+
+    /// Adds `runs` after the segments (see [`Transfer::runs`]).
+    pub fn with_runs(mut self, runs: impl IntoIterator<Item = StridedRun>) -> Transfer {
+        self.runs.extend(runs);
+        self
     }
 
     /// Pages: local page `local[i]` (at `local[i] * local_stride`) and remote page
@@ -743,6 +762,7 @@ impl Agent {
             src: local.on(peer.kind)?.clone(),
             dst,
             segments: t.segments,
+            runs: t.runs,
             imm: t.imm,
             timeout: t.timeout,
             direction: t.direction,

@@ -79,4 +79,5 @@ pub use placement::PinMode;
 
 pub use fabric_core::engine::{Event, TransferHandle as Handle, TransferStats};
 pub use fabric_core::metadata::{AgentInfo, RegionDescriptor, TransportInfo, TransportKind};
+pub use fabric_core::plan::StridedRun;
 pub use fabric_core::{Access, Fence, HostBuffer, MemoryLocation, MemoryRegion};

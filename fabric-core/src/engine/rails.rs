@@ -28,7 +28,7 @@ use crate::Invalid;
 use crate::error::{Error, OpError, Result};
 use crate::fence::Fence;
 use crate::memory::{MemoryRegion, SubRegion};
-use crate::plan::{Direction, PlannedWrite, Segment, plan_with_rows};
+use crate::plan::{Direction, PlannedWrite, Segment, StridedRun, plan_runs, plan_with_rows};
 use crate::stats::LatencyHistogram;
 use crate::transport::Transport;
 use crate::types::{Access, LocalKey, PeerId, RemoteRegion};
@@ -89,6 +89,9 @@ pub struct GroupTransfer {
     pub dst: RemoteDescriptor,
     /// `(src_offset, dst_offset, len)` triples.
     pub segments: Vec<(u64, u64, u64)>,
+    /// Rows at constant strides, moved after the segments: on a backend with strided
+    /// writes each run costs the same to submit whatever its rows (see [`plan_runs`]).
+    pub runs: Vec<StridedRun>,
     /// Immediate data delivered to the target after every byte landed.
     pub imm: Option<u32>,
     /// Deadline for each shard.
@@ -136,6 +139,7 @@ impl GroupTransfer {
             src,
             dst,
             segments,
+            runs: Vec::new(),
             imm: None,
             timeout: None,
             direction: Direction::Write,
@@ -184,6 +188,7 @@ impl GroupTransfer {
             src,
             dst,
             segments,
+            runs: Vec::new(),
             imm: None,
             timeout: None,
             direction: Direction::Write,
@@ -663,6 +668,30 @@ impl RailGroup {
             e.check_direction(t.direction, t.imm)?;
         }
         self.rails[0].check_segments(&segs, t.direction)?;
+        // A run's rows lie between its first row's start and its last row's end.
+        let mut run_bytes = 0u64;
+        if !t.runs.is_empty() {
+            let mut spans = Vec::with_capacity(t.runs.len());
+            for r in &t.runs {
+                let (span, _, bytes) = r.spans()?;
+                if r.is_empty() {
+                    continue;
+                }
+                run_bytes = run_bytes
+                    .checked_add(bytes)
+                    .ok_or_else(|| Invalid::Overflow {
+                        what: "the bytes of the runs".into(),
+                    })?;
+                spans.push(Segment {
+                    src: t.src.locals[0],
+                    src_offset: r.src_offset,
+                    dst: dsts[0],
+                    dst_offset: r.dst_offset,
+                    len: span,
+                });
+            }
+            self.rails[0].check_segments(&spans, t.direction)?;
+        }
         for (e, &key) in self.rails.iter().zip(&t.src.locals).skip(1) {
             if !e.lock_regions().contains_key(&key) {
                 return Err(Error::Op(OpError::LocalKeyInvalid(key)));
@@ -676,20 +705,35 @@ impl RailGroup {
             .unwrap_or(1);
         let total = segs
             .iter()
-            .try_fold(0u64, |a, s| a.checked_add(s.len))
+            .try_fold(run_bytes, |a, s| a.checked_add(s.len))
             .ok_or_else(|| Invalid::Overflow {
                 what: "the sum of segment lengths".into(),
             })?;
         let chunk = self.balance().chunk_bytes(total, n);
         // Writes no longer than a chunk, so that one large segment spreads over the rails.
         let rows = self.rails.iter().all(|e| e.limits().strided_writes);
-        let plan = plan_with_rows(&segs, limit.min(chunk), t.direction, rows)?;
-        let imm = match (t.imm, t.segments.first()) {
+        let plan = if t.runs.is_empty() {
+            plan_with_rows(&segs, limit.min(chunk), t.direction, rows)?
+        } else {
+            let (src, dst) = (t.src.locals[0], dsts[0]);
+            plan_runs(
+                &segs,
+                &t.runs,
+                src,
+                dst,
+                limit.min(chunk),
+                t.direction,
+                rows,
+            )?
+        };
+        let first = (t.segments.first().map(|&(so, d_o, _)| (so, d_o)))
+            .or_else(|| t.runs.first().map(|r| (r.src_offset, r.dst_offset)));
+        let imm = match (t.imm, first) {
             (None, _) => None,
             (Some(_), None) => {
                 return Err(Invalid::ImmWithoutSegment.into());
             }
-            (Some(v), Some(&(so, d_o, _))) => Some((v, so, d_o)),
+            (Some(v), Some((so, d_o))) => Some((v, so, d_o)),
         };
         let submitted = Instant::now();
         let deadline = t.timeout.map(|d| submitted + d);

@@ -372,9 +372,7 @@ impl DestinationSync {
                         pipe.completed(lane, bytes, false);
                         continue;
                     }
-                    let t = crate::Transfer::segments(c.segments)
-                        .read()
-                        .timeout(timeout);
+                    let t = crate::Transfer::runs(c.runs).read().timeout(timeout);
                     let local = &self.regions[c.local_region as usize];
                     let remote = &info.regions[c.remote_region as usize];
                     match self.agent.submit(&info.peer, local, remote, t) {

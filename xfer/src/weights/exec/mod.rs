@@ -118,8 +118,10 @@ pub struct SyncOptions {
     /// small chunks cap the rate: on an H200 over cuda-ipc, 1 MiB chunks synced 0.87 Tbps, 8 MiB
     /// 3.2 Tbps and 64 MiB 6.3 Tbps, against 8.1-8.7 Tbps for a paged write of the same bytes.
     pub chunk_bytes: u64,
-    /// Segments per transfer, at most (default 16 384): what one transfer's segment list
-    /// holds.
+    /// Entries per transfer, at most (default 16 384): what one transfer's list holds. The
+    /// rows of a strided piece that fit in a transfer are one entry (a
+    /// [`StridedRun`](crate::StridedRun)); a backend without strided writes moves them as
+    /// a segment each.
     pub chunk_segments: usize,
     /// No transfer starts while this many bytes are in flight (default 1 GiB: 16 chunks).
     pub max_inflight_bytes: u64,

@@ -3,19 +3,19 @@
 //!
 //! A lane is one peer (a destination for a push, a source for a pull) and the region pairs
 //! between it and this rank. The executor asks [`Pipeline::next`] for a step and does it:
-//! submits a [`Chunk`] (one transfer: segments between one local and one remote region, at
-//! most `chunk_bytes` and `chunk_segments`), sends a lane's signal once every chunk of the
+//! submits a [`Chunk`] (one transfer: runs of rows between one local and one remote region,
+//! at most `chunk_bytes` and `chunk_segments` runs), sends a lane's signal once every chunk of the
 //! lane has landed ([`Step::Signal`], pushes only), or waits for a completion
 //! ([`Step::Wait`]) and reports it with [`Pipeline::completed`]. Lanes take turns chunk by
 //! chunk, so every peer's update progresses at once and a failed one (whose chunks stop) holds
 //! up no other. The segment lists of chunks not yet submitted are never built: at any time
 //! the memory held is that of the chunks in flight.
 
+use crate::StridedRun;
 use crate::weights::RegionPair;
 
-/// Which way a lane's bytes go, which decides how segments are written: `(local, remote,
-/// len)` with the source's offsets local for a push ([`Way::Write`]), the destination's for
-/// a pull ([`Way::Read`]).
+/// Which way a lane's bytes go, which decides how runs are written: the source's offsets
+/// local for a push ([`Way::Write`]), the destination's for a pull ([`Way::Read`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Way {
     /// This rank is the source: WRITEs.
@@ -29,7 +29,7 @@ pub(crate) enum Way {
 pub(crate) struct Limits {
     /// Bytes per chunk, at most (a longer row is cut).
     pub chunk_bytes: u64,
-    /// Segments per chunk, at most.
+    /// Runs per chunk, at most (whole rows of a run count one).
     pub chunk_segments: usize,
     /// No chunk is started while this many bytes are in flight (so at most this plus one
     /// chunk are).
@@ -47,8 +47,11 @@ pub(crate) struct Chunk {
     pub local_region: u32,
     /// The peer's region (an index into its layout's regions).
     pub remote_region: u32,
-    /// `(local, remote, len)`.
-    pub segments: Vec<(u64, u64, u64)>,
+    /// What it moves, local offsets first: whole rows of a run as one strided run, a
+    /// piece of a row as a run of one.
+    pub runs: Vec<StridedRun>,
+    /// Rows (and pieces of rows) it moves.
+    pub rows: u64,
     /// Their bytes.
     pub bytes: u64,
 }
@@ -192,7 +195,7 @@ impl<'a> Pipeline<'a> {
                 l.outstanding += 1;
                 l.bytes = l.bytes.saturating_add(c.bytes);
                 l.transfers += 1;
-                l.segments += c.segments.len() as u64;
+                l.segments += c.rows;
                 self.inflight += 1;
                 self.inflight_bytes = self.inflight_bytes.saturating_add(c.bytes);
                 return Step::Chunk(c);
@@ -282,8 +285,9 @@ impl<'a> Pipeline<'a> {
         let way = self.way;
         let l = &mut self.lanes[lane];
         while let Some(&pair) = l.pairs.get(l.at.pair) {
-            let mut segments = Vec::new();
+            let mut runs = Vec::new();
             let mut bytes = 0u64;
+            let mut rows = 0u64;
             while let Some(r) = pair.runs.get(l.at.run) {
                 if l.at.row >= r.count || l.at.off >= r.len {
                     l.at.run += 1;
@@ -297,18 +301,48 @@ impl<'a> Pipeline<'a> {
                 let dst = (r.dst_offset)
                     .wrapping_add(l.at.row.wrapping_mul(r.dst_stride))
                     .wrapping_add(l.at.off);
-                let len = (r.len - l.at.off).min(lim.chunk_bytes - bytes);
-                segments.push(match way {
-                    Way::Write => (src, dst, len),
-                    Way::Read => (dst, src, len),
+                let room = lim.chunk_bytes - bytes;
+                // Whole rows that fit go as one strided run; a row longer than the room
+                // left goes in pieces, one segment each.
+                let whole = if l.at.off == 0 && r.len <= room {
+                    (r.count - l.at.row).min(room / r.len)
+                } else {
+                    0
+                };
+                let run = if whole > 0 {
+                    l.at.row += whole;
+                    rows += whole;
+                    bytes += whole * r.len;
+                    StridedRun {
+                        src_offset: src,
+                        dst_offset: dst,
+                        len: r.len,
+                        count: whole,
+                        src_stride: r.src_stride,
+                        dst_stride: r.dst_stride,
+                    }
+                } else {
+                    let len = (r.len - l.at.off).min(room);
+                    bytes += len;
+                    rows += 1;
+                    l.at.off += len;
+                    if l.at.off == r.len {
+                        l.at.row += 1;
+                        l.at.off = 0;
+                    }
+                    StridedRun::contiguous(src, dst, len)
+                };
+                runs.push(match way {
+                    Way::Write => run,
+                    Way::Read => StridedRun {
+                        src_offset: run.dst_offset,
+                        dst_offset: run.src_offset,
+                        src_stride: run.dst_stride,
+                        dst_stride: run.src_stride,
+                        ..run
+                    },
                 });
-                bytes += len;
-                l.at.off += len;
-                if l.at.off == r.len {
-                    l.at.row += 1;
-                    l.at.off = 0;
-                }
-                if bytes >= lim.chunk_bytes || segments.len() >= lim.chunk_segments {
+                if bytes >= lim.chunk_bytes || runs.len() >= lim.chunk_segments {
                     break;
                 }
             }
@@ -322,12 +356,13 @@ impl<'a> Pipeline<'a> {
                     ..Cursor::default()
                 };
             }
-            if !segments.is_empty() {
+            if !runs.is_empty() {
                 return Some(Chunk {
                     lane,
                     local_region,
                     remote_region,
-                    segments,
+                    runs,
+                    rows,
                     bytes,
                 });
             }
@@ -357,6 +392,21 @@ mod tests {
 
     type Segments = Vec<(u64, u64, u64)>;
 
+    /// Every row of `runs` as `(local, remote, len)`.
+    fn rows_of(runs: &[StridedRun]) -> Segments {
+        runs.iter()
+            .flat_map(|r| {
+                (0..r.count).map(move |i| {
+                    (
+                        r.src_offset + i * r.src_stride,
+                        r.dst_offset + i * r.dst_stride,
+                        r.len,
+                    )
+                })
+            })
+            .collect()
+    }
+
     fn limits(chunk: u64, max_bytes: u64, max_transfers: usize) -> Limits {
         Limits {
             chunk_bytes: chunk,
@@ -383,8 +433,9 @@ mod tests {
                 Step::Chunk(c) => {
                     let bad = fails(c.lane, nth[c.lane]);
                     nth[c.lane] += 1;
+                    assert!(c.runs.len() <= p.limits.chunk_segments);
                     if !bad {
-                        moved[c.lane].extend(c.segments.iter().copied());
+                        moved[c.lane].extend(rows_of(&c.runs));
                     }
                     log.push(format!("c{}", c.lane));
                     flying.push_back((c.lane, c.bytes, !bad));
@@ -497,10 +548,80 @@ mod tests {
             panic!("a chunk first")
         };
         assert_eq!((c.local_region, c.remote_region), (1, 0));
-        assert_eq!(c.segments, vec![(9, 5, 4)]);
+        assert_eq!(c.runs, vec![StridedRun::contiguous(9, 5, 4)]);
         assert_eq!(p.next(), Step::Wait);
         p.completed(0, 4, true);
         assert_eq!(p.next(), Step::Done);
         assert_eq!(p.state(0), LaneState::Done);
+    }
+
+    #[test]
+    fn whole_rows_go_as_one_strided_run_and_a_cut_row_in_pieces() {
+        let r = Run {
+            src_offset: 4,
+            dst_offset: 100,
+            len: 7,
+            count: 1000,
+            src_stride: 16,
+            dst_stride: 7,
+        };
+        let a = pair(0, 0, vec![r]);
+        for way in [Way::Write, Way::Read] {
+            // Chunks of 75 bytes: 10 whole rows, then 5 bytes of the next; the next chunk
+            // starts with that row's last 2 bytes.
+            let mut p = Pipeline::new(vec![vec![&a]], way, false, limits(75, 1 << 20, 1));
+            let mut got = Vec::new();
+            let mut chunks = Vec::new();
+            loop {
+                match p.next() {
+                    Step::Chunk(c) => {
+                        p.completed(0, c.bytes, true);
+                        chunks.push(c);
+                    }
+                    Step::Done => break,
+                    s => panic!("{s:?}"),
+                }
+            }
+            for c in &chunks {
+                assert!(c.bytes <= 75 && c.runs.len() <= 3, "{c:?}");
+                for (s, d, n) in rows_of(&c.runs) {
+                    let (src, dst) = if way == Way::Write { (s, d) } else { (d, s) };
+                    got.extend((0..n).map(|b| (src + b, dst + b)));
+                }
+            }
+            assert_eq!(
+                chunks[0].runs,
+                vec![
+                    if way == Way::Write {
+                        StridedRun {
+                            count: 10,
+                            src_stride: 16,
+                            dst_stride: 7,
+                            ..StridedRun::contiguous(4, 100, 7)
+                        }
+                    } else {
+                        StridedRun {
+                            count: 10,
+                            src_stride: 7,
+                            dst_stride: 16,
+                            ..StridedRun::contiguous(100, 4, 7)
+                        }
+                    },
+                    if way == Way::Write {
+                        StridedRun::contiguous(4 + 160, 170, 5)
+                    } else {
+                        StridedRun::contiguous(170, 4 + 160, 5)
+                    },
+                ]
+            );
+            assert_eq!(chunks[0].rows, 11);
+            let mut want: Vec<(u64, u64)> = (0..1000)
+                .flat_map(|i| (0..7).map(move |b| (4 + i * 16 + b, 100 + i * 7 + b)))
+                .collect();
+            got.sort_unstable();
+            want.sort_unstable();
+            assert_eq!(got, want);
+            assert_eq!(p.totals(0).bytes, 7000);
+        }
     }
 }

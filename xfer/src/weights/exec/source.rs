@@ -576,7 +576,7 @@ impl SourceSync {
                     };
                     let local = &self.regions[c.local_region as usize];
                     let remote = &link.regions[c.remote_region as usize];
-                    let mut t = crate::Transfer::segments(c.segments).timeout(timeout);
+                    let mut t = crate::Transfer::runs(c.runs).timeout(timeout);
                     if let Some(f) = fence {
                         t = t.after(f);
                     }
@@ -684,8 +684,13 @@ impl SourceSync {
         };
         let mut fences: Vec<Arc<dyn Fence>> = Vec::new();
         let mut last = usize::MAX;
-        for &(start, _, len) in &c.segments {
-            let end = start.saturating_add(len);
+        for r in &c.runs {
+            // The rows lie between the first's start and the last's end.
+            let start = r.src_offset;
+            let span = (r.count.saturating_sub(1))
+                .saturating_mul(r.src_stride)
+                .saturating_add(r.len);
+            let end = start.saturating_add(span);
             // The first piece that ends after `start`.
             let mut i = pieces.partition_point(|p| p.1 <= start);
             while let Some(&(p_start, _, index)) = pieces.get(i) {
