@@ -29,6 +29,7 @@
 use std::io::ErrorKind;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixDatagram;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -105,20 +106,28 @@ impl Wake for Signal {
 /// A descriptor that becomes readable when woken: add [`fd`](WakeFd::fd) to a poll set
 /// (`POLLIN`) and call [`drain`](WakeFd::drain) once it is readable. Built on a pair of
 /// Unix datagram sockets from `std` (no FFI here); [`waker`](WakeFd::waker) is the other end.
+///
+/// A waiter that polls instead of sleeping reads [`pending`](WakeFd::pending) (an atomic
+/// load) rather than polling the descriptor (a system call) on every turn.
 #[derive(Debug)]
 pub struct WakeFd {
     rx: UnixDatagram,
     tx: Arc<WakeSender>,
 }
 
-/// The sending end of a [`WakeFd`].
+/// The sending end of a [`WakeFd`]: the datagram socket, and a flag raised before each
+/// datagram is sent.
 #[derive(Debug)]
-struct WakeSender(UnixDatagram);
+struct WakeSender {
+    socket: UnixDatagram,
+    raised: AtomicBool,
+}
 
 impl Wake for WakeSender {
     fn wake(&self) {
+        self.raised.store(true, Ordering::Release);
         // A full queue means wake-ups are already pending: nothing is lost.
-        match self.0.send(&[1]) {
+        match self.socket.send(&[1]) {
             Ok(_) => {}
             Err(e) if e.kind() == ErrorKind::WouldBlock => {}
             Err(e) => tracing::debug!(error = %e, "wake-up not sent"),
@@ -134,8 +143,17 @@ impl WakeFd {
         tx.set_nonblocking(true)?;
         Ok(WakeFd {
             rx,
-            tx: Arc::new(WakeSender(tx)),
+            tx: Arc::new(WakeSender {
+                socket: tx,
+                raised: AtomicBool::new(false),
+            }),
         })
+    }
+
+    /// Whether a wake-up came since the last [`drain`](WakeFd::drain), read without a
+    /// system call.
+    pub fn pending(&self) -> bool {
+        self.tx.raised.load(Ordering::Acquire)
     }
 
     /// The descriptor to poll for `POLLIN`.
@@ -150,6 +168,9 @@ impl WakeFd {
 
     /// Consumes pending wake-ups, so that the descriptor polls as not readable again.
     pub fn drain(&self) {
+        // Lowered first: a wake-up that comes during the drain raises it again (and its
+        // datagram, if drained too, is not needed to see it).
+        self.tx.raised.store(false, Ordering::Release);
         let mut buf = [0u8; 64];
         loop {
             match self.rx.recv(&mut buf) {
@@ -212,5 +233,22 @@ mod tests {
         assert!(w.rx.recv(&mut buf).is_ok(), "pending after wake");
         w.drain();
         assert!(w.rx.recv(&mut buf).is_err(), "drained");
+    }
+
+    #[test]
+    fn wake_fd_pending_follows_wakes_from_another_thread_and_drains() {
+        let w = WakeFd::new().expect("socketpair");
+        assert!(!w.pending());
+        let waker = w.waker();
+        std::thread::spawn(move || waker.wake())
+            .join()
+            .expect("waker");
+        assert!(w.pending(), "a wake-up from another thread is seen");
+        w.drain();
+        assert!(!w.pending(), "lowered by drain");
+        let mut buf = [0u8; 8];
+        assert!(w.rx.recv(&mut buf).is_err(), "and its datagram consumed");
+        w.waker().wake();
+        assert!(w.pending());
     }
 }

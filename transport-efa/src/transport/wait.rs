@@ -195,11 +195,10 @@ impl EfaTransport {
             if !got.is_empty() || !self.ready.is_empty() || Instant::now() >= deadline {
                 break Ok(());
             }
-            if let Err(e) = self.sleep_on(None, Duration::ZERO) {
-                break Err(e);
-            }
-            if self.woken {
-                self.woken = false;
+            if self.wake.pending() {
+                // The engine has work (an atomic load: a `ppoll` here cost a system call
+                // on every turn, and the turns are what a peer's writes wait for).
+                self.wake.drain();
                 break Ok(());
             }
             std::thread::yield_now();
