@@ -83,6 +83,65 @@ impl CopyMethod {
 /// this size (a multiple of 16, so that every piece stays aligned).
 const KERNEL_PIECE: u64 = 64 << 10;
 
+/// One queued copy: `rows` ranges of `len` bytes, row `i` from `src + i * src_stride` to
+/// `dst + i * dst_stride` (a single range has one row). Rows stay one entry until they are
+/// issued, where they are written straight into the kernel's list.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Queued {
+    dst: u64,
+    src: u64,
+    len: u64,
+    rows: u64,
+    dst_stride: u64,
+    src_stride: u64,
+    /// Whether the copy kernel may move it (both ends reachable by this device's kernels);
+    /// others go through `cuMemcpyAsync`, which reaches any device.
+    kernel_ok: bool,
+}
+
+impl Queued {
+    /// Row `i`'s (dst, src).
+    fn row(&self, i: u64) -> (u64, u64) {
+        (
+            self.dst + i * self.dst_stride,
+            self.src + i * self.src_stride,
+        )
+    }
+
+    /// The most kernel pieces its rows may become.
+    fn max_pieces(&self) -> u64 {
+        self.rows * self.len.div_ceil(KERNEL_PIECE)
+    }
+}
+
+/// Hands every kernel piece of `queued` to `piece` as (dst, src, len), in order, and every
+/// range the kernel may not move (not reachable, or an end not 16-byte aligned) to `odd`.
+/// One block of the kernel copies one piece: a range longer than [`KERNEL_PIECE`] is cut so
+/// that many blocks share it (a 1 GiB write went at one block's pace, about 37 GB/s).
+fn kernel_pieces(
+    queued: &[Queued],
+    mut piece: impl FnMut(u64, u64, u64),
+    mut odd: impl FnMut(u64, u64, u64),
+) {
+    for q in queued {
+        // Every row is aligned when the first is and the strides are multiples of 16.
+        let all_aligned = (q.dst | q.src | q.dst_stride | q.src_stride) & 15 == 0;
+        for i in 0..q.rows {
+            let (d, s) = q.row(i);
+            if !q.kernel_ok || !(all_aligned || (d | s) & 15 == 0) {
+                odd(d, s, q.len);
+                continue;
+            }
+            let mut at = 0;
+            while at < q.len {
+                let n = (q.len - at).min(KERNEL_PIECE);
+                piece(d + at, s + at, n);
+                at += n;
+            }
+        }
+    }
+}
+
 /// Keeps memory a queued copy touches alive until its event completes.
 type KeepAlive = Box<dyn Send + Sync>;
 
@@ -104,12 +163,12 @@ pub(crate) struct RangeCopies {
     batch: Option<BatchFn>,
     /// Why a better method is not used, when it is not.
     note: Option<String>,
+    /// Copies queued since the last submit.
+    queued: Vec<Queued>,
+    /// Scratch for the driver's batched copy: one entry per range.
     dsts: Vec<sys::CUdeviceptr>,
     srcs: Vec<sys::CUdeviceptr>,
     sizes: Vec<usize>,
-    /// Per queued copy: whether the copy kernel may move it (both ends reachable by this
-    /// device's kernels); others go through `cuMemcpyAsync`, which reaches any device.
-    kernel_ok: Vec<bool>,
     keep: Vec<KeepAlive>,
     /// Address of the last keep-alive, so that runs of copies from one region keep it once.
     last_kept: Vec<usize>,
@@ -122,8 +181,6 @@ pub(crate) struct RangeCopies {
     checked: Instant,
     next_ticket: u64,
     done: u64,
-    /// Scratch for the kernel's ranges.
-    aligned: Vec<(u64, u64, u64)>,
 }
 
 // SAFETY: the stream handle is an opaque driver object any thread may use once the context
@@ -184,10 +241,10 @@ impl RangeCopies {
             kernel,
             batch,
             note: None,
+            queued: Vec::new(),
             dsts: Vec::new(),
             srcs: Vec::new(),
             sizes: Vec::new(),
-            kernel_ok: Vec::new(),
             keep: Vec::new(),
             last_kept: Vec::new(),
             fences: VecDeque::new(),
@@ -196,7 +253,6 @@ impl RangeCopies {
             checked: Instant::now(),
             next_ticket: 1,
             done: 0,
-            aligned: Vec::new(),
         })
     }
 
@@ -218,19 +274,38 @@ impl RangeCopies {
 
     /// Bytes queued since the last submit.
     pub(crate) fn queued_bytes(&self) -> u64 {
-        self.sizes.iter().map(|&n| n as u64).sum()
+        self.queued.iter().map(|q| q.len * q.rows).sum()
     }
 
     /// Queues a copy of `len` bytes between device-visible addresses. The caller has
     /// checked both ranges against live memory, which it passes to [`keep`](Self::keep).
     pub(crate) fn queue(&mut self, dst: u64, src: u64, len: u64, kernel_ok: bool) {
-        if len == 0 {
+        self.queue_rows((dst, 0), (src, 0), len, 1, kernel_ok);
+    }
+
+    /// Queues `rows` copies of `len` bytes, row `i` from `src + i * src_stride` to `dst + i *
+    /// dst_stride`, as one entry. The caller has checked every row against live memory, which
+    /// it passes to [`keep`](Self::keep).
+    pub(crate) fn queue_rows(
+        &mut self,
+        (dst, dst_stride): (u64, u64),
+        (src, src_stride): (u64, u64),
+        len: u64,
+        rows: u64,
+        kernel_ok: bool,
+    ) {
+        if len == 0 || rows == 0 {
             return;
         }
-        self.dsts.push(dst);
-        self.srcs.push(src);
-        self.sizes.push(len as usize);
-        self.kernel_ok.push(kernel_ok);
+        self.queued.push(Queued {
+            dst,
+            src,
+            len,
+            rows,
+            dst_stride,
+            src_stride,
+            kernel_ok,
+        });
     }
 
     /// Keeps `what` alive until the next submit's copies have finished; consecutive calls
@@ -248,17 +323,18 @@ impl RangeCopies {
     /// stays alive until the stream has passed its mark anyway.
     pub(crate) fn submit(&mut self) -> Result<u64, GpuMemError> {
         self.device.bind()?;
-        let n = self.sizes.len();
         let mut list = None;
         let issued = match self.method {
             CopyMethod::Kernel => self.issue_kernel(&mut list),
-            CopyMethod::Batch if n > 1 => self.issue_batch(),
-            _ => self.issue_each(0..n),
+            CopyMethod::Batch => self.issue_batch(),
+            CopyMethod::Memcpy => self.issue_each(self.queued.iter().flat_map(|q| {
+                (0..q.rows).map(move |i| {
+                    let (d, s) = q.row(i);
+                    (d, s, q.len)
+                })
+            })),
         };
-        self.dsts.clear();
-        self.srcs.clear();
-        self.sizes.clear();
-        self.kernel_ok.clear();
+        self.queued.clear();
         self.last_kept.clear();
         let ticket = self.next_ticket;
         self.next_ticket += 1;
@@ -307,44 +383,55 @@ impl RangeCopies {
     /// Launches the copy kernel for the queued copies it may move, plain copies for the
     /// rest.
     fn issue_kernel(&mut self, list: &mut Option<DescList>) -> Result<(), GpuMemError> {
-        self.aligned.clear();
         let mut odd = Vec::new();
-        for i in 0..self.sizes.len() {
-            if self.kernel_ok[i] && (self.dsts[i] | self.srcs[i]) & 15 == 0 {
-                // One block copies one range: a large range is cut so that many blocks
-                // share it (a 1 GiB write went at one block's pace, about 37 GB/s).
-                let (d, s, len) = (self.dsts[i], self.srcs[i], self.sizes[i] as u64);
-                let mut at = 0;
-                while at < len {
-                    let n = (len - at).min(KERNEL_PIECE);
-                    self.aligned.push((d + at, s + at, n));
-                    at += n;
-                }
-            } else {
-                odd.push(i);
+        let bound: u64 = self.queued.iter().map(Queued::max_pieces).sum();
+        match self.kernel.as_mut() {
+            Some(k) if bound > 0 => {
+                let queued = &self.queued;
+                // SAFETY: every range was checked by the caller against live memory that
+                // `keep` holds until the mark after this launch completes (the list too,
+                // held by the fence); `kernel_pieces` hands over only ranges that kernel_ok
+                // says both ends of are reachable by this device's kernels, with 16-byte
+                // aligned ends, at most `bound` of them; the stream is this context's,
+                // which is current.
+                let launched = unsafe {
+                    k.launch(self.stream, bound as usize, |w| {
+                        kernel_pieces(
+                            queued,
+                            |d, s, l| w.push(d, s, l),
+                            |d, s, l| odd.push((d, s, l)),
+                        )
+                    })?
+                };
+                *list = launched;
             }
+            _ => kernel_pieces(&self.queued, |_, _, _| {}, |d, s, l| odd.push((d, s, l))),
         }
-        if !self.aligned.is_empty()
-            && let Some(k) = self.kernel.as_mut()
-        {
-            // SAFETY: every range was checked by the caller against live memory that
-            // `keep` holds until the event recorded after this launch completes (the list
-            // too, held by the fence); kernel_ok says both ends are reachable by this
-            // device's kernels; ends are 16-byte aligned (filtered above); the stream is
-            // this context's, which is current.
-            *list = Some(unsafe { k.launch(self.stream, &self.aligned)? });
-        }
-        for i in odd {
-            self.issue_each(i..i + 1)?;
-        }
-        Ok(())
+        self.issue_each(odd.into_iter())
     }
 
     fn issue_batch(&mut self) -> Result<(), GpuMemError> {
-        let Some(f) = self.batch else {
-            return self.issue_each(0..self.sizes.len());
-        };
+        self.dsts.clear();
+        self.srcs.clear();
+        self.sizes.clear();
+        for q in &self.queued {
+            for i in 0..q.rows {
+                let (d, s) = q.row(i);
+                self.dsts.push(d);
+                self.srcs.push(s);
+                self.sizes.push(q.len as usize);
+            }
+        }
         let n = self.sizes.len();
+        let f = match self.batch {
+            Some(f) if n > 1 => f,
+            _ => {
+                let ranges: Vec<_> = (0..n)
+                    .map(|i| (self.dsts[i], self.srcs[i], self.sizes[i] as u64))
+                    .collect();
+                return self.issue_each(ranges.into_iter());
+            }
+        };
         let loc = sys::CUmemLocation {
             type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_INVALID,
             id: 0,
@@ -377,14 +464,13 @@ impl RangeCopies {
         check_call(r, "cuMemcpyBatchAsync")
     }
 
-    fn issue_each(&mut self, range: std::ops::Range<usize>) -> Result<(), GpuMemError> {
-        for i in range {
+    /// One `cuMemcpyAsync` per range `(dst, src, len)`.
+    fn issue_each(&self, ranges: impl Iterator<Item = (u64, u64, u64)>) -> Result<(), GpuMemError> {
+        for (d, s, l) in ranges {
             check_call(
                 // SAFETY: as for the batch: the range was checked by the caller and its
                 // memory stays alive until the event recorded after this call completes.
-                unsafe {
-                    sys::cuMemcpyAsync(self.dsts[i], self.srcs[i], self.sizes[i], self.stream)
-                },
+                unsafe { sys::cuMemcpyAsync(d, s, l as usize, self.stream) },
                 "cuMemcpyAsync",
             )?;
         }
@@ -636,7 +722,78 @@ impl StagedCopies {
 
 #[cfg(test)]
 mod tests {
-    use super::CopyMethod;
+    use super::{CopyMethod, KERNEL_PIECE, Queued, kernel_pieces};
+    use proptest::prelude::*;
+
+    type Ranges = Vec<(u64, u64, u64)>;
+
+    /// The ranges `queued` becomes: (kernel pieces, odd ranges), each (dst, src, len);
+    /// checks that pieces are aligned, no longer than a piece, and that the pieces and odd
+    /// ranges together cover each row exactly, in order.
+    fn issued(queued: &[Queued]) -> (Ranges, Ranges) {
+        let all = std::cell::RefCell::new(Vec::new());
+        let (mut pieces, mut odd) = (Vec::new(), Vec::new());
+        kernel_pieces(
+            queued,
+            |d, s, l| {
+                assert_eq!((d | s) & 15, 0, "unaligned piece {d:#x} {s:#x}");
+                assert!(l > 0 && l <= KERNEL_PIECE);
+                pieces.push((d, s, l));
+                all.borrow_mut().push((d, s, l));
+            },
+            |d, s, l| {
+                odd.push((d, s, l));
+                all.borrow_mut().push((d, s, l));
+            },
+        );
+        let mut at = all.into_inner().into_iter();
+        for q in queued {
+            for i in 0..q.rows {
+                let (d, s) = q.row(i);
+                let mut done = 0;
+                while done < q.len {
+                    let (pd, ps, pl) = at.next().expect("a row is covered");
+                    assert_eq!((pd, ps), (d + done, s + done));
+                    done += pl;
+                }
+                assert_eq!(done, q.len);
+            }
+        }
+        assert!(at.next().is_none());
+        (pieces, odd)
+    }
+
+    proptest! {
+        /// Rows queued as one entry move exactly the bytes of their rows one by one, the
+        /// kernel takes every aligned reachable row (cut into pieces), and no more pieces
+        /// than the entry's bound.
+        #[test]
+        fn rows_as_one_entry_move_the_bytes_of_their_rows(
+            dst in 0u64..64, src in 0u64..64, len in 1u64..200_000,
+            rows in 1u64..6, ds in 0u64..300_000, ss in 0u64..300_000,
+            kernel_ok: bool,
+        ) {
+            let (dst, src) = (dst * 8, (1 << 40) | (src * 8));
+            let q = Queued { dst, src, len, rows, dst_stride: ds, src_stride: ss, kernel_ok };
+            let one: Vec<Queued> = (0..rows)
+                .map(|i| Queued {
+                    dst: dst + i * ds, src: src + i * ss, len, rows: 1,
+                    dst_stride: 0, src_stride: 0, kernel_ok,
+                })
+                .collect();
+            let (a, odd_a) = issued(&[q]);
+            let (b, odd_b) = issued(&one);
+            prop_assert_eq!(&a, &b);
+            prop_assert_eq!(&odd_a, &odd_b);
+            let pa = a.len();
+            prop_assert!(pa as u64 <= q.max_pieces());
+            let aligned_rows = (0..rows)
+                .filter(|i| ((dst + i * ds) | (src + i * ss)) & 15 == 0)
+                .count() as u64;
+            let want = if kernel_ok { aligned_rows * len.div_ceil(KERNEL_PIECE) } else { 0 };
+            prop_assert_eq!(pa as u64, want);
+        }
+    }
 
     #[test]
     fn copy_methods_round_trip_by_name_and_nothing_else_parses() {

@@ -138,34 +138,41 @@ impl GatherKernel {
         })
     }
 
-    /// Launches the copies `(dst, src, len)` on `stream` and returns their list, which the
-    /// caller keeps until an event recorded after this launch completes (then hands it back
-    /// with [`recycle`](Self::recycle)).
+    /// Launches the copies that `fill` writes into a list of at most `bound` ranges (`(dst,
+    /// src, len)` each, through [`ListWriter::push`]) on `stream`, and returns the list,
+    /// which the caller keeps until a mark recorded after this launch completes (then hands
+    /// it back with [`recycle`](Self::recycle)); `None` (and no launch) when `fill` wrote
+    /// nothing.
     ///
     /// # Safety
-    /// Every range must lie in live device memory (or peer memory mapped into this context)
-    /// that stays valid until the launch completes; `dst` and `src` must be 16-byte
+    /// Every range written must lie in live device memory (or peer memory mapped into this
+    /// context) that stays valid until the launch completes; `dst` and `src` must be 16-byte
     /// aligned; `stream` must belong to this device's context, which must be current.
     pub(crate) unsafe fn launch(
         &mut self,
         stream: sys::CUstream,
-        copies: &[(u64, u64, u64)],
-    ) -> Result<DescList, GpuMemError> {
-        let n = copies.len();
-        let pos = self.spare.iter().position(|l| l.entries >= n);
-        let list = match pos {
+        bound: usize,
+        fill: impl FnOnce(&mut ListWriter<'_>),
+    ) -> Result<Option<DescList>, GpuMemError> {
+        let list = match best_fit(self.spare.iter().map(|l| l.entries), bound) {
             Some(i) => self.spare.swap_remove(i),
-            None => DescList::new(&self.device, n.max(MIN_ENTRIES))?,
+            None => DescList::new(&self.device, list_entries(bound))?,
         };
-        for (i, &(d, s, l)) in copies.iter().enumerate() {
-            // SAFETY: i < n <= list.entries, so the three words lie inside the list, which
-            // no kernel reads any more (it was recycled after its event, or is new).
-            unsafe {
-                let p = list.host.as_ptr().add(3 * i);
-                p.write(d);
-                p.add(1).write(s);
-                p.add(2).write(l);
-            }
+        let mut w = ListWriter {
+            list: &list,
+            len: 0,
+            overflow: false,
+        };
+        fill(&mut w);
+        let (n, overflow) = (w.len, w.overflow);
+        if n == 0 || overflow {
+            self.spare.push(list);
+            return match overflow {
+                false => Ok(None),
+                true => Err(GpuMemError::WrongMemory(format!(
+                    "more ranges than the {bound} the copy list was sized for"
+                ))),
+            };
         }
         let mut descs = list.dev;
         let mut count = n as u32;
@@ -177,7 +184,7 @@ impl GatherKernel {
         let r = check_call(
             // SAFETY: the function takes (u64, u32), matching params; the caller upholds
             // the ranges' validity and alignment and the stream's context; the list stays
-            // alive until the caller recycles it after the launch's event.
+            // alive until the caller recycles it after the launch's mark.
             unsafe {
                 sys::cuLaunchKernel(
                     self.func,
@@ -196,7 +203,7 @@ impl GatherKernel {
             "cuLaunchKernel (copy kernel)",
         );
         match r {
-            Ok(()) => Ok(list),
+            Ok(()) => Ok(Some(list)),
             Err(e) => {
                 self.spare.push(list);
                 Err(e)
@@ -206,10 +213,62 @@ impl GatherKernel {
 
     /// Takes back a list whose launch has completed.
     pub(crate) fn recycle(&mut self, list: DescList) {
-        if self.spare.len() < 64 {
+        if self.spare.len() < MAX_SPARE {
             self.spare.push(list);
         }
     }
+}
+
+/// Writes ranges into a list that no kernel reads (new, or recycled after its launch).
+pub(crate) struct ListWriter<'a> {
+    list: &'a DescList,
+    len: usize,
+    overflow: bool,
+}
+
+impl ListWriter<'_> {
+    /// Appends the range `(dst, src, len)`. One beyond the list's entries fails the launch
+    /// instead (the caller's bound counts every range it writes, so none is).
+    pub(crate) fn push(&mut self, dst: u64, src: u64, len: u64) {
+        if self.len >= self.list.entries {
+            self.overflow = true;
+            return;
+        }
+        // SAFETY: len < entries, so the three words lie inside the list's pinned memory,
+        // which no kernel reads until the launch that follows this fill.
+        unsafe {
+            let p = self.list.host.as_ptr().add(3 * self.len);
+            p.write(dst);
+            p.add(1).write(src);
+            p.add(2).write(len);
+        }
+        self.len += 1;
+    }
+}
+
+/// Spare lists a kernel keeps. Lists are allocated only when no spare one is large enough
+/// and come in powers of two, so the spares stay few (about as many as launches in flight at
+/// once); one beyond this is freed.
+const MAX_SPARE: usize = 64;
+
+/// The entries of a new list for `n` ranges: the next power of two, at least
+/// [`MIN_ENTRIES`]. Allocating pinned memory (`cuMemHostAlloc`) takes milliseconds for lists
+/// of megabytes, and freeing it (`cuMemFreeHost`) waits for the device: with lists of exactly
+/// `n` entries, batches of varying sizes would allocate a list whenever one outgrew every
+/// spare, and free one whenever the spares were full. Rounded up, a spare list serves every
+/// later batch up to twice the size that allocated it.
+fn list_entries(n: usize) -> usize {
+    n.max(MIN_ENTRIES).next_power_of_two()
+}
+
+/// The index of the smallest of `spare` (entries of the spare lists) that holds `n` ranges:
+/// a small batch does not take the large list a later large batch would need.
+fn best_fit(spare: impl Iterator<Item = usize>, n: usize) -> Option<usize> {
+    spare
+        .enumerate()
+        .filter(|&(_, entries)| entries >= n)
+        .min_by_key(|&(_, entries)| entries)
+        .map(|(i, _)| i)
 }
 
 impl Drop for GatherKernel {
@@ -220,5 +279,32 @@ impl Drop for GatherKernel {
             // before dropping the kernel.
             unsafe { sys::cuModuleUnload(self.module) };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{MIN_ENTRIES, best_fit, list_entries};
+
+    #[test]
+    fn new_lists_come_in_powers_of_two_from_the_minimum() {
+        assert_eq!(list_entries(0), MIN_ENTRIES);
+        assert_eq!(list_entries(MIN_ENTRIES), MIN_ENTRIES);
+        assert_eq!(list_entries(MIN_ENTRIES + 1), 2 * MIN_ENTRIES);
+        assert_eq!(list_entries(131_073), 262_144);
+        for n in [1, 999, 4097, 70_000, 1 << 20] {
+            let e = list_entries(n);
+            assert!(e >= n && e.is_power_of_two() && e < 2 * n.max(MIN_ENTRIES));
+        }
+    }
+
+    #[test]
+    fn a_batch_takes_the_smallest_spare_list_that_holds_it() {
+        let spare = [4096, 1024, 65_536, 2048];
+        assert_eq!(best_fit(spare.into_iter(), 1500), Some(3));
+        assert_eq!(best_fit(spare.into_iter(), 1024), Some(1));
+        assert_eq!(best_fit(spare.into_iter(), 5000), Some(2));
+        assert_eq!(best_fit(spare.into_iter(), 65_537), None);
+        assert_eq!(best_fit(std::iter::empty(), 1), None);
     }
 }

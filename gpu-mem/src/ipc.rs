@@ -527,10 +527,8 @@ impl PeerCopies {
             MemoryLocation::Cuda { device } => {
                 let kernel_ok = device == self.copies.device().ordinal() && dst.direct;
                 let (from, to) = (src.device_addr() + src_offset, dst.base + dst_offset);
-                for i in 0..rows {
-                    self.copies
-                        .queue(to + i * dst_stride, from + i * src_stride, len, kernel_ok);
-                }
+                self.copies
+                    .queue_rows((to, dst_stride), (from, src_stride), len, rows, kernel_ok);
                 self.copies.keep(src);
                 self.copies.keep(dst);
                 Ok(())
