@@ -28,6 +28,12 @@ impl<L: Link> CudaIpcTransport<L> {
                 break;
             };
             let mut landed = Vec::new();
+            tracing::trace!(
+                target: "transport_cuda_ipc::timeline",
+                batch = b.batch,
+                ops = b.ops.len(),
+                "copied"
+            );
             for op in &b.ops {
                 self.outstanding -= 1;
                 let result = match &err {
@@ -94,6 +100,13 @@ impl<L: Link> CudaIpcTransport<L> {
                 p.next_batch += 1;
                 let kind = if read { wire::RESERVE_READS } else { 0 };
                 put_frame(c.io.out(), Op::Reserve, batch, kind, &entries);
+                tracing::trace!(
+                    target: "transport_cuda_ipc::timeline",
+                    batch,
+                    ops = ops.len(),
+                    bytes = ops.iter().map(WriteOp::bytes).sum::<u64>(),
+                    "reserving"
+                );
                 p.reserving.insert(batch, (Instant::now(), ops));
                 p.in_flight += 1;
             }
@@ -162,6 +175,7 @@ impl<L: Link> CudaIpcTransport<L> {
                 p.keys.insert(h.x, mapped);
             }
             Op::Grant => {
+                tracing::trace!(target: "transport_cuda_ipc::timeline", batch = h.id, "granted");
                 let (_, ops) = p
                     .reserving
                     .remove(&h.id)
@@ -225,7 +239,14 @@ impl<L: Link> CudaIpcTransport<L> {
                         imm: None,
                     });
                 }
-                match self.link.submit() {
+                let launched = self.link.submit();
+                tracing::trace!(
+                    target: "transport_cuda_ipc::timeline",
+                    batch = h.id,
+                    ops = ok_ops.len(),
+                    "launched"
+                );
+                match launched {
                     Ok(ticket) => self.copying.push_back(Copying {
                         ticket,
                         peer,

@@ -29,6 +29,12 @@
 //!   [`OpError::PeerUnreachable`]; removing a peer waits for its copies in flight, then
 //!   closes its mappings.
 //!
+//! **Timeline.** At trace level the target `transport_cuda_ipc::timeline` logs each batch's
+//! steps (`reserving` with its writes and bytes, `granted`, `launched`, `copied`), so a
+//! subscriber with timestamps shows where a batch waited: for the target's grant, for the
+//! launch (building the copy list), or on the GPU. The weight-sync example writes them per
+//! process (`XFER_TRACE_DIR`; see `xfer/examples/weights_sync.rs`).
+//!
 //! Abstract Unix sockets are reachable by every process in the same network namespace;
 //! remote keys are random 64-bit values, so a process must be given a descriptor to write.
 //!

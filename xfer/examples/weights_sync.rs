@@ -21,6 +21,11 @@
 //!
 //! The process given no `role=` is the coordinator: it starts the four others (this
 //! program again) and drives them over their stdin and stdout, one line a command.
+//!
+//! With `XFER_TRACE_DIR=DIR` each of the four writes its trace events (`RUST_LOG`'s
+//! filter, by default the cuda-ipc transport's and the sync's timelines) to
+//! `DIR/source0.log` and so on, microseconds since the process started, with a line
+//! where each baseline and each push begins and ends.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
@@ -391,8 +396,28 @@ fn say(v: serde_json::Value) {
     let _ = std::io::stdout().flush();
 }
 
+/// With `XFER_TRACE_DIR` set, sends this process's trace events to `DIR/{role}{rank}.log`.
+fn trace_to_file(o: &Opts) -> Res<()> {
+    let (Some(dir), Some(role)) = (std::env::var_os("XFER_TRACE_DIR"), o.rest.get("role")) else {
+        return Ok(());
+    };
+    let rank = o.rest.get("rank").map_or("", String::as_str);
+    let file = std::fs::File::create(std::path::Path::new(&dir).join(format!("{role}{rank}.log")))?;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        "transport_cuda_ipc::timeline=trace,xfer::weights::timeline=trace,weights_sync=trace".into()
+    });
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_timer(tracing_subscriber::fmt::time::uptime())
+        .with_ansi(false)
+        .with_writer(std::sync::Mutex::new(file))
+        .init();
+    Ok(())
+}
+
 fn main() -> Res<()> {
     let o = Opts::parse(std::env::args().skip(1))?;
+    trace_to_file(&o)?;
     match o.rest.get("role").map(String::as_str) {
         Some("source") => source(&o),
         Some("destination") => destination(&o),
@@ -502,9 +527,11 @@ fn source(o: &Opts) -> Res<()> {
         let mut w = line.split(' ');
         match (w.next(), w.next()) {
             (Some("push"), Some(v)) => {
+                tracing::trace!(version = v, "push begins");
                 let t = Instant::now();
                 let r = sync.push(v.parse()?)?;
                 let s = t.elapsed().as_secs_f64();
+                tracing::trace!(version = v, "push ends");
                 let failed: Vec<String> = (r.destinations.iter())
                     .filter_map(|(d, x)| x.as_ref().err().map(|e| format!("{d}: {e}")))
                     .collect();
@@ -515,6 +542,7 @@ fn source(o: &Opts) -> Res<()> {
             }
             (Some("base"), Some(k)) => {
                 let k: u32 = k.parse()?;
+                tracing::trace!(round = k, "baseline begins");
                 let t = Instant::now();
                 let mut handles = Vec::new();
                 for (d, p) in peers.iter().enumerate() {
@@ -540,6 +568,7 @@ fn source(o: &Opts) -> Res<()> {
                 for h in handles {
                     bytes += h.wait(T)?.bytes;
                 }
+                tracing::trace!(round = k, "baseline ends");
                 say(
                     serde_json::json!({"based": k, "s": t.elapsed().as_secs_f64(), "bytes": bytes}),
                 );

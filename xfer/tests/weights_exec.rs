@@ -547,3 +547,50 @@ fn a_destination_whose_connection_broke_is_reconnected_and_redone() {
         Err(SyncError::NotAttached { rank: 7, .. })
     ));
 }
+
+/// Trace output of this thread, collected for a test.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_push_traces_each_chunk_it_submits_and_each_that_lands() {
+    let opts = SyncOptions::default()
+        .chunk_bytes(64)
+        .max_inflight_transfers(2);
+    let s = small_sync(opts, true);
+    let out = Captured::default();
+    let w = out.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_env_filter("xfer::weights::timeline=trace")
+        .with_ansi(false)
+        .with_writer(move || w.clone())
+        .finish();
+    let v = fresh_version();
+    let report = tracing::subscriber::with_default(subscriber, || s.senders[0].push(v)).unwrap();
+    assert!(report.is_ok(), "{report:?}");
+    let transfers: u64 = (report.destinations.values())
+        .map(|r| r.as_ref().unwrap().transfers)
+        .sum();
+    let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+    let count = |what: &str| {
+        text.lines()
+            .filter(|l| l.contains("xfer::weights::timeline") && l.contains(what))
+            .count() as u64
+    };
+    // Chunks of 64 bytes: several per destination, each traced once each way; `transfers`
+    // counts the signal to each destination too, which lands with no bytes.
+    assert!(transfers > 4, "{report:?}");
+    assert_eq!(count(": chunk"), transfers - 2, "{text}");
+    assert_eq!(count(": landed"), transfers, "{text}");
+    assert_eq!(count(" bytes=0 "), 2, "{text}");
+}

@@ -46,6 +46,11 @@
 //! an FSDP gather would write the piece into the registered region (the caller's code), so
 //! that preparing later tensors overlaps sending earlier ones.
 //!
+//! **Timeline.** At trace level the target `xfer::weights::timeline` logs each chunk a push
+//! submits (`chunk`: destination lane, bytes, runs) and each that lands (`landed`); with the
+//! cuda-ipc transport's own timeline (`transport_cuda_ipc::timeline`) a subscriber with
+//! timestamps shows where a push's time goes.
+//!
 //! ```
 //! use std::sync::Arc;
 //! use std::time::Duration;

@@ -576,10 +576,18 @@ impl SourceSync {
                     };
                     let local = &self.regions[c.local_region as usize];
                     let remote = &link.regions[c.remote_region as usize];
+                    let runs = c.runs.len();
                     let mut t = crate::Transfer::runs(c.runs).timeout(timeout);
                     if let Some(f) = fence {
                         t = t.after(f);
                     }
+                    tracing::trace!(
+                        target: "xfer::weights::timeline",
+                        lane,
+                        bytes,
+                        runs,
+                        "chunk"
+                    );
                     match self.agent.submit(&link.peer, local, remote, t) {
                         Ok(h) => {
                             let tx = tx.clone();
@@ -625,6 +633,13 @@ impl SourceSync {
                     let Ok((lane, bytes, r)) = got else {
                         break;
                     };
+                    tracing::trace!(
+                        target: "xfer::weights::timeline",
+                        lane,
+                        bytes,
+                        ok = r.is_ok(),
+                        "landed"
+                    );
                     match r {
                         Ok(_) => {
                             pipe.completed(lane, bytes, true);
