@@ -142,6 +142,15 @@ fn kernel_pieces(
     }
 }
 
+/// The most kernel pieces `queued` may become: the room its copy list needs. Only what the
+/// kernel may move counts, so a batch it may move none of takes no list and makes no launch.
+fn list_bound(queued: &[Queued]) -> u64 {
+    (queued.iter())
+        .filter(|q| q.kernel_ok)
+        .map(Queued::max_pieces)
+        .sum()
+}
+
 /// Keeps memory a queued copy touches alive until its event completes.
 type KeepAlive = Box<dyn Send + Sync>;
 
@@ -384,7 +393,7 @@ impl RangeCopies {
     /// rest.
     fn issue_kernel(&mut self, list: &mut Option<DescList>) -> Result<(), GpuMemError> {
         let mut odd = Vec::new();
-        let bound: u64 = self.queued.iter().map(Queued::max_pieces).sum();
+        let bound = list_bound(&self.queued);
         match self.kernel.as_mut() {
             Some(k) if bound > 0 => {
                 let queued = &self.queued;
@@ -722,7 +731,7 @@ impl StagedCopies {
 
 #[cfg(test)]
 mod tests {
-    use super::{CopyMethod, KERNEL_PIECE, Queued, kernel_pieces};
+    use super::{CopyMethod, KERNEL_PIECE, Queued, kernel_pieces, list_bound};
     use proptest::prelude::*;
 
     type Ranges = Vec<(u64, u64, u64)>;
@@ -786,7 +795,8 @@ mod tests {
             prop_assert_eq!(&a, &b);
             prop_assert_eq!(&odd_a, &odd_b);
             let pa = a.len();
-            prop_assert!(pa as u64 <= q.max_pieces());
+            prop_assert!(pa as u64 <= list_bound(&[q]));
+            prop_assert_eq!(list_bound(&[q]) == 0, !kernel_ok);
             let aligned_rows = (0..rows)
                 .filter(|i| ((dst + i * ds) | (src + i * ss)) & 15 == 0)
                 .count() as u64;
