@@ -8,11 +8,20 @@
 # does), runs interleaved. RAILS=4 runs 4 bench rails against 4 fi_rma_bw pairs at once
 # (their sum).
 #
+# fi_rma_bw runs twice per size:
+# - `-j 0`, every write posted with a completion that reports delivery (`-U`:
+#   FI_DELIVERY_COMPLETE), which is what a write of the backend completes on. The ratio is
+#   against this one: the same work per write.
+# - its default, which at sizes up to the provider's inject size (4 KiB for shm) posts
+#   `fi_inject_writedata`: no completion at all, so nothing waits for the target; shm
+#   carries a write of up to about 200 bytes inside its command. Printed for reference
+#   ("inject"): no write of the backend can complete before it has landed.
+#
 #   bash scripts/efa-small.sh LF_PREFIX [SIZE ...]     # default sizes: 64 1024 4096
 #   LF_PREFIX: libfabric 2.x with fabtests (bin/fi_rma_bw), e.g. from
 #   ../shared/vendor/build-libfabric-cuda.sh; XFER=target/release/xfer RUNS=3 RAILS=1
 #
-# Prints every run, then per size the medians (M writes/s) and their ratio.
+# Prints every run, then per size the medians (M writes/s) and the ratios.
 set -euo pipefail
 LF=$(cd "${1:?usage: efa-small.sh LF_PREFIX [SIZE ...]}" && pwd)
 shift
@@ -28,16 +37,17 @@ trap 'rm -rf "$tmp"' EXIT
 cd "$tmp"
 
 # fi_rma_bw: RAILS pairs at once, each on its own port; prints their summed M writes/s.
-rma_bw() { # size
+rma_bw() { # size [extra fi_rma_bw option ...]
     local size=$1 pids=() i port
+    shift
     for i in $(seq "$RAILS"); do
         port=$((9300 + RANDOM % 500 + 600 * i))
         env LD_LIBRARY_PATH="$LF/lib" timeout 60 "$LF/bin/fi_rma_bw" -p shm -E"$port" -U -o writedata \
-            -S "$size" -W 64 -I 300000 >/dev/null 2>&1 &
+            -S "$size" -W 64 -I 300000 "$@" >/dev/null 2>&1 &
         pids+=($!)
         sleep 0.3
         env LD_LIBRARY_PATH="$LF/lib" timeout 60 "$LF/bin/fi_rma_bw" -p shm -E"$port" -U -o writedata \
-            -S "$size" -W 64 -I 300000 127.0.0.1 >"fi$i.out" 2>&1 &
+            -S "$size" -W 64 -I 300000 "$@" 127.0.0.1 >"fi$i.out" 2>&1 &
         pids+=($!)
     done
     for p in "${pids[@]}"; do wait "$p" || true; done
@@ -62,21 +72,25 @@ bench() { # size
 }
 
 echo "== efa over shm, two processes, host memory, $RAILS rail(s) (${shape[*]}), $(nproc) cores, $RUNS runs"
-declare -A fi us
+declare -A fd fj us
 for run in $(seq "$RUNS"); do
     for size in "$@"; do
-        f=$(rma_bw "$size")
+        d=$(rma_bw "$size" -j 0)
+        j=$(rma_bw "$size")
         u=$(bench "$size")
-        echo "$size B run $run: fi_rma_bw $f M/s, xfer $u M/s"
-        fi[$size]+="$f "
+        echo "$size B run $run: fi_rma_bw $d M/s (inject: $j), xfer $u M/s"
+        fd[$size]+="$d "
+        fj[$size]+="$j "
         us[$size]+="$u "
     done
 done
 for size in "$@"; do
-    python3 - "$size" "${fi[$size]}" "${us[$size]}" <<'PY'
+    python3 - "$size" "${fd[$size]}" "${fj[$size]}" "${us[$size]}" <<'PY'
 import statistics, sys
-size, f, u = sys.argv[1], list(map(float, sys.argv[2].split())), list(map(float, sys.argv[3].split()))
-mf, mu = statistics.median(f), statistics.median(u)
-print(f"{size} B: median fi_rma_bw {mf:.2f} M/s, xfer {mu:.2f} M/s, ratio {mu / mf if mf else 0:.2f}")
+size = sys.argv[1]
+d, j, u = (statistics.median(map(float, a.split())) for a in sys.argv[2:5])
+ratio = lambda a, b: f"{a / b:.2f}" if b else "n/a"
+print(f"{size} B: median fi_rma_bw {d:.2f} M/s, xfer {u:.2f} M/s, ratio {ratio(u, d)}"
+      f" (fi_rma_bw inject {j:.2f} M/s, ratio {ratio(u, j)})")
 PY
 done
