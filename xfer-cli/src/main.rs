@@ -14,7 +14,15 @@
 //! `bytesize` parses and prints sizes (`64KiB`, `4.3 GiB`), `indicatif` draws the progress
 //! line (only on a terminal, rate-limited), `fastrand` picks the pages (small, seeded,
 //! no dependencies), `hex` spells binary transport addresses,
-//! `prometheus-client` writes the `--metrics` exposition (see [`metrics`]).
+//! `prometheus-client` writes the `--metrics` exposition (see [`metrics`]), `mimalloc` is
+//! the allocator (below).
+//!
+//! The allocator is mimalloc: each transfer's plan and completion are allocated by the
+//! submitting thread and freed by a rail's worker, and glibc's malloc pays for that hand-off
+//! between its per-thread caches. Transfers of 16 pages of 64 bytes, 4 rails of efa over
+//! shm on the H200: 2.40 M writes/s with glibc's, 3.00 with mimalloc (medians of 3); the
+//! engine alone (`demo --transport mem`, 16 pages a transfer, 4 in flight) 2.79 against
+//! 3.83. Large transfers do not notice.
 
 mod backend;
 mod baseline;
@@ -44,6 +52,10 @@ use std::time::Duration;
 use workload::Workload;
 use xfer::nics::NicChoice;
 use xfer::{Agent, AgentInfo, Peer, Region, RegionDescriptor, TransportChoice, TransportKind};
+
+/// See the crate docs: transfers allocate on one thread and free on another.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[derive(Parser)]
 #[command(
