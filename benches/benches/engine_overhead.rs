@@ -3,11 +3,15 @@
 //! 4 transfers in flight. Criterion's `Melem/s` is millions of writes per second through
 //! one worker (the target of issue 6 is at least 10).
 //!
+//! The same with transfers of 16 segments measures what a transfer costs beyond its writes
+//! (planning, the hand-off to the worker and back, the allocations on the way), with the
+//! system's allocator: its `Melem/s` is millions of transfers per second.
+//!
 //! `cargo bench -p xfer-benches --bench engine_overhead`
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use std::time::Duration;
-use xfer_benches::{Backend, DEPTH, PageLayout, Pair};
+use xfer_benches::{Backend, DEPTH, GroupPair, PageLayout, Pair};
 
 const SEGMENT: u64 = 64;
 const SEGMENTS: usize = 1024;
@@ -28,6 +32,13 @@ fn engine_overhead(c: &mut Criterion) {
             xfer_benches::run(&pair.initiator, &transfers, iters, DEPTH)
                 .expect("transfers complete")
         })
+    });
+    // A rail group of one rail: the path an agent's transfers take.
+    let group = GroupPair::new(&Backend::Mem, 1, REGION).expect("mem group pair");
+    let small = group.transfers(&layout, 16, 256, 11);
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("mem/64B x 16 segments, rail group, per transfer", |b| {
+        b.iter_custom(|iters| group.run(&small, iters, DEPTH).expect("transfers complete"))
     });
     g.finish();
 }
