@@ -1,6 +1,7 @@
 //! The cost of `plan_transfer` alone (a pure function): 1000 random 4 KiB segments that
 //! are never adjacent, so each becomes one write. `Melem/s` is millions of segments
-//! planned per second.
+//! planned per second. Then a transfer of 16 random 64-byte pages of a 1 GiB region (a
+//! few KV-cache blocks), whose cost is the transfer's rather than its pages'.
 //!
 //! `cargo bench -p xfer-benches --bench planning`
 
@@ -29,6 +30,12 @@ fn planning(c: &mut Criterion) {
         .throughput(Throughput::Elements(SEGMENTS as u64));
     g.bench_function("plan_transfer/1000 x 4KiB", |b| {
         b.iter(|| plan_transfer(black_box(&segments), black_box(MAX_MSG)).expect("valid segments"))
+    });
+    let small =
+        PageLayout::sparse(64, REGION_SIZE).segments(LocalKey(1), dst, 16, &mut Rng::with_seed(6));
+    g.throughput(Throughput::Elements(16));
+    g.bench_function("plan_transfer/16 x 64B", |b| {
+        b.iter(|| plan_transfer(black_box(&small), black_box(MAX_MSG)).expect("valid segments"))
     });
     g.finish();
 }

@@ -560,7 +560,7 @@ fn check_overlaps(segments: &[Segment]) -> Result<()> {
     {
         return check_overlaps_general(segments);
     }
-    check_overlaps_packed(segments, shape.lo)
+    check_overlaps_packed(segments, shape.lo, shape.live as usize)
 }
 
 /// Whether two non-empty destinations might overlap: false when they are already in
@@ -632,7 +632,16 @@ impl DestinationShape {
         if cells > 128 * self.live.max(64) {
             return false;
         }
-        let mut marked = vec![0u64; cells.div_ceil(64) as usize];
+        let words = cells.div_ceil(64) as usize;
+        // A small transfer's bitmap (up to 8192 cells) lives on the stack.
+        let mut on_stack = [0u64; SMALL_WORDS];
+        let mut on_heap = Vec::new();
+        let marked: &mut [u64] = if words <= SMALL_WORDS {
+            &mut on_stack[..words]
+        } else {
+            on_heap.resize(words, 0);
+            &mut on_heap
+        };
         for s in segments.iter().filter(|s| s.len > 0) {
             let first = (s.dst_offset - self.lo) >> shift;
             let last = (s.dst_offset + s.len - 1 - self.lo) >> shift;
@@ -648,6 +657,13 @@ impl DestinationShape {
     }
 }
 
+/// Words of [`DestinationShape::disjoint_by_cells`]'s bitmap kept on the stack.
+const SMALL_WORDS: usize = 128;
+
+/// Segments whose packed sort keys ([`check_overlaps_packed`]) are kept on the stack: a
+/// transfer of a few pages then checks its destinations without allocating.
+const SMALL_SEGMENTS: usize = 64;
+
 /// Bits of a packed sort key that hold the segment index.
 const INDEX_BITS: u32 = 24;
 const INDEX_MASK: u64 = (1 << INDEX_BITS) - 1;
@@ -656,13 +672,23 @@ const INDEX_MASK: u64 = (1 << INDEX_BITS) - 1;
 /// offsets spread over less than 2^40 bytes from `lo`: each non-empty segment becomes
 /// `(offset - lo) << 24 | index`, sorted as a plain integer, which is the general
 /// check's order (offset, then index) at a fraction of its cost.
-fn check_overlaps_packed(segments: &[Segment], lo: u64) -> Result<()> {
-    let mut order: Vec<u64> = segments
+fn check_overlaps_packed(segments: &[Segment], lo: u64, live: usize) -> Result<()> {
+    let mut on_stack = [0u64; SMALL_SEGMENTS];
+    let mut on_heap = Vec::new();
+    let order: &mut [u64] = if live <= SMALL_SEGMENTS {
+        &mut on_stack[..live]
+    } else {
+        on_heap.resize(live, 0);
+        &mut on_heap
+    };
+    let keys = segments
         .iter()
         .enumerate()
         .filter(|(_, s)| s.len > 0)
-        .map(|(i, s)| ((s.dst_offset - lo) << INDEX_BITS) | i as u64)
-        .collect();
+        .map(|(i, s)| ((s.dst_offset - lo) << INDEX_BITS) | i as u64);
+    for (slot, key) in order.iter_mut().zip(keys) {
+        *slot = key;
+    }
     order.sort_unstable();
     for w in order.windows(2) {
         let (i, j) = ((w[0] & INDEX_MASK) as usize, (w[1] & INDEX_MASK) as usize);
@@ -1004,16 +1030,19 @@ mod tests {
         /// general one rejects, with the same message (the same pair of segments).
         #[test]
         fn fast_overlap_checks_agree_with_the_general_one(
-            segs in proptest::collection::vec((0u64..8, 0u64..200, 0u64..20), 0..30),
+            segs in proptest::collection::vec((0u64..8, 0u64..1 << 20, 0u64..20), 0..150),
             regions in 1u64..4,
             sorted in any::<bool>(),
+            span in prop_oneof![Just(200u64), Just(12_000u64)],
         ) {
             // Mostly one region (the packed path), sometimes several (the general one).
+            // Up to 64 segments keep their sort keys on the stack, more on the heap; over
+            // 12 000 bytes, 100 segments or more take a cell bitmap too large for the stack.
             let mut segs: Vec<Segment> = segs.iter().map(|&(r, off, len)| Segment {
                 src: LocalKey(1),
                 src_offset: 0,
                 dst: RemoteRegion { addr: (r % regions) & 1, len: 1 << 20, key: RemoteKey(9 + (r % regions) / 2) },
-                dst_offset: off,
+                dst_offset: off % span,
                 len,
             }).collect();
             if sorted {
