@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Small writes through the efa backend against libfabric's own benchmark, operations per
-# second, over the shm provider between two processes, host memory: `xfer bench --transport
-# efa --provider shm` (against `xfer serve`) and fabtests' `fi_rma_bw -o writedata -U` with
+# second, over a provider between two processes, host memory (shm; PROVIDER=tcp for
+# libfabric's tcp provider over loopback): `xfer bench --transport efa --provider P`
+# (against `xfer serve`) and fabtests' `fi_rma_bw -o writedata -U` with
 # the same write size and 64 writes in flight (fi_rma_bw's window; the bench keeps 4
 # transfers of 16 writes in flight per rail over a 4 MiB working set, `--depth 4*RAILS
 # --pages 16`; SHAPE="--depth 1 --pages 64" posts 64 and waits for them, as fi_rma_bw
@@ -20,6 +21,7 @@
 #   bash scripts/efa-small.sh LF_PREFIX [SIZE ...]     # default sizes: 64 1024 4096
 #   LF_PREFIX: libfabric 2.x with fabtests (bin/fi_rma_bw), e.g. from
 #   ../shared/vendor/build-libfabric-cuda.sh; XFER=target/release/xfer RUNS=3 RAILS=1
+#   PROVIDER=shm
 #
 # Prints every run, then per size the medians (M writes/s) and the ratios.
 set -euo pipefail
@@ -29,6 +31,7 @@ shift
 X=$(realpath "${XFER:-target/release/xfer}")
 RUNS=${RUNS:-3}
 RAILS=${RAILS:-1}
+PROVIDER=${PROVIDER:-shm}
 read -r -a shape <<<"${SHAPE:---depth $((4 * RAILS)) --pages 16}"
 export XFER_LIBFABRIC=$LF/lib/libfabric.so.1
 export FI_PROVIDER_PATH=$LF/lib/libfabric
@@ -42,11 +45,11 @@ rma_bw() { # size [extra fi_rma_bw option ...]
     shift
     for i in $(seq "$RAILS"); do
         port=$((9300 + RANDOM % 500 + 600 * i))
-        env LD_LIBRARY_PATH="$LF/lib" timeout 60 "$LF/bin/fi_rma_bw" -p shm -E"$port" -U -o writedata \
+        env LD_LIBRARY_PATH="$LF/lib" timeout 60 "$LF/bin/fi_rma_bw" -p "$PROVIDER" -E"$port" -U -o writedata \
             -S "$size" -W 64 -I 300000 "$@" >/dev/null 2>&1 &
         pids+=($!)
         sleep 0.3
-        env LD_LIBRARY_PATH="$LF/lib" timeout 60 "$LF/bin/fi_rma_bw" -p shm -E"$port" -U -o writedata \
+        env LD_LIBRARY_PATH="$LF/lib" timeout 60 "$LF/bin/fi_rma_bw" -p "$PROVIDER" -E"$port" -U -o writedata \
             -S "$size" -W 64 -I 300000 "$@" 127.0.0.1 >"fi$i.out" 2>&1 &
         pids+=($!)
     done
@@ -59,11 +62,11 @@ rma_bw() { # size [extra fi_rma_bw option ...]
 # xfer bench against xfer serve: prints M writes/s, or fails.
 bench() { # size
     local size=$1 port=$((7500 + RANDOM % 400)) json
-    timeout 120 "$X" serve --transport efa --provider shm --listen 127.0.0.1:$port \
+    timeout 120 "$X" serve --transport efa --provider "$PROVIDER" --listen 127.0.0.1:$port \
         --rails "$RAILS" --region-size 4MiB >serve.log 2>&1 &
     local srv=$!
     for _ in $(seq 100); do grep -q "xfer bench" serve.log && break; sleep 0.1; done
-    json=$(timeout 120 "$X" bench --peer xfer://127.0.0.1:$port --transport efa --provider shm \
+    json=$(timeout 120 "$X" bench --peer xfer://127.0.0.1:$port --transport efa --provider "$PROVIDER" \
         --rails "$RAILS" --region-size 4MiB --page-size "$size" "${shape[@]}" \
         --bytes $((size * 4000000)) --json 2>bench.err) || {
         kill $srv 2>/dev/null; cat bench.err serve.log >&2; return 1; }
@@ -71,7 +74,7 @@ bench() { # size
     python3 -c 'import json,sys; d=json.loads(sys.argv[1]); assert d["verified"], d; print(round(d["mops"],3))' "$json"
 }
 
-echo "== efa over shm, two processes, host memory, $RAILS rail(s) (${shape[*]}), $(nproc) cores, $RUNS runs"
+echo "== efa over $PROVIDER, two processes, host memory, $RAILS rail(s) (${shape[*]}), $(nproc) cores, $RUNS runs"
 declare -A fd fj us
 for run in $(seq "$RUNS"); do
     for size in "$@"; do
