@@ -632,16 +632,9 @@ impl DestinationShape {
         if cells > 128 * self.live.max(64) {
             return false;
         }
-        let words = cells.div_ceil(64) as usize;
         // A small transfer's bitmap (up to 8192 cells) lives on the stack.
-        let mut on_stack = [0u64; SMALL_WORDS];
-        let mut on_heap = Vec::new();
-        let marked: &mut [u64] = if words <= SMALL_WORDS {
-            &mut on_stack[..words]
-        } else {
-            on_heap.resize(words, 0);
-            &mut on_heap
-        };
+        let (mut on_stack, mut on_heap) = ([0u64; SMALL_WORDS], Vec::new());
+        let marked = zeroed(&mut on_stack, &mut on_heap, cells.div_ceil(64) as usize);
         for s in segments.iter().filter(|s| s.len > 0) {
             let first = (s.dst_offset - self.lo) >> shift;
             let last = (s.dst_offset + s.len - 1 - self.lo) >> shift;
@@ -664,6 +657,21 @@ const SMALL_WORDS: usize = 128;
 /// transfer of a few pages then checks its destinations without allocating.
 const SMALL_SEGMENTS: usize = 64;
 
+/// `len` zeroed words: the front of `on_stack` when they fit there, else `on_heap` grown
+/// to them (the overlap checks' scratch space, which small transfers then do not allocate).
+fn zeroed<'a, const N: usize>(
+    on_stack: &'a mut [u64; N],
+    on_heap: &'a mut Vec<u64>,
+    len: usize,
+) -> &'a mut [u64] {
+    if len <= N {
+        &mut on_stack[..len]
+    } else {
+        on_heap.resize(len, 0);
+        on_heap
+    }
+}
+
 /// Bits of a packed sort key that hold the segment index.
 const INDEX_BITS: u32 = 24;
 const INDEX_MASK: u64 = (1 << INDEX_BITS) - 1;
@@ -673,14 +681,8 @@ const INDEX_MASK: u64 = (1 << INDEX_BITS) - 1;
 /// `(offset - lo) << 24 | index`, sorted as a plain integer, which is the general
 /// check's order (offset, then index) at a fraction of its cost.
 fn check_overlaps_packed(segments: &[Segment], lo: u64, live: usize) -> Result<()> {
-    let mut on_stack = [0u64; SMALL_SEGMENTS];
-    let mut on_heap = Vec::new();
-    let order: &mut [u64] = if live <= SMALL_SEGMENTS {
-        &mut on_stack[..live]
-    } else {
-        on_heap.resize(live, 0);
-        &mut on_heap
-    };
+    let (mut on_stack, mut on_heap) = ([0u64; SMALL_SEGMENTS], Vec::new());
+    let order = zeroed(&mut on_stack, &mut on_heap, live);
     let keys = segments
         .iter()
         .enumerate()
