@@ -1107,3 +1107,45 @@ impl std::fmt::Debug for TcpTransport {
             .finish()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn open_conns(t: &TcpTransport) -> usize {
+        t.conns.iter().flatten().count()
+    }
+
+    /// A busy poll loop does not look for connections on every turn, yet a connection is
+    /// taken at once after a `wait` has seen it coming, and at the latest `ACCEPT_EVERY`
+    /// after the last look.
+    #[test]
+    fn poll_accepts_when_a_wait_saw_the_listener_or_when_due() {
+        let mut t = TcpTransport::new(TcpConfig::default()).unwrap();
+        let mut out = Vec::new();
+        t.poll(&mut out).unwrap();
+        // Not due for an hour: a connection that arrives now waits.
+        t.next_accept = Instant::now() + Duration::from_secs(3600);
+        let _c1 = TcpStream::connect(t.local_addr()).unwrap();
+        t.poll(&mut out).unwrap();
+        assert_eq!(open_conns(&t), 0, "accepted on a poll that was not due");
+        // The wait sees the listener readable (the connection is queued on it): taken.
+        t.wait(Duration::from_secs(10)).unwrap();
+        assert!(t.listener_ready);
+        t.poll(&mut out).unwrap();
+        assert_eq!(open_conns(&t), 1);
+        // Due: taken without a wait.
+        let _c2 = TcpStream::connect(t.local_addr()).unwrap();
+        t.next_accept = Instant::now();
+        // The kernel completes the handshake on its own; poll until it is queued.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while open_conns(&t) < 2 {
+            assert!(
+                Instant::now() < deadline,
+                "the due poll never took the connection"
+            );
+            t.next_accept = Instant::now();
+            t.poll(&mut out).unwrap();
+        }
+    }
+}
