@@ -9,43 +9,56 @@
 #   scripts/small-pages.sh [PAGE:RAILS ...]     # default: 4KiB:1 4KiB:2 4KiB:8 64KiB:1 64KiB:8
 #   XFER=target/release/xfer RUNS=3 BYTES_4K=4GiB BYTES_64K=16GiB (the defaults)
 #   MIN="4KiB:8=0.85 64KiB:1=1.0"   # exit 1 when a workload's median ratio is below its floor
+#   XFER_B=path/to/other/xfer       # A/B: every run of XFER is followed by the same run of
+#                                   # XFER_B; medians per binary (floors apply to XFER)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 X=${XFER:-target/release/xfer}
+B=${XFER_B:-}
 RUNS=${RUNS:-3}
 [[ -x $X ]] || { echo "no $X: cargo build --release -p xfer-cli (or set XFER)" >&2; exit 2; }
+[[ -z $B || -x $B ]] || { echo "no $B (XFER_B)" >&2; exit 2; }
+bins=("$X")
+[[ -n $B ]] && bins+=("$B")
+labels=(A B)
 (($# > 0)) || set -- 4KiB:1 4KiB:2 4KiB:8 64KiB:1 64KiB:8
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 echo "== $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(nproc) cores, $(uname -r)"
+[[ -n $B ]] && echo "== A: $X, B: $B"
 for run in $(seq "$RUNS"); do
     for wl in "$@"; do
         page=${wl%%:*} rails=${wl#*:}
         bytes=${BYTES_64K:-16GiB}
         [[ $page == 4KiB ]] && bytes=${BYTES_4K:-4GiB}
-        "$X" demo --transport tcp --page-size "$page" --rails "$rails" --bytes "$bytes" \
-            --baseline --json >"$tmp/out.json" 2>"$tmp/err" ||
-            { echo "$wl run $run failed: $(tail -1 "$tmp/err")" >&2; exit 1; }
-        python3 - "$tmp/out.json" "$wl" "$run" "$tmp/$wl" <<'PY'
+        for i in "${!bins[@]}"; do
+            tag=${B:+ ${labels[$i]}}
+            "${bins[$i]}" demo --transport tcp --page-size "$page" --rails "$rails" \
+                --bytes "$bytes" --baseline --json >"$tmp/out.json" 2>"$tmp/err" ||
+                { echo "$wl$tag run $run failed: $(tail -1 "$tmp/err")" >&2; exit 1; }
+            python3 - "$tmp/out.json" "$wl$tag" "$run" "$tmp/$wl.$i" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
 row = (d["gbps"], d["baseline_pages_gbps"], d["ratio_pages"])
 print(f"{sys.argv[2]} run {sys.argv[3]}: xfer {row[0]:.2f} Gbps, raw pages {row[1]:.2f} Gbps, ratio {row[2]:.3f}")
 open(sys.argv[4], "a").write(" ".join(map(str, row)) + "\n")
 PY
+        done
     done
 done
-python3 - "$tmp" "${MIN:-}" "$@" <<'PY'
+python3 - "$tmp" "${MIN:-}" "${#bins[@]}" "$@" <<'PY'
 import statistics, sys
-tmp, floors, workloads = sys.argv[1], dict(f.split("=") for f in sys.argv[2].split()), sys.argv[3:]
+tmp, floors, nbins = sys.argv[1], dict(f.split("=") for f in sys.argv[2].split()), int(sys.argv[3])
 low = []
-for wl in workloads:
-    rows = [list(map(float, l.split())) for l in open(f"{tmp}/{wl}")]
-    med = [statistics.median(c) for c in zip(*rows)]
-    floor = float(floors.get(wl, 0))
-    flag = "" if med[2] >= floor else f"  BELOW {floor}"
-    print(f"{wl}: median of {len(rows)}: xfer {med[0]:.2f} Gbps, raw pages {med[1]:.2f} Gbps, ratio {med[2]:.3f}{flag}")
-    if flag:
-        low.append(wl)
+for wl in sys.argv[4:]:
+    for i in range(nbins):
+        rows = [list(map(float, l.split())) for l in open(f"{tmp}/{wl}.{i}")]
+        med = [statistics.median(c) for c in zip(*rows)]
+        floor = float(floors.get(wl, 0)) if i == 0 else 0.0
+        flag = "" if med[2] >= floor else f"  BELOW {floor}"
+        tag = f" {'AB'[i]}" if nbins > 1 else ""
+        print(f"{wl}{tag}: median of {len(rows)}: xfer {med[0]:.2f} Gbps, raw pages {med[1]:.2f} Gbps, ratio {med[2]:.3f}{flag}")
+        if flag:
+            low.append(wl)
 sys.exit(1 if low else 0)
 PY
