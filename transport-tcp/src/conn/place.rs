@@ -569,7 +569,7 @@ pub(super) fn read_batch(
     tail: &mut [u8],
     discard: &mut [u8],
     ring: &mut Option<Ring>,
-) -> std::io::Result<(usize, usize)> {
+) -> std::io::Result<Got> {
     let mut iov: Vec<RawIov> = Vec::with_capacity((items.len() - next + 1).min(MAX_IOV));
     let mut lens: Vec<usize> = Vec::with_capacity(iov.capacity());
     let mut discard = Some(discard);
@@ -618,6 +618,7 @@ pub(super) fn read_batch(
         "callers check that the next item can be read directly"
     );
     iov.push(RawIov::of_slice_mut(tail));
+    let asked: usize = iov.iter().map(RawIov::len).sum();
     // SAFETY: each entry covers a checked range of a live destination region (its Arc is
     // in `items`), free room of the staging ring (alive in `ring`), the discard buffer (at
     // most one entry) or `tail`; `destinations_overlap` keeps overlapping destinations of
@@ -646,7 +647,23 @@ pub(super) fn read_batch(
         }
         left -= d;
     }
-    Ok((n, left))
+    Ok(Got {
+        n,
+        short: n < asked,
+        tail: left,
+    })
+}
+
+/// What one read from the socket gave.
+pub(super) struct Got {
+    /// Bytes read.
+    pub n: usize,
+    /// Fewer than asked for: the socket had no more at that moment, so another read now
+    /// would most likely fail with `WouldBlock` (a system call for nothing).
+    pub short: bool,
+    /// Of `n`, the bytes that went into the connection's read buffer (for `read_batch`,
+    /// its `tail`: the start of the next header).
+    pub tail: usize,
 }
 
 /// Whether two destinations of a batch share bytes (a peer may send that; we must then not
