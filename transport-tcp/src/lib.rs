@@ -443,13 +443,16 @@ impl TcpTransport {
         let r = self
             .local
             .get(&s.key)
-            .ok_or(Error::Op(OpError::LocalKeyInvalid(s.key)))?;
+            .ok_or_else(|| Error::Op(OpError::LocalKeyInvalid(s.key)))?;
         check_range(s.offset, s.len, r.mem.len() as u64).map_err(Error::Memory)?;
         Ok(r)
     }
 
     fn pick_conn(&mut self, peer: PeerId, first: bool) -> Result<usize> {
-        let p = self.peers.get_mut(&peer).ok_or(Error::UnknownPeer(peer))?;
+        let p = self
+            .peers
+            .get_mut(&peer)
+            .ok_or_else(|| Error::UnknownPeer(peer))?;
         if p.conns.is_empty() {
             return Err(Error::Op(OpError::PeerUnreachable {
                 peer,

@@ -693,7 +693,7 @@ pub(super) fn validate(
     let t = shared
         .targets
         .get(&h.key)
-        .ok_or(OpError::RemoteKeyInvalid(RemoteKey(h.key)))?;
+        .ok_or_else(|| OpError::RemoteKeyInvalid(RemoteKey(h.key)))?;
     if !t.access.contains(need) {
         return Err(OpError::PermissionDenied);
     }
