@@ -4,7 +4,9 @@
 
 use crate::backend::{BackendArgs, PinArg, TransportArg, alloc, cuda};
 use crate::baseline::{self, BaselineError, DeviceRegions, Measured};
-use crate::setup::{CONNECTING, MEMORY, REGISTERING, STARTING, SetUpClock, WARMING_UP};
+use crate::setup::{
+    ALLOCATING, CONNECTING, FILLING, REGISTERING, STARTING, SetUpClock, WARMING_UP,
+};
 use crate::workload::{self, RunReport, Workload};
 use crate::{
     CliError, DemoArgs, Knobs, OpArg, Path, Summary, latency, nics_text, print_summary, progress,
@@ -326,7 +328,7 @@ fn set_up_worker(
     k: &Knobs,
     home: Option<Option<CorePin>>,
 ) -> Result<WorkerSetUp, CliError> {
-    clock.stage(MEMORY);
+    clock.stage(ALLOCATING);
     // Both regions are first touched by this thread: put them on the workers' node.
     if let Some(p) = home.unwrap_or(pair.initiator.home()) {
         p.prefer_memory_here("xfer-main");
@@ -334,6 +336,7 @@ fn set_up_worker(
     let read = reads(k);
     let src = alloc(pair.initiator.info().memory, k.region_size)?;
     let dst = alloc(pair.target.info().memory, k.region_size)?;
+    clock.stage(FILLING);
     // The pattern is where the bytes come from: the initiator's region for a write, the
     // target's for a read.
     workload::fill_pattern(if read { &*dst } else { &*src }, k.seed)?;

@@ -9,7 +9,9 @@ use crate::backend::TransportArg;
 use crate::control::{self, BenchClient, REGION};
 use crate::demo::{WorkerPlace, gpu_worker_pins, pad, run_workers};
 use crate::served::Served;
-use crate::setup::{ASKING, CONNECTING, MEMORY, REGISTERING, STARTING, SetUpClock, WARMING_UP};
+use crate::setup::{
+    ALLOCATING, ASKING, CONNECTING, FILLING, REGISTERING, STARTING, SetUpClock, WARMING_UP,
+};
 use crate::workload::{self, RunReport, Workload};
 use crate::{
     BenchArgs, CliError, OpArg, ServeArgs, Summary, latency, metrics, print_summary, progress,
@@ -392,12 +394,13 @@ fn set_up_bench_worker(
     if let (Some(sources), Some(g)) = (&a.metrics_sources, agent.group(kind)) {
         sources.add_group(format!("bench-{slot}"), g);
     }
-    clock.stage(MEMORY);
+    clock.stage(ALLOCATING);
     if let Some(p) = place.as_ref().map_or(agent.home(), |p| p.home) {
         p.prefer_memory_here(&format!("xfer-main-{slot}"));
     }
     let read = k.op == OpArg::Read;
     let local = crate::backend::alloc(agent.info().memory, k.region_size)?;
+    clock.stage(FILLING);
     if read {
         // The peer's region holds the pattern; ours receives it.
         ctl.fill(k.seed)?;

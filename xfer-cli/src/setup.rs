@@ -16,8 +16,10 @@ pub const SLOW_SET_UP: Duration = Duration::from_secs(1);
 pub const ASKING: &str = "asking the server for a region";
 /// Stage: the rails' workers start (and their transports listen).
 pub const STARTING: &str = "starting rails";
-/// Stage: regions are allocated and filled.
-pub const MEMORY: &str = "filling memory";
+/// Stage: regions are allocated (host memory: mapped with every page faulted in).
+pub const ALLOCATING: &str = "allocating memory";
+/// Stage: the source region is filled with the pattern.
+pub const FILLING: &str = "filling memory";
 /// Stage: regions are registered on every rail.
 pub const REGISTERING: &str = "registering memory";
 /// Stage: every rail connects to its peer rail.
@@ -138,11 +140,11 @@ mod tests {
 
     #[test]
     fn a_quick_set_up_says_nothing_and_a_slow_one_says_so() {
-        let mut quick = SetUpClock::saying_slow_after("1 rail".into(), MEMORY, Duration::MAX);
+        let mut quick = SetUpClock::saying_slow_after("1 rail".into(), FILLING, Duration::MAX);
         quick.stage(STARTING);
         assert!(!quick.finish());
         // Slow after no time at all: the line is due at once, while the set-up goes on.
-        let slow = SetUpClock::saying_slow_after("1 rail".into(), MEMORY, Duration::ZERO);
+        let slow = SetUpClock::saying_slow_after("1 rail".into(), FILLING, Duration::ZERO);
         let deadline = Instant::now() + Duration::from_secs(10);
         while !slow.said_slow.load(Ordering::Relaxed) && Instant::now() < deadline {
             std::thread::yield_now();
