@@ -22,6 +22,7 @@ static PTX: &str = concat!(include_str!("pattern.ptx"), "\0");
 static LOADED: Mutex<Vec<(u32, usize)>> = Mutex::new(Vec::new());
 
 /// Word `index` of the pattern of `seed` (splitmix64 of their xor).
+#[inline(always)]
 pub fn pattern_word(seed: u64, index: u64) -> u64 {
     let mut z = (seed ^ index).wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -108,24 +109,12 @@ fn fill_host(base: *mut u8, len: u64, seed: u64) {
         while at < len {
             let n = piece.min(len - at);
             s.spawn(move || {
-                // Whole words first, one unaligned store each (a loop the compiler keeps
-                // tight: a copy of a length it cannot see was a call per word, 10 times
-                // slower than the memory), then the region's last partial word.
+                // Whole words first, then the region's last partial word.
                 let words = n / 8;
                 let first = at / 8;
-                for i in 0..words {
-                    let w = pattern_word(seed, first + i).to_le_bytes();
-                    // SAFETY: the 8 bytes at at + 8 i lie inside the region (8 words <= n,
-                    // at + n <= len), this thread alone writes at..at+n, and they are written
-                    // through a raw pointer (no reference to memory a transport may later
-                    // reach); write_unaligned needs no alignment.
-                    unsafe {
-                        base.0
-                            .add((at + 8 * i) as usize)
-                            .cast::<[u8; 8]>()
-                            .write_unaligned(w)
-                    };
-                }
+                // SAFETY: the words' 8 * words <= n bytes at at lie inside the region (at +
+                // n <= len), and this thread alone writes at..at+n.
+                unsafe { fill_words(base.0.add(at as usize), first, words, seed) };
                 let tail = (n - words * 8) as usize;
                 if tail > 0 {
                     let w = pattern_word(seed, first + words).to_le_bytes();
@@ -142,6 +131,52 @@ fn fill_host(base: *mut u8, len: u64, seed: u64) {
             at += n;
         }
     });
+}
+
+/// Writes words `first..first + words` of the pattern of `seed` at `dst`, with the widest
+/// vector unit the CPU has that the loop can use (AVX2 on x86-64: its four 64-bit lanes
+/// compute splitmix64 about 1.7 times as fast as one scalar register, which on a core
+/// that writes 8 GB/s is the difference between the arithmetic and the memory being the
+/// bound).
+///
+/// # Safety
+/// `dst..dst + 8 * words` must be valid for writes and written by nothing else meanwhile.
+unsafe fn fill_words(dst: *mut u8, first: u64, words: u64, seed: u64) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: this CPU has AVX2 (checked above); the range is the caller's promise.
+        return unsafe { fill_words_avx2(dst, first, words, seed) };
+    }
+    // SAFETY: the caller's promise.
+    unsafe { fill_words_plain(dst, first, words, seed) }
+}
+
+/// [`fill_words`] compiled for AVX2 (the same loop; the compiler vectorizes it).
+///
+/// # Safety
+/// The CPU must have AVX2; the range as for [`fill_words`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn fill_words_avx2(dst: *mut u8, first: u64, words: u64, seed: u64) {
+    // SAFETY: the caller's promise, passed on.
+    unsafe { fill_words_plain(dst, first, words, seed) }
+}
+
+/// [`fill_words`] for any CPU: one unaligned store a word (a loop the compiler keeps
+/// tight: a copy of a length it cannot see was a call per word, 10 times slower than the
+/// memory).
+///
+/// # Safety
+/// As for [`fill_words`].
+#[inline(always)]
+unsafe fn fill_words_plain(dst: *mut u8, first: u64, words: u64, seed: u64) {
+    for i in 0..words {
+        let w = pattern_word(seed, first + i).to_le_bytes();
+        // SAFETY: word i lies inside the caller's range; written through a raw pointer (no
+        // reference to memory a transport may later reach); write_unaligned needs no
+        // alignment.
+        unsafe { dst.add(8 * i as usize).cast::<[u8; 8]>().write_unaligned(w) };
+    }
 }
 
 /// Queues the pattern kernel over `words` words at device address `addr` on the device's
@@ -232,5 +267,22 @@ mod tests {
         let mut want = vec![0u8; len];
         pattern_bytes(42, 0, &mut want);
         assert!(got == want, "the threads' pieces make the whole pattern");
+    }
+
+    #[test]
+    fn the_vector_and_the_plain_word_writers_write_the_pattern() {
+        // An odd first word and count: the vector loop's head and tail.
+        let (first, words) = (1001u64, 4099usize);
+        let mut want = vec![0u8; 8 * words];
+        pattern_bytes(9, 8 * first, &mut want);
+        let mut plain = vec![0u8; 8 * words];
+        // SAFETY: the buffer holds `words` words and nothing else touches it.
+        unsafe { fill_words_plain(plain.as_mut_ptr(), first, words as u64, 9) };
+        assert!(plain == want, "the plain loop");
+        let mut best = vec![0u8; 8 * words + 1];
+        // SAFETY: as above, one byte in (an unaligned start).
+        unsafe { fill_words(best.as_mut_ptr().add(1), first, words as u64, 9) };
+        assert!(best[1..] == want[..], "the CPU's widest loop");
+        assert_eq!(best[0], 0, "nothing before the range");
     }
 }
