@@ -65,10 +65,14 @@ const POPULATE_SHARE: usize = 64 << 20;
 
 /// Faults in the `len` bytes of the fresh mapping at `base`, writable, on as many threads as
 /// this process may run on (one per [`POPULATE_SHARE`] at most). Each thread takes a range
-/// of whole huge pages and asks the kernel to populate it (`MADV_POPULATE_WRITE`, which
-/// writes nothing), or on kernels before 5.14 touches one byte per 4 KiB page (they are zero
-/// already). The threads inherit the caller's memory policy, so the pages land where the
-/// caller's would.
+/// of whole huge pages and writes a zero to every 4 KiB page of it (they are zero already;
+/// the write makes the kernel map a page of its own, a huge one where it can). The threads
+/// inherit the caller's memory policy, so the pages land where the caller's would.
+///
+/// Writing is the faster way in, measured: two 32 GiB regions took 8.9-9.7 s with
+/// `MADV_POPULATE_WRITE` from the same threads and 1.2-1.4 s by writing (H200 machine,
+/// kernel 6.18, huge pages advised; 2.1-2.9 s against 0.9 s for two 4 GiB regions on a
+/// 2-core VM).
 fn populate(base: *mut u8, len: usize) {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = (len / POPULATE_SHARE).clamp(1, cores);
@@ -76,15 +80,10 @@ fn populate(base: *mut u8, len: usize) {
     // The mapping's address as a plain number, so that the threads may take it.
     let base = base as usize;
     let fault = move |at: usize, n: usize| {
-        let p = (base + at) as *mut libc::c_void;
-        // SAFETY: [p, p+n) lies inside the fresh mapping (at + n <= len), which nobody else
-        // uses yet; the advice writes nothing.
-        if unsafe { libc::madvise(p, n, libc::MADV_POPULATE_WRITE) } != 0 {
-            for off in (0..n).step_by(4096) {
-                // SAFETY: off < n, inside this thread's range of the fresh private mapping;
-                // each thread touches its own range only.
-                unsafe { ((base + at + off) as *mut u8).write_volatile(0) };
-            }
+        for off in (0..n).step_by(4096) {
+            // SAFETY: off < n and at + n <= len: inside this thread's range of the fresh
+            // private mapping, which nobody else uses yet; each thread writes its own range.
+            unsafe { ((base + at + off) as *mut u8).write_volatile(0) };
         }
     };
     if threads == 1 {
