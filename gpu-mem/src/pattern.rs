@@ -40,12 +40,47 @@ pub fn pattern_bytes(seed: u64, offset: u64, buf: &mut [u8]) {
     }
 }
 
-/// Whether `buf` holds the pattern bytes of `seed` at `offset`.
+/// Whether `buf` holds the pattern bytes of `seed` at `offset` (`offset` a multiple of 8).
 pub fn pattern_matches(seed: u64, offset: u64, buf: &[u8]) -> bool {
     let first = offset / 8;
-    buf.chunks(8).enumerate().all(|(i, chunk)| {
-        let w = pattern_word(seed, first + i as u64).to_le_bytes();
-        chunk == &w[..chunk.len()]
+    let (words, tail) = buf.as_chunks::<8>();
+    if !tail.is_empty() {
+        let w = pattern_word(seed, first + words.len() as u64).to_le_bytes();
+        if tail != &w[..tail.len()] {
+            return false;
+        }
+    }
+    words_differ(seed, first, words) == 0
+}
+
+/// The OR of every word of `words` XOR the pattern word of `seed` it should be (`first` the
+/// first's index): zero when all match. With AVX2 where the CPU has it, as for
+/// [`fill_words`]; no early exit, so the loop vectorizes (a checker that stopped at the
+/// first mismatch, comparing byte slices, ran at a tenth of that).
+fn words_differ(seed: u64, first: u64, words: &[[u8; 8]]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: this CPU has AVX2 (checked above), all that the function asks.
+        return unsafe { words_differ_avx2(seed, first, words) };
+    }
+    words_differ_plain(seed, first, words)
+}
+
+/// [`words_differ`] compiled for AVX2.
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn words_differ_avx2(seed: u64, first: u64, words: &[[u8; 8]]) -> u64 {
+    words_differ_plain(seed, first, words)
+}
+
+/// [`words_differ`] for any CPU.
+#[inline(always)]
+fn words_differ_plain(seed: u64, first: u64, words: &[[u8; 8]]) -> u64 {
+    words.iter().zip(first..).fold(0, |acc, (w, i)| {
+        acc | (u64::from_le_bytes(*w) ^ pattern_word(seed, i))
     })
 }
 
@@ -267,6 +302,25 @@ mod tests {
         let mut want = vec![0u8; len];
         pattern_bytes(42, 0, &mut want);
         assert!(got == want, "the threads' pieces make the whole pattern");
+    }
+
+    #[test]
+    fn one_flipped_bit_anywhere_fails_the_check() {
+        // Whole words and a 5-byte tail.
+        let mut buf = vec![0u8; 8 * 1000 + 5];
+        pattern_bytes(3, 4096, &mut buf);
+        assert!(pattern_matches(3, 4096, &buf));
+        let (words, _) = buf.as_chunks::<8>();
+        assert_eq!(words_differ_plain(3, 512, words), 0);
+        for at in [0, 7, 8, 4001, 8 * 1000 - 1, 8 * 1000, buf.len() - 1] {
+            buf[at] ^= 0x10;
+            assert!(!pattern_matches(3, 4096, &buf), "a flip at byte {at}");
+            let (words, _) = buf.as_chunks::<8>();
+            if at < 8 * 1000 {
+                assert_ne!(words_differ_plain(3, 512, words), 0, "plain, byte {at}");
+            }
+            buf[at] ^= 0x10;
+        }
     }
 
     #[test]
