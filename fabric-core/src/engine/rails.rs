@@ -356,16 +356,18 @@ impl Shared {
             // A fast rail's larger chunks stay within the transfer's fair share per rail,
             // so one transfer still spreads over every rail.
             let limit = st.chunk.max(rail_chunk.min(st.share));
-            let mut chunk = Vec::new();
+            // Counted first, then taken in one allocation (pushing one by one grew the
+            // chunk through a reallocation per doubling).
+            let mut n = 0;
             let mut bytes = 0u64;
-            while let Some(next) = w.writes.front() {
-                if !chunk.is_empty() && bytes.saturating_add(next.bytes()) > limit {
+            for next in &w.writes {
+                if n > 0 && bytes.saturating_add(next.bytes()) > limit {
                     break;
                 }
                 bytes = bytes.saturating_add(next.bytes());
-                chunk.push(*next);
-                w.writes.pop_front();
+                n += 1;
             }
+            let chunk: Vec<PlannedWrite> = w.writes.drain(..n).collect();
             w.posted += 1;
             let empty = w.writes.is_empty();
             drop(w);
