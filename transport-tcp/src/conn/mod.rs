@@ -103,6 +103,10 @@ pub(crate) struct Conn {
     pub stream: TcpStream,
     pub peer: PeerId,
     pub out: VecDeque<OutFrame>,
+    /// Written batch frames, emptied, whose buffers the next batches reuse (at most
+    /// [`SPARE_FRAMES`](send::SPARE_FRAMES)): a batch grows to hundreds of WRITEs, and
+    /// growing fresh vectors for every one was a reallocation per doubling.
+    spare: Vec<OutFrame>,
     pub out_bytes: usize,
     pub inflight: VecDeque<Inflight>,
     pending_acks: u64,
@@ -157,6 +161,7 @@ impl Conn {
             stream,
             peer,
             out: VecDeque::new(),
+            spare: Vec::new(),
             out_bytes: 0,
             inflight: VecDeque::new(),
             pending_acks: 0,

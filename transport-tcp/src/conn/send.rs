@@ -54,6 +54,9 @@ impl Payload {
 }
 
 /// A frame on its way out: header bytes, then payloads.
+/// Written batch frames a connection keeps for reuse (see `Conn::spare`).
+pub(super) const SPARE_FRAMES: usize = 2;
+
 pub(crate) struct OutFrame {
     /// One header, or a BATCH header followed by its WRITE headers.
     pub(super) head: Vec<u8>,
@@ -199,12 +202,16 @@ impl Conn {
             return;
         }
         self.out_bytes += HEADER_LEN;
-        let mut head = Vec::with_capacity(HEADER_LEN * 16);
+        let (mut head, mut payloads) = match self.spare.pop() {
+            Some(f) => (f.head, f.payloads),
+            None => (Vec::with_capacity(HEADER_LEN * 16), Vec::with_capacity(16)),
+        };
         head.extend_from_slice(&Header::new(Op::Batch, 1).encode());
         head.extend_from_slice(&hdr.encode());
+        payloads.push(payload);
         self.out.push_back(OutFrame {
             head,
-            payloads: vec![payload],
+            payloads,
             batch: 1,
             response: false,
             replies: reply,
@@ -243,7 +250,10 @@ impl Conn {
             if self.out.is_empty() {
                 return Ok(());
             }
-            let mut iov: Vec<RawIov> = Vec::with_capacity(64);
+            // Sized for what is queued (a header and the payloads of each frame), so that
+            // it does not grow while filled.
+            let want: usize = self.out.iter().map(|f| 1 + f.payloads.len()).sum();
+            let mut iov: Vec<RawIov> = Vec::with_capacity(want.min(MAX_IOV));
             for f in self.out.iter() {
                 if !f.push_iov(&mut iov, self.out_ring.as_ref()) {
                     break;
@@ -286,7 +296,15 @@ impl Conn {
             n -= take;
             if f.written == f.total {
                 self.responses -= f.response as usize + f.replies;
-                self.out.pop_front();
+                if let Some(mut done) = self.out.pop_front()
+                    && done.batch > 0
+                    && self.spare.len() < SPARE_FRAMES
+                {
+                    // Emptied: the payloads' regions are no longer held.
+                    done.head.clear();
+                    done.payloads.clear();
+                    self.spare.push(done);
+                }
             }
         }
     }
