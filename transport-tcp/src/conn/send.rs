@@ -53,10 +53,10 @@ impl Payload {
     }
 }
 
-/// A frame on its way out: header bytes, then payloads.
 /// Written batch frames a connection keeps for reuse (see `Conn::spare`).
 pub(super) const SPARE_FRAMES: usize = 2;
 
+/// A frame on its way out: header bytes, then payloads.
 pub(crate) struct OutFrame {
     /// One header, or a BATCH header followed by its WRITE headers.
     pub(super) head: Vec<u8>,
