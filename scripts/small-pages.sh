@@ -46,17 +46,19 @@ PY
         done
     done
 done
-python3 - "$tmp" "${MIN:-}" "${#bins[@]}" "$@" <<'PY'
+# The binaries' labels ("A B" in A/B mode, none for one binary), as the runs were tagged.
+python3 - "$tmp" "${MIN:-}" "${B:+${labels[*]}}" "$@" <<'PY'
 import statistics, sys
-tmp, floors, nbins = sys.argv[1], dict(f.split("=") for f in sys.argv[2].split()), int(sys.argv[3])
+tmp, floors = sys.argv[1], dict(f.split("=") for f in sys.argv[2].split())
+labels = sys.argv[3].split() or [""]
 low = []
 for wl in sys.argv[4:]:
-    for i in range(nbins):
+    for i, label in enumerate(labels):
         rows = [list(map(float, l.split())) for l in open(f"{tmp}/{wl}.{i}")]
         med = [statistics.median(c) for c in zip(*rows)]
         floor = float(floors.get(wl, 0)) if i == 0 else 0.0
         flag = "" if med[2] >= floor else f"  BELOW {floor}"
-        tag = f" {'AB'[i]}" if nbins > 1 else ""
+        tag = f" {label}" if label else ""
         print(f"{wl}{tag}: median of {len(rows)}: xfer {med[0]:.2f} Gbps, raw pages {med[1]:.2f} Gbps, ratio {med[2]:.3f}{flag}")
         if flag:
             low.append(wl)
