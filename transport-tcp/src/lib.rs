@@ -64,6 +64,7 @@ pub mod auth;
 mod conn;
 mod error;
 pub mod frame;
+mod held;
 mod io;
 mod staging;
 
@@ -757,6 +758,8 @@ impl Transport for TcpTransport {
     }
 
     fn register(&mut self, mem: Arc<dyn MemoryRegion>, access: Access) -> Result<Registration> {
+        // This registration's own count, not shared with other rails' transports.
+        let mem = held::Held::wrap(mem);
         let rkey = RemoteKey::random(|k| self.shared.targets.contains_key(&k)).0;
         let local = LocalKey(self.next_local);
         self.next_local += 1;
@@ -1122,6 +1125,56 @@ mod tests {
 
     fn open_conns(t: &TcpTransport) -> usize {
         t.conns.iter().flatten().count()
+    }
+
+    /// WRITEs waiting to be sent hold their region through the transport's own handle: the
+    /// caller's `Arc` (the one every rail registered) is not cloned per page.
+    #[test]
+    fn queued_writes_leave_the_callers_count_alone() {
+        let mut a = TcpTransport::new(TcpConfig::default()).unwrap();
+        let mut b = TcpTransport::new(TcpConfig::default()).unwrap();
+        let src = fabric_core::HostBuffer::new_shared(1 << 16).unwrap();
+        src.fill(0, 1 << 16, 9).unwrap();
+        let dst = fabric_core::HostBuffer::new_shared(1 << 16).unwrap();
+        let s = a.register(src.clone(), Access::NONE).unwrap();
+        let d = b.register(dst.clone(), Access::REMOTE_WRITE).unwrap();
+        let registered = Arc::strong_count(&src);
+        let peer = a.add_peer(&b.address()).unwrap();
+        let mut posted = 0;
+        for i in 0..16u64 {
+            let out = a
+                .post_write(
+                    peer,
+                    WorkRequestId(i),
+                    LocalSlice {
+                        key: s.local,
+                        offset: i * 4096,
+                        len: 4096,
+                    },
+                    RemoteSlice {
+                        region: d.remote,
+                        offset: i * 4096,
+                        len: 4096,
+                    },
+                    None,
+                )
+                .unwrap();
+            posted += usize::from(out == PostOutcome::Posted);
+        }
+        assert!(posted > 0, "no WRITE was taken");
+        assert_eq!(Arc::strong_count(&src), registered);
+        let (mut done, mut ignored) = (Vec::new(), Vec::new());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while done.len() < posted {
+            assert!(Instant::now() < deadline, "WRITEs never completed");
+            a.poll(&mut done).unwrap();
+            b.poll(&mut ignored).unwrap();
+        }
+        assert!(done.iter().all(|c| c.result == Ok(4096)));
+        assert_eq!(
+            dst.to_vec(0, 4096 * posted).unwrap(),
+            vec![9; 4096 * posted]
+        );
     }
 
     /// A busy poll loop does not look for connections on every turn, yet a connection is
