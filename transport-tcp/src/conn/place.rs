@@ -7,6 +7,7 @@
 
 use super::*;
 use crate::frame::{CHECKSUM_LEN, CHECKSUM_MAX_LEN, FLAG_CRC};
+use std::ptr::NonNull;
 
 /// Where incoming payload bytes go.
 pub(super) enum Dest {
@@ -14,6 +15,10 @@ pub(super) enum Dest {
         mem: Arc<dyn MemoryRegion>,
         offset: u64,
     },
+    /// A batch entry's bytes in a host region that the batch keeps alive (one `Arc` per
+    /// region in `ReadState::BatchPayloads::keep`, not one per entry): where the next byte
+    /// goes, inside the range `validate` checked.
+    Kept(At),
     /// A WRITE into memory the CPU cannot address: read into the connection's staging
     /// ring, whose copies into place are queued at once (see `place`).
     Device {
@@ -25,24 +30,52 @@ pub(super) enum Dest {
         end: u64,
     },
     Buffer(Vec<u8>),
-    /// A checksummed WRITE ([`FLAG_CRC`](crate::frame::FLAG_CRC)): its payload and
-    /// checksum gathered in `buf`, placed at `offset` of `mem` only once the checksum of
-    /// `head` and the payload matches.
-    Checked {
-        mem: Arc<dyn MemoryRegion>,
-        offset: u64,
-        head: [u8; HEADER_LEN],
-        buf: Vec<u8>,
-        /// Bytes `buf` will hold: the payload and the checksum.
-        whole: usize,
-    },
+    /// A checksummed WRITE ([`FLAG_CRC`](crate::frame::FLAG_CRC)), boxed: the common
+    /// destinations stay small, and a batch moves each of its entries a few times.
+    Checked(Box<Checked>),
     Discard,
+}
+
+/// A checksummed WRITE's payload and checksum, gathered in `buf`, placed at `offset` of
+/// `mem` only once the checksum of `head` and the payload matches.
+pub(super) struct Checked {
+    mem: Arc<dyn MemoryRegion>,
+    offset: u64,
+    head: [u8; HEADER_LEN],
+    buf: Vec<u8>,
+    /// Bytes `buf` will hold: the payload and the checksum.
+    whole: usize,
+}
+
+/// A position in host memory that a batch keeps alive (see [`Dest::Kept`]).
+pub(super) struct At(NonNull<u8>);
+
+// SAFETY: the pointer is into a region whose `Arc` (of a `Send + Sync` region) the same
+// batch holds; an `At` moves between threads only with the connection that owns both.
+unsafe impl Send for At {}
+
+impl At {
+    pub(super) fn ptr(&self) -> *mut u8 {
+        self.0.as_ptr()
+    }
+    fn advance(&mut self, n: usize) {
+        // SAFETY: callers advance past bytes that were placed, which lie inside the
+        // validated range, so the result stays inside (or one past) the region.
+        self.0 = unsafe { self.0.add(n) };
+    }
 }
 
 impl Dest {
     /// Copies staged bytes in.
     fn put(&mut self, src: &[u8]) -> Result<(), TcpError> {
         match self {
+            Dest::Kept(at) => {
+                // SAFETY: `at` has room for the entry's remaining bytes (validated range;
+                // callers put at most that many), in a region the batch keeps alive; `src`
+                // is the connection's read-ahead buffer, never inside a registered region.
+                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), at.ptr(), src.len()) };
+                at.advance(src.len());
+            }
             Dest::Region { mem, offset } => {
                 if !copy_to_region(&**mem, *offset, src) {
                     mem.write_from_host(*offset, src)
@@ -51,7 +84,8 @@ impl Dest {
                 *offset += src.len() as u64;
             }
             Dest::Buffer(v) => v.extend_from_slice(src),
-            Dest::Checked { buf, whole, .. } => {
+            Dest::Checked(c) => {
+                let Checked { buf, whole, .. } = &mut **c;
                 if buf.capacity() == 0 {
                     // Its payload and checksum, at once (made when its first bytes come,
                     // so a batch holds one such buffer at a time).
@@ -106,7 +140,15 @@ pub(super) struct Item {
 
 impl Conn {
     /// Validates one WRITE of a batch.
-    pub(super) fn batch_item(&mut self, h: &Header, shared: &Shared) -> Result<Item, TcpError> {
+    ///
+    /// With `keep` (an entry of a batch), a WRITE into host memory holds its region through
+    /// `keep`, which holds each region once: no reference count is touched per entry.
+    pub(super) fn batch_item(
+        &mut self,
+        h: &Header,
+        shared: &Shared,
+        keep: Option<&mut Vec<Arc<dyn MemoryRegion>>>,
+    ) -> Result<Item, TcpError> {
         if h.op != Op::Write {
             return Err(TcpError::NotAWrite { op: h.op });
         }
@@ -128,14 +170,30 @@ impl Conn {
         // A checksummed payload is followed by its checksum.
         let remaining = h.len + if checked { CHECKSUM_LEN } else { 0 };
         Ok(match validate(h, shared, Access::REMOTE_WRITE) {
+            Ok((mem, _)) if !checked && keep.is_some() && mem.host_ptr().is_some() => {
+                let keep = keep.expect("checked in the guard");
+                let base = mem.host_ptr().expect("checked in the guard");
+                if !keep.last().is_some_and(|k| Arc::ptr_eq(k, mem)) {
+                    keep.push(mem.clone());
+                }
+                Item {
+                    // SAFETY: validate checked offset + len <= the region's length.
+                    dest: Dest::Kept(At(unsafe { base.add(h.offset as usize) })),
+                    remaining: h.len,
+                    finish: Finish::Write {
+                        imm: h.imm(),
+                        len: h.len,
+                    },
+                }
+            }
             Ok((mem, _)) if checked => Item {
-                dest: Dest::Checked {
-                    mem,
+                dest: Dest::Checked(Box::new(Checked {
+                    mem: mem.clone(),
                     offset: h.offset,
                     head: h.encode(),
                     buf: Vec::new(),
                     whole: remaining as usize,
-                },
+                })),
                 remaining,
                 finish: Finish::Write {
                     imm: h.imm(),
@@ -145,19 +203,19 @@ impl Conn {
             Ok((mem, via)) => Item {
                 dest: if mem.host_ptr().is_some() {
                     Dest::Region {
-                        mem,
+                        mem: mem.clone(),
                         offset: h.offset,
                     }
                 } else {
                     // The ring is made by the first device WRITE, even an empty one: the
                     // engine's warm-up pays for the pinned allocation, not the first transfer.
                     if self.in_ring.is_none() {
-                        Ring::ensure(&mut self.in_ring, &via)?;
+                        Ring::ensure(&mut self.in_ring, via)?;
                     }
                     Dest::Device {
-                        mem,
+                        mem: mem.clone(),
                         offset: h.offset,
-                        via,
+                        via: via.clone(),
                         end: 0,
                     }
                 },
@@ -252,14 +310,8 @@ impl Conn {
     ) -> Result<(), TcpError> {
         match finish {
             Finish::Write { imm, len } => {
-                if let Dest::Checked {
-                    mem,
-                    offset,
-                    head,
-                    buf,
-                    ..
-                } = &dest
-                    && !self.place_checked(mem, *offset, head, buf, len, shared)?
+                if let Dest::Checked(c) = &dest
+                    && !self.place_checked(&c.mem, c.offset, &c.head, &c.buf, len, shared)?
                 {
                     return Ok(());
                 }
@@ -389,6 +441,7 @@ impl Conn {
         }
         match validate(h, shared, Access::REMOTE_READ) {
             Ok((mem, via)) => {
+                let (mem, via) = (mem.clone(), via.clone());
                 let len = h.len as usize;
                 let payload = if mem.host_ptr().is_some() {
                     Payload::Region {
@@ -498,9 +551,14 @@ impl Conn {
     }
 
     /// One entry of a batch: a WRITE, a peer's READ, or the reply to one of ours.
-    pub(super) fn batch_entry(&mut self, h: &Header, shared: &Shared) -> Result<Item, TcpError> {
+    pub(super) fn batch_entry(
+        &mut self,
+        h: &Header,
+        shared: &Shared,
+        keep: &mut Vec<Arc<dyn MemoryRegion>>,
+    ) -> Result<Item, TcpError> {
         match h.op {
-            Op::Write => self.batch_item(h, shared),
+            Op::Write => self.batch_item(h, shared, Some(keep)),
             Op::Read => self.read_item(h),
             Op::ReadReply => self.reply_item(h),
             op => Err(TcpError::NotAWrite { op }),
@@ -552,9 +610,9 @@ pub(super) fn place(
 pub(super) fn direct(d: &Dest) -> bool {
     match d {
         Dest::Region { mem, .. } => mem.host_ptr().is_some(),
-        Dest::Discard => true,
+        Dest::Kept(_) | Dest::Discard => true,
         Dest::Device { .. } => true,
-        Dest::Buffer(_) | Dest::Checked { .. } => false,
+        Dest::Buffer(_) | Dest::Checked(_) => false,
     }
 }
 
@@ -584,6 +642,7 @@ pub(super) fn read_batch(
             Dest::Region { mem, offset } => {
                 RawIov::of_region(&**mem, *offset, item.remaining as usize)
             }
+            Dest::Kept(at) => Some(RawIov::of_raw(at.ptr(), remaining)),
             // Only one iovec may point at the discard buffer (it is reused).
             Dest::Discard => discard.take().map(|d| {
                 let n = d.len().min(item.remaining as usize);
@@ -603,7 +662,7 @@ pub(super) fn read_batch(
                 }
                 _ => None,
             },
-            Dest::Buffer(_) | Dest::Checked { .. } => None,
+            Dest::Buffer(_) | Dest::Checked(_) => None,
         };
         let Some(s) = slice else { break };
         let full = s.len() as u64 == item.remaining;
@@ -620,7 +679,7 @@ pub(super) fn read_batch(
     iov.push(RawIov::of_slice_mut(tail));
     let asked: usize = iov.iter().map(RawIov::len).sum();
     // SAFETY: each entry covers a checked range of a live destination region (its Arc is
-    // in `items`), free room of the staging ring (alive in `ring`), the discard buffer (at
+    // in `items`, or for `Dest::Kept` in the batch's `keep`), free room of the staging ring (alive in `ring`), the discard buffer (at
     // most one entry) or `tail`; `destinations_overlap` keeps overlapping destinations of
     // one batch out of the same call, so no two entries overlap.
     let n = unsafe { crate::io::readv(stream.as_raw_fd(), &iov) }?;
@@ -634,6 +693,7 @@ pub(super) fn read_batch(
         item.remaining -= d as u64;
         match &mut item.dest {
             Dest::Region { offset, .. } => *offset += d as u64,
+            Dest::Kept(at) => at.advance(d),
             Dest::Device {
                 mem, offset, end, ..
             } => {
@@ -676,6 +736,10 @@ pub(super) fn destinations_overlap(items: &[Item]) -> bool {
                 let start = (mem.host_ptr()?.as_ptr() as u64).checked_add(*offset)?;
                 Some((start, start.saturating_add(i.remaining)))
             }
+            Dest::Kept(at) if i.remaining > 0 => {
+                let start = at.ptr() as u64;
+                Some((start, start.saturating_add(i.remaining)))
+            }
             _ => None,
         })
         .collect();
@@ -685,11 +749,11 @@ pub(super) fn destinations_overlap(items: &[Item]) -> bool {
 
 /// Checks a WRITE (`need` = REMOTE_WRITE) or a READ (REMOTE_READ) against the target's
 /// registrations before any byte is placed or leaves.
-pub(super) fn validate(
+pub(super) fn validate<'s>(
     h: &Header,
-    shared: &Shared,
+    shared: &'s Shared,
     need: Access,
-) -> Result<(Arc<dyn MemoryRegion>, Via), OpError> {
+) -> Result<(&'s Arc<dyn MemoryRegion>, &'s Via), OpError> {
     let t = shared
         .targets
         .get(&h.key)
@@ -699,7 +763,7 @@ pub(super) fn validate(
     }
     let region_len = t.mem.len() as u64;
     match h.offset.checked_add(h.len) {
-        Some(end) if end <= region_len => Ok((t.mem.clone(), t.via.clone())),
+        Some(end) if end <= region_len => Ok((&t.mem, &t.via)),
         _ => Err(OpError::OutOfBounds {
             offset: h.offset,
             len: h.len,

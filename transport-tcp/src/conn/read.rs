@@ -22,6 +22,10 @@ pub(super) enum ReadState {
     /// The payloads of a batch, in order, from `next` on.
     BatchPayloads {
         items: Vec<Item>,
+        /// The host regions the batch's `Dest::Kept` entries write into, each once: held
+        /// (never read) so that they outlive every entry.
+        #[allow(dead_code)]
+        keep: Vec<Arc<dyn MemoryRegion>>,
         next: usize,
         /// Some destinations overlap: read one item per call, so that no two live slices
         /// alias the same bytes.
@@ -109,7 +113,7 @@ impl Conn {
                     // Bytes gathered before they are placed (Dest::put). Checksummed
                     // payloads are all gathered so: read as much as the buffer takes.
                     let want = match items[*next].dest {
-                        Dest::Checked { .. } => RBUF,
+                        Dest::Checked(_) => RBUF,
                         _ => (items[*next].remaining as usize).saturating_add(HEADER_READ),
                     };
                     read_staged(&mut self.stream, &mut self.rbuf, &mut self.rlen, want)
@@ -118,6 +122,7 @@ impl Conn {
                     items,
                     next,
                     one_at_a_time,
+                    ..
                 } => {
                     debug_assert_eq!(self.rlen, 0);
                     read_batch(
@@ -165,7 +170,7 @@ impl Conn {
                     read_staged(&mut self.stream, &mut self.rbuf, &mut self.rlen, want)
                 }
                 ReadState::Payload {
-                    dest: Dest::Checked { .. },
+                    dest: Dest::Checked(_),
                     ..
                 } => read_staged(&mut self.stream, &mut self.rbuf, &mut self.rlen, RBUF),
                 ReadState::Payload { remaining, .. } => {
@@ -238,6 +243,7 @@ impl Conn {
                         return Ok(());
                     }
                     let mut items = Vec::with_capacity(count);
+                    let mut keep = Vec::new();
                     for i in 0..count {
                         let at = self.rpos + i * HEADER_LEN;
                         let raw: &[u8; HEADER_LEN] = self.rbuf[at..at + HEADER_LEN]
@@ -245,7 +251,7 @@ impl Conn {
                             .expect("header length");
                         let entry = Header::decode(raw)
                             .map_err(TcpError::MalformedBatchEntry)
-                            .and_then(|h| self.batch_entry(&h, shared));
+                            .and_then(|h| self.batch_entry(&h, shared, &mut keep));
                         match entry {
                             Ok(item) => items.push(item),
                             Err(e) => {
@@ -259,6 +265,7 @@ impl Conn {
                     let one_at_a_time = destinations_overlap(&items);
                     self.rstate = ReadState::BatchPayloads {
                         items,
+                        keep,
                         next: 0,
                         one_at_a_time,
                     };
@@ -372,7 +379,7 @@ impl Conn {
                 };
             }
             Op::Write => {
-                let item = self.batch_item(&h, shared)?;
+                let item = self.batch_item(&h, shared, None)?;
                 self.rstate = ReadState::Payload {
                     dest: item.dest,
                     remaining: item.remaining,
