@@ -80,12 +80,13 @@ pub unsafe fn writev(fd: RawFd, iov: &[RawIov]) -> std::io::Result<usize> {
 /// `readv(2)` into `iov` from `fd`.
 ///
 /// # Safety
-/// Every entry must be writable for its length for the whole call, and no two entries may
-/// overlap; no Rust reference to those bytes may be used during the call.
+/// Every entry must be writable for its length for the whole call, and no Rust reference to
+/// those bytes may be used during the call. Entries may overlap: `readv` fills one area
+/// completely before the next (POSIX), so where two overlap the later one's bytes remain.
 pub unsafe fn readv(fd: RawFd, iov: &[RawIov]) -> std::io::Result<usize> {
     let n = iov.len().min(libc::c_int::MAX as usize) as libc::c_int;
-    // SAFETY: RawIov is a transparent iovec; the entries are writable and unaliased (the
-    // caller's contract).
+    // SAFETY: RawIov is a transparent iovec; the entries are writable and no reference
+    // covers them (the caller's contract); the kernel writes them only during the call.
     let r = unsafe { libc::readv(fd, iov.as_ptr().cast(), n) };
     if r < 0 {
         return Err(std::io::Error::last_os_error());

@@ -924,8 +924,8 @@ fn a_silent_connection_is_closed_after_the_peer_timeout() {
     honest_write(&mut target, &dst, 0, WINDOW, 21);
 }
 
-// Overlapping destinations inside one batch land in order (last writer wins) and are read
-// one at a time, so no two slices of the same bytes are ever alive together.
+// Overlapping destinations inside one batch land in order (last writer wins), read by one
+// `readv` or across several.
 #[test]
 fn overlapping_batch_entries_land_in_order() {
     let mut target = Node::small();

@@ -618,12 +618,14 @@ pub(super) fn direct(d: &Dest) -> bool {
 
 /// One `readv` straight into the destinations of `items[next..]`, plus `tail` for the next
 /// header. Returns bytes read and how many of them landed in `tail`.
-#[allow(clippy::too_many_arguments)]
+///
+/// Destinations of one batch may overlap (a peer may send that): `readv` fills its areas
+/// in order, so the later entry's bytes are the ones that remain, as when the entries are
+/// placed one after the other.
 pub(super) fn read_batch(
     stream: &mut TcpStream,
     items: &mut [Item],
     next: usize,
-    max_items: usize,
     tail: &mut [u8],
     discard: &mut [u8],
     ring: &mut Option<Ring>,
@@ -634,7 +636,7 @@ pub(super) fn read_batch(
     // Device items are read into the in-ring, one after the other from its head.
     let mut ring_used = 0usize;
     for item in items[next..].iter_mut() {
-        if iov.len() == max_items || item.remaining == 0 {
+        if iov.len() == MAX_IOV - 1 || item.remaining == 0 {
             break;
         }
         let remaining = item.remaining as usize;
@@ -680,8 +682,8 @@ pub(super) fn read_batch(
     let asked: usize = iov.iter().map(RawIov::len).sum();
     // SAFETY: each entry covers a checked range of a live destination region (its Arc is
     // in `items`, or for `Dest::Kept` in the batch's `keep`), free room of the staging ring (alive in `ring`), the discard buffer (at
-    // most one entry) or `tail`; `destinations_overlap` keeps overlapping destinations of
-    // one batch out of the same call, so no two entries overlap.
+    // most one entry) or `tail`; entries overlap one another only inside registered regions
+    // (a peer's overlapping destinations), never our own buffers.
     let n = unsafe { crate::io::readv(stream.as_raw_fd(), &iov) }?;
     drop(iov);
     let mut left = n;
@@ -724,27 +726,6 @@ pub(super) struct Got {
     /// Of `n`, the bytes that went into the connection's read buffer (for `read_batch`,
     /// its `tail`: the start of the next header).
     pub tail: usize,
-}
-
-/// Whether two destinations of a batch share bytes (a peer may send that; we must then not
-/// hold slices of both at once).
-pub(super) fn destinations_overlap(items: &[Item]) -> bool {
-    let mut ranges: Vec<(u64, u64)> = items
-        .iter()
-        .filter_map(|i| match &i.dest {
-            Dest::Region { mem, offset } if i.remaining > 0 => {
-                let start = (mem.host_ptr()?.as_ptr() as u64).checked_add(*offset)?;
-                Some((start, start.saturating_add(i.remaining)))
-            }
-            Dest::Kept(at) if i.remaining > 0 => {
-                let start = at.ptr() as u64;
-                Some((start, start.saturating_add(i.remaining)))
-            }
-            _ => None,
-        })
-        .collect();
-    ranges.sort_unstable();
-    ranges.windows(2).any(|w| w[0].1 > w[1].0)
 }
 
 /// Checks a WRITE (`need` = REMOTE_WRITE) or a READ (REMOTE_READ) against the target's

@@ -2,7 +2,7 @@
 //! place where it can), decodes headers, and walks each frame (HELLO, WRITE, BATCH, SEND,
 //! READ, READ_REPLY, ACK, NACK) to its end; [`place`](super::place) says where payload bytes go.
 
-use super::place::{Dest, Got, Item, destinations_overlap, device_room, direct, place, read_batch};
+use super::place::{Dest, Got, Item, device_room, direct, place, read_batch};
 use super::*;
 use crate::frame::ACK_CREDIT;
 
@@ -27,9 +27,6 @@ pub(super) enum ReadState {
         #[allow(dead_code)]
         keep: Vec<Arc<dyn MemoryRegion>>,
         next: usize,
-        /// Some destinations overlap: read one item per call, so that no two live slices
-        /// alias the same bytes.
-        one_at_a_time: bool,
     },
 }
 
@@ -118,18 +115,12 @@ impl Conn {
                     };
                     read_staged(&mut self.stream, &mut self.rbuf, &mut self.rlen, want)
                 }
-                ReadState::BatchPayloads {
-                    items,
-                    next,
-                    one_at_a_time,
-                    ..
-                } => {
+                ReadState::BatchPayloads { items, next, .. } => {
                     debug_assert_eq!(self.rlen, 0);
                     read_batch(
                         &mut self.stream,
                         items,
                         *next,
-                        if *one_at_a_time { 1 } else { MAX_IOV - 1 },
                         &mut self.rbuf[..HEADER_LEN],
                         &mut self.discard,
                         &mut self.in_ring,
@@ -262,12 +253,10 @@ impl Conn {
                         }
                     }
                     self.rpos += count * HEADER_LEN;
-                    let one_at_a_time = destinations_overlap(&items);
                     self.rstate = ReadState::BatchPayloads {
                         items,
                         keep,
                         next: 0,
-                        one_at_a_time,
                     };
                     self.settle_batch(shared)?;
                 }
