@@ -367,7 +367,14 @@ impl Shared {
                 bytes = bytes.saturating_add(next.bytes());
                 n += 1;
             }
-            let chunk: Vec<PlannedWrite> = w.writes.drain(..n).collect();
+            // Copied out slice by slice (the queue's two halves), then dropped from it:
+            // collecting its drain moved one write at a time.
+            let mut chunk = Vec::with_capacity(n);
+            let (front, back) = w.writes.as_slices();
+            let in_front = n.min(front.len());
+            chunk.extend_from_slice(&front[..in_front]);
+            chunk.extend_from_slice(&back[..n - in_front]);
+            w.writes.drain(..n);
             w.posted += 1;
             let empty = w.writes.is_empty();
             drop(w);
