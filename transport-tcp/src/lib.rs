@@ -450,40 +450,7 @@ impl TcpTransport {
     }
 
     fn pick_conn(&mut self, peer: PeerId, first: bool) -> Result<usize> {
-        let p = self
-            .peers
-            .get_mut(&peer)
-            .ok_or_else(|| Error::UnknownPeer(peer))?;
-        if p.conns.is_empty() {
-            return Err(Error::Op(OpError::PeerUnreachable {
-                peer,
-                reason: "no open connection".into(),
-            }));
-        }
-        let i = if first { 0 } else { p.next % p.conns.len() };
-        p.next = p.next.wrapping_add(1);
-        Ok(p.conns[i])
-    }
-
-    fn payload_of(&self, s: &LocalSlice) -> Result<Payload> {
-        let r = self.local_region(s)?;
-        if r.mem.host_ptr().is_some() {
-            Ok(Payload::Region {
-                mem: r.mem.clone(),
-                offset: s.offset,
-                len: s.len as usize,
-            })
-        } else {
-            // Copied into the connection's staging ring as it has room, sent from there.
-            Ok(Payload::Device {
-                mem: r.mem.clone(),
-                offset: s.offset,
-                len: s.len as usize,
-                via: r.via.clone(),
-                staged: None,
-                assigned: 0,
-            })
-        }
+        pick_conn(&mut self.peers, peer, first)
     }
 
     fn post_request(
@@ -509,18 +476,53 @@ impl TcpTransport {
             }
             .into());
         }
-        self.local_region(src)?;
-        let idx = self.pick_conn(peer, first_rail)?;
-        let full = {
-            let c = self.conns[idx].as_ref().expect("peer conns are open");
-            c.outstanding() >= self.cfg.max_outstanding
-                || c.queued_bytes() >= self.cfg.max_queued_bytes
-        };
-        if full {
+        // One lookup of the source (fields borrowed apart: the peers, the connections and
+        // the checksum's scratch are other fields).
+        let r = self
+            .local
+            .get(&src.key)
+            .ok_or_else(|| Error::Op(OpError::LocalKeyInvalid(src.key)))?;
+        check_range(src.offset, src.len, r.mem.len() as u64).map_err(Error::Memory)?;
+        let idx = pick_conn(&mut self.peers, peer, first_rail)?;
+        let c = self.conns[idx].as_mut().expect("peer conns are open");
+        if c.outstanding() >= self.cfg.max_outstanding
+            || c.queued_bytes() >= self.cfg.max_queued_bytes
+        {
             return Ok(PostOutcome::NoRoom);
         }
-        let payload = self.payload_of(src)?;
         hdr.wr_id = wr_id.0;
+        let inflight = Inflight {
+            wr_id,
+            op,
+            len: src.len,
+            read: None,
+        };
+        // A WRITE from host memory: its batch frame holds the region (one reference count
+        // per region and frame, not per WRITE).
+        if op == OpKind::Write
+            && !self.cfg.checksum
+            && let Some(at) = conn::At::of(&*r.mem, src.offset, src.len)
+        {
+            c.post_write_kept(hdr, &r.mem, at, src.len as usize, inflight);
+            return Ok(PostOutcome::Posted);
+        }
+        let payload = if r.mem.host_ptr().is_some() {
+            Payload::Region {
+                mem: r.mem.clone(),
+                offset: src.offset,
+                len: src.len as usize,
+            }
+        } else {
+            // Copied into the connection's staging ring as it has room, sent from there.
+            Payload::Device {
+                mem: r.mem.clone(),
+                offset: src.offset,
+                len: src.len as usize,
+                via: r.via.clone(),
+                staged: None,
+                assigned: 0,
+            }
+        };
         let trailer = match &payload {
             Payload::Region { mem, offset, len } if op == OpKind::Write && self.cfg.checksum => {
                 hdr.flags |= frame::FLAG_CRC;
@@ -533,18 +535,8 @@ impl TcpTransport {
             }
             _ => None,
         };
-        let c = self.conns[idx].as_mut().expect("peer conns are open");
         // A SEND may wait for credit from the peer (see conn::credit).
-        c.post(
-            hdr,
-            payload,
-            Inflight {
-                wr_id,
-                op,
-                len: src.len,
-                read: None,
-            },
-        );
+        c.post(hdr, payload, inflight);
         if let Some(t) = trailer {
             c.queue_trailer(t);
         }
@@ -1119,6 +1111,21 @@ impl std::fmt::Debug for TcpTransport {
     }
 }
 
+/// The connection of `peer` that the next request takes: its first for `first` (SENDs keep
+/// their order on one connection), else the next in turn.
+fn pick_conn(peers: &mut FastMap<PeerId, Peer>, peer: PeerId, first: bool) -> Result<usize> {
+    let p = peers.get_mut(&peer).ok_or(Error::UnknownPeer(peer))?;
+    if p.conns.is_empty() {
+        return Err(Error::Op(OpError::PeerUnreachable {
+            peer,
+            reason: "no open connection".into(),
+        }));
+    }
+    let i = if first { 0 } else { p.next % p.conns.len() };
+    p.next = p.next.wrapping_add(1);
+    Ok(p.conns[i])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1128,9 +1135,16 @@ mod tests {
     }
 
     /// WRITEs waiting to be sent hold their region through the transport's own handle: the
-    /// caller's `Arc` (the one every rail registered) is not cloned per page.
+    /// caller's `Arc` (the one every rail registered) is not cloned per page. They hold it
+    /// until written, even when it is deregistered and dropped meanwhile.
     #[test]
     fn queued_writes_leave_the_callers_count_alone() {
+        // One WRITE (a frame of its own) and a batch of them.
+        queued_writes_hold_their_source(1);
+        queued_writes_hold_their_source(16);
+    }
+
+    fn queued_writes_hold_their_source(writes: u64) {
         let mut a = TcpTransport::new(TcpConfig::default()).unwrap();
         let mut b = TcpTransport::new(TcpConfig::default()).unwrap();
         let src = fabric_core::HostBuffer::new_shared(1 << 16).unwrap();
@@ -1141,7 +1155,7 @@ mod tests {
         let registered = Arc::strong_count(&src);
         let peer = a.add_peer(&b.address()).unwrap();
         let mut posted = 0;
-        for i in 0..16u64 {
+        for i in 0..writes {
             let out = a
                 .post_write(
                     peer,
@@ -1163,6 +1177,15 @@ mod tests {
         }
         assert!(posted > 0, "no WRITE was taken");
         assert_eq!(Arc::strong_count(&src), registered);
+        // Deregistered and dropped by the caller while queued: the frames still hold the
+        // bytes they send, and let go of them once written.
+        a.deregister(s.local).unwrap();
+        let weak = Arc::downgrade(&src);
+        drop(src);
+        assert!(
+            weak.upgrade().is_some(),
+            "queued WRITEs no longer hold their source"
+        );
         let (mut done, mut ignored) = (Vec::new(), Vec::new());
         let deadline = Instant::now() + Duration::from_secs(30);
         while done.len() < posted {
@@ -1174,6 +1197,10 @@ mod tests {
         assert_eq!(
             dst.to_vec(0, 4096 * posted).unwrap(),
             vec![9; 4096 * posted]
+        );
+        assert!(
+            weak.upgrade().is_none(),
+            "the source is held after its WRITEs completed"
         );
     }
 

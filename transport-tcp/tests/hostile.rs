@@ -946,6 +946,61 @@ fn overlapping_batch_entries_land_in_order() {
     dst.assert_canaries();
 }
 
+// A batch holds the regions its entries write into until every entry has landed: a region
+// deregistered (and dropped by its owner) while an entry is half received still takes the
+// rest of that entry's bytes, and is let go of once the batch is done.
+#[test]
+fn a_batch_holds_its_regions_until_it_is_done() {
+    let mut target = Node::small();
+    let outer = fabric_core::HostBuffer::new_shared(3 * WINDOW as usize).unwrap();
+    outer.fill(0, 3 * WINDOW, FILL).unwrap();
+    let window: std::sync::Arc<dyn fabric_core::MemoryRegion> =
+        std::sync::Arc::new(fabric_core::SubRegion::new(outer.clone(), WINDOW, WINDOW).unwrap());
+    let weak = std::sync::Arc::downgrade(&window);
+    let reg = target.t.register(window, Access::REMOTE_WRITE).unwrap();
+    let key = reg.remote.key.0;
+    let first = pattern(3, 4096);
+    let second = pattern(4, 8192);
+    let batch = batch_frame(&[
+        (write_header(key, 0, 4096, None, 1), first.clone()),
+        (write_header(key, 4096, 8192, None, 2), second.clone()),
+    ]);
+    // Everything up to half of the second entry's payload.
+    let cut = batch.len() - 4096;
+    let mut c = Raw::connect(&target.t);
+    c.send_ok(&concat(&[&hello_frame(), &batch[..cut]]), || target.step());
+    // The first entry landed (its ACK came): the target is inside the second one.
+    assert_eq!(c.answers(1, || target.step()), vec![Answer::Ack]);
+    target.t.deregister(reg.local).unwrap();
+    assert!(
+        weak.upgrade().is_some(),
+        "a half-received batch let go of its region"
+    );
+    c.send_ok(&batch[cut..], || target.step());
+    assert_eq!(c.answers(1, || target.step()), vec![Answer::Ack]);
+    assert_eq!(outer.to_vec(WINDOW, 4096).unwrap(), first);
+    assert_eq!(outer.to_vec(WINDOW + 4096, 8192).unwrap(), second);
+    // Nothing outside the window changed.
+    assert!(
+        outer
+            .to_vec(0, WINDOW as usize)
+            .unwrap()
+            .iter()
+            .all(|&b| b == FILL)
+    );
+    assert!(
+        outer
+            .to_vec(WINDOW + 12288, (2 * WINDOW - 12288) as usize)
+            .unwrap()
+            .iter()
+            .all(|&b| b == FILL)
+    );
+    assert!(
+        weak.upgrade().is_none(),
+        "the region is still held after its batch"
+    );
+}
+
 // 9. Frames that arrive with the HELLO (in the same read) report the peer the HELLO names,
 // not a placeholder id.
 #[test]

@@ -194,6 +194,21 @@ impl Shared {
 }
 
 impl Conn {
+    /// Posts a WRITE of `len` host bytes at `at` of `mem` (a range the caller checked),
+    /// carried by its batch frame without a reference count of its own.
+    pub(crate) fn post_write_kept(
+        &mut self,
+        hdr: Header,
+        mem: &Arc<dyn MemoryRegion>,
+        at: At,
+        len: usize,
+        inflight: Inflight,
+    ) {
+        debug_assert_eq!(hdr.op, Op::Write);
+        self.queue_write_kept(hdr, mem, at, len);
+        self.inflight.push_back(inflight);
+    }
+
     /// Queues a request (WRITE, READ or SEND) and waits for its answer; a SEND without
     /// credit waits in `waiting` first.
     pub fn post(&mut self, hdr: Header, payload: Payload, inflight: Inflight) {

@@ -7,7 +7,6 @@
 
 use super::*;
 use crate::frame::{CHECKSUM_LEN, CHECKSUM_MAX_LEN, FLAG_CRC};
-use std::ptr::NonNull;
 
 /// Where incoming payload bytes go.
 pub(super) enum Dest {
@@ -45,24 +44,6 @@ pub(super) struct Checked {
     buf: Vec<u8>,
     /// Bytes `buf` will hold: the payload and the checksum.
     whole: usize,
-}
-
-/// A position in host memory that a batch keeps alive (see [`Dest::Kept`]).
-pub(super) struct At(NonNull<u8>);
-
-// SAFETY: the pointer is into a region whose `Arc` (of a `Send + Sync` region) the same
-// batch holds; an `At` moves between threads only with the connection that owns both.
-unsafe impl Send for At {}
-
-impl At {
-    pub(super) fn ptr(&self) -> *mut u8 {
-        self.0.as_ptr()
-    }
-    fn advance(&mut self, n: usize) {
-        // SAFETY: callers advance past bytes that were placed, which lie inside the
-        // validated range, so the result stays inside (or one past) the region.
-        self.0 = unsafe { self.0.add(n) };
-    }
 }
 
 impl Dest {
@@ -169,23 +150,25 @@ impl Conn {
         }
         // A checksummed payload is followed by its checksum.
         let remaining = h.len + if checked { CHECKSUM_LEN } else { 0 };
-        Ok(match validate(h, shared, Access::REMOTE_WRITE) {
-            Ok((mem, _)) if !checked && keep.is_some() && mem.host_ptr().is_some() => {
-                let keep = keep.expect("checked in the guard");
-                let base = mem.host_ptr().expect("checked in the guard");
-                if !keep.last().is_some_and(|k| Arc::ptr_eq(k, mem)) {
-                    keep.push(mem.clone());
-                }
-                Item {
-                    // SAFETY: validate checked offset + len <= the region's length.
-                    dest: Dest::Kept(At(unsafe { base.add(h.offset as usize) })),
-                    remaining: h.len,
-                    finish: Finish::Write {
-                        imm: h.imm(),
-                        len: h.len,
-                    },
-                }
+        let valid = validate(h, shared, Access::REMOTE_WRITE);
+        if let Ok((mem, _)) = valid
+            && !checked
+            && let Some(keep) = keep
+            && let Some(at) = At::of(&**mem, h.offset, h.len)
+        {
+            if !keep.last().is_some_and(|k| Arc::ptr_eq(k, mem)) {
+                keep.push(mem.clone());
             }
+            return Ok(Item {
+                dest: Dest::Kept(at),
+                remaining: h.len,
+                finish: Finish::Write {
+                    imm: h.imm(),
+                    len: h.len,
+                },
+            });
+        }
+        Ok(match valid {
             Ok((mem, _)) if checked => Item {
                 dest: Dest::Checked(Box::new(Checked {
                     mem: mem.clone(),

@@ -14,6 +14,12 @@ pub(crate) enum Payload {
         offset: u64,
         len: usize,
     },
+    /// Host bytes of a region that the frame carrying them holds (`OutFrame::keep`): a
+    /// WRITE's source, with no reference count of its own.
+    Kept {
+        at: At,
+        len: usize,
+    },
     /// Bytes owned by the frame (HELLO).
     Owned(Vec<u8>),
     /// Device memory, sent out of the connection's staging ring: copied there in order as
@@ -39,6 +45,11 @@ impl Payload {
             Payload::Region { mem, offset, len } => {
                 RawIov::of_region(&**mem, *offset + skip as u64, len.checked_sub(skip)?)
             }
+            Payload::Kept { at, len } => {
+                let rest = len.checked_sub(skip)?;
+                // In bounds: `skip <= len` (checked above) of the checked range at `at`.
+                Some(RawIov::of_raw(at.ptr().wrapping_add(skip), rest))
+            }
             Payload::Owned(v) => v.get(skip..).map(RawIov::of_slice),
             // Sent from the staging ring (OutFrame::push_iov).
             Payload::Device { .. } => None,
@@ -47,7 +58,9 @@ impl Payload {
     pub(super) fn len(&self) -> usize {
         match self {
             Payload::None => 0,
-            Payload::Region { len, .. } | Payload::Device { len, .. } => *len,
+            Payload::Region { len, .. }
+            | Payload::Kept { len, .. }
+            | Payload::Device { len, .. } => *len,
             Payload::Owned(v) => v.len(),
         }
     }
@@ -61,6 +74,8 @@ pub(crate) struct OutFrame {
     /// One header, or a BATCH header followed by its WRITE headers.
     pub(super) head: Vec<u8>,
     pub(super) payloads: Vec<Payload>,
+    /// The regions of the frame's `Payload::Kept` payloads, each once in a row.
+    pub(super) keep: Vec<Arc<dyn MemoryRegion>>,
     /// WRITEs in this batch (0: not a batch).
     pub(super) batch: usize,
     /// An ACK, NACK or READ_REPLY (counted in `Conn::responses`).
@@ -157,6 +172,7 @@ impl Conn {
         self.out.push_back(OutFrame {
             head: hdr.encode().to_vec(),
             payloads: vec![payload],
+            keep: Vec::new(),
             batch: 0,
             response,
             replies: 0,
@@ -179,6 +195,30 @@ impl Conn {
     /// Queues a WRITE (or a READ, or a READ_REPLY), joining the batch at the end of the
     /// queue if it has not started.
     pub fn queue_write(&mut self, hdr: Header, payload: Payload) {
+        self.queue_batched(hdr, payload, None);
+    }
+
+    /// Queues a WRITE of `len` host bytes at `at` of `mem` (checked by the caller), which
+    /// the batch frame carrying it holds: one reference count per region and frame, not
+    /// per WRITE.
+    pub(super) fn queue_write_kept(
+        &mut self,
+        hdr: Header,
+        mem: &Arc<dyn MemoryRegion>,
+        at: At,
+        len: usize,
+    ) {
+        self.queue_batched(hdr, Payload::Kept { at, len }, Some(mem));
+    }
+
+    /// [`queue_write`](Self::queue_write), with the region that the frame must hold for a
+    /// `Payload::Kept`.
+    fn queue_batched(
+        &mut self,
+        hdr: Header,
+        payload: Payload,
+        keep: Option<&Arc<dyn MemoryRegion>>,
+    ) {
         let reply = (hdr.op == Op::ReadReply) as usize;
         self.responses += reply;
         let device = matches!(payload, Payload::Device { .. }) as usize;
@@ -193,6 +233,11 @@ impl Conn {
             // Headers stay contiguous: payloads follow all of them.
             f.head.extend_from_slice(&hdr.encode());
             f.payloads.push(payload);
+            if let Some(mem) = keep
+                && !f.keep.last().is_some_and(|k| Arc::ptr_eq(k, mem))
+            {
+                f.keep.push(mem.clone());
+            }
             f.batch += 1;
             f.replies += reply;
             f.device += device;
@@ -202,16 +247,22 @@ impl Conn {
             return;
         }
         self.out_bytes += HEADER_LEN;
-        let (mut head, mut payloads) = match self.spare.pop() {
-            Some(f) => (f.head, f.payloads),
-            None => (Vec::with_capacity(HEADER_LEN * 16), Vec::with_capacity(16)),
+        let (mut head, mut payloads, mut kept) = match self.spare.pop() {
+            Some(f) => (f.head, f.payloads, f.keep),
+            None => (
+                Vec::with_capacity(HEADER_LEN * 16),
+                Vec::with_capacity(16),
+                Vec::new(),
+            ),
         };
         head.extend_from_slice(&Header::new(Op::Batch, 1).encode());
         head.extend_from_slice(&hdr.encode());
         payloads.push(payload);
+        kept.extend(keep.cloned());
         self.out.push_back(OutFrame {
             head,
             payloads,
+            keep: kept,
             batch: 1,
             response: false,
             replies: reply,
@@ -265,7 +316,7 @@ impl Conn {
             }
             // SAFETY: every entry covers bytes of a frame in `self.out` (its header, its
             // owned bytes, the staging ring, or a registered region whose Arc the frame
-            // holds), all alive and unchanged until `advance` below; writev only reads.
+            // holds, in a payload or in its `keep`), all alive and unchanged until `advance` below; writev only reads.
             let n = match unsafe { crate::io::writev(self.stream.as_raw_fd(), &iov) } {
                 Ok(0) => return Err(TcpError::ClosedWhileWriting),
                 Ok(n) => n,
@@ -303,6 +354,7 @@ impl Conn {
                     // Emptied: the payloads' regions are no longer held.
                     done.head.clear();
                     done.payloads.clear();
+                    done.keep.clear();
                     self.spare.push(done);
                 }
             }
