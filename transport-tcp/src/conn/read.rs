@@ -316,11 +316,33 @@ impl Conn {
 
     /// Finishes the leading items of a batch whose payload is complete; back to `Header`
     /// when all are done.
+    ///
+    /// A run of plain WRITEs into host memory (no immediate data, no answer held back) is
+    /// finished in place: an ACK each and one update of the counters for the run, what
+    /// [`finish`](Self::finish) does for each of them one by one.
     pub(super) fn settle_batch(&mut self, shared: &mut Shared) -> Result<(), TcpError> {
         loop {
             let ReadState::BatchPayloads { items, next, .. } = &mut self.rstate else {
                 return Ok(());
             };
+            if self.held.is_empty() {
+                let (mut writes, mut bytes) = (0u64, 0u64);
+                while let Some(Item {
+                    dest: Dest::Kept(_),
+                    remaining: 0,
+                    finish: Finish::Write { imm: None, len },
+                }) = items.get(*next)
+                {
+                    writes += 1;
+                    bytes += len;
+                    *next += 1;
+                }
+                if writes > 0 {
+                    self.pending_acks += writes;
+                    TransportStats::add(&shared.stats.received_bytes, bytes);
+                    TransportStats::add(&shared.stats.received_writes, writes);
+                }
+            }
             if *next == items.len() {
                 self.rstate = ReadState::Header;
                 return Ok(());
