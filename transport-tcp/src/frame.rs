@@ -242,6 +242,16 @@ impl Header {
         b
     }
 
+    /// Rewrites the `len` field of an encoded header in place (a BATCH's count, an ACK's).
+    pub(crate) fn set_len(encoded: &mut [u8], len: u64) {
+        encoded[32..40].copy_from_slice(&len.to_le_bytes());
+    }
+
+    /// The `len` field of an encoded header.
+    pub(crate) fn len_of(encoded: &[u8]) -> u64 {
+        u64::from_le_bytes(encoded[32..40].try_into().expect("8 bytes"))
+    }
+
     /// Decodes 40 bytes; `Err` names what is malformed.
     pub fn decode(b: &[u8; HEADER_LEN]) -> Result<Header, FrameError> {
         let op = Op::from_u8(b[0]).ok_or(FrameError::UnknownOp(b[0]))?;
@@ -334,6 +344,20 @@ pub fn error_of_nack(h: &Header) -> OpError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn len_is_rewritten_in_place() {
+        let mut h = Header::new(Op::Batch, 3);
+        h.wr_id = 9;
+        h.key = 11;
+        let mut b = h.encode();
+        assert_eq!(Header::len_of(&b), 3);
+        Header::set_len(&mut b, 1 << 33);
+        assert_eq!(Header::len_of(&b), 1 << 33);
+        h.len = 1 << 33;
+        // Only the length changed.
+        assert_eq!(Header::decode(&b), Ok(h));
+    }
 
     #[test]
     fn header_round_trip() {

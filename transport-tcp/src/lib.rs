@@ -1114,7 +1114,10 @@ impl std::fmt::Debug for TcpTransport {
 /// The connection of `peer` that the next request takes: its first for `first` (SENDs keep
 /// their order on one connection), else the next in turn.
 fn pick_conn(peers: &mut FastMap<PeerId, Peer>, peer: PeerId, first: bool) -> Result<usize> {
-    let p = peers.get_mut(&peer).ok_or(Error::UnknownPeer(peer))?;
+    // Built only when missing (`ok_or` made and dropped an error on every post).
+    let p = peers
+        .get_mut(&peer)
+        .ok_or_else(|| Error::UnknownPeer(peer))?;
     if p.conns.is_empty() {
         return Err(Error::Op(OpError::PeerUnreachable {
             peer,

@@ -163,8 +163,8 @@ impl Conn {
             && f.written == 0
             && f.head[0] == Op::Ack as u8
         {
-            let len = u64::from_le_bytes(f.head[32..40].try_into().expect("8 bytes")) + n;
-            f.head[32..40].copy_from_slice(&len.to_le_bytes());
+            let len = Header::len_of(&f.head) + n;
+            Header::set_len(&mut f.head, len);
             return;
         }
         self.queue(Header::new(Op::Ack, n), Payload::None);

@@ -243,7 +243,8 @@ impl Conn {
             f.device += device;
             f.unstaged += device;
             f.total += HEADER_LEN + plen;
-            f.head[..HEADER_LEN].copy_from_slice(&Header::new(Op::Batch, f.batch as u64).encode());
+            // The BATCH header's count, in place.
+            Header::set_len(&mut f.head, f.batch as u64);
             return;
         }
         self.out_bytes += HEADER_LEN;
