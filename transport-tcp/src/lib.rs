@@ -1124,8 +1124,15 @@ fn pick_conn(peers: &mut FastMap<PeerId, Peer>, peer: PeerId, first: bool) -> Re
             reason: "no open connection".into(),
         }));
     }
-    let i = if first { 0 } else { p.next % p.conns.len() };
-    p.next = p.next.wrapping_add(1);
+    if first {
+        return Ok(p.conns[0]);
+    }
+    // In turn, kept below the count (connections come and go) without a division per post.
+    if p.next >= p.conns.len() {
+        p.next = 0;
+    }
+    let i = p.next;
+    p.next += 1;
     Ok(p.conns[i])
 }
 
