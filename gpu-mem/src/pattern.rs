@@ -205,9 +205,8 @@ unsafe fn fill_words_avx2(dst: *mut u8, first: u64, words: u64, seed: u64) {
 unsafe fn fill_words_plain(dst: *mut u8, first: u64, words: u64, seed: u64) {
     for i in 0..words {
         let w = pattern_word(seed, first + i).to_le_bytes();
-        // SAFETY: word i lies inside the caller's range; written through a raw pointer (no
-        // reference to memory a transport may later reach); write_unaligned needs no
-        // alignment.
+        // Through a raw pointer: no reference to memory a transport may later reach.
+        // SAFETY: word i lies inside the caller's range; write_unaligned needs no alignment.
         unsafe { dst.add(8 * i as usize).cast::<[u8; 8]>().write_unaligned(w) };
     }
 }

@@ -1,14 +1,16 @@
 //! A registration's own handle on its memory.
 //!
-//! Every WRITE a connection sends or places holds its region alive by an `Arc` (the region
-//! may be deregistered while bytes are queued for it or still arriving). The engine
-//! registers one region with every rail, so without a wrapper all rails' threads would
-//! clone and drop one shared count per page, passing its cache line between cores.
-//! Wrapping the region once per registration gives each transport a count of its own; the
-//! wrapper also keeps the region's host pointer and length, so the per-page bounds checks
-//! and address computations skip the region's own (possibly chained: a `SubRegion` asks its
-//! parent) calls. Callgrind, `xfer demo --transport tcp --page-size 4KiB --rails 2 --bytes
-//! 256MiB --region-size 16MiB`: the rail workers 128.0 M -> 124.9 M instructions.
+//! WRITEs that a connection sends or places hold their region alive while bytes are queued
+//! for it or still arriving (it may be deregistered meanwhile): a batch or frame holds an
+//! `Arc` of each region it touches. Wrapping the region once per registration makes that
+//! count this transport's own, whoever else holds the caller's `Arc` (the engine's rail
+//! group already gives each rail a view of its own; a caller that registers one `Arc` with
+//! several transports gets the same separation). The wrapper also keeps the region's host
+//! pointer and length, so the per-page bounds checks and address computations skip the
+//! region's own (possibly chained: a `SubRegion` asks its parent) calls. Callgrind, `xfer
+//! demo --transport tcp --page-size 4KiB --rails 2 --bytes 256MiB --region-size 16MiB`: the
+//! rail workers 128.0 M -> 124.9 M instructions, all of it the cached pointer and length
+//! (the rail views already kept the rails' counts apart).
 
 use fabric_core::memory::DmabufHandle;
 use fabric_core::{MemoryError, MemoryLocation, MemoryRegion};

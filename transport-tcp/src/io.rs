@@ -11,6 +11,41 @@
 
 use fabric_core::memory::{MemoryRegion, check_range};
 use std::os::fd::RawFd;
+use std::ptr::NonNull;
+
+/// A position in the host memory of a registered region that something else keeps alive: a
+/// batch being received (`Dest::Kept`, the batch's `keep`) or a frame being sent
+/// (`Payload::Kept`, the frame's `keep`), so that no entry holds a reference count of its
+/// own.
+pub(crate) struct At(NonNull<u8>);
+
+// SAFETY: the pointer is into a region whose `Arc` (of a `Send + Sync` region) the same
+// batch or frame holds; an `At` moves between threads only with the connection owning both.
+unsafe impl Send for At {}
+
+impl At {
+    /// `offset` bytes into the host memory of `mem`, with `len` bytes after it; `None` for
+    /// memory the CPU cannot address or a range outside the region.
+    pub(crate) fn of(mem: &dyn MemoryRegion, offset: u64, len: u64) -> Option<At> {
+        check_range(offset, len, mem.len() as u64).ok()?;
+        let base = mem.host_ptr()?;
+        // SAFETY: offset + len <= the region's length (checked above): inside (or one past)
+        // the memory host_ptr points to.
+        Some(At(unsafe { base.add(offset as usize) }))
+    }
+
+    /// The address.
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.0.as_ptr()
+    }
+
+    /// Moves past `n` bytes that were placed or sent (inside the checked range).
+    pub(crate) fn advance(&mut self, n: usize) {
+        // SAFETY: callers advance past placed or sent bytes of the checked range, so the
+        // result stays inside (or one past) the region.
+        self.0 = unsafe { self.0.add(n) };
+    }
+}
 
 /// One `iovec`: a pointer and a length, never a reference. Valid only for the call it is
 /// built for (see [`readv`] and [`writev`]).
@@ -46,13 +81,7 @@ impl RawIov {
     /// Over the host bytes `offset..offset+len` of `region`, or `None` for memory the CPU
     /// cannot address or a range outside the region.
     pub fn of_region(region: &dyn MemoryRegion, offset: u64, len: usize) -> Option<RawIov> {
-        check_range(offset, len as u64, region.len() as u64).ok()?;
-        let base = region.host_ptr()?;
-        // In bounds (checked above): `wrapping_add` only computes the address.
-        Some(RawIov::of_raw(
-            base.as_ptr().wrapping_add(offset as usize),
-            len,
-        ))
+        At::of(region, offset, len as u64).map(|at| RawIov::of_raw(at.ptr(), len))
     }
 
     /// Bytes covered.

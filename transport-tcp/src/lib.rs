@@ -449,10 +449,6 @@ impl TcpTransport {
         Ok(r)
     }
 
-    fn pick_conn(&mut self, peer: PeerId, first: bool) -> Result<usize> {
-        pick_conn(&mut self.peers, peer, first)
-    }
-
     fn post_request(
         &mut self,
         peer: PeerId,
@@ -501,7 +497,7 @@ impl TcpTransport {
         // per region and frame, not per WRITE).
         if op == OpKind::Write
             && !self.cfg.checksum
-            && let Some(at) = conn::At::of(&*r.mem, src.offset, src.len)
+            && let Some(at) = io::At::of(&*r.mem, src.offset, src.len)
         {
             c.post_write_kept(hdr, &r.mem, at, src.len as usize, inflight);
             return Ok(PostOutcome::Posted);
@@ -884,7 +880,7 @@ impl Transport for TcpTransport {
             offset: dst.offset,
             via: r.via.clone(),
         };
-        let idx = self.pick_conn(peer, false)?;
+        let idx = pick_conn(&mut self.peers, peer, false)?;
         let c = self.conns[idx].as_mut().expect("peer conns are open");
         if let Some(v) = c.version_without_read() {
             return Err(Error::Unsupported(format!(
@@ -1145,8 +1141,8 @@ mod tests {
     }
 
     /// WRITEs waiting to be sent hold their region through the transport's own handle: the
-    /// caller's `Arc` (the one every rail registered) is not cloned per page. They hold it
-    /// until written, even when it is deregistered and dropped meanwhile.
+    /// caller's `Arc` is not cloned per page (nor per frame). They hold it until written,
+    /// even when it is deregistered and dropped meanwhile.
     #[test]
     fn queued_writes_leave_the_callers_count_alone() {
         // One WRITE (a frame of its own) and a batch of them.

@@ -38,7 +38,7 @@ mod send;
 
 use crate::error::TcpError;
 use crate::frame::{self, HEADER_LEN, Header, MAX_BATCH, Op};
-use crate::io::{RawIov, copy_to_region};
+use crate::io::{At, RawIov, copy_to_region};
 use crate::staging::{CHUNK, Ring, Via};
 use fabric_core::recv::{EarlyArrival, PostedRecv, RecvMatch};
 use fabric_core::stats::TransportStats;
@@ -49,7 +49,6 @@ use std::collections::VecDeque;
 use std::io::Read;
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
-use std::ptr::NonNull;
 use std::sync::Arc;
 
 use answer::{Answer, Held};
@@ -60,34 +59,6 @@ use place::Finish;
 pub(crate) use read::ReadOutcome;
 use read::ReadState;
 
-/// A position in host memory whose region something else keeps alive: a batch being
-/// received (`Dest::Kept`, the batch's `keep`) or a frame being sent (`Payload::Kept`, the
-/// frame's `keep`), so that no entry holds a reference count of its own.
-pub(crate) struct At(NonNull<u8>);
-
-// SAFETY: the pointer is into a region whose `Arc` (of a `Send + Sync` region) the same
-// batch or frame holds; an `At` moves between threads only with the connection that owns
-// both.
-unsafe impl Send for At {}
-
-impl At {
-    /// `offset` bytes into the host memory of `mem`; `None` for memory the CPU cannot
-    /// address or a range outside the region.
-    pub(crate) fn of(mem: &dyn MemoryRegion, offset: u64, len: u64) -> Option<At> {
-        fabric_core::memory::check_range(offset, len, mem.len() as u64).ok()?;
-        // SAFETY: offset + len <= the region's length (checked above), so the result
-        // stays inside (or one past) the memory host_ptr points to.
-        Some(At(unsafe { mem.host_ptr()?.add(offset as usize) }))
-    }
-    pub(super) fn ptr(&self) -> *mut u8 {
-        self.0.as_ptr()
-    }
-    pub(super) fn advance(&mut self, n: usize) {
-        // SAFETY: callers advance past bytes that were placed or sent, which lie inside
-        // the checked range, so the result stays inside (or one past) the region.
-        self.0 = unsafe { self.0.add(n) };
-    }
-}
 use send::OutFrame;
 pub(crate) use send::Payload;
 
@@ -286,5 +257,13 @@ impl Conn {
         self.out_ring.as_ref().is_some_and(Ring::busy)
             || self.in_ring.as_ref().is_some_and(Ring::busy)
             || !self.held.is_empty()
+    }
+}
+
+/// Adds `mem` to the regions a batch or frame holds, unless it is the last one added (a
+/// batch's entries mostly share one region): one reference count per region, not per entry.
+fn keep_once(keep: &mut Vec<Arc<dyn MemoryRegion>>, mem: &Arc<dyn MemoryRegion>) {
+    if !keep.last().is_some_and(|k| Arc::ptr_eq(k, mem)) {
+        keep.push(mem.clone());
     }
 }

@@ -51,9 +51,9 @@ impl Dest {
     fn put(&mut self, src: &[u8]) -> Result<(), TcpError> {
         match self {
             Dest::Kept(at) => {
-                // SAFETY: `at` has room for the entry's remaining bytes (validated range;
-                // callers put at most that many), in a region the batch keeps alive; `src`
-                // is the connection's read-ahead buffer, never inside a registered region.
+                // `at` has room for the entry's remaining bytes (validated range; callers put
+                // at most that many), in a region the batch keeps alive.
+                // SAFETY: as above; `src` is our read-ahead buffer, never registered memory.
                 unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), at.ptr(), src.len()) };
                 at.advance(src.len());
             }
@@ -156,9 +156,7 @@ impl Conn {
             && let Some(keep) = keep
             && let Some(at) = At::of(&**mem, h.offset, h.len)
         {
-            if !keep.last().is_some_and(|k| Arc::ptr_eq(k, mem)) {
-                keep.push(mem.clone());
-            }
+            keep_once(keep, mem);
             return Ok(Item {
                 dest: Dest::Kept(at),
                 remaining: h.len,
@@ -298,8 +296,7 @@ impl Conn {
                 {
                     return Ok(());
                 }
-                TransportStats::add(&shared.stats.received_bytes, len);
-                TransportStats::add(&shared.stats.received_writes, 1);
+                count_received(shared, 1, len);
                 let event = imm.map(|imm| Completion {
                     wr_id: WorkRequestId(0),
                     op: OpKind::RemoteWrite,
@@ -587,6 +584,12 @@ pub(super) fn place(
     *offset += n as u64;
     *end = r.head;
     Ok(n)
+}
+
+/// Counts `writes` WRITEs of `bytes` in all placed in our regions (the transport's figures).
+pub(super) fn count_received(shared: &Shared, writes: u64, bytes: u64) {
+    TransportStats::add(&shared.stats.received_bytes, bytes);
+    TransportStats::add(&shared.stats.received_writes, writes);
 }
 
 /// Whether bytes for `d` can be read straight into place.

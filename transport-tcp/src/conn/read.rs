@@ -2,7 +2,7 @@
 //! place where it can), decodes headers, and walks each frame (HELLO, WRITE, BATCH, SEND,
 //! READ, READ_REPLY, ACK, NACK) to its end; [`place`](super::place) says where payload bytes go.
 
-use super::place::{Dest, Got, Item, device_room, direct, place, read_batch};
+use super::place::{Dest, Got, Item, count_received, device_room, direct, place, read_batch};
 use super::*;
 use crate::frame::ACK_CREDIT;
 
@@ -339,8 +339,7 @@ impl Conn {
                 }
                 if writes > 0 {
                     self.pending_acks += writes;
-                    TransportStats::add(&shared.stats.received_bytes, bytes);
-                    TransportStats::add(&shared.stats.received_writes, writes);
+                    count_received(shared, writes, bytes);
                 }
             }
             if *next == items.len() {

@@ -233,10 +233,8 @@ impl Conn {
             // Headers stay contiguous: payloads follow all of them.
             f.head.extend_from_slice(&hdr.encode());
             f.payloads.push(payload);
-            if let Some(mem) = keep
-                && !f.keep.last().is_some_and(|k| Arc::ptr_eq(k, mem))
-            {
-                f.keep.push(mem.clone());
+            if let Some(mem) = keep {
+                keep_once(&mut f.keep, mem);
             }
             f.batch += 1;
             f.replies += reply;
@@ -259,7 +257,9 @@ impl Conn {
         head.extend_from_slice(&Header::new(Op::Batch, 1).encode());
         head.extend_from_slice(&hdr.encode());
         payloads.push(payload);
-        kept.extend(keep.cloned());
+        if let Some(mem) = keep {
+            keep_once(&mut kept, mem);
+        }
         self.out.push_back(OutFrame {
             head,
             payloads,
