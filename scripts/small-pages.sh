@@ -3,8 +3,11 @@
 # `xfer demo --transport tcp --baseline` (host memory), each of which times the engine and
 # then, in the same process, raw TCP streams (one per rail) moving the same page size as
 # random pages, 16 per writev, placed by readv into the same pages of a region of the same
-# size (`baseline_pages_gbps`). Prints every run, then per workload the medians of the
-# engine's Gbps, the raw streams' Gbps and their ratio.
+# size (`baseline_pages_gbps`), and the same streams moving the same bytes from and into
+# contiguous buffers of the region's size (`baseline_gbps`: what the path carries when
+# nothing is scattered, the ceiling for both). Prints every run, then per workload the
+# medians of the engine's Gbps, the raw page streams' Gbps, their ratio (the floors' figure)
+# and the engine's ratio to the contiguous streams.
 #
 #   scripts/small-pages.sh [PAGE:RAILS ...]     # default: 4KiB:1 4KiB:2 4KiB:8 64KiB:1 64KiB:8
 #   XFER=target/release/xfer RUNS=3 BYTES_4K=4GiB BYTES_64K=16GiB (the defaults)
@@ -39,8 +42,9 @@ for run in $(seq "$RUNS"); do
             python3 - "$tmp/out.json" "$wl$tag" "$run" "$tmp/$wl.$i" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
-row = (d["gbps"], d["baseline_pages_gbps"], d["ratio_pages"])
-print(f"{sys.argv[2]} run {sys.argv[3]}: xfer {row[0]:.2f} Gbps, raw pages {row[1]:.2f} Gbps, ratio {row[2]:.3f}")
+row = (d["gbps"], d["baseline_pages_gbps"], d["ratio_pages"], d["baseline_gbps"], d["ratio"])
+print(f"{sys.argv[2]} run {sys.argv[3]}: xfer {row[0]:.2f} Gbps, raw pages {row[1]:.2f} Gbps, "
+      f"ratio {row[2]:.3f}; raw contiguous {row[3]:.2f} Gbps, {row[4]:.3f} of it")
 open(sys.argv[4], "a").write(" ".join(map(str, row)) + "\n")
 PY
         done
@@ -59,7 +63,8 @@ for wl in sys.argv[4:]:
         floor = float(floors.get(wl, 0)) if i == 0 else 0.0
         flag = "" if med[2] >= floor else f"  BELOW {floor}"
         tag = f" {label}" if label else ""
-        print(f"{wl}{tag}: median of {len(rows)}: xfer {med[0]:.2f} Gbps, raw pages {med[1]:.2f} Gbps, ratio {med[2]:.3f}{flag}")
+        print(f"{wl}{tag}: median of {len(rows)}: xfer {med[0]:.2f} Gbps, raw pages {med[1]:.2f} Gbps, "
+              f"ratio {med[2]:.3f}{flag}; raw contiguous {med[3]:.2f} Gbps, {med[4]:.3f} of it")
         if flag:
             low.append(wl)
 sys.exit(1 if low else 0)
