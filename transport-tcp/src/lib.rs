@@ -61,6 +61,7 @@
 #![warn(missing_docs)]
 
 pub mod auth;
+mod congestion;
 mod conn;
 mod error;
 pub mod frame;
@@ -86,11 +87,12 @@ use std::collections::HashMap;
 
 /// The maps looked up per operation (see the crate's dependencies above).
 pub(crate) type FastMap<K, V> = rustc_hash::FxHashMap<K, V>;
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+pub use congestion::Congestion;
 pub use error::{CopyCause, FrameError, TcpError, report};
 
 /// A static digest of a shared token: what HELLOs carried up to protocol version 3, and
@@ -201,6 +203,11 @@ pub struct TcpConfig {
     /// holds each whole before placing it: a copy more on each side. Writes from device
     /// memory, SENDs and READs carry none. Targets always check checksums that come.
     pub checksum: bool,
+    /// The congestion control of the connections (`TCP_CONGESTION`). The default,
+    /// [`Congestion::Auto`], takes loopback connections off BBR, whose pacing halves a
+    /// loopback stream (see [`Congestion`]), and leaves connections between hosts to the
+    /// system.
+    pub congestion: Congestion,
 }
 
 impl Default for TcpConfig {
@@ -220,6 +227,7 @@ impl Default for TcpConfig {
             copy_nap: Duration::ZERO,
             interface: None,
             checksum: false,
+            congestion: Congestion::Auto,
         }
     }
 }
@@ -283,6 +291,11 @@ impl TcpTransport {
             return Err(Invalid::NoRails.into());
         }
         let listener = listen_on(cfg.listen, cfg.interface.as_deref())?;
+        // Accepted connections start with the listener's algorithm (set before any peer:
+        // see `Congestion`); a name the kernel refuses is refused here.
+        cfg.congestion
+            .apply(&listener, cfg.listen.ip())
+            .map_err(|e| os_error("TCP_CONGESTION", cfg.congestion.explain(&e), e))?;
         let local = listener
             .local_addr()
             .map_err(|e| Error::io("local_addr", e))?;
@@ -338,7 +351,19 @@ impl TcpTransport {
         self.cfg.rails
     }
 
-    fn setup_socket(&self, s: &Socket) -> Result<()> {
+    /// Sets up a connection to or from `peer` before it carries data.
+    fn setup_socket(&self, s: &Socket, peer: IpAddr) -> Result<()> {
+        match self.cfg.congestion.apply(s, peer) {
+            Ok(Some(set)) => tracing::debug!(%peer, congestion = %set, "congestion control set"),
+            Ok(None) => {}
+            Err(e) => {
+                return Err(os_error(
+                    "TCP_CONGESTION",
+                    self.cfg.congestion.explain(&e),
+                    e,
+                ));
+            }
+        }
         s.set_tcp_nodelay(true)
             .map_err(|e| Error::io("TCP_NODELAY", e))?;
         let ka = TcpKeepalive::new()
@@ -374,7 +399,7 @@ impl TcpTransport {
                     .map_err(|e| os_error("bind", format!("leave from {ip} on {dev}"), e))?;
             }
         }
-        self.setup_socket(&s)?; // non-blocking from here
+        self.setup_socket(&s, to.ip())?; // non-blocking from here
         match s.connect(&SockAddr::from(to)) {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
@@ -557,7 +582,7 @@ impl TcpTransport {
                         continue;
                     }
                     let sock = Socket::from(stream);
-                    if let Err(e) = self.setup_socket(&sock) {
+                    if let Err(e) = self.setup_socket(&sock, from.ip()) {
                         tracing::warn!(%from, error = %e, "dropping new connection");
                         continue;
                     }
@@ -1208,6 +1233,82 @@ mod tests {
             weak.upgrade().is_none(),
             "the source is held after its WRITEs completed"
         );
+    }
+
+    /// The algorithms a transport's open connections run.
+    fn algorithms(t: &TcpTransport) -> Vec<String> {
+        t.conns
+            .iter()
+            .flatten()
+            .map(|c| {
+                let name = socket2::SockRef::from(&c.stream).tcp_congestion().unwrap();
+                String::from_utf8_lossy(&name)
+                    .trim_end_matches('\0')
+                    .to_string()
+            })
+            .collect()
+    }
+
+    /// Two transports of `congestion`, connected (a WRITE has landed), with their
+    /// connections' algorithms, initiator's then target's.
+    fn connected_with(congestion: Congestion) -> (Vec<String>, Vec<String>) {
+        let cfg = TcpConfig {
+            congestion,
+            rails: 2,
+            ..TcpConfig::default()
+        };
+        let mut a = TcpTransport::new(cfg.clone()).unwrap();
+        let mut b = TcpTransport::new(cfg).unwrap();
+        let src = fabric_core::HostBuffer::new_shared(4096).unwrap();
+        let dst = fabric_core::HostBuffer::new_shared(4096).unwrap();
+        let s = a.register(src, Access::NONE).unwrap();
+        let d = b.register(dst, Access::REMOTE_WRITE).unwrap();
+        let peer = a.add_peer(&b.address()).unwrap();
+        let mut pages = Vec::new();
+        for i in 0..2 {
+            let local = LocalSlice {
+                key: s.local,
+                offset: 0,
+                len: 4096,
+            };
+            let remote = RemoteSlice {
+                region: d.remote,
+                offset: 0,
+                len: 4096,
+            };
+            let out = a.post_write(peer, WorkRequestId(i), local, remote, None);
+            pages.push(out.unwrap());
+        }
+        let (mut done, mut ignored) = (Vec::new(), Vec::new());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while done.len() < pages.len() {
+            assert!(Instant::now() < deadline, "WRITEs never completed");
+            a.poll(&mut done).unwrap();
+            b.poll(&mut ignored).unwrap();
+        }
+        (algorithms(&a), algorithms(&b))
+    }
+
+    /// Loopback connections of both ends are off BBR by default (the kernels here default
+    /// to it), a named algorithm is set on both ends, and one the kernel refuses stops the
+    /// transport from starting, naming it.
+    #[test]
+    fn connections_run_the_configured_congestion_control() {
+        let (a, b) = connected_with(Congestion::Auto);
+        assert!(a.len() == 2 && b.len() == 2, "{a:?} {b:?}");
+        assert!(
+            a.iter().chain(&b).all(|n| !n.starts_with("bbr")),
+            "loopback connections on BBR: {a:?} {b:?}"
+        );
+        let (a, b) = connected_with(Congestion::Named("reno".into()));
+        assert!(a.iter().chain(&b).all(|n| n == "reno"), "{a:?} {b:?}");
+        let Err(err) = TcpTransport::new(TcpConfig {
+            congestion: Congestion::Named("no_such_algo".into()),
+            ..TcpConfig::default()
+        }) else {
+            panic!("an unknown algorithm was accepted");
+        };
+        assert!(err.to_string().contains("no_such_algo"), "{err}");
     }
 
     /// A busy poll loop does not look for connections on every turn, yet a connection is

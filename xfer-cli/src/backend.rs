@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 use xfer::nics::Nics;
 use xfer::{
-    AgentOptions, BalanceOptions, CudaIpcOptions, EfaOptions, MemoryKind, PinMode, TcpOptions,
-    TransportChoice, TransportKind, WorkerOptions,
+    AgentOptions, BalanceOptions, Congestion, CudaIpcOptions, EfaOptions, MemoryKind, PinMode,
+    TcpOptions, TransportChoice, TransportKind, WorkerOptions,
 };
 
 /// `--transport`.
@@ -120,6 +120,13 @@ pub struct BackendArgs {
     /// run, in microseconds (0: polls again at once). Was XFER_TCP_COPY_NAP_US.
     #[arg(long = "tcp-copy-nap", value_name = "US", default_value_t = 0)]
     pub tcp_copy_nap_us: u64,
+    /// tcp: the connections' congestion control. `auto` takes loopback connections off BBR
+    /// (its pacing halves a stream between processes of one host) and leaves the rest to
+    /// the system; `system` never changes it; a name (`cubic`, `reno`, `bbr`) sets it on
+    /// every connection (unprivileged: those in net.ipv4.tcp_allowed_congestion_control).
+    /// demo's and bench's raw streams (--baseline) run the same
+    #[arg(long = "tcp-congestion", value_name = "auto|system|NAME", default_value = "auto", value_parser = Congestion::parse)]
+    pub tcp_congestion: Congestion,
     /// cuda-ipc: force how batches of copies are issued (kernel, batch or memcpy), for
     /// comparisons; the default is the best that works here (the copy kernel first).
     #[arg(long = "cuda-copy", value_name = "METHOD", value_parser = parse_copy_method)]
@@ -193,6 +200,12 @@ fn parse_nics(s: &str) -> Result<Nics, String> {
 }
 
 impl BackendArgs {
+    /// The tcp connections' congestion control (`--tcp-congestion`): the rails' and the raw
+    /// streams' of `--baseline`.
+    pub fn congestion(&self) -> Congestion {
+        self.tcp_congestion.clone()
+    }
+
     /// The options of an agent built from these flags, pinned by `pin`, with `rails` rails
     /// per transport (`None`: the library's default, one per NIC it chooses, else 1). The
     /// caller sets what differs between its agents: role, worker, GPU, listen address, the
@@ -215,6 +228,7 @@ impl BackendArgs {
             tcp: TcpOptions {
                 checksum: self.checksum,
                 copy_nap: us(self.tcp_copy_nap_us),
+                congestion: self.congestion(),
             },
             efa: EfaOptions {
                 provider: self.provider.clone(),

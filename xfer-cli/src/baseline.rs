@@ -21,11 +21,11 @@ use crate::workload::{TransferPages, Workload};
 use fabric_core::{MemoryLocation, MemoryRegion};
 use gpu_mem::{CopyMethod, Device, PeerCopies};
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
-use xfer::TransportKind;
 use xfer::placement::{self, CorePin};
+use xfer::{Congestion, TransportKind};
 
 /// Why a baseline could not run.
 #[derive(Debug, thiserror::Error)]
@@ -102,12 +102,27 @@ fn stream_share(footprint: usize, streams: usize) -> usize {
 
 /// The kind of [`tcp_streams`] over `footprint` bytes (all streams' buffers together, as
 /// the streams round it: a whole number of 1 MiB chunks each).
-pub fn tcp_kind(streams: usize, footprint: usize) -> String {
+pub fn tcp_kind(streams: usize, footprint: usize, congestion: &str) -> String {
     let all = stream_share(footprint, streams) as u64 * streams.max(1) as u64;
     format!(
-        "raw TCP streams, {streams}, loopback, {} buffers",
+        "raw TCP streams, {streams}, loopback ({congestion}), {} buffers",
         format_size(all)
     )
+}
+
+/// The congestion control that `congestion` gives a loopback connection here, as the
+/// kernel names it: what the engine's tcp rails and the raw streams (which apply the same
+/// rule) run, for the baselines' kinds.
+pub fn loopback_congestion(congestion: &Congestion) -> Result<String, BaselineError> {
+    let probe = || -> std::io::Result<String> {
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        let s = congestion.connect(listener.local_addr()?, None)?;
+        let name = socket2::SockRef::from(&s).tcp_congestion()?;
+        Ok(String::from_utf8_lossy(&name)
+            .trim_end_matches('\0')
+            .to_string())
+    };
+    probe().map_err(BaselineError::Streams)
 }
 
 /// The kind of [`scattered_memcpy`].
@@ -140,15 +155,26 @@ pub fn device_copies_kind(method: CopyMethod, streams: usize, from: u32, to: u32
 /// With a 1 MiB footprint (the "hot" baseline) every byte comes from and goes to the CPU's
 /// caches; with the region's size, the streams touch as much memory as the transfer does,
 /// so the ratio measures the transport's own cost instead of cache effects.
-pub fn tcp_streams(bytes: u64, streams: usize, footprint: usize) -> Result<f64, BaselineError> {
-    tcp_streams_io(bytes, streams.max(1), footprint).map_err(BaselineError::Streams)
+pub fn tcp_streams(
+    bytes: u64,
+    streams: usize,
+    footprint: usize,
+    congestion: &Congestion,
+) -> Result<f64, BaselineError> {
+    tcp_streams_io(bytes, streams.max(1), footprint, congestion).map_err(BaselineError::Streams)
 }
 
-fn tcp_streams_io(bytes: u64, streams: usize, footprint: usize) -> std::io::Result<f64> {
+fn tcp_streams_io(
+    bytes: u64,
+    streams: usize,
+    footprint: usize,
+    congestion: &Congestion,
+) -> std::io::Result<f64> {
     let share = stream_share(footprint, streams);
     let per = bytes / streams as u64;
     let (got, secs) = loopback_streams(
         streams,
+        congestion,
         share,
         move |_, mine, s| {
             let mut left = per;
@@ -189,9 +215,11 @@ fn tcp_streams_io(bytes: u64, streams: usize, footprint: usize) -> std::io::Resu
 /// source filled before the clock starts): `write(i, source, socket)` on stream `i`'s
 /// writer, `read(i, destination, socket)` (returning the bytes it read) on its reader.
 /// Returns the bytes all readers read and the seconds from the first connection to the last
-/// reader's end.
+/// reader's end. Both ends of each connection run the congestion control `congestion`
+/// gives a loopback connection, as the engine's tcp rails do.
 fn loopback_streams<W, R>(
     streams: usize,
+    congestion: &Congestion,
     share: usize,
     write: W,
     read: R,
@@ -214,7 +242,7 @@ where
     for d in &mut dsts {
         d.as_mut_slice().fill(0);
     }
-    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let listener = congestion.listen(SocketAddr::from(([127, 0, 0, 1], 0)))?;
     let addr = listener.local_addr()?;
     let start = Instant::now();
     let readers = std::thread::spawn(move || -> std::io::Result<u64> {
@@ -242,8 +270,9 @@ where
         .into_iter()
         .enumerate()
         .map(|(i, mut mem)| {
+            let congestion = congestion.clone();
             std::thread::spawn(move || -> std::io::Result<()> {
-                let mut s = TcpStream::connect(addr)?;
+                let mut s = congestion.connect(addr, None)?;
                 s.write_all(&(i as u64).to_le_bytes())?;
                 write(i, mem.as_mut_slice(), &mut s)
             })
@@ -263,11 +292,11 @@ where
 pub const GATHER: usize = 16;
 
 /// The kind of [`tcp_pages`].
-pub fn tcp_pages_kind(streams: usize, page: usize, footprint: usize) -> String {
+pub fn tcp_pages_kind(streams: usize, page: usize, footprint: usize, congestion: &str) -> String {
     let all = stream_share(footprint, streams) as u64 * streams.max(1) as u64;
     format!(
-        "raw TCP streams, {streams}, loopback, writev of {GATHER} random {} pages of {} into the \
-         same pages",
+        "raw TCP streams, {streams}, loopback ({congestion}), writev of {GATHER} random {} pages \
+         of {} into the same pages",
         format_size(page as u64),
         format_size(all)
     )
@@ -313,11 +342,12 @@ impl Draw {
 pub fn tcp_pages(
     bytes: u64,
     streams: usize,
-    footprint: usize,
-    page: usize,
+    (footprint, page): (usize, usize),
     seed: u64,
+    congestion: &Congestion,
 ) -> Result<Option<f64>, BaselineError> {
-    tcp_pages_io(bytes, streams.max(1), footprint, page, seed).map_err(BaselineError::Streams)
+    tcp_pages_io(bytes, streams.max(1), footprint, page, seed, congestion)
+        .map_err(BaselineError::Streams)
 }
 
 fn tcp_pages_io(
@@ -326,6 +356,7 @@ fn tcp_pages_io(
     footprint: usize,
     page: usize,
     seed: u64,
+    congestion: &Congestion,
 ) -> std::io::Result<Option<f64>> {
     let share = stream_share(footprint, streams);
     if page == 0 || share / page < GATHER {
@@ -336,6 +367,7 @@ fn tcp_pages_io(
     // Stream i's pages come from seed + i at both ends.
     let (got, secs) = loopback_streams(
         streams,
+        congestion,
         share,
         move |i, mine, s| {
             let mut draw = Draw::new(seed.wrapping_add(i as u64));
@@ -640,10 +672,10 @@ mod tests {
     #[test]
     fn page_streams_move_whole_gathers_or_say_they_cannot() {
         assert_eq!(
-            tcp_pages(1 << 20, 1, 1 << 20, 128 << 10, 1).expect("runs"),
+            tcp_pages(1 << 20, 1, (1 << 20, 128 << 10), 1, &Congestion::Auto).expect("runs"),
             None
         );
-        let gbps = tcp_pages(8 << 20, 2, 4 << 20, 4096, 1).expect("runs");
+        let gbps = tcp_pages(8 << 20, 2, (4 << 20, 4096), 1, &Congestion::Auto).expect("runs");
         assert!(gbps.is_some_and(|g| g > 0.0), "{gbps:?}");
     }
 
@@ -730,8 +762,8 @@ mod tests {
     #[test]
     fn kinds_name_what_ran() {
         assert_eq!(
-            tcp_kind(2, 1 << 30),
-            "raw TCP streams, 2, loopback, 1.0 GiB buffers"
+            tcp_kind(2, 1 << 30, "cubic"),
+            "raw TCP streams, 2, loopback (cubic), 1.0 GiB buffers"
         );
         assert_eq!(
             memcpy_kind(1),
@@ -745,7 +777,24 @@ mod tests {
 
     #[test]
     fn tcp_streams_move_the_bytes() {
-        let g = tcp_streams(8 << 20, 2, 2 << 20).expect("streams");
+        let g = tcp_streams(8 << 20, 2, 2 << 20, &Congestion::Auto).expect("streams");
         assert!(g > 0.0 && g.is_finite(), "{g}");
+    }
+
+    /// The raw streams run what the engine's rails run on loopback: a named algorithm is
+    /// reported (and refused when the kernel has no such one), and the default is not BBR
+    /// (the system default on the kernels here, whose pacing the rails avoid).
+    #[test]
+    fn the_streams_congestion_control_follows_the_engines() {
+        let named = Congestion::Named("reno".into());
+        assert_eq!(loopback_congestion(&named).expect("reno"), "reno");
+        assert!(
+            !loopback_congestion(&Congestion::Auto)
+                .unwrap()
+                .starts_with("bbr")
+        );
+        let missing = Congestion::Named("no_such_algo".into());
+        assert!(loopback_congestion(&missing).is_err());
+        assert!(tcp_streams(1 << 20, 1, 1 << 20, &missing).is_err());
     }
 }

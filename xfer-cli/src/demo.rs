@@ -195,18 +195,20 @@ fn run_baseline(
         _ => {
             // tcp with host memory. The regions go first: the streams map as much memory.
             drop((local, remote));
-            let gbps = baseline::tcp_streams(report.bytes, rails, k.region_size as usize)
-                .map_err(failed)?;
-            let hot = baseline::tcp_streams(report.bytes, rails, 1 << 20).map_err(failed)?;
-            let kind = baseline::tcp_kind(rails, k.region_size as usize);
+            // The streams run the congestion control the rails run (like for like).
+            let cc = b.congestion();
+            let region = k.region_size as usize;
+            let gbps = baseline::tcp_streams(report.bytes, rails, region, &cc).map_err(failed)?;
+            let hot = baseline::tcp_streams(report.bytes, rails, 1 << 20, &cc).map_err(failed)?;
+            let algorithm = baseline::loopback_congestion(&cc).map_err(failed)?;
+            let kind = baseline::tcp_kind(rails, region, &algorithm);
             let page = w.page_size as usize;
-            let pages =
-                baseline::tcp_pages(report.bytes, rails, k.region_size as usize, page, w.seed)
-                    .map_err(failed)?
-                    .map(|gbps| Measured {
-                        gbps,
-                        kind: baseline::tcp_pages_kind(rails, page, k.region_size as usize),
-                    });
+            let pages = baseline::tcp_pages(report.bytes, rails, (region, page), w.seed, &cc)
+                .map_err(failed)?
+                .map(|gbps| Measured {
+                    gbps,
+                    kind: baseline::tcp_pages_kind(rails, page, region, &algorithm),
+                });
             Ok((
                 Measured { gbps, kind },
                 Extra {
@@ -235,7 +237,8 @@ fn latency(b: &BackendArgs, k: &Knobs, w: &Workload) -> Result<(), CliError> {
         w,
         count,
     )?;
-    let mut raw = latency::raw_round_trips(w.page_size, w.pages, w.region_size, count, w.seed)
+    let page = (w.page_size, w.pages);
+    let mut raw = latency::raw_round_trips(page, w.region_size, count, w.seed, &b.congestion())
         .map_err(|e| CliError::io("raw TCP ping-pong", e))?;
     latency::summary(
         kind.name(),

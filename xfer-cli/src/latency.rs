@@ -10,10 +10,10 @@ use crate::workload::{PageDraw, Workload};
 use fabric_core::engine::WARM_UP_IMM;
 use serde::Serialize;
 use std::io::{IoSlice, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
-use xfer::{Agent, Error, Peer, Region, RegionDescriptor, Transfer};
+use xfer::{Agent, Congestion, Error, Peer, Region, RegionDescriptor, Transfer};
 
 /// Most transfers timed in one run (whatever `--bytes` asks).
 pub const MAX_SAMPLES: u64 = 200_000;
@@ -274,22 +274,23 @@ const ACK: usize = 8;
 
 /// The floor: `count` round trips over one loopback TCP connection (TCP_NODELAY), each a
 /// vectored write of `pages` random pages of `page_size` from a `region`-byte buffer,
-/// answered with 8 bytes once the receiver has read them all.
+/// answered with 8 bytes once the receiver has read them all. Both ends run the congestion
+/// control `congestion` gives a loopback connection (what tcp rails run).
 pub fn raw_round_trips(
-    page_size: u64,
-    pages: u64,
+    (page_size, pages): (u64, u64),
     region: u64,
     count: u64,
     seed: u64,
+    congestion: &Congestion,
 ) -> std::io::Result<Vec<Duration>> {
-    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let listener = congestion.listen(std::net::SocketAddr::from(([127, 0, 0, 1], 0)))?;
     let addr = listener.local_addr()?;
     let per = round_bytes(page_size, pages)?;
     let server = std::thread::spawn(move || -> std::io::Result<u64> {
         let (s, _) = listener.accept()?;
         echo_rounds(s, per)
     });
-    let mut c = TcpStream::connect(addr)?;
+    let mut c = congestion.connect(addr, None)?;
     let times = ping_pong(&mut c, page_size, pages, region, count, seed)?;
     drop(c);
     server
@@ -381,6 +382,7 @@ pub fn ping_pong(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::net::TcpListener;
 
     #[test]
     fn the_raw_ping_pong_times_every_round_and_the_echo_counts_them() {

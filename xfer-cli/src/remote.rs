@@ -18,7 +18,7 @@ use crate::{
     size, warm_up, workload_of,
 };
 use fabric_core::MemoryRegion;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 use xfer::rendezvous::{self, Welcome, raw_auth};
@@ -147,11 +147,14 @@ fn bench_latency(a: &BenchArgs, ctl_addr: SocketAddr, w: &Workload) -> Result<()
     let (mut times, mut imm) =
         latency::run_transfers(&s.agent, &s.src, &s.peer, &s.remote, None, w, count)?;
     let echo = s.ctl.echo(w.page_size, w.pages)?;
-    let raw = TcpStream::connect_timeout(&echo, Duration::from_secs(5)).and_then(|mut c| {
-        c.set_read_timeout(Some(Duration::from_secs(30)))?;
-        raw_auth::answer(&c, s.ctl.token(), raw_auth::ECHO_CONTEXT)?;
-        latency::ping_pong(&mut c, w.page_size, w.pages, w.region_size, count, w.seed)
-    });
+    let congestion = a.backend.congestion();
+    let raw = congestion
+        .connect(echo, Some(Duration::from_secs(5)))
+        .and_then(|mut c| {
+            c.set_read_timeout(Some(Duration::from_secs(30)))?;
+            raw_auth::answer(&c, s.ctl.token(), raw_auth::ECHO_CONTEXT)?;
+            latency::ping_pong(&mut c, w.page_size, w.pages, w.region_size, count, w.seed)
+        });
     let mut raw = raw.map_err(|e| CliError::io(format!("raw TCP ping-pong with {echo}"), e))?;
     let kind = s.peer.transport();
     latency::summary(
@@ -261,7 +264,9 @@ pub(crate) fn bench_worker(
         // The engine's rails stop first: their workers take no CPU from the streams, and
         // the source region's memory is free for the streams' buffers.
         drop((peer, src, local, agent));
-        let gbps = baseline_streams(&mut ctl, &server_rails, &rail_nics, rails, report.bytes, k)?;
+        let congestion = a.backend.congestion();
+        let to = (&server_rails[..], &rail_nics[..]);
+        let gbps = baseline_streams(&mut ctl, to, rails, report.bytes, k, &congestion)?;
         Some(crate::baseline::Measured { gbps, kind: what })
     } else {
         None
@@ -315,11 +320,11 @@ pub(crate) fn check(
 /// moving `bytes` (less what does not divide among the streams); returns their Gbps.
 fn baseline_streams(
     ctl: &mut BenchClient,
-    server_rails: &[Vec<u8>],
-    rail_nics: &[xfer::nics::RailNic],
+    (server_rails, rail_nics): (&[Vec<u8>], &[xfer::nics::RailNic]),
     rails: usize,
     bytes: u64,
     k: &crate::Knobs,
+    congestion: &xfer::Congestion,
 ) -> Result<f64, CliError> {
     let rails = rails.max(1);
     let per_stream = bytes / rails as u64;
@@ -333,7 +338,7 @@ fn baseline_streams(
         .map_err(|e| CliError::because("baseline", e))?;
     let streams = crate::sink::pair(server_rails, &sinks, rails, rail_nics)
         .map_err(|e| CliError::failed(format!("baseline: {e}")))?;
-    let sent = crate::sink::send(&streams, per_stream, k.region_size, ctl.token())
+    let sent = crate::sink::send(&streams, per_stream, k.region_size, ctl.token(), congestion)
         .map_err(|e| CliError::because("baseline", e))?;
     Ok(sent.gbps())
 }

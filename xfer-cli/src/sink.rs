@@ -19,6 +19,7 @@ use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::Barrier;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+use xfer::Congestion;
 use xfer::nics::RailNic;
 use xfer::rendezvous::raw_auth;
 
@@ -380,10 +381,16 @@ impl SendReport {
     }
 }
 
-/// Opens a socket toward `to`, bound to `nic` (interface and address) when given, and
+/// Opens a socket toward `to`, bound to `nic` (interface and address) when given, with the
+/// congestion control `congestion` gives it (what the engine's tcp rails run), and
 /// connects within 5 s.
-fn connect(nic: Option<&RailNic>, to: SocketAddr) -> std::io::Result<TcpStream> {
+fn connect(
+    nic: Option<&RailNic>,
+    to: SocketAddr,
+    congestion: &Congestion,
+) -> std::io::Result<TcpStream> {
     let s = Socket::new(Domain::for_address(to), Type::STREAM, Some(Protocol::TCP))?;
+    congestion.apply(&s, to.ip())?;
     if let Some(nic) = nic {
         s.bind_device(Some(nic.name.as_bytes()))?;
         if let Some(ip) = nic.ip.filter(|ip| ip.is_ipv4() == to.is_ipv4()) {
@@ -403,13 +410,15 @@ fn connect(nic: Option<&RailNic>, to: SocketAddr) -> std::io::Result<TcpStream> 
 /// closes its writing side and checks the server's count. Connections and buffers are set
 /// up before the clock starts.
 ///
-/// Each stream answers the sink's challenge with `token` first
+/// Each stream runs the congestion control `congestion` gives it (the rails' rule), and
+/// answers the sink's challenge with `token` first
 /// ([`raw_auth::answer`]), before the clock starts.
 pub fn send(
     streams: &[Stream],
     per_stream: u64,
     footprint: u64,
     token: Option<&str>,
+    congestion: &Congestion,
 ) -> Result<SendReport, SendError> {
     let n = streams.len().max(1);
     let share = ((footprint / n as u64) as usize / CHUNK).max(1) * CHUNK;
@@ -418,7 +427,7 @@ pub fn send(
         let mut mem =
             gpu_mem::HostMemory::new(share).map_err(|e| SendError::Memory(e.to_string()))?;
         mem.as_mut_slice().fill(0x5A);
-        let conn = connect(st.nic.as_ref(), st.to)
+        let conn = connect(st.nic.as_ref(), st.to, congestion)
             .and_then(|c| raw_auth::answer(&c, token, raw_auth::SINK_CONTEXT).map(|()| c))
             .map_err(|source| SendError::Connect {
                 stream: i,
@@ -568,7 +577,7 @@ mod tests {
             let streams = pair(&server, &sinks, 3, &[]).unwrap();
             std::thread::scope(|s| {
                 let d = s.spawn(|| drain(&listeners, 3, limits(max_bytes), Some("tok")));
-                let sent = send(&streams, per, 4 << 20, Some("tok"));
+                let sent = send(&streams, per, 4 << 20, Some("tok"), &Congestion::Auto);
                 (sent, d.join().unwrap())
             })
         };

@@ -1037,7 +1037,9 @@ fn demo_baseline_over_mem_is_a_scattered_memcpy_of_the_same_pages() {
 /// the run's pages.
 #[test]
 fn demo_baseline_over_tcp_is_raw_tcp_streams_on_loopback() {
-    let out = small_demo(&["--transport", "tcp", "--rails", "2", "--baseline"]);
+    // The streams run the rails' congestion control, named in the kinds.
+    let args = ["--transport", "tcp", "--rails", "2", "--baseline"];
+    let out = small_demo(&[&args[..], &["--tcp-congestion", "reno"]].concat());
     assert!(
         out.status.success(),
         "{}",
@@ -1045,7 +1047,10 @@ fn demo_baseline_over_tcp_is_raw_tcp_streams_on_loopback() {
     );
     let j = stdout_json(&out);
     let kind = assert_baseline(&j);
-    assert_eq!(kind, "raw TCP streams, 2, loopback, 4.0 MiB buffers", "{j}");
+    assert_eq!(
+        kind, "raw TCP streams, 2, loopback (reno), 4.0 MiB buffers",
+        "{j}"
+    );
     let hot = j["baseline_hot_gbps"].as_f64().expect("baseline_hot_gbps");
     let ratio_hot = j["ratio_hot"].as_f64().expect("ratio_hot");
     assert!(hot > 0.0 && ratio_hot > 0.0 && ratio_hot.is_finite(), "{j}");
@@ -1053,8 +1058,8 @@ fn demo_baseline_over_tcp_is_raw_tcp_streams_on_loopback() {
     assert_eq!(
         j["baseline_pages_kind"].as_str(),
         Some(
-            "raw TCP streams, 2, loopback, writev of 16 random 4.0 KiB pages of 4.0 MiB into \
-             the same pages"
+            "raw TCP streams, 2, loopback (reno), writev of 16 random 4.0 KiB pages of 4.0 MiB \
+             into the same pages"
         ),
         "{j}"
     );
@@ -1085,6 +1090,13 @@ fn demo_baseline_over_tcp_is_raw_tcp_streams_on_loopback() {
         text.lines()
             .any(|l| l.starts_with("baseline, pages: raw TCP streams, 1")),
         "{text}"
+    );
+    // An algorithm the kernel does not have stops the run before it starts, named.
+    let out = small_demo(&[&args[..], &["--tcp-congestion", "no_such_algo"]].concat());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("no_such_algo"),
+        "{err}"
     );
 }
 

@@ -121,6 +121,7 @@ pub fn spawn(
         TransportKind::Tcp => {
             let (token, checksum, copy_nap) =
                 (o.auth_token.clone(), o.tcp.checksum, o.tcp.copy_nap);
+            let congestion = o.tcp.congestion.clone();
             let timeout = o.workers.control_timeout;
             let ip = o.listen;
             let make = move |i: usize| {
@@ -133,6 +134,7 @@ pub fn spawn(
                     auth_token: token.clone(),
                     copy_nap,
                     checksum,
+                    congestion: congestion.clone(),
                     peer_timeout: timeout.unwrap_or(d.peer_timeout),
                     ..d
                 })

@@ -10,6 +10,7 @@ use crate::placement::PinMode;
 use fabric_core::metadata::TransportKind;
 use std::net::IpAddr;
 use std::time::Duration;
+use transport_tcp::Congestion;
 
 /// Which transports an agent offers.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -82,6 +83,10 @@ pub struct TcpOptions {
     pub checksum: bool,
     /// With GPU memory: how long a rail naps between polls while its device copies run.
     pub copy_nap: Duration,
+    /// The connections' congestion control. The default takes loopback connections off
+    /// BBR (its pacing halves a stream between processes of one host) and leaves those
+    /// between hosts to the system; see [`Congestion`].
+    pub congestion: Congestion,
 }
 
 /// Knobs of the efa (libfabric) transport.
