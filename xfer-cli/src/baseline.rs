@@ -51,7 +51,7 @@ pub enum BaselineError {
 pub struct Measured {
     /// Its throughput.
     pub gbps: f64,
-    /// What ran, e.g. "raw TCP streams, 2, loopback, 1.0 GiB buffers".
+    /// What ran, e.g. "raw TCP streams, 2, loopback (cubic), 1.0 GiB buffers".
     pub kind: String,
 }
 

@@ -313,7 +313,7 @@ pub(crate) struct Summary {
     op: &'static str,
     /// Why that transport (`as asked`, or what `auto` saw).
     path: String,
-    /// What the baseline was, in words (e.g. "raw TCP streams, 2, loopback, 1.0 GiB
+    /// What the baseline was, in words (e.g. "raw TCP streams, 2, loopback (cubic), 1.0 GiB
     /// buffers"; "scattered memcpy of the same pages, 1 thread").
     baseline_kind: Option<String>,
     /// TCP only: the same streams from and into 1 MiB buffers (cache-hot).
