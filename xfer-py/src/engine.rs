@@ -142,6 +142,11 @@ impl Shared {
 ///   worker, whatever its gpu and process: right for one engine on a host, but several
 ///   engines (one per GPU, or a prefill and a decode process) would share those cores, so
 ///   it is off unless asked for.
+/// - tcp_congestion: the tcp connections' congestion control: "auto" (the default) takes
+///   connections over loopback off BBR, whose pacing halves a stream between processes of
+///   one host, and leaves the rest to the system; "system" never changes it; a name
+///   ("cubic", "reno", "bbr") sets it on every connection (unprivileged: those in
+///   net.ipv4.tcp_allowed_congestion_control; a name the kernel refuses fails the engine).
 ///
 /// `address` is the engine's metadata (the library's agent metadata, as bytes): peers pass
 /// it to add_peer, which picks the transport for that peer (Peer.transport).
@@ -308,7 +313,7 @@ impl Engine {
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (transport="auto", provider=None, rails=None, nics=None, memory="host", gpu=0, auth_token=None, timeout=10.0, listen="127.0.0.1", wait_spin_us=None, pin="off"))]
+    #[pyo3(signature = (transport="auto", provider=None, rails=None, nics=None, memory="host", gpu=0, auth_token=None, timeout=10.0, listen="127.0.0.1", wait_spin_us=None, pin="off", tcp_congestion="auto"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -323,6 +328,7 @@ impl Engine {
         listen: &str,
         wait_spin_us: Option<u64>,
         pin: &str,
+        tcp_congestion: &str,
     ) -> PyResult<Engine> {
         let (o, gpu) = EngineArgs {
             transport,
@@ -336,6 +342,7 @@ impl Engine {
             listen,
             wait_spin_us,
             pin,
+            tcp_congestion,
         }
         .options()?;
         let agent = py

@@ -11,7 +11,7 @@ use std::net::IpAddr;
 use std::time::Duration;
 use xfer::nics::Nics;
 use xfer::placement::PinMode;
-use xfer::{AgentOptions, MemoryKind, TransportChoice};
+use xfer::{AgentOptions, Congestion, MemoryKind, TransportChoice};
 
 /// The keyword arguments of `xfer.Engine(...)`, as Python gave them.
 pub struct EngineArgs<'a, 'py> {
@@ -37,6 +37,8 @@ pub struct EngineArgs<'a, 'py> {
     pub wait_spin_us: Option<u64>,
     /// "off" (Python's default, see `Engine`'s docs) or "auto".
     pub pin: &'a str,
+    /// The tcp connections' congestion control: "auto", "system" or an algorithm's name.
+    pub tcp_congestion: &'a str,
 }
 
 impl EngineArgs<'_, '_> {
@@ -93,6 +95,8 @@ impl EngineArgs<'_, '_> {
         o.efa.provider = self.provider.clone();
         o.workers.control_timeout = Some(timeout);
         o.workers.wait_spin = self.wait_spin_us.map(Duration::from_micros);
+        o.tcp.congestion = Congestion::parse(self.tcp_congestion)
+            .map_err(|e| invalid(format!("tcp_congestion={:?}: {e}", self.tcp_congestion)))?;
         Ok((o, gpu))
     }
 }

@@ -608,7 +608,7 @@ def test_bytes_that_are_not_an_address_name_the_metadata_error(pair):
 
 
 def test_the_library_options_are_keyword_arguments():
-    with xfer.Engine(transport="tcp", pin="auto", nics="auto", rails=2) as e:
+    with xfer.Engine(transport="tcp", pin="auto", nics="auto", rails=2, tcp_congestion="reno") as e:
         assert e.rails == 2
         with xfer.Engine(pin="off") as f:
             p = e.add_peer(f.address)
@@ -622,8 +622,12 @@ def test_the_library_options_are_keyword_arguments():
         lambda: xfer.Engine(transport="tcp", provider="tcp"),  # efa only
         lambda: xfer.Engine(transport="mem", nics=["lo"]),  # mem runs on no NIC
         lambda: xfer.Engine(timeout=0),
+        lambda: xfer.Engine(tcp_congestion="cu bic"),
     ):
         with pytest.raises(xfer.InvalidArgument):
             bad()
+    # An algorithm the kernel does not have stops the engine, named.
+    with pytest.raises(xfer.Error, match="no_such_algo"):
+        xfer.Engine(transport="tcp", tcp_congestion="no_such_algo")
     assert "pin" in xfer.Engine.__doc__ and "auto" in xfer.Engine.__doc__
     assert xfer.Peer.transport.__doc__

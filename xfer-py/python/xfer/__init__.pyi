@@ -137,6 +137,7 @@ class Engine:
         listen: str = "127.0.0.1",
         wait_spin_us: int | None = None,
         pin: Literal["auto", "off"] = "off",
+        tcp_congestion: str = "auto",
     ) -> None: ...
     @property
     def address(self) -> bytes:
