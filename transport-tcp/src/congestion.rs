@@ -26,7 +26,10 @@ use std::time::Duration;
 pub enum Congestion {
     /// Connections over loopback whose system default is BBR (which paces) run cubic, or
     /// reno where cubic is not allowed; all others keep the system's default
-    /// (`net.ipv4.tcp_congestion_control`). See the module documentation.
+    /// (`net.ipv4.tcp_congestion_control`). See the module documentation. A listener on a
+    /// loopback address passes it to every connection it accepts; one on another address
+    /// (`0.0.0.0`) can switch an accepted loopback connection only once it is established,
+    /// when BBR's pacing has started, so what that side sends (READ replies) stays paced.
     #[default]
     Auto,
     /// Every connection keeps the system's default.
