@@ -82,8 +82,7 @@ impl Congestion {
                 if !peer.to_canonical().is_loopback() {
                     return Ok(None);
                 }
-                let current = socket.tcp_congestion()?;
-                if !current.starts_with(b"bbr") {
+                if !Congestion::algorithm(&*socket)?.starts_with("bbr") {
                     return Ok(None);
                 }
                 for name in LOOPBACK {
@@ -95,9 +94,15 @@ impl Congestion {
             }
         }
     }
-}
 
-impl Congestion {
+    /// The algorithm `socket` runs, as the kernel names it (`cubic`, `bbr`, ...).
+    pub fn algorithm<'s>(socket: impl Into<SockRef<'s>>) -> std::io::Result<String> {
+        let name = socket.into().tcp_congestion()?;
+        Ok(String::from_utf8_lossy(&name)
+            .trim_end_matches('\0')
+            .to_string())
+    }
+
     /// What an error of [`Congestion::apply`] means, for messages: the kernel's `ENOENT`
     /// and `EPERM` say little by themselves.
     pub fn explain(&self, e: &std::io::Error) -> String {
@@ -153,12 +158,8 @@ mod tests {
     use super::*;
     use std::net::{Ipv4Addr, TcpListener, TcpStream};
 
-    /// The algorithm a connected socket runs, as the kernel names it.
     fn algorithm(s: &TcpStream) -> String {
-        let name = SockRef::from(s).tcp_congestion().unwrap();
-        String::from_utf8_lossy(&name)
-            .trim_end_matches('\0')
-            .to_string()
+        Congestion::algorithm(s).unwrap()
     }
 
     fn pair() -> (TcpStream, TcpStream) {

@@ -146,6 +146,11 @@ fn os_error(call: &'static str, what: String, e: std::io::Error) -> Error {
     }
 }
 
+/// `congestion` could not be set (`TCP_CONGESTION`): the kernel's error, explained.
+fn congestion_error(congestion: &Congestion, e: std::io::Error) -> Error {
+    os_error("TCP_CONGESTION", congestion.explain(&e), e)
+}
+
 /// Settings of a [`TcpTransport`].
 #[derive(Clone, Debug)]
 pub struct TcpConfig {
@@ -295,7 +300,7 @@ impl TcpTransport {
         // see `Congestion`); a name the kernel refuses is refused here.
         cfg.congestion
             .apply(&listener, cfg.listen.ip())
-            .map_err(|e| os_error("TCP_CONGESTION", cfg.congestion.explain(&e), e))?;
+            .map_err(|e| congestion_error(&cfg.congestion, e))?;
         let local = listener
             .local_addr()
             .map_err(|e| Error::io("local_addr", e))?;
@@ -356,13 +361,7 @@ impl TcpTransport {
         match self.cfg.congestion.apply(s, peer) {
             Ok(Some(set)) => tracing::debug!(%peer, congestion = %set, "congestion control set"),
             Ok(None) => {}
-            Err(e) => {
-                return Err(os_error(
-                    "TCP_CONGESTION",
-                    self.cfg.congestion.explain(&e),
-                    e,
-                ));
-            }
+            Err(e) => return Err(congestion_error(&self.cfg.congestion, e)),
         }
         s.set_tcp_nodelay(true)
             .map_err(|e| Error::io("TCP_NODELAY", e))?;
@@ -1175,6 +1174,44 @@ mod tests {
         queued_writes_hold_their_source(16);
     }
 
+    /// Posts `writes` WRITEs of 4 KiB from `s` to the same offsets of `d` (page `i` at
+    /// `i * 4096`); returns how many the transport took.
+    fn post_pages(
+        a: &mut TcpTransport,
+        peer: PeerId,
+        (s, d): (&Registration, &Registration),
+        writes: u64,
+    ) -> usize {
+        let mut posted = 0;
+        for i in 0..writes {
+            let local = LocalSlice {
+                key: s.local,
+                offset: i * 4096,
+                len: 4096,
+            };
+            let remote = RemoteSlice {
+                region: d.remote,
+                offset: i * 4096,
+                len: 4096,
+            };
+            let out = a.post_write(peer, WorkRequestId(i), local, remote, None);
+            posted += usize::from(out.unwrap() == PostOutcome::Posted);
+        }
+        posted
+    }
+
+    /// Polls both ends until `a` has `n` completions (within 30 s), and returns them.
+    fn poll_until_done(a: &mut TcpTransport, b: &mut TcpTransport, n: usize) -> Vec<Completion> {
+        let (mut done, mut ignored) = (Vec::new(), Vec::new());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while done.len() < n {
+            assert!(Instant::now() < deadline, "WRITEs never completed");
+            a.poll(&mut done).unwrap();
+            b.poll(&mut ignored).unwrap();
+        }
+        done
+    }
+
     fn queued_writes_hold_their_source(writes: u64) {
         let mut a = TcpTransport::new(TcpConfig::default()).unwrap();
         let mut b = TcpTransport::new(TcpConfig::default()).unwrap();
@@ -1185,27 +1222,7 @@ mod tests {
         let d = b.register(dst.clone(), Access::REMOTE_WRITE).unwrap();
         let registered = Arc::strong_count(&src);
         let peer = a.add_peer(&b.address()).unwrap();
-        let mut posted = 0;
-        for i in 0..writes {
-            let out = a
-                .post_write(
-                    peer,
-                    WorkRequestId(i),
-                    LocalSlice {
-                        key: s.local,
-                        offset: i * 4096,
-                        len: 4096,
-                    },
-                    RemoteSlice {
-                        region: d.remote,
-                        offset: i * 4096,
-                        len: 4096,
-                    },
-                    None,
-                )
-                .unwrap();
-            posted += usize::from(out == PostOutcome::Posted);
-        }
+        let posted = post_pages(&mut a, peer, (&s, &d), writes);
         assert!(posted > 0, "no WRITE was taken");
         assert_eq!(Arc::strong_count(&src), registered);
         // Deregistered and dropped by the caller while queued: the frames still hold the
@@ -1217,13 +1234,7 @@ mod tests {
             weak.upgrade().is_some(),
             "queued WRITEs no longer hold their source"
         );
-        let (mut done, mut ignored) = (Vec::new(), Vec::new());
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while done.len() < posted {
-            assert!(Instant::now() < deadline, "WRITEs never completed");
-            a.poll(&mut done).unwrap();
-            b.poll(&mut ignored).unwrap();
-        }
+        let done = poll_until_done(&mut a, &mut b, posted);
         assert!(done.iter().all(|c| c.result == Ok(4096)));
         assert_eq!(
             dst.to_vec(0, 4096 * posted).unwrap(),
@@ -1240,12 +1251,7 @@ mod tests {
         t.conns
             .iter()
             .flatten()
-            .map(|c| {
-                let name = socket2::SockRef::from(&c.stream).tcp_congestion().unwrap();
-                String::from_utf8_lossy(&name)
-                    .trim_end_matches('\0')
-                    .to_string()
-            })
+            .map(|c| Congestion::algorithm(&c.stream).unwrap())
             .collect()
     }
 
@@ -1259,33 +1265,18 @@ mod tests {
         };
         let mut a = TcpTransport::new(cfg.clone()).unwrap();
         let mut b = TcpTransport::new(cfg).unwrap();
-        let src = fabric_core::HostBuffer::new_shared(4096).unwrap();
-        let dst = fabric_core::HostBuffer::new_shared(4096).unwrap();
+        let src = fabric_core::HostBuffer::new_shared(2 * 4096).unwrap();
+        let dst = fabric_core::HostBuffer::new_shared(2 * 4096).unwrap();
         let s = a.register(src, Access::NONE).unwrap();
         let d = b.register(dst, Access::REMOTE_WRITE).unwrap();
         let peer = a.add_peer(&b.address()).unwrap();
-        let mut pages = Vec::new();
-        for i in 0..2 {
-            let local = LocalSlice {
-                key: s.local,
-                offset: 0,
-                len: 4096,
-            };
-            let remote = RemoteSlice {
-                region: d.remote,
-                offset: 0,
-                len: 4096,
-            };
-            let out = a.post_write(peer, WorkRequestId(i), local, remote, None);
-            pages.push(out.unwrap());
-        }
-        let (mut done, mut ignored) = (Vec::new(), Vec::new());
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while done.len() < pages.len() {
-            assert!(Instant::now() < deadline, "WRITEs never completed");
-            a.poll(&mut done).unwrap();
-            b.poll(&mut ignored).unwrap();
-        }
+        // Two WRITEs, one on each rail's connection.
+        assert_eq!(
+            post_pages(&mut a, peer, (&s, &d), 2),
+            2,
+            "a WRITE was refused"
+        );
+        poll_until_done(&mut a, &mut b, 2);
         (algorithms(&a), algorithms(&b))
     }
 

@@ -117,10 +117,7 @@ pub fn loopback_congestion(congestion: &Congestion) -> Result<String, BaselineEr
     let probe = || -> std::io::Result<String> {
         let listener = TcpListener::bind("127.0.0.1:0")?;
         let s = congestion.connect(listener.local_addr()?, None)?;
-        let name = socket2::SockRef::from(&s).tcp_congestion()?;
-        Ok(String::from_utf8_lossy(&name)
-            .trim_end_matches('\0')
-            .to_string())
+        Congestion::algorithm(&s)
     };
     probe().map_err(BaselineError::Streams)
 }
