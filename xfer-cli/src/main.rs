@@ -23,6 +23,15 @@
 //! shm on the H200: 2.40 M writes/s with glibc's, 3.00 with mimalloc (medians of 3); the
 //! engine alone (`demo --transport mem`, 16 pages a transfer, 4 in flight) 2.79 against
 //! 3.83. Large transfers do not notice.
+//!
+//! mimalloc is built with `no_thp`: it never asks for transparent huge pages for its own
+//! heap, while the registered regions still do (`MADV_HUGEPAGE` in gpu-mem: their copies
+//! need them). Where THP is `madvise` (Debian's default) a heap that asks for them gets a
+//! fresh 2 MiB page, zeroed, the first time a rail touches any of its bytes; a run's first
+//! transfers took a dozen of those on the rails' threads, and on a VM whose host backs
+//! memory on first touch each cost 15-45 ms. 2-core VM, `demo --transport tcp --page-size
+//! 4KiB --bytes 4GiB` against the raw page streams of the same run, medians of 3
+//! interleaved: 2 rails 0.703 → 0.776, 1 rail 0.855 → 0.929.
 
 mod backend;
 mod baseline;

@@ -35,7 +35,8 @@
 //! members find each other by name), `mimalloc` as the allocator of the extension's Rust
 //! code (each transfer's plan and completion are allocated by the calling thread and freed
 //! by a rail's worker, a hand-off that glibc's malloc pays for: a quarter of the rate of
-//! 16-page transfers in `xfer-cli`'s measurement).
+//! 16-page transfers in `xfer-cli`'s measurement), built with `no_thp` like the
+//! command's: the heap takes no transparent huge pages, the registered regions do.
 #![warn(missing_docs)]
 
 /// See the crate docs: transfers allocate on one thread and free on another.
