@@ -689,6 +689,59 @@ mod tests {
         assert_eq!(Path::of(asked, &a, &b, TransportKind::Tcp).why, "as asked");
     }
 
+    /// `AnonHugePages` (kB) of the mapping of this process that holds `addr`.
+    fn huge_kb_at(addr: usize) -> u64 {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
+        let mut inside = false;
+        for line in smaps.lines() {
+            if let Some((range, _)) = line.split_once(' ')
+                && let Some((lo, hi)) = range.split_once('-')
+                && let (Ok(lo), Ok(hi)) =
+                    (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
+            {
+                inside = (lo..hi).contains(&addr);
+            } else if inside && let Some(kb) = line.strip_prefix("AnonHugePages:") {
+                return kb
+                    .trim()
+                    .trim_end_matches("kB")
+                    .trim()
+                    .parse()
+                    .expect("a number");
+            }
+        }
+        panic!("no mapping holds {addr:#x}");
+    }
+
+    #[test]
+    fn the_heap_takes_no_transparent_huge_pages_and_regions_do() {
+        let mode = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+            .unwrap_or_default();
+        // The mode in use is the bracketed one.
+        let madvise = mode.contains("[madvise]");
+        let never = mode.is_empty() || mode.contains("[never]");
+        // Written through, so that every page of both is faulted in.
+        let mut heap = vec![1u8; 64 << 20];
+        heap.iter_mut().step_by(4096).for_each(|b| *b = 2);
+        let region = gpu_mem::HostMemory::new(64 << 20).expect("a region");
+        let region_at = fabric_core::MemoryRegion::host_ptr(&region)
+            .expect("host memory")
+            .as_ptr();
+        let (heap_kb, region_kb) = (
+            huge_kb_at(heap.as_ptr() as usize),
+            huge_kb_at(region_at as usize),
+        );
+        if never {
+            assert_eq!((heap_kb, region_kb), (0, 0));
+            return;
+        }
+        // Regions ask for huge pages (MADV_HUGEPAGE): their copies need them.
+        assert!(region_kb > 0, "a 64 MiB region has no huge pages ({mode})");
+        if madvise {
+            // mimalloc's `no_thp`: its heap never asks, so with THP on `madvise` it has none.
+            assert_eq!(heap_kb, 0, "the heap took huge pages ({mode})");
+        }
+    }
+
     #[test]
     fn refused_options_are_usage_errors_and_failures_are_not() {
         let e = CliError::from(xfer::lanes::check_rails(0).unwrap_err());
