@@ -29,9 +29,12 @@
 //! need them). Where THP is `madvise` (Debian's default) a heap that asks for them gets a
 //! fresh 2 MiB page, zeroed, the first time a rail touches any of its bytes; a run's first
 //! transfers took a dozen of those on the rails' threads, and on a VM whose host backs
-//! memory on first touch each cost 15-45 ms. 2-core VM, `demo --transport tcp --page-size
-//! 4KiB --bytes 4GiB` against the raw page streams of the same run, medians of 3
-//! interleaved: 2 rails 0.703 → 0.776, 1 rail 0.855 → 0.929.
+//! memory on first touch each cost 15-45 ms. 2-core VM, `scripts/small-pages.sh` with
+//! `RUNS=5` and the binary built without `no_thp` as `XFER_B` (ratios to the raw page
+//! streams of the same run, medians of 5 interleaved): 4 KiB pages at 2 rails 0.671 →
+//! 0.757, at 1 rail 0.865 → 0.983, 64 KiB at 1 rail 0.972 → 1.093, each run faster than its
+//! pair; H200 machine, 7 runs: 64 KiB at 1 rail 1.001 → 1.106, 4 KiB at 8 rails 1.051 →
+//! 1.046.
 
 mod backend;
 mod baseline;
