@@ -66,6 +66,17 @@ impl Payload {
     }
 }
 
+/// A write that handed the socket at least this many bytes is followed by a yield of the
+/// core (`sched_yield`), so that a thread woken by those bytes on the same core (the
+/// target's rail reading them, when both ends share cores, or an application thread) runs
+/// now, while they are still in the core's cache, instead of after the rest of this rail's
+/// time slice. Without it, two rails of 4 KiB pages and their two readers on 2 cores took
+/// turns of about 0.5 ms, 1-2 MB each (the readers copied out of a cache the writer had
+/// moved on from), where raw sockets that block take turns of about 10 µs; with it, a
+/// reader's turn comes within about 0.2 ms. A thread with a core to itself gets it back at
+/// once (a system call per write of at least this much).
+const YIELD_AFTER: usize = 64 * 1024;
+
 /// Written batch frames a connection keeps for reuse (see `Conn::spare`).
 pub(super) const SPARE_FRAMES: usize = 2;
 
@@ -327,6 +338,10 @@ impl Conn {
             };
             drop(iov);
             self.advance(n);
+            if n >= YIELD_AFTER {
+                // Offer the core: see YIELD_AFTER.
+                std::thread::yield_now();
+            }
         }
     }
 
