@@ -74,8 +74,33 @@ impl Payload {
 /// turns of about 0.5 ms, 1-2 MB each (the readers copied out of a cache the writer had
 /// moved on from), where raw sockets that block take turns of about 10 µs; with it, a
 /// reader's turn comes within about 0.2 ms. A thread with a core to itself gets it back at
-/// once (a system call per write of at least this much).
+/// once; [`YIELD_EVERY`] bounds what those calls cost it.
 const YIELD_AFTER: usize = 64 * 1024;
+
+/// A thread yields at most once in this long ([`offer_core`]): a rail writing small pages
+/// at tens of Gbit/s on a core of its own makes tens of thousands of large writes a second,
+/// and a yield for each was a system call each for nothing; one every 50 µs is a small
+/// part of the turns it is there to shorten.
+const YIELD_EVERY: std::time::Duration = std::time::Duration::from_micros(50);
+
+/// Yields the core (see [`YIELD_AFTER`]) unless this thread did less than [`YIELD_EVERY`]
+/// ago.
+fn offer_core() {
+    thread_local! {
+        static LAST: std::cell::Cell<Option<std::time::Instant>> =
+            const { std::cell::Cell::new(None) };
+    }
+    let now = std::time::Instant::now();
+    LAST.with(|last| {
+        if last
+            .get()
+            .is_none_or(|t| now.duration_since(t) >= YIELD_EVERY)
+        {
+            last.set(Some(now));
+            std::thread::yield_now();
+        }
+    });
+}
 
 /// Written batch frames a connection keeps for reuse (see `Conn::spare`).
 pub(super) const SPARE_FRAMES: usize = 2;
@@ -339,8 +364,7 @@ impl Conn {
             drop(iov);
             self.advance(n);
             if n >= YIELD_AFTER {
-                // Offer the core: see YIELD_AFTER.
-                std::thread::yield_now();
+                offer_core();
             }
         }
     }
