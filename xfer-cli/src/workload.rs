@@ -189,8 +189,9 @@ pub struct TransferPages {
 /// Distinct pages drawn at random from a region's, seeded. A draw of `n` pages cuts the
 /// region's pages into `n` lanes of equal size (the first `region_pages % n` one page
 /// longer) and takes one page at random from each, so a draw never holds a page twice (a
-/// transfer that writes one destination twice is refused), every page of the region is as
-/// likely as any other, and the pages come in increasing order, as a block table allocated
+/// transfer that writes one destination twice is refused), every page of the region can be
+/// drawn (each as likely as the others of its lane; all equally when `n` divides the
+/// region's pages), and the pages come in increasing order, as a block table allocated
 /// in order lists them (the raw page streams of `baseline` draw theirs the same way, 16 at a
 /// time). A draw costs one random number per page and no table of the region's pages (a
 /// shuffle of the region's page indices took a random access into a table of 8 bytes per
