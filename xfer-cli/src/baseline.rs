@@ -17,7 +17,7 @@
 
 use crate::backend::MemoryArg;
 use crate::size::format_size;
-use crate::workload::{TransferPages, Workload};
+use crate::workload::{PageDraw, TransferPages, Workload};
 use fabric_core::{MemoryLocation, MemoryRegion};
 use gpu_mem::{CopyMethod, Device, PeerCopies};
 use std::io::{Read, Write};
@@ -299,36 +299,6 @@ pub fn tcp_pages_kind(streams: usize, page: usize, footprint: usize, congestion:
     )
 }
 
-/// A deterministic draw (the words of gpu-mem's position pattern of a seed, in turn): both
-/// ends of a stream draw the same pages.
-struct Draw {
-    seed: u64,
-    drawn: u64,
-}
-
-impl Draw {
-    fn new(seed: u64) -> Draw {
-        Draw { seed, drawn: 0 }
-    }
-
-    fn next(&mut self) -> u64 {
-        self.drawn += 1;
-        gpu_mem::pattern_word(self.seed, self.drawn)
-    }
-
-    /// The byte offsets of the next [`GATHER`] pages of a `share`-byte buffer: one random
-    /// page from each of `GATHER` equal lanes, so they are distinct and in increasing order.
-    fn pages(&mut self, share: usize, page: usize) -> [usize; GATHER] {
-        let lane_pages = share / page / GATHER;
-        let mut at = [0usize; GATHER];
-        for (i, a) in at.iter_mut().enumerate() {
-            let p = i * lane_pages + (self.next() % lane_pages as u64) as usize;
-            *a = p * page;
-        }
-        at
-    }
-}
-
 /// Moves `bytes` over `streams` loopback connections as pages: each writer sends
 /// [`GATHER`] random `page`-byte pages of its share of a `footprint`-byte source with one
 /// `writev`, and its reader places them with `readv` at the same offsets of a
@@ -367,12 +337,15 @@ fn tcp_pages_io(
         congestion,
         share,
         move |i, mine, s| {
-            let mut draw = Draw::new(seed.wrapping_add(i as u64));
+            let mut draw = PageDraw::new((share / page) as u64, seed.wrapping_add(i as u64));
             for _ in 0..groups {
-                let at = draw.pages(share, page);
-                let mut iov: Vec<std::io::IoSlice<'_>> = at
+                let mut iov: Vec<std::io::IoSlice<'_>> = draw
+                    .draw(GATHER)
                     .iter()
-                    .map(|&a| std::io::IoSlice::new(&mine[a..a + page]))
+                    .map(|&p| {
+                        let a = p as usize * page;
+                        std::io::IoSlice::new(&mine[a..a + page])
+                    })
                     .collect();
                 let mut iov = &mut iov[..];
                 while !iov.is_empty() {
@@ -386,15 +359,15 @@ fn tcp_pages_io(
             Ok(())
         },
         move |i, buf, s| {
-            let mut draw = Draw::new(seed.wrapping_add(i as u64));
+            let mut draw = PageDraw::new((share / page) as u64, seed.wrapping_add(i as u64));
             let mut total = 0u64;
             for _ in 0..groups {
-                let at = draw.pages(share, page);
                 // Disjoint, increasing pages: split the buffer at each of them.
                 let mut rest: &mut [u8] = &mut *buf;
                 let mut base = 0usize;
                 let mut iov = Vec::with_capacity(GATHER);
-                for &a in &at {
+                for &p in draw.draw(GATHER) {
+                    let a = p as usize * page;
                     let (_, tail) = rest.split_at_mut(a - base);
                     let (p, tail) = tail.split_at_mut(page);
                     iov.push(std::io::IoSliceMut::new(p));
@@ -646,11 +619,17 @@ mod tests {
     #[test]
     fn page_draws_are_repeatable_distinct_and_inside_the_share() {
         let (share, page) = (1 << 20, 4096);
-        let (mut a, mut b) = (Draw::new(7), Draw::new(7));
+        let pages = |seed| PageDraw::new((share / page) as u64, seed);
+        // Byte offsets of a stream's next gather, as the streams compute them.
+        let offsets = |d: &mut PageDraw| -> Vec<usize> {
+            d.draw(GATHER).iter().map(|&p| p as usize * page).collect()
+        };
+        let (mut a, mut b) = (pages(7), pages(7));
         let mut seen_last_lane = false;
         for _ in 0..1000 {
-            let at = a.pages(share, page);
-            assert_eq!(at, b.pages(share, page));
+            let at = offsets(&mut a);
+            assert_eq!(at.len(), GATHER);
+            assert_eq!(at, offsets(&mut b));
             assert!(at.windows(2).all(|w| w[0] + page <= w[1]), "{at:?}");
             assert!(
                 at.iter().all(|&x| x % page == 0 && x + page <= share),
@@ -659,10 +638,7 @@ mod tests {
             seen_last_lane |= at[GATHER - 1] >= share - share / GATHER;
         }
         assert!(seen_last_lane);
-        assert_ne!(
-            Draw::new(7).pages(share, page),
-            Draw::new(8).pages(share, page)
-        );
+        assert_ne!(offsets(&mut pages(7)), offsets(&mut pages(8)));
     }
 
     /// Too few pages for a gather is no baseline, not an error; otherwise every byte moves.

@@ -192,7 +192,7 @@ pub struct TransferPages {
 /// transfer that writes one destination twice is refused), every page of the region can be
 /// drawn (each as likely as the others of its lane; all equally when `n` divides the
 /// region's pages), and the pages come in increasing order, as a block table allocated
-/// in order lists them (the raw page streams of `baseline` draw theirs the same way, 16 at a
+/// in order lists them (the raw page streams of `baseline` draw theirs here too, 16 at a
 /// time). A draw costs one random number per page and no table of the region's pages (a
 /// shuffle of the region's page indices took a random access into a table of 8 bytes per
 /// page for every page drawn: 2 MiB for 1 GiB of 4 KiB pages, and that cost showed in the
