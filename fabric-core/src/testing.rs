@@ -187,14 +187,29 @@ impl<T: Transport> Pair<T> {
 
     /// Waits until side a has `n` completions, then takes them.
     pub fn take_a(&mut self, n: usize, what: &str) -> Vec<Completion> {
-        self.until(what, |p| p.done_a.len() >= n);
+        self.until_counted(what, n, |p| p.done_a.len());
         self.done_a.drain(..n).collect()
     }
 
     /// Waits until side b has `n` completions, then takes them.
     pub fn take_b(&mut self, n: usize, what: &str) -> Vec<Completion> {
-        self.until(what, |p| p.done_b.len() >= n);
+        self.until_counted(what, n, |p| p.done_b.len());
         self.done_b.drain(..n).collect()
+    }
+
+    /// Polls until `count` reaches `n`; a timeout says how far it got (all but a few lost
+    /// completions reads differently from nothing at all).
+    fn until_counted(&mut self, what: &str, n: usize, count: impl Fn(&Self) -> usize) {
+        let deadline = Instant::now() + self.opts.timeout;
+        while count(self) < n {
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for {what}: {} of {n} after {:?}",
+                count(self),
+                self.opts.timeout
+            );
+            self.step();
+        }
     }
 
     /// Posts on side a, retrying (after polling both sides) while the transport has no room.
