@@ -187,12 +187,7 @@ impl WorkerPins {
             v
         };
         // The node's cores from the initiator's on, wrapping, CPU 0 last: rails take them in turn.
-        let mut pool = vec![w.core];
-        while let Some(c) =
-            next_core(&same_node, *pool.last().expect("non-empty")).filter(|c| !pool.contains(c))
-        {
-            pool.push(c);
-        }
+        let pool = pool_from(&same_node, w.core);
         if all.len() < MIN_CORES_TO_PIN_TARGET {
             return WorkerPins {
                 initiator: Some(initiator),
@@ -393,6 +388,26 @@ pub fn per_gpu_pins(
         .collect()
 }
 
+/// `first`, then the other cores of `cores` in ascending order from `first` on, wrapping
+/// around, CPU 0 last (when it is not `first`).
+fn pool_from(cores: &[u32], first: u32) -> Vec<u32> {
+    let mut rest: Vec<u32> = cores
+        .iter()
+        .copied()
+        .filter(|&c| c != first && c != 0)
+        .collect();
+    rest.sort_unstable();
+    rest.dedup();
+    let wrap = rest.partition_point(|&c| c < first);
+    rest.rotate_left(wrap);
+    let mut pool = vec![first];
+    pool.extend(rest);
+    if first != 0 && cores.contains(&0) {
+        pool.push(0);
+    }
+    pool
+}
+
 /// The first core of `cores` after `taken` in ascending order, wrapping around, with CPU 0
 /// tried last; `None` when `cores` has no core but `taken`.
 fn next_core(cores: &[u32], taken: u32) -> Option<u32> {
@@ -447,6 +462,16 @@ mod tests {
         assert_eq!(next_core(&[4, 6, 8], 8), Some(4));
         assert_eq!(next_core(&[1], 1), None);
         assert_eq!(next_core(&[], 1), None);
+    }
+
+    #[test]
+    fn a_pool_runs_from_the_first_core_and_wraps_with_cpu0_last() {
+        assert_eq!(pool_from(&[0, 1], 1), vec![1, 0]);
+        assert_eq!(pool_from(&[0, 1, 2], 1), vec![1, 2, 0]);
+        assert_eq!(pool_from(&[3, 0, 1, 2, 4], 3), vec![3, 4, 1, 2, 0]);
+        assert_eq!(pool_from(&[0, 1, 2, 3], 0), vec![0, 1, 2, 3]);
+        assert_eq!(pool_from(&[4, 6, 8], 6), vec![6, 8, 4]);
+        assert_eq!(pool_from(&[5], 5), vec![5]);
     }
 
     #[test]
@@ -612,22 +637,19 @@ mod tests {
         assert!(!pins.paired(1));
         assert_eq!(cores(&pins.rail_pins(pins.initiator, 1, 0)), vec![Some(1)]);
         assert_eq!(cores(&pins.serve_pins(1)), vec![None]);
-        // 3 cores: the pool is cores 1 and 2 (CPU 0 is kept for the rest), so 2 rails pair.
+        // 3 cores and 2 rails: more cores than rails but fewer than both groups and a spare:
+        // the scheduler places them; 3 rails pair, CPU 0 last.
         let t = machine_with_cores(&[0, 1, 2]);
         let pins = WorkerPins::from_topology(&t, &t.plan());
-        assert_eq!(pins.pool, vec![1, 2]);
-        assert_eq!(cores(&pins.serve_pins(2)), vec![Some(1), Some(2)]);
-        // 4 cores and 2 rails: a pool of 3, more cores than rails but fewer than both groups
-        // and a spare: the scheduler places them.
-        let t = machine_with_cores(&[0, 1, 2, 3]);
-        let pins = WorkerPins::from_topology(&t, &t.plan());
+        assert_eq!(pins.pool, vec![1, 2, 0]);
         assert!(!pins.paired(2) && pins.paired(3));
         assert_eq!(pins.rail_pins(pins.initiator, 2, 0), vec![None, None]);
         assert_eq!(pins.serve_pins(2), vec![None, None]);
-        // 16 cores (a pool of 15) pair only from 15 rails on.
+        assert_eq!(cores(&pins.serve_pins(3)), vec![Some(1), Some(2), Some(0)]);
+        // 16 cores pair only from 16 rails on.
         let t = machine_with_cores(&(0..16).collect::<Vec<_>>());
         let pins = WorkerPins::from_topology(&t, &t.plan());
-        assert!(!pins.paired(8) && !pins.paired(14) && pins.paired(15));
+        assert!(!pins.paired(8) && !pins.paired(15) && pins.paired(16));
         // Pinning off: nothing is pinned at any count.
         let off = WorkerPins::default();
         assert!(!off.paired(2));
