@@ -468,7 +468,7 @@ pub fn scattered_memcpy(
     let (bytes, secs) = std::thread::scope(|scope| {
         let (senders, handles): (Vec<_>, Vec<_>) = (0..threads)
             .map(|i| {
-                let (tx, rx) = crossbeam_channel::bounded(w.depth.max(1));
+                let (tx, rx) = crossbeam_channel::bounded(w.depth_for(threads));
                 let pin = pins.get(i).copied().flatten();
                 let h = scope.spawn(move || {
                     placement::pin_worker(pin, &format!("xfer-baseline-{i}"));
@@ -561,7 +561,7 @@ pub fn scattered_device_copies(
         c.submit()?;
         c.synchronize()?;
     }
-    let depth = w.depth.max(1);
+    let depth = w.depth_for(streams);
     let mut queued = vec![false; streams];
     let mut pages = TransferPages::new(w);
     let mut bytes = 0u64;
@@ -607,7 +607,7 @@ mod tests {
             pages: 16,
             bytes: 40 * 16 * 4096 + 3 * 4096,
             region_size: 1 << 20,
-            depth: 2,
+            depth: Some(2),
             seed: 5,
             transfer_timeout: Duration::from_secs(10),
             direction: Direction::Write,

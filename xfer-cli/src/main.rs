@@ -124,9 +124,11 @@ struct Knobs {
     /// Size of the source region (and of the target region in demo).
     #[arg(long, default_value = "1GiB", value_parser = size::parse_size)]
     region_size: u64,
-    /// Transfers in flight at once.
-    #[arg(long, default_value_t = 4)]
-    depth: usize,
+    /// Transfers in flight at once. Default: 4, and 2 per rail where that is more (a
+    /// transfer ends only when every rail's share of it has landed, so with more rails each
+    /// needs more in flight to ride out a stall of one of them).
+    #[arg(long)]
+    depth: Option<usize>,
     /// Seed of the page choice and the data.
     #[arg(long, default_value_t = 1)]
     seed: u64,
