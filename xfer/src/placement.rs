@@ -411,15 +411,7 @@ fn pool_from(cores: &[u32], first: u32) -> Vec<u32> {
 /// The first core of `cores` after `taken` in ascending order, wrapping around, with CPU 0
 /// tried last; `None` when `cores` has no core but `taken`.
 fn next_core(cores: &[u32], taken: u32) -> Option<u32> {
-    let mut sorted: Vec<u32> = cores.iter().copied().filter(|&c| c != taken).collect();
-    sorted.sort_unstable();
-    sorted.dedup();
-    let after = sorted.iter().copied().filter(|&c| c > taken && c != 0);
-    let before = sorted.iter().copied().filter(|&c| c < taken && c != 0);
-    after
-        .chain(before)
-        .next()
-        .or_else(|| sorted.first().copied())
+    pool_from(cores, taken).get(1).copied()
 }
 
 #[cfg(test)]
