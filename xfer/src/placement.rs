@@ -351,12 +351,7 @@ pub fn per_gpu_pins(
                 .map(|n| n.cores.clone())
                 .unwrap_or_default();
             // The node's cores from the worker's own on, wrapping, CPU 0 last.
-            let mut order = vec![w.core];
-            while let Some(c) =
-                next_core(&node, *order.last().expect("non-empty")).filter(|c| !order.contains(c))
-            {
-                order.push(c);
-            }
+            let order = pool_from(&node, w.core);
             if taken.contains(&w.core) {
                 return unpinned;
             }
@@ -700,5 +695,31 @@ mod tests {
         let laptop = fixture("laptop.xml");
         let pins = per_gpu_pins(&laptop, &laptop.plan(), &[None, None], 1);
         assert_eq!(pins.len(), 2);
+    }
+
+    #[test]
+    fn a_per_gpu_worker_takes_cpu0_last_when_it_needs_every_core_of_its_node() {
+        let t = fixture("p5.48xlarge.xml");
+        let plan = t.plan();
+        let g = t.gpus[0].index;
+        let w = plan.worker_for_gpu(g).expect("GPU 0 has a worker");
+        let node = &t.numa_node(w.numa_node).expect("its node").cores;
+        assert!(
+            node.contains(&0) && node.len().is_multiple_of(2),
+            "fixture: {node:?}"
+        );
+        let pins = per_gpu_pins(&t, &plan, &[Some(g)], node.len() / 2);
+        let all: Vec<u32> = pins[0]
+            .initiator
+            .iter()
+            .chain(&pins[0].target)
+            .map(|p| p.expect("pinned: the node has exactly the cores").core)
+            .collect();
+        assert_eq!(all[0], w.core, "the worker's own core first");
+        assert_eq!(all.last(), Some(&0), "CPU 0 last: {all:?}");
+        let mut distinct = all.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(distinct.len(), node.len(), "every core of the node once");
     }
 }
