@@ -177,10 +177,20 @@ impl<T: Transport> Pair<T> {
     }
 
     /// Polls until `cond` holds; panics after the suite's timeout.
-    pub fn until(&mut self, what: &str, mut cond: impl FnMut(&Self) -> bool) {
+    pub fn until(&mut self, what: &str, cond: impl FnMut(&Self) -> bool) {
+        self.poll_until(cond, |_| format!("timed out waiting for {what}"));
+    }
+
+    /// Polls both sides until `cond` holds; after the suite's timeout, panics with
+    /// `message` of the state reached.
+    fn poll_until(
+        &mut self,
+        mut cond: impl FnMut(&Self) -> bool,
+        message: impl Fn(&Self) -> String,
+    ) {
         let deadline = Instant::now() + self.opts.timeout;
         while !cond(self) {
-            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            assert!(Instant::now() < deadline, "{}", message(self));
             self.step();
         }
     }
@@ -200,16 +210,16 @@ impl<T: Transport> Pair<T> {
     /// Polls until `count` reaches `n`; a timeout says how far it got (all but a few lost
     /// completions reads differently from nothing at all).
     fn until_counted(&mut self, what: &str, n: usize, count: impl Fn(&Self) -> usize) {
-        let deadline = Instant::now() + self.opts.timeout;
-        while count(self) < n {
-            assert!(
-                Instant::now() < deadline,
-                "timed out waiting for {what}: {} of {n} after {:?}",
-                count(self),
-                self.opts.timeout
-            );
-            self.step();
-        }
+        self.poll_until(
+            |p| count(p) >= n,
+            |p| {
+                format!(
+                    "timed out waiting for {what}: {} of {n} after {:?}",
+                    count(p),
+                    p.opts.timeout
+                )
+            },
+        );
     }
 
     /// Posts on side a, retrying (after polling both sides) while the transport has no room.
