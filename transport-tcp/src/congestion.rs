@@ -120,11 +120,19 @@ impl Congestion {
         format!("congestion control {self}{why}")
     }
 
+    /// A new, unconnected TCP socket of `peer`'s address family that runs this choice
+    /// toward `peer` from its first segment: bind it (to a device or an address) as needed,
+    /// then connect it. [`Congestion::connect`] is this and the connection.
+    pub fn socket_toward(&self, peer: SocketAddr) -> std::io::Result<Socket> {
+        let s = Socket::new(Domain::for_address(peer), Type::STREAM, Some(Protocol::TCP))?;
+        self.apply(&s, peer.ip())?;
+        Ok(s)
+    }
+
     /// A blocking connection to `to` (within `timeout`, if given) that runs this choice
     /// from its first segment.
     pub fn connect(&self, to: SocketAddr, timeout: Option<Duration>) -> std::io::Result<TcpStream> {
-        let s = Socket::new(Domain::for_address(to), Type::STREAM, Some(Protocol::TCP))?;
-        self.apply(&s, to.ip())?;
+        let s = self.socket_toward(to)?;
         match timeout {
             Some(t) => s.connect_timeout(&SockAddr::from(to), t)?,
             None => s.connect(&SockAddr::from(to))?,
@@ -135,8 +143,7 @@ impl Congestion {
     /// A blocking listener on `addr` whose accepted connections run this choice (for
     /// [`Congestion::Auto`]: when `addr` is a loopback address, every peer is local).
     pub fn listen(&self, addr: SocketAddr) -> std::io::Result<TcpListener> {
-        let s = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
-        self.apply(&s, addr.ip())?;
+        let s = self.socket_toward(addr)?;
         s.bind(&SockAddr::from(addr))?;
         s.listen(128)?;
         Ok(s.into())

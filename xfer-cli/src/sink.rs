@@ -13,7 +13,7 @@
 //! within a deadline, each read making progress within its stall limit, [`MAX_BYTES`] in
 //! all and [`MAX_DURATION`] at most; whatever goes wrong ends the sink, never the server.
 
-use socket2::{Domain, Protocol, SockAddr, Socket, Type};
+use socket2::SockAddr;
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::Barrier;
@@ -389,8 +389,7 @@ fn connect(
     to: SocketAddr,
     congestion: &Congestion,
 ) -> std::io::Result<TcpStream> {
-    let s = Socket::new(Domain::for_address(to), Type::STREAM, Some(Protocol::TCP))?;
-    congestion.apply(&s, to.ip())?;
+    let s = congestion.socket_toward(to)?;
     if let Some(nic) = nic {
         s.bind_device(Some(nic.name.as_bytes()))?;
         if let Some(ip) = nic.ip.filter(|ip| ip.is_ipv4() == to.is_ipv4()) {
