@@ -21,7 +21,7 @@ use crate::workload::{PageDraw, TransferPages, Workload};
 use fabric_core::{MemoryLocation, MemoryRegion};
 use gpu_mem::{CopyMethod, Device, PeerCopies};
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
 use xfer::placement::{self, CorePin};
@@ -114,12 +114,23 @@ pub fn tcp_kind(streams: usize, footprint: usize, congestion: &str) -> String {
 /// kernel names it: what the engine's tcp rails and the raw streams (which apply the same
 /// rule) run, for the baselines' kinds.
 pub fn loopback_congestion(congestion: &Congestion) -> Result<String, BaselineError> {
+    // A socket toward loopback is given the algorithm before it connects, so an unconnected
+    // one already says what a connection would run.
     let probe = || -> std::io::Result<String> {
-        let listener = TcpListener::bind("127.0.0.1:0")?;
-        let s = congestion.connect(listener.local_addr()?, None)?;
+        let s = congestion.socket_toward(SocketAddr::from(([127, 0, 0, 1], 0)))?;
         Congestion::algorithm(&s)
     };
     probe().map_err(BaselineError::Streams)
+}
+
+/// A connected loopback pair, `(client, server)`, both ends running the congestion control
+/// `congestion` gives a loopback connection (what the engine's tcp rails run). The
+/// kernel completes the connection into the listener's backlog, so one thread makes both.
+pub fn loopback_pair(congestion: &Congestion) -> std::io::Result<(TcpStream, TcpStream)> {
+    let listener = congestion.listen(SocketAddr::from(([127, 0, 0, 1], 0)))?;
+    let client = congestion.connect(listener.local_addr()?, None)?;
+    let (server, _) = listener.accept()?;
+    Ok((client, server))
 }
 
 /// The kind of [`scattered_memcpy`].
@@ -211,9 +222,10 @@ fn tcp_streams_io(
 /// thread with buffers of `share` bytes of their own (huge pages, faulted in and the
 /// source filled before the clock starts): `write(i, source, socket)` on stream `i`'s
 /// writer, `read(i, destination, socket)` (returning the bytes it read) on its reader.
-/// Returns the bytes all readers read and the seconds from the first connection to the last
-/// reader's end. Both ends of each connection run the congestion control `congestion`
-/// gives a loopback connection, as the engine's tcp rails do.
+/// The connections are made before the clock starts; returns the bytes all readers read and
+/// the seconds from starting the threads to the last reader's end. Both ends of each
+/// connection run the congestion control `congestion` gives a loopback connection, as the
+/// engine's tcp rails do.
 fn loopback_streams<W, R>(
     streams: usize,
     congestion: &Congestion,
@@ -239,49 +251,39 @@ where
     for d in &mut dsts {
         d.as_mut_slice().fill(0);
     }
-    let listener = congestion.listen(SocketAddr::from(([127, 0, 0, 1], 0)))?;
-    let addr = listener.local_addr()?;
-    let start = Instant::now();
-    let readers = std::thread::spawn(move || -> std::io::Result<u64> {
-        let mut handles = Vec::new();
-        for mut mem in dsts.drain(..) {
-            let (mut s, _) = listener.accept()?;
-            handles.push(std::thread::spawn(move || -> std::io::Result<u64> {
-                // Streams connect in any order: each writer says which it is first.
-                let mut id = [0u8; 8];
-                s.read_exact(&mut id)?;
-                let i = usize::try_from(u64::from_le_bytes(id))
-                    .map_err(|_| std::io::Error::other("stream index out of range"))?;
-                read(i, mem.as_mut_slice(), &mut s)
-            }));
-        }
-        let mut total = 0;
-        for h in handles {
-            total += h
-                .join()
-                .map_err(|_| std::io::Error::other("reader panicked"))??;
-        }
-        Ok(total)
-    });
-    let writers: Vec<_> = srcs
+    let (clients, servers): (Vec<_>, Vec<_>) = (0..streams)
+        .map(|_| loopback_pair(congestion))
+        .collect::<std::io::Result<Vec<_>>>()?
         .into_iter()
+        .unzip();
+    let start = Instant::now();
+    let readers: Vec<_> = servers
+        .into_iter()
+        .zip(dsts)
         .enumerate()
-        .map(|(i, mut mem)| {
-            let congestion = congestion.clone();
-            std::thread::spawn(move || -> std::io::Result<()> {
-                let mut s = congestion.connect(addr, None)?;
-                s.write_all(&(i as u64).to_le_bytes())?;
-                write(i, mem.as_mut_slice(), &mut s)
-            })
+        .map(|(i, (mut s, mut mem))| {
+            std::thread::spawn(move || read(i, mem.as_mut_slice(), &mut s))
+        })
+        .collect();
+    // A writer's stream closes when it returns: its reader then sees the end.
+    let writers: Vec<_> = clients
+        .into_iter()
+        .zip(srcs)
+        .enumerate()
+        .map(|(i, (mut s, mut mem))| {
+            std::thread::spawn(move || write(i, mem.as_mut_slice(), &mut s))
         })
         .collect();
     for w in writers {
         w.join()
             .map_err(|_| std::io::Error::other("writer panicked"))??;
     }
-    let got = readers
-        .join()
-        .map_err(|_| std::io::Error::other("reader panicked"))??;
+    let mut got = 0;
+    for r in readers {
+        got += r
+            .join()
+            .map_err(|_| std::io::Error::other("reader panicked"))??;
+    }
     Ok((got, start.elapsed().as_secs_f64()))
 }
 
@@ -769,5 +771,28 @@ mod tests {
         let missing = Congestion::Named("no_such_algo".into());
         assert!(loopback_congestion(&missing).is_err());
         assert!(tcp_streams(1 << 20, 1, 1 << 20, &missing).is_err());
+    }
+
+    /// The unconnected probe names what a connection made with the same choice runs, at
+    /// both of its ends, for every kind of choice.
+    #[test]
+    fn the_probe_names_what_loopback_pairs_run() {
+        for cc in [
+            Congestion::Auto,
+            Congestion::System,
+            Congestion::Named("reno".into()),
+        ] {
+            let named = loopback_congestion(&cc).expect("probe");
+            let (mut c, mut s) = loopback_pair(&cc).expect("a pair");
+            assert_eq!(Congestion::algorithm(&c).unwrap(), named, "{cc}: client");
+            assert_eq!(Congestion::algorithm(&s).unwrap(), named, "{cc}: server");
+            // Connected to each other, both ways.
+            c.write_all(b"ping").unwrap();
+            let mut got = [0u8; 4];
+            s.read_exact(&mut got).unwrap();
+            s.write_all(&got).unwrap();
+            c.read_exact(&mut got).unwrap();
+            assert_eq!(&got, b"ping");
+        }
     }
 }

@@ -283,14 +283,9 @@ pub fn raw_round_trips(
     seed: u64,
     congestion: &Congestion,
 ) -> std::io::Result<Vec<Duration>> {
-    let listener = congestion.listen(std::net::SocketAddr::from(([127, 0, 0, 1], 0)))?;
-    let addr = listener.local_addr()?;
     let per = round_bytes(page_size, pages)?;
-    let server = std::thread::spawn(move || -> std::io::Result<u64> {
-        let (s, _) = listener.accept()?;
-        echo_rounds(s, per)
-    });
-    let mut c = congestion.connect(addr, None)?;
+    let (mut c, s) = crate::baseline::loopback_pair(congestion)?;
+    let server = std::thread::spawn(move || echo_rounds(s, per));
     let times = ping_pong(&mut c, page_size, pages, region, count, seed)?;
     drop(c);
     server
