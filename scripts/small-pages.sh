@@ -27,8 +27,10 @@ labels=(A B)
 (($# > 0)) || set -- 4KiB:1 4KiB:2 4KiB:8 64KiB:1 64KiB:8
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-echo "== $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(nproc) cores, $(uname -r)"
-[[ -n $B ]] && echo "== A: $X, B: $B"
+# The commit each binary was built from (`--version`), not the checkout's.
+version() { "$1" --version 2>/dev/null || echo "$1: version unknown"; }
+echo "== $(version "$X"), $(nproc) cores, $(uname -r)"
+[[ -n $B ]] && echo "== A: $X, B: $B ($(version "$B"))"
 for run in $(seq "$RUNS"); do
     for wl in "$@"; do
         page=${wl%%:*} rails=${wl#*:}

@@ -546,7 +546,7 @@ pub(crate) fn per_gpu_summary(
 /// Prints a per-GPU summary: a line per worker and the total, or one JSON line.
 pub(crate) fn print_per_gpu(s: &PerGpuSummary, json: bool) {
     if json {
-        println!("{}", serde_json::to_string(s).expect("summary serialises"));
+        outln!("{}", serde_json::to_string(s).expect("summary serialises"));
         return;
     }
     for w in &s.workers {
@@ -555,7 +555,7 @@ pub(crate) fn print_per_gpu(s: &PerGpuSummary, json: bool) {
             .iter()
             .map(|c| c.map_or("-".into(), |c| c.to_string()))
             .collect();
-        println!(
+        outln!(
             "worker GPU {}: {} in {:.3}s = {:.2} Gbps, verified: {}, initiator cores [{}]",
             w.gpu,
             crate::size::format_size(w.bytes),
@@ -565,7 +565,7 @@ pub(crate) fn print_per_gpu(s: &PerGpuSummary, json: bool) {
             cores.join(", ")
         );
     }
-    println!(
+    outln!(
         "{} x {} workers of {} rails: {} in {:.3}s = {:.2} Gbps",
         s.transport,
         s.workers.len(),
@@ -574,10 +574,10 @@ pub(crate) fn print_per_gpu(s: &PerGpuSummary, json: bool) {
         s.seconds,
         s.gbps
     );
-    println!("path: {} ({})", s.transport, s.path);
+    outln!("path: {} ({})", s.transport, s.path);
     let per_worker = s.workers.first().map_or(0, |w| w.bytes);
     if let Some(note) = crate::rounding_note(s.bytes_asked, per_worker, s.page_size) {
-        println!("{note} per worker");
+        outln!("{note} per worker");
     }
 }
 

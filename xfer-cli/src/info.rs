@@ -312,28 +312,28 @@ pub fn run(json: bool) -> Result<(), CliError> {
         cuda,
     };
     if json {
-        println!(
+        outln!(
             "{}",
             serde_json::to_string(&i)
                 .map_err(|e| CliError::because("cannot encode the JSON", e))?
         );
         return Ok(());
     }
-    println!("xfer {}", i.version);
-    println!("transports: {}", i.transports.join(", "));
-    println!("memory: {}", i.memory.join(", "));
+    outln!("xfer {}", i.version);
+    outln!("transports: {}", i.transports.join(", "));
+    outln!("memory: {}", i.memory.join(", "));
     for line in cuda_lines(&i.cuda)
         .into_iter()
         .chain(cuda_ipc_lines(&i.cuda_ipc))
     {
-        println!("{line}");
+        outln!("{line}");
     }
     for line in libfabric_lines(&i.libfabric) {
-        println!("{line}");
+        outln!("{line}");
     }
     match (&i.topology, &i.topology_error) {
-        (Some(s), _) => println!("topology: {s} (xfer topo for the plan)"),
-        (None, Some(e)) => println!("topology: unavailable ({e})"),
+        (Some(s), _) => outln!("topology: {s} (xfer topo for the plan)"),
+        (None, Some(e)) => outln!("topology: unavailable ({e})"),
         (None, None) => {}
     }
     Ok(())

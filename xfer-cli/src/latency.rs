@@ -145,13 +145,13 @@ impl LatencySummary {
     /// Prints it (text or one JSON object).
     pub fn print(&self, json: bool) {
         if json {
-            println!(
+            outln!(
                 "{}",
                 serde_json::to_string(self).expect("summary serialises")
             );
             return;
         }
-        println!(
+        outln!(
             "{} latency{}, {} page(s) of {} x {} rails, depth 1 (busy-poll {} us):",
             self.transport,
             self.peer
@@ -163,13 +163,13 @@ impl LatencySummary {
             self.rails,
             self.busy_poll_us
         );
-        println!(
+        outln!(
             "  transfer (submit to completion): {}",
             self.transfer.line()
         );
         match (&self.imm_event, &self.peer) {
-            (Some(p), _) => println!("  submit to target's immediate data: {}", p.line()),
-            (None, Some(_)) => println!(
+            (Some(p), _) => outln!("  submit to target's immediate data: {}", p.line()),
+            (None, Some(_)) => outln!(
                 "  submit to target's immediate data: not measured (the target is another \
                  process; xfer demo --latency measures it)"
             ),
@@ -181,10 +181,10 @@ impl LatencySummary {
             } else {
                 ""
             };
-            println!("  raw TCP round trip{to}, same pages:  {}", p.line());
+            outln!("  raw TCP round trip{to}, same pages:  {}", p.line());
         }
         if let Some(r) = self.ratio_p50 {
-            println!("  ratio of p50s (transfer / raw round trip): {r:.2}");
+            outln!("  ratio of p50s (transfer / raw round trip): {r:.2}");
         }
     }
 }

@@ -36,6 +36,30 @@
 //! pair; H200 machine, 7 runs: 64 KiB at 1 rail 1.001 → 1.106, 4 KiB at 8 rails 1.051 →
 //! 1.046.
 
+/// `println!` for the command's output: where stdout is a pipe whose reader has gone
+/// (`xfer info --json | head -c 100`), the command ends quietly with status 141, as a
+/// program killed by SIGPIPE would, instead of panicking. (SIGPIPE itself stays ignored:
+/// the transports write to sockets whose peers may vanish.)
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = writeln!(std::io::stdout(), $($arg)*) {
+            crate::stdout_failed(e);
+        }
+    }};
+}
+
+/// `print!` for the command's output, as [`outln!`].
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let mut o = std::io::stdout();
+        if let Err(e) = write!(o, $($arg)*).and_then(|()| o.flush()) {
+            crate::stdout_failed(e);
+        }
+    }};
+}
+
 mod backend;
 mod baseline;
 mod control;
@@ -72,7 +96,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[derive(Parser)]
 #[command(
     name = "xfer",
-    version,
+    version = env!("XFER_VERSION"),
     about = "Move scattered memory between machines at line rate"
 )]
 struct Cli {
@@ -568,10 +592,10 @@ pub(crate) fn rounding_note(asked: Option<u64>, moved: u64, page_size: u64) -> O
 
 pub(crate) fn print_summary(s: &Summary, json: bool) {
     if json {
-        println!("{}", serde_json::to_string(s).expect("summary serialises"));
+        outln!("{}", serde_json::to_string(s).expect("summary serialises"));
         return;
     }
-    println!(
+    outln!(
         "{} {} {} pages of {} x {} rails: {} in {:.3}s = {:.2} Gbps, {:.3} Mpps, verified: {}",
         s.transport,
         s.op,
@@ -584,13 +608,13 @@ pub(crate) fn print_summary(s: &Summary, json: bool) {
         s.mops,
         if s.verified { "yes" } else { "no" }
     );
-    println!("path: {} ({})", s.transport, s.path);
+    outln!("path: {} ({})", s.transport, s.path);
     if !s.nics.is_empty() {
-        println!("nics: {}", s.nics);
+        outln!("nics: {}", s.nics);
     }
     if s.per_rail.len() > 1 {
         for r in &s.per_rail {
-            println!(
+            outln!(
                 "  rail {} on {}: {}, {} ops, {} re-posts, {} errors, {:.2} Gbps",
                 r.rail,
                 r.nic.as_deref().unwrap_or("-"),
@@ -603,20 +627,20 @@ pub(crate) fn print_summary(s: &Summary, json: bool) {
         }
     }
     if let Some(note) = rounding_note(s.bytes_asked, s.bytes, s.page_size) {
-        println!("{note}");
+        outln!("{note}");
     }
     if let (Some(b), Some(r), Some(kind)) = (s.baseline_gbps, s.ratio, &s.baseline_kind) {
-        println!("baseline: {kind}: {b:.2} Gbps; ratio {r:.3}");
+        outln!("baseline: {kind}: {b:.2} Gbps; ratio {r:.3}");
     }
     if let (Some(b), Some(r)) = (s.baseline_hot_gbps, s.ratio_hot) {
-        println!(
+        outln!(
             "baseline, cache-hot (the same streams through 1 MiB buffers): {b:.2} Gbps; ratio {r:.3}"
         );
     }
     if let (Some(b), Some(r), Some(kind)) =
         (s.baseline_pages_gbps, s.ratio_pages, &s.baseline_pages_kind)
     {
-        println!("baseline, pages: {kind}: {b:.2} Gbps; ratio {r:.3}");
+        outln!("baseline, pages: {kind}: {b:.2} Gbps; ratio {r:.3}");
     }
 }
 
@@ -634,6 +658,16 @@ pub(crate) fn warm_up(
     }
     agent.warm_up(peer, src, dst, Duration::from_secs(30))?;
     Ok(())
+}
+
+/// Ends the command after a failed write of its output (see [`outln!`]): quietly with status
+/// 141 where the reader has gone, else with the cause on stderr and status 1.
+fn stdout_failed(e: std::io::Error) -> ! {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        std::process::exit(141);
+    }
+    eprintln!("xfer: writing the output: {e}");
+    std::process::exit(1);
 }
 
 fn main() -> ExitCode {

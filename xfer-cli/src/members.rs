@@ -344,16 +344,16 @@ pub fn bench_all(a: BenchArgs) -> Result<(), CliError> {
             }
         };
         if json {
-            println!("{}", serde_json::to_string(&r).unwrap_or_default());
+            outln!("{}", serde_json::to_string(&r).unwrap_or_default());
         } else if r.ok {
-            println!(
+            outln!(
                 "round {round}: {name}: {} at {:.2} Gbps{}",
                 crate::size::format_size(r.bytes),
                 r.gbps,
                 if r.verified { ", verified" } else { "" }
             );
         } else {
-            println!(
+            outln!(
                 "round {round}: {name}: failed: {}",
                 r.error.as_deref().unwrap_or("")
             );
@@ -361,13 +361,13 @@ pub fn bench_all(a: BenchArgs) -> Result<(), CliError> {
     }
     let ok: u64 = tally.values().map(|t| t.ok).sum();
     if json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({ "summary": { "rounds": round, "members": tally } })
         );
     } else {
         for (n, t) in &tally {
-            println!(
+            outln!(
                 "{n}: {} rounds ok, {} failed, {}",
                 t.ok,
                 t.failed,
@@ -533,12 +533,12 @@ pub fn members(a: MembersArgs) -> Result<(), CliError> {
                 Event::Left(m) => ("left", m),
                 Event::Skipped { key, error } => {
                     if a.json {
-                        println!(
+                        outln!(
                             "{}",
                             serde_json::json!({"event": "skipped", "key": key, "error": error.to_string()})
                         );
                     } else {
-                        println!("skipped {key}: {error}");
+                        outln!("skipped {key}: {error}");
                     }
                     continue;
                 }
@@ -546,9 +546,9 @@ pub fn members(a: MembersArgs) -> Result<(), CliError> {
             };
             let s = Shown::of(&m.record, &boot_id);
             if a.json {
-                println!("{}", serde_json::json!({"event": what, "member": s}));
+                outln!("{}", serde_json::json!({"event": what, "member": s}));
             } else {
-                println!("{what} {} {} {}", s.name, s.address, s.transport);
+                outln!("{what} {} {} {}", s.name, s.address, s.transport);
             }
             use std::io::Write;
             let _ = std::io::stdout().flush();
@@ -564,11 +564,11 @@ pub fn members(a: MembersArgs) -> Result<(), CliError> {
         .map(|m| Shown::of(&m.record, &boot_id))
         .collect();
     if a.json {
-        println!("{}", serde_json::to_string(&shown).unwrap_or_default());
+        outln!("{}", serde_json::to_string(&shown).unwrap_or_default());
         return Ok(());
     }
     if shown.is_empty() {
-        println!(
+        outln!(
             "no members in cluster {} at {}",
             a.dir.cluster,
             dir.endpoint()
@@ -593,7 +593,7 @@ pub fn members(a: MembersArgs) -> Result<(), CliError> {
             },
         ]);
     }
-    println!("{t}");
+    outln!("{t}");
     Ok(())
 }
 

@@ -622,7 +622,7 @@ pub fn serve(a: ServeArgs) -> Result<(), CliError> {
         Some(p) => Some(p.publish(&agents[0])?),
         None => None,
     };
-    println!("{}", bench_line(ctl, &a, rails));
+    outln!("{}", bench_line(ctl, &a, rails));
     use std::io::Write;
     let _ = std::io::stdout().flush();
     let served = Arc::new(Served {

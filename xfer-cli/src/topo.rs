@@ -80,20 +80,20 @@ pub fn run(a: TopoArgs) -> Result<(), CliError> {
             plan: &plan,
             rails,
         };
-        println!(
+        outln!(
             "{}",
             serde_json::to_string(&report)
                 .map_err(|e| CliError::because("cannot encode the JSON", e))?
         );
     } else {
-        print!("{}", topology::render_table(&t, &plan));
-        println!();
-        println!("Rails with --nics auto (rail i on NIC i mod N; --rails defaults to N):");
+        out!("{}", topology::render_table(&t, &plan));
+        outln!();
+        outln!("Rails with --nics auto (rail i on NIC i mod N; --rails defaults to N):");
         for r in &rails {
             let who = r
                 .gpu
                 .map_or_else(|| "host".to_string(), |g| format!("GPU {g}"));
-            println!(
+            outln!(
                 "  worker {} ({who}): efa: {} [{}]; tcp: {} [{}]",
                 r.worker,
                 r.efa.names(),

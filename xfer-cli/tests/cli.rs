@@ -1255,3 +1255,41 @@ fn the_sink_request_counts_streams_and_refuses_before_hello_and_too_many() {
     assert_eq!(r["ok"], true, "{r}");
     assert_eq!(r["checked"], 0, "{r}");
 }
+
+/// Output into a pipe whose reader has gone (`xfer info --json | head -c 10`) ends the
+/// command quietly with status 141, as SIGPIPE would, instead of a panic.
+#[test]
+fn output_into_a_pipe_nobody_reads_ends_quietly_with_141() {
+    let (reader, writer) = std::io::pipe().expect("a pipe");
+    drop(reader);
+    let out = Command::new(env!("CARGO_BIN_EXE_xfer"))
+        .args(["info", "--json"])
+        .stdout(writer)
+        .stderr(Stdio::piped())
+        .output()
+        .expect("xfer runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(141), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// `--version` names the commit the binary was built from when it was built in a git
+/// checkout (as every test run here is); the crate's version alone elsewhere.
+#[test]
+fn version_names_the_commit_it_was_built_from() {
+    let out = xfer(&["--version"]);
+    assert!(out.status.success());
+    let line = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let head = Command::new("git")
+        .args(["rev-parse", "--short=7", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    let version = env!("CARGO_PKG_VERSION");
+    match head {
+        Some(commit) => assert_eq!(line, format!("xfer {version} ({commit})")),
+        None => assert_eq!(line, format!("xfer {version}")),
+    }
+}
