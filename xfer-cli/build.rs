@@ -1,6 +1,6 @@
 //! Puts the commit the binary is built from into `xfer --version` ("0.1.0 (a963924)"), so
-//! that a figure taken with a binary carried elsewhere names its commit. Outside a git
-//! checkout (or without git) the version is the crate's alone. The build script runs again
+//! that a figure taken with a binary carried elsewhere names its commit. Outside xfer's own
+//! git checkout (or without git) the version is the crate's alone. The build script runs again
 //! when HEAD, the branch it points to or the packed refs change.
 
 use std::process::Command;
@@ -16,6 +16,17 @@ fn git(args: &[&str]) -> Option<String> {
 fn main() {
     let version = env!("CARGO_PKG_VERSION");
     println!("cargo:rerun-if-changed=build.rs");
+    // Only xfer's own checkout: a copy of the crate inside another repository (vendored)
+    // would otherwise report that repository's commit.
+    let real = |p: &std::path::Path| std::fs::canonicalize(p).ok();
+    let ours = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .and_then(real);
+    let top = git(&["rev-parse", "--show-toplevel"]).and_then(|t| real(t.as_ref()));
+    if top.is_none() || top != ours {
+        println!("cargo:rustc-env=XFER_VERSION={version}");
+        return;
+    }
     let mut watch = vec!["HEAD".to_string(), "packed-refs".to_string()];
     if let Some(branch) = git(&["symbolic-ref", "-q", "HEAD"]) {
         watch.push(branch);

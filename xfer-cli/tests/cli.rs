@@ -1273,20 +1273,28 @@ fn output_into_a_pipe_nobody_reads_ends_quietly_with_141() {
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
-/// `--version` names the commit the binary was built from when it was built in a git
-/// checkout (as every test run here is); the crate's version alone elsewhere.
+/// `--version` names the commit the binary was built from when it was built in xfer's own
+/// git checkout (as every test run here is); the crate's version alone elsewhere.
 #[test]
 fn version_names_the_commit_it_was_built_from() {
     let out = xfer(&["--version"]);
     assert!(out.status.success());
     let line = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    let head = Command::new("git")
-        .args(["rev-parse", "--short=7", "HEAD"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .args(args)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    let real = |p: &std::path::Path| std::fs::canonicalize(p).ok();
+    let ours = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .and_then(real);
+    let top = git(&["rev-parse", "--show-toplevel"]).and_then(|t| real(t.as_ref()));
+    let head = git(&["rev-parse", "--short=7", "HEAD"]).filter(|_| top.is_some() && top == ours);
     let version = env!("CARGO_PKG_VERSION");
     match head {
         Some(commit) => assert_eq!(line, format!("xfer {version} ({commit})")),
