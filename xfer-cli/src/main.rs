@@ -41,23 +41,19 @@
 /// program killed by SIGPIPE would, instead of panicking. (SIGPIPE itself stays ignored:
 /// the transports write to sockets whose peers may vanish.)
 macro_rules! outln {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        if let Err(e) = writeln!(std::io::stdout(), $($arg)*) {
-            crate::stdout_failed(e);
-        }
-    }};
+    () => {
+        crate::write_out(format_args!("\n"))
+    };
+    ($($arg:tt)*) => {
+        crate::write_out(format_args!("{}\n", format_args!($($arg)*)))
+    };
 }
 
 /// `print!` for the command's output, as [`outln!`].
 macro_rules! out {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        let mut o = std::io::stdout();
-        if let Err(e) = write!(o, $($arg)*).and_then(|()| o.flush()) {
-            crate::stdout_failed(e);
-        }
-    }};
+    ($($arg:tt)*) => {
+        crate::write_out(format_args!($($arg)*))
+    };
 }
 
 mod backend;
@@ -660,9 +656,15 @@ pub(crate) fn warm_up(
     Ok(())
 }
 
-/// Ends the command after a failed write of its output (see [`outln!`]): quietly with status
-/// 141 where the reader has gone, else with the cause on stderr and status 1.
-fn stdout_failed(e: std::io::Error) -> ! {
+/// Writes the command's output ([`out!`], [`outln!`]) and flushes it; a failed write ends
+/// the command: quietly with status 141 where the reader has gone, else with the cause on
+/// stderr and status 1.
+fn write_out(args: std::fmt::Arguments<'_>) {
+    use std::io::Write as _;
+    let mut o = std::io::stdout().lock();
+    let Err(e) = o.write_fmt(args).and_then(|()| o.flush()) else {
+        return;
+    };
     if e.kind() == std::io::ErrorKind::BrokenPipe {
         std::process::exit(141);
     }
