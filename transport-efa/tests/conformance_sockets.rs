@@ -3,6 +3,7 @@
 mod common;
 
 use fabric_core::testing::SuiteOptions;
+use transport_efa::EfaTransport;
 
 /// Relaxed: `exact_remote_errors`. The sockets provider reports an unknown or stale key
 /// as FI_EACCES, the same error as a missing REMOTE_WRITE permission, so a bad key
@@ -39,12 +40,26 @@ fabric_core::conformance_suite!(@cases
     many_operations_in_flight = "libfabric's sockets provider stalls now and then with thousands of writes in flight (about 1 run in 200 here); many_operations_in_flight_within_the_providers_reach runs the case with 500"
 );
 
-#[test]
-fn many_operations_in_flight_within_the_providers_reach() {
+/// Operations in flight at once that the provider completes (see above).
+const WITHIN_REACH: usize = 500;
+
+/// Runs a "many in flight" `case` over sockets with [`WITHIN_REACH`] operations in flight.
+fn within_reach(case: fn(&dyn Fn() -> EfaTransport, SuiteOptions)) {
     let Some(make) = common::maker("sockets") else {
         return;
     };
-    fabric_core::testing::many_operations_in_flight(&make, SuiteOptions { many: 500, ..OPTS });
+    case(
+        &make,
+        SuiteOptions {
+            many: WITHIN_REACH,
+            ..OPTS
+        },
+    );
+}
+
+#[test]
+fn many_operations_in_flight_within_the_providers_reach() {
+    within_reach(fabric_core::testing::many_operations_in_flight);
 }
 
 // READ (fi_readmsg), with the same options, less 5000 reads in flight, which the provider
@@ -62,8 +77,5 @@ fabric_core::read_conformance_suite!(@cases
 
 #[test]
 fn read_many_in_flight_within_the_providers_reach() {
-    let Some(make) = common::maker("sockets") else {
-        return;
-    };
-    fabric_core::testing::read_many_in_flight(&make, SuiteOptions { many: 500, ..OPTS });
+    within_reach(fabric_core::testing::read_many_in_flight);
 }
