@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Builds libfabric 2.6.0 from ../shared/vendor (the project's vendored source) into
-# target/libfabric-2.6 once, for testing transport-efa against the 2.x generation as well as
-# the system's (Debian 12: 1.17). Host memory only: no CUDA, no fabtests, no efa/verbs
-# (for GPU machines, ../shared/vendor/build-libfabric-cuda.sh builds the CUDA-enabled one).
+# Builds libfabric 2.6.0 from third_party/libfabric (the source tarball vendored in this
+# repository, checked against its SHA256SUMS first) into target/libfabric-2.6 once, for
+# testing transport-efa against the 2.x generation as well as the system's (Debian 12:
+# 1.17). Host memory only: no CUDA, no fabtests, no efa/verbs.
 # Prints the library's path on stdout; everything else goes to stderr.
 #
 #   scripts/libfabric-2.6.sh            # -> target/libfabric-2.6/lib/libfabric.so.1
@@ -11,11 +11,23 @@
 # The build is skipped when the prefix already holds a library built from the same tarball.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-tarball=../shared/vendor/libfabric-2.6.0.tar.gz
+vendor=third_party/libfabric
+tarball=$vendor/libfabric-2.6.0.tar.gz
 prefix=$PWD/target/libfabric-2.6
 lib=$prefix/lib/libfabric.so.1
-[[ -f $tarball ]] || { echo "libfabric-2.6: $tarball not found (../shared/vendor beside the checkout)" >&2; exit 1; }
-stamp=$(sha256sum "$tarball" | cut -c1-16)
+[[ -f $tarball ]] || { echo "libfabric-2.6: $tarball not found (it is part of the repository)" >&2; exit 1; }
+# The tarball must be the one SHA256SUMS names, byte for byte: a truncated or replaced copy
+# (a Git LFS pointer, say) stops here with both sums, not somewhere in configure.
+want=$(awk -v f="${tarball##*/}" '$2 == f || $2 == "*" f { print $1 }' "$vendor/SHA256SUMS")
+got=$(sha256sum "$tarball" | cut -d' ' -f1)
+if [[ -z $want || $got != "$want" ]]; then
+    echo "libfabric-2.6: $tarball does not match $vendor/SHA256SUMS" >&2
+    echo "  expected ${want:-(no line for ${tarball##*/})}" >&2
+    echo "  got      $got" >&2
+    exit 1
+fi
+# What the prefix was built from: the first 16 hex digits of the tarball's hash.
+stamp=${got:0:16}
 if [[ -f $lib && "$(cat "$prefix/.source" 2>/dev/null)" == "$stamp" ]]; then
     echo "$lib"
     exit 0
