@@ -7,8 +7,8 @@
 #     --quick      transfers 8 times smaller (a check that every row runs, not figures to quote)
 #     --only RE    only the rows whose workload matches the extended regex RE
 #
-# The xfer binary: $XFER if set, else ./xfer beside this script (a carried copy, see
-# scripts/gpu-carry.sh), else a release build of this checkout (cargo build --release).
+# The xfer binary: $XFER if set, else ./xfer beside this script (in the GPU kit, see
+# scripts/gpu-kit.sh), else a release build of this checkout (cargo build --release).
 # Rows that need what the machine lacks (a GPU, two GPUs, 16 cores) are left out and
 # listed under the table. Every run must verify its bytes; a failed or unverified run
 # fails its row, and the script then exits 1 after printing the table.
@@ -34,7 +34,7 @@ else
         cargo build --release -q -p xfer-cli) >&2
     X=$here/../target/release/xfer
 fi
-if [[ -f "$here/COMMIT" ]]; then # a carried copy (scripts/gpu-carry.sh): what it was built from
+if [[ -f "$here/COMMIT" ]]; then # in the GPU kit (scripts/gpu-kit.sh): what it was built from
     commit=$(cat "$here/COMMIT")
 elif git -C "$here" rev-parse --short HEAD >/dev/null 2>&1; then
     commit=$(git -C "$here" rev-parse --short HEAD)

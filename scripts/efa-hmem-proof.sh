@@ -3,12 +3,15 @@
 # NVIDIA GPU and no Rust toolchain: CUDA memory through libfabric's shm provider, tested and
 # measured against the provider's own benchmark (fabtests' fi_rma_bw) in the same run.
 #
-#   bash .carry/gpu/efa-hmem-proof.sh LF_PREFIX
+#   bash gpu-kit/efa-hmem-proof.sh LF_PREFIX
 #
-# LF_PREFIX is a libfabric built with CUDA and fabtests by
-# ../shared/vendor/build-libfabric-cuda.sh (carried as a .tgz and unpacked). Build the rest
-# here with scripts/gpu-carry.sh. Every step is counted; the script exits non-zero when a
-# test fails, a run does not verify, or a step hangs past its timeout.
+# LF_PREFIX is a libfabric built with CUDA and fabtests by `scripts/libfabric-2.6.sh --cuda
+# CUDA_DIR`. Build the rest here with scripts/gpu-kit.sh, put the libfabric prefix in the
+# kit (cp -r target/libfabric-2.6-cuda gpu-kit/libfabric), copy gpu-kit/ to the GPU machine
+# by any means, and there run `bash gpu-kit/efa-hmem-proof.sh libfabric` (a relative
+# LF_PREFIX is read from the kit's folder, where this script runs; an absolute one from
+# anywhere). Every step is counted; the script exits non-zero when a test fails, a run does
+# not verify, or a step hangs past its timeout.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 # shellcheck source=scripts/proof-lib.sh

@@ -20,7 +20,7 @@
 #
 #   bash scripts/efa-small.sh LF_PREFIX [SIZE ...]     # default sizes: 64 1024 4096
 #   LF_PREFIX: libfabric 2.x with fabtests (bin/fi_rma_bw), e.g. from
-#   ../shared/vendor/build-libfabric-cuda.sh; XFER=target/release/xfer RUNS=3 RAILS=1
+#   `scripts/libfabric-2.6.sh --cuda CUDA_DIR`; XFER=target/release/xfer RUNS=3 RAILS=1
 #   PROVIDER=shm
 #
 # Prints every run, then per size the medians (M writes/s) and the ratios.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU proof run of the TCP path, for a machine with NVIDIA GPUs and no Rust toolchain.
-# Build here with `scripts/gpu-carry.sh` (it puts the binaries and these scripts in
-# .carry/gpu/), carry that folder over, and there run: bash .carry/gpu/gpu-proof.sh
+# Build here with `scripts/gpu-kit.sh` (it puts the binaries and these scripts in gpu-kit/),
+# copy that folder to the GPU machine by any means, and there run: bash gpu-kit/gpu-proof.sh
 # Every hardware test runs (--include-ignored; the two-GPU ones where two GPUs exist) and
 # fails where its hardware is missing; the script exits non-zero when any test or run fails.
 set -euo pipefail

