@@ -71,7 +71,7 @@
 //! Nothing links against libfabric: `libfabric-sys` loads it on first use, from
 //! `XFER_LIBFABRIC`, then `/opt/amazon/efa`, then the system's (see [`library`]), and asks
 //! it for API 1.20 or its own version if older. Its suites run in CI against Debian's 1.17
-//! and against 2.6 built from `../shared/vendor` (`scripts/libfabric-2.6.sh`). 2.x also
+//! and against 2.6 built from `third_party/libfabric` (`scripts/libfabric-2.6.sh`). 2.x also
 //! offers FI_EP_RDM over tcp as provider `tcp` itself besides `tcp;ofi_rxm`; asking for
 //! `tcp` takes the native one there (libfabric's first; measured no slower, and faster for
 //! small READs), `tcp;ofi_rxm` names rxm.

@@ -10,7 +10,7 @@
 //! (`scripts/efa-hmem-proof.sh`).
 //!
 //! Needs a GPU and a libfabric built with CUDA (Debian's and Ubuntu's 1.17 are not; the one
-//! `../shared/vendor/build-libfabric-cuda.sh` builds is), so the case is `#[ignore]`d:
+//! `scripts/libfabric-2.6.sh --cuda` builds is), so the case is `#[ignore]`d:
 //! `cargo test` elsewhere counts it as ignored, `--include-ignored` runs it
 //! (`scripts/efa-hmem-proof.sh`, with `XFER_LIBFABRIC` pointing at that build), and it fails
 //! naming what is missing. The provider can be changed with `XFER_HMEM_PROVIDER`.
