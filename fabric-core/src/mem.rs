@@ -567,6 +567,12 @@ impl Transport for MemTransport {
         Ok(p)
     }
 
+    /// A sender's id in the completions of its writes and messages is its endpoint's
+    /// number (not a peer of this transport's table), so its address is that number's.
+    fn peer_address(&self, peer: PeerId) -> Option<Vec<u8>> {
+        Some(format!("{PREFIX}{}", peer.0).into_bytes())
+    }
+
     fn remove_peer(&mut self, peer: PeerId) -> Result<()> {
         // Pending writes land first, so none is in flight to fail.
         self.run_writes();

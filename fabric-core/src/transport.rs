@@ -114,6 +114,15 @@ pub trait Transport: Send + 'static {
         Ok(true)
     }
 
+    /// The address of peer `peer` as the peer itself publishes it (what it returns from
+    /// [`address`](Transport::address)), where the transport knows it: for a peer that
+    /// connected to us, the address it said in its handshake. It names the sender of a
+    /// peer's immediate data across rails and engines. The default: unknown.
+    fn peer_address(&self, peer: PeerId) -> Option<Vec<u8>> {
+        let _ = peer;
+        None
+    }
+
     /// Removes a peer: its pending operations complete with [`OpError::PeerRemoved`].
     fn remove_peer(&mut self, peer: PeerId) -> Result<()>;
 

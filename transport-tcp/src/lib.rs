@@ -758,6 +758,12 @@ impl Transport for TcpTransport {
             .all(|&i| self.conns[i].as_ref().is_some_and(Conn::is_up)))
     }
 
+    /// The address a peer connected to (ours), or the one it said in its HELLO (a peer
+    /// that connected to us): its listening address either way.
+    fn peer_address(&self, peer: PeerId) -> Option<Vec<u8>> {
+        self.peers.get(&peer).map(|p| p.address.clone())
+    }
+
     fn remove_peer(&mut self, peer: PeerId) -> Result<()> {
         let p = self.peers.remove(&peer).ok_or(Error::UnknownPeer(peer))?;
         self.passive.retain(|_, id| *id != peer);

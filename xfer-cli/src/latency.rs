@@ -213,12 +213,10 @@ pub fn run_transfers(
         let mut seen = Vec::with_capacity(count as usize);
         let mut waited = Duration::ZERO;
         while (seen.len() as u64) < count && !stopped.load(Ordering::Acquire) {
-            match t.next_event(WATCH_SLICE) {
-                Ok(ev) => {
+            match t.next_notification(WATCH_SLICE) {
+                Ok(n) => {
                     waited = Duration::ZERO;
-                    if let Some(v) = ev.imm() {
-                        seen.push((v, Instant::now()));
-                    }
+                    seen.push((n.imm, Instant::now()));
                 }
                 Err(Error::Engine(fabric_core::Error::TimedOut(..))) if waited < timeout => {
                     waited += WATCH_SLICE;

@@ -19,7 +19,7 @@
 //! - per rail (`group`, `rail`, `nic`): `xfer_rail_bytes_total`, `xfer_rail_ops_total`,
 //!   `xfer_rail_reposts_total`, `xfer_rail_errors_total`, `xfer_rail_transfers_total`,
 //!   `xfer_rail_ops_in_flight`, `xfer_rail_transfers_active`,
-//!   `xfer_rail_events_dropped_total`; what peers did to it: `xfer_rail_received_bytes_total`,
+//!   `xfer_rail_notifications_total`; what peers did to it: `xfer_rail_received_bytes_total`,
 //!   `xfer_rail_received_writes_total`, `xfer_rail_served_read_bytes_total`,
 //!   `xfer_rail_refused_requests_total`, `xfer_rail_checksum_mismatches_total`;
 //! - per peer of a rail (`group`, `rail`, `peer`, `address`, `passive`, `state`):
@@ -29,7 +29,7 @@
 //! - `serve` only: `xfer_serve_clients`, `xfer_serve_pending_handshakes`,
 //!   `xfer_serve_region_bytes`,
 //!   `xfer_serve_clients_admitted_total`, `xfer_serve_refusals_total` (`reason`),
-//!   `xfer_serve_events_dropped_total`.
+//!   `xfer_serve_notifications_total`.
 
 use fabric_core::engine::{GroupStats, RailGroup};
 use fabric_core::stats::{HistogramSnapshot, LATENCY_BUCKETS};
@@ -184,9 +184,9 @@ impl Collector for Snapshots {
                 |r| r.counters.transfers,
             ),
             (
-                "xfer_rail_events_dropped",
-                "Peers' immediate data dropped: the event queue was full.",
-                |r| r.counters.events_dropped,
+                "xfer_rail_notifications",
+                "Peers' immediate data that arrived on this rail (counted, never dropped).",
+                |r| r.counters.notifications,
             ),
         ];
         for (name, help, f) in counters {
@@ -376,16 +376,14 @@ impl Collector for Snapshots {
                     )
                 }),
             )?;
-            let dropped: u64 = groups
-                .iter()
-                .map(|(_, g)| g.counters().events_dropped)
-                .sum();
+            let arrived: u64 = groups.iter().map(|(_, g)| g.counters().notifications).sum();
             family(
                 &mut enc,
-                "xfer_serve_events_dropped",
-                "Peers' immediate data the server dropped (it takes none; its queues are bounded).",
+                "xfer_serve_notifications",
+                "Peers' immediate data that arrived at the server (counted per sender and \
+                 value, never dropped).",
                 MetricType::Counter,
-                [(none(), counter(dropped))],
+                [(none(), counter(arrived))],
             )?;
         }
         Ok(())
@@ -554,7 +552,7 @@ mod tests {
             "# TYPE xfer_serve_clients gauge",
             "# TYPE xfer_serve_pending_handshakes gauge",
             "xfer_serve_refusals_total{reason=\"hello_timeout\"} 0",
-            "xfer_serve_events_dropped_total 0",
+            "xfer_serve_notifications_total 0",
         ] {
             assert!(text.contains(name), "no {name:?} in\n{text}");
         }

@@ -179,6 +179,45 @@ pub struct Peer {
     removed: AtomicBool,
 }
 
+/// Arrivals of a peer's immediate data: `value` (the 32-bit immediate value), `count`
+/// (how many arrivals of this sender and value: 1 from next_notification) and `sender`
+/// (the sending engine's name where this engine knows it, from add_peer or know; else
+/// None).
+#[pyclass(module = "xfer", frozen, eq)]
+#[derive(Clone, PartialEq, Eq)]
+pub struct Notification {
+    #[pyo3(get)]
+    sender: Option<String>,
+    #[pyo3(get)]
+    value: u32,
+    #[pyo3(get)]
+    count: u64,
+}
+
+#[pymethods]
+impl Notification {
+    fn __repr__(&self) -> String {
+        format!(
+            "Notification(sender={}, value={}, count={})",
+            self.sender
+                .as_deref()
+                .map_or("None".into(), |s| format!("{s:?}")),
+            self.value,
+            self.count
+        )
+    }
+}
+
+impl From<xfer::Notification> for Notification {
+    fn from(n: xfer::Notification) -> Self {
+        Notification {
+            sender: n.from,
+            value: n.imm,
+            count: n.count,
+        }
+    }
+}
+
 /// `t` with its immediate value and timeout, where given.
 fn with_extras(t: Transfer, imm: Option<u32>, timeout: Option<Duration>) -> Transfer {
     let t = match imm {
@@ -313,7 +352,7 @@ impl Engine {
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (transport="auto", provider=None, rails=None, nics=None, memory="host", gpu=0, auth_token=None, timeout=10.0, listen="127.0.0.1", wait_spin_us=None, pin="off", tcp_congestion="auto"))]
+    #[pyo3(signature = (transport="auto", provider=None, rails=None, nics=None, memory="host", gpu=0, auth_token=None, timeout=10.0, listen="127.0.0.1", wait_spin_us=None, pin="off", tcp_congestion="auto", name=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -329,8 +368,10 @@ impl Engine {
         wait_spin_us: Option<u64>,
         pin: &str,
         tcp_congestion: &str,
+        name: Option<String>,
     ) -> PyResult<Engine> {
         let (o, gpu) = EngineArgs {
+            name,
             transport,
             provider,
             rails,
@@ -726,6 +767,69 @@ impl Engine {
                 limit.unwrap_or_default()
             ))),
         }
+    }
+
+    /// The next notification (one arrival of a peer's immediate data, oldest sender and
+    /// value first): blocks (GIL released) up to `timeout` seconds (None: no limit; Ctrl-C
+    /// still interrupts), then raises TimedOut. Arrivals are counted where they land and
+    /// never dropped; wait_imm, next_notification, notifications and
+    /// next_notification_async take from the same counts, each arrival once.
+    #[pyo3(signature = (timeout=None))]
+    fn next_notification(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Notification> {
+        let limit = seconds(timeout, "timeout")?;
+        self.shared.agent()?;
+        let shared = &self.shared;
+        let done = wait_sliced(py, limit, |slice| {
+            let Some(agent) = lock(&shared.agent).clone() else {
+                return Some(Err(xfer::Error::Closed));
+            };
+            match agent.next_notification(slice) {
+                Ok(n) => Some(Ok(n)),
+                Err(xfer::Error::Engine(fabric_core::Error::TimedOut(..))) => None,
+                Err(e) => Some(Err(e)),
+            }
+        })?;
+        match done {
+            Some(Ok(n)) => Ok(Notification::from(n)),
+            Some(Err(xfer::Error::Closed)) => Err(EngineClosed::new_err(
+                "the engine was closed while waiting for a notification",
+            )),
+            Some(Err(e)) => Err(agent_error(&e)),
+            None => Err(crate::errors::TimedOut::new_err(format!(
+                "timed out after {:?} waiting for a notification",
+                limit.unwrap_or_default()
+            ))),
+        }
+    }
+
+    /// next_notification for asyncio: an awaitable (the wait runs on the event loop's
+    /// default executor, the GIL released) that gives the next Notification or raises
+    /// TimedOut. Must be called from a running event loop.
+    #[pyo3(signature = (timeout=None))]
+    fn next_notification_async<'py>(
+        slf: &Bound<'py, Self>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        seconds(timeout, "timeout")?;
+        let lp = py.import("asyncio")?.call_method0("get_running_loop")?;
+        let wait = slf.getattr("next_notification")?;
+        lp.call_method1("run_in_executor", (py.None(), wait, timeout))
+    }
+
+    /// Every notification not yet taken, without waiting: a list of Notification, each
+    /// sender and value once with its count, oldest first.
+    fn notifications(&self, py: Python<'_>) -> PyResult<Vec<Notification>> {
+        let all = self.shared.with_agent(py, |a| Ok(a.notifications()))?;
+        Ok(all.into_iter().map(Notification::from).collect())
+    }
+
+    /// Tells this engine of a peer (its `address` bytes) without connecting to it, so that
+    /// its notifications name it (Notification.sender). add_peer does this too.
+    fn know(&self, address: &[u8]) -> PyResult<()> {
+        let info = AgentInfo::from_bytes(address).map_err(|e| metadata_error("address", &e))?;
+        self.shared.agent()?.know(&info);
+        Ok(())
     }
 
     /// Sums of the rails' counters (of every transport): bytes, ops, reposts, errors,

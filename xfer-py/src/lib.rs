@@ -61,6 +61,7 @@ fn _xfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::Engine>()?;
     m.add_class::<engine::Registration>()?;
     m.add_class::<engine::Peer>()?;
+    m.add_class::<engine::Notification>()?;
     m.add_class::<engine::Server>()?;
     m.add_class::<handle::Handle>()?;
     m.add_class::<directory::Directory>()?;

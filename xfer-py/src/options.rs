@@ -15,6 +15,9 @@ use xfer::{AgentOptions, Congestion, MemoryKind, TransportChoice};
 
 /// The keyword arguments of `xfer.Engine(...)`, as Python gave them.
 pub struct EngineArgs<'a, 'py> {
+    /// The engine's name (peers' notifications and the directory show it; None: one made
+    /// of the process id and a counter).
+    pub name: Option<String>,
     /// "auto", "tcp", "cuda-ipc", "efa" or "mem".
     pub transport: &'a str,
     /// The libfabric provider (efa).
@@ -90,6 +93,7 @@ impl EngineArgs<'_, '_> {
             listen,
             pin,
             auth_token: self.auth_token.clone(),
+            name: self.name.clone(),
             ..AgentOptions::default()
         };
         o.efa.provider = self.provider.clone();

@@ -126,6 +126,59 @@ def test_immediate_data_is_counted_per_value(pair):
     assert dst.all()
 
 
+@pytest.mark.parametrize("transport", ["mem", "tcp"])
+def test_a_receiver_that_looks_late_loses_no_notification(transport):
+    # 70 000 one-page writes of 7 values while the receiver does not look: an engine used
+    # to keep 65 536 events and drop the rest.
+    with xfer.Engine(transport=transport) as a, xfer.Engine(transport=transport) as b:
+        p = a.add_peer(b.address)
+        src, dst = np.ones(PAGE, dtype=np.uint8), np.zeros(64 * PAGE, dtype=np.uint8)
+        rs, rd = a.register(src), b.register(dst)
+        n, pending = 70_000, []
+        for i in range(n):
+            pending.append(a.write_pages(p, rs, rd.descriptor, [0], [i % 64], PAGE, imm=i % 7))
+            if len(pending) == 256:
+                for h in pending:
+                    h.wait(timeout=30)
+                pending.clear()
+        for h in pending:
+            h.wait(timeout=30)
+        for v in range(7):
+            b.wait_imm(v, count=len(range(v, n, 7)), timeout=30)
+        assert b.notifications() == []
+
+
+def test_notifications_name_their_sender_and_mix_with_wait_imm(pair):
+    _, b, p = pair
+    c = xfer.Engine(transport=p.transport, name="named-sender")
+    try:
+        b.know(c.address)
+        pc = c.add_peer(b.address)
+        src, dst = np.ones(PAGE, dtype=np.uint8), np.zeros(4 * PAGE, dtype=np.uint8)
+        rc, rd = c.register(src), b.register(dst)
+        for i in range(4):
+            c.write_pages(pc, rc, rd.descriptor, [0], [i], PAGE, imm=3 + i % 2).wait(timeout=10)
+        # Values 3, 4, 3, 4 from one sender: the first taken is the first that arrived,
+        # wait_imm takes both 4s, and the one 3 left is all there is.
+        first = b.next_notification(timeout=10)
+        assert (first.sender, first.value, first.count) == ("named-sender", 3, 1)
+        b.wait_imm(4, count=2, timeout=10)
+        last = b.next_notification(timeout=10)
+        assert (last.sender, last.value, last.count) == ("named-sender", 3, 1)
+        assert b.notifications() == []
+        with pytest.raises(xfer.TimedOut):
+            b.next_notification(timeout=0.05)
+
+        async def later():
+            return await b.next_notification_async(timeout=10)
+
+        c.write_pages(pc, rc, rd.descriptor, [0], [1], PAGE, imm=11).wait(timeout=10)
+        n = asyncio.run(later())
+        assert (n.sender, n.value, n.count) == ("named-sender", 11, 1)
+    finally:
+        c.close()
+
+
 def test_a_handle_is_awaitable(pair):
     a, b, p = pair
     src, dst = pattern(8 * PAGE, seed=3), np.zeros(8 * PAGE, dtype=np.uint8)

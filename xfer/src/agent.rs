@@ -87,6 +87,9 @@ struct Inner {
     /// The core whose NUMA node the agent's memory should come from.
     home: Option<CorePin>,
     regions: Mutex<Regions>,
+    /// Agents this one knows (connected to, or was told of), by each of their rails'
+    /// addresses: the names of notifications' senders.
+    senders: Mutex<HashMap<Vec<u8>, String>>,
     /// When it was made, in milliseconds since the Unix epoch (its directory record's
     /// `started_ms`).
     started_ms: u64,
@@ -274,6 +277,21 @@ impl Peer {
     pub fn transport(&self) -> TransportKind {
         self.kind
     }
+}
+
+/// Arrivals of a peer's immediate data ([`Transfer::imm`]): the value, how many times it
+/// landed, and who sent it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Notification {
+    /// The sender's name ([`AgentInfo::name`]), where this agent knows it: an agent it
+    /// connected to, or was told of ([`Agent::know`]); `None` otherwise, or where the
+    /// transport cannot tell senders apart (efa, cuda-ipc).
+    pub from: Option<String>,
+    /// The immediate value.
+    pub imm: u32,
+    /// How many arrivals of this sender and value this is (1 from
+    /// [`Agent::next_notification`]).
+    pub count: u64,
 }
 
 /// A transfer between a local region and a peer's: segments, which way, and what goes
@@ -517,14 +535,15 @@ impl Agent {
                 .unwrap_or_else(|p| p.into_inner())
                 .push(info.instance);
         }
-        let engines = lanes
+        let inboxes = lanes
             .iter()
-            .flat_map(|l| l.group.rails().iter().cloned())
+            .flat_map(|l| l.group.rails().iter().map(|e| e.inbox().clone()))
             .collect();
         Agent {
             inner: Arc::new(Inner {
                 info,
-                notes: Notifications::new(engines),
+                notes: Notifications::new(inboxes),
+                senders: Mutex::new(HashMap::new()),
                 lanes,
                 home,
                 regions: Mutex::new(Regions::default()),
@@ -710,6 +729,7 @@ impl Agent {
             .expect("resolve picks a transport both offer")
             .rails;
         let group = self.lane(kind)?.group.add_peer(addresses)?;
+        self.know(peer);
         Ok(Peer {
             info: peer.clone(),
             kind,
@@ -795,9 +815,55 @@ impl Agent {
         Ok(self.inner.notes.wait_imm(imm, count, timeout)?)
     }
 
-    /// The next event (a peer's immediate data), waiting at most `timeout`.
-    pub fn next_event(&self, timeout: Duration) -> Result<fabric_core::engine::Event> {
-        Ok(self.inner.notes.next_event(timeout)?)
+    /// The next notification (one arrival of a peer's immediate data, the oldest sender
+    /// and value first), waiting at most `timeout`. Arrivals are counted where they land,
+    /// never dropped however late the application looks, and each is taken once by
+    /// whichever of [`wait_imm`](Self::wait_imm), this,
+    /// [`try_notification`](Self::try_notification) or
+    /// [`notifications`](Self::notifications) comes first: they can be mixed.
+    pub fn next_notification(&self, timeout: Duration) -> Result<Notification> {
+        let n = self.inner.notes.next(timeout)?;
+        Ok(self.notification(n))
+    }
+
+    /// The oldest notification not yet taken, if any, without waiting.
+    pub fn try_notification(&self) -> Option<Notification> {
+        self.inner.notes.try_next().map(|n| self.notification(n))
+    }
+
+    /// Every notification not yet taken, each sender and value once with its count, oldest
+    /// first.
+    pub fn notifications(&self) -> Vec<Notification> {
+        let all = self.inner.notes.drain();
+        all.into_iter().map(|n| self.notification(n)).collect()
+    }
+
+    /// How many arrivals of immediate value `imm` are here, not yet taken.
+    pub fn imm_count(&self, imm: u32) -> u64 {
+        self.inner.notes.count(imm)
+    }
+
+    /// Tells this agent of `peer` without connecting to it, so that notifications it sends
+    /// name it ([`Notification::from`]). [`connect`](Self::connect) does this too.
+    pub fn know(&self, peer: &AgentInfo) {
+        let mut s = self.inner.senders.lock().unwrap_or_else(|p| p.into_inner());
+        for t in &peer.transports {
+            for a in &t.rails {
+                s.insert(a.clone(), peer.name.clone());
+            }
+        }
+    }
+
+    fn notification(&self, n: fabric_core::engine::Note) -> Notification {
+        let from = n.key.from.as_ref().and_then(|a| {
+            let s = self.inner.senders.lock().unwrap_or_else(|p| p.into_inner());
+            s.get(&a[..]).cloned()
+        });
+        Notification {
+            from,
+            imm: n.key.imm,
+            count: n.count,
+        }
     }
 
     /// The sums of every rail's counters, over all transports.

@@ -80,7 +80,9 @@ pub mod placement;
 pub mod rendezvous;
 pub mod weights;
 
-pub use agent::{Agent, AgentStats, Peer, Region, Transfer, release_kept, resolve, resolve_reason};
+pub use agent::{
+    Agent, AgentStats, Notification, Peer, Region, Transfer, release_kept, resolve, resolve_reason,
+};
 pub use error::{Error, Result};
 pub use options::{
     AgentOptions, BalanceOptions, CudaIpcOptions, EfaOptions, MAX_RAILS, MemoryKind, Role,

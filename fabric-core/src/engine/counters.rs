@@ -22,9 +22,8 @@ pub struct Counters {
     pub transfers: AtomicU64,
     /// Transfers (and SENDs) under way now: a gauge.
     pub active: AtomicU64,
-    /// Events (peers' immediate data) dropped because the application let
-    /// [`EngineConfig::event_queue`](super::EngineConfig::event_queue) of them pile up.
-    pub events_dropped: AtomicU64,
+    /// Peers' immediate data that arrived (counted in the engine's inbox, never dropped).
+    pub notifications: AtomicU64,
 }
 
 /// A snapshot of [`Counters`].
@@ -46,8 +45,8 @@ pub struct CounterSnapshot {
     pub transfers: u64,
     /// See [`Counters::active`].
     pub active: u64,
-    /// See [`Counters::events_dropped`].
-    pub events_dropped: u64,
+    /// See [`Counters::notifications`].
+    pub notifications: u64,
 }
 
 impl Counters {
@@ -65,7 +64,7 @@ impl Counters {
             errors: self.errors.load(Ordering::Relaxed),
             transfers: self.transfers.load(Ordering::Relaxed),
             active: self.active.load(Ordering::Relaxed),
-            events_dropped: self.events_dropped.load(Ordering::Relaxed),
+            notifications: self.notifications.load(Ordering::Relaxed),
         }
     }
 }
@@ -81,7 +80,7 @@ impl CounterSnapshot {
         self.errors += c.errors;
         self.transfers += c.transfers;
         self.active += c.active;
-        self.events_dropped += c.events_dropped;
+        self.notifications += c.notifications;
     }
 }
 

@@ -47,7 +47,7 @@ pub use rails::{
 pub use crate::plan::Direction;
 pub use counters::{CounterSnapshot, Counters, EngineStats, GroupStats};
 pub use handle::{Received, RecvHandle, TransferHandle, TransferResult, TransferStats};
-pub use notes::Notifications;
+pub use notes::{Inbox, MAX_KEYS, Note, NoteKey, Notifications};
 
 use crate::Invalid;
 use crate::error::{Error, OpError, Result};
@@ -105,11 +105,6 @@ pub struct EngineConfig {
     pub shutdown_timeout: Duration,
     /// Name of the worker thread.
     pub name: String,
-    /// Events (peers' immediate data) kept for the application to take
-    /// ([`Engine::next_event`]); beyond this many, new ones are dropped and counted in
-    /// [`Counters::events_dropped`], so that an application that never takes them (a
-    /// server that does not use immediate data) holds bounded memory.
-    pub event_queue: usize,
 }
 
 impl Default for EngineConfig {
@@ -124,7 +119,6 @@ impl Default for EngineConfig {
             control_timeout: Duration::from_secs(10),
             shutdown_timeout: Duration::from_secs(5),
             name: "xfer-worker".into(),
-            event_queue: 65536,
         }
     }
 }
@@ -267,7 +261,9 @@ impl WorkerLink {
 pub struct Engine {
     tx: Sender<Command>,
     link: Arc<WorkerLink>,
-    events: Receiver<Event>,
+    /// Where peers' immediate data is counted; `notes` is this engine's own view of it.
+    inbox: Arc<Inbox>,
+    notes: Notifications,
     thread: Option<JoinHandle<()>>,
     /// Disconnects when the worker thread has ended.
     exited: Receiver<()>,
@@ -296,7 +292,8 @@ impl Engine {
         F: FnOnce() -> Result<T> + Send + 'static,
     {
         let (tx, rx) = crossbeam_channel::bounded(cfg.queue_depth.max(1));
-        let (ev_tx, events) = crossbeam_channel::bounded(cfg.event_queue.max(1));
+        let inbox = Arc::new(Inbox::default());
+        let worker_inbox = inbox.clone();
         let (ready_tx, ready_rx) = crossbeam_channel::bounded(1);
         // Disconnected when the worker thread ends, however it ends.
         let (exit_tx, exit_rx) = crossbeam_channel::bounded::<()>(0);
@@ -329,7 +326,7 @@ impl Engine {
                     waker,
                     stats,
                 )));
-                worker::Worker::new(t, rx, internal_rx, ev_tx, (c2, l2), wcfg, s2).run();
+                worker::Worker::new(t, rx, internal_rx, worker_inbox, (c2, l2), wcfg, s2).run();
             })
             .map_err(|e| Error::io("spawn worker thread", e))?;
         let (address, backend, limits, reads, waker, transport_stats) =
@@ -349,7 +346,8 @@ impl Engine {
                 waker,
                 sleeping,
             }),
-            events,
+            notes: Notifications::new(vec![inbox.clone()]),
+            inbox,
             thread: Some(thread),
             exited: exit_rx,
             address,
@@ -637,17 +635,21 @@ impl Engine {
         Ok(RecvHandle { slot })
     }
 
-    /// The next event, waiting at most `timeout`.
+    /// The next event (one arrival of a peer's immediate data, oldest sender and value
+    /// first), waiting at most `timeout`. Arrivals are counted, never dropped, however late
+    /// the application looks; see [`Notifications`] for waiting on a value and count.
     pub fn next_event(&self, timeout: Duration) -> Result<Event> {
-        self.events.recv_timeout(timeout).map_err(|e| match e {
-            crossbeam_channel::RecvTimeoutError::Timeout => Error::TimedOut(timeout, "an event"),
-            crossbeam_channel::RecvTimeoutError::Disconnected => Error::EngineStopped,
+        let n = self.notes.next(timeout)?;
+        Ok(Event::Imm {
+            peer: n.key.peer,
+            imm: n.key.imm,
         })
     }
 
-    /// The event receiver, for `select!` or draining; events queue until taken.
-    pub fn events(&self) -> &Receiver<Event> {
-        &self.events
+    /// Where this engine counts peers' immediate data: give it to a [`Notifications`] to
+    /// wait on several engines at once.
+    pub fn inbox(&self) -> &Arc<Inbox> {
+        &self.inbox
     }
 
     /// Stops the worker: pending transfers fail with `Cancelled`. Also done on drop. Returns

@@ -505,7 +505,7 @@ impl RailGroup {
                 regions: Mutex::new(RegionUse::default()),
             }),
             nics: vec![None; n],
-            notes: Notifications::new(rails.clone()),
+            notes: Notifications::new(rails.iter().map(|e| e.inbox().clone()).collect()),
             rails,
         })
     }
@@ -951,7 +951,17 @@ impl RailGroup {
     /// The next event from any rail (warm-up notifications excepted), waiting at most
     /// `timeout`.
     pub fn next_event(&self, timeout: Duration) -> Result<Event> {
-        self.notes.next_event(timeout)
+        let n = self.notes.next(timeout)?;
+        Ok(Event::Imm {
+            peer: n.key.peer,
+            imm: n.key.imm,
+        })
+    }
+
+    /// The group's notifications: wait for a value and count, take arrivals one by one or
+    /// all at once, with their senders (see [`Notifications`]).
+    pub fn notifications(&self) -> &Notifications {
+        &self.notes
     }
 
     /// Sums the counters of all rails.

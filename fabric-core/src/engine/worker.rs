@@ -1,7 +1,8 @@
 //! The worker loop: commands in, batched posts, deferred re-posts, polled completions out.
 
 use super::handle::{Received, Slot, TransferResult, TransferStats};
-use super::{Counters, EngineConfig, Event};
+use super::notes::{Inbox, NoteKey};
+use super::{Counters, EngineConfig};
 use crate::error::{Error, OpError, Result};
 use crate::fence::Fence;
 use crate::memory::MemoryRegion;
@@ -11,7 +12,7 @@ use crate::transport::{Completion, OpKind, PostOutcome, Transport};
 use crate::types::{
     Access, LocalKey, LocalSlice, PeerId, Registration, RemoteSlice, WorkRequestId,
 };
-use crossbeam_channel::{Receiver, Sender, TryRecvError, TrySendError};
+use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -101,7 +102,7 @@ struct PendingCounters {
     completed: u64,
     reposts: u64,
     errors: u64,
-    events_dropped: u64,
+    notifications: u64,
 }
 
 /// Work-request ids: bit 63 marks receives; otherwise generation << 32 | slot.
@@ -112,14 +113,15 @@ pub(crate) struct Worker<T: Transport> {
     rx: Receiver<Command>,
     /// Work handed over by other workers (a rail group's immediate data), never blocking.
     internal: Receiver<Command>,
-    events: Sender<Event>,
+    /// Where peers' immediate data is counted (never dropped).
+    inbox: Arc<Inbox>,
+    /// Each sender's address, as the transport says it, asked once per peer.
+    senders: HashMap<PeerId, Option<Arc<[u8]>>>,
     counters: Arc<Counters>,
     pending: PendingCounters,
     latency: Arc<LatencyHistogram>,
     /// `active` as last published in `counters`.
     published_active: usize,
-    /// Events dropped so far (the log says so at each power of two).
-    events_dropped: u64,
     cfg: EngineConfig,
     slots: Vec<Option<Active>>,
     generations: Vec<u32>,
@@ -181,7 +183,7 @@ impl<T: Transport> Worker<T> {
         t: T,
         rx: Receiver<Command>,
         internal: Receiver<Command>,
-        events: Sender<Event>,
+        inbox: Arc<Inbox>,
         (counters, latency): (Arc<Counters>, Arc<LatencyHistogram>),
         cfg: EngineConfig,
         sleeping: Arc<AtomicBool>,
@@ -191,12 +193,12 @@ impl<T: Transport> Worker<T> {
             t,
             rx,
             internal,
-            events,
+            inbox,
+            senders: HashMap::new(),
             counters,
             pending: PendingCounters::default(),
             latency,
             published_active: 0,
-            events_dropped: 0,
             cfg,
             slots: Vec::new(),
             generations: Vec::new(),
@@ -653,7 +655,7 @@ impl<T: Transport> Worker<T> {
             (&self.counters.completed, p.completed),
             (&self.counters.reposts, p.reposts),
             (&self.counters.errors, p.errors),
-            (&self.counters.events_dropped, p.events_dropped),
+            (&self.counters.notifications, p.notifications),
         ] {
             if n > 0 {
                 counter.fetch_add(n, Ordering::Relaxed);
@@ -840,7 +842,7 @@ impl<T: Transport> Worker<T> {
         match c.op {
             OpKind::RemoteWrite => {
                 if let Some(imm) = c.imm {
-                    self.event(Event::Imm { peer: c.peer, imm });
+                    self.arrived(c.peer, imm);
                 }
             }
             OpKind::Recv => {
@@ -876,25 +878,21 @@ impl<T: Transport> Worker<T> {
         }
     }
 
-    /// Hands an event to the application, or drops and counts it when the application has
-    /// let [`EngineConfig::event_queue`] of them pile up (said in the log at the first drop
-    /// and at each power of two after it).
-    fn event(&mut self, ev: Event) {
-        match self.events.try_send(ev) {
-            Ok(()) | Err(TrySendError::Disconnected(_)) => {}
-            Err(TrySendError::Full(_)) => {
-                self.pending.events_dropped += 1;
-                self.events_dropped += 1;
-                if self.events_dropped.is_power_of_two() {
-                    tracing::warn!(
-                        dropped = self.events_dropped,
-                        queue = self.cfg.event_queue,
-                        "event queue full: peers' immediate data dropped (take events with \
-                         next_event, or raise EngineConfig::event_queue)"
-                    );
-                }
+    /// Counts a peer's immediate data in the inbox, with the sender's address (asked of
+    /// the transport once per peer).
+    fn arrived(&mut self, peer: Option<PeerId>, imm: u32) {
+        let from = match peer {
+            Some(p) => {
+                let t = &self.t;
+                self.senders
+                    .entry(p)
+                    .or_insert_with(|| t.peer_address(p).map(Arc::from))
+                    .clone()
             }
-        }
+            None => None,
+        };
+        self.pending.notifications += 1;
+        self.inbox.arrive(NoteKey { imm, peer, from });
     }
 
     /// Times out transfers past their deadline: they post nothing more, and finish (with

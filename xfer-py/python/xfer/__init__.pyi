@@ -1,6 +1,6 @@
 """Type stubs of the xfer package (see the module docstring of xfer/__init__.py)."""
 
-from collections.abc import Generator, Sequence
+from collections.abc import Awaitable, Generator, Sequence
 from types import TracebackType
 from typing import Any, Literal
 
@@ -76,6 +76,19 @@ class Registration:
         tb: TracebackType | None,
     ) -> None: ...
 
+class Notification:
+    """Arrivals of a peer's immediate data: its value, how many, and who sent them."""
+
+    @property
+    def sender(self) -> str | None:
+        """The sending engine's name, where this engine knows it (add_peer, know)."""
+    @property
+    def value(self) -> int:
+        """The 32-bit immediate value."""
+    @property
+    def count(self) -> int:
+        """How many arrivals of this sender and value (1 from next_notification)."""
+
 class Peer:
     """A peer of an engine, from Engine.add_peer, reached over one transport."""
 
@@ -138,6 +151,7 @@ class Engine:
         wait_spin_us: int | None = None,
         pin: Literal["auto", "off"] = "off",
         tcp_congestion: str = "auto",
+        name: str | None = None,
     ) -> None: ...
     @property
     def address(self) -> bytes:
@@ -238,6 +252,17 @@ class Engine:
         """Reads the peer's remote_pages[i] into local page local_pages[i] (stream: as read)."""
     def wait_imm(self, value: int, count: int = 1, timeout: float | None = None) -> None:
         """Blocks until `count` transfers with immediate `value` have landed here."""
+    def next_notification(self, timeout: float | None = None) -> Notification:
+        """The next arrival of a peer's immediate data (one), oldest first; TimedOut after
+        `timeout`. Arrivals are never dropped; every way of taking them shares one store."""
+    def next_notification_async(
+        self, timeout: float | None = None
+    ) -> Awaitable[Notification]:
+        """next_notification for asyncio (call from a running event loop)."""
+    def notifications(self) -> list[Notification]:
+        """Every arrival not yet taken, each sender and value once with its count."""
+    def know(self, address: bytes) -> None:
+        """Names a peer's notifications without connecting to it (add_peer does too)."""
     def counters(self) -> dict[str, int]:
         """Sums of the rails' counters."""
     def close(self) -> None:
