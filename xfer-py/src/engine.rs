@@ -174,7 +174,6 @@ pub struct Registration {
 /// A peer of an engine, from Engine.add_peer, reached over one transport (`transport`).
 #[pyclass(module = "xfer", frozen)]
 pub struct Peer {
-    shared: Arc<Shared>,
     peer: xfer::Peer,
     removed: AtomicBool,
 }
@@ -309,14 +308,6 @@ impl Engine {
         self.shared.with_agent(py, |a| Ok(a.info().clone()))
     }
 
-    fn check_own(&self, shared: &Arc<Shared>, what: &str) -> PyResult<()> {
-        if Arc::ptr_eq(shared, &self.shared) {
-            Ok(())
-        } else {
-            Err(invalid(format!("this {what} belongs to another engine")))
-        }
-    }
-
     fn submit(
         &self,
         py: Python<'_>,
@@ -326,8 +317,6 @@ impl Engine {
         t: Transfer,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Handle> {
-        self.check_own(&peer.shared, "peer")?;
-        self.check_own(&reg.shared, "registration")?;
         if peer.removed.load(Ordering::Acquire) {
             return Err(invalid("this peer was removed: add it again"));
         }
@@ -507,7 +496,6 @@ impl Engine {
         let info = AgentInfo::from_bytes(address).map_err(|e| metadata_error("address", &e))?;
         let peer = self.shared.with_agent(py, |a| a.connect(&info))?;
         Ok(Peer {
-            shared: self.shared.clone(),
             peer,
             removed: AtomicBool::new(false),
         })
@@ -520,8 +508,10 @@ impl Engine {
         if name.is_empty() {
             return Err(invalid("offer: the name is empty"));
         }
-        self.shared.agent()?.offer(name, registration.region());
-        Ok(())
+        self.shared
+            .agent()?
+            .offer(name, registration.region())
+            .map_err(|e| agent_error(&e))
     }
 
     /// Serves the direct rendezvous on `listen` ("IP:PORT"; port 0 picks a free one) on a
@@ -587,7 +577,6 @@ impl Engine {
         }
         Ok((
             Peer {
-                shared: self.shared.clone(),
                 peer,
                 removed: AtomicBool::new(false),
             },
@@ -597,7 +586,11 @@ impl Engine {
 
     /// Removes a peer; its pending transfers fail with PeerRemoved.
     fn remove_peer(&self, py: Python<'_>, peer: &Peer) -> PyResult<()> {
-        self.check_own(&peer.shared, "peer")?;
+        // Another engine's peer is refused before it is marked removed (in its engine).
+        self.shared
+            .agent()?
+            .check_peer(&peer.peer)
+            .map_err(|e| agent_error(&e))?;
         if peer.removed.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
@@ -940,7 +933,10 @@ impl Engine {
 
     /// Whether `reg` is a registration of this engine and open (else `InvalidArgument`).
     pub(crate) fn check_registration(&self, reg: &Registration) -> PyResult<()> {
-        self.check_own(&reg.shared, "registration")?;
+        self.shared
+            .agent()?
+            .check_region(&reg.region)
+            .map_err(|e| agent_error(&e))?;
         if reg.closed.load(Ordering::Acquire) {
             return Err(invalid(
                 "this registration is closed: register the memory again",
@@ -951,7 +947,10 @@ impl Engine {
 
     /// Whether `peer` is a peer of this engine and not removed (else `InvalidArgument`).
     pub(crate) fn check_peer(&self, peer: &Peer) -> PyResult<()> {
-        self.check_own(&peer.shared, "peer")?;
+        self.shared
+            .agent()?
+            .check_peer(&peer.peer)
+            .map_err(|e| agent_error(&e))?;
         if peer.removed.load(Ordering::Acquire) {
             return Err(invalid("this peer was removed: add it again"));
         }

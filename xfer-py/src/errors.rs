@@ -58,6 +58,12 @@ create_exception!(
 );
 create_exception!(
     xfer,
+    ForeignHandle,
+    InvalidArgument,
+    "A Peer or Registration of another engine was given to this one."
+);
+create_exception!(
+    xfer,
     Cancelled,
     XferError,
     "The transfer was cancelled (the engine shut down)."
@@ -104,6 +110,7 @@ pub fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("OutOfBounds", py.get_type::<OutOfBounds>())?;
     m.add("PermissionDenied", py.get_type::<PermissionDenied>())?;
     m.add("InvalidArgument", py.get_type::<InvalidArgument>())?;
+    m.add("ForeignHandle", py.get_type::<ForeignHandle>())?;
     m.add("Cancelled", py.get_type::<Cancelled>())?;
     m.add("EngineClosed", py.get_type::<EngineClosed>())?;
     m.add("RegionInUse", py.get_type::<RegionInUse>())?;
@@ -171,6 +178,14 @@ pub fn agent_error(e: &xfer::Error) -> PyErr {
         X::Metadata(m) => metadata_error("metadata", m),
         X::Directory(d) => directory_error(d),
         X::NoSuchRegion { .. } => InvalidArgument::new_err(e.to_string()),
+        X::ForeignHandle { what, .. } => ForeignHandle::new_err(format!(
+            "this {} belongs to another engine: use the one this engine returned ({e})",
+            if *what == "region" {
+                "registration"
+            } else {
+                what
+            }
+        )),
         X::NotJoined { .. } | X::NotLeft { .. } => TimedOut::new_err(e.to_string()),
         X::Engine(inner) => engine_error(inner),
         X::Closed => EngineClosed::new_err(e.to_string()),

@@ -14,7 +14,7 @@
 use crate::args::{SIGNAL_EVERY, seconds, wait_sliced};
 use crate::directory::Following;
 use crate::engine::{Engine, Peer, Registration};
-use crate::errors::{invalid, member_wait_error, metadata_error, sync_error};
+use crate::errors::{agent_error, invalid, member_wait_error, metadata_error, sync_error};
 use fabric_core::Fence;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -623,8 +623,8 @@ impl PySource {
 
     /// Offers the layout's regions under their names and the record (for the directory:
     /// publish the engine after).
-    fn offer(&self) {
-        lock(&self.sync).offer();
+    fn offer(&self) -> PyResult<()> {
+        lock(&self.sync).offer().map_err(|e| agent_error(&e))
     }
 
     /// Brings the destinations in line with the cluster `following` follows (see
@@ -815,8 +815,8 @@ impl PyDestination {
     }
 
     /// Offers the layout's regions under their names and the record (for the directory).
-    fn offer(&self) {
-        lock(&self.sync).offer();
+    fn offer(&self) -> PyResult<()> {
+        lock(&self.sync).offer().map_err(|e| agent_error(&e))
     }
 
     /// Attaches the sources among the members of the cluster `following` follows (see

@@ -179,6 +179,29 @@ def test_notifications_name_their_sender_and_mix_with_wait_imm(pair):
         c.close()
 
 
+def test_another_engines_peer_or_registration_is_refused():
+    with xfer.Engine(transport="mem") as a, xfer.Engine(transport="mem") as b:
+        t = xfer.Engine(transport="mem")
+        try:
+            src, dst = np.ones(PAGE, dtype=np.uint8), np.zeros(PAGE, dtype=np.uint8)
+            ra, rb, rt = a.register(src), b.register(src), t.register(dst)
+            pa, pb = a.add_peer(t.address), b.add_peer(t.address)
+            with pytest.raises(xfer.ForeignHandle, match="peer belongs to another engine"):
+                a.write(pb, ra, rt.descriptor, [(0, 0, PAGE)])
+            with pytest.raises(xfer.ForeignHandle, match="registration belongs"):
+                a.write(pa, rb, rt.descriptor, [(0, 0, PAGE)])
+            with pytest.raises(xfer.InvalidArgument):  # ForeignHandle is one
+                a.remove_peer(pb)
+            with pytest.raises(xfer.ForeignHandle):
+                a.offer("x", rb)
+            assert not dst.any()
+            # b's peer was not marked removed by a's refusal.
+            b.write(pb, rb, rt.descriptor, [(0, 0, PAGE)]).wait(timeout=10)
+            assert dst.all()
+        finally:
+            t.close()
+
+
 def test_a_handle_is_awaitable(pair):
     a, b, p = pair
     src, dst = pattern(8 * PAGE, seed=3), np.zeros(8 * PAGE, dtype=np.uint8)

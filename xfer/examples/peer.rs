@@ -70,7 +70,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     })?;
     let inbox = HostBuffer::new_shared(LEN)?;
     let ours = agent.register(inbox.clone(), Access::REMOTE_WRITE)?;
-    agent.offer("inbox", &ours);
+    agent.offer("inbox", &ours)?;
     let src = HostBuffer::new_shared(LEN)?;
     src.write_from_host(0, &pattern(mine))?;
     let src = agent.register(src, Access::NONE)?;

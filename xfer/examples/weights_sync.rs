@@ -443,7 +443,7 @@ fn destination(o: &Opts) -> Res<()> {
     let region = a.register(mem.clone(), Access::REMOTE_WRITE | Access::LOCAL_WRITE)?;
     let sync =
         DestinationSync::new(&a, l.clone(), vec![region], 2, Some(rank))?.with_options(options(o));
-    sync.offer();
+    sync.offer()?;
     let dir = discovery::open(o.get("dir")?)?;
     let _p = a.publish(&*dir, "weights", Duration::from_secs(600))?;
     let want = contents(&l);
@@ -486,7 +486,7 @@ fn source(o: &Opts) -> Res<()> {
     let region = a.register(mem, Access::REMOTE_READ)?;
     let mut sync =
         SourceSync::new(&a, &plan, rank, l, vec![region.clone()])?.with_options(options(o));
-    sync.offer();
+    sync.offer()?;
     let dir = discovery::open(o.get("dir")?)?;
     let _p = a.publish(&*dir, "weights", Duration::from_secs(600))?;
     let following = a.follow(&*dir, "weights")?;

@@ -227,6 +227,8 @@ pub struct Agent {
 /// transport holds it).
 #[derive(Clone, Debug)]
 pub struct Region {
+    /// The instance of the agent that registered it.
+    owner: u64,
     id: u64,
     /// The registration on each transport, in the agent's lane order.
     regs: Vec<(TransportKind, GroupRegistration)>,
@@ -262,6 +264,8 @@ impl Region {
 /// A peer an agent is connected to, over one transport.
 #[derive(Clone, Debug)]
 pub struct Peer {
+    /// The instance of the agent that connected to it.
+    owner: u64,
     info: AgentInfo,
     kind: TransportKind,
     group: GroupPeer,
@@ -612,6 +616,31 @@ impl Agent {
             .ok_or(Error::RegionNotOnTransport(kind))
     }
 
+    /// Whether `region` is this agent's (else [`Error::ForeignHandle`]). Every call that
+    /// takes a region checks this itself.
+    pub fn check_region(&self, region: &Region) -> Result<()> {
+        self.own(region.owner, "region")
+    }
+
+    /// Whether `peer` is this agent's (else [`Error::ForeignHandle`]). Every call that
+    /// takes a peer checks this itself.
+    pub fn check_peer(&self, peer: &Peer) -> Result<()> {
+        self.own(peer.owner, "peer")
+    }
+
+    /// Refuses a handle (`owner`: the instance of the agent that made it) of another agent.
+    fn own(&self, owner: u64, what: &'static str) -> Result<()> {
+        if owner == self.inner.info.instance {
+            Ok(())
+        } else {
+            Err(Error::ForeignHandle {
+                what,
+                owner,
+                agent: self.inner.info.name.clone(),
+            })
+        }
+    }
+
     fn regions(&self) -> MutexGuard<'_, Regions> {
         self.inner.regions.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -666,6 +695,7 @@ impl Agent {
         let id = r.next;
         r.keep.insert(id, Kept { mem, keep });
         Ok(Region {
+            owner: self.inner.info.instance,
             id,
             regs,
             descriptor,
@@ -677,6 +707,7 @@ impl Agent {
     /// given back once no transport holds it. Regions offered by name under it are
     /// withdrawn.
     pub fn deregister(&self, region: &Region) -> Result<()> {
+        self.own(region.owner, "region")?;
         for (kind, reg) in &region.regs {
             self.lane(*kind)?.group.deregister(reg)?;
         }
@@ -697,10 +728,12 @@ impl Agent {
 
     /// Offers `region` under `name`: peers that rendezvous with this agent or find it in
     /// the directory see it among its regions.
-    pub fn offer(&self, name: &str, region: &Region) {
+    pub fn offer(&self, name: &str, region: &Region) -> Result<()> {
+        self.own(region.owner, "region")?;
         self.regions()
             .named
             .insert(name.to_owned(), region.descriptor.clone());
+        Ok(())
     }
 
     /// The regions offered by name.
@@ -731,6 +764,7 @@ impl Agent {
         let group = self.lane(kind)?.group.add_peer(addresses)?;
         self.know(peer);
         Ok(Peer {
+            owner: self.inner.info.instance,
             info: peer.clone(),
             kind,
             group,
@@ -761,6 +795,7 @@ impl Agent {
 
     /// Disconnects `peer`: its pending transfers fail with `PeerRemoved`.
     pub fn disconnect(&self, peer: &Peer) -> Result<()> {
+        self.own(peer.owner, "peer")?;
         Ok(self.lane(peer.kind)?.group.remove_peer(&peer.group)?)
     }
 
@@ -773,6 +808,8 @@ impl Agent {
         remote: &RegionDescriptor,
         t: Transfer,
     ) -> Result<TransferHandle> {
+        self.own(peer.owner, "peer")?;
+        self.own(local.owner, "region")?;
         let lane = self.lane(peer.kind)?;
         let dst = remote
             .on(peer.kind)
@@ -800,6 +837,8 @@ impl Agent {
         remote: &RegionDescriptor,
         timeout: Duration,
     ) -> Result<()> {
+        self.own(peer.owner, "peer")?;
+        self.own(local.owner, "region")?;
         let dst = remote
             .on(peer.kind)
             .ok_or(Error::RegionNotOnTransport(peer.kind))?;

@@ -22,7 +22,7 @@
 //! // b offers a region named "inbox" and publishes itself as a member of "demo".
 //! let b = Agent::new(AgentOptions { name: Some("b".into()), ..AgentOptions::default() })?;
 //! let inbox = HostBuffer::new_shared(4096)?;
-//! b.offer("inbox", &b.register(inbox.clone(), Access::REMOTE_WRITE)?);
+//! b.offer("inbox", &b.register(inbox.clone(), Access::REMOTE_WRITE)?)?;
 //! let _published = b.publish(&*dir, "demo", Duration::from_secs(5))?;
 //!
 //! // a follows the cluster: b is connected by name, with its regions.

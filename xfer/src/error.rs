@@ -99,6 +99,20 @@ pub enum Error {
         /// The region's name.
         region: String,
     },
+    /// A handle of another agent (a [`Peer`](crate::Peer) or [`Region`](crate::Region)
+    /// that another agent returned) was given to this one: it means nothing here.
+    #[error(
+        "this {what} belongs to another agent (instance {owner:016x}), not to {agent:?}: use \
+         the {what} this agent returned"
+    )]
+    ForeignHandle {
+        /// What it was: "peer" or "region".
+        what: &'static str,
+        /// The instance of the agent it belongs to.
+        owner: u64,
+        /// This agent's name.
+        agent: String,
+    },
     /// The agent was closed.
     #[error("the agent is closed")]
     Closed,

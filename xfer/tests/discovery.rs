@@ -36,7 +36,7 @@ fn node(name: &str, seed: u64) -> Node {
     let src = agent.register(src, Access::NONE).unwrap();
     let inbox = HostBuffer::new_shared(LEN).unwrap();
     let r = agent.register(inbox.clone(), Access::REMOTE_WRITE).unwrap();
-    agent.offer("inbox", &r);
+    agent.offer("inbox", &r).unwrap();
     Node {
         agent,
         src,
@@ -144,7 +144,7 @@ fn a_publication_is_the_agent_and_its_offers_and_can_be_updated() {
         .agent
         .register(HostBuffer::new_shared(4096).unwrap(), Access::REMOTE_READ)
         .unwrap();
-    b.agent.offer("more", &more);
+    b.agent.offer("more", &more).unwrap();
     let before = b.agent.lookup(&*dir, "c", "b").unwrap().unwrap();
     assert!(before.region("more").is_err(), "offered after publishing");
     p.update().unwrap();
@@ -216,7 +216,7 @@ fn follow(dir: &dyn Directory) {
         .agent
         .register(more_mem.clone(), Access::REMOTE_WRITE)
         .unwrap();
-    c.agent.offer("more", &more);
+    c.agent.offer("more", &more).unwrap();
     pc.update().unwrap();
     assert_eq!(said(following.next_event(T)), "updated c");
     let to_c2 = following.peer("c").unwrap();

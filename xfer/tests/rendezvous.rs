@@ -30,7 +30,7 @@ fn server(
     let a = agent();
     let buf = HostBuffer::new_shared(1 << 20).unwrap();
     let r = a.register(buf.clone(), Access::REMOTE_WRITE).unwrap();
-    a.offer("kv", &r);
+    a.offer("kv", &r).unwrap();
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let at = l.local_addr().unwrap();
     let stats = Arc::new(ServeStats::default());
@@ -130,7 +130,7 @@ fn a_started_server_serves_until_stopped_and_then_its_port_is_closed() {
     let a = agent();
     let buf = HostBuffer::new_shared(4096).unwrap();
     let r = a.register(buf.clone(), Access::REMOTE_WRITE).unwrap();
-    a.offer("kv", &r);
+    a.offer("kv", &r).unwrap();
     let srv = xfer::rendezvous::Server::start(
         TcpListener::bind("127.0.0.1:0").unwrap(),
         vec![a.clone()],

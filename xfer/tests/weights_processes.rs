@@ -168,7 +168,7 @@ fn run_child(spec: &str) -> Result<(), Box<dyn std::error::Error>> {
     let rank = rank.parse::<u32>().ok();
     let mut sync =
         DestinationSync::new(&agent, layout.clone(), regions, 2, rank)?.with_options(options());
-    sync.offer();
+    sync.offer().expect("offer");
     let _published = agent.publish(&*dir, cluster, Duration::from_secs(30))?;
     let following = agent.follow(&*dir, cluster)?;
     println!("WEIGHTS ready {}", agent.info().instance);
@@ -328,7 +328,7 @@ impl Sources {
             let sync = SourceSync::new(&agent, plan, r, l, regions)
                 .unwrap()
                 .with_options(options());
-            sync.offer();
+            sync.offer().expect("offer");
             s._published.push(
                 agent
                     .publish(dir, cluster, Duration::from_secs(30))

@@ -213,6 +213,14 @@ pub struct TransferHandle {
     pub(crate) slot: Arc<Slot<TransferResult>>,
 }
 
+impl std::fmt::Debug for TransferHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransferHandle")
+            .field("finished", &self.is_finished())
+            .finish()
+    }
+}
+
 impl TransferHandle {
     /// Whether the transfer has finished (either way).
     pub fn is_finished(&self) -> bool {

@@ -35,6 +35,9 @@ class InvalidArgument(Error):
 class Cancelled(Error):
     """The transfer was cancelled (the engine shut down)."""
 
+class ForeignHandle(InvalidArgument):
+    """A Peer or Registration of another engine was given to this one."""
+
 class EngineClosed(Error):
     """The engine is closed (or its worker stopped)."""
 

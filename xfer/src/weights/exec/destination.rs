@@ -163,11 +163,11 @@ impl DestinationSync {
 
     /// Offers its layout's regions under their names and its record under
     /// [`RECORD_REGION`](super::RECORD_REGION), for sources that find it in the directory.
-    pub fn offer(&self) {
+    pub fn offer(&self) -> crate::Result<()> {
         for (spec, r) in self.layout.regions.iter().zip(&self.regions) {
-            self.agent.offer(&spec.name, r);
+            self.agent.offer(&spec.name, r)?;
         }
-        self.agent.offer(super::RECORD_REGION, self.record.region());
+        self.agent.offer(super::RECORD_REGION, self.record.region())
     }
 
     /// Waits until every source has signalled `version` (its bytes have landed here), or

@@ -332,11 +332,11 @@ impl SourceSync {
     /// Offers its layout's regions under their names and its record under
     /// [`RECORD_REGION`](super::RECORD_REGION), for peers that find it in the directory
     /// (publish the agent after, or update its publication).
-    pub fn offer(&self) {
+    pub fn offer(&self) -> crate::Result<()> {
         for (spec, r) in self.layout.regions.iter().zip(&self.regions) {
-            self.agent.offer(&spec.name, r);
+            self.agent.offer(&spec.name, r)?;
         }
-        self.agent.offer(super::RECORD_REGION, self.record.region());
+        self.agent.offer(super::RECORD_REGION, self.record.region())
     }
 
     /// Attaches destination `rank`: pushes go to `peer`, into `regions` (its region
