@@ -156,7 +156,7 @@ fn bad_reads_fail_at_submit_with_clear_errors() {
         .read()
         .segment(seg(l.local, 0, 0, 4096))
         .segment(seg(l.local, 2048, 4096, 4096));
-    let e = a.submit(overlapping).err().expect("refused");
+    let e = a.submit(overlapping).expect_err("refused");
     assert!(
         matches!(&e, Error::InvalidArgument(Invalid::Overlap { .. })),
         "{e}"
@@ -165,7 +165,7 @@ fn bad_reads_fail_at_submit_with_clear_errors() {
     let beyond = Transfer::new(peer)
         .read()
         .segment(seg(l.local, 0, 8000, 4096));
-    let e = a.submit(beyond).err().expect("refused");
+    let e = a.submit(beyond).expect_err("refused");
     assert!(
         matches!(
             &e,
@@ -176,8 +176,7 @@ fn bad_reads_fail_at_submit_with_clear_errors() {
     // A READ lands in a region that must allow LOCAL_WRITE.
     let e = a
         .submit(Transfer::new(peer).read().segment(seg(ro.local, 0, 0, 16)))
-        .err()
-        .expect("refused");
+        .expect_err("refused");
     assert!(
         matches!(
             &e,
@@ -193,8 +192,7 @@ fn bad_reads_fail_at_submit_with_clear_errors() {
                 .segment(seg(l.local, 0, 0, 16))
                 .imm(3),
         )
-        .err()
-        .expect("refused");
+        .expect_err("refused");
     assert!(
         matches!(e, Error::InvalidArgument(Invalid::ImmOnRead)),
         "{e}"
@@ -370,8 +368,7 @@ fn a_backend_without_read_refuses_it_with_a_typed_error() {
             dst_offset: 0,
             len: 4096,
         }))
-        .err()
-        .expect("refused");
+        .expect_err("refused");
     assert!(matches!(e, Error::UnsupportedOp { op: "READ", .. }), "{e}");
     assert_eq!(e.to_string(), "the no-read backend does not support READ");
     // A rail group refuses it the same way, before anything moves.
