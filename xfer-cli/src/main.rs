@@ -443,8 +443,8 @@ pub(crate) enum CliError {
     #[error("{0}")]
     Usage(String),
     /// The library refused an option (out of range, contradicting another, a NIC that is
-    /// not there) (exit 2).
-    #[error(transparent)]
+    /// not there) (exit 2). An [`xfer::Error::Option`] is said with the flag's spelling.
+    #[error("{}", option_line(.0))]
     Option(xfer::Error),
     /// The library failed: the agent, the engine, the rendezvous, the directory (exit 1).
     #[error(transparent)]
@@ -461,6 +461,17 @@ pub(crate) enum CliError {
     /// The bytes that landed differ from what was sent (exit 3).
     #[error("verification failed: {0}")]
     Mismatch(String),
+}
+
+/// The library's refusal of an option, naming the command's flag (`--auth-token`) where it
+/// names an option of the agent (`auth_token`).
+fn option_line(e: &xfer::Error) -> String {
+    match e {
+        xfer::Error::Option { option, reason } => {
+            format!("--{}: {reason}", option.name().replace('_', "-"))
+        }
+        other => other.to_string(),
+    }
 }
 
 impl CliError {

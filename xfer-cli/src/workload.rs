@@ -328,8 +328,8 @@ pub fn run(
             inflight.push_back(agent.submit(peer, src, dst, t)?);
         }
         let Some(h) = inflight.front() else { break };
-        if let Some(e) = h.failed() {
-            return Err(Error::Op(e).into());
+        if let Some(Err(e)) = h.try_result() {
+            return Err(e);
         }
         if h.finished_within(Duration::from_millis(100)) {
             let h = inflight.pop_front().expect("front exists");

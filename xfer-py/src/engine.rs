@@ -334,7 +334,7 @@ impl Engine {
         let handle = self
             .shared
             .with_agent(py, |a| a.submit(&peer.peer, &reg.region, &remote, t))?;
-        Ok(Handle::new(handle))
+        Ok(Handle::new(handle.into_inner()))
     }
 }
 

@@ -162,10 +162,7 @@ pub fn engine_error(e: &Error) -> PyErr {
 pub fn agent_error(e: &xfer::Error) -> PyErr {
     use xfer::Error as X;
     match e {
-        X::Option { option, reason } => InvalidArgument::new_err(format!(
-            "{}: {reason}",
-            option.trim_start_matches('-').replace('-', "_")
-        )),
+        X::Option { .. } => InvalidArgument::new_err(e.to_string()),
         X::Nics(n @ (xfer::nics::NicError::Domains(_) | xfer::nics::NicError::Interfaces(_))) => {
             TransportFailed::new_err(report(n))
         }

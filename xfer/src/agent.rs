@@ -2,14 +2,14 @@
 //! NICs, its workers pinned), registers memory on all of them, connects to peers over the
 //! best transport both offer, moves data and reports what arrived.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, OptionName, Result};
+use crate::handle::Handle;
 use crate::lanes::{self, Lane};
 use crate::nics::{self, NicChoice};
 use crate::options::{AgentOptions, MemoryKind, Role, TransportChoice};
 use crate::placement::{CorePin, WorkerPins};
 use fabric_core::engine::{
     Direction, GroupPeer, GroupRegistration, GroupStats, GroupTransfer, Notifications, RailGroup,
-    TransferHandle,
 };
 use fabric_core::metadata::{AgentInfo, RegionDescriptor, TransportInfo, TransportKind};
 use fabric_core::plan::StridedRun;
@@ -807,7 +807,7 @@ impl Agent {
         local: &Region,
         remote: &RegionDescriptor,
         t: Transfer,
-    ) -> Result<TransferHandle> {
+    ) -> Result<Handle> {
         self.own(peer.owner, "peer")?;
         self.own(local.owner, "region")?;
         let lane = self.lane(peer.kind)?;
@@ -825,7 +825,7 @@ impl Agent {
             direction: t.direction,
             after: t.after,
         };
-        Ok(lane.group.submit(&peer.group, g)?)
+        Ok(Handle::new(lane.group.submit(&peer.group, g)?))
     }
 
     /// Warm-up: a zero-length write on every rail toward `peer`'s `remote` region, so that
@@ -943,13 +943,13 @@ fn kinds_for(o: &AgentOptions) -> Result<Vec<TransportKind>> {
     if let TransportChoice::Only(k) = o.transport {
         if k == TransportKind::CudaIpc && o.memory != MemoryKind::Cuda {
             return Err(Error::option(
-                "--transport",
+                OptionName::Transport,
                 "cuda-ipc moves GPU memory: use cuda memory (or the tcp transport)",
             ));
         }
         if o.efa.provider.is_some() && k != TransportKind::Efa {
             return Err(Error::option(
-                "--provider",
+                OptionName::Provider,
                 format!("applies to the efa transport only, not {k}"),
             ));
         }

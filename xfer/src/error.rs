@@ -9,10 +9,10 @@ use std::time::Duration;
 #[non_exhaustive]
 pub enum Error {
     /// An option is out of range or contradicts another (the message says which and why).
-    #[error("{option}: {reason}")]
+    #[error("{}: {reason}", option.name())]
     Option {
-        /// The option (as the `xfer` command spells it, e.g. `--rails`).
-        option: &'static str,
+        /// The option.
+        option: OptionName,
         /// What is wrong with it.
         reason: String,
     },
@@ -127,9 +127,164 @@ pub enum Error {
     WeightSync(#[from] crate::weights::SyncError),
 }
 
+/// What kind of failure an [`Error`] is ([`Error::kind`]), for a program to match on:
+/// fix its input, retry, or give up. The variants of [`Error`] (and of the layers' errors
+/// they carry as sources) say exactly what failed; this says what to do about it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The caller's input is wrong: an option, an argument, a range outside a region,
+    /// malformed metadata, a layout. Retrying the same call fails the same way.
+    InvalidInput,
+    /// A handle ([`Peer`](crate::Peer), [`Region`](crate::Region)) of another agent.
+    ForeignHandle,
+    /// The peer refused the access: an unknown or stale key, a range outside its region,
+    /// an access its region was not registered for.
+    RemoteAccess,
+    /// A wait or a transfer ran past its time. Retryable.
+    TimedOut,
+    /// The peer cannot be reached, or its connection broke. Retryable.
+    PeerUnreachable,
+    /// The peer was disconnected by this agent while the transfer was pending.
+    PeerRemoved,
+    /// The transfer was cancelled (its agent shut down).
+    Cancelled,
+    /// The agent, or one of its workers, is closed.
+    Closed,
+    /// This machine, build or transport cannot do it (no CUDA, no libfabric, an operation
+    /// the backend lacks, no transport in common).
+    Unsupported,
+    /// A region is still used by unfinished transfers. Retryable once they end.
+    Busy,
+    /// The cluster directory failed.
+    Directory,
+    /// The transport, the device or the OS failed in its own way.
+    Transport,
+}
+
+impl ErrorKind {
+    /// Whether the same call may succeed if tried again later (a timeout, an unreachable
+    /// peer, a busy region).
+    pub fn is_retryable(self) -> bool {
+        matches!(
+            self,
+            ErrorKind::TimedOut | ErrorKind::PeerUnreachable | ErrorKind::Busy
+        )
+    }
+}
+
+/// The kind of an operation's failure.
+fn op_kind(e: &fabric_core::OpError) -> ErrorKind {
+    use fabric_core::OpError as O;
+    match e {
+        O::RemoteKeyInvalid(_) | O::OutOfBounds { .. } | O::PermissionDenied | O::Remote(_) => {
+            ErrorKind::RemoteAccess
+        }
+        O::LocalKeyInvalid(_) | O::Truncated { .. } => ErrorKind::InvalidInput,
+        O::PeerRemoved(_) => ErrorKind::PeerRemoved,
+        O::PeerUnreachable { .. } => ErrorKind::PeerUnreachable,
+        O::TimedOut => ErrorKind::TimedOut,
+        O::Cancelled => ErrorKind::Cancelled,
+        _ => ErrorKind::Transport,
+    }
+}
+
+/// The kind of the engine's failure.
+fn core_kind(e: &fabric_core::Error) -> ErrorKind {
+    use fabric_core::Error as C;
+    use fabric_core::MemoryError as M;
+    match e {
+        C::InvalidAddress(_) | C::InvalidArgument(_) | C::ReservedImm(_) => ErrorKind::InvalidInput,
+        C::UnknownPeer(_) => ErrorKind::PeerRemoved,
+        C::Op(op) => op_kind(op),
+        C::Memory(M::OutOfBounds { .. }) => ErrorKind::InvalidInput,
+        C::Memory(M::Unsupported(_)) | C::Unsupported(_) | C::UnsupportedOp { .. } => {
+            ErrorKind::Unsupported
+        }
+        C::TimedOut(..) => ErrorKind::TimedOut,
+        C::EngineStopped => ErrorKind::Closed,
+        C::RegionInUse { .. } => ErrorKind::Busy,
+        _ => ErrorKind::Transport,
+    }
+}
+
+/// Which of [`AgentOptions`](crate::AgentOptions)' settings an [`Error::Option`] is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum OptionName {
+    /// [`AgentOptions::rails`](crate::AgentOptions::rails).
+    Rails,
+    /// [`AgentOptions::nics`](crate::AgentOptions::nics).
+    Nics,
+    /// [`AgentOptions::transport`](crate::AgentOptions::transport).
+    Transport,
+    /// [`EfaOptions::provider`](crate::EfaOptions::provider).
+    Provider,
+    /// [`AgentOptions::auth_token`](crate::AgentOptions::auth_token).
+    AuthToken,
+    /// [`TcpOptions::checksum`](crate::TcpOptions::checksum).
+    Checksum,
+}
+
+impl OptionName {
+    /// Its name in snake case (`rails`, `auth_token`): the field's, and the keyword of
+    /// Python's `Engine`; the `xfer` command's flag is it with dashes (`--auth-token`).
+    pub fn name(self) -> &'static str {
+        match self {
+            OptionName::Rails => "rails",
+            OptionName::Nics => "nics",
+            OptionName::Transport => "transport",
+            OptionName::Provider => "provider",
+            OptionName::AuthToken => "auth_token",
+            OptionName::Checksum => "checksum",
+        }
+    }
+}
+
 impl Error {
+    /// What kind of failure this is, for a program to match on (see [`ErrorKind`]).
+    pub fn kind(&self) -> ErrorKind {
+        use crate::weights::SyncError as S;
+        match self {
+            Error::Option { .. }
+            | Error::NotInThisProcess { .. }
+            | Error::RegionNotOnTransport(_)
+            | Error::Metadata(_)
+            | Error::NoSuchRegion { .. }
+            | Error::WeightPlan(_)
+            | Error::WeightCheck(_) => ErrorKind::InvalidInput,
+            Error::Nics(
+                crate::nics::NicError::Domains(_) | crate::nics::NicError::Interfaces(_),
+            ) => ErrorKind::Transport,
+            Error::Nics(_) => ErrorKind::InvalidInput,
+            Error::Unavailable { .. } | Error::Cuda(_) | Error::NoCommonTransport { .. } => {
+                ErrorKind::Unsupported
+            }
+            Error::Engine(e) => core_kind(e),
+            Error::Rendezvous(crate::rendezvous::ClientError::Malformed(_)) => ErrorKind::Transport,
+            Error::Rendezvous(_) => ErrorKind::PeerUnreachable,
+            Error::Directory(_) => ErrorKind::Directory,
+            Error::NotJoined { .. } | Error::NotLeft { .. } => ErrorKind::TimedOut,
+            Error::ForeignHandle { .. } => ErrorKind::ForeignHandle,
+            Error::Closed => ErrorKind::Closed,
+            Error::WeightSync(s) => match s {
+                S::Transfer { source, .. } => op_kind(source),
+                S::Submit { source, .. } | S::Agent(source) => source.kind(),
+                S::NotLanded { .. } | S::Unsettled { .. } => ErrorKind::TimedOut,
+                S::Layout(_)
+                | S::Plan(_)
+                | S::Version { .. }
+                | S::NoSuchRank { .. }
+                | S::NotAttached { .. }
+                | S::RegionCount { .. }
+                | S::RegionTooShort { .. } => ErrorKind::InvalidInput,
+                _ => ErrorKind::Transport,
+            },
+        }
+    }
+
     /// An [`Error::Option`].
-    pub fn option(option: &'static str, reason: impl Into<String>) -> Error {
+    pub fn option(option: OptionName, reason: impl Into<String>) -> Error {
         Error::Option {
             option,
             reason: reason.into(),

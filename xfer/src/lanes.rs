@@ -1,7 +1,7 @@
 //! A lane: one transport of an agent, as a rail group of that backend, its rails on NICs and
 //! its workers pinned. The one place where backends are built from options.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, OptionName, Result};
 use crate::nics::{self, NicChoice, RailNic};
 use crate::options::{AgentOptions, MAX_RAILS, MemoryKind, Role, TransportChoice};
 use crate::placement::{self, CorePin};
@@ -27,9 +27,9 @@ pub struct Lane {
 /// Checks a rail count against 1 and [`MAX_RAILS`].
 pub fn check_rails(rails: usize) -> Result<()> {
     match rails {
-        0 => Err(Error::option("--rails", "must be at least 1")),
+        0 => Err(Error::option(OptionName::Rails, "must be at least 1")),
         n if n > MAX_RAILS => Err(Error::option(
-            "--rails",
+            OptionName::Rails,
             format!(
                 "{n} is above the limit of {MAX_RAILS} (each rail is a worker thread with its \
                  own connection or NIC)"
@@ -86,7 +86,7 @@ pub fn spawn(
     check_rails(rails)?;
     if !nics.is_empty() && nics.len() != rails {
         return Err(Error::option(
-            "--nics",
+            OptionName::Nics,
             format!("{} NICs for {rails} rails", nics.len()),
         ));
     }
@@ -98,13 +98,13 @@ pub fn spawn(
     {
         if o.auth_token.is_some() {
             return Err(Error::option(
-                "--auth-token",
+                OptionName::AuthToken,
                 format!("applies to the tcp transport only, not {only}"),
             ));
         }
         if o.tcp.checksum {
             return Err(Error::option(
-                "--checksum",
+                OptionName::Checksum,
                 format!("applies to the tcp transport only, not {only}"),
             ));
         }
@@ -144,7 +144,7 @@ pub fn spawn(
         TransportKind::CudaIpc => {
             if o.memory != MemoryKind::Cuda {
                 return Err(Error::option(
-                    "--transport",
+                    OptionName::Transport,
                     "cuda-ipc moves GPU memory: use cuda memory (or the tcp transport)",
                 ));
             }

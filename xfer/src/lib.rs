@@ -73,6 +73,7 @@
 mod agent;
 pub mod discovery;
 mod error;
+mod handle;
 pub mod lanes;
 pub mod nics;
 mod options;
@@ -83,7 +84,7 @@ pub mod weights;
 pub use agent::{
     Agent, AgentStats, Notification, Peer, Region, Transfer, release_kept, resolve, resolve_reason,
 };
-pub use error::{Error, Result};
+pub use error::{Error, ErrorKind, OptionName, Result};
 pub use options::{
     AgentOptions, BalanceOptions, CudaIpcOptions, EfaOptions, MAX_RAILS, MemoryKind, Role,
     TcpOptions, TransportChoice, WorkerOptions,
@@ -91,7 +92,8 @@ pub use options::{
 pub use placement::PinMode;
 pub use transport_tcp::Congestion;
 
-pub use fabric_core::engine::{Event, TransferHandle as Handle, TransferStats};
+pub use fabric_core::engine::{Event, TransferStats};
 pub use fabric_core::metadata::{AgentInfo, RegionDescriptor, TransportInfo, TransportKind};
 pub use fabric_core::plan::StridedRun;
 pub use fabric_core::{Access, Fence, HostBuffer, MemoryLocation, MemoryRegion};
+pub use handle::Handle;

@@ -204,7 +204,7 @@ fn follow(dir: &dyn Directory) {
         let t = Transfer::segments(vec![(0, 0, LEN as u64)]).imm(imm);
         a.agent
             .submit(&to.peer, &a.src, to.region(region).unwrap(), t)
-            .and_then(|h| Ok(h.wait(T)?))
+            .and_then(|h| h.wait(T))
     };
     write(&to_c, "inbox", 0xc).unwrap();
     c.agent.wait_imm(0xc, 1, T).unwrap();

@@ -3,7 +3,7 @@
 //! same number. Over mem, so these run anywhere.
 
 use std::time::Duration;
-use xfer::{Access, Agent, AgentOptions, Error, HostBuffer, Transfer, TransportChoice};
+use xfer::{Access, Agent, AgentOptions, Error, ErrorKind, HostBuffer, Transfer, TransportChoice};
 
 const T: Duration = Duration::from_secs(10);
 
@@ -17,6 +17,7 @@ fn agent() -> Agent {
 }
 
 fn foreign(e: Error, what: &str) {
+    assert_eq!(e.kind(), ErrorKind::ForeignHandle, "{e}");
     match &e {
         Error::ForeignHandle { what: w, .. } => assert_eq!(*w, what, "{e}"),
         other => panic!("expected ForeignHandle for a {what}, got {other:?}"),
@@ -69,4 +70,48 @@ fn another_agents_peer_or_region_is_refused_and_nothing_moves() {
         .unwrap();
     assert_eq!(dst.to_vec(0, 4096).unwrap(), vec![7; 4096]);
     b.deregister(&rb).unwrap();
+}
+
+/// One error type at the front door: a transfer's failure comes back from its handle as
+/// `xfer::Error`, with a kind a program matches on.
+#[test]
+fn a_handles_failure_is_the_front_doors_error_with_its_kind() {
+    let (a, t) = (agent(), agent());
+    let src = a
+        .register(HostBuffer::new_shared(4096).unwrap(), Access::NONE)
+        .unwrap();
+    let read_only = t
+        .register(HostBuffer::new_shared(4096).unwrap(), Access::REMOTE_READ)
+        .unwrap();
+    let p = a.connect(t.info()).unwrap();
+    let h = a
+        .submit(
+            &p,
+            &src,
+            read_only.descriptor(),
+            Transfer::segments(vec![(0, 0, 64)]),
+        )
+        .unwrap();
+    let e: Error = h.wait(T).expect_err("a WRITE into a read-only region");
+    assert_eq!(e.kind(), ErrorKind::RemoteAccess, "{e}");
+    assert!(!e.kind().is_retryable());
+    let e = a
+        .submit(
+            &p,
+            &src,
+            read_only.descriptor(),
+            Transfer::segments(vec![(0, 0, 8192)]),
+        )
+        .expect_err("beyond the local region");
+    assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+    let e = a.wait_imm(1, 1, Duration::from_millis(1)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
+    assert!(e.kind().is_retryable());
+    let e = Agent::new(AgentOptions {
+        rails: Some(0),
+        ..AgentOptions::default()
+    })
+    .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput);
+    assert_eq!(e.to_string(), "rails: must be at least 1");
 }

@@ -226,13 +226,13 @@ fn read_remote(
             // The transfer's own timeout ends it; the wait is a little longer.
             h.wait(timeout + Duration::from_secs(5))
                 .map_err(|e| match e {
-                    fabric_core::Error::Op(op) => SyncError::Transfer {
+                    crate::Error::Engine(fabric_core::Error::Op(op)) => SyncError::Transfer {
                         side: None,
                         rank: None,
                         peer: peer.info().name.clone(),
                         source: op,
                     },
-                    e => SyncError::agent(e.into()),
+                    e => SyncError::agent(e),
                 })
         });
     let mut out = vec![0u8; n];

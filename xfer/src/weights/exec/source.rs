@@ -591,7 +591,7 @@ impl SourceSync {
                     match self.agent.submit(&link.peer, local, remote, t) {
                         Ok(h) => {
                             let tx = tx.clone();
-                            h.on_complete(move |r| {
+                            h.into_inner().on_complete(move |r| {
                                 let _ = tx.send((lane, bytes, r));
                             });
                         }
@@ -613,7 +613,7 @@ impl SourceSync {
                     {
                         Ok(h) => {
                             let tx = tx.clone();
-                            h.on_complete(move |r| {
+                            h.into_inner().on_complete(move |r| {
                                 let _ = tx.send((lane, 0, r));
                             });
                         }

@@ -1,0 +1,76 @@
+//! [`Handle`]: a submitted transfer, as the front door reports it: its result is this
+//! crate's [`Error`], like every other call's.
+
+use crate::error::{Error, Result};
+use fabric_core::engine::{TransferHandle, TransferStats};
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+/// A transfer submitted with [`Agent::submit`](crate::Agent::submit): wait for it with a
+/// timeout, ask whether it finished, run a callback when it does, or `.await` it. Its
+/// source memory is the caller's again once it has finished, either way (a transfer that
+/// fails or times out is reported only once no transport can still touch its memory).
+pub struct Handle {
+    inner: TransferHandle,
+}
+
+fn op(e: fabric_core::OpError) -> Error {
+    Error::Engine(fabric_core::Error::Op(e))
+}
+
+impl Handle {
+    pub(crate) fn new(inner: TransferHandle) -> Handle {
+        Handle { inner }
+    }
+
+    /// Blocks until the transfer finishes, at most `timeout`: its figures, or why it
+    /// failed (a [`TimedOut`](crate::ErrorKind::TimedOut) error if `timeout` passed first;
+    /// the transfer goes on).
+    pub fn wait(&self, timeout: Duration) -> Result<TransferStats> {
+        Ok(self.inner.wait(timeout)?)
+    }
+
+    /// Whether the transfer has finished (either way).
+    pub fn is_finished(&self) -> bool {
+        self.inner.is_finished()
+    }
+
+    /// Blocks until the transfer finishes, at most `timeout`; returns whether it has.
+    pub fn finished_within(&self, timeout: Duration) -> bool {
+        self.inner.finished_within(timeout)
+    }
+
+    /// The result, if the transfer has finished.
+    pub fn try_result(&self) -> Option<Result<TransferStats>> {
+        self.inner.try_result().map(|r| r.map_err(op))
+    }
+
+    /// Runs `f` with the result once the transfer finishes: on the worker thread that
+    /// decides it (keep it short: that worker runs nothing else meanwhile), or at once in
+    /// this thread if it has already finished.
+    pub fn on_complete(self, f: impl FnOnce(Result<TransferStats>) + Send + 'static) {
+        self.inner.on_complete(move |r| f(r.map_err(op)));
+    }
+
+    /// The engine's handle underneath (the layer below, `fabric_core`).
+    pub fn into_inner(self) -> TransferHandle {
+        self.inner
+    }
+}
+
+impl std::fmt::Debug for Handle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Handle")
+            .field("finished", &self.is_finished())
+            .finish()
+    }
+}
+
+impl Future for Handle {
+    type Output = Result<TransferStats>;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        Pin::new(&mut self.inner).poll(cx).map(|r| r.map_err(op))
+    }
+}
