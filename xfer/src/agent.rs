@@ -283,6 +283,27 @@ impl Peer {
     }
 }
 
+/// A transfer planned once ([`Agent::prepare`]) and started any number of times
+/// ([`Agent::post`]). It belongs to the agent that prepared it.
+#[derive(Clone, Debug)]
+pub struct Prepared {
+    owner: u64,
+    kind: TransportKind,
+    inner: fabric_core::engine::PreparedTransfer,
+}
+
+impl Prepared {
+    /// The bytes each post moves.
+    pub fn bytes(&self) -> u64 {
+        self.inner.bytes()
+    }
+
+    /// The operations (writes or reads, after coalescing and splitting) each post makes.
+    pub fn ops(&self) -> usize {
+        self.inner.ops()
+    }
+}
+
 /// Arrivals of a peer's immediate data ([`Transfer::imm`]): the value, how many times it
 /// landed, and who sent it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -826,6 +847,60 @@ impl Agent {
             after: t.after,
         };
         Ok(Handle::new(lane.group.submit(&peer.group, g)?))
+    }
+
+    /// Checks and plans `t` between `local` and the peer's region `remote` once, for
+    /// [`post`](Self::post) to start as many times as wanted with no planning at each: the
+    /// same pages of the same regions every step (a weight sync's, a KV layer's). Bad
+    /// segments fail here. A fence given with [`Transfer::after`] is not kept: each post
+    /// takes its own ([`post_after`](Self::post_after)).
+    pub fn prepare(
+        &self,
+        peer: &Peer,
+        local: &Region,
+        remote: &RegionDescriptor,
+        t: Transfer,
+    ) -> Result<Prepared> {
+        self.own(peer.owner, "peer")?;
+        self.own(local.owner, "region")?;
+        let lane = self.lane(peer.kind)?;
+        let dst = remote
+            .on(peer.kind)
+            .ok_or(Error::RegionNotOnTransport(peer.kind))?
+            .clone();
+        let g = GroupTransfer {
+            src: local.on(peer.kind)?.clone(),
+            dst,
+            segments: t.segments,
+            runs: t.runs,
+            imm: t.imm,
+            timeout: t.timeout,
+            direction: t.direction,
+            after: None,
+        };
+        Ok(Prepared {
+            owner: self.inner.info.instance,
+            kind: peer.kind,
+            inner: lane.group.prepare(&peer.group, g)?,
+        })
+    }
+
+    /// Starts a transfer [`prepare`](Self::prepare) planned: a transfer of its own, with
+    /// its own handle and deadline. Fails if its local region was deregistered since.
+    pub fn post(&self, p: &Prepared) -> Result<Handle> {
+        self.post_after_maybe(p, None)
+    }
+
+    /// As [`post`](Self::post), waiting for `fence` (the caller's CUDA stream, say) before
+    /// any transport touches the local memory.
+    pub fn post_after(&self, p: &Prepared, fence: Arc<dyn Fence>) -> Result<Handle> {
+        self.post_after_maybe(p, Some(fence))
+    }
+
+    fn post_after_maybe(&self, p: &Prepared, after: Option<Arc<dyn Fence>>) -> Result<Handle> {
+        self.own(p.owner, "prepared transfer")?;
+        let lane = self.lane(p.kind)?;
+        Ok(Handle::new(lane.group.post(&p.inner, after)?))
     }
 
     /// Warm-up: a zero-length write on every rail toward `peer`'s `remote` region, so that

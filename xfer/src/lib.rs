@@ -82,7 +82,8 @@ pub mod rendezvous;
 pub mod weights;
 
 pub use agent::{
-    Agent, AgentStats, Notification, Peer, Region, Transfer, release_kept, resolve, resolve_reason,
+    Agent, AgentStats, Notification, Peer, Prepared, Region, Transfer, release_kept, resolve,
+    resolve_reason,
 };
 pub use error::{Error, ErrorKind, OptionName, Result};
 pub use options::{

@@ -40,8 +40,8 @@ pub mod rails;
 mod worker;
 
 pub use rails::{
-    Balance, GroupHandle, GroupPeer, GroupRegistration, GroupTransfer, RailGroup, RemoteDescriptor,
-    WARM_UP_IMM,
+    Balance, GroupHandle, GroupPeer, GroupRegistration, GroupTransfer, PreparedTransfer, RailGroup,
+    RemoteDescriptor, WARM_UP_IMM,
 };
 
 pub use crate::plan::Direction;

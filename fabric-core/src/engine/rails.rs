@@ -348,7 +348,7 @@ impl Shared {
     ) -> Option<(Arc<GroupState>, Vec<PlannedWrite>)> {
         while let Some(st) = queue.front().cloned() {
             let mut w = st.lock_work();
-            if w.error.is_some() || w.writes.is_empty() {
+            if w.error.is_some() || w.left().is_empty() {
                 drop(w);
                 queue.pop_front();
                 continue;
@@ -356,27 +356,20 @@ impl Shared {
             // A fast rail's larger chunks stay within the transfer's fair share per rail,
             // so one transfer still spreads over every rail.
             let limit = st.chunk.max(rail_chunk.min(st.share));
-            // Counted first, then taken in one allocation (pushing one by one grew the
-            // chunk through a reallocation per doubling).
+            // Counted first, then copied out in one allocation.
             let mut n = 0;
             let mut bytes = 0u64;
-            for next in &w.writes {
+            for next in w.left() {
                 if n > 0 && bytes.saturating_add(next.bytes()) > limit {
                     break;
                 }
                 bytes = bytes.saturating_add(next.bytes());
                 n += 1;
             }
-            // Copied out slice by slice (the queue's two halves), then dropped from it:
-            // collecting its drain moved one write at a time.
-            let mut chunk = Vec::with_capacity(n);
-            let (front, back) = w.writes.as_slices();
-            let in_front = n.min(front.len());
-            chunk.extend_from_slice(&front[..in_front]);
-            chunk.extend_from_slice(&back[..n - in_front]);
-            w.writes.drain(..n);
+            let chunk = w.left()[..n].to_vec();
+            w.next += n;
             w.posted += 1;
-            let empty = w.writes.is_empty();
+            let empty = w.left().is_empty();
             drop(w);
             if empty {
                 queue.pop_front();
@@ -641,6 +634,16 @@ impl RailGroup {
     /// have room (see [`Balance`]); a transfer of one chunk goes to the rail with the least
     /// in flight. Bad segments fail here, before anything moves.
     pub fn submit(&self, peer: &GroupPeer, t: GroupTransfer) -> Result<GroupHandle> {
+        let after = t.after.clone();
+        let p = self.prepare(peer, t)?;
+        self.start(p, after)
+    }
+
+    /// Checks and plans a transfer once, for [`post`](Self::post) to start as many times
+    /// as wanted with no planning at each (the same segments of the same regions, a weight
+    /// sync's step or a KV layer's pages, say). Bad segments fail here. The transfer's
+    /// fence ([`GroupTransfer::after`]) is not kept: each post takes its own.
+    pub fn prepare(&self, peer: &GroupPeer, t: GroupTransfer) -> Result<PreparedTransfer> {
         if t.imm == Some(WARM_UP_IMM) {
             // The target's group would drop it as a warm-up: the transfer would complete
             // and its receiver never be told.
@@ -744,18 +747,62 @@ impl RailGroup {
             }
             (Some(v), Some((so, d_o))) => Some((v, so, d_o)),
         };
+        Ok(PreparedTransfer {
+            group: Arc::as_ptr(&self.shared) as usize,
+            peers: peer.rails.clone(),
+            srcs: t.src.locals.clone(),
+            dsts,
+            writes: Arc::new(plan.writes),
+            bytes: plan.bytes,
+            chunk,
+            imm,
+            direction: t.direction,
+            timeout: t.timeout,
+        })
+    }
+
+    /// Starts a transfer that [`prepare`](Self::prepare) planned, waiting for `after` (if
+    /// any) before any rail touches its local memory. Nothing is planned or checked again
+    /// but that its local region is still registered; every post is a transfer of its own,
+    /// with its own handle and deadline.
+    pub fn post(&self, p: &PreparedTransfer, after: Option<Arc<dyn Fence>>) -> Result<GroupHandle> {
+        if p.group != Arc::as_ptr(&self.shared) as usize {
+            return Err(Invalid::ForeignHandle.into());
+        }
+        let key = p.srcs[0];
+        if !self.rails[0].lock_regions().contains_key(&key) {
+            return Err(Error::Op(OpError::LocalKeyInvalid(key)));
+        }
+        self.start(p.clone(), after)
+    }
+
+    /// Starts a planned transfer (see [`submit`](Self::submit)).
+    fn start(&self, p: PreparedTransfer, after: Option<Arc<dyn Fence>>) -> Result<GroupHandle> {
+        let n = self.rails.len();
+        let PreparedTransfer {
+            peers,
+            srcs,
+            dsts,
+            writes,
+            bytes: plan_bytes,
+            chunk,
+            imm,
+            direction,
+            timeout,
+            ..
+        } = p;
         let submitted = Instant::now();
-        let deadline = t.timeout.map(|d| submitted + d);
+        let deadline = timeout.map(|d| submitted + d);
         let slot = Slot::spinning(self.rails[0].cfg.wait_spin);
         let handle = TransferHandle { slot: slot.clone() };
-        if plan.writes.is_empty() && imm.is_none() {
+        if writes.is_empty() && imm.is_none() {
             slot.complete(Ok(TransferStats::default()));
             return Ok(handle);
         }
         let sh = &self.shared;
-        let key = t.src.locals[0];
+        let key = srcs[0];
         sh.hold(key)?;
-        if plan.bytes <= chunk {
+        if plan_bytes <= chunk {
             // One chunk (or only immediate data): one rail moves it all and its worker
             // sends the immediate data right after its writes (or on its one write), with
             // no other worker involved.
@@ -763,7 +810,7 @@ impl RailGroup {
                 .min_by_key(|&i| (sh.inflight[i].load(Ordering::Relaxed), i))
                 .unwrap_or(0);
             let shared = sh.clone();
-            let bytes = plan.bytes;
+            let bytes = plan_bytes;
             let posted = submitted;
             let done = Slot::with_callback(Box::new(move |res: TransferResult| {
                 shared.landed(r, bytes, posted, res.is_ok());
@@ -775,18 +822,21 @@ impl RailGroup {
                 // A chunk slot came free on this rail: other transfers' chunks may wait.
                 shared.fill(r);
             }));
+            // A prepared transfer's writes are copied for the worker; a submitted one's are
+            // its own, taken as they are.
+            let writes = Arc::try_unwrap(writes).unwrap_or_else(|w| w.as_ref().clone());
             let job = Job {
-                peer: peer.rails[r],
+                peer: peers[r],
                 plan: crate::plan::TransferPlan {
-                    bytes: plan.bytes,
-                    writes: on_rail(plan.writes, t.src.locals[r], dsts[r]),
+                    bytes: plan_bytes,
+                    writes: on_rail(writes, srcs[r], dsts[r]),
                 },
-                direction: t.direction,
-                imm: imm.map(|(v, so, d_o)| (v, imm_segment(t.src.locals[r], so, dsts[r], d_o))),
+                direction,
+                imm: imm.map(|(v, so, d_o)| (v, imm_segment(srcs[r], so, dsts[r], d_o))),
                 slot: done,
                 deadline,
                 submitted,
-                after: t.after,
+                after,
             };
             sh.add(r, bytes);
             if let Err(e) = self.rails[r].send_cmd(Command::Transfer(job)) {
@@ -799,24 +849,25 @@ impl RailGroup {
         }
         let state = Arc::new(GroupState {
             work: Mutex::new(Work {
-                writes: plan.writes.into(),
+                writes,
+                next: 0,
                 posted: 0,
                 finished: false,
                 error: None,
                 ops: 0,
             }),
             chunk,
-            share: plan.bytes / n as u64,
-            peers: peer.rails.clone(),
-            srcs: t.src.locals.clone(),
+            share: plan_bytes / n as u64,
+            peers,
+            srcs,
             dsts,
             imm,
-            direction: t.direction,
-            after: t.after,
+            direction,
+            after,
             shared: sh.clone(),
             deadline,
             submitted,
-            bytes: plan.bytes,
+            bytes: plan_bytes,
             slot,
         });
         // The rails with the fewest chunks in flight take theirs first, one round at a
@@ -1042,6 +1093,37 @@ fn at_once<T: Send, R: Send>(items: Vec<T>, f: impl Fn(T) -> R + Sync) -> Vec<R>
 /// A transfer submitted to a rail group: the same handle as one engine's.
 pub type GroupHandle = TransferHandle;
 
+/// A transfer checked and planned once by [`RailGroup::prepare`], started any number of
+/// times by [`RailGroup::post`] (NIXL's prepared descriptor lists): posting it plans
+/// nothing. It belongs to the group that prepared it (another group refuses it), and names
+/// its regions by key: a post after the local region was deregistered fails.
+#[derive(Clone, Debug)]
+pub struct PreparedTransfer {
+    /// The group that prepared it (its shared state's address).
+    group: usize,
+    peers: Vec<PeerId>,
+    srcs: Vec<LocalKey>,
+    dsts: Vec<RemoteRegion>,
+    writes: Arc<Vec<PlannedWrite>>,
+    bytes: u64,
+    chunk: u64,
+    imm: Option<(u32, u64, u64)>,
+    direction: Direction,
+    timeout: Option<Duration>,
+}
+
+impl PreparedTransfer {
+    /// The bytes each post moves.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The operations (writes or reads, after coalescing and splitting) each post makes.
+    pub fn ops(&self) -> usize {
+        self.writes.len()
+    }
+}
+
 fn chunk_len(writes: &[PlannedWrite]) -> u64 {
     writes.iter().map(PlannedWrite::bytes).sum()
 }
@@ -1094,8 +1176,9 @@ struct GroupState {
 
 /// What is left of a transfer.
 struct Work {
-    /// Writes no rail has taken yet.
-    writes: VecDeque<PlannedWrite>,
+    /// The transfer's writes; those from `next` on no rail has taken yet.
+    writes: Arc<Vec<PlannedWrite>>,
+    next: usize,
     /// Chunks posted and not finished.
     posted: usize,
     /// Whether the transfer has been decided.
@@ -1103,6 +1186,13 @@ struct Work {
     /// The first error of any chunk; once set, no further chunk starts.
     error: Option<OpError>,
     ops: u64,
+}
+
+impl Work {
+    /// The writes no rail has taken yet.
+    fn left(&self) -> &[PlannedWrite] {
+        &self.writes[self.next..]
+    }
 }
 
 impl GroupState {
@@ -1146,10 +1236,10 @@ impl GroupState {
                 Err(e) => {
                     w.error.get_or_insert(e);
                     // Writes not taken never will be.
-                    w.writes.clear();
+                    w.next = w.writes.len();
                 }
             }
-            if w.posted == 0 && w.writes.is_empty() && !w.finished {
+            if w.posted == 0 && w.left().is_empty() && !w.finished {
                 w.finished = true;
                 Some((w.error.take(), w.ops))
             } else {
