@@ -54,6 +54,15 @@ impl Handle {
         self.inner.on_complete(move |r| f(r.map_err(op)));
     }
 
+    /// Cancels the transfer if it has not finished: it posts nothing more and finishes
+    /// with a [`Cancelled`](crate::ErrorKind::Cancelled) error once every operation it had
+    /// posted has completed or failed, so its memory is the caller's again when the handle
+    /// says so. Bytes posted before the cancel may still land; a WRITE's immediate data is
+    /// not sent once it is cancelled. Returns at once: wait on the handle for the end.
+    pub fn cancel(&self) {
+        self.inner.cancel();
+    }
+
     /// The engine's handle underneath (the layer below, `fabric_core`).
     pub fn into_inner(self) -> TransferHandle {
         self.inner

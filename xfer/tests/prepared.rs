@@ -93,7 +93,12 @@ fn a_prepared_transfer_belongs_to_its_agent_and_fails_once_its_region_is_gone() 
         .unwrap();
     let peer = a.connect(b.info()).unwrap();
     let p = a
-        .prepare(&peer, &s, d.descriptor(), Transfer::segments(vec![(0, 0, PAGE)]))
+        .prepare(
+            &peer,
+            &s,
+            d.descriptor(),
+            Transfer::segments(vec![(0, 0, PAGE)]),
+        )
         .unwrap();
     let e = c.post(&p).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::ForeignHandle, "{e}");
@@ -103,7 +108,76 @@ fn a_prepared_transfer_belongs_to_its_agent_and_fails_once_its_region_is_gone() 
     assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
     // Bad segments fail when prepared, before anything is posted.
     let e = a
-        .prepare(&peer, &s, d.descriptor(), Transfer::segments(vec![(0, 0, 2 * PAGE)]))
+        .prepare(
+            &peer,
+            &s,
+            d.descriptor(),
+            Transfer::segments(vec![(0, 0, 2 * PAGE)]),
+        )
         .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+}
+
+/// Work that never finishes: a transfer waiting for it moves nothing until cancelled.
+#[derive(Debug)]
+struct Never;
+
+impl xfer::Fence for Never {
+    fn is_done(&self) -> Result<bool, fabric_core::MemoryError> {
+        Ok(false)
+    }
+}
+
+/// A transfer cancelled before it moved anything ends with `Cancelled`, moves nothing,
+/// and leaves its region free; on one rail (one chunk) and on two (chunks on each rail).
+#[test]
+fn a_cancelled_transfer_ends_cancelled_and_moves_nothing() {
+    for rails in [1, 2] {
+        let mem = |rails| {
+            Agent::new(AgentOptions {
+                transport: TransportChoice::Only(TransportKind::Mem),
+                pin: xfer::placement::PinMode::Off,
+                rails: Some(rails),
+                ..AgentOptions::default()
+            })
+            .expect("a mem agent")
+        };
+        let (a, b) = (mem(rails), mem(rails));
+        let len = 16 << 20;
+        let src = HostBuffer::new_shared(len as usize).unwrap();
+        src.fill(0, len, 5).unwrap();
+        let dst = HostBuffer::new_shared(len as usize).unwrap();
+        let s = a.register(src, Access::NONE).unwrap();
+        let d = b.register(dst.clone(), Access::REMOTE_WRITE).unwrap();
+        let peer = a.connect(b.info()).unwrap();
+        let t = Transfer::segments(vec![(0, 0, len)])
+            .imm(3)
+            .after(std::sync::Arc::new(Never));
+        let h = a.submit(&peer, &s, d.descriptor(), t).unwrap();
+        assert!(
+            !h.finished_within(Duration::from_millis(20)),
+            "{rails} rails"
+        );
+        h.cancel();
+        let e = h.wait(T).expect_err("cancelled");
+        assert_eq!(e.kind(), ErrorKind::Cancelled, "{rails} rails: {e}");
+        assert_eq!(dst.to_vec(0, 4096).unwrap(), vec![0; 4096], "{rails} rails");
+        assert!(
+            b.wait_imm(3, 1, Duration::from_millis(50)).is_err(),
+            "no imm"
+        );
+        h.cancel(); // a second cancel, of a finished transfer, does nothing
+        // The region is free again: it deregisters, and another transfer works.
+        let again = a
+            .submit(
+                &peer,
+                &s,
+                d.descriptor(),
+                Transfer::segments(vec![(0, 0, len)]),
+            )
+            .unwrap();
+        again.wait(T).unwrap();
+        assert_eq!(dst.to_vec(len - 4096, 4096).unwrap(), vec![5; 4096]);
+        a.deregister(&s).unwrap();
+    }
 }

@@ -211,7 +211,12 @@ const YIELD_AFTER: Duration = Duration::from_micros(5);
 /// still reports a removed peer's operations at once, without waiting for the provider.)
 pub struct TransferHandle {
     pub(crate) slot: Arc<Slot<TransferResult>>,
+    /// Cancels it (see [`TransferHandle::cancel`]); `None` for what cannot be cancelled.
+    pub(crate) cancel: Option<Canceller>,
 }
+
+/// What cancels a transfer: asks its workers to stop it.
+pub(crate) type Canceller = Arc<dyn Fn() + Send + Sync>;
 
 impl std::fmt::Debug for TransferHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -255,6 +260,20 @@ impl TransferHandle {
     /// The result, if the transfer has finished.
     pub fn try_result(&self) -> Option<TransferResult> {
         self.slot.try_get(None)
+    }
+
+    /// Cancels the transfer, if it has not finished: it posts nothing more, and finishes
+    /// with [`OpError::Cancelled`] once every operation it had posted has completed or
+    /// failed (so its memory is the caller's again when the handle says so, as for any
+    /// finish). Bytes posted before the cancel may still land; a WRITE's immediate data is
+    /// not sent once it is cancelled. Returns at once; wait on the handle for the end. A
+    /// transfer that finishes before the cancel reaches its workers keeps its result.
+    pub fn cancel(&self) {
+        if !self.is_finished()
+            && let Some(c) = &self.cancel
+        {
+            c();
+        }
     }
 }
 

@@ -46,6 +46,7 @@ pub use rails::{
 
 pub use crate::plan::Direction;
 pub use counters::{CounterSnapshot, Counters, EngineStats, GroupStats};
+pub(crate) use handle::Canceller;
 pub use handle::{Received, RecvHandle, TransferHandle, TransferResult, TransferStats};
 pub use notes::{Inbox, MAX_KEYS, Note, NoteKey, Notifications};
 
@@ -234,6 +235,14 @@ pub(crate) struct WorkerLink {
 }
 
 impl WorkerLink {
+    /// Asks the worker to cancel the transfer whose job carries `slot` (see
+    /// [`TransferHandle::cancel`]); nothing if the worker has stopped.
+    pub(crate) fn cancel(&self, slot: Arc<Slot<TransferResult>>) {
+        if self.tx.send(Command::Cancel(slot)).is_ok() {
+            self.wake();
+        }
+    }
+
     /// Queues a transfer without blocking; gives back its slot if the worker has stopped.
     pub(crate) fn send_transfer(
         &self,
@@ -596,7 +605,26 @@ impl Engine {
         let slot = Slot::spinning(self.cfg.wait_spin);
         let job = self.job(t, slot.clone())?;
         self.send_cmd(Command::Transfer(job))?;
-        Ok(TransferHandle { slot })
+        Ok(TransferHandle {
+            cancel: Some(self.canceller(slot.clone())),
+            slot,
+        })
+    }
+
+    /// What cancels the transfer whose job carries `slot`: a command on the channel the job
+    /// went by, so that it reaches the worker after the job.
+    pub(crate) fn canceller(&self, slot: Arc<Slot<TransferResult>>) -> Canceller {
+        let (tx, link) = (self.tx.clone(), self.link.clone());
+        let limit = self.cfg.control_timeout;
+        Arc::new(move || {
+            // A worker that stopped has failed its transfers already.
+            if tx
+                .send_timeout(Command::Cancel(slot.clone()), limit)
+                .is_ok()
+            {
+                link.wake();
+            }
+        })
     }
 
     /// Submits a transfer and calls `done` on the worker thread when it finishes.
@@ -621,7 +649,7 @@ impl Engine {
             imm,
             slot: slot.clone(),
         })?;
-        Ok(TransferHandle { slot })
+        Ok(TransferHandle { slot, cancel: None })
     }
 
     /// Posts a receive buffer for one message from any peer.

@@ -35,7 +35,7 @@ use crate::types::{Access, LocalKey, PeerId, RemoteRegion};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 /// The immediate value of warm-up writes ([`RailGroup::warm_up`]): rail groups never
@@ -794,7 +794,10 @@ impl RailGroup {
         let submitted = Instant::now();
         let deadline = timeout.map(|d| submitted + d);
         let slot = Slot::spinning(self.rails[0].cfg.wait_spin);
-        let handle = TransferHandle { slot: slot.clone() };
+        let mut handle = TransferHandle {
+            slot: slot.clone(),
+            cancel: None,
+        };
         if writes.is_empty() && imm.is_none() {
             slot.complete(Ok(TransferStats::default()));
             return Ok(handle);
@@ -839,18 +842,21 @@ impl RailGroup {
                 after,
             };
             sh.add(r, bytes);
+            let cancel = self.rails[r].canceller(job.slot.clone());
             if let Err(e) = self.rails[r].send_cmd(Command::Transfer(job)) {
                 sh.inflight[r].fetch_sub(1, Ordering::AcqRel);
                 sh.inflight_bytes[r].fetch_sub(bytes, Ordering::AcqRel);
                 sh.release(key);
                 return Err(e);
             }
+            handle.cancel = Some(cancel);
             return Ok(handle);
         }
         let state = Arc::new(GroupState {
             work: Mutex::new(Work {
                 writes,
                 next: 0,
+                chunks: Vec::new(),
                 posted: 0,
                 finished: false,
                 error: None,
@@ -870,6 +876,7 @@ impl RailGroup {
             bytes: plan_bytes,
             slot,
         });
+        let state_for_cancel = state.clone();
         // The rails with the fewest chunks in flight take theirs first, one round at a
         // time, all chosen before any is posted (so that a fast rail's completion cannot
         // take the others' first chunks); the rest wait in the queue.
@@ -904,6 +911,8 @@ impl RailGroup {
                 }
             }
         }
+        let st = state_for_cancel;
+        handle.cancel = Some(Arc::new(move || st.cancel()));
         for (r, (st, writes)) in first {
             sh.post(st, r, writes);
         }
@@ -1179,6 +1188,8 @@ struct Work {
     /// The transfer's writes; those from `next` on no rail has taken yet.
     writes: Arc<Vec<PlannedWrite>>,
     next: usize,
+    /// The chunks handed to rails, by rail (those finished are dead).
+    chunks: Vec<(usize, Weak<Slot<TransferResult>>)>,
     /// Chunks posted and not finished.
     posted: usize,
     /// Whether the transfer has been decided.
@@ -1206,6 +1217,12 @@ impl GroupState {
         let bytes = chunk_len(&writes);
         let st = self.clone();
         let posted = Instant::now();
+        let slot = Slot::with_callback(Box::new(move |r| st.chunk_done(rail, bytes, posted, r)));
+        {
+            let mut w = self.lock_work();
+            w.chunks.retain(|(_, s)| s.strong_count() > 0);
+            w.chunks.push((rail, Arc::downgrade(&slot)));
+        }
         Job {
             peer: self.peers[rail],
             plan: crate::plan::TransferPlan {
@@ -1214,10 +1231,39 @@ impl GroupState {
             },
             direction: self.direction,
             imm: None,
-            slot: Slot::with_callback(Box::new(move |r| st.chunk_done(rail, bytes, posted, r))),
+            slot,
             deadline: self.deadline,
             submitted: posted,
             after: self.after.clone(),
+        }
+    }
+
+    /// Cancels the transfer: no chunk starts any more, the chunks in flight are cancelled on
+    /// their rails, and the transfer is decided (with `Cancelled`) when the last of them
+    /// finishes, or now if none is in flight.
+    fn cancel(self: &Arc<Self>) {
+        let (decided, chunks) = {
+            let mut w = self.lock_work();
+            if w.finished {
+                return;
+            }
+            w.error.get_or_insert(OpError::Cancelled);
+            w.next = w.writes.len();
+            if w.posted == 0 {
+                w.finished = true;
+                (Some(w.error.take()), Vec::new())
+            } else {
+                let chunks: Vec<_> = (w.chunks.iter())
+                    .filter_map(|(r, s)| s.upgrade().map(|s| (*r, s)))
+                    .collect();
+                (None, chunks)
+            }
+        };
+        if let Some(error) = decided {
+            self.clone().decide(0, error, 0);
+        }
+        for (rail, slot) in chunks {
+            self.shared.links[rail].cancel(slot);
         }
     }
 

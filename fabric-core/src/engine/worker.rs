@@ -40,6 +40,8 @@ pub(crate) enum Command {
     Register(Arc<dyn MemoryRegion>, Access, Sender<Result<Registration>>),
     Deregister(LocalKey, Sender<Result<()>>),
     Transfer(Job),
+    /// Cancels the transfer whose job carries this slot, if it is still here.
+    Cancel(Arc<Slot<TransferResult>>),
     Send {
         peer: PeerId,
         src: LocalSlice,
@@ -413,8 +415,31 @@ impl<T: Transport> Worker<T> {
                     Err(e) => slot.complete(Err(op_error(e))),
                 }
             }
+            Command::Cancel(slot) => self.cancel(&slot),
             Command::Shutdown => {}
         }
+    }
+
+    /// Cancels the transfer of `slot`: it posts nothing more and finishes (with
+    /// `Cancelled`) once every operation it had posted has completed or failed, as a
+    /// timed-out one does. A transfer that already finished is not here: nothing happens.
+    fn cancel(&mut self, slot: &Arc<Slot<TransferResult>>) {
+        let found = self
+            .slots
+            .iter()
+            .position(|a| a.as_ref().is_some_and(|a| Arc::ptr_eq(&a.slot, slot)));
+        let Some(idx) = found else {
+            return;
+        };
+        let Some(a) = self.slots[idx].as_mut() else {
+            return;
+        };
+        a.error.get_or_insert(OpError::Cancelled);
+        a.final_imm = None;
+        let unposted = (a.writes.len() - a.next) as u64;
+        a.next = a.writes.len();
+        let generation = a.generation;
+        self.ops_done(idx as u32, generation, unposted, Ok(()));
     }
 
     fn alloc(&mut self, mut a: Active) -> (u32, u32) {
@@ -939,6 +964,7 @@ impl<T: Transport> Worker<T> {
         while let Ok(cmd) = self.internal.try_recv().or_else(|_| self.rx.try_recv()) {
             match cmd {
                 Command::Transfer(job) => job.slot.complete(Err(OpError::Cancelled)),
+                Command::Cancel(_) => {}
                 Command::Send { slot, .. } => slot.complete(Err(OpError::Cancelled)),
                 Command::Recv { slot, .. } => slot.complete(Err(OpError::Cancelled)),
                 _ => {}
