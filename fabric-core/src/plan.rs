@@ -384,7 +384,14 @@ fn build_plan(segments: &[Segment], max_msg_size: u64, rows: bool) -> TransferPl
             continue;
         }
         if let Some(done) = pending.replace(*s) {
-            b.take(done);
+            // Without rows each segment is its own writes: pushed here, not through the
+            // builder (its take and flush per segment made planning 1000 pages about half
+            // as costly again: callgrind, 142 against 92 instructions a page).
+            if rows {
+                b.take(done);
+            } else {
+                push_writes(&mut b.plan, &done, max_msg_size);
+            }
         }
     }
     if let Some(done) = pending {
