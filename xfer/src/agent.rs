@@ -968,6 +968,19 @@ impl Agent {
         }
     }
 
+    /// Forgets `peer`'s names of senders ([`know`](Self::know)): a server's client that
+    /// left.
+    pub(crate) fn forget(&self, peer: &AgentInfo) {
+        let mut s = self.inner.senders.lock().unwrap_or_else(|p| p.into_inner());
+        for t in &peer.transports {
+            for a in &t.rails {
+                if s.get(a) == Some(&peer.name) {
+                    s.remove(a);
+                }
+            }
+        }
+    }
+
     fn notification(&self, n: fabric_core::engine::Note) -> Notification {
         let from = n.key.from.as_ref().and_then(|a| {
             let s = self.inner.senders.lock().unwrap_or_else(|p| p.into_inner());

@@ -53,6 +53,20 @@
 //! raises the open-file limit of a server; `rustc-hash` (the compiler's fast, deterministic
 //! hash) keys the weight-sync planner's maps.
 //!
+//! What the receiver learns: each WRITE with immediate data ([`Transfer::imm`]) is counted
+//! where it lands, per sender and value, and never dropped however late the application
+//! looks. [`Agent::wait_imm`] (a value and a count), [`Agent::next_notification`],
+//! [`Agent::try_notification`] and [`Agent::notifications`] take from those counts and
+//! can be mixed; a [`Notification`] names its sender where the agent knows it
+//! ([`Agent::connect`], [`Agent::know`]).
+//!
+//! Handles belong to their agent: another agent's [`Peer`], [`Region`] or [`Prepared`]
+//! is refused ([`ErrorKind::ForeignHandle`]). Every call fails with this crate's
+//! [`Error`], whose [`kind`](Error::kind) a program matches on. A transfer can be
+//! cancelled ([`Handle::cancel`]); one moved again and again (the same pages every step)
+//! is planned once ([`Agent::prepare`]) and posted many times ([`Agent::post`]).
+//! GPU memory comes from [`cuda`]; `docs/api.md` lists the whole surface.
+//!
 //! Many small transfers: each transfer's plan is allocated by the thread that submits it
 //! and freed by a rail's worker, a hand-off between threads that glibc's malloc pays for
 //! (a quarter of the rate of 16-page transfers on the H200). A program that submits many
@@ -71,6 +85,7 @@
 #![warn(missing_docs)]
 
 mod agent;
+pub mod cuda;
 pub mod discovery;
 mod error;
 mod handle;

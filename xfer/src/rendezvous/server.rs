@@ -826,6 +826,8 @@ impl Conn<'_> {
                 return Ok(());
             }
         };
+        // Its notifications name it while it is a client.
+        agent.know(&hello.agent);
         let mut regions = agent.offered();
         regions.extend(given);
         let replied = w.write_all(
@@ -842,6 +844,7 @@ impl Conn<'_> {
             )
         });
         service.goodbye(agent, state);
+        agent.forget(&hello.agent);
         // The place and bytes are free again before the connection closes, so a client
         // that sees the close may connect again at once.
         drop(slot);
