@@ -19,6 +19,14 @@ bytes: any Rust program of the library reads them.
 >>> b.wait_imm(7, timeout=5); bool((dst == src).all())
 True
 
+The receiver's side: every write with immediate data is counted where it lands, per
+sender and value, and never dropped however late the receiver looks.
+:meth:`Engine.wait_imm` (a value and a count), :meth:`Engine.next_notification`
+(one :class:`Notification`: ``sender``, ``value``, ``count``),
+:meth:`Engine.next_notification_async` (asyncio) and :meth:`Engine.notifications` (all
+there is) take from the same counts, each arrival once. A peer's or registration of
+another engine is refused with :class:`ForeignHandle`.
+
 :mod:`xfer.weights` syncs a model's weights from trainer ranks to inference ranks laid out
 another way (layouts, a static plan, pushes with immediate data per destination, pulls).
 
