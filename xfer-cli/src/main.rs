@@ -13,9 +13,9 @@
 //! Dependencies beyond the workspace's own, each in place of code we wrote by hand:
 //! `bytesize` parses and prints sizes (`64KiB`, `4.3 GiB`), `indicatif` draws the progress
 //! line (only on a terminal, rate-limited), `fastrand` picks the pages (small, seeded,
-//! no dependencies), `hex` spells binary transport addresses,
-//! `prometheus-client` writes the `--metrics` exposition (see [`metrics`]), `mimalloc` is
-//! the allocator (below).
+//! no dependencies), `hex` spells binary transport addresses, `mimalloc` is the allocator
+//! (below). The `--metrics` exposition is the library's (`xfer::metrics`); [`metrics`]
+//! serves it over HTTP, with `prometheus-client`'s name of its content type.
 //!
 //! The allocator is mimalloc: each transfer's plan and completion are allocated by the
 //! submitting thread and freed by a rail's worker, and glibc's malloc pays for that hand-off

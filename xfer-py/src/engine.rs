@@ -825,6 +825,14 @@ impl Engine {
         Ok(())
     }
 
+    /// The engine's figures in the Prometheus text exposition format (version 0.0.4), for
+    /// an exporter of the application's own (prometheus_client's, a web framework's): per
+    /// rail bytes, operations, errors, notifications, per peer connections, per transport
+    /// the transfers' latency histogram. The same names as `xfer serve --metrics`.
+    fn metrics(&self, py: Python<'_>) -> PyResult<String> {
+        self.shared.with_agent(py, |a| Ok(a.metrics()))
+    }
+
     /// Sums of the rails' counters (of every transport): bytes, ops, reposts, errors,
     /// transfers.
     fn counters(&self, py: Python<'_>) -> PyResult<HashMap<&'static str, u64>> {

@@ -202,6 +202,28 @@ def test_another_engines_peer_or_registration_is_refused():
             t.close()
 
 
+def test_metrics_are_the_prometheus_exposition_of_the_engines_figures(pair):
+    a, b, p = pair
+    src, dst = np.ones(PAGE, dtype=np.uint8), np.zeros(PAGE, dtype=np.uint8)
+    rs, rd = a.register(src), b.register(dst)
+    a.write(p, rs, rd.descriptor, [(0, 0, PAGE)], imm=1).wait(timeout=10)
+    b.wait_imm(1, timeout=10)
+    text = a.metrics()
+    assert "# TYPE xfer_rail_bytes_total counter" in text
+    sent = [
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("xfer_rail_bytes_total{")
+    ]
+    assert sum(sent) == PAGE, text
+    got = [
+        float(line.split()[-1])
+        for line in b.metrics().splitlines()
+        if line.startswith("xfer_rail_notifications_total{")
+    ]
+    assert sum(got) == 1
+
+
 def test_a_handle_is_awaitable(pair):
     a, b, p = pair
     src, dst = pattern(8 * PAGE, seed=3), np.zeros(8 * PAGE, dtype=np.uint8)

@@ -1002,6 +1002,16 @@ impl Agent {
         c
     }
 
+    /// The agent's figures in the Prometheus text exposition format (see
+    /// [`crate::metrics`]): every transport's rail group, labelled `group="tcp"` and so on.
+    pub fn metrics(&self) -> String {
+        let sources = Arc::new(crate::metrics::Sources::default());
+        for l in &self.inner.lanes {
+            sources.add_group(l.kind.name().to_owned(), &l.group);
+        }
+        crate::metrics::render(&sources)
+    }
+
     /// What the agent's transports counted.
     pub fn stats(&self) -> AgentStats {
         AgentStats {

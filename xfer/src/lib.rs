@@ -51,7 +51,8 @@
 //! loop under tokio: epoll, so thousands of pending connections cost one wait) runs the
 //! rendezvous server's unauthenticated phase; `hex` spells authentication tags; `libc`
 //! raises the open-file limit of a server; `rustc-hash` (the compiler's fast, deterministic
-//! hash) keys the weight-sync planner's maps.
+//! hash) keys the weight-sync planner's maps; `prometheus-client` (the Prometheus
+//! project's own Rust client) writes the [`metrics`] exposition.
 //!
 //! What the receiver learns: each WRITE with immediate data ([`Transfer::imm`]) is counted
 //! where it lands, per sender and value, and never dropped however late the application
@@ -90,6 +91,7 @@ pub mod discovery;
 mod error;
 mod handle;
 pub mod lanes;
+pub mod metrics;
 pub mod nics;
 mod options;
 pub mod placement;

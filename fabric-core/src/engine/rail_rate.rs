@@ -201,7 +201,11 @@ mod tests {
             t += busy + gap;
         }
         let rate = 2.0 * CHUNK as f64 / busy.as_secs_f64();
-        assert!(close(r.bytes_per_s(), rate, 0.01), "{} != {rate}", r.bytes_per_s());
+        assert!(
+            close(r.bytes_per_s(), rate, 0.01),
+            "{} != {rate}",
+            r.bytes_per_s()
+        );
     }
 
     #[test]

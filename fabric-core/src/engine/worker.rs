@@ -104,7 +104,6 @@ struct PendingCounters {
     completed: u64,
     reposts: u64,
     errors: u64,
-    notifications: u64,
 }
 
 /// Work-request ids: bit 63 marks receives; otherwise generation << 32 | slot.
@@ -680,7 +679,6 @@ impl<T: Transport> Worker<T> {
             (&self.counters.completed, p.completed),
             (&self.counters.reposts, p.reposts),
             (&self.counters.errors, p.errors),
-            (&self.counters.notifications, p.notifications),
         ] {
             if n > 0 {
                 counter.fetch_add(n, Ordering::Relaxed);
@@ -916,7 +914,8 @@ impl<T: Transport> Worker<T> {
             }
             None => None,
         };
-        self.pending.notifications += 1;
+        // Counted before it can be taken, so that whoever took it sees it counted.
+        self.counters.notifications.fetch_add(1, Ordering::Relaxed);
         self.inbox.arrive(NoteKey { imm, peer, from });
     }
 

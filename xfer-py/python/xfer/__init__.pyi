@@ -266,6 +266,8 @@ class Engine:
         """Every arrival not yet taken, each sender and value once with its count."""
     def know(self, address: bytes) -> None:
         """Names a peer's notifications without connecting to it (add_peer does too)."""
+    def metrics(self) -> str:
+        """The engine's figures in the Prometheus text exposition format (xfer serve's names)."""
     def counters(self) -> dict[str, int]:
         """Sums of the rails' counters."""
     def close(self) -> None:
