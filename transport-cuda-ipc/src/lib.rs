@@ -82,6 +82,7 @@
 mod address;
 mod api;
 mod conn;
+mod error;
 mod initiator;
 mod link;
 mod target;
@@ -481,6 +482,7 @@ impl<L: Link> CudaIpcTransport<L> {
             return;
         };
         if let ReadOutcome::Closed(why) = c.io.fill(16 << 20) {
+            let why = fabric_core::error::report(&why);
             // Handle what arrived before the close, then close.
             self.handle_frames(idx);
             self.close_conn(idx, |peer| OpError::PeerUnreachable {
