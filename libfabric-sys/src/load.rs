@@ -54,6 +54,38 @@ pub enum LoadError {
     },
 }
 
+/// Why one candidate could not be opened (one step of [`load`]; what reaches callers is a
+/// [`LoadError`], which lists each candidate with [`OpenError::reason`]).
+#[derive(Debug, thiserror::Error)]
+enum OpenError {
+    /// `dlopen` refused the file (missing, not a shared object, unresolved symbols, a name
+    /// with a NUL).
+    #[error("dlopen of {candidate} failed")]
+    Dlopen {
+        /// The file or name tried.
+        candidate: String,
+        /// The loader's error (dlerror's text).
+        #[source]
+        source: libloading::Error,
+    },
+}
+
+impl OpenError {
+    /// The loader's reason, without the name tried: its text starts with that name, which
+    /// a [`LoadError`] lists already.
+    fn reason(&self) -> String {
+        match self {
+            OpenError::Dlopen { candidate, source } => {
+                let text = source.to_string();
+                match text.strip_prefix(&format!("{candidate}: ")) {
+                    Some(rest) => rest.to_string(),
+                    None => text,
+                }
+            }
+        }
+    }
+}
+
 fn tried_list(tried: &[(String, String)]) -> String {
     tried
         .iter()
@@ -134,13 +166,13 @@ fn load(env: Option<&str>) -> Result<Libfabric, LoadError> {
     for candidate in candidates(env) {
         match open(&candidate) {
             Ok(lib) => return bind(candidate, lib),
-            Err(reason) if explicit => {
+            Err(e) if explicit => {
                 return Err(LoadError::EnvFile {
                     path: candidate,
-                    reason,
+                    reason: e.reason(),
                 });
             }
-            Err(reason) => tried.push((candidate, reason)),
+            Err(e) => tried.push((candidate, e.reason())),
         }
     }
     for p in AWS_EFA_PATHS.iter().filter(|p| !Path::new(p).exists()) {
@@ -149,18 +181,16 @@ fn load(env: Option<&str>) -> Result<Libfabric, LoadError> {
     Err(LoadError::NotFound { tried })
 }
 
-fn open(candidate: &str) -> Result<libloading::os::unix::Library, String> {
+fn open(candidate: &str) -> Result<libloading::os::unix::Library, OpenError> {
     // RTLD_NOW: a broken library fails here, not at the first call. RTLD_LOCAL: its
     // symbols do not leak into the process's namespace (providers load their own).
     let flags = libc::RTLD_NOW | libc::RTLD_LOCAL;
     // SAFETY: loading libfabric runs its constructors, which only initialise its own
     // state (locks, logging, provider tables); nothing of ours runs in them.
-    unsafe { libloading::os::unix::Library::open(Some(candidate), flags) }.map_err(|e| {
-        let text = e.to_string();
-        // The loader's text starts with the name tried, which the error lists already.
-        match text.strip_prefix(&format!("{candidate}: ")) {
-            Some(rest) => rest.to_string(),
-            None => text,
+    unsafe { libloading::os::unix::Library::open(Some(candidate), flags) }.map_err(|source| {
+        OpenError::Dlopen {
+            candidate: candidate.to_string(),
+            source,
         }
     })
 }
@@ -359,6 +389,23 @@ mod tests {
             text.starts_with("XFER_LIBFABRIC=/nonexistent/libfabric.so.1: "),
             "{text}"
         );
+    }
+
+    #[test]
+    fn a_refused_candidate_keeps_the_loaders_error_and_drops_the_name_it_repeats() {
+        let path = "/nonexistent/libfabric.so.1";
+        let e = open(path).unwrap_err();
+        let OpenError::Dlopen { candidate, source } = &e;
+        assert_eq!(candidate, path);
+        assert!(
+            matches!(source, libloading::Error::DlOpen { .. }),
+            "{source:?}"
+        );
+        let reason = e.reason();
+        assert!(!reason.starts_with(path), "{reason}");
+        assert!(source.to_string().ends_with(&reason), "{source} / {reason}");
+        let e = open("lib\0fabric.so.1").unwrap_err();
+        assert!(!e.reason().is_empty(), "{e:?}");
     }
 
     #[test]

@@ -284,6 +284,7 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
             }
         }
         for (i, why) in gone {
+            let why = fabric_core::error::report(&why);
             self.close_conn(i, |peer| OpError::PeerUnreachable {
                 peer,
                 reason: format!("{why} (did its process exit?)"),

@@ -1,6 +1,7 @@
 //! One control connection: a non-blocking Unix stream with an input buffer that yields whole
 //! frames and an output buffer that drains as the socket accepts bytes.
 
+use crate::error::ConnError;
 use crate::wire::{HEADER_LEN, Header, WireError};
 use std::io::{ErrorKind, Read, Write};
 use std::os::unix::net::UnixStream;
@@ -13,7 +14,7 @@ pub enum ReadOutcome {
     /// Nothing more for now.
     Idle,
     /// The peer closed the connection, or it failed.
-    Closed(String),
+    Closed(ConnError),
 }
 
 /// A framed, buffered connection.
@@ -67,7 +68,7 @@ impl FrameConn {
             match self.stream.read(&mut self.inb[len..]) {
                 Ok(0) => {
                     self.inb.truncate(len);
-                    return ReadOutcome::Closed("the peer closed the connection".into());
+                    return ReadOutcome::Closed(ConnError::PeerClosed);
                 }
                 Ok(n) => {
                     self.inb.truncate(len + n);
@@ -81,7 +82,7 @@ impl FrameConn {
                     match e.kind() {
                         ErrorKind::WouldBlock => return ReadOutcome::Idle,
                         ErrorKind::Interrupted => continue,
-                        _ => return ReadOutcome::Closed(format!("read failed: {e}")),
+                        _ => return ReadOutcome::Closed(ConnError::Read(e)),
                     }
                 }
             }
@@ -116,15 +117,15 @@ impl FrameConn {
     }
 
     /// Writes what the socket takes. An error means the connection is gone.
-    pub fn flush(&mut self) -> Result<(), String> {
+    pub fn flush(&mut self) -> Result<(), ConnError> {
         while self.sent < self.out.len() {
             match self.stream.write(&self.out[self.sent..]) {
-                Ok(0) => return Err("the peer stopped reading".into()),
+                Ok(0) => return Err(ConnError::StoppedReading),
                 Ok(n) => self.sent += n,
                 Err(e) => match e.kind() {
                     ErrorKind::WouldBlock => break,
                     ErrorKind::Interrupted => continue,
-                    _ => return Err(format!("write failed: {e}")),
+                    _ => return Err(ConnError::Write(e)),
                 },
             }
         }

@@ -2,6 +2,7 @@
 //! link (into the peer's mapping for WRITEs, out of it for READs), completions and DONE
 //! frames once the copies have finished.
 
+use crate::error::ProtocolError;
 use crate::wire::{self, Grant, Header, KeyInfo, Landed, Op, Reserve, Status, put_frame, records};
 use crate::{Copying, CudaIpcTransport, KeyMap, Link, LinkError, WriteOp, op_error};
 use fabric_core::{Completion, OpError, OpKind, PeerId, WorkRequestId};
@@ -119,9 +120,9 @@ impl<L: Link> CudaIpcTransport<L> {
         idx: usize,
         peer: PeerId,
         (h, payload): (Header, Vec<u8>),
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(), ProtocolError> {
         let Some(p) = self.peers.get_mut(&peer) else {
-            return Err("answer for a removed peer".into());
+            return Err(ProtocolError::RemovedPeer);
         };
         match h.op {
             Op::SendAck => {
@@ -129,7 +130,7 @@ impl<L: Link> CudaIpcTransport<L> {
                     .sends
                     .iter()
                     .position(|(wr, _)| wr.0 == h.id)
-                    .ok_or_else(|| format!("acknowledgement of unknown SEND {}", h.id))?;
+                    .ok_or(ProtocolError::UnknownSend(h.id))?;
                 let (wr, len) = p.sends.remove(pos).unwrap_or((WorkRequestId(h.id), 0));
                 let result = match Status::from_u32(h.x as u32) {
                     Some(Status::Ok) => Ok(len),
@@ -148,10 +149,10 @@ impl<L: Link> CudaIpcTransport<L> {
                 });
             }
             Op::KeyInfo => {
-                let [info] =
-                    records::<KeyInfo>(Op::KeyInfo, &payload).map_err(|e| e.to_string())?[..]
-                else {
-                    return Err("KeyInfo with more than one record".into());
+                let infos =
+                    records::<KeyInfo>(Op::KeyInfo, &payload).map_err(ProtocolError::Payload)?;
+                let [info] = infos[..] else {
+                    return Err(ProtocolError::KeyInfoRecords(infos.len()));
                 };
                 let mapped = match self.link.open(&info.handle) {
                     Ok(m)
@@ -179,14 +180,14 @@ impl<L: Link> CudaIpcTransport<L> {
                 let (_, ops) = p
                     .reserving
                     .remove(&h.id)
-                    .ok_or_else(|| format!("grant for unknown batch {}", h.id))?;
-                let verdicts = records::<Grant>(Op::Grant, &payload).map_err(|e| e.to_string())?;
+                    .ok_or(ProtocolError::UnknownGrant(h.id))?;
+                let verdicts =
+                    records::<Grant>(Op::Grant, &payload).map_err(ProtocolError::Payload)?;
                 if verdicts.len() != ops.len() {
-                    return Err(format!(
-                        "grant with {} verdicts for {} writes",
-                        verdicts.len(),
-                        ops.len()
-                    ));
+                    return Err(ProtocolError::GrantCount {
+                        verdicts: verdicts.len(),
+                        writes: ops.len(),
+                    });
                 }
                 let mut ok_ops = Vec::with_capacity(ops.len());
                 let mut failed = Vec::new();
@@ -282,7 +283,7 @@ impl<L: Link> CudaIpcTransport<L> {
             Op::Revoke => {
                 p.keys.remove(&h.x);
             }
-            other => return Err(format!("{other:?} frame sent to an initiator")),
+            other => return Err(ProtocolError::NotForInitiator(other)),
         }
         Ok(())
     }

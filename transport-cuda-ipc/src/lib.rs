@@ -82,6 +82,7 @@
 mod address;
 mod api;
 mod conn;
+mod error;
 mod initiator;
 mod link;
 mod target;
@@ -90,6 +91,7 @@ pub mod wire;
 pub use address::{IpcAddress, boot_id, is_local_address};
 
 use conn::{FrameConn, ReadOutcome};
+use error::ProtocolError;
 use fabric_core::{
     Access, Completion, Error, LocalKey, LocalSlice, MemoryRegion, OpError, OpKind, PeerId,
     RemoteKey, Result, WorkRequestId,
@@ -467,7 +469,8 @@ impl<L: Link> CudaIpcTransport<L> {
         }
     }
 
-    fn protocol_error(&mut self, idx: usize, why: String) {
+    fn protocol_error(&mut self, idx: usize, why: ProtocolError) {
+        let why = fabric_core::error::report(&why);
         tracing::warn!(conn = idx, "closing a CUDA IPC connection: {why}");
         self.close_conn(idx, |peer| OpError::PeerUnreachable {
             peer,
@@ -481,6 +484,7 @@ impl<L: Link> CudaIpcTransport<L> {
             return;
         };
         if let ReadOutcome::Closed(why) = c.io.fill(16 << 20) {
+            let why = fabric_core::error::report(&why);
             // Handle what arrived before the close, then close.
             self.handle_frames(idx);
             self.close_conn(idx, |peer| OpError::PeerUnreachable {
@@ -506,7 +510,7 @@ impl<L: Link> CudaIpcTransport<L> {
                     f
                 }
                 Ok(None) => return,
-                Err(e) => return self.protocol_error(idx, e.to_string()),
+                Err(e) => return self.protocol_error(idx, ProtocolError::Frame(e)),
             };
             let r = match c.role {
                 Role::Initiator(peer) => self.on_answer(idx, peer, frame),

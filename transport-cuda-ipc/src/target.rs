@@ -2,6 +2,7 @@
 //! READs) checked against the registered regions (key, bounds, permission) before any
 //! grant, and DONE frames turned into remote-write completions.
 
+use crate::error::ProtocolError;
 use crate::wire::{self, Grant, Header, KeyInfo, Landed, Op, Reserve, Status, put_frame, records};
 use crate::{Conn, CudaIpcTransport, IpcAddress, Link, Role};
 use fabric_core::recv::Arrival;
@@ -14,32 +15,28 @@ impl<L: Link> CudaIpcTransport<L> {
         &mut self,
         idx: usize,
         (h, payload): (Header, Vec<u8>),
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(), ProtocolError> {
         let peer = match &self.conns[idx] {
             Some(Conn {
                 role: Role::Target { peer, .. },
                 ..
             }) => *peer,
-            _ => return Err("not a target connection".into()),
+            _ => return Err(ProtocolError::NotTarget),
         };
         if h.op != Op::Hello && peer.is_none() {
-            return Err(format!("{:?} before HELLO", h.op));
+            return Err(ProtocolError::BeforeHello(h.op));
         }
         match h.op {
             Op::Hello => {
                 if peer.is_some() {
-                    return Err("second HELLO".into());
+                    return Err(ProtocolError::SecondHello);
                 }
                 if h.x != wire::VERSION {
-                    return Err(format!(
-                        "protocol version {} (we speak {})",
-                        h.x,
-                        wire::VERSION
-                    ));
+                    return Err(ProtocolError::Version(h.x));
                 }
-                let addr = IpcAddress::parse(&payload).map_err(|e| e.to_string())?;
+                let addr = IpcAddress::parse(&payload).map_err(ProtocolError::HelloAddress)?;
                 addr.check_same_host(&self.boot_id)
-                    .map_err(|e| e.to_string())?;
+                    .map_err(ProtocolError::OtherHost)?;
                 let known = self
                     .peers
                     .iter()
@@ -75,7 +72,7 @@ impl<L: Link> CudaIpcTransport<L> {
             }
             Op::Reserve => {
                 let entries =
-                    records::<Reserve>(Op::Reserve, &payload).map_err(|e| e.to_string())?;
+                    records::<Reserve>(Op::Reserve, &payload).map_err(ProtocolError::Payload)?;
                 let Some(Some(Conn {
                     io,
                     role:
@@ -87,18 +84,18 @@ impl<L: Link> CudaIpcTransport<L> {
                     ..
                 })) = self.conns.get_mut(idx)
                 else {
-                    return Err("not a target connection".into());
+                    return Err(ProtocolError::NotTarget);
                 };
                 if granted.len() >= 4 * self.cfg.max_batches_in_flight.max(16) {
-                    return Err("too many reservations outstanding".into());
+                    return Err(ProtocolError::TooManyReservations);
                 }
                 if granted.contains_key(&h.id) {
-                    return Err(format!("batch {} reserved twice", h.id));
+                    return Err(ProtocolError::ReservedTwice(h.id));
                 }
                 let need = match h.x {
                     0 => Access::REMOTE_WRITE,
                     wire::RESERVE_READS => Access::REMOTE_READ,
-                    x => return Err(format!("reservation of unknown kind {x}")),
+                    x => return Err(ProtocolError::ReservationKind(x)),
                 };
                 let mut verdicts = Vec::with_capacity(entries.len());
                 let mut keep: Vec<Arc<dyn MemoryRegion>> = Vec::new();
@@ -142,22 +139,23 @@ impl<L: Link> CudaIpcTransport<L> {
                 put_frame(io.out(), Op::Grant, h.id, 0, &verdicts);
             }
             Op::Done => {
-                let landed = records::<Landed>(Op::Done, &payload).map_err(|e| e.to_string())?;
+                let landed =
+                    records::<Landed>(Op::Done, &payload).map_err(ProtocolError::Payload)?;
                 let Some(Some(Conn {
                     role: Role::Target { granted, .. },
                     ..
                 })) = self.conns.get_mut(idx)
                 else {
-                    return Err("not a target connection".into());
+                    return Err(ProtocolError::NotTarget);
                 };
                 let Some((_, ok)) = granted.remove(&h.id) else {
-                    return Err(format!("DONE for unknown batch {}", h.id));
+                    return Err(ProtocolError::UnknownDone(h.id));
                 };
                 if landed.len() > ok {
-                    return Err(format!(
-                        "DONE reports {} writes for a batch of {ok} granted",
-                        landed.len()
-                    ));
+                    return Err(ProtocolError::DoneOverrun {
+                        reported: landed.len(),
+                        granted: ok,
+                    });
                 }
                 for l in landed {
                     self.done.push(Completion {
@@ -169,7 +167,7 @@ impl<L: Link> CudaIpcTransport<L> {
                     });
                 }
             }
-            other => return Err(format!("{other:?} frame sent to a target")),
+            other => return Err(ProtocolError::NotForTarget(other)),
         }
         Ok(())
     }
@@ -180,7 +178,7 @@ impl<L: Link> CudaIpcTransport<L> {
         idx: usize,
         h: Header,
         payload: Vec<u8>,
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(), ProtocolError> {
         if let Some(Some(c)) = self.conns.get_mut(idx) {
             c.io.unread(wire::HEADER_LEN + payload.len());
             c.paused = true;

@@ -145,6 +145,8 @@ impl fmt::Display for WireError {
     }
 }
 
+impl std::error::Error for WireError {}
+
 impl Header {
     /// A header with no immediate data and no payload.
     pub fn new(op: Op, id: u64, x: u64, len: u64) -> Header {

@@ -16,6 +16,7 @@
 //! BBR default and leaves every other choice, and every connection between hosts, to the
 //! system.
 
+use crate::CongestionError;
 use socket2::{Domain, Protocol, SockAddr, SockRef, Socket, Type};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::time::Duration;
@@ -46,17 +47,15 @@ const LOOPBACK: [&str; 2] = ["cubic", "reno"];
 
 impl Congestion {
     /// Parses `auto`, `system` or an algorithm's name (what `--tcp-congestion` takes).
-    pub fn parse(s: &str) -> Result<Congestion, String> {
+    pub fn parse(s: &str) -> Result<Congestion, CongestionError> {
         match s {
-            "" => Err("empty: give auto, system or an algorithm's name (cubic, reno, bbr)".into()),
+            "" => Err(CongestionError::Empty),
             "auto" => Ok(Congestion::Auto),
             "system" => Ok(Congestion::System),
-            name if name.len() >= 16 => Err(format!(
-                "{name:?} is longer than Linux's 15-byte algorithm names"
-            )),
-            name if !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') => Err(format!(
-                "{name:?}: an algorithm's name is letters, digits and '_'"
-            )),
+            name if name.len() >= 16 => Err(CongestionError::TooLong { name: name.into() }),
+            name if !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') => {
+                Err(CongestionError::BadCharacter { name: name.into() })
+            }
             name => Ok(Congestion::Named(name.to_string())),
         }
     }
@@ -212,6 +211,18 @@ mod tests {
         for bad in ["", "cu bic", "a-b", "sixteen_bytes_xx"] {
             assert!(Congestion::parse(bad).is_err(), "{bad:?} accepted");
         }
+        assert_eq!(Congestion::parse(""), Err(CongestionError::Empty));
+        let long = "sixteen_bytes_xx";
+        assert_eq!(
+            Congestion::parse(long),
+            Err(CongestionError::TooLong { name: long.into() })
+        );
+        let e = Congestion::parse("a-b").unwrap_err();
+        assert_eq!(e, CongestionError::BadCharacter { name: "a-b".into() });
+        assert_eq!(
+            e.to_string(),
+            "\"a-b\": an algorithm's name is letters, digits and '_'"
+        );
         assert_eq!(Congestion::Named("reno".into()).to_string(), "reno");
     }
 

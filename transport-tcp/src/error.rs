@@ -1,6 +1,7 @@
 //! The crate's error type: why a connection was closed (a malformed or unexpected frame, a
 //! HELLO problem, the peer gone, a socket call failing), why a device copy through staging
-//! failed, or why a SEND was given up.
+//! failed, or why a SEND was given up; and why a congestion control's name was refused
+//! ([`CongestionError`]).
 //!
 //! Errors that end a connection reach callers as [`OpError::PeerUnreachable`]
 //! (fabric_core::OpError) with the error's whole chain as the reason (see [`report`]).
@@ -253,6 +254,29 @@ pub enum CopyCause {
     /// From the region's own copy methods or a host allocation.
     #[error(transparent)]
     Memory(#[from] MemoryError),
+}
+
+/// Why [`Congestion::parse`](crate::Congestion::parse) refused a name. Only the form is
+/// checked: whether the kernel has the algorithm, and lets this process use it, is learnt
+/// when a socket is set up ([`Congestion::apply`](crate::Congestion::apply)).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CongestionError {
+    /// No name at all.
+    #[error("empty: give auto, system or an algorithm's name (cubic, reno, bbr)")]
+    Empty,
+    /// A name longer than the kernel's (`TCP_CA_NAME_MAX`, 16 bytes with the NUL).
+    #[error("{name:?} is longer than Linux's 15-byte algorithm names")]
+    TooLong {
+        /// The name given.
+        name: String,
+    },
+    /// A name with a byte other than an ASCII letter, digit or `_`.
+    #[error("{name:?}: an algorithm's name is letters, digits and '_'")]
+    BadCharacter {
+        /// The name given.
+        name: String,
+    },
 }
 
 /// `e` and its sources, as one line ("read failed: Connection reset by peer").

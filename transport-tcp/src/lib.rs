@@ -93,7 +93,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use congestion::Congestion;
-pub use error::{CopyCause, FrameError, TcpError, report};
+pub use error::{CongestionError, CopyCause, FrameError, TcpError, report};
 
 /// A static digest of a shared token: what HELLOs carried up to protocol version 3, and
 /// what `xfer serve`'s control port still compares.

@@ -108,7 +108,7 @@ pub use options::{
     TcpOptions, TransportChoice, WorkerOptions,
 };
 pub use placement::PinMode;
-pub use transport_tcp::Congestion;
+pub use transport_tcp::{Congestion, CongestionError};
 
 pub use fabric_core::engine::{Event, TransferStats};
 pub use fabric_core::metadata::{AgentInfo, RegionDescriptor, TransportInfo, TransportKind};

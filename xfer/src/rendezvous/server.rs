@@ -201,16 +201,29 @@ impl RegionRate {
     }
 }
 
+/// Why a client whose hello passed gets no place.
+#[derive(Debug, thiserror::Error)]
+enum AdmitError {
+    /// [`ServeLimits::max_clients`] clients are served already.
+    #[error("server full: {clients} clients already (--max-clients {max})")]
+    Full {
+        /// Clients served when it asked.
+        clients: usize,
+        /// The limit.
+        max: usize,
+    },
+}
+
 impl Budget {
     /// A client's place, or why there is none.
-    fn admit(self: &Arc<Self>) -> Result<ClientSlot, String> {
+    fn admit(self: &Arc<Self>) -> Result<ClientSlot, AdmitError> {
         let max = self.limits.max_clients;
         self.stats
             .clients
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n < max).then_some(n + 1)
             })
-            .map_err(|n| format!("server full: {n} clients already (--max-clients {max})"))?;
+            .map_err(|clients| AdmitError::Full { clients, max })?;
         self.stats.admitted.fetch_add(1, Ordering::Relaxed);
         Ok(ClientSlot {
             budget: self.clone(),
@@ -746,7 +759,9 @@ fn judge(
     }
     match budget.admit() {
         Ok(slot) => door::Verdict::Admit((req, slot)),
-        Err(why) => refuse(Refusal::ServerFull, why, Some(FULL_RETRY)),
+        Err(e @ AdmitError::Full { .. }) => {
+            refuse(Refusal::ServerFull, e.to_string(), Some(FULL_RETRY))
+        }
     }
 }
 
@@ -1067,6 +1082,32 @@ mod tests {
         r.take(100, ms(260)).expect("100 bytes back after 250 ms");
         r.take(100, ms(60_000)).expect("a full bucket again");
         assert!(r.take(1, ms(60_000)).is_err());
+    }
+
+    #[test]
+    fn a_full_server_says_how_many_it_serves_and_a_leaving_client_frees_its_place() {
+        let budget = Arc::new(Budget {
+            limits: ServeLimits {
+                max_clients: 1,
+                ..ServeLimits::default()
+            },
+            stats: Arc::default(),
+            rate: std::sync::Mutex::new(RegionRate::new(0, Instant::now())),
+        });
+        let slot = budget.admit().expect("a place for the first client");
+        let Err(e) = budget.admit() else {
+            panic!("a place for a second client beyond --max-clients 1");
+        };
+        assert!(
+            matches!(e, AdmitError::Full { clients: 1, max: 1 }),
+            "{e:?}"
+        );
+        assert_eq!(
+            e.to_string(),
+            "server full: 1 clients already (--max-clients 1)"
+        );
+        drop(slot);
+        budget.admit().expect("the place is free again");
     }
 
     #[test]

@@ -70,8 +70,16 @@ fn read_records(
     seen.retain(|name, _| peers.iter().any(|c| c.name() == name));
 }
 
+/// Why a member's regions cannot be attached yet (a later refresh tries again).
+#[derive(Debug, thiserror::Error)]
+enum NotOffered {
+    /// A region of its layout is not among those it offers.
+    #[error("region {0:?} is not offered (yet)")]
+    Region(String),
+}
+
 /// The descriptors of `layout`'s regions among those `c` offers, by region index.
-fn descriptors(c: &Connected, layout: &Layout) -> Result<Vec<RegionDescriptor>, String> {
+fn descriptors(c: &Connected, layout: &Layout) -> Result<Vec<RegionDescriptor>, NotOffered> {
     layout
         .regions
         .iter()
@@ -80,7 +88,7 @@ fn descriptors(c: &Connected, layout: &Layout) -> Result<Vec<RegionDescriptor>, 
                 .regions
                 .get(&spec.name)
                 .cloned()
-                .ok_or_else(|| format!("region {:?} is not offered (yet)", spec.name))
+                .ok_or_else(|| NotOffered::Region(spec.name.clone()))
         })
         .collect()
 }
@@ -137,7 +145,7 @@ impl SourceSync {
             let regions = match descriptors(c, &rec.layout) {
                 Ok(r) => r,
                 Err(why) => {
-                    wait(&mut changes, why);
+                    wait(&mut changes, why.to_string());
                     continue;
                 }
             };
@@ -288,7 +296,7 @@ impl DestinationSync {
             let regions = match descriptors(c, &rec.layout) {
                 Ok(r) => r,
                 Err(why) => {
-                    changes.waiting.push((me.name.clone(), why));
+                    changes.waiting.push((me.name.clone(), why.to_string()));
                     continue;
                 }
             };
