@@ -734,32 +734,10 @@ impl Engine {
         let value = imm_value(Some(value))?.unwrap_or_default();
         let count = u64::try_from(count)
             .map_err(|_| invalid(format!("count={count}: expected a count >= 0")))?;
-        let limit = seconds(timeout, "timeout")?;
-        self.shared.agent()?;
-        let shared = &self.shared;
-        // A handle on the agent per slice, so that a close from another thread stops it
-        // within a slice rather than at the end of this wait.
-        let done = wait_sliced(py, limit, |slice| {
-            let Some(agent) = lock(&shared.agent).clone() else {
-                return Some(Err(xfer::Error::Closed));
-            };
-            match agent.wait_imm(value, count, slice) {
-                Ok(()) => Some(Ok(())),
-                Err(xfer::Error::Engine(fabric_core::Error::TimedOut(..))) => None,
-                Err(e) => Some(Err(e)),
-            }
-        })?;
-        match done {
-            Some(Ok(())) => Ok(()),
-            Some(Err(xfer::Error::Closed)) => Err(EngineClosed::new_err(
-                "the engine was closed while waiting for immediate data",
-            )),
-            Some(Err(e)) => Err(agent_error(&e)),
-            None => Err(crate::errors::TimedOut::new_err(format!(
-                "timed out after {:?} waiting for {count} transfer(s) with immediate value {value}",
-                limit.unwrap_or_default()
-            ))),
-        }
+        let what = format!("{count} transfer(s) with immediate value {value}");
+        self.wait_agent(py, seconds(timeout, "timeout")?, &what, |a, slice| {
+            a.wait_imm(value, count, slice)
+        })
     }
 
     /// The next notification (one arrival of a peer's immediate data, oldest sender and
@@ -769,30 +747,13 @@ impl Engine {
     /// next_notification_async take from the same counts, each arrival once.
     #[pyo3(signature = (timeout=None))]
     fn next_notification(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Notification> {
-        let limit = seconds(timeout, "timeout")?;
-        self.shared.agent()?;
-        let shared = &self.shared;
-        let done = wait_sliced(py, limit, |slice| {
-            let Some(agent) = lock(&shared.agent).clone() else {
-                return Some(Err(xfer::Error::Closed));
-            };
-            match agent.next_notification(slice) {
-                Ok(n) => Some(Ok(n)),
-                Err(xfer::Error::Engine(fabric_core::Error::TimedOut(..))) => None,
-                Err(e) => Some(Err(e)),
-            }
-        })?;
-        match done {
-            Some(Ok(n)) => Ok(Notification::from(n)),
-            Some(Err(xfer::Error::Closed)) => Err(EngineClosed::new_err(
-                "the engine was closed while waiting for a notification",
-            )),
-            Some(Err(e)) => Err(agent_error(&e)),
-            None => Err(crate::errors::TimedOut::new_err(format!(
-                "timed out after {:?} waiting for a notification",
-                limit.unwrap_or_default()
-            ))),
-        }
+        let n = self.wait_agent(
+            py,
+            seconds(timeout, "timeout")?,
+            "a notification",
+            |a, slice| a.next_notification(slice),
+        )?;
+        Ok(Notification::from(n))
     }
 
     /// next_notification for asyncio: an awaitable (the wait runs on the event loop's
@@ -934,6 +895,42 @@ impl Drop for Engine {
 }
 
 impl Engine {
+    /// Runs `step` on the agent in slices of a wait of at most `limit` (None: no limit),
+    /// the GIL released and signals checked between slices: its result, `EngineClosed` if
+    /// the engine closes meanwhile (a handle on the agent per slice, so a close from
+    /// another thread stops it within a slice), `TimedOut` naming `what` after `limit`.
+    fn wait_agent<R: Send>(
+        &self,
+        py: Python<'_>,
+        limit: Option<Duration>,
+        what: &str,
+        step: impl Fn(&Agent, Duration) -> xfer::Result<R> + Send + Sync,
+    ) -> PyResult<R> {
+        self.shared.agent()?;
+        let shared = &self.shared;
+        let done = wait_sliced(py, limit, |slice| {
+            let Some(agent) = lock(&shared.agent).clone() else {
+                return Some(Err(xfer::Error::Closed));
+            };
+            match step(&agent, slice) {
+                Ok(r) => Some(Ok(r)),
+                Err(xfer::Error::Engine(fabric_core::Error::TimedOut(..))) => None,
+                Err(e) => Some(Err(e)),
+            }
+        })?;
+        match done {
+            Some(Ok(r)) => Ok(r),
+            Some(Err(xfer::Error::Closed)) => Err(EngineClosed::new_err(format!(
+                "the engine was closed while waiting for {what}"
+            ))),
+            Some(Err(e)) => Err(agent_error(&e)),
+            None => Err(crate::errors::TimedOut::new_err(format!(
+                "timed out after {:?} waiting for {what}",
+                limit.unwrap_or_default()
+            ))),
+        }
+    }
+
     /// A handle on the agent (for `xfer.weights`), or `EngineClosed`.
     pub(crate) fn agent_handle(&self) -> PyResult<Agent> {
         self.shared.agent()

@@ -820,15 +820,14 @@ impl Agent {
         Ok(self.lane(peer.kind)?.group.remove_peer(&peer.group)?)
     }
 
-    /// Submits `t` between `local` and the peer's region `remote`. Bad segments fail here,
-    /// before anything moves.
-    pub fn submit(
+    /// `t` as the transfer of the lane `peer` is reached by, its handles checked to be ours.
+    fn group_transfer(
         &self,
         peer: &Peer,
         local: &Region,
         remote: &RegionDescriptor,
         t: Transfer,
-    ) -> Result<Handle> {
+    ) -> Result<(&Lane, GroupTransfer)> {
         self.own(peer.owner, "peer")?;
         self.own(local.owner, "region")?;
         let lane = self.lane(peer.kind)?;
@@ -846,6 +845,19 @@ impl Agent {
             direction: t.direction,
             after: t.after,
         };
+        Ok((lane, g))
+    }
+
+    /// Submits `t` between `local` and the peer's region `remote`. Bad segments fail here,
+    /// before anything moves.
+    pub fn submit(
+        &self,
+        peer: &Peer,
+        local: &Region,
+        remote: &RegionDescriptor,
+        t: Transfer,
+    ) -> Result<Handle> {
+        let (lane, g) = self.group_transfer(peer, local, remote, t)?;
         Ok(Handle::new(lane.group.submit(&peer.group, g)?))
     }
 
@@ -861,23 +873,7 @@ impl Agent {
         remote: &RegionDescriptor,
         t: Transfer,
     ) -> Result<Prepared> {
-        self.own(peer.owner, "peer")?;
-        self.own(local.owner, "region")?;
-        let lane = self.lane(peer.kind)?;
-        let dst = remote
-            .on(peer.kind)
-            .ok_or(Error::RegionNotOnTransport(peer.kind))?
-            .clone();
-        let g = GroupTransfer {
-            src: local.on(peer.kind)?.clone(),
-            dst,
-            segments: t.segments,
-            runs: t.runs,
-            imm: t.imm,
-            timeout: t.timeout,
-            direction: t.direction,
-            after: None,
-        };
+        let (lane, g) = self.group_transfer(peer, local, remote, t)?;
         Ok(Prepared {
             owner: self.inner.info.instance,
             kind: peer.kind,
