@@ -244,6 +244,7 @@ impl BackendArgs {
                 wait_spin: self.wait_spin_us.map(us),
                 linger: self.linger_us.map(us),
                 control_timeout: None,
+                notification_keys: None,
             },
             balance: BalanceOptions {
                 horizon: self.rail_horizon_us.map(us),

@@ -519,6 +519,10 @@ pub fn serve(a: ServeArgs) -> Result<(), CliError> {
     // poll, moved 25-31 Gbps instead of 62-65 on a 2-core VM). Its transports share those
     // cores: a client uses one at a time.
     let options = |slot: usize, rails: Option<usize>| -> Result<AgentOptions, CliError> {
+        let mut o = a.backend.options(a.pin, rails)?;
+        // A server never takes its clients' notifications: its rails count them (metrics)
+        // and keep none, so that no client can make them hold memory.
+        o.workers.notification_keys = Some(0);
         Ok(AgentOptions {
             name: (slot == 0)
                 .then(|| publish.as_ref().map(|p| p.name.clone()))
@@ -528,7 +532,7 @@ pub fn serve(a: ServeArgs) -> Result<(), CliError> {
             gpu: a.backend.gpu(slot)?,
             listen: data_ip,
             control: publish.as_ref().map(|p| p.control.to_string()),
-            ..a.backend.options(a.pin, rails)?
+            ..o
         })
     };
     // Rails: --rails, else one per NIC the first worker's network rails choose, else 4

@@ -68,6 +68,7 @@ pub fn engine_config(o: &AgentOptions, name: &str) -> EngineConfig {
         wait_spin: o.workers.wait_spin.unwrap_or(d.wait_spin),
         linger: o.workers.linger.unwrap_or(d.linger),
         control_timeout: o.workers.control_timeout.unwrap_or(d.control_timeout),
+        notification_keys: o.workers.notification_keys.unwrap_or(d.notification_keys),
         ..d
     }
 }

@@ -134,6 +134,10 @@ pub struct WorkerOptions {
     pub linger: Option<Duration>,
     /// Limit of control calls (add a peer, register) and of a silent tcp peer.
     pub control_timeout: Option<Duration>,
+    /// The most distinct (sender, value) pairs of notifications each rail keeps until they
+    /// are taken (`fabric_core::engine::EngineConfig::notification_keys`; `None`: its
+    /// default, 2^20). `Some(0)` keeps none: for a server that never takes them.
+    pub notification_keys: Option<usize>,
 }
 
 /// How transfers spread over several rails (see `fabric_core::engine::Balance`; `None`

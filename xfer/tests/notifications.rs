@@ -196,3 +196,43 @@ fn a_notification_names_its_sender_over_mem() {
 fn a_notification_names_its_sender_over_tcp() {
     a_notification_names_its_sender(TransportKind::Tcp);
 }
+
+/// An agent told to keep no notifications (a server that never takes them) counts them
+/// and keeps none, however many distinct values its peers send.
+#[test]
+fn an_agent_that_keeps_no_notifications_counts_them_and_holds_none() {
+    let a = agent(TransportKind::Tcp, "sender");
+    let mut o = AgentOptions {
+        name: Some("server".into()),
+        transport: TransportChoice::Only(TransportKind::Tcp),
+        rails: Some(1),
+        pin: xfer::placement::PinMode::Off,
+        ..AgentOptions::default()
+    };
+    o.workers.notification_keys = Some(0);
+    let b = Agent::new(o).unwrap();
+    let src = a
+        .register(
+            HostBuffer::new_shared((PAGE * PAGES) as usize).unwrap(),
+            Access::NONE,
+        )
+        .unwrap();
+    let dst = b
+        .register(
+            HostBuffer::new_shared((PAGE * PAGES) as usize).unwrap(),
+            Access::REMOTE_WRITE,
+        )
+        .unwrap();
+    let p = Pair {
+        peer: a.connect(b.info()).unwrap(),
+        dst: dst.descriptor().clone(),
+        src,
+        a,
+        b,
+    };
+    p.writes(5000, |i| i as u32);
+    fabric_core::testing::eventually("the server to count every arrival", T, || {
+        p.b.counters().notifications == 5000
+    });
+    assert!(p.b.notifications().is_empty(), "none kept");
+}

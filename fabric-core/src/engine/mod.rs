@@ -106,6 +106,11 @@ pub struct EngineConfig {
     pub shutdown_timeout: Duration,
     /// Name of the worker thread.
     pub name: String,
+    /// The most distinct (sender, value) pairs of peers' immediate data the engine's inbox
+    /// keeps until the application takes them ([`Notifications`]); arrivals of new pairs
+    /// beyond it are counted as refused and logged. 0 keeps none, quietly: for an
+    /// application that never takes notifications (a server). Default [`MAX_KEYS`].
+    pub notification_keys: usize,
 }
 
 impl Default for EngineConfig {
@@ -120,6 +125,7 @@ impl Default for EngineConfig {
             control_timeout: Duration::from_secs(10),
             shutdown_timeout: Duration::from_secs(5),
             name: "xfer-worker".into(),
+            notification_keys: MAX_KEYS,
         }
     }
 }
@@ -301,7 +307,7 @@ impl Engine {
         F: FnOnce() -> Result<T> + Send + 'static,
     {
         let (tx, rx) = crossbeam_channel::bounded(cfg.queue_depth.max(1));
-        let inbox = Arc::new(Inbox::default());
+        let inbox = Arc::new(Inbox::new(cfg.notification_keys));
         let worker_inbox = inbox.clone();
         let (ready_tx, ready_rx) = crossbeam_channel::bounded(1);
         // Disconnected when the worker thread ends, however it ends.

@@ -10,11 +10,14 @@
 //! ([`Notifications::drain`]) are views of the same counts: they can be mixed, and each
 //! arrival is taken exactly once.
 //!
-//! The one bound: an inbox keeps at most [`MAX_KEYS`] distinct (sender, value) pairs
-//! untaken. An arrival of a new pair beyond that is not kept; it is counted
+//! The one bound: an inbox keeps at most so many distinct (sender, value) pairs untaken
+//! ([`EngineConfig::notification_keys`](super::EngineConfig::notification_keys), by
+//! default [`MAX_KEYS`]). An arrival of a new pair beyond that is not kept; it is counted
 //! ([`Inbox::refused`]) and said in the log at the first and at each power of two, so a
 //! peer that sends endless distinct values to a receiver that never looks cannot exhaust
-//! its memory, and the loss is never silent.
+//! its memory, and the loss is never silent. An engine whose application never takes
+//! notifications (a server) keeps none: a bound of 0 counts arrivals and keeps nothing,
+//! quietly, as asked.
 
 use super::rails::WARM_UP_IMM;
 use crate::error::{Error, Result};
@@ -88,7 +91,7 @@ impl Bell {
     }
 }
 
-/// The most distinct (sender, value) pairs one inbox keeps untaken.
+/// The most distinct (sender, value) pairs one inbox keeps untaken, by default.
 pub const MAX_KEYS: usize = 1 << 20;
 
 /// Stamps keys in order of first arrival, process-wide, so that [`Notifications::next`]
@@ -108,9 +111,9 @@ struct Counts {
 
 impl Counts {
     /// Counts `n` arrivals of `key`; false (nothing counted) for a new key beyond
-    /// [`MAX_KEYS`].
-    fn add(&mut self, key: NoteKey, n: u64) -> bool {
-        if self.counts.len() >= MAX_KEYS && !self.counts.contains_key(&key) {
+    /// `max_keys`.
+    fn add(&mut self, key: NoteKey, n: u64, max_keys: usize) -> bool {
+        if self.counts.len() >= max_keys && !self.counts.contains_key(&key) {
             return false;
         }
         *self.per_value.entry(key.imm).or_default() += n;
@@ -187,16 +190,35 @@ impl Counts {
 
 /// One engine's arrivals (see the module documentation). The engine's worker adds to it;
 /// any number of [`Notifications`] may take from it.
-#[derive(Default)]
 pub struct Inbox {
     counts: Mutex<Counts>,
+    /// The most distinct (sender, value) pairs kept untaken (0: none kept, quietly).
+    max_keys: usize,
     /// The bells of the views that wait on this inbox (its own first).
     bells: Mutex<Vec<Weak<Bell>>>,
     /// Arrivals not kept: new pairs beyond [`MAX_KEYS`].
     refused: AtomicU64,
 }
 
+impl Default for Inbox {
+    /// An inbox that keeps up to [`MAX_KEYS`] pairs.
+    fn default() -> Inbox {
+        Inbox::new(MAX_KEYS)
+    }
+}
+
 impl Inbox {
+    /// An inbox that keeps up to `max_keys` distinct (sender, value) pairs untaken; 0
+    /// keeps none (arrivals are only counted by the engine, with no log line).
+    pub fn new(max_keys: usize) -> Inbox {
+        Inbox {
+            counts: Mutex::new(Counts::default()),
+            max_keys,
+            bells: Mutex::new(Vec::new()),
+            refused: AtomicU64::new(0),
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, Counts> {
         self.counts.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -207,14 +229,15 @@ impl Inbox {
         if key.imm == WARM_UP_IMM {
             return;
         }
-        if !self.lock().add(key, 1) {
+        if !self.lock().add(key, 1, self.max_keys) {
             let n = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
-            if n.is_power_of_two() {
+            if self.max_keys > 0 && n.is_power_of_two() {
                 tracing::error!(
                     refused = n,
-                    keys = MAX_KEYS,
-                    "notifications lost: {MAX_KEYS} distinct (sender, value) pairs wait \
-                     untaken; take them (wait_imm, next, drain) to make room"
+                    keys = self.max_keys,
+                    "notifications lost: {} distinct (sender, value) pairs wait untaken; \
+                     take them (wait_imm, next, drain) to make room",
+                    self.max_keys
                 );
             }
             return;
@@ -231,8 +254,8 @@ impl Inbox {
         bells.push(Arc::downgrade(bell));
     }
 
-    /// Arrivals not kept since the inbox was made: new (sender, value) pairs beyond
-    /// [`MAX_KEYS`].
+    /// Arrivals not kept since the inbox was made: new (sender, value) pairs beyond its
+    /// bound.
     pub fn refused(&self) -> u64 {
         self.refused.load(Ordering::Relaxed)
     }
@@ -408,6 +431,20 @@ mod tests {
         v2.wait_imm(9, 2, Duration::ZERO).expect("two of five");
         v1.wait_imm(9, 3, Duration::ZERO).expect("the three left");
         assert_eq!(a.pending(), 0);
+    }
+
+    #[test]
+    fn an_inbox_keeps_no_more_pairs_than_its_bound_and_counts_the_rest() {
+        let a = Arc::new(Inbox::new(2));
+        let n = Notifications::new(vec![a.clone()]);
+        for v in [1, 2, 1, 3, 4, 2] {
+            a.arrive(key(v, "x"));
+        }
+        assert_eq!((n.count(1), n.count(2), n.count(3)), (2, 2, 0));
+        assert_eq!(a.refused(), 2);
+        let none = Inbox::new(0);
+        none.arrive(key(1, "x"));
+        assert_eq!((none.pending(), none.refused()), (0, 1));
     }
 
     #[test]
