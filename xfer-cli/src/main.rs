@@ -442,10 +442,18 @@ pub(crate) enum CliError {
     /// The command line asks for what cannot be (exit 2).
     #[error("{0}")]
     Usage(String),
-    /// The library refused an option (out of range, contradicting another, a NIC that is
-    /// not there) (exit 2). An [`xfer::Error::Option`] is said with the flag's spelling.
-    #[error("{}", option_line(.0))]
+    /// The library refused an option (a NIC that is not there, a layout) (exit 2).
+    #[error(transparent)]
     Option(xfer::Error),
+    /// The library refused a setting of the agent (out of range, contradicting another),
+    /// said with the command's flag (exit 2).
+    #[error("--{flag}: {reason}")]
+    Flag {
+        /// The flag, without its dashes (`rails`, `auth-token`).
+        flag: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The library failed: the agent, the engine, the rendezvous, the directory (exit 1).
     #[error(transparent)]
     Failed(xfer::Error),
@@ -461,17 +469,6 @@ pub(crate) enum CliError {
     /// The bytes that landed differ from what was sent (exit 3).
     #[error("verification failed: {0}")]
     Mismatch(String),
-}
-
-/// The library's refusal of an option, naming the command's flag (`--auth-token`) where it
-/// names an option of the agent (`auth_token`).
-fn option_line(e: &xfer::Error) -> String {
-    match e {
-        xfer::Error::Option { option, reason } => {
-            format!("--{}: {reason}", option.name().replace('_', "-"))
-        }
-        other => other.to_string(),
-    }
 }
 
 impl CliError {
@@ -502,7 +499,7 @@ impl CliError {
     /// The exit code of its class.
     fn exit_code(&self) -> u8 {
         match self {
-            CliError::Usage(_) | CliError::Option(_) => 2,
+            CliError::Usage(_) | CliError::Option(_) | CliError::Flag { .. } => 2,
             CliError::Mismatch(_) => 3,
             CliError::Failed(_) | CliError::Other { .. } => 1,
         }
@@ -514,7 +511,11 @@ impl From<xfer::Error> for CliError {
     fn from(e: xfer::Error) -> Self {
         use xfer::nics::NicError;
         match &e {
-            xfer::Error::Option { .. } => CliError::Option(e),
+            // The agent's setting, spelled as the command's flag (`auth_token`: `--auth-token`).
+            xfer::Error::Option { option, reason } => CliError::Flag {
+                flag: option.name().replace('_', "-"),
+                reason: reason.clone(),
+            },
             xfer::Error::Nics(n)
                 if !matches!(n, NicError::Interfaces(_) | NicError::Domains(_)) =>
             {
