@@ -261,7 +261,9 @@ impl Engine {
         let kinds = agent.transports();
         let accept = Accept {
             gpu,
-            device_only: kinds.contains(&TransportKind::CudaIpc),
+            // Host memory goes over another transport where the engine has one beside
+            // cuda-ipc (memory="cuda" with auto: tcp too).
+            device_only: kinds.iter().all(|&k| k == TransportKind::CudaIpc),
             host_only: kinds.contains(&TransportKind::Mem),
         };
         Ok(Engine {

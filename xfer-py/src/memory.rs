@@ -103,7 +103,7 @@ pub enum Held {
 pub struct Accept {
     /// The engine's GPU (CUDA memory must be there).
     pub gpu: u32,
-    /// The engine offers cuda-ipc (made with memory="cuda"): it moves GPU memory only.
+    /// The engine offers cuda-ipc only (transport="cuda-ipc"): it moves GPU memory only.
     pub device_only: bool,
     /// The engine offers the in-process mem transport: it moves host memory only.
     pub host_only: bool,
@@ -123,9 +123,9 @@ pub fn take(
     let type_name = obj.get_type().name()?.to_string();
     if accept.device_only && !dlpack_on_cuda(obj)? {
         return Err(invalid(format!(
-            "this engine (memory=\"cuda\", with cuda-ipc) moves GPU memory, and {type_name} is \
+            "this engine (transport=\"cuda-ipc\") moves GPU memory only, and {type_name} is \
              host memory: register a CUDA tensor (tensor.cuda()), or make the engine with \
-             memory=\"host\" (or transport=\"tcp\") for host memory"
+             transport=\"auto\" (cuda-ipc for GPU memory, tcp for host memory)"
         )));
     }
     let builtins = obj.py().import("builtins")?;
@@ -466,9 +466,9 @@ fn dlpack_region(
         DL_CPU | DL_CUDA_HOST => {
             if accept.device_only {
                 return Err(invalid(format!(
-                    "this engine (memory=\"cuda\", with cuda-ipc) moves GPU memory, and this \
+                    "this engine (transport=\"cuda-ipc\") moves GPU memory only, and this \
                      {type_name} is a CPU tensor: move it with tensor.cuda() (cuda:{}), or make \
-                     the engine with memory=\"host\" (or transport=\"tcp\") for host memory",
+                     the engine with transport=\"auto\" (tcp for host memory)",
                     accept.gpu
                 )));
             }

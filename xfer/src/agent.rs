@@ -261,14 +261,17 @@ impl Region {
     }
 }
 
-/// A peer an agent is connected to, over one transport.
+/// A peer an agent is connected to: over the best transport both offer
+/// ([`transport`](Peer::transport)), and, where that transport moves GPU memory only
+/// (cuda-ipc), also over the next one both offer, for host memory. Each transfer goes over
+/// the first of them on which both its regions are registered.
 #[derive(Clone, Debug)]
 pub struct Peer {
     /// The instance of the agent that connected to it.
     owner: u64,
     info: AgentInfo,
-    kind: TransportKind,
-    group: GroupPeer,
+    /// The transports it is reached by, the preferred first.
+    links: Vec<(TransportKind, GroupPeer)>,
 }
 
 impl Peer {
@@ -277,9 +280,26 @@ impl Peer {
         &self.info
     }
 
-    /// The transport this agent reaches it by.
+    /// The transport this agent reaches it by (the best both offer, [`resolve`]).
     pub fn transport(&self) -> TransportKind {
-        self.kind
+        self.links[0].0
+    }
+
+    /// Every transport this agent reaches it by, the preferred first.
+    pub fn transports(&self) -> Vec<TransportKind> {
+        self.links.iter().map(|(k, _)| *k).collect()
+    }
+
+    /// The first of its transports on which `local` and `remote` are both registered.
+    fn link_for(
+        &self,
+        local: &Region,
+        remote: &RegionDescriptor,
+    ) -> Result<&(TransportKind, GroupPeer)> {
+        self.links
+            .iter()
+            .find(|(k, _)| local.on(*k).is_ok() && remote.on(*k).is_some())
+            .ok_or(Error::RegionNotOnTransport(self.links[0].0))
     }
 }
 
@@ -684,9 +704,17 @@ impl Agent {
         keep: Option<Box<dyn Send>>,
     ) -> Result<Region> {
         let mut regs: Vec<(TransportKind, GroupRegistration)> = Vec::new();
+        let mut unsupported = None;
         for l in &self.inner.lanes {
             match l.group.register(mem.clone(), access) {
                 Ok(r) => regs.push((l.kind, r)),
+                // A transport that cannot hold this kind of memory (cuda-ipc and host memory
+                // that peers reach) is left out of the region: its transfers go over
+                // another transport of the agent's.
+                Err(e) if crate::error::core_kind(&e) == crate::ErrorKind::Unsupported => {
+                    tracing::debug!(transport = %l.kind, error = %e, "not registered on it");
+                    unsupported.get_or_insert(e);
+                }
                 Err(e) => {
                     for (kind, r) in &regs {
                         if let Ok(l) = self.lane(*kind) {
@@ -701,6 +729,16 @@ impl Agent {
                     return Err(e.into());
                 }
             }
+        }
+        if regs.is_empty()
+            && let Some(e) = unsupported
+        {
+            // No transport of the agent can hold it.
+            let kept = Kept { mem, keep };
+            if let Err(k) = kept.release().map(drop) {
+                self.regions().later.push(k);
+            }
+            return Err(e.into());
         }
         let descriptor = RegionDescriptor {
             version: fabric_core::metadata::METADATA_VERSION,
@@ -778,17 +816,41 @@ impl Agent {
                 kind,
             });
         }
-        let addresses = &peer
-            .transport(kind)
-            .expect("resolve picks a transport both offer")
-            .rails;
-        let group = self.lane(kind)?.group.add_peer(addresses)?;
+        let mut kinds = vec![kind];
+        if kind == TransportKind::CudaIpc {
+            // cuda-ipc moves GPU memory only: host memory goes over the next transport both
+            // offer (efa, tcp), connected too.
+            let next = TransportKind::ALL.into_iter().find(|&k| {
+                !matches!(k, TransportKind::CudaIpc | TransportKind::Mem)
+                    && self.inner.info.transport(k).is_some()
+                    && peer.transport(k).is_some()
+            });
+            kinds.extend(next);
+        }
+        let mut links = Vec::with_capacity(kinds.len());
+        for k in kinds {
+            let addresses = &peer
+                .transport(k)
+                .expect("both offer each transport chosen")
+                .rails;
+            let lane = self.lane(k)?;
+            match lane.group.add_peer(addresses) {
+                Ok(g) => links.push((k, g)),
+                Err(e) => {
+                    for (k, g) in &links {
+                        if let Ok(l) = self.lane(*k) {
+                            let _ = l.group.remove_peer(g);
+                        }
+                    }
+                    return Err(e.into());
+                }
+            }
+        }
         self.know(peer);
         Ok(Peer {
             owner: self.inner.info.instance,
             info: peer.clone(),
-            kind,
-            group,
+            links,
         })
     }
 
@@ -817,26 +879,33 @@ impl Agent {
     /// Disconnects `peer`: its pending transfers fail with `PeerRemoved`.
     pub fn disconnect(&self, peer: &Peer) -> Result<()> {
         self.own(peer.owner, "peer")?;
-        Ok(self.lane(peer.kind)?.group.remove_peer(&peer.group)?)
+        let mut first = None;
+        for (k, g) in &peer.links {
+            if let Err(e) = self.lane(*k).and_then(|l| Ok(l.group.remove_peer(g)?)) {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
     }
 
     /// `t` as the transfer of the lane `peer` is reached by, its handles checked to be ours.
-    fn group_transfer(
-        &self,
-        peer: &Peer,
+    fn group_transfer<'a>(
+        &'a self,
+        peer: &'a Peer,
         local: &Region,
         remote: &RegionDescriptor,
         t: Transfer,
-    ) -> Result<(&Lane, GroupTransfer)> {
+    ) -> Result<(&'a Lane, &'a GroupPeer, GroupTransfer)> {
         self.own(peer.owner, "peer")?;
         self.own(local.owner, "region")?;
-        let lane = self.lane(peer.kind)?;
+        let (kind, _) = peer.link_for(local, remote)?;
+        let lane = self.lane(*kind)?;
         let dst = remote
-            .on(peer.kind)
-            .ok_or(Error::RegionNotOnTransport(peer.kind))?
+            .on(*kind)
+            .ok_or(Error::RegionNotOnTransport(*kind))?
             .clone();
         let g = GroupTransfer {
-            src: local.on(peer.kind)?.clone(),
+            src: local.on(*kind)?.clone(),
             dst,
             segments: t.segments,
             runs: t.runs,
@@ -845,7 +914,8 @@ impl Agent {
             direction: t.direction,
             after: t.after,
         };
-        Ok((lane, g))
+        let (_, group) = peer.link_for(local, remote)?;
+        Ok((lane, group, g))
     }
 
     /// Submits `t` between `local` and the peer's region `remote`. Bad segments fail here,
@@ -857,8 +927,8 @@ impl Agent {
         remote: &RegionDescriptor,
         t: Transfer,
     ) -> Result<Handle> {
-        let (lane, g) = self.group_transfer(peer, local, remote, t)?;
-        Ok(Handle::new(lane.group.submit(&peer.group, g)?))
+        let (lane, group, g) = self.group_transfer(peer, local, remote, t)?;
+        Ok(Handle::new(lane.group.submit(group, g)?))
     }
 
     /// Checks and plans `t` between `local` and the peer's region `remote` once, for
@@ -873,11 +943,11 @@ impl Agent {
         remote: &RegionDescriptor,
         t: Transfer,
     ) -> Result<Prepared> {
-        let (lane, g) = self.group_transfer(peer, local, remote, t)?;
+        let (lane, group, g) = self.group_transfer(peer, local, remote, t)?;
         Ok(Prepared {
             owner: self.inner.info.instance,
-            kind: peer.kind,
-            inner: lane.group.prepare(&peer.group, g)?,
+            kind: lane.kind,
+            inner: lane.group.prepare(group, g)?,
         })
     }
 
@@ -910,13 +980,12 @@ impl Agent {
     ) -> Result<()> {
         self.own(peer.owner, "peer")?;
         self.own(local.owner, "region")?;
-        let dst = remote
-            .on(peer.kind)
-            .ok_or(Error::RegionNotOnTransport(peer.kind))?;
+        let (kind, group) = peer.link_for(local, remote)?;
+        let dst = remote.on(*kind).ok_or(Error::RegionNotOnTransport(*kind))?;
         Ok(self
-            .lane(peer.kind)?
+            .lane(*kind)?
             .group
-            .warm_up(&peer.group, local.on(peer.kind)?, dst, timeout)?)
+            .warm_up(group, local.on(*kind)?, dst, timeout)?)
     }
 
     /// Waits until `count` transfers carrying immediate value `imm` have landed here (over

@@ -190,7 +190,7 @@ fn op_kind(e: &fabric_core::OpError) -> ErrorKind {
 }
 
 /// The kind of the engine's failure.
-fn core_kind(e: &fabric_core::Error) -> ErrorKind {
+pub(crate) fn core_kind(e: &fabric_core::Error) -> ErrorKind {
     use fabric_core::Error as C;
     use fabric_core::MemoryError as M;
     match e {

@@ -1,0 +1,99 @@
+//! One agent for host and GPU memory: an agent of GPU memory (`MemoryKind::Cuda`, every
+//! transport that can work: cuda-ipc, tcp) registers host memory too, and each transfer
+//! goes over the first transport on which both its regions are registered: GPU to GPU over
+//! cuda-ipc, host to GPU over cuda-ipc (a host source), GPU to host over tcp (cuda-ipc
+//! cannot reach host memory that peers write). Needs a GPU: ignored here, run by the GPU
+//! kit (`gpu-kit/gpu_one_agent_tests --include-ignored`).
+
+use std::sync::Arc;
+use std::time::Duration;
+use xfer::{
+    Access, Agent, AgentOptions, HostBuffer, MemoryKind, MemoryRegion, Transfer, TransportKind,
+};
+
+const T: Duration = Duration::from_secs(30);
+const LEN: usize = 1 << 20;
+
+fn gpu_agent(name: &str) -> Agent {
+    Agent::new(AgentOptions {
+        name: Some(name.into()),
+        memory: MemoryKind::Cuda,
+        gpu: 0,
+        rails: Some(1),
+        pin: xfer::placement::PinMode::Off,
+        ..AgentOptions::default()
+    })
+    .expect("an agent of GPU memory")
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn host_and_gpu_memory_move_through_one_pair_of_agents() {
+    let cuda = xfer::cuda::Cuda::probe().unwrap().expect("a GPU");
+    let gpu = cuda.device(0).unwrap();
+    let (a, b) = (gpu_agent("a"), gpu_agent("b"));
+    let peer = a.connect(b.info()).unwrap();
+    assert_eq!(
+        peer.transports(),
+        vec![TransportKind::CudaIpc, TransportKind::Tcp]
+    );
+    let host_src = HostBuffer::new_shared(LEN).unwrap();
+    host_src.fill(0, LEN as u64, 0x5a).unwrap();
+    let gpu_src: Arc<dyn MemoryRegion> = Arc::new(gpu.alloc_zeroed(LEN).unwrap());
+    gpu_src.write_from_host(0, &vec![0xa5; LEN]).unwrap();
+    let gpu_dst: Arc<dyn MemoryRegion> = Arc::new(gpu.alloc_zeroed(LEN).unwrap());
+    let host_dst = HostBuffer::new_shared(LEN).unwrap();
+
+    let hs = a.register(host_src, Access::NONE).unwrap();
+    let gs = a.register(gpu_src, Access::NONE).unwrap();
+    let gd = b.register(gpu_dst.clone(), Access::REMOTE_WRITE).unwrap();
+    let hd = b.register(host_dst.clone(), Access::REMOTE_WRITE).unwrap();
+    // Host memory that peers write is not on cuda-ipc; GPU memory is on both.
+    assert!(hd.descriptor().on(TransportKind::CudaIpc).is_none());
+    assert!(hd.descriptor().on(TransportKind::Tcp).is_some());
+    assert!(gd.descriptor().on(TransportKind::CudaIpc).is_some());
+
+    let half = (LEN / 2) as u64;
+    // Host -> GPU: the first half of b's GPU buffer.
+    a.submit(
+        &peer,
+        &hs,
+        gd.descriptor(),
+        Transfer::segments(vec![(0, 0, half)]).imm(1),
+    )
+    .unwrap()
+    .wait(T)
+    .unwrap();
+    // GPU -> GPU: the second half.
+    a.submit(
+        &peer,
+        &gs,
+        gd.descriptor(),
+        Transfer::segments(vec![(0, half, half)]).imm(2),
+    )
+    .unwrap()
+    .wait(T)
+    .unwrap();
+    // GPU -> host: all of b's host buffer.
+    a.submit(
+        &peer,
+        &gs,
+        hd.descriptor(),
+        Transfer::segments(vec![(0, 0, LEN as u64)]).imm(3),
+    )
+    .unwrap()
+    .wait(T)
+    .unwrap();
+    for v in 1..=3 {
+        b.wait_imm(v, 1, T).unwrap();
+    }
+    let mut got = vec![0u8; LEN];
+    gpu_dst.read_to_host(0, &mut got).unwrap();
+    assert!(got[..LEN / 2].iter().all(|&x| x == 0x5a), "host -> GPU");
+    assert!(got[LEN / 2..].iter().all(|&x| x == 0xa5), "GPU -> GPU");
+    assert_eq!(
+        host_dst.to_vec(0, LEN).unwrap(),
+        vec![0xa5; LEN],
+        "GPU -> host"
+    );
+}
