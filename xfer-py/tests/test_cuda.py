@@ -34,6 +34,30 @@ def test_gpu_pages_over_tcp_in_one_process():
         assert not d[untouched].any()
 
 
+def test_one_engine_moves_host_and_gpu_memory():
+    # Engines of GPU memory (auto: cuda-ipc and tcp) take numpy arrays too; each write goes
+    # over the first transport both its buffers are registered on.
+    torch = cuda_or_skip()
+    with xfer.Engine(memory="cuda", name="a") as a, xfer.Engine(memory="cuda", name="b") as b:
+        p = a.add_peer(b.address)
+        assert p.transport == "cuda-ipc"
+        host_src = pattern(4 * PAGE, seed=5)
+        gpu_src = torch.from_numpy(pattern(4 * PAGE, seed=6)).cuda()
+        gpu_dst = torch.zeros(8 * PAGE, dtype=torch.uint8, device="cuda:0")
+        host_dst = np.zeros(4 * PAGE, dtype=np.uint8)
+        rhs, rgs = a.register(host_src, remote_write=False), a.register(gpu_src, remote_write=False)
+        rgd, rhd = b.register(gpu_dst), b.register(host_dst)
+        a.write(p, rhs, rgd.descriptor, [(0, 0, 4 * PAGE)], imm=1).wait(timeout=30)
+        a.write(p, rgs, rgd.descriptor, [(0, 4 * PAGE, 4 * PAGE)], imm=2).wait(timeout=30)
+        a.write(p, rgs, rhd.descriptor, [(0, 0, 4 * PAGE)], imm=3).wait(timeout=30)
+        for v in (1, 2, 3):
+            b.wait_imm(v, timeout=30)
+        got = gpu_dst.cpu().numpy()
+        assert np.array_equal(got[: 4 * PAGE], host_src), "host -> GPU"
+        assert np.array_equal(got[4 * PAGE :], gpu_src.cpu().numpy()), "GPU -> GPU"
+        assert np.array_equal(host_dst, gpu_src.cpu().numpy()), "GPU -> host"
+
+
 @pytest.mark.parametrize("transport", ["cuda-ipc", "tcp"])
 def test_gpu_to_gpu_between_two_processes(transport):
     torch = cuda_or_skip()
