@@ -721,11 +721,7 @@ impl Agent {
                             let _ = l.group.deregister(r);
                         }
                     }
-                    // The keep-alive goes only once no transport holds the memory.
-                    let kept = Kept { mem, keep };
-                    if let Err(k) = kept.release().map(drop) {
-                        self.regions().later.push(k);
-                    }
+                    self.give_back(mem, keep);
                     return Err(e.into());
                 }
             }
@@ -734,10 +730,7 @@ impl Agent {
             && let Some(e) = unsupported
         {
             // No transport of the agent can hold it.
-            let kept = Kept { mem, keep };
-            if let Err(k) = kept.release().map(drop) {
-                self.regions().later.push(k);
-            }
+            self.give_back(mem, keep);
             return Err(e.into());
         }
         let descriptor = RegionDescriptor {
@@ -759,6 +752,14 @@ impl Agent {
             regs,
             descriptor,
         })
+    }
+
+    /// Gives back the memory (and keep-alive) of a registration that failed: the
+    /// keep-alive goes only once no transport holds the memory.
+    fn give_back(&self, mem: Arc<dyn MemoryRegion>, keep: Option<Box<dyn Send>>) {
+        if let Err(k) = (Kept { mem, keep }).release().map(drop) {
+            self.regions().later.push(k);
+        }
     }
 
     /// Deregisters `region` from every transport: fails with `RegionInUse` (and changes
@@ -898,7 +899,7 @@ impl Agent {
     ) -> Result<(&'a Lane, &'a GroupPeer, GroupTransfer)> {
         self.own(peer.owner, "peer")?;
         self.own(local.owner, "region")?;
-        let (kind, _) = peer.link_for(local, remote)?;
+        let (kind, group) = peer.link_for(local, remote)?;
         let lane = self.lane(*kind)?;
         let dst = remote
             .on(*kind)
@@ -914,7 +915,6 @@ impl Agent {
             direction: t.direction,
             after: t.after,
         };
-        let (_, group) = peer.link_for(local, remote)?;
         Ok((lane, group, g))
     }
 

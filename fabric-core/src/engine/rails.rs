@@ -876,7 +876,8 @@ impl RailGroup {
             bytes: plan_bytes,
             slot,
         });
-        let state_for_cancel = state.clone();
+        let st = state.clone();
+        handle.cancel = Some(Arc::new(move || st.cancel()));
         // The rails with the fewest chunks in flight take theirs first, one round at a
         // time, all chosen before any is posted (so that a fast rail's completion cannot
         // take the others' first chunks); the rest wait in the queue.
@@ -911,8 +912,6 @@ impl RailGroup {
                 }
             }
         }
-        let st = state_for_cancel;
-        handle.cancel = Some(Arc::new(move || st.cancel()));
         for (r, (st, writes)) in first {
             sh.post(st, r, writes);
         }

@@ -106,6 +106,9 @@ struct PendingCounters {
     errors: u64,
 }
 
+/// Peers whose addresses a worker keeps asked ([`Worker::arrived`]) before it forgets them.
+const SENDERS_CACHED: usize = 4096;
+
 /// Work-request ids: bit 63 marks receives; otherwise generation << 32 | slot.
 const RECV_BIT: u64 = 1 << 63;
 
@@ -116,7 +119,8 @@ pub(crate) struct Worker<T: Transport> {
     internal: Receiver<Command>,
     /// Where peers' immediate data is counted (never dropped).
     inbox: Arc<Inbox>,
-    /// Each sender's address, as the transport says it, asked once per peer.
+    /// Each sender's address, as the transport says it, asked once per peer (a cache of
+    /// at most [`SENDERS_CACHED`]).
     senders: HashMap<PeerId, Option<Arc<[u8]>>>,
     counters: Arc<Counters>,
     pending: PendingCounters,
@@ -906,6 +910,10 @@ impl<T: Transport> Worker<T> {
     fn arrived(&mut self, peer: Option<PeerId>, imm: u32) {
         let from = match peer {
             Some(p) => {
+                if self.senders.len() >= SENDERS_CACHED && !self.senders.contains_key(&p) {
+                    // A cache: a server's passing clients do not grow it for good.
+                    self.senders.clear();
+                }
                 let t = &self.t;
                 self.senders
                     .entry(p)
