@@ -160,6 +160,24 @@ impl<T: FidObject> Owned<T> {
     }
 }
 
+impl<T: FidObject> Owned<T> {
+    /// Closes the object now and says whether libfabric did. After a failure the object may
+    /// still be open (a memory registration may still be reachable by the NIC): what it
+    /// refers to must then be kept (see `mr::Registered`'s drop).
+    pub(crate) fn close(self) -> std::result::Result<(), FiError> {
+        let this = std::mem::ManuallyDrop::new(self);
+        // SAFETY: we own the object and close it exactly once (`this` is never dropped);
+        // nothing uses it afterwards.
+        let rc = unsafe { sys::fi_close(T::fid(this.0.as_ptr())) };
+        let rc = close_fault::apply(rc);
+        if rc != 0 {
+            Err(FiError::new(rc))
+        } else {
+            Ok(())
+        }
+    }
+}
+
 impl<T: FidObject> Drop for Owned<T> {
     fn drop(&mut self) {
         // SAFETY: we own the object and close it exactly once; nothing uses it afterwards.
@@ -171,6 +189,35 @@ impl<T: FidObject> Drop for Owned<T> {
                 FiError::new(rc).message()
             );
         }
+    }
+}
+
+/// A test's way to make the next [`Owned::close`] of this thread report a failure (after
+/// closing for real), as a provider whose close fails would: nothing outside tests can set
+/// it, so in other builds `apply` returns the call's own code.
+pub(crate) mod close_fault {
+    #[cfg(test)]
+    thread_local! {
+        static FAIL_NEXT: std::cell::Cell<Option<i32>> = const { std::cell::Cell::new(None) };
+    }
+
+    /// Makes this thread's next close report `-code`.
+    #[cfg(test)]
+    pub(crate) fn fail_next(code: i32) {
+        FAIL_NEXT.with(|f| f.set(Some(code)));
+    }
+
+    /// The code a close reports: `rc`, or the injected failure.
+    #[cfg(test)]
+    pub(crate) fn apply(rc: i32) -> i32 {
+        FAIL_NEXT.with(|f| f.take()).map_or(rc, |code| -code.abs())
+    }
+
+    /// The code a close reports: `rc`.
+    #[cfg(not(test))]
+    #[inline(always)]
+    pub(crate) fn apply(rc: i32) -> i32 {
+        rc
     }
 }
 

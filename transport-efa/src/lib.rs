@@ -56,7 +56,9 @@
 //! [`Error::InvalidAddress`](fabric_core::Error::InvalidAddress).
 //!
 //! ## Memory registration
-//! FI_MR_PROV_KEY (else unique requested keys), FI_MR_VIRT_ADDR (else offsets: then
+//! FI_MR_PROV_KEY (else requested keys, random within the provider's `mr_key_size` and
+//! drawn again while taken, so that a peer cannot guess the key of a region it was not
+//! given, as it could a counter's), FI_MR_VIRT_ADDR (else offsets: then
 //! [`RemoteRegion::addr`](fabric_core::RemoteRegion::addr) is 0), FI_MR_LOCAL descriptors,
 //! FI_MR_ENDPOINT binding (decided in one place from the provider's attributes; p5's `efa`
 //! attributes are checked by unit tests). CUDA memory needs [`EfaConfig::hmem`] and a
@@ -66,6 +68,11 @@
 //! it with CUDA IPC instead of bouncing it through host buffers;
 //! [`EfaConfig::hmem_device_only`] leaves that flag out), from its dmabuf first (FI_MR_DMABUF) when the library loaded
 //! takes API 1.20 and the memory layer exports one, else by address.
+//!
+//! A registration is closed before its memory may go. Should `fi_close` fail, the
+//! registration may still be open (the NIC may still reach the memory), so the memory is
+//! kept alive for good instead of being freed under it: logged as an error and counted by
+//! [`leaked_registrations`].
 //!
 //! ## libfabric at run time
 //! Nothing links against libfabric: `libfabric-sys` loads it on first use, from
@@ -210,6 +217,7 @@ pub use fi::FiError;
 pub use info::{
     Library, Progress, ProviderInfo, info, libfabric_version, library, requested_api_version,
 };
+pub use mr::leaked_registrations;
 pub use transport::EfaTransport;
 
 /// The maps looked up per operation (see the crate's dependencies above).

@@ -1,7 +1,10 @@
 //! Memory registration, honouring the provider's `mr_mode` bits generically:
 //!
 //! - FI_MR_PROV_KEY: the provider picks the key (`fi_mr_key`); else each registration asks
-//!   for a key of its own (a counter, unique within the domain, never reused);
+//!   for a key of its own: random within the provider's `mr_key_size`, never one of the
+//!   domain's registrations in use, and drawn again when the provider refuses it as taken
+//!   (-FI_ENOKEY, -FI_EKEYREJECTED). A counter would let anyone who can reach the endpoint
+//!   guess the keys of regions it was never given (and a stale key the next region's);
 //! - FI_MR_VIRT_ADDR: peers address the region by virtual address ([`RemoteRegion::addr`]
 //!   is its base); else by offset (`addr` is 0);
 //! - FI_MR_LOCAL: local buffers need their descriptor (`fi_mr_desc`), which every
@@ -10,19 +13,35 @@
 //! - FI_MR_HMEM / FI_HMEM: device memory is registered with its interface (CUDA) and
 //!   device, from a dmabuf where the headers and the memory offer one.
 
-use crate::fi::{Owned, check};
+use crate::fi::{FiError, Owned, check};
 use fabric_core::{
     Access, Error, LocalKey, MemoryLocation, MemoryRegion, OpError, RemoteKey, RemoteRegion, Result,
 };
 use libfabric_sys as sys;
 use std::ffi::c_void;
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Registrations whose `fi_close` failed since the process started: their memory is kept
+/// for good (see [`Registered`]'s drop).
+static LEAKED: AtomicU64 = AtomicU64::new(0);
+
+/// How many memory registrations of this process failed to close, so that their memory was
+/// kept alive for good instead of being freed while the NIC might still reach it.
+pub fn leaked_registrations() -> u64 {
+    LEAKED.load(Ordering::Relaxed)
+}
 
 /// One registered region.
+///
+/// Dropping it closes the registration before the memory may go; when `fi_close` fails the
+/// registration may still be open (a NIC may still write or read the memory), so the memory
+/// is kept alive for good instead, logged and counted ([`leaked_registrations`]).
 pub(crate) struct Registered {
-    // Dropped in this order: the registration closes before the memory may go.
-    mr: Owned<sys::fid_mr>,
-    _mem: Arc<dyn MemoryRegion>,
+    /// Closed (taken) in `drop`, before `mem` is released.
+    mr: ManuallyDrop<Owned<sys::fid_mr>>,
+    mem: Arc<dyn MemoryRegion>,
     /// The address of byte 0 for local iovecs (host pointer, or device pointer).
     pub(crate) base: u64,
     pub(crate) len: u64,
@@ -36,6 +55,23 @@ pub(crate) struct Registered {
     pub(crate) inflight: usize,
     /// Deregistered by the user while operations were in flight: closed when they end.
     pub(crate) deregistered: bool,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        // SAFETY: `mr` is taken exactly once, here, and never used again.
+        let mr = unsafe { ManuallyDrop::take(&mut self.mr) };
+        if let Err(e) = mr.close() {
+            LEAKED.fetch_add(1, Ordering::Relaxed);
+            tracing::error!(
+                len = self.len,
+                key = self.key.0,
+                "fi_close(memory registration) failed: {e}; its memory is kept for good (the \
+                 NIC may still reach it)"
+            );
+            std::mem::forget(self.mem.clone());
+        }
+    }
 }
 
 impl Registered {
@@ -95,12 +131,60 @@ fn fit_key(key: u64, mr_key_size: usize) -> u64 {
     }
 }
 
-/// Registers `mem` with `access`; `requested_key` is used unless FI_MR_PROV_KEY.
+/// How many keys a registration draws before it gives up: each is refused only when it is
+/// in use, which for 64 random bits (or even 16) means the domain is full, not unlucky.
+pub(crate) const KEY_ATTEMPTS: usize = 16;
+
+/// Where requested keys come from, and which are taken (see the module docs).
+pub(crate) struct KeyChoice<'a> {
+    /// 64 random bits per call ([`fabric_core::random_u64`]; tests script it).
+    pub draw: &'a mut dyn FnMut() -> u64,
+    /// Whether a key is held by a registration of this domain.
+    pub taken: &'a dyn Fn(u64) -> bool,
+}
+
+impl KeyChoice<'_> {
+    /// A key within `mr_key_size` bytes that is neither 0 nor taken, or `None` after
+    /// [`KEY_ATTEMPTS`] draws.
+    fn next(&mut self, mr_key_size: usize) -> Option<u64> {
+        (0..KEY_ATTEMPTS)
+            .map(|_| fit_key((self.draw)(), mr_key_size))
+            .find(|&k| k != 0 && !(self.taken)(k))
+    }
+}
+
+/// Whether the provider refused a registration because its requested key is in use.
+fn key_refused(e: &Error) -> bool {
+    let Error::Backend {
+        source: Some(source),
+        ..
+    } = e
+    else {
+        return false;
+    };
+    source
+        .downcast_ref::<FiError>()
+        .is_some_and(|f| f.code() == sys::FI_ENOKEY as i32 || f.code() == sys::FI_EKEYREJECTED)
+}
+
+/// The error of a registration that found no free key.
+fn no_free_key(provider: &str, mr_key_size: usize) -> Error {
+    Error::Backend {
+        call: "fi_mr_regattr",
+        message: format!(
+            "no free memory key after {KEY_ATTEMPTS} random draws of {mr_key_size} bytes \
+             (provider {provider}): the domain's keys are exhausted"
+        ),
+        source: None,
+    }
+}
+
+/// Registers `mem` with `access`; unless FI_MR_PROV_KEY, with a requested key from `keys`.
 pub(crate) fn register(
     t: Target<'_>,
     mem: Arc<dyn MemoryRegion>,
     access: Access,
-    requested_key: u64,
+    mut keys: KeyChoice<'_>,
 ) -> Result<Registered> {
     let len = mem.len() as u64;
     let (iface, device, base) = match mem.location() {
@@ -122,11 +206,6 @@ pub(crate) fn register(
             (sys::FI_HMEM_CUDA, device, mem.device_addr())
         }
     };
-    let requested_key = if t.policy.provider_keys {
-        0
-    } else {
-        fit_key(requested_key, t.mr_key_size)
-    };
     let iov = sys::iovec {
         iov_base: base as *mut c_void,
         iov_len: len as usize,
@@ -134,24 +213,58 @@ pub(crate) fn register(
     let mut attr = sys::fi_mr_attr {
         iov_count: 1,
         access: fi_access(access),
-        requested_key,
         iface,
         ..Default::default()
     };
     attr.device.cuda = device as i32;
-    let mr = regattr(&t, &mut attr, &iov, &*mem, len)?;
+    let mut attempts = 0;
+    let mr = loop {
+        if !t.policy.provider_keys {
+            attr.requested_key = keys
+                .next(t.mr_key_size)
+                .ok_or_else(|| no_free_key(t.provider, t.mr_key_size))?;
+        }
+        attempts += 1;
+        match regattr(&t, &mut attr, &iov, &*mem, len) {
+            Err(e) if !t.policy.provider_keys && key_refused(&e) && attempts < KEY_ATTEMPTS => {
+                tracing::debug!(
+                    key = attr.requested_key,
+                    "memory key taken; drawing another"
+                );
+            }
+            Err(e) if !t.policy.provider_keys && key_refused(&e) => {
+                return Err(no_free_key(t.provider, t.mr_key_size));
+            }
+            r => break r?,
+        }
+    };
     let mr = Owned::new("fi_mr_regattr", mr)?;
+    // From here on the registration is closed through `Registered`'s drop, which keeps the
+    // memory should the close fail, whether registering finishes or not.
+    let host = matches!(mem.location(), MemoryLocation::Host);
+    let mut reg = Registered {
+        mr: ManuallyDrop::new(mr),
+        mem,
+        base,
+        len,
+        access,
+        host,
+        key: RemoteKey(attr.requested_key),
+        remote_addr: t.policy.remote_addr(base),
+        inflight: 0,
+        deregistered: false,
+    };
     if t.policy.bind_to_endpoint {
         // SAFETY: mr and ep are open objects of the same domain.
-        let rc = unsafe { sys::fi_mr_bind(mr.as_ptr(), t.ep.fid(), 0) };
+        let rc = unsafe { sys::fi_mr_bind(reg.mr.as_ptr(), t.ep.fid(), 0) };
         check("fi_mr_bind", rc as isize)?;
         // SAFETY: mr is open and bound.
-        let rc = unsafe { sys::fi_mr_enable(mr.as_ptr()) };
+        let rc = unsafe { sys::fi_mr_enable(reg.mr.as_ptr()) };
         check("fi_mr_enable", rc as isize)?;
     }
-    let key = if t.policy.provider_keys {
+    if t.policy.provider_keys {
         // SAFETY: mr is open.
-        let k = unsafe { sys::fi_mr_key(mr.as_ptr()) };
+        let k = unsafe { sys::fi_mr_key(reg.mr.as_ptr()) };
         if k == sys::FI_KEY_NOTAVAIL {
             return Err(Error::Unsupported(format!(
                 "provider {} gives no key for this registration (FI_MR_RAW keys are not \
@@ -159,24 +272,9 @@ pub(crate) fn register(
                 t.provider
             )));
         }
-        k
-    } else {
-        requested_key
-    };
-    let remote_addr = t.policy.remote_addr(base);
-    let host = matches!(mem.location(), MemoryLocation::Host);
-    Ok(Registered {
-        mr,
-        _mem: mem,
-        base,
-        len,
-        access,
-        host,
-        key: RemoteKey(key),
-        remote_addr,
-        inflight: 0,
-        deregistered: false,
-    })
+        reg.key = RemoteKey(k);
+    }
+    Ok(reg)
 }
 
 /// `fi_mr_regattr` of one iovec. Device memory with a dmabuf export is registered
@@ -253,15 +351,27 @@ fn mr_regattr(t: &Target<'_>, attr: &sys::fi_mr_attr, flags: u64) -> Result<*mut
     Ok(mr)
 }
 
+/// The requested keys held by live registrations (see the module docs): never requested
+/// again while their registration lives.
+pub(crate) type KeysInUse = rustc_hash::FxHashSet<u64>;
+
+/// Drops registration `key` (closing it) and frees its remote key for later registrations.
+fn remove(regs: &mut crate::FastMap<LocalKey, Registered>, keys: &mut KeysInUse, key: LocalKey) {
+    if let Some(r) = regs.remove(&key) {
+        keys.remove(&r.key.0);
+    }
+}
+
 /// Deregisters `key`: at once, or when its last operation in flight finishes.
 pub(crate) fn deregister(
     regs: &mut crate::FastMap<LocalKey, Registered>,
+    keys: &mut KeysInUse,
     key: LocalKey,
 ) -> Result<()> {
     match regs.get_mut(&key) {
         Some(r) if !r.deregistered => {
             if r.inflight == 0 {
-                regs.remove(&key);
+                remove(regs, keys, key);
             } else {
                 r.deregistered = true;
             }
@@ -272,11 +382,15 @@ pub(crate) fn deregister(
 }
 
 /// Releases one in-flight operation's hold on `key`.
-pub(crate) fn release(regs: &mut crate::FastMap<LocalKey, Registered>, key: LocalKey) {
+pub(crate) fn release(
+    regs: &mut crate::FastMap<LocalKey, Registered>,
+    keys: &mut KeysInUse,
+    key: LocalKey,
+) {
     if let Some(r) = regs.get_mut(&key) {
         r.inflight = r.inflight.saturating_sub(1);
         if r.deregistered && r.inflight == 0 {
-            regs.remove(&key);
+            remove(regs, keys, key);
         }
     }
 }

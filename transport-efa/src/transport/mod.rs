@@ -79,6 +79,8 @@ pub struct EfaTransport {
     // the fabric last.
     ep: Owned<sys::fid_ep>,
     regs: FastMap<LocalKey, Registered>,
+    /// The remote keys of `regs` (requested keys are never one of them).
+    keys_in_use: mr::KeysInUse,
     ops: OpTable,
     av: Owned<sys::fid_av>,
     cq: Owned<sys::fid_cq>,
@@ -115,7 +117,6 @@ pub struct EfaTransport {
     backlogged: Vec<PeerId>,
     next_peer: u64,
     next_local_key: u64,
-    next_requested_key: u64,
     /// Completions decided locally (peer removal) or read from the CQ inside `wait`,
     /// reported by the next `poll`.
     ready: VecDeque<Completion>,
@@ -313,6 +314,7 @@ impl EfaTransport {
         Ok(EfaTransport {
             ep,
             regs: FastMap::default(),
+            keys_in_use: mr::KeysInUse::default(),
             ops: OpTable::default(),
             av,
             cq,
@@ -335,7 +337,6 @@ impl EfaTransport {
             backlogged: Vec::new(),
             next_peer: 1,
             next_local_key: 1,
-            next_requested_key: 1,
             ready: VecDeque::new(),
             wait_fd,
             waited: Vec::new(),
@@ -354,6 +355,45 @@ impl EfaTransport {
     /// The provider's name (`efa`, `tcp;ofi_rxm`, ...).
     pub fn provider(&self) -> &str {
         &self.info.provider
+    }
+
+    /// [`Transport::register`] with requested keys drawn from `draw` (random bits; tests
+    /// script them). Keys held by this endpoint's live registrations are never requested.
+    fn register_with(
+        &mut self,
+        mem: Arc<dyn MemoryRegion>,
+        access: Access,
+        draw: &mut dyn FnMut() -> u64,
+    ) -> Result<Registration> {
+        let in_use = &self.keys_in_use;
+        let taken = |k: u64| in_use.contains(&k);
+        let reg = mr::register(
+            mr::Target {
+                domain: &self.domain,
+                ep: &self.ep,
+                policy: self.policy,
+                mr_key_size: self.info.mr_key_size,
+                hmem: self.hmem,
+                dmabuf: self.dmabuf,
+                device_only: self.device_only,
+                provider: &self.info.provider,
+            },
+            mem,
+            access,
+            mr::KeyChoice {
+                draw,
+                taken: &taken,
+            },
+        )?;
+        let local = LocalKey(self.next_local_key);
+        self.next_local_key += 1;
+        let registration = Registration {
+            local,
+            remote: reg.remote(),
+        };
+        self.keys_in_use.insert(registration.remote.key.0);
+        self.regs.insert(local, reg);
+        Ok(registration)
     }
 
     fn peer(&self, peer: PeerId) -> Result<&Peer> {
@@ -490,7 +530,7 @@ impl EfaTransport {
             Slot::Free => None,
         };
         if let Some(key) = key {
-            mr::release(&mut self.regs, key);
+            mr::release(&mut self.regs, &mut self.keys_in_use, key);
         }
         slot
     }
@@ -612,35 +652,11 @@ impl Transport for EfaTransport {
     }
 
     fn register(&mut self, mem: Arc<dyn MemoryRegion>, access: Access) -> Result<Registration> {
-        let requested_key = self.next_requested_key;
-        let reg = mr::register(
-            mr::Target {
-                domain: &self.domain,
-                ep: &self.ep,
-                policy: self.policy,
-                mr_key_size: self.info.mr_key_size,
-                hmem: self.hmem,
-                dmabuf: self.dmabuf,
-                device_only: self.device_only,
-                provider: &self.info.provider,
-            },
-            mem,
-            access,
-            requested_key,
-        )?;
-        self.next_requested_key += 1;
-        let local = LocalKey(self.next_local_key);
-        self.next_local_key += 1;
-        let registration = Registration {
-            local,
-            remote: reg.remote(),
-        };
-        self.regs.insert(local, reg);
-        Ok(registration)
+        self.register_with(mem, access, &mut fabric_core::random_u64)
     }
 
     fn deregister(&mut self, key: LocalKey) -> Result<()> {
-        mr::deregister(&mut self.regs, key)
+        mr::deregister(&mut self.regs, &mut self.keys_in_use, key)
     }
 
     fn post_send(
@@ -788,5 +804,7 @@ impl Transport for EfaTransport {
     }
 }
 
+#[cfg(test)]
+mod registration_tests;
 #[cfg(test)]
 mod tests;
