@@ -245,6 +245,7 @@ impl BackendArgs {
                 linger: self.linger_us.map(us),
                 control_timeout: None,
                 notification_keys: None,
+                messages: None,
             },
             balance: BalanceOptions {
                 horizon: self.rail_horizon_us.map(us),

@@ -179,9 +179,9 @@ pub struct Peer {
 }
 
 /// Arrivals of a peer's immediate data: `value` (the 32-bit immediate value), `count`
-/// (how many arrivals of this sender and value: 1 from next_notification) and `sender`
+/// (how many arrivals of this sender and value: 1 from next_notification), `sender`
 /// (the sending engine's name where this engine knows it, from add_peer or know; else
-/// None).
+/// None) and `message` (the bytes the sender attached with message=, else None).
 #[pyclass(module = "xfer", frozen, eq)]
 #[derive(Clone, PartialEq, Eq)]
 pub struct Notification {
@@ -191,18 +191,30 @@ pub struct Notification {
     value: u32,
     #[pyo3(get)]
     count: u64,
+    message: Option<Vec<u8>>,
 }
 
 #[pymethods]
 impl Notification {
+    /// The bytes the sender attached (message=), or None.
+    #[getter]
+    fn message<'py>(&self, py: Python<'py>) -> Option<Bound<'py, pyo3::types::PyBytes>> {
+        self.message
+            .as_deref()
+            .map(|m| pyo3::types::PyBytes::new(py, m))
+    }
+
     fn __repr__(&self) -> String {
         format!(
-            "Notification(sender={}, value={}, count={})",
+            "Notification(sender={}, value={}, count={}, message={})",
             self.sender
                 .as_deref()
                 .map_or("None".into(), |s| format!("{s:?}")),
             self.value,
-            self.count
+            self.count,
+            self.message
+                .as_deref()
+                .map_or("None".into(), |m| format!("{} bytes", m.len())),
         )
     }
 }
@@ -213,14 +225,24 @@ impl From<xfer::Notification> for Notification {
             sender: n.from,
             value: n.imm,
             count: n.count,
+            message: n.payload,
         }
     }
 }
 
-/// `t` with its immediate value and timeout, where given.
-fn with_extras(t: Transfer, imm: Option<u32>, timeout: Option<Duration>) -> Transfer {
+/// `t` with its immediate value, message and timeout, where given.
+fn with_extras(
+    t: Transfer,
+    imm: Option<u32>,
+    message: Option<Vec<u8>>,
+    timeout: Option<Duration>,
+) -> Transfer {
     let t = match imm {
         Some(v) => t.imm(v),
+        None => t,
+    };
+    let t = match message {
+        Some(m) => t.message(m),
         None => t,
     };
     match timeout {
@@ -603,15 +625,16 @@ impl Engine {
     ///
     /// segments: (src_offset, dst_offset, length) in bytes; remote_descriptor: the
     /// peer's Registration.descriptor; imm: a 32-bit value the peer sees (wait_imm) once
-    /// every byte has landed; timeout: seconds, after which the transfer fails with
-    /// TimedOut. Returns a Handle.
+    /// every byte has landed; message: bytes (at most 4096) the peer then takes as a
+    /// Notification's message, with imm (or 0) as its value; timeout: seconds, after
+    /// which the transfer fails with TimedOut. Returns a Handle.
     ///
     /// GPU memory: the transfer reads the source only after the work queued so far on
     /// `stream` (a torch.cuda.Stream, cupy.cuda.Stream, or a handle as an int) has run; by
     /// default torch's current stream for a torch tensor, the stream of the object's
     /// __cuda_array_interface__ where it gives one, else the legacy default stream. So a
     /// kernel that computes the source may be launched just before the call.
-    #[pyo3(signature = (peer, registration, remote_descriptor, segments, imm=None, timeout=None, stream=None))]
+    #[pyo3(signature = (peer, registration, remote_descriptor, segments, imm=None, timeout=None, stream=None, message=None))]
     #[allow(clippy::too_many_arguments)]
     fn write(
         &self,
@@ -623,10 +646,12 @@ impl Engine {
         imm: Option<i64>,
         timeout: Option<f64>,
         stream: Option<&Bound<'_, PyAny>>,
+        message: Option<Vec<u8>>,
     ) -> PyResult<Handle> {
         let t = with_extras(
             Transfer::segments(triples(segments)?),
             imm_value(imm)?,
+            message,
             seconds(timeout, "timeout")?,
         );
         self.submit(py, peer, registration, remote_descriptor, t, stream)
@@ -636,7 +661,7 @@ impl Engine {
     /// page_size bytes each, at offsets page * stride (strides default to page_size).
     /// Pages are lists of ints or 1-D int64 numpy arrays. See write for the rest (stream
     /// order of GPU memory included).
-    #[pyo3(signature = (peer, registration, remote_descriptor, src_pages, dst_pages, page_size, src_stride=None, dst_stride=None, imm=None, timeout=None, stream=None))]
+    #[pyo3(signature = (peer, registration, remote_descriptor, src_pages, dst_pages, page_size, src_stride=None, dst_stride=None, imm=None, timeout=None, stream=None, message=None))]
     #[allow(clippy::too_many_arguments)]
     fn write_pages(
         &self,
@@ -652,13 +677,14 @@ impl Engine {
         imm: Option<i64>,
         timeout: Option<f64>,
         stream: Option<&Bound<'_, PyAny>>,
+        message: Option<Vec<u8>>,
     ) -> PyResult<Handle> {
         let t = paged(
             page_size,
             (src_pages, src_stride, "src"),
             (dst_pages, dst_stride, "dst"),
         )?;
-        let t = with_extras(t, imm_value(imm)?, seconds(timeout, "timeout")?);
+        let t = with_extras(t, imm_value(imm)?, message, seconds(timeout, "timeout")?);
         self.submit(py, peer, registration, remote_descriptor, t, stream)
     }
 
@@ -667,12 +693,14 @@ impl Engine {
     ///
     /// segments: (local_offset, remote_offset, length) in bytes; registration: local, made
     /// with remote_write=True (a writable buffer); remote_descriptor: the peer's
-    /// Registration.descriptor, registered with remote_read=True; timeout: seconds. Returns
-    /// a Handle, done once every byte is in the local memory.
+    /// Registration.descriptor, registered with remote_read=True; timeout: seconds;
+    /// message (with imm, its value): bytes the peer takes as a Notification once every
+    /// byte was read (so it knows its memory is free again). Returns a Handle, done once
+    /// every byte is in the local memory (and the message, if any, was delivered).
     ///
     /// GPU memory: nothing lands in the local memory before the work queued so far on
     /// `stream` has run (see write for which stream by default).
-    #[pyo3(signature = (peer, registration, remote_descriptor, segments, timeout=None, stream=None))]
+    #[pyo3(signature = (peer, registration, remote_descriptor, segments, timeout=None, stream=None, message=None, imm=None))]
     #[allow(clippy::too_many_arguments)]
     fn read(
         &self,
@@ -683,10 +711,13 @@ impl Engine {
         segments: &Bound<'_, PyAny>,
         timeout: Option<f64>,
         stream: Option<&Bound<'_, PyAny>>,
+        message: Option<Vec<u8>>,
+        imm: Option<i64>,
     ) -> PyResult<Handle> {
         let t = with_extras(
             Transfer::segments(triples(segments)?).read(),
-            None,
+            imm_value(imm)?,
+            message,
             seconds(timeout, "timeout")?,
         );
         self.submit(py, peer, registration, remote_descriptor, t, stream)
@@ -695,7 +726,7 @@ impl Engine {
     /// Reads pages: the peer's page remote_pages[i] lands in local page local_pages[i],
     /// page_size bytes each, at offsets page * stride (strides default to page_size). See
     /// read for the rest.
-    #[pyo3(signature = (peer, registration, remote_descriptor, local_pages, remote_pages, page_size, local_stride=None, remote_stride=None, timeout=None, stream=None))]
+    #[pyo3(signature = (peer, registration, remote_descriptor, local_pages, remote_pages, page_size, local_stride=None, remote_stride=None, timeout=None, stream=None, message=None, imm=None))]
     #[allow(clippy::too_many_arguments)]
     fn read_pages(
         &self,
@@ -710,6 +741,8 @@ impl Engine {
         remote_stride: Option<i64>,
         timeout: Option<f64>,
         stream: Option<&Bound<'_, PyAny>>,
+        message: Option<Vec<u8>>,
+        imm: Option<i64>,
     ) -> PyResult<Handle> {
         let t = paged(
             page_size,
@@ -717,7 +750,7 @@ impl Engine {
             (remote_pages, remote_stride, "remote"),
         )?
         .read();
-        let t = with_extras(t, None, seconds(timeout, "timeout")?);
+        let t = with_extras(t, imm_value(imm)?, message, seconds(timeout, "timeout")?);
         self.submit(py, peer, registration, remote_descriptor, t, stream)
     }
 

@@ -179,6 +179,24 @@ def test_notifications_name_their_sender_and_mix_with_wait_imm(pair):
         c.close()
 
 
+def test_a_message_names_its_request_and_follows_the_bytes(pair):
+    a, b, p = pair
+    b.know(a.address)
+    src, dst = np.full(8 * PAGE, 7, dtype=np.uint8), np.zeros(8 * PAGE, dtype=np.uint8)
+    rs, rd = a.register(src), b.register(dst)
+    for r in range(20):
+        a.write_pages(p, rs, rd.descriptor, list(range(8)), list(range(8)), PAGE,
+                      imm=r % 3, message=b"request %d" % r).wait(timeout=10)
+    for r in range(20):
+        n = b.next_notification(timeout=10)
+        assert (n.value, n.message, n.count) == (r % 3, b"request %d" % r, 1)
+        assert n.sender == a.name
+    assert dst.all()
+    assert b.notifications() == []
+    with pytest.raises(xfer.InvalidArgument, match="4096"):
+        a.write(p, rs, rd.descriptor, [(0, 0, PAGE)], message=bytes(4097))
+
+
 def test_another_engines_peer_or_registration_is_refused():
     with xfer.Engine(transport="mem") as a, xfer.Engine(transport="mem") as b:
         t = xfer.Engine(transport="mem")

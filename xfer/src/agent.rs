@@ -335,8 +335,12 @@ pub struct Notification {
     /// The immediate value.
     pub imm: u32,
     /// How many arrivals of this sender and value this is (1 from
-    /// [`Agent::next_notification`]).
+    /// [`Agent::next_notification`]; identical messages of one sender are counted
+    /// together too).
     pub count: u64,
+    /// The bytes the sender attached ([`Transfer::message`]), `None` for plain immediate
+    /// data.
+    pub payload: Option<Vec<u8>>,
 }
 
 /// A transfer between a local region and a peer's: segments, which way, and what goes
@@ -347,6 +351,7 @@ pub struct Transfer {
     segments: Vec<(u64, u64, u64)>,
     runs: Vec<StridedRun>,
     imm: Option<u32>,
+    message: Option<Arc<[u8]>>,
     timeout: Option<Duration>,
     direction: Direction,
     after: Option<Arc<dyn Fence>>,
@@ -422,6 +427,17 @@ impl Transfer {
     /// Immediate data the peer is told once every byte of a WRITE has landed.
     pub fn imm(mut self, imm: u32) -> Transfer {
         self.imm = Some(imm);
+        self
+    }
+
+    /// Bytes for the peer (a request id and what goes with it, at most
+    /// [`MAX_MESSAGE`](fabric_core::engine::MAX_MESSAGE)), sent once every byte of the
+    /// transfer is placed, a WRITE's or a READ's: the peer takes them as a
+    /// [`Notification`] with its [`payload`](Notification::payload), naming us, with the
+    /// immediate value given by [`imm`](Self::imm) (0 without). Never dropped: while the
+    /// peer keeps too many untaken, our transfer waits for it to take some.
+    pub fn message(mut self, bytes: impl Into<Vec<u8>>) -> Transfer {
+        self.message = Some(Arc::from(bytes.into()));
         self
     }
 
@@ -911,6 +927,7 @@ impl Agent {
             segments: t.segments,
             runs: t.runs,
             imm: t.imm,
+            message: t.message,
             timeout: t.timeout,
             direction: t.direction,
             after: t.after,
@@ -1055,6 +1072,7 @@ impl Agent {
             from,
             imm: n.key.imm,
             count: n.count,
+            payload: n.key.payload.map(|p| p.to_vec()),
         }
     }
 

@@ -69,6 +69,10 @@ pub fn engine_config(o: &AgentOptions, name: &str) -> EngineConfig {
         linger: o.workers.linger.unwrap_or(d.linger),
         control_timeout: o.workers.control_timeout.unwrap_or(d.control_timeout),
         notification_keys: o.workers.notification_keys.unwrap_or(d.notification_keys),
+        messages: o
+            .workers
+            .messages
+            .unwrap_or(crate::options::DEFAULT_MESSAGES),
         ..d
     }
 }

@@ -103,9 +103,10 @@ pub use agent::{
     resolve_reason,
 };
 pub use error::{Error, ErrorKind, OptionName, Result};
+pub use fabric_core::engine::MAX_MESSAGE;
 pub use options::{
-    AgentOptions, BalanceOptions, CudaIpcOptions, EfaOptions, MAX_RAILS, MemoryKind, Role,
-    TcpOptions, TransportChoice, WorkerOptions,
+    AgentOptions, BalanceOptions, CudaIpcOptions, DEFAULT_MESSAGES, EfaOptions, MAX_RAILS,
+    MemoryKind, Role, TcpOptions, TransportChoice, WorkerOptions,
 };
 pub use placement::PinMode;
 pub use transport_tcp::{Congestion, CongestionError};

@@ -138,7 +138,14 @@ pub struct WorkerOptions {
     /// are taken (`fabric_core::engine::EngineConfig::notification_keys`; `None`: its
     /// default, 2^20). `Some(0)` keeps none: for a server that never takes them.
     pub notification_keys: Option<usize>,
+    /// Receives each rail keeps posted for peers' messages ([`Transfer::message`](crate::Transfer::message)),
+    /// 4 KiB each (`None`: [`DEFAULT_MESSAGES`]; `Some(0)` or `notification_keys` 0: none,
+    /// and peers' messages wait).
+    pub messages: Option<usize>,
 }
+
+/// Receives each rail of an agent keeps posted for peers' messages, by default.
+pub const DEFAULT_MESSAGES: usize = 16;
 
 /// How transfers spread over several rails (see `fabric_core::engine::Balance`; `None`
 /// keeps its default).

@@ -197,6 +197,86 @@ fn a_notification_names_its_sender_over_tcp() {
     a_notification_names_its_sender(TransportKind::Tcp);
 }
 
+/// A transfer's message reaches the peer after its bytes, with its value and the
+/// sender's name, over 4 rails (the message follows the last chunk, wherever it went);
+/// messages of a READ tell the owner that its memory was read; a receiver that takes
+/// them late loses none.
+fn a_message_carries_its_request(kind: TransportKind) {
+    let o = |name: &str| AgentOptions {
+        name: Some(name.into()),
+        transport: TransportChoice::Only(kind),
+        rails: Some(4),
+        pin: xfer::placement::PinMode::Off,
+        ..AgentOptions::default()
+    };
+    let (a, b) = (
+        Agent::new(o("prefill")).unwrap(),
+        Agent::new(o("decode")).unwrap(),
+    );
+    let len = 8 << 20;
+    let src_mem = HostBuffer::new_shared(len).unwrap();
+    src_mem.fill(0, len as u64, 3).unwrap();
+    let src = a.register(src_mem, Access::REMOTE_READ).unwrap();
+    let dst_mem = HostBuffer::new_shared(len).unwrap();
+    let dst = b
+        .register(dst_mem.clone(), Access::REMOTE_WRITE | Access::LOCAL_WRITE)
+        .unwrap();
+    let peer = a.connect(b.info()).unwrap();
+    b.know(a.info());
+    a.know(b.info());
+    let pages: Vec<u64> = (0..(len as u64 / 65536)).collect();
+    for r in 0..40u32 {
+        let t = xfer::Transfer::pages(&pages, 65536, &pages, 65536, 65536)
+            .unwrap()
+            .imm(r % 2)
+            .message(format!("request {r}"));
+        a.submit(&peer, &src, dst.descriptor(), t)
+            .unwrap()
+            .wait(T)
+            .unwrap();
+    }
+    // Taken late: all 40, in order, each with the bytes in place.
+    for r in 0..40u32 {
+        let n = b.next_notification(T).expect("a message");
+        assert_eq!(n.from.as_deref(), Some("prefill"));
+        assert_eq!(n.imm, r % 2);
+        assert_eq!(
+            n.payload.as_deref(),
+            Some(format!("request {r}").as_bytes())
+        );
+    }
+    assert!(dst_mem.to_vec(0, len).unwrap().iter().all(|&x| x == 3));
+    assert!(b.try_notification().is_none());
+
+    // Pull: b reads a's memory and tells a, naming itself.
+    let back = b.connect(a.info()).unwrap();
+    dst_mem.fill(0, len as u64, 0).unwrap();
+    let t = xfer::Transfer::pages(&pages, 65536, &pages, 65536, 65536)
+        .unwrap()
+        .read()
+        .message(&b"read request 7"[..]);
+    b.submit(&back, &dst, src.descriptor(), t)
+        .unwrap()
+        .wait(T)
+        .unwrap();
+    assert!(dst_mem.to_vec(0, len).unwrap().iter().all(|&x| x == 3));
+    let n = a.next_notification(T).expect("the reader's message");
+    assert_eq!(
+        (n.from.as_deref(), n.imm, n.payload.as_deref()),
+        (Some("decode"), 0, Some(&b"read request 7"[..]))
+    );
+}
+
+#[test]
+fn a_message_carries_its_request_over_mem() {
+    a_message_carries_its_request(TransportKind::Mem);
+}
+
+#[test]
+fn a_message_carries_its_request_over_tcp() {
+    a_message_carries_its_request(TransportKind::Tcp);
+}
+
 /// An agent told to keep no notifications (a server that never takes them) counts them
 /// and keeps none, however many distinct values its peers send.
 #[test]

@@ -111,6 +111,46 @@ pub struct EngineConfig {
     /// beyond it are counted as refused and logged. 0 keeps none, quietly: for an
     /// application that never takes notifications (a server). Default [`MAX_KEYS`].
     pub notification_keys: usize,
+    /// Receives the worker keeps posted for peers' messages ([`Transfer::message`]), each
+    /// of [`MAX_MESSAGE`] bytes: every SEND that reaches the engine is then taken as a
+    /// notification, and [`Engine::post_recv`] is refused. 0 (the default) posts none:
+    /// SENDs wait for the application's own receives. While the inbox holds
+    /// `notification_keys` pairs untaken, received messages are not replaced by new
+    /// receives, so senders are held back (their transport's SEND credit) rather than
+    /// their messages dropped. Ignored when `notification_keys` is 0.
+    pub messages: usize,
+}
+
+/// The most bytes a message ([`Transfer::message`]) carries.
+pub const MAX_MESSAGE: usize = 4096;
+
+/// Refuses a message longer than [`MAX_MESSAGE`].
+pub(crate) fn check_message(m: Option<&[u8]>) -> Result<()> {
+    match m {
+        Some(m) if m.len() > MAX_MESSAGE => Err(Invalid::TooLarge {
+            op: "message",
+            len: m.len() as u64,
+            limit: MAX_MESSAGE as u64,
+            setting: "MAX_MESSAGE",
+        }
+        .into()),
+        _ => Ok(()),
+    }
+}
+
+/// The segment a job names for immediate data that a message carries: none is written.
+pub(crate) fn message_segment() -> Segment {
+    Segment {
+        src: LocalKey(0),
+        src_offset: 0,
+        dst: crate::types::RemoteRegion {
+            addr: 0,
+            len: 0,
+            key: crate::types::RemoteKey(0),
+        },
+        dst_offset: 0,
+        len: 0,
+    }
 }
 
 impl Default for EngineConfig {
@@ -126,6 +166,7 @@ impl Default for EngineConfig {
             shutdown_timeout: Duration::from_secs(5),
             name: "xfer-worker".into(),
             notification_keys: MAX_KEYS,
+            messages: 0,
         }
     }
 }
@@ -153,6 +194,10 @@ pub struct Transfer {
     pub segments: Vec<Segment>,
     /// Immediate data for the target, sent after all other writes are placed.
     pub imm: Option<u32>,
+    /// A message for the peer, sent (as a SEND carrying `imm`, or 0) after every byte of
+    /// the transfer was placed, WRITE or READ: the peer's engine must keep receives posted
+    /// for it ([`EngineConfig::messages`]). At most [`MAX_MESSAGE`] bytes.
+    pub message: Option<Arc<[u8]>>,
     /// Fail with `TimedOut` if not finished by then.
     pub timeout: Option<Duration>,
     /// Which way the bytes flow.
@@ -169,10 +214,17 @@ impl Transfer {
             peer,
             segments: Vec::new(),
             imm: None,
+            message: None,
             timeout: None,
             direction: Direction::Write,
             after: None,
         }
+    }
+    /// Sends `bytes` to the peer once the transfer's bytes are placed (see
+    /// [`message`](Self::message)'s field).
+    pub fn message(mut self, bytes: impl Into<Arc<[u8]>>) -> Transfer {
+        self.message = Some(bytes.into());
+        self
     }
     /// Waits for `fence` (work the application queued, e.g. a CUDA event recorded on its
     /// stream) before any transport touches the transfer's local memory.
@@ -576,7 +628,9 @@ impl Engine {
     }
 
     pub(crate) fn job(&self, t: Transfer, slot: Arc<Slot<TransferResult>>) -> Result<Job> {
-        self.check_direction(t.direction, t.imm)?;
+        check_message(t.message.as_deref())?;
+        // A message carries the immediate value itself, after a READ too.
+        self.check_direction(t.direction, t.imm.filter(|_| t.message.is_none()))?;
         self.check_segments(&t.segments, t.direction)?;
         let plan = plan_with_rows(
             &t.segments,
@@ -585,18 +639,20 @@ impl Engine {
             self.limits.strided_writes,
         )?;
         let now = Instant::now();
-        let imm = match (t.imm, t.segments.first()) {
-            (None, _) => None,
-            (Some(_), None) => {
+        let imm = match (t.imm, t.segments.first(), &t.message) {
+            (None, _, _) => None,
+            (Some(v), _, Some(_)) => Some((v, message_segment())),
+            (Some(_), None, None) => {
                 return Err(Invalid::ImmWithoutSegment.into());
             }
-            (Some(v), Some(first)) => Some((v, *first)),
+            (Some(v), Some(first), None) => Some((v, *first)),
         };
         Ok(Job {
             peer: t.peer,
             plan,
             direction: t.direction,
             imm,
+            message: t.message,
             slot,
             deadline: t.timeout.map(|d| now + d),
             submitted: now,
@@ -658,8 +714,15 @@ impl Engine {
         Ok(TransferHandle { slot, cancel: None })
     }
 
-    /// Posts a receive buffer for one message from any peer.
+    /// Posts a receive buffer for one message from any peer. Refused on an engine that
+    /// takes every message as a notification ([`EngineConfig::messages`]).
     pub fn post_recv(&self, dst: LocalSlice) -> Result<RecvHandle> {
+        if self.cfg.messages > 0 && self.cfg.notification_keys > 0 {
+            return Err(Error::UnsupportedOp {
+                backend: self.backend,
+                op: "a receive of the application's own on an engine that takes messages as notifications",
+            });
+        }
         self.check_local(dst.key, dst.offset, dst.len, "receive")?;
         let slot = Slot::new();
         self.send_cmd(Command::Recv {
@@ -678,6 +741,12 @@ impl Engine {
             peer: n.key.peer,
             imm: n.key.imm,
         })
+    }
+
+    /// This engine's notifications: wait for a value and count, take arrivals (and
+    /// messages, with their bytes) one by one or all at once (see [`Notifications`]).
+    pub fn notifications(&self) -> &Notifications {
+        &self.notes
     }
 
     /// Where this engine counts peers' immediate data: give it to a [`Notifications`] to

@@ -38,6 +38,10 @@ pub struct NoteKey {
     /// rail's address), where the transport knows it: the same sender has the same address
     /// on every one of its rails, so it names the sender across engines.
     pub from: Option<Arc<[u8]>>,
+    /// The bytes a message carried ([`Transfer::message`](super::Transfer::message)),
+    /// `None` for plain immediate data. Messages of the same sender, value and bytes are
+    /// counted together like plain arrivals.
+    pub payload: Option<Arc<[u8]>>,
 }
 
 /// Arrivals taken from an inbox: one (sender, value) and how many times it landed.
@@ -229,7 +233,23 @@ impl Inbox {
         if key.imm == WARM_UP_IMM {
             return;
         }
-        if !self.lock().add(key, 1, self.max_keys) {
+        self.count(key, self.max_keys);
+    }
+
+    /// Keeps one message (a notification with bytes), beyond the bound if need be: a
+    /// message is never dropped. The worker that receives messages holds the senders back
+    /// instead, posting no receive while [`has_room`](Self::has_room) is false.
+    pub(crate) fn message(&self, key: NoteKey) {
+        self.count(key, usize::MAX);
+    }
+
+    /// Whether fewer distinct (sender, value) pairs than the bound wait untaken.
+    pub(crate) fn has_room(&self) -> bool {
+        self.lock().counts.len() < self.max_keys
+    }
+
+    fn count(&self, key: NoteKey, max_keys: usize) {
+        if !self.lock().add(key, 1, max_keys) {
             let n = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
             if self.max_keys > 0 && n.is_power_of_two() {
                 tracing::error!(
@@ -384,6 +404,7 @@ mod tests {
             imm,
             peer: Some(PeerId(1)),
             from: Some(Arc::from(from.as_bytes())),
+            payload: None,
         }
     }
 

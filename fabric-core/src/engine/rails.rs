@@ -94,6 +94,9 @@ pub struct GroupTransfer {
     pub runs: Vec<StridedRun>,
     /// Immediate data delivered to the target after every byte landed.
     pub imm: Option<u32>,
+    /// A message for the peer, sent after every byte was placed (a WRITE's or a READ's),
+    /// with `imm` (or 0): see [`Transfer::message`](super::Transfer::message).
+    pub message: Option<Arc<[u8]>>,
     /// Deadline for each shard.
     pub timeout: Option<Duration>,
     /// Which way the bytes flow (`Write` by default).
@@ -141,6 +144,7 @@ impl GroupTransfer {
             segments,
             runs: Vec::new(),
             imm: None,
+            message: None,
             timeout: None,
             direction: Direction::Write,
             after: None,
@@ -190,6 +194,7 @@ impl GroupTransfer {
             segments,
             runs: Vec::new(),
             imm: None,
+            message: None,
             timeout: None,
             direction: Direction::Write,
             after: None,
@@ -676,8 +681,10 @@ impl RailGroup {
             .collect();
         // Every rail's key must be known to its engine; the ranges are checked on rail 0
         // (the same memory is registered on every rail).
+        super::check_message(t.message.as_deref())?;
         for e in &self.rails {
-            e.check_direction(t.direction, t.imm)?;
+            // A message carries the immediate value itself, after a READ too.
+            e.check_direction(t.direction, t.imm.filter(|_| t.message.is_none()))?;
         }
         self.rails[0].check_segments(&segs, t.direction)?;
         // A run's rows lie between its first row's start and its last row's end.
@@ -740,12 +747,14 @@ impl RailGroup {
         };
         let first = (t.segments.first().map(|&(so, d_o, _)| (so, d_o)))
             .or_else(|| t.runs.first().map(|r| (r.src_offset, r.dst_offset)));
-        let imm = match (t.imm, first) {
-            (None, _) => None,
-            (Some(_), None) => {
+        let imm = match (t.imm, first, &t.message) {
+            (None, _, _) => None,
+            // The message carries it: no write does.
+            (Some(v), _, Some(_)) => Some((v, 0, 0)),
+            (Some(_), None, None) => {
                 return Err(Invalid::ImmWithoutSegment.into());
             }
-            (Some(v), Some((so, d_o))) => Some((v, so, d_o)),
+            (Some(v), Some((so, d_o)), None) => Some((v, so, d_o)),
         };
         Ok(PreparedTransfer {
             group: Arc::as_ptr(&self.shared) as usize,
@@ -756,6 +765,7 @@ impl RailGroup {
             bytes: plan.bytes,
             chunk,
             imm,
+            message: t.message,
             direction: t.direction,
             timeout: t.timeout,
         })
@@ -787,6 +797,7 @@ impl RailGroup {
             bytes: plan_bytes,
             chunk,
             imm,
+            message,
             direction,
             timeout,
             ..
@@ -798,7 +809,7 @@ impl RailGroup {
             slot: slot.clone(),
             cancel: None,
         };
-        if writes.is_empty() && imm.is_none() {
+        if writes.is_empty() && imm.is_none() && message.is_none() {
             slot.complete(Ok(TransferStats::default()));
             return Ok(handle);
         }
@@ -836,6 +847,7 @@ impl RailGroup {
                 },
                 direction,
                 imm: imm.map(|(v, so, d_o)| (v, imm_segment(srcs[r], so, dsts[r], d_o))),
+                message,
                 slot: done,
                 deadline,
                 submitted,
@@ -868,6 +880,7 @@ impl RailGroup {
             srcs,
             dsts,
             imm,
+            message,
             direction,
             after,
             shared: sh.clone(),
@@ -1116,6 +1129,7 @@ pub struct PreparedTransfer {
     bytes: u64,
     chunk: u64,
     imm: Option<(u32, u64, u64)>,
+    message: Option<Arc<[u8]>>,
     direction: Direction,
     timeout: Option<Duration>,
 }
@@ -1170,6 +1184,8 @@ struct GroupState {
     dsts: Vec<RemoteRegion>,
     /// The immediate value and the offsets of the segment that carries it.
     imm: Option<(u32, u64, u64)>,
+    /// The message sent once every chunk landed.
+    message: Option<Arc<[u8]>>,
     /// Every chunk's direction.
     direction: Direction,
     /// What every chunk waits for before it is posted.
@@ -1230,6 +1246,7 @@ impl GroupState {
             },
             direction: self.direction,
             imm: None,
+            message: None,
             slot,
             deadline: self.deadline,
             submitted: posted,
@@ -1313,11 +1330,14 @@ impl GroupState {
             bytes: self.bytes,
             ops,
         };
-        let Some((v, so, d_o)) = self.imm else {
+        if self.imm.is_none() && self.message.is_none() {
             self.shared.latency.record(self.submitted.elapsed());
             self.complete(Ok(stats));
             return;
-        };
+        }
+        let imm = self
+            .imm
+            .map(|(v, so, d_o)| (v, imm_segment(self.srcs[rail], so, self.dsts[rail], d_o)));
         let st = self.clone();
         let job = Job {
             peer: self.peers[rail],
@@ -1326,7 +1346,8 @@ impl GroupState {
                 bytes: 0,
             },
             direction: Direction::Write,
-            imm: Some((v, imm_segment(self.srcs[rail], so, self.dsts[rail], d_o))),
+            imm,
+            message: self.message.clone(),
             slot: Slot::with_callback(Box::new(move |r: TransferResult| {
                 if r.is_ok() {
                     st.shared.latency.record(st.submitted.elapsed());

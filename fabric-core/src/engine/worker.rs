@@ -2,10 +2,10 @@
 
 use super::handle::{Received, Slot, TransferResult, TransferStats};
 use super::notes::{Inbox, NoteKey};
-use super::{Counters, EngineConfig};
+use super::{Counters, EngineConfig, MAX_MESSAGE};
 use crate::error::{Error, OpError, Result};
 use crate::fence::Fence;
-use crate::memory::MemoryRegion;
+use crate::memory::{HostBuffer, MemoryRegion};
 use crate::plan::{Direction, PlannedWrite, Segment, TransferPlan};
 use crate::stats::LatencyHistogram;
 use crate::transport::{Completion, OpKind, PostOutcome, Transport};
@@ -26,6 +26,9 @@ pub(crate) struct Job {
     pub direction: Direction,
     /// Immediate value and the segment whose region carries it.
     pub imm: Option<(u32, Segment)>,
+    /// A message sent (as a SEND with the immediate value, or 0) once everything else
+    /// landed, instead of the immediate-data write.
+    pub message: Option<Arc<[u8]>>,
     pub slot: Arc<Slot<TransferResult>>,
     pub deadline: Option<Instant>,
     /// When it was submitted (its latency is counted from here).
@@ -62,6 +65,8 @@ enum QueuedOp {
     Writes,
     /// The write that carries the immediate data.
     Imm(PlannedWrite, u32),
+    /// The SEND of the transfer's message, with this immediate value.
+    Message(u32),
     Send(LocalSlice, Option<u32>),
 }
 
@@ -80,8 +85,13 @@ struct Active {
     remaining: u64,
     error: Option<OpError>,
     stats: TransferStats,
-    /// The zero-length write that carries the immediate data, sent once all else landed.
+    /// The zero-length write that carries the immediate data, sent once all else landed
+    /// (its value only, when a message carries it).
     final_imm: Option<(PlannedWrite, u32)>,
+    /// The message sent instead of that write.
+    message: Option<Arc<[u8]>>,
+    /// The slot of the worker's send buffers that the message was copied into.
+    out_slot: Option<u32>,
     deadline: Option<Instant>,
     /// When it was submitted.
     submitted: Instant,
@@ -111,6 +121,41 @@ const SENDERS_CACHED: usize = 4096;
 
 /// Work-request ids: bit 63 marks receives; otherwise generation << 32 | slot.
 const RECV_BIT: u64 = 1 << 63;
+/// With [`RECV_BIT`]: a receive of the worker's own for messages; the low bits its slot.
+const POOL_BIT: u64 = 1 << 62;
+
+/// Registered host memory cut into [`MAX_MESSAGE`] slots: the worker's receives for
+/// peers' messages, or the send buffers its messages are copied into.
+struct Pool {
+    mem: Arc<HostBuffer>,
+    key: LocalKey,
+    free: Vec<u32>,
+}
+
+impl Pool {
+    /// `slots` slots registered on `t` with `access`.
+    fn new<T: Transport>(t: &mut T, slots: usize, access: Access) -> Result<Pool> {
+        let mem = HostBuffer::new_shared(slots * MAX_MESSAGE)
+            .map_err(|e| Error::Op(OpError::transport(e)))?;
+        let key = t.register(mem.clone(), access)?.local;
+        Ok(Pool {
+            mem,
+            key,
+            free: (0..slots as u32).rev().collect(),
+        })
+    }
+
+    fn slice(&self, slot: u32, len: usize) -> LocalSlice {
+        LocalSlice {
+            key: self.key,
+            offset: slot as u64 * MAX_MESSAGE as u64,
+            len: len as u64,
+        }
+    }
+}
+
+/// Send buffers a worker keeps for messages: more wait in its queue for one to free up.
+const SEND_SLOTS: usize = 64;
 
 pub(crate) struct Worker<T: Transport> {
     t: T,
@@ -157,6 +202,12 @@ pub(crate) struct Worker<T: Transport> {
     /// Transfers held until their fence reports done (slot, generation, fence): nothing of
     /// them is queued yet.
     fenced: Vec<(u32, u32, Arc<dyn Fence>)>,
+    /// Receives for peers' messages ([`EngineConfig::messages`]), registered at start.
+    receives: Option<Pool>,
+    /// Receive slots not posted again while the inbox is full (the senders wait).
+    parked: Vec<u32>,
+    /// Send buffers for our messages, registered at the first.
+    sends: Option<Pool>,
 }
 
 /// How long a worker with transfers waiting for their fences sleeps between looks: a fence
@@ -223,10 +274,59 @@ impl<T: Transport> Worker<T> {
             in_use: HashMap::new(),
             connecting: Vec::new(),
             fenced: Vec::new(),
+            receives: None,
+            parked: Vec::new(),
+            sends: None,
         }
     }
 
+    /// Registers and posts the receives for peers' messages, if the engine takes them.
+    fn open_receives(&mut self) {
+        let n = self.cfg.messages;
+        if n == 0 || self.cfg.notification_keys == 0 {
+            return;
+        }
+        match Pool::new(&mut self.t, n, Access::LOCAL_WRITE) {
+            Ok(mut p) => {
+                self.parked = std::mem::take(&mut p.free);
+                self.receives = Some(p);
+                self.repost();
+            }
+            Err(e) => tracing::warn!(
+                error = %e,
+                "no receives for peers' messages: their notifications with bytes will not arrive"
+            ),
+        }
+    }
+
+    /// Posts the parked receive slots again while the inbox has room; returns how many.
+    fn repost(&mut self) -> usize {
+        let Some(p) = &self.receives else {
+            return 0;
+        };
+        let mut n = 0;
+        while let Some(&slot) = self.parked.last() {
+            if !self.inbox.has_room() {
+                break;
+            }
+            let wr = WorkRequestId(RECV_BIT | POOL_BIT | slot as u64);
+            match self.t.post_recv(wr, p.slice(slot, MAX_MESSAGE)) {
+                Ok(PostOutcome::Posted) => {
+                    self.parked.pop();
+                    n += 1;
+                }
+                Ok(PostOutcome::NoRoom) => break,
+                Err(e) => {
+                    tracing::warn!(error = %e, "a receive for peers' messages was refused");
+                    break;
+                }
+            }
+        }
+        n
+    }
+
     pub fn run(mut self) {
+        self.open_receives();
         loop {
             let mut progressed = false;
             for _ in 0..1024 {
@@ -253,6 +353,9 @@ impl<T: Transport> Worker<T> {
             }
             if !self.fenced.is_empty() {
                 progressed |= self.release_fenced();
+            }
+            if !self.parked.is_empty() {
+                progressed |= self.repost() > 0;
             }
             self.flush_counters();
             if self.deadlines > 0 && Instant::now() >= self.next_deadline_scan {
@@ -392,6 +495,8 @@ impl<T: Transport> Worker<T> {
                     error: None,
                     stats: TransferStats::default(),
                     final_imm: None,
+                    message: None,
+                    out_slot: None,
                     deadline: None,
                     submitted: Instant::now(),
                     writes: Vec::new(),
@@ -467,7 +572,11 @@ impl<T: Transport> Worker<T> {
         (idx, generation)
     }
 
-    fn start_transfer(&mut self, job: Job) {
+    fn start_transfer(&mut self, mut job: Job) {
+        if job.message.is_some() && job.imm.is_none() {
+            // The message carries value 0; no write carries it.
+            job.imm = Some((0, super::message_segment()));
+        }
         let final_imm = job.imm.map(|(v, s)| {
             let w = PlannedWrite {
                 src: LocalSlice {
@@ -484,9 +593,11 @@ impl<T: Transport> Worker<T> {
             };
             (w, v)
         });
-        let mut job = job;
         let mut final_imm = final_imm;
-        if let (Some((_, v)), [only]) = (final_imm, job.plan.writes.as_slice()) {
+        let message = job.message.take();
+        if let (Some((_, v)), [only], None) =
+            (final_imm, job.plan.writes.as_slice(), message.as_ref())
+        {
             // One write: it carries the immediate data itself (a transport delivers it only
             // after that write's bytes have landed), which saves a round trip.
             final_imm = Some((*only, v));
@@ -513,7 +624,15 @@ impl<T: Transport> Worker<T> {
             final_imm,
             deadline: job.deadline,
             submitted: job.submitted,
-            keys: keys_of(&job.plan.writes, final_imm.as_ref().map(|(w, _)| w)),
+            keys: keys_of(
+                &job.plan.writes,
+                final_imm
+                    .as_ref()
+                    .filter(|_| message.is_none())
+                    .map(|(w, _)| w),
+            ),
+            message,
+            out_slot: None,
             writes: job.plan.writes,
             next: 0,
             direction: job.direction,
@@ -592,10 +711,14 @@ impl<T: Transport> Worker<T> {
         if let Some((w, v)) = a.final_imm.take() {
             a.remaining += 1;
             let generation = a.generation;
+            let op = match a.message {
+                Some(_) => QueuedOp::Message(v),
+                None => QueuedOp::Imm(w, v),
+            };
             self.queue.push_back(Queued {
                 slot: idx,
                 generation,
-                op: QueuedOp::Imm(w, v),
+                op,
             });
         }
     }
@@ -653,6 +776,9 @@ impl<T: Transport> Worker<T> {
         if a.deadline.is_some() {
             self.deadlines -= 1;
         }
+        if let (Some(slot), Some(p)) = (a.out_slot, self.sends.as_mut()) {
+            p.free.push(slot);
+        }
         for k in &a.keys {
             if let Some(n) = self.in_use.get_mut(k) {
                 *n -= 1;
@@ -709,6 +835,19 @@ impl<T: Transport> Worker<T> {
                 QueuedOp::Imm(w, v) => {
                     self.post_one(q, |t, peer, wr| post_planned(t, peer, wr, w, Some(v)))
                 }
+                QueuedOp::Message(v) => match self.message_slice(q) {
+                    Ok(Some(src)) => {
+                        self.post_one(q, |t, peer, wr| t.post_send(peer, wr, src, Some(v)))
+                    }
+                    // Every send buffer is taken: wait for a completion.
+                    Ok(None) => (0, true),
+                    Err(e) => {
+                        self.queue.pop_front();
+                        self.pending.errors += 1;
+                        self.op_done(q.slot, q.generation, Err(op_error(e)));
+                        (0, false)
+                    }
+                },
                 QueuedOp::Send(src, imm) => {
                     self.post_one(q, |t, peer, wr| t.post_send(peer, wr, src, imm))
                 }
@@ -782,6 +921,39 @@ impl<T: Transport> Worker<T> {
             self.op_done(q.slot, q.generation, Err(op_error(e)));
         }
         (posted, no_room)
+    }
+
+    /// The send buffer holding the message of the transfer at the front of the queue
+    /// (copied into one the first time), or `None` while every buffer is taken.
+    fn message_slice(&mut self, q: Queued) -> Result<Option<LocalSlice>> {
+        if self.sends.is_none() {
+            self.sends = Some(Pool::new(&mut self.t, SEND_SLOTS, Access::NONE)?);
+        }
+        let Some(p) = self.sends.as_mut() else {
+            return Ok(None);
+        };
+        let Some(a) = self.slots[q.slot as usize]
+            .as_mut()
+            .filter(|a| a.generation == q.generation)
+        else {
+            // It ended meanwhile: post_one drops the entry.
+            return Ok(Some(p.slice(0, 0)));
+        };
+        let len = a.message.as_ref().map_or(0, |m| m.len());
+        if let Some(slot) = a.out_slot {
+            return Ok(Some(p.slice(slot, len)));
+        }
+        let Some(slot) = p.free.pop() else {
+            return Ok(None);
+        };
+        a.out_slot = Some(slot);
+        let src = p.slice(slot, len);
+        if let Some(m) = &a.message {
+            p.mem
+                .write(src.offset, m)
+                .map_err(|e| Error::Op(OpError::transport(e)))?;
+        }
+        Ok(Some(src))
     }
 
     /// Posts the single operation at the front of the queue and pops it unless refused.
@@ -869,9 +1041,10 @@ impl<T: Transport> Worker<T> {
         match c.op {
             OpKind::RemoteWrite => {
                 if let Some(imm) = c.imm {
-                    self.arrived(c.peer, imm);
+                    self.arrived(c.peer, imm, None);
                 }
             }
+            OpKind::Recv if c.wr_id.0 & POOL_BIT != 0 => self.message_arrived(c),
             OpKind::Recv => {
                 if let Some(slot) = self.recvs.remove(&c.wr_id.0) {
                     slot.complete(c.result.map(|len| Received {
@@ -905,9 +1078,33 @@ impl<T: Transport> Worker<T> {
         }
     }
 
-    /// Counts a peer's immediate data in the inbox, with the sender's address (asked of
-    /// the transport once per peer).
-    fn arrived(&mut self, peer: Option<PeerId>, imm: u32) {
+    /// A receive of ours for peers' messages completed: the message goes to the inbox and
+    /// the receive is posted again (once the inbox has room).
+    fn message_arrived(&mut self, c: Completion) {
+        let slot = (c.wr_id.0 & 0xffff_ffff) as u32;
+        let payload = match (&c.result, &self.receives) {
+            (Ok(len), Some(p)) => p
+                .mem
+                .to_vec(slot as u64 * MAX_MESSAGE as u64, *len as usize)
+                .map_err(|e| tracing::warn!(error = %e, "a peer's message could not be read")),
+            (Err(e), _) => {
+                tracing::warn!(error = %e, "a receive for peers' messages failed");
+                Err(())
+            }
+            (Ok(_), None) => Err(()),
+        };
+        if let Ok(bytes) = payload {
+            self.arrived(c.peer, c.imm.unwrap_or(0), Some(Arc::from(bytes)));
+        }
+        if !matches!(c.result, Err(OpError::Cancelled)) {
+            self.parked.push(slot);
+            self.repost();
+        }
+    }
+
+    /// Counts a peer's immediate data (or message) in the inbox, with the sender's
+    /// address (asked of the transport once per peer).
+    fn arrived(&mut self, peer: Option<PeerId>, imm: u32, payload: Option<Arc<[u8]>>) {
         let from = match peer {
             Some(p) => {
                 if self.senders.len() >= SENDERS_CACHED && !self.senders.contains_key(&p) {
@@ -924,7 +1121,18 @@ impl<T: Transport> Worker<T> {
         };
         // Counted before it can be taken, so that whoever took it sees it counted.
         self.counters.notifications.fetch_add(1, Ordering::Relaxed);
-        self.inbox.arrive(NoteKey { imm, peer, from });
+        let message = payload.is_some();
+        let key = NoteKey {
+            imm,
+            peer,
+            from,
+            payload,
+        };
+        if message {
+            self.inbox.message(key);
+        } else {
+            self.inbox.arrive(key);
+        }
     }
 
     /// Times out transfers past their deadline: they post nothing more, and finish (with
