@@ -5,8 +5,10 @@
 //!   well-formed ones, and round-trips what it accepts.
 //! - Byte streams fed to a real target over a socket (random noise, random frames, and
 //!   mutations of a valid HELLO + BATCH + WRITE + SEND stream) never panic it, never change
-//!   a byte outside its registered window (canaries), draw only ACK/NACK answers, and leave
-//!   it serving a well-behaved peer.
+//!   a byte outside its registered window (canaries), draw only ACK/NACK answers and
+//!   READ_REPLYs whose bytes all come from the one region that allows REMOTE_READ (so
+//!   READs are served, not only refused, and never read past that region), and leave it
+//!   serving a well-behaved peer.
 //! - Byte streams fed back to a real initiator by a hostile target complete every posted
 //!   write exactly once, and leave it serving a real peer.
 //! - A hostile target's first frame (a CHALLENGE with any fields, or another frame) draws
@@ -28,13 +30,20 @@ use proptest::sample::Index;
 use std::collections::HashMap;
 use std::net::TcpListener;
 use transport_tcp::TcpConfig;
-use transport_tcp::frame::{FLAG_CRC, FLAG_IMM, HEADER_LEN, Header, MAX_BATCH, Op, code};
+use transport_tcp::frame::{
+    CHECKSUM_LEN, FLAG_CRC, FLAG_IMM, HEADER_LEN, Header, MAX_BATCH, Op, code,
+};
 
 /// The target's registered window.
 const WIN: u64 = 16 * 1024;
 /// The target's largest message.
 const MAX_MSG: u64 = 64 * 1024;
 const FILL: u8 = 0x11;
+/// What the region that allows REMOTE_READ holds: a READ_REPLY byte of any other value
+/// came from outside it (its canaries are `fabric_core::testing::CANARY`).
+const READABLE_FILL: u8 = 0x52;
+/// Bytes of that region.
+const READABLE_LEN: u64 = 8 * 1024;
 
 fn config() -> ProptestConfig {
     let cases = std::env::var("PROPTEST_CASES")
@@ -122,12 +131,13 @@ proptest! {
 
 // ---- (b) byte streams against a target ----
 
-/// A target with a window (remote write), a region without remote write, and the key of a
-/// deregistered region.
+/// A target with a window (remote write), a region without remote write, a region peers
+/// may read (and not write), and the key of a deregistered region.
 struct Fixture {
     target: Node,
     window: Canaried,
     nowrite: Canaried,
+    readable: Canaried,
     stale: Canaried,
 }
 
@@ -147,12 +157,19 @@ impl Fixture {
             FILL,
         );
         let nowrite = Canaried::new(&mut target.t, 4096, Access::LOCAL_WRITE, FILL);
+        let readable = Canaried::new(
+            &mut target.t,
+            READABLE_LEN,
+            Access::REMOTE_READ,
+            READABLE_FILL,
+        );
         let stale = Canaried::new(&mut target.t, 4096, Access::REMOTE_WRITE, FILL);
         target.t.deregister(stale.reg.local).unwrap();
         Fixture {
             target,
             window,
             nowrite,
+            readable,
             stale,
         }
     }
@@ -161,6 +178,7 @@ impl Fixture {
         match k {
             KeyPick::Window => self.window.reg.remote.key.0,
             KeyPick::NoWrite => self.nowrite.reg.remote.key.0,
+            KeyPick::Readable => self.readable.reg.remote.key.0,
             KeyPick::Stale => self.stale.reg.remote.key.0,
             KeyPick::Bogus(v) => *v,
         }
@@ -189,18 +207,39 @@ impl Fixture {
 
     /// What holds after any input.
     fn check(&mut self, answered: &[u8], seed: u64) {
-        for chunk in answered.chunks_exact(HEADER_LEN) {
-            let h = Header::decode(chunk.try_into().unwrap());
+        let mut rest = answered;
+        // Whole headers only: the target may stop mid-answer when it reads our EOF.
+        while let Some(raw) = rest.get(..HEADER_LEN) {
+            let h = Header::decode(raw.try_into().unwrap());
+            let (len, checksum) = match h {
+                Ok(Header {
+                    op: Op::Ack | Op::Nack,
+                    ..
+                }) => (0, 0),
+                Ok(Header {
+                    op: Op::ReadReply,
+                    len,
+                    flags,
+                    ..
+                }) => {
+                    assert!(len <= READABLE_LEN, "a READ_REPLY of {len} bytes");
+                    let crc = if flags & FLAG_CRC != 0 {
+                        CHECKSUM_LEN
+                    } else {
+                        0
+                    };
+                    (len as usize, crc as usize)
+                }
+                _ => panic!("the target sent {h:?}"),
+            };
+            rest = &rest[HEADER_LEN..];
             assert!(
-                matches!(
-                    h,
-                    Ok(Header {
-                        op: Op::Ack | Op::Nack,
-                        ..
-                    })
-                ),
-                "the target sent {h:?}"
+                rest[..len.min(rest.len())]
+                    .iter()
+                    .all(|&b| b == READABLE_FILL),
+                "a READ_REPLY carried bytes from outside the readable region"
             );
+            rest = &rest[(len + checksum).min(rest.len())..];
         }
         for c in &self.target.done {
             assert!(
@@ -217,6 +256,14 @@ impl Fixture {
             );
             r.assert_canaries();
         }
+        assert!(
+            self.readable
+                .read(0, READABLE_LEN as usize)
+                .iter()
+                .all(|&b| b == READABLE_FILL),
+            "the region that allows only REMOTE_READ changed"
+        );
+        self.readable.assert_canaries();
         honest_write(
             &mut self.target,
             &self.window,
@@ -231,6 +278,8 @@ impl Fixture {
 enum KeyPick {
     Window,
     NoWrite,
+    /// The region that allows REMOTE_READ only.
+    Readable,
     Stale,
     Bogus(u64),
 }
@@ -239,6 +288,7 @@ fn key_pick() -> impl Strategy<Value = KeyPick> {
     prop_oneof![
         8 => Just(KeyPick::Window),
         1 => Just(KeyPick::NoWrite),
+        2 => Just(KeyPick::Readable),
         1 => Just(KeyPick::Stale),
         1 => any::<u64>().prop_map(KeyPick::Bogus),
     ]
@@ -335,7 +385,7 @@ impl StreamSpec {
                     Some(end) if end <= WIN => None,
                     _ => Some(code::BOUNDS),
                 },
-                KeyPick::NoWrite => Some(code::PERMISSION),
+                KeyPick::NoWrite | KeyPick::Readable => Some(code::PERMISSION),
                 KeyPick::Stale | KeyPick::Bogus(_) => Some(code::KEY),
             };
             if fail.is_none() {
@@ -457,8 +507,9 @@ fn frame_spec() -> impl Strategy<Value = FrameSpec> {
                 1 => Just(Op::Ack as u8),
                 1 => Just(Op::Nack as u8),
                 1 => Just(Op::Hello as u8),
-                // Refused: no region of the fixture allows REMOTE_READ (answered by NACKs).
-                2 => Just(Op::Read as u8),
+                // Served (READ_REPLY) when aimed inside the region that allows REMOTE_READ,
+                // refused (NACK) elsewhere.
+                4 => Just(Op::Read as u8),
                 1 => Just(Op::ReadReply as u8),
                 // Only targets send it: a peer's closes the connection.
                 1 => Just(Op::Challenge as u8),

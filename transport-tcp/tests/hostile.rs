@@ -16,7 +16,7 @@ use fabric_core::testing::{Canaried, pattern};
 use fabric_core::{Access, OpKind, PostOutcome, Transport, WorkRequestId};
 use std::time::Duration;
 use transport_tcp::frame::{HEADER_LEN, Header, MAX_BATCH, Op, code};
-use transport_tcp::{TcpConfig, TcpTransport};
+use transport_tcp::{FrameError, TcpConfig, TcpTransport};
 
 const WINDOW: u64 = 64 * 1024;
 const FILL: u8 = 0x11;
@@ -86,7 +86,65 @@ fn bytes_before_hello_close_the_connection() {
     honest_write(&mut target, &dst, 0, 4096, 9);
 }
 
-// 2. Malformed headers after HELLO; the frames behind them are never acted on.
+/// Every op this build defines. The match below stops compiling when a kind is added, so
+/// that the list is brought up to date instead of letting a test send a defined op as an
+/// unknown one (7 was "unknown" in a test until it became READ in protocol 3).
+const DEFINED_OPS: [Op; 9] = [
+    Op::Hello,
+    Op::Write,
+    Op::Send,
+    Op::Ack,
+    Op::Nack,
+    Op::Batch,
+    Op::Read,
+    Op::ReadReply,
+    Op::Challenge,
+];
+
+/// Where `op` is in [`DEFINED_OPS`] (exhaustive: see there).
+fn defined_index(op: Op) -> usize {
+    match op {
+        Op::Hello => 0,
+        Op::Write => 1,
+        Op::Send => 2,
+        Op::Ack => 3,
+        Op::Nack => 4,
+        Op::Batch => 5,
+        Op::Read => 6,
+        Op::ReadReply => 7,
+        Op::Challenge => 8,
+    }
+}
+
+/// Every op byte that names no frame kind, each checked against the decoder: the bytes of
+/// [`DEFINED_OPS`] decode to their op, every other byte is refused as unknown.
+fn unknown_ops() -> Vec<u8> {
+    for (i, op) in DEFINED_OPS.iter().enumerate() {
+        assert_eq!(defined_index(*op), i, "DEFINED_OPS is out of order");
+    }
+    let mut header = Header::new(Op::Ack, 0).encode();
+    let unknown: Vec<u8> = (0..=u8::MAX)
+        .filter(|&v| {
+            header[0] = v;
+            match Header::decode(&header) {
+                Ok(h) => {
+                    assert_eq!(h.op as u8, v);
+                    assert!(DEFINED_OPS.contains(&h.op), "{:?} is not listed", h.op);
+                    false
+                }
+                Err(e) => {
+                    assert_eq!(e, FrameError::UnknownOp(v));
+                    true
+                }
+            }
+        })
+        .collect();
+    assert_eq!(unknown.len(), 256 - DEFINED_OPS.len());
+    unknown
+}
+
+// 2. Malformed headers after HELLO; the frames behind them are never acted on. Every op
+// byte that is not a defined op is one of them.
 #[test]
 fn malformed_headers_after_hello_close_the_connection() {
     let (mut target, dst) = target_with_window();
@@ -102,10 +160,14 @@ fn malformed_headers_after_hello_close_the_connection() {
         frame(Header::new(Op::Hello, 11), &p)
     };
     let long_hello = frame(Header::new(Op::Hello, 4097), &[0u8; 4097]);
-    let cases: Vec<(&str, Vec<u8>, bool)> = vec![
-        ("op 0", with(0, 0).to_vec(), true),
-        ("op 7", with(0, 7).to_vec(), true),
-        ("op 255", with(0, 255).to_vec(), true),
+    let unknown = unknown_ops();
+    let names: Vec<String> = unknown.iter().map(|v| format!("op {v}")).collect();
+    let mut cases: Vec<(&str, Vec<u8>, bool)> = names
+        .iter()
+        .zip(&unknown)
+        .map(|(what, &v)| (what.as_str(), with(0, v).to_vec(), true))
+        .collect();
+    cases.extend(vec![
         ("flags 0x04", with(1, 0x04).to_vec(), true),
         ("flags 0x80", with(1, 0x80).to_vec(), true),
         ("reserved byte 1", with(3, 1).to_vec(), true),
@@ -123,7 +185,7 @@ fn malformed_headers_after_hello_close_the_connection() {
         ),
         ("a HELLO of 11 bytes", short_hello, false),
         ("a HELLO of 4097 bytes", long_hello, false),
-    ];
+    ]);
     for (what, bad, after_hello) in &cases {
         // A valid WRITE follows the bad frame: it must not land.
         let behind = write_frame(key, 0, &[EVIL; 16], Some(2), 2);
