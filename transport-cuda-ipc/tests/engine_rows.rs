@@ -88,6 +88,7 @@ fn a_rail_group_sends_rows_as_strided_writes_on_every_rail() {
             .collect(),
         runs: Vec::new(),
         imm: Some(4),
+        message: None,
         timeout: Some(T),
         direction: Default::default(),
         after: None,
