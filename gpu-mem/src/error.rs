@@ -223,6 +223,9 @@ pub enum GpuMemError {
         #[source]
         source: CudaError,
     },
+    /// A handle from a peer that is this very process names no live export of it.
+    #[error("no live CUDA IPC export of this process has this handle")]
+    NotOurExport,
     /// Another driver call failed (device queries, streams, events, synchronisation).
     #[error("{call} failed")]
     Driver {

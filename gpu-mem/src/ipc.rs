@@ -10,8 +10,18 @@
 //! see [`CopyMethod`]), completed by events.
 //!
 //! A handle exported by this very process is not opened again (the driver refuses that):
-//! [`Device::open_ipc`] finds it in a process-wide table and maps it onto the exporting
-//! region itself, which the mapping then keeps alive.
+//! it is found in a process-wide table of exports and mapped onto the exporting region
+//! itself, which the mapping then keeps alive. A handle received from a peer is looked up
+//! there only when the peer is provably this process ([`SameProcess`], the kernel's word on
+//! a Unix socket's other end): [`Device::open_peer_ipc`]. Were a peer's handle resolved
+//! through our own exports, a hostile peer could send the handle of one of *our*
+//! allocations and aim our copies into our own memory; from another process, such a handle
+//! goes to the driver, which refuses to open a handle of the process that opens it.
+//!
+//! What CUDA IPC cannot restrict: a handle opens the whole allocation that contains the
+//! exported region (for a PyTorch tensor, the caching allocator's segment, with other
+//! tensors in it), for reading and writing alike. An exporter cannot give a peer less; it
+//! can only decide whom to give the handle (see the transport's own checks).
 
 use crate::copies::{CopyMethod, RangeCopies};
 use crate::device::Device;
@@ -157,6 +167,45 @@ impl Drop for IpcExport {
     }
 }
 
+/// The kernel's word that the other end of a Unix socket is this very process: its
+/// `SO_PEERCRED` pid (the pid of the process that made the listening or connecting socket,
+/// as the kernel recorded it, translated into our pid namespace) is ours. The one case in
+/// which [`Device::open_peer_ipc`] resolves a received handle through this process's own
+/// exports. Not `Clone`: each connection is checked on its own.
+#[derive(Debug)]
+pub struct SameProcess(());
+
+impl SameProcess {
+    /// Asks the kernel who is at the other end of the connected Unix socket `socket`:
+    /// `Some` when it is this process, `None` for any other (or one the kernel cannot name
+    /// in our pid namespace).
+    pub fn of_unix_peer(socket: &impl std::os::fd::AsFd) -> std::io::Result<Option<SameProcess>> {
+        use std::os::fd::AsRawFd;
+        let mut cred = libc::ucred {
+            pid: 0,
+            uid: 0,
+            gid: 0,
+        };
+        let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+        // SAFETY: the descriptor is borrowed live for the call; cred and len are valid
+        // out-pointers of the size given.
+        let rc = unsafe {
+            libc::getsockopt(
+                socket.as_fd().as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_PEERCRED,
+                (&raw mut cred).cast::<c_void>(),
+                &mut len,
+            )
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let ours = i32::try_from(std::process::id()).is_ok_and(|p| p == cred.pid);
+        Ok((cred.pid > 0 && ours).then_some(SameProcess(())))
+    }
+}
+
 /// A peer's allocation as this process reaches it.
 pub struct IpcMapping {
     device: Device,
@@ -284,26 +333,60 @@ impl Device {
         })
     }
 
-    /// Opens a peer's handle on this device (once per process and device: later calls
-    /// share the mapping). Fails with [`GpuMemError::IpcOpen`] for a stale or foreign
-    /// handle.
+    /// Opens a handle this process trusts on this device: one of its own exports (mapped
+    /// onto the exporting region), else through the driver (once per process and device:
+    /// later calls share the mapping). Fails with [`GpuMemError::IpcOpen`] for a stale or
+    /// foreign handle.
+    ///
+    /// Never for a handle a peer sent: a hostile peer could send one of this process's own
+    /// handles and so aim its copies into its own memory. Use [`Device::open_peer_ipc`].
     pub fn open_ipc(&self, handle: &IpcHandle) -> Result<Arc<IpcMapping>, GpuMemError> {
+        match self.open_own(handle)? {
+            Some(m) => Ok(m),
+            None => self.open_foreign(handle),
+        }
+    }
+
+    /// Opens a handle that a peer sent: through this process's own exports only when
+    /// `same_process` proves the peer is this process (a handle it names must then be a
+    /// live export: else [`GpuMemError::NotOurExport`]), and otherwise through the driver
+    /// alone, which refuses handles of the process that opens them
+    /// ([`GpuMemError::IpcOpen`]). So a peer cannot make this process copy into its own
+    /// allocations by sending their handles.
+    pub fn open_peer_ipc(
+        &self,
+        handle: &IpcHandle,
+        same_process: Option<&SameProcess>,
+    ) -> Result<Arc<IpcMapping>, GpuMemError> {
+        match same_process {
+            Some(_) => self.open_own(handle)?.ok_or(GpuMemError::NotOurExport),
+            None => self.open_foreign(handle),
+        }
+    }
+
+    /// A handle of this process's own exports, mapped onto the exporting region.
+    fn open_own(&self, handle: &IpcHandle) -> Result<Option<Arc<IpcMapping>>, GpuMemError> {
         let local = lock(exports()).get(handle).and_then(|e| {
             let (_, region) = e.regions.first()?;
             Some((e.device.clone(), e.base, e.size, region.clone()))
         });
-        if let Some((owner, base, size, region)) = local {
-            enable_peer_access(self, &owner)?;
-            let direct = owner.ordinal() == self.ordinal() || can_access_peer(self, &owner)?;
-            return Ok(Arc::new(IpcMapping {
-                device: self.clone(),
-                handle: *handle,
-                base,
-                size,
-                local: Some(region),
-                direct,
-            }));
-        }
+        let Some((owner, base, size, region)) = local else {
+            return Ok(None);
+        };
+        enable_peer_access(self, &owner)?;
+        let direct = owner.ordinal() == self.ordinal() || can_access_peer(self, &owner)?;
+        Ok(Some(Arc::new(IpcMapping {
+            device: self.clone(),
+            handle: *handle,
+            base,
+            size,
+            local: Some(region),
+            direct,
+        })))
+    }
+
+    /// Another process's handle, opened through the driver (shared per device).
+    fn open_foreign(&self, handle: &IpcHandle) -> Result<Arc<IpcMapping>, GpuMemError> {
         let mut table = lock(opened());
         let key = (self.ordinal(), *handle);
         if let Some(e) = table.get_mut(&key) {
@@ -725,5 +808,16 @@ mod tests {
         let s = h.to_sys();
         assert_eq!(s.reserved[0] as u8, 0xab);
         assert_eq!(s.reserved[63] as u8, 7);
+    }
+
+    /// Both ends of a socket pair are this process: the kernel says so. (Another process's
+    /// end is refused in transport-cuda-ipc's hostile tests, with a child process.)
+    #[test]
+    fn a_socket_of_this_process_is_the_same_process() {
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        assert!(SameProcess::of_unix_peer(&a).unwrap().is_some());
+        assert!(SameProcess::of_unix_peer(&b).unwrap().is_some());
+        let file = std::fs::File::open("/proc/self/stat").unwrap();
+        assert!(SameProcess::of_unix_peer(&file).is_err(), "not a socket");
     }
 }

@@ -74,7 +74,7 @@ pub use device::{Cuda, CudaDeviceInfo, Device, DriverVersion, devices, driver_pr
 pub use error::{CopyDirection, CudaError, GpuMemError};
 pub use host::HostMemory;
 pub use ipc::{
-    IPC_HANDLE_LEN, IpcExport, IpcHandle, IpcMapping, PeerCopies, can_access_peer,
+    IPC_HANDLE_LEN, IpcExport, IpcHandle, IpcMapping, PeerCopies, SameProcess, can_access_peer,
     enable_peer_access, open_ipc_mappings, plain_copy_gbps,
 };
 pub use pattern::{fill_pattern, pattern_bytes, pattern_matches, pattern_word};

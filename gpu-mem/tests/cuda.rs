@@ -566,6 +566,27 @@ fn many_part_copies_round_trip() {
     );
 }
 
+/// A handle a peer sends is resolved through this process's own exports only when the
+/// peer is provably this process: from anyone else, one of our own handles goes to the
+/// driver, which refuses it, so a hostile peer cannot aim our copies into our memory.
+#[test]
+#[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/gpu-proof.sh)"]
+fn a_peers_handle_is_resolved_through_our_exports_only_for_this_process() {
+    let cuda = gpu_mem::testing::require_gpus(1);
+    let gpu = cuda.device(0).unwrap();
+    let ours: Arc<dyn MemoryRegion> = Arc::new(gpu.alloc_zeroed(1 << 20).unwrap());
+    let export = gpu.export_ipc(&ours).unwrap();
+    let e = gpu.open_peer_ipc(&export.handle(), None).unwrap_err();
+    assert!(matches!(e, GpuMemError::IpcOpen { .. }), "{e:?}");
+    let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+    let same = gpu_mem::SameProcess::of_unix_peer(&a).unwrap().unwrap();
+    let m = gpu.open_peer_ipc(&export.handle(), Some(&same)).unwrap();
+    assert!(m.is_local());
+    drop(export);
+    let e = gpu.open_peer_ipc(&m.handle(), Some(&same)).unwrap_err();
+    assert!(matches!(e, GpuMemError::NotOurExport), "{e:?}");
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU (--include-ignored runs it; scripts/gpu-proof.sh)"]
 fn ipc_refuses_garbage_handles_and_host_memory() {

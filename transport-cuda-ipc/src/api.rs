@@ -47,6 +47,12 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
                 to.socket, to.pid
             ))
         })?;
+        // Who listens there, as the kernel recorded it: anything but this very process (or
+        // a process the kernel cannot name to us) is another process.
+        let same_process = gpu_mem::SameProcess::of_unix_peer(&stream).unwrap_or_else(|e| {
+            tracing::debug!("SO_PEERCRED of a CUDA IPC peer failed ({e}): another process");
+            None
+        });
         let mut io = FrameConn::new(stream, self.max_payload())
             .map_err(|e| Error::io("set_nonblocking", e))?;
         Header::new(Op::Hello, 0, wire::VERSION, self.address.len() as u64).encode(io.out());
@@ -71,6 +77,7 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
                 in_flight: 0,
                 keys: Default::default(),
                 sends: VecDeque::new(),
+                same_process,
             },
         );
         Ok(id)

@@ -154,7 +154,7 @@ impl<L: Link> CudaIpcTransport<L> {
                 let [info] = infos[..] else {
                     return Err(ProtocolError::KeyInfoRecords(infos.len()));
                 };
-                let mapped = match self.link.open(&info.handle) {
+                let mapped = match self.link.open(&info.handle, p.same_process.as_ref()) {
                     Ok(m)
                         if info
                             .offset
@@ -164,6 +164,7 @@ impl<L: Link> CudaIpcTransport<L> {
                         Ok(KeyMap {
                             mapping: m,
                             offset: info.offset,
+                            len: info.len,
                         })
                     }
                     Ok(m) => Err(LinkError::BeyondMapping {
@@ -197,26 +198,8 @@ impl<L: Link> CudaIpcTransport<L> {
                         failed.push((op, e));
                         continue;
                     }
-                    let pushed = match p.keys.get(&op.key) {
-                        Some(Ok(k)) if op.read => self
-                            .link
-                            .pull(&k.mapping, k.offset + op.off, &op.src, op.src_off, op.len)
-                            .map_err(|e| OpError::transport_with("device copy failed", e)),
-                        Some(Ok(k)) if op.rows > 1 => self
-                            .link
-                            .push_rows(
-                                &op.src,
-                                (op.src_off, op.src_stride),
-                                &k.mapping,
-                                (k.offset + op.off, op.dst_stride),
-                                op.len,
-                                op.rows,
-                            )
-                            .map_err(|e| OpError::transport_with("device copy failed", e)),
-                        Some(Ok(k)) => self
-                            .link
-                            .push(&op.src, op.src_off, &k.mapping, k.offset + op.off, op.len)
-                            .map_err(|e| OpError::transport_with("device copy failed", e)),
+                    let placed = match p.keys.get(&op.key) {
+                        Some(Ok(k)) => k.place(&op).map(|at| (k, at)),
                         Some(Err(why)) => Err(OpError::transport_with(
                             "cannot map the peer's memory",
                             why.clone(),
@@ -224,6 +207,28 @@ impl<L: Link> CudaIpcTransport<L> {
                         None => Err(OpError::Remote(
                             "the peer granted a write without sending its handle".into(),
                         )),
+                    };
+                    let pushed = match placed {
+                        Ok((k, at)) if op.read => self
+                            .link
+                            .pull(&k.mapping, at, &op.src, op.src_off, op.len)
+                            .map_err(|e| OpError::transport_with("device copy failed", e)),
+                        Ok((k, at)) if op.rows > 1 => self
+                            .link
+                            .push_rows(
+                                &op.src,
+                                (op.src_off, op.src_stride),
+                                &k.mapping,
+                                (at, op.dst_stride),
+                                op.len,
+                                op.rows,
+                            )
+                            .map_err(|e| OpError::transport_with("device copy failed", e)),
+                        Ok((k, at)) => self
+                            .link
+                            .push(&op.src, op.src_off, &k.mapping, at, op.len)
+                            .map_err(|e| OpError::transport_with("device copy failed", e)),
+                        Err(e) => Err(e),
                     };
                     match pushed {
                         Ok(()) => ok_ops.push(op),

@@ -38,6 +38,33 @@
 //! Abstract Unix sockets are reachable by every process in the same network namespace;
 //! remote keys are random 64-bit values, so a process must be given a descriptor to write.
 //!
+//! **What a peer can reach.** The target checks every reservation against the region's key,
+//! registered range (with checked arithmetic) and access (REMOTE_WRITE for writes,
+//! REMOTE_READ for reads) and answers a refused one with its verdict (the initiator's
+//! operation fails with [`OpError::OutOfBounds`], [`OpError::PermissionDenied`] or
+//! [`OpError::RemoteKeyInvalid`]); a peer is sent a region's handle only with its first
+//! granted reservation, never for a refused one. The initiator checks every granted range
+//! against the region its KeyInfo described (and that region against the mapping the
+//! driver reports) before it queues a copy, so a hostile target cannot make it copy outside
+//! what it opened; a handle from a peer is resolved through this process's own exports only
+//! when the kernel says (`SO_PEERCRED` on the control socket) that the peer is this very
+//! process, so a hostile target cannot aim our copies into our own allocations by sending
+//! their handles; a key's mapping is dropped when the target revokes it (deregistration),
+//! and a grant for a key without a live mapping fails.
+//!
+//! What CUDA IPC cannot restrict, and this transport therefore cannot either: a handle opens
+//! the *whole allocation* that contains the region (for a PyTorch tensor, the caching
+//! allocator's segment, with other tensors in it), for reading and writing alike, whatever
+//! the registration allowed; the checks above bind an honest initiator (this crate), not a
+//! process that holds the handle and copies with the driver itself, and such a process
+//! keeps its mapping after the region is deregistered until it closes it. So a peer that
+//! was granted one reservation of a region can reach the whole allocation behind it. The
+//! peers this crate serves are processes of the same host (same boot id) that can reach
+//! the control socket and were given a descriptor: treat them as trusted with every
+//! allocation they were granted a range of. For memory that must be exposed no wider than
+//! registered, give the region an allocation of its own, or use a transport whose target
+//! copies the bytes itself (tcp).
+//!
 //! Dependencies and why: `fabric-core` for the [`Transport`](fabric_core::Transport) it
 //! implements; `gpu-mem` for the device memory, copies, events and IPC handles
 //! (the workspace's one wrapper of the CUDA driver); `libc` for `poll` on the control
@@ -198,6 +225,26 @@ struct KeyMap<M> {
     mapping: Arc<M>,
     /// Where the region starts in the mapped allocation.
     offset: u64,
+    /// The region's length, as its KeyInfo said (checked to fit the mapping): every granted
+    /// range is checked against it before a copy is queued.
+    len: u64,
+}
+
+impl<M> KeyMap<M> {
+    /// Where in the mapping `op`'s range of the region starts, once the range (first row's
+    /// start to last row's end) is checked, without overflow, to lie inside the region: a
+    /// target's grant never makes us copy outside what its KeyInfo described.
+    fn place(&self, op: &WriteOp) -> std::result::Result<u64, OpError> {
+        let span = op.dst_span();
+        match op.off.checked_add(span) {
+            Some(end) if end <= self.len => Ok(self.offset + op.off),
+            _ => Err(OpError::OutOfBounds {
+                offset: op.off,
+                len: span,
+                region_len: self.len,
+            }),
+        }
+    }
 }
 
 /// A peer added with `add_peer` (the initiator's side of a connection).
@@ -213,6 +260,9 @@ struct Peer<M> {
     in_flight: usize,
     keys: FastMap<u64, std::result::Result<KeyMap<M>, LinkError>>,
     sends: VecDeque<(WorkRequestId, u64)>,
+    /// The kernel's word (SO_PEERCRED, at connect) that the peer is this very process: only
+    /// then are its handles resolved through our own exports (see [`Link::open`]).
+    same_process: Option<gpu_mem::SameProcess>,
 }
 
 /// What a connection is for.

@@ -7,7 +7,7 @@
 //! machines without a GPU, which is how CI tests it.
 
 use fabric_core::{MemoryLocation, MemoryRegion};
-use gpu_mem::{Cuda, Device, IpcExport, IpcHandle, IpcMapping, PeerCopies};
+use gpu_mem::{Cuda, Device, IpcExport, IpcHandle, IpcMapping, PeerCopies, SameProcess};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -21,6 +21,10 @@ pub enum LinkError {
     /// No region of this process is exported under the handle (never, or no longer).
     #[error("unknown or stale handle")]
     StaleHandle,
+    /// The loopback link was handed a handle by a peer that is not this process: its
+    /// handles name memory of this process only.
+    #[error("a loopback handle from another process")]
+    OtherProcess,
     /// The peer's region does not fit in the allocation its handle maps.
     #[error("the peer's region ({len} bytes at {offset}) exceeds its {mapped}-byte allocation")]
     BeyondMapping {
@@ -79,8 +83,14 @@ pub trait Link: Send + 'static {
     /// Exports a region peers may write; errors say why it cannot be.
     fn export(&mut self, mem: &Arc<dyn MemoryRegion>) -> Result<LinkExport, LinkError>;
 
-    /// Opens a peer's handle.
-    fn open(&mut self, handle: &[u8; 64]) -> Result<Arc<Self::Mapping>, LinkError>;
+    /// Opens a handle the peer sent. `same_process` is the kernel's word that the peer is
+    /// this very process; only then may the handle be resolved through this process's own
+    /// exports (else a hostile peer could aim our copies into our own memory).
+    fn open(
+        &mut self,
+        handle: &[u8; 64],
+        same_process: Option<&SameProcess>,
+    ) -> Result<Arc<Self::Mapping>, LinkError>;
 
     /// Bytes the mapping covers.
     fn mapping_len(mapping: &Self::Mapping) -> u64;
@@ -202,9 +212,13 @@ impl Link for CudaLink {
         })
     }
 
-    fn open(&mut self, handle: &[u8; 64]) -> Result<Arc<IpcMapping>, LinkError> {
+    fn open(
+        &mut self,
+        handle: &[u8; 64],
+        same_process: Option<&SameProcess>,
+    ) -> Result<Arc<IpcMapping>, LinkError> {
         self.device
-            .open_ipc(&IpcHandle::from_bytes(*handle))
+            .open_peer_ipc(&IpcHandle::from_bytes(*handle), same_process)
             .map_err(LinkError::from)
     }
 
@@ -384,7 +398,17 @@ impl Link for LoopbackLink {
         })
     }
 
-    fn open(&mut self, handle: &[u8; 64]) -> Result<Arc<LoopbackMapping>, LinkError> {
+    /// Loopback handles name regions of this process's table: a peer that is not this
+    /// process never resolves one (as the CUDA link's driver refuses a process its own
+    /// handles).
+    fn open(
+        &mut self,
+        handle: &[u8; 64],
+        same_process: Option<&SameProcess>,
+    ) -> Result<Arc<LoopbackMapping>, LinkError> {
+        if same_process.is_none() {
+            return Err(LinkError::OtherProcess);
+        }
         loopback_table()
             .lock()
             .unwrap_or_else(|p| p.into_inner())
