@@ -246,6 +246,7 @@ impl BackendArgs {
                 control_timeout: None,
                 notification_keys: None,
                 messages: None,
+                stall_timeout: None,
             },
             balance: BalanceOptions {
                 horizon: self.rail_horizon_us.map(us),

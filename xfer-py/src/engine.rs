@@ -147,6 +147,9 @@ impl Shared {
 ///   one host, and leaves the rest to the system; "system" never changes it; a name
 ///   ("cubic", "reno", "bbr") sets it on every connection (unprivileged: those in
 ///   net.ipv4.tcp_allowed_congestion_control; a name the kernel refuses fails the engine).
+/// - stall_timeout: seconds a transfer may make no progress, its peer's connection
+///   standing (a stopped or descheduled process), before Handle.wait raises PeerStalled
+///   (the transfer goes on: wait again or cancel). None (the default): never.
 ///
 /// `address` is the engine's metadata (the library's agent metadata, as bytes): peers pass
 /// it to add_peer, which picks the transport for that peer (Peer.transport).
@@ -358,14 +361,14 @@ impl Engine {
         let handle = self
             .shared
             .with_agent(py, |a| a.submit(&peer.peer, &reg.region, &remote, t))?;
-        Ok(Handle::new(handle.into_inner()))
+        Ok(Handle::new(handle))
     }
 }
 
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (transport="auto", provider=None, rails=None, nics=None, memory="host", gpu=0, auth_token=None, timeout=10.0, listen="127.0.0.1", wait_spin_us=None, pin="off", tcp_congestion="auto", name=None))]
+    #[pyo3(signature = (transport="auto", provider=None, rails=None, nics=None, memory="host", gpu=0, auth_token=None, timeout=10.0, listen="127.0.0.1", wait_spin_us=None, pin="off", tcp_congestion="auto", name=None, stall_timeout=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -382,6 +385,7 @@ impl Engine {
         pin: &str,
         tcp_congestion: &str,
         name: Option<String>,
+        stall_timeout: Option<f64>,
     ) -> PyResult<Engine> {
         let (o, gpu) = EngineArgs {
             name,
@@ -397,6 +401,7 @@ impl Engine {
             wait_spin_us,
             pin,
             tcp_congestion,
+            stall_timeout,
         }
         .options()?;
         let agent = py

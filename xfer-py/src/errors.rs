@@ -22,6 +22,12 @@ create_exception!(
 );
 create_exception!(
     xfer,
+    PeerStalled,
+    TimedOut,
+    "A transfer made no progress for the engine's stall_timeout while its peer's connection stands (a stopped or descheduled process): the transfer goes on; wait again or cancel."
+);
+create_exception!(
+    xfer,
     PeerUnreachable,
     XferError,
     "The peer does not answer or its connection broke (retryable)."
@@ -104,6 +110,7 @@ pub fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("Error", py.get_type::<XferError>())?;
     m.add("TimedOut", py.get_type::<TimedOut>())?;
+    m.add("PeerStalled", py.get_type::<PeerStalled>())?;
     m.add("PeerUnreachable", py.get_type::<PeerUnreachable>())?;
     m.add("PeerRemoved", py.get_type::<PeerRemoved>())?;
     m.add("RemoteKeyInvalid", py.get_type::<RemoteKeyInvalid>())?;
@@ -186,6 +193,7 @@ pub fn agent_error(e: &xfer::Error) -> PyErr {
         X::NotJoined { .. } | X::NotLeft { .. } => TimedOut::new_err(e.to_string()),
         X::Engine(inner) => engine_error(inner),
         X::Closed => EngineClosed::new_err(e.to_string()),
+        X::PeerStalled { .. } => PeerStalled::new_err(e.to_string()),
         X::WeightSync(s) => sync_error(s),
         X::WeightPlan(_) | X::WeightCheck(_) => InvalidArgument::new_err(report(e)),
         _ => TransportFailed::new_err(report(e)),

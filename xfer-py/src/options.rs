@@ -42,6 +42,8 @@ pub struct EngineArgs<'a, 'py> {
     pub pin: &'a str,
     /// The tcp connections' congestion control: "auto", "system" or an algorithm's name.
     pub tcp_congestion: &'a str,
+    /// Seconds a transfer may make no progress before a wait raises PeerStalled.
+    pub stall_timeout: Option<f64>,
 }
 
 impl EngineArgs<'_, '_> {
@@ -99,6 +101,7 @@ impl EngineArgs<'_, '_> {
         o.efa.provider = self.provider.clone();
         o.workers.control_timeout = Some(timeout);
         o.workers.wait_spin = self.wait_spin_us.map(Duration::from_micros);
+        o.workers.stall_timeout = crate::args::seconds(self.stall_timeout, "stall_timeout")?;
         o.tcp.congestion = Congestion::parse(self.tcp_congestion)
             .map_err(|e| invalid(format!("tcp_congestion={:?}: {e}", self.tcp_congestion)))?;
         Ok((o, gpu))

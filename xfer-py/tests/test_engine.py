@@ -616,6 +616,33 @@ def test_a_peer_killed_mid_transfer_is_unreachable_within_the_timeout():
             assert e.write(q, rs, ro.descriptor, [(0, 0, PAGE)]).wait(timeout=10) == PAGE
 
 
+def test_a_stopped_peer_is_stalled_not_dead_and_the_transfer_goes_on():
+    size = 64 << 20
+    proc, addr, desc = spawn_peer("--transport", "tcp", "--bytes", str(size))
+    try:
+        with xfer.Engine(transport="tcp", stall_timeout=0.3) as e:
+            p = e.add_peer(addr)
+            rs = e.register(pattern(size, seed=4), remote_write=False)
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                h = e.write(p, rs, desc, [(0, 0, size)], imm=8)
+                start = time.monotonic()
+                with pytest.raises(xfer.PeerStalled, match="stalled"):
+                    h.wait(timeout=30)
+                assert 0.3 <= time.monotonic() - start < 10
+                assert not h.done()
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            h.wait(timeout=30)  # the connection stood: the transfer goes on
+        cmd = {"imm": 8, "count": 1, "pages": list(range(size // PAGE)), "page_size": PAGE, "seed": 4}
+        proc.stdin.write(json.dumps({"expect": cmd}) + "\n")
+        proc.stdin.flush()
+        assert json.loads(proc.stdout.readline())["ok"]
+        assert issubclass(xfer.PeerStalled, xfer.TimedOut)
+    finally:
+        proc.kill()
+
+
 def test_help_reads_well():
     doc = xfer.Engine.__doc__
     for word in ("transport", "rails", "nics", "memory", "gpu", "auth_token", "timeout"):

@@ -93,6 +93,8 @@ struct Inner {
     /// When it was made, in milliseconds since the Unix epoch (its directory record's
     /// `started_ms`).
     started_ms: u64,
+    /// Transfers' stall timeout unless they set their own.
+    stall: Option<Duration>,
 }
 
 /// The agent's registrations, and what keeps foreign memory alive.
@@ -310,6 +312,8 @@ pub struct Prepared {
     owner: u64,
     kind: TransportKind,
     inner: fabric_core::engine::PreparedTransfer,
+    /// Its stall timeout and its peer's name.
+    stall: Option<(Duration, String)>,
 }
 
 impl Prepared {
@@ -343,6 +347,9 @@ pub struct Notification {
     pub payload: Option<Vec<u8>>,
 }
 
+/// A transfer's stall timeout and its peer's name.
+type Stall = Option<(Duration, String)>;
+
 /// A transfer between a local region and a peer's: segments, which way, and what goes
 /// with it. Build it with [`Transfer::segments`] or [`Transfer::pages`], then the builder
 /// methods.
@@ -353,6 +360,7 @@ pub struct Transfer {
     imm: Option<u32>,
     message: Option<Arc<[u8]>>,
     timeout: Option<Duration>,
+    stall: Option<Duration>,
     direction: Direction,
     after: Option<Arc<dyn Fence>>,
 }
@@ -438,6 +446,15 @@ impl Transfer {
     /// peer keeps too many untaken, our transfer waits for it to take some.
     pub fn message(mut self, bytes: impl Into<Vec<u8>>) -> Transfer {
         self.message = Some(Arc::from(bytes.into()));
+        self
+    }
+
+    /// A wait on the transfer reports [`Error::PeerStalled`] once it has made no progress
+    /// for `t` while the peer's connection stands (a stopped or descheduled process); the
+    /// transfer goes on (see [`Handle::wait`]). Default: the agent's
+    /// [`WorkerOptions::stall_timeout`](crate::WorkerOptions::stall_timeout).
+    pub fn stall_timeout(mut self, t: Duration) -> Transfer {
+        self.stall = Some(t);
         self
     }
 
@@ -556,7 +573,11 @@ impl Agent {
                 },
             })
             .collect();
-        Ok(Agent::assemble(info, lanes_built, home))
+        let mut a = Agent::assemble(info, lanes_built, home);
+        if let Some(inner) = Arc::get_mut(&mut a.inner) {
+            inner.stall = o.workers.stall_timeout;
+        }
+        Ok(a)
     }
 
     /// An agent over rail groups made elsewhere (a transport of one's own, or engines with
@@ -609,6 +630,7 @@ impl Agent {
                 home,
                 regions: Mutex::new(Regions::default()),
                 started_ms: now_ms(),
+                stall: None,
             }),
         }
     }
@@ -912,9 +934,13 @@ impl Agent {
         local: &Region,
         remote: &RegionDescriptor,
         t: Transfer,
-    ) -> Result<(&'a Lane, &'a GroupPeer, GroupTransfer)> {
+    ) -> Result<(&'a Lane, &'a GroupPeer, GroupTransfer, Stall)> {
         self.own(peer.owner, "peer")?;
         self.own(local.owner, "region")?;
+        let stall = t
+            .stall
+            .or(self.inner.stall)
+            .map(|d| (d, peer.info.name.clone()));
         let (kind, group) = peer.link_for(local, remote)?;
         let lane = self.lane(*kind)?;
         let dst = remote
@@ -932,7 +958,7 @@ impl Agent {
             direction: t.direction,
             after: t.after,
         };
-        Ok((lane, group, g))
+        Ok((lane, group, g, stall))
     }
 
     /// Submits `t` between `local` and the peer's region `remote`. Bad segments fail here,
@@ -944,8 +970,8 @@ impl Agent {
         remote: &RegionDescriptor,
         t: Transfer,
     ) -> Result<Handle> {
-        let (lane, group, g) = self.group_transfer(peer, local, remote, t)?;
-        Ok(Handle::new(lane.group.submit(group, g)?))
+        let (lane, group, g, stall) = self.group_transfer(peer, local, remote, t)?;
+        Ok(Handle::new(lane.group.submit(group, g)?, stall))
     }
 
     /// Checks and plans `t` between `local` and the peer's region `remote` once, for
@@ -960,11 +986,12 @@ impl Agent {
         remote: &RegionDescriptor,
         t: Transfer,
     ) -> Result<Prepared> {
-        let (lane, group, g) = self.group_transfer(peer, local, remote, t)?;
+        let (lane, group, g, stall) = self.group_transfer(peer, local, remote, t)?;
         Ok(Prepared {
             owner: self.inner.info.instance,
             kind: lane.kind,
             inner: lane.group.prepare(group, g)?,
+            stall,
         })
     }
 
@@ -983,7 +1010,10 @@ impl Agent {
     fn post_after_maybe(&self, p: &Prepared, after: Option<Arc<dyn Fence>>) -> Result<Handle> {
         self.own(p.owner, "prepared transfer")?;
         let lane = self.lane(p.kind)?;
-        Ok(Handle::new(lane.group.post(&p.inner, after)?))
+        Ok(Handle::new(
+            lane.group.post(&p.inner, after)?,
+            p.stall.clone(),
+        ))
     }
 
     /// Warm-up: a zero-length write on every rail toward `peer`'s `remote` region, so that

@@ -116,6 +116,22 @@ pub enum Error {
     /// The agent was closed.
     #[error("the agent is closed")]
     Closed,
+    /// A transfer made no progress for its stall timeout ([`Transfer::stall_timeout`](crate::Transfer::stall_timeout)):
+    /// the peer is up (its connection stands) but does not answer, as a stopped or
+    /// descheduled process does. The transfer is not over: its memory may still be
+    /// touched; wait on its handle again (it goes on if the peer comes back) or cancel it.
+    #[error(
+        "peer {peer} stalled: the transfer made no progress for {idle:?} (its stall timeout \
+         is {limit:?}); the connection stands and the transfer goes on: wait again or cancel"
+    )]
+    PeerStalled {
+        /// The peer's name.
+        peer: String,
+        /// How long the transfer had made no progress.
+        idle: Duration,
+        /// The stall timeout.
+        limit: Duration,
+    },
     /// A weight-sync plan cannot be made from the layouts given.
     #[error(transparent)]
     WeightPlan(#[from] crate::weights::PlanError),
@@ -143,6 +159,9 @@ pub enum ErrorKind {
     RemoteAccess,
     /// A wait or a transfer ran past its time. Retryable.
     TimedOut,
+    /// The peer's connection stands but its transfer made no progress for its stall
+    /// timeout (a stopped or descheduled process). Retryable: the transfer goes on.
+    PeerStalled,
     /// The peer cannot be reached, or its connection broke. Retryable.
     PeerUnreachable,
     /// The peer was disconnected by this agent while the transfer was pending.
@@ -168,7 +187,10 @@ impl ErrorKind {
     pub fn is_retryable(self) -> bool {
         matches!(
             self,
-            ErrorKind::TimedOut | ErrorKind::PeerUnreachable | ErrorKind::Busy
+            ErrorKind::TimedOut
+                | ErrorKind::PeerStalled
+                | ErrorKind::PeerUnreachable
+                | ErrorKind::Busy
         )
     }
 }
@@ -267,6 +289,7 @@ impl Error {
             Error::NotJoined { .. } | Error::NotLeft { .. } => ErrorKind::TimedOut,
             Error::ForeignHandle { .. } => ErrorKind::ForeignHandle,
             Error::Closed => ErrorKind::Closed,
+            Error::PeerStalled { .. } => ErrorKind::PeerStalled,
             Error::WeightSync(s) => match s {
                 S::Transfer { source, .. } => op_kind(source),
                 S::Submit { source, .. } | S::Agent(source) => source.kind(),

@@ -6,7 +6,7 @@ use fabric_core::engine::{TransferHandle, TransferStats};
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// A transfer submitted with [`Agent::submit`](crate::Agent::submit): wait for it with a
 /// timeout, ask whether it finished, run a callback when it does, or `.await` it. Its
@@ -14,6 +14,8 @@ use std::time::Duration;
 /// fails or times out is reported only once no transport can still touch its memory).
 pub struct Handle {
     inner: TransferHandle,
+    /// The stall timeout and the peer's name, where the transfer has one.
+    stall: Option<(Duration, String)>,
 }
 
 fn op(e: fabric_core::OpError) -> Error {
@@ -21,15 +23,64 @@ fn op(e: fabric_core::OpError) -> Error {
 }
 
 impl Handle {
-    pub(crate) fn new(inner: TransferHandle) -> Handle {
-        Handle { inner }
+    pub(crate) fn new(inner: TransferHandle, stall: Option<(Duration, String)>) -> Handle {
+        Handle { inner, stall }
     }
 
     /// Blocks until the transfer finishes, at most `timeout`: its figures, or why it
-    /// failed (a [`TimedOut`](crate::ErrorKind::TimedOut) error if `timeout` passed first;
-    /// the transfer goes on).
+    /// failed. Two outcomes end only the wait, and the transfer goes on: a
+    /// [`TimedOut`](crate::ErrorKind::TimedOut) error if `timeout` passed first, and
+    /// [`Error::PeerStalled`] once the transfer has made no progress for its stall timeout
+    /// ([`Transfer::stall_timeout`](crate::Transfer::stall_timeout)) while its peer's
+    /// connection stands (a stopped or descheduled process): wait again (it completes if
+    /// the peer comes back) or [`cancel`](Self::cancel).
     pub fn wait(&self, timeout: Duration) -> Result<TransferStats> {
-        Ok(self.inner.wait(timeout)?)
+        let Some((limit, _)) = &self.stall else {
+            return Ok(self.inner.wait(timeout)?);
+        };
+        let began = Instant::now();
+        let deadline = began + timeout;
+        // Looked at four times per stall timeout: reported within 1.25 of it.
+        let every = (*limit / 4).max(Duration::from_millis(1));
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.inner.wait(left.min(every)) {
+                Ok(s) => return Ok(s),
+                Err(fabric_core::Error::TimedOut(..)) => {}
+                Err(e) => return Err(e.into()),
+            }
+            if let Some(e) = self.stalled(began.elapsed()) {
+                return Err(e);
+            }
+            if Instant::now() >= deadline {
+                return Err(fabric_core::Error::TimedOut(timeout, "a transfer").into());
+            }
+        }
+    }
+
+    /// The engine's handle under it (the layer below, whose errors are the engine's).
+    pub fn as_inner(&self) -> &TransferHandle {
+        &self.inner
+    }
+
+    /// [`Error::PeerStalled`] if the transfer has made no progress for its stall timeout,
+    /// counting only the last `waited` (a waiter's own time, so that a wait begun after
+    /// the peer came back gives it the stall timeout to show progress); `None` while it
+    /// progresses, has no stall timeout, or finished. [`wait`](Self::wait) asks this.
+    pub fn stalled(&self, waited: Duration) -> Option<Error> {
+        let (limit, peer) = self.stall.as_ref()?;
+        let idle = self.idle()?;
+        (idle.min(waited) >= *limit && !self.is_finished()).then(|| Error::PeerStalled {
+            peer: peer.clone(),
+            idle,
+            limit: *limit,
+        })
+    }
+
+    /// How long since the transfer last made progress (an operation of it completed);
+    /// `None` while it waits for room on the rails or for its fence.
+    pub fn idle(&self) -> Option<Duration> {
+        self.inner.idle()
     }
 
     /// Whether the transfer has finished (either way).

@@ -142,6 +142,10 @@ pub struct WorkerOptions {
     /// 4 KiB each (`None`: [`DEFAULT_MESSAGES`]; `Some(0)` or `notification_keys` 0: none,
     /// and peers' messages wait).
     pub messages: Option<usize>,
+    /// How long a transfer may make no progress before a wait on it reports
+    /// [`PeerStalled`](crate::Error::PeerStalled) (the transfer goes on); `None`: never.
+    /// [`Transfer::stall_timeout`](crate::Transfer::stall_timeout) sets it per transfer.
+    pub stall_timeout: Option<Duration>,
 }
 
 /// Receives each rail of an agent keeps posted for peers' messages, by default.

@@ -4,8 +4,8 @@
 use crate::error::{Error, OpError};
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -53,6 +53,14 @@ pub(crate) struct Slot<T> {
     done: AtomicBool,
     /// How long [`wait`](Slot::wait) spins before it parks.
     spin: Duration,
+    /// When the work it stands for last made progress ([`clock`]; 0: not started).
+    touched: AtomicU64,
+}
+
+/// The process's clock for progress: nanoseconds since its first reading, never 0.
+pub(crate) fn clock() -> u64 {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    EPOCH.get_or_init(Instant::now).elapsed().as_nanos() as u64 + 1
 }
 
 /// Spin iterations between two looks at the clock in [`Slot::wait`].
@@ -76,7 +84,13 @@ impl<T: Clone + Send + 'static> Slot<T> {
             ready: Condvar::new(),
             done: AtomicBool::new(false),
             spin,
+            touched: AtomicU64::new(0),
         })
+    }
+
+    /// Says that the work made progress at `now` ([`clock`]).
+    pub fn touch(&self, now: u64) {
+        self.touched.store(now, Ordering::Relaxed);
     }
 
     pub fn with_callback(f: Box<dyn FnOnce(T) + Send>) -> Arc<Slot<T>> {
@@ -260,6 +274,18 @@ impl TransferHandle {
     /// The result, if the transfer has finished.
     pub fn try_result(&self) -> Option<TransferResult> {
         self.slot.try_get(None)
+    }
+
+    /// How long since the transfer last made progress (an operation of it completed, or a
+    /// worker took it up), read now; `None` while no worker has taken it up yet (it waits
+    /// behind other transfers for room on the rails, or for its fence). A peer that stops
+    /// answering (a stopped or descheduled process) shows as a growing idle time while
+    /// the connection stays up: see `xfer`'s stall timeout.
+    pub fn idle(&self) -> Option<Duration> {
+        match self.slot.touched.load(Ordering::Relaxed) {
+            0 => None,
+            t => Some(Duration::from_nanos(clock().saturating_sub(t))),
+        }
     }
 
     /// Cancels the transfer, if it has not finished: it posts nothing more, and finishes

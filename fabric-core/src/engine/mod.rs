@@ -657,6 +657,7 @@ impl Engine {
             deadline: t.timeout.map(|d| now + d),
             submitted: now,
             after: t.after,
+            watch: None,
         })
     }
 

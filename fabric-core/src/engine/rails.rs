@@ -826,6 +826,7 @@ impl RailGroup {
             let shared = sh.clone();
             let bytes = plan_bytes;
             let posted = submitted;
+            let watch = slot.clone();
             let done = Slot::with_callback(Box::new(move |res: TransferResult| {
                 shared.landed(r, bytes, posted, res.is_ok());
                 if res.is_ok() {
@@ -852,6 +853,7 @@ impl RailGroup {
                 deadline,
                 submitted,
                 after,
+                watch: Some(watch),
             };
             sh.add(r, bytes);
             let cancel = self.rails[r].canceller(job.slot.clone());
@@ -1251,6 +1253,7 @@ impl GroupState {
             deadline: self.deadline,
             submitted: posted,
             after: self.after.clone(),
+            watch: Some(self.slot.clone()),
         }
     }
 
@@ -1361,6 +1364,7 @@ impl GroupState {
             submitted: Instant::now(),
             // Every chunk has landed: whatever they waited for has finished.
             after: None,
+            watch: Some(self.slot.clone()),
         };
         if let Err(slot) = self.shared.links[rail].send_transfer(job) {
             slot.complete(Err(OpError::Cancelled));

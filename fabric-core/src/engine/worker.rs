@@ -1,6 +1,6 @@
 //! The worker loop: commands in, batched posts, deferred re-posts, polled completions out.
 
-use super::handle::{Received, Slot, TransferResult, TransferStats};
+use super::handle::{Received, Slot, TransferResult, TransferStats, clock};
 use super::notes::{Inbox, NoteKey};
 use super::{Counters, EngineConfig, MAX_MESSAGE};
 use crate::error::{Error, OpError, Result};
@@ -35,6 +35,9 @@ pub(crate) struct Job {
     pub submitted: Instant,
     /// Work to wait for before anything of it is posted (see `Transfer::after`).
     pub after: Option<Arc<dyn Fence>>,
+    /// The slot whose progress it reports (the whole transfer's, for a rail group's
+    /// chunk); `None`: its own.
+    pub watch: Option<Arc<Slot<TransferResult>>>,
 }
 
 pub(crate) enum Command {
@@ -81,6 +84,8 @@ struct Active {
     generation: u32,
     peer: PeerId,
     slot: Arc<Slot<TransferResult>>,
+    /// Where its progress is told (see `Job::watch`).
+    watch: Option<Arc<Slot<TransferResult>>>,
     /// Operations queued or posted and not yet completed.
     remaining: u64,
     error: Option<OpError>,
@@ -208,6 +213,8 @@ pub(crate) struct Worker<T: Transport> {
     parked: Vec<u32>,
     /// Send buffers for our messages, registered at the first.
     sends: Option<Pool>,
+    /// The progress clock as of the last poll ([`clock`]).
+    tick: u64,
 }
 
 /// How long a worker with transfers waiting for their fences sleeps between looks: a fence
@@ -277,6 +284,7 @@ impl<T: Transport> Worker<T> {
             receives: None,
             parked: Vec::new(),
             sends: None,
+            tick: clock(),
         }
     }
 
@@ -448,6 +456,8 @@ impl<T: Transport> Worker<T> {
         }
         let res = self.t.wait(wait);
         self.sleeping.store(false, Ordering::Relaxed);
+        // Work that arrives now starts its progress clock now, not at the last completion.
+        self.tick = clock();
         if let Err(e) = res {
             tracing::warn!(error = %e, "transport wait failed");
             std::thread::sleep(Duration::from_millis(1));
@@ -491,6 +501,7 @@ impl<T: Transport> Worker<T> {
                     generation: 0,
                     peer,
                     slot,
+                    watch: None,
                     remaining: 1,
                     error: None,
                     stats: TransferStats::default(),
@@ -611,10 +622,13 @@ impl<T: Transport> Worker<T> {
             return;
         }
         let after = job.after.take();
+        let watch = job.watch.take();
+        watch.as_ref().unwrap_or(&job.slot).touch(self.tick);
         let (idx, generation) = self.alloc(Active {
             generation: 0,
             peer: job.peer,
             slot: job.slot,
+            watch,
             remaining: n,
             error: None,
             stats: TransferStats {
@@ -743,11 +757,13 @@ impl<T: Transport> Worker<T> {
         count: u64,
         res: std::result::Result<(), OpError>,
     ) {
+        let tick = self.tick;
         let Some(a) = self.active(idx, generation) else {
             return;
         };
         // Never more than are outstanding, even if a transport reported one twice.
         debug_assert!(count <= a.remaining, "{count} done of {} left", a.remaining);
+        a.watch.as_ref().unwrap_or(&a.slot).touch(tick);
         a.remaining = a.remaining.saturating_sub(count);
         if let Err(e) = res
             && a.error.is_none()
@@ -999,6 +1015,9 @@ impl<T: Transport> Worker<T> {
             tracing::warn!(error = %e, "transport poll failed");
         }
         let n = comps.len();
+        if n > 0 {
+            self.tick = clock();
+        }
         // Successful writes (or reads) of one transfer share a work-request id and usually
         // come back together: count each such run with one slot lookup.
         let mut run: Option<(WorkRequestId, u64, u64)> = None;

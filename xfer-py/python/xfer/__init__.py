@@ -22,7 +22,8 @@ True
 The receiver's side: every write with immediate data is counted where it lands, per
 sender and value, and never dropped however late the receiver looks.
 :meth:`Engine.wait_imm` (a value and a count), :meth:`Engine.next_notification`
-(one :class:`Notification`: ``sender``, ``value``, ``count``),
+(one :class:`Notification`: ``sender``, ``value``, ``count``, and the ``message`` bytes a
+sender attached with ``write(..., message=b"...")``),
 :meth:`Engine.next_notification_async` (asyncio) and :meth:`Engine.notifications` (all
 there is) take from the same counts, each arrival once. A peer's or registration of
 another engine is refused with :class:`ForeignHandle`.
@@ -30,8 +31,9 @@ another engine is refused with :class:`ForeignHandle`.
 :mod:`xfer.weights` syncs a model's weights from trainer ranks to inference ranks laid out
 another way (layouts, a static plan, pushes with immediate data per destination, pulls).
 
-Errors are subclasses of :class:`Error`, one per kind (``TimedOut``,
-``PeerUnreachable``, ``PeerRemoved``, ``RemoteKeyInvalid``, ``OutOfBounds``,
+Errors are subclasses of :class:`Error`, one per kind (``TimedOut`` and its
+``PeerStalled``: a peer that stopped answering while its connection stands, with
+``Engine(stall_timeout=...)``; ``PeerUnreachable``, ``PeerRemoved``, ``RemoteKeyInvalid``, ``OutOfBounds``,
 ``PermissionDenied``, ``InvalidArgument``, ...), raised with the engine's message.
 """
 
@@ -50,6 +52,7 @@ from ._xfer import (  # noqa: F401
     OutOfBounds,
     Peer,
     PeerRemoved,
+    PeerStalled,
     PeerUnreachable,
     PermissionDenied,
     Publication,
@@ -79,6 +82,7 @@ __all__ = [
     "Handle",
     "Error",
     "TimedOut",
+    "PeerStalled",
     "PeerUnreachable",
     "PeerRemoved",
     "RemoteKeyInvalid",

@@ -14,6 +14,10 @@ class Error(Exception):
 class TimedOut(Error):
     """A wait or a transfer ran out of time; a wait that timed out ends only the wait."""
 
+class PeerStalled(TimedOut):
+    """A transfer made no progress for the engine's stall_timeout while its peer's connection
+    stands (a stopped or descheduled process); the transfer goes on: wait again or cancel."""
+
 class PeerUnreachable(Error):
     """The peer does not answer or its connection broke (retryable)."""
 
@@ -91,6 +95,9 @@ class Notification:
     @property
     def count(self) -> int:
         """How many arrivals of this sender and value (1 from next_notification)."""
+    @property
+    def message(self) -> bytes | None:
+        """The bytes the sender attached (write(..., message=...)), or None."""
 
 class Peer:
     """A peer of an engine, from Engine.add_peer, reached over one transport."""
@@ -155,6 +162,7 @@ class Engine:
         pin: Literal["auto", "off"] = "off",
         tcp_congestion: str = "auto",
         name: str | None = None,
+        stall_timeout: float | None = None,
     ) -> None: ...
     @property
     def address(self) -> bytes:
@@ -204,6 +212,7 @@ class Engine:
         imm: int | None = None,
         timeout: float | None = None,
         stream: Any = None,
+        message: bytes | None = None,
     ) -> Handle:
         """Writes (src_offset, dst_offset, length) ranges into the peer's region.
 
@@ -224,6 +233,7 @@ class Engine:
         imm: int | None = None,
         timeout: float | None = None,
         stream: Any = None,
+        message: bytes | None = None,
     ) -> Handle:
         """Writes local page src_pages[i] to the peer's page dst_pages[i] (stream: as write)."""
     def read(
@@ -234,6 +244,8 @@ class Engine:
         segments: Sequence[tuple[int, int, int]] | Any,  # or an (n, 3) int64 numpy array
         timeout: float | None = None,
         stream: Any = None,
+        message: bytes | None = None,
+        imm: int | None = None,
     ) -> Handle:
         """Reads (local_offset, remote_offset, length) ranges of the peer's region.
 
@@ -251,6 +263,8 @@ class Engine:
         remote_stride: int | None = None,
         timeout: float | None = None,
         stream: Any = None,
+        message: bytes | None = None,
+        imm: int | None = None,
     ) -> Handle:
         """Reads the peer's remote_pages[i] into local page local_pages[i] (stream: as read)."""
     def wait_imm(self, value: int, count: int = 1, timeout: float | None = None) -> None:

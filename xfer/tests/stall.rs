@@ -1,0 +1,173 @@
+//! A stalled peer is told apart from a dead one: a peer process stopped with SIGSTOP (its
+//! connection stands, the kernel keeps it up) makes a wait report `PeerStalled` within
+//! the transfer's stall timeout, and the transfer goes on once the peer continues; with a
+//! stall timeout longer than the stop, the wait only times out and the transfer completes.
+//!
+//! Its own harness (`harness = false`): run with `XFER_STALL_PEER=1`, this binary is the
+//! peer (an agent with a region, its metadata on stdout, checking its memory on request).
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::time::{Duration, Instant};
+use xfer::{
+    Access, Agent, AgentInfo, AgentOptions, ErrorKind, HostBuffer, RegionDescriptor,
+    TransportChoice, TransportKind,
+};
+
+const LEN: usize = 64 << 20;
+const T: Duration = Duration::from_secs(60);
+
+fn options(name: &str) -> AgentOptions {
+    AgentOptions {
+        name: Some(name.into()),
+        transport: TransportChoice::Only(TransportKind::Tcp),
+        rails: Some(1),
+        pin: xfer::placement::PinMode::Off,
+        ..AgentOptions::default()
+    }
+}
+
+fn pattern(round: u8) -> impl Fn(u64, &mut [u8]) {
+    move |at, chunk| {
+        for (i, b) in chunk.iter_mut().enumerate() {
+            *b = ((at + i as u64) % 251) as u8 ^ round;
+        }
+    }
+}
+
+/// The peer: prints its agent's and region's metadata (hex), then answers each line
+/// `check N` with `ok` when its region holds round N's pattern, `bad` otherwise.
+fn peer() {
+    let b = Agent::new(options("stopped-peer")).expect("the peer's agent");
+    let mem = HostBuffer::new_shared(LEN).expect("memory");
+    let r = b
+        .register(mem.clone(), Access::REMOTE_WRITE)
+        .expect("a region");
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{}", hex::encode(b.info().to_bytes().unwrap())).unwrap();
+    writeln!(out, "{}", hex::encode(r.descriptor().to_bytes().unwrap())).unwrap();
+    out.flush().unwrap();
+    for line in std::io::stdin().lock().lines() {
+        let line = line.expect("a line");
+        let round: u8 = line.trim_start_matches("check ").parse().expect("check N");
+        let want = HostBuffer::new_shared(LEN).unwrap();
+        want.fill_with(pattern(round));
+        let same = mem.to_vec(0, LEN).unwrap() == want.to_vec(0, LEN).unwrap();
+        writeln!(out, "{}", if same { "ok" } else { "bad" }).unwrap();
+        out.flush().unwrap();
+    }
+}
+
+struct Peer {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<std::process::ChildStdout>,
+}
+
+impl Peer {
+    fn start() -> (Peer, AgentInfo, RegionDescriptor) {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .env("XFER_STALL_PEER", "1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("the peer process");
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut line = || {
+            let mut l = String::new();
+            stdout.read_line(&mut l).expect("the peer's metadata");
+            hex::decode(l.trim()).expect("hex")
+        };
+        let info = AgentInfo::from_bytes(&line()).unwrap();
+        let desc = RegionDescriptor::from_bytes(&line()).unwrap();
+        (
+            Peer {
+                child,
+                stdin,
+                stdout,
+            },
+            info,
+            desc,
+        )
+    }
+
+    fn signal(&self, sig: &str) {
+        let ok = Command::new("sh")
+            .args(["-c", &format!("kill -{sig} {}", self.child.id())])
+            .status()
+            .expect("sh")
+            .success();
+        assert!(ok, "kill -{sig}");
+    }
+
+    fn holds(&mut self, round: u8) -> bool {
+        writeln!(self.stdin, "check {round}").unwrap();
+        self.stdin.flush().unwrap();
+        let mut l = String::new();
+        self.stdout.read_line(&mut l).unwrap();
+        l.trim() == "ok"
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        self.signal("CONT");
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn main() {
+    if std::env::var_os("XFER_STALL_PEER").is_some() {
+        peer();
+        return;
+    }
+    let (mut p, info, desc) = Peer::start();
+    let a = Agent::new(options("initiator")).unwrap();
+    let mem = HostBuffer::new_shared(LEN).unwrap();
+    let src = a.register(mem.clone(), Access::NONE).unwrap();
+    let peer = a.connect(&info).unwrap();
+    let whole = || xfer::Transfer::segments(vec![(0, 0, LEN as u64)]);
+
+    // A stall timeout shorter than the stop: PeerStalled, then it completes on SIGCONT.
+    mem.fill_with(pattern(1));
+    p.signal("STOP");
+    let started = Instant::now();
+    let stall = Duration::from_millis(300);
+    let h = a
+        .submit(&peer, &src, &desc, whole().stall_timeout(stall))
+        .unwrap();
+    let e = h.wait(T).expect_err("the peer is stopped");
+    let took = started.elapsed();
+    assert_eq!(e.kind(), ErrorKind::PeerStalled, "{e}");
+    assert!(e.kind().is_retryable());
+    assert!(
+        took >= stall && took < Duration::from_secs(10),
+        "reported after {took:?}"
+    );
+    assert!(!h.is_finished(), "a stall ends the wait, not the transfer");
+    p.signal("CONT");
+    h.wait(T).expect("the transfer goes on once the peer does");
+    assert!(p.holds(1), "every byte landed");
+
+    // A stall timeout longer than the stop: the wait only runs out; the transfer completes.
+    mem.fill_with(pattern(2));
+    p.signal("STOP");
+    let h = a
+        .submit(
+            &peer,
+            &src,
+            &desc,
+            whole().stall_timeout(Duration::from_secs(120)),
+        )
+        .unwrap();
+    let e = h
+        .wait(Duration::from_millis(500))
+        .expect_err("the peer is stopped");
+    assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
+    p.signal("CONT");
+    h.wait(T).expect("completes after SIGCONT");
+    assert!(p.holds(2), "every byte landed");
+    println!("stall: 2 cases passed (PeerStalled after {took:?} with a 300 ms stall timeout)");
+}
