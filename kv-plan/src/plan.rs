@@ -538,11 +538,21 @@ struct Dim {
 /// left are a run per entry of the shorter, rows along the longer (tokens on a tie).
 fn rect(src: u64, dst: u64, cell: u64, dims: [Dim; 2], out: &mut Vec<StridedRun>) -> Result<()> {
     let mut len = cell;
-    let mut left: Vec<Dim> = dims.into_iter().filter(|d| d.extent > 1).collect();
-    while let Some(i) = left.iter().position(|d| d.src == len && d.dst == len) {
-        len = mul(len, left.remove(i).extent, "row length")?;
+    // At most two dimensions: an array and a count, no allocation per chunk.
+    let mut left = dims;
+    let mut n = 0;
+    for d in dims {
+        if d.extent > 1 {
+            left[n] = d;
+            n += 1;
+        }
     }
-    match left[..] {
+    while let Some(i) = left[..n].iter().position(|d| d.src == len && d.dst == len) {
+        len = mul(len, left[i].extent, "row length")?;
+        left[i] = left[n - 1];
+        n -= 1;
+    }
+    match left[..n] {
         [] => out.push(StridedRun::contiguous(src, dst, len)),
         [d] => out.push(rows(src, dst, len, d)),
         [a, b, ..] => {
@@ -574,15 +584,16 @@ fn extend_all(open: &mut [StridedRun], next: &[StridedRun]) -> bool {
     if open.len() != next.len() || open.is_empty() {
         return false;
     }
-    let merged: Option<Vec<StridedRun>> =
-        open.iter().zip(next).map(|(a, b)| extend(a, b)).collect();
-    match merged {
-        Some(m) => {
-            open.copy_from_slice(&m);
-            true
-        }
-        None => false,
+    // Two passes (extend is pure and cheap) rather than a buffer per chunk.
+    if !open.iter().zip(next).all(|(a, b)| extend(a, b).is_some()) {
+        return false;
     }
+    for (a, b) in open.iter_mut().zip(next) {
+        if let Some(m) = extend(a, b) {
+            *a = m;
+        }
+    }
+    true
 }
 
 /// `prev` followed by `next` as one run, when they are: two spans adjacent on both sides
