@@ -322,3 +322,64 @@ fn a_hello_of_an_unknown_version_is_refused() {
     let h = c.read_header(|| target.step());
     assert_eq!((h.op, h.code, h.len), (Op::Ack, 0, 1), "{h:?}");
 }
+
+#[test]
+fn a_target_grants_credit_to_many_connections_at_once() {
+    // The default early-arrival queue (4096 messages, 64 MiB). Eight peers connect and
+    // none sends before all are connected, so every connection is granted its window at
+    // once: with a quarter of the queue per window, the fifth connection on got none, and
+    // its SEND waited for credit that no one gave back.
+    const PEERS: u64 = 8;
+    let mut target = Node::new(TcpConfig::default());
+    let inbox = Canaried::new(
+        &mut target.t,
+        PEERS * 1024,
+        Access::REMOTE_WRITE | Access::LOCAL_WRITE,
+        FILL,
+    );
+    let mut peers: Vec<(Node, PeerId, Canaried)> = (0..PEERS)
+        .map(|i| {
+            let mut n = Node::new(TcpConfig::default());
+            let src = Canaried::new(&mut n.t, 1024, Access::NONE, i as u8 + 1);
+            let p = n.t.add_peer(&target.t.address()).unwrap();
+            (n, p, src)
+        })
+        .collect();
+    let d = Deadline::within(Duration::from_secs(10), "every connection set up");
+    while !peers
+        .iter_mut()
+        .all(|(n, p, _)| n.t.peer_ready(*p).unwrap_or(false))
+    {
+        target.step();
+        for (n, _, _) in &mut peers {
+            n.step();
+        }
+        d.check();
+    }
+    for (i, (n, p, src)) in peers.iter_mut().enumerate() {
+        let wr = WorkRequestId(SEND_WR + i as u64);
+        assert_eq!(
+            n.t.post_send(*p, wr, src.local(0, 1024), None).unwrap(),
+            PostOutcome::Posted
+        );
+    }
+    for i in 0..PEERS {
+        let r = target
+            .t
+            .post_recv(WorkRequestId(RECV_WR + i), inbox.local(i * 1024, 1024))
+            .unwrap();
+        assert_eq!(r, PostOutcome::Posted);
+    }
+    let d = Deadline::within(Duration::from_secs(5), "every SEND to be received");
+    while of_kind(&target, OpKind::Recv, RECV_WR, RECV_WR + PEERS).len() < PEERS as usize {
+        target.step();
+        for (n, _, _) in &mut peers {
+            n.step();
+        }
+        d.check();
+    }
+    for (n, _, _) in &peers {
+        let c = of_kind(n, OpKind::Send, SEND_WR, SEND_WR + PEERS);
+        assert!(c.iter().all(|c| c.result == Ok(1024)), "{c:?}");
+    }
+}

@@ -29,9 +29,18 @@
 use super::*;
 use crate::frame::{ACK_CREDIT, CREDIT_VERSION, PROTOCOL_VERSION};
 use std::time::{Duration, Instant};
-/// A connection's credit window is this share of the early-arrival queue (so that a few
-/// peers may each hold a window before one has to wait for another's to come back).
+/// A connection's credit window is at most this share of the early-arrival queue (so that
+/// a few peers may each hold a window before one has to wait for another's to come back)...
 const WINDOW_SHARE: u64 = 4;
+/// ...and, on a queue large enough, at most this share of it, so that as many connections
+/// hold a window at once: credit a connection holds comes back only as its SENDs are
+/// received, so a peer that never sends keeps its window, and a fixed four windows left a
+/// fifth connection (a decode rank read by prefill ranks over several rails each) without
+/// credit for good.
+const WINDOWS: u64 = 64;
+/// The smallest window the share of [`WINDOWS`] may give, in messages and bytes (a smaller
+/// queue shares by [`WINDOW_SHARE`] alone).
+const MIN_WINDOW: (u64, u64) = (16, 1 << 20);
 
 /// Room in the early-arrival queue of a transport, shared by all its connections: what is
 /// queued, reserved for messages on their way, or granted to peers as credit.
@@ -85,9 +94,10 @@ impl EarlyRoom {
 
     /// A connection's credit window: messages and bytes.
     fn window(&self) -> (u64, u64) {
+        let share = |max: u64, least: u64| (max / WINDOW_SHARE).min((max / WINDOWS).max(least));
         (
-            (self.max_msgs / WINDOW_SHARE).max(1),
-            self.max_bytes / WINDOW_SHARE,
+            share(self.max_msgs, MIN_WINDOW.0).max(1),
+            share(self.max_bytes, MIN_WINDOW.1),
         )
     }
 }
