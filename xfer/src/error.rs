@@ -133,6 +133,108 @@ pub enum Error {
         limit: Duration,
     },
     /// A weight-sync plan cannot be made from the layouts given.
+    /// A KV layout, request or plan is wrong (see `kv_plan::KvError`).
+    #[error(transparent)]
+    Kv(#[from] kv_plan::KvError),
+    /// A KV request id that is empty or longer than [`kv::MAX_REQUEST_ID`](crate::kv::MAX_REQUEST_ID) bytes.
+    #[error(
+        "a KV request id of {len} bytes: give 1 to {} bytes",
+        crate::kv::MAX_REQUEST_ID
+    )]
+    KvRequestId {
+        /// Its length.
+        len: usize,
+    },
+    /// A rank that the layouts given do not have.
+    #[error("{side} rank {rank} does not exist: the {side} side has {ranks} ranks")]
+    KvNoSuchRank {
+        /// Its side.
+        side: kv_plan::Side,
+        /// The rank asked for.
+        rank: u32,
+        /// How many ranks that side has.
+        ranks: usize,
+    },
+    /// A peer rank whose layout (or side) is not the one this rank was given for it.
+    #[error(
+        "{side} rank {rank} describes a cache other than the layout this rank was given for it \
+         (or is not of the other side): both sides must be made from the same layouts"
+    )]
+    KvPeerLayout {
+        /// Its side.
+        side: kv_plan::Side,
+        /// Its rank.
+        rank: u32,
+    },
+    /// The plan needs a peer rank this rank is not attached to.
+    #[error("{side} rank {rank} is not attached: attach its KvRankInfo first")]
+    KvNotAttached {
+        /// Its side.
+        side: kv_plan::Side,
+        /// Its rank.
+        rank: u32,
+    },
+    /// A layout names a region that the rank did not register or describe.
+    #[error("{side} rank {rank} has no region {region}")]
+    KvNoSuchRegion {
+        /// The side.
+        side: kv_plan::Side,
+        /// The rank.
+        rank: u32,
+        /// The region index.
+        region: u32,
+    },
+    /// A call of the other side (a push on a decode rank, a pull on a prefill rank).
+    #[error("only a {side} rank can {what}")]
+    KvWrongSide {
+        /// The call.
+        what: &'static str,
+        /// The side that can.
+        side: kv_plan::Side,
+    },
+    /// A layer the model does not have.
+    #[error("layer {layer} does not exist: the model has {layers}")]
+    KvNoSuchLayer {
+        /// The layer.
+        layer: u32,
+        /// Layers of the model.
+        layers: u32,
+    },
+    /// A request (or one of its layers) not whole here in time.
+    #[error(
+        "KV request {request:?}{} has not landed after {waited:?}: {whole} of {layers} layers whole",
+        layer.map_or(String::new(), |l| format!(" (layer {l})"))
+    )]
+    KvNotLanded {
+        /// The request.
+        request: String,
+        /// The layer waited for, if one.
+        layer: Option<u32>,
+        /// Layers whole.
+        whole: u32,
+        /// Layers of the request.
+        layers: u32,
+        /// How long it was waited for.
+        waited: Duration,
+    },
+    /// A transfer of a KV request failed (its source says why).
+    #[error(
+        "KV request {request:?}{}{} failed",
+        layer.map_or(String::new(), |l| format!(", layer {l}")),
+        peer.map_or(String::new(), |p| format!(", peer rank {p}"))
+    )]
+    KvRequest {
+        /// The request.
+        request: String,
+        /// The layer, where one.
+        layer: Option<u32>,
+        /// The other side's rank, where one.
+        peer: Option<u32>,
+        /// What failed.
+        #[source]
+        source: Box<Error>,
+    },
+    /// A weight plan's inputs are wrong.
     #[error(transparent)]
     WeightPlan(#[from] crate::weights::PlanError),
     /// A weight-sync plan is wrong for its layouts.
@@ -290,6 +392,16 @@ impl Error {
             Error::ForeignHandle { .. } => ErrorKind::ForeignHandle,
             Error::Closed => ErrorKind::Closed,
             Error::PeerStalled { .. } => ErrorKind::PeerStalled,
+            Error::Kv(_)
+            | Error::KvRequestId { .. }
+            | Error::KvNoSuchRank { .. }
+            | Error::KvPeerLayout { .. }
+            | Error::KvNotAttached { .. }
+            | Error::KvNoSuchRegion { .. }
+            | Error::KvWrongSide { .. }
+            | Error::KvNoSuchLayer { .. } => ErrorKind::InvalidInput,
+            Error::KvNotLanded { .. } => ErrorKind::TimedOut,
+            Error::KvRequest { source, .. } => source.kind(),
             Error::WeightSync(s) => match s {
                 S::Transfer { source, .. } => op_kind(source),
                 S::Submit { source, .. } | S::Agent(source) => source.kind(),

@@ -90,6 +90,7 @@ pub mod cuda;
 pub mod discovery;
 mod error;
 mod handle;
+pub mod kv;
 pub mod lanes;
 pub mod metrics;
 pub mod nics;
