@@ -166,13 +166,13 @@ fn ends(kind: TransportKind, s: &Shape, tag: &str) -> Ends {
                     .iter()
                     .map(|&n| HostBuffer::new_shared(n as usize).unwrap())
                     .collect();
-                let mems = bufs
+                let mems: Vec<Arc<dyn MemoryRegion>> = bufs
                     .iter()
                     .map(|b| b.clone() as Arc<dyn MemoryRegion>)
                     .collect();
                 let a = agent(kind, format!("{tag}-{side}-{r}"));
                 let rank =
-                    KvRank::new(a, side, r as u32, mems, s.prefill.clone(), s.decode.clone())
+                    KvRank::register(a, side, r as u32, mems, s.prefill.clone(), s.decode.clone())
                         .unwrap();
                 (rank, bufs)
             })

@@ -205,15 +205,41 @@ fn region_pairs(prefill: &KvLayout, decode: &KvLayout, layer: u32) -> Result<u32
 
 impl KvRank {
     /// Registers `memory` (the regions holding this rank's cache, by `layout`'s region
-    /// index) with `agent` and makes rank `rank` of `side`, given every rank's layout of
-    /// both sides (`prefill[p]`, `decode[d]`; this rank's must be `layout`). A prefill
-    /// cache is registered readable by peers (for pulls), a decode cache writable by them
-    /// (for pushes) and locally (for pulls).
-    pub fn new(
+    /// index) with `agent` and makes rank `rank` of `side` (see [`new`](Self::new)). A
+    /// prefill cache is registered readable by peers (for pulls), a decode cache writable
+    /// by them (for pushes) and locally (for pulls).
+    pub fn register(
         agent: Agent,
         side: Side,
         rank: u32,
         memory: Vec<Arc<dyn MemoryRegion>>,
+        prefill: Vec<KvLayout>,
+        decode: Vec<KvLayout>,
+    ) -> Result<KvRank> {
+        let mut regions = Vec::with_capacity(memory.len());
+        for m in memory {
+            regions.push(agent.register(m, Self::access(side))?);
+        }
+        KvRank::new(agent, side, rank, regions, prefill, decode)
+    }
+
+    /// The access a rank's cache regions need: peers read a prefill cache (pulls); peers
+    /// write a decode cache (pushes), and its own reads land in it (pulls).
+    pub fn access(side: Side) -> Access {
+        match side {
+            Side::Prefill => Access::REMOTE_READ,
+            Side::Decode => Access::REMOTE_WRITE | Access::LOCAL_WRITE,
+        }
+    }
+
+    /// Rank `rank` of `side` over `regions` (this rank's cache, by its layout's region
+    /// index, registered with `agent` with at least [`access`](Self::access)), given every
+    /// rank's layout of both sides (`prefill[p]`, `decode[d]`).
+    pub fn new(
+        agent: Agent,
+        side: Side,
+        rank: u32,
+        regions: Vec<Region>,
         prefill: Vec<KvLayout>,
         decode: Vec<KvLayout>,
     ) -> Result<KvRank> {
@@ -229,16 +255,11 @@ impl KvRank {
         for l in prefill.iter().chain(&decode) {
             l.validate()?;
         }
-        let lens: Vec<u64> = memory.iter().map(|m| m.len() as u64).collect();
-        layout.validate_regions(&lens)?;
-        let access = match side {
-            Side::Prefill => Access::REMOTE_READ,
-            Side::Decode => Access::REMOTE_WRITE | Access::LOCAL_WRITE,
-        };
-        let mut regions = Vec::with_capacity(memory.len());
-        for m in memory {
-            regions.push(agent.register(m, access)?);
+        for r in &regions {
+            agent.check_region(r)?;
         }
+        let lens: Vec<u64> = regions.iter().map(|r| r.len()).collect();
+        layout.validate_regions(&lens)?;
         let others = match side {
             Side::Prefill => decode.len(),
             Side::Decode => prefill.len(),
