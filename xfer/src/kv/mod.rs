@@ -129,7 +129,29 @@ pub struct KvRank {
     prefill: Vec<KvLayout>,
     decode: Vec<KvLayout>,
     peers: Mutex<Vec<Option<Arc<Attached>>>>,
-    tracker: Mutex<Tracker>,
+    /// What the agent's KV notes said: shared by every rank over the same agent (a decode
+    /// rank fed by several prefill instances is one rank per instance), since any of them
+    /// may take a note meant for another.
+    tracker: Arc<Mutex<Tracker>>,
+}
+
+/// The tracker of each agent (by instance) that KV ranks use.
+static TRACKERS: Mutex<Vec<(u64, std::sync::Weak<Mutex<Tracker>>)>> = Mutex::new(Vec::new());
+
+fn tracker_of(agent: &Agent) -> Arc<Mutex<Tracker>> {
+    let id = agent.info().instance;
+    let mut all = lock(&TRACKERS);
+    all.retain(|(_, w)| w.strong_count() > 0);
+    if let Some(t) = all
+        .iter()
+        .find(|(i, _)| *i == id)
+        .and_then(|(_, w)| w.upgrade())
+    {
+        return t;
+    }
+    let t = Arc::new(Mutex::new(Tracker::default()));
+    all.push((id, Arc::downgrade(&t)));
+    t
 }
 
 impl std::fmt::Debug for KvRank {
@@ -265,14 +287,14 @@ impl KvRank {
             Side::Decode => prefill.len(),
         };
         Ok(KvRank {
-            agent,
             side,
             rank,
             regions,
             prefill,
             decode,
             peers: Mutex::new(vec![None; others]),
-            tracker: Mutex::new(Tracker::default()),
+            tracker: tracker_of(&agent),
+            agent,
         })
     }
 
