@@ -11,6 +11,7 @@
 #                                       # libfabric prefix, see the script)
 #   XFER=gpu-kit/xfer bash gpu-kit/efa-small.sh LF   # small writes against fi_rma_bw
 #   bash gpu-kit/bench.sh        # docs/benchmarks.md's figures on that machine
+#   bash gpu-kit/kv-proof.sh     # KV cache: prefill TP2 -> decode TP4 processes (kv-bench)
 #   bash gpu-kit/weights-proof.sh [WHEEL]   # weight sync: 2 -> 2 processes, 16 GiB of
 #                                           # GPU weights, cuda-ipc and tcp x8; Python
 #   gpu-kit/sim_p5 8 4 3         # the engine alone at p5 scale (see benches/examples)
@@ -48,7 +49,7 @@ copy transport-efa stream_order_shm efa_stream_order
 copy xfer gpu_one_agent gpu_one_agent_tests
 strip "$out"/* 2>/dev/null || true
 cp scripts/gpu-proof.sh scripts/ipc-proof.sh scripts/efa-hmem-proof.sh scripts/efa-small.sh scripts/proof-lib.sh \
-    scripts/bench.sh scripts/weights-proof.sh "$out/"
+    scripts/bench.sh scripts/weights-proof.sh scripts/kv-proof.sh "$out/"
 # The Python weight-sync example and its tests, for weights-proof.sh with a wheel.
 mkdir -p "$out/py/examples" "$out/py/tests"
 cp xfer-py/examples/weights_llama.py "$out/py/examples/"

@@ -61,6 +61,7 @@ mod baseline;
 mod control;
 mod demo;
 mod info;
+mod kv_bench;
 mod latency;
 mod members;
 mod metrics;
@@ -112,6 +113,9 @@ enum Cmd {
     Topo(topo::TopoArgs),
     /// List a cluster's members from the directory, or watch them join and leave.
     Members(members::MembersArgs),
+    /// A request's KV cache from prefill ranks into decode ranks of another shape, each
+    /// rank a process on this host, against a plain paged write of the same bytes.
+    KvBench(kv_bench::KvBenchArgs),
     /// Show the transports, memory, CUDA devices and topology this machine offers.
     Info {
         /// One JSON object instead of text.
@@ -700,6 +704,7 @@ fn main() -> ExitCode {
         Cmd::Demo(a) => demo::run(a),
         Cmd::Topo(a) => topo::run(a),
         Cmd::Info { json } => info::run(json),
+        Cmd::KvBench(a) => kv_bench::run(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
