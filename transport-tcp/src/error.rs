@@ -30,7 +30,7 @@ pub enum TcpError {
     #[error("unexpected HELLO")]
     UnexpectedHello,
     /// A HELLO payload shorter than its fixed part or longer than the limit.
-    #[error("HELLO of {0} bytes (12 to 4096 expected)")]
+    #[error("HELLO of {0} bytes (12, or 28 from protocol version 5 on, to 4096 expected)")]
     HelloLength(u64),
     /// A HELLO that names a protocol version we do not speak.
     #[error(
@@ -39,12 +39,69 @@ pub enum TcpError {
         credit = crate::frame::CREDIT_VERSION
     )]
     HelloVersion(u8),
+    /// A HELLO of a version before the PROOF, to a side with a token: such a peer cannot
+    /// check who it talks to.
+    #[error(
+        "HELLO of protocol version {0}, whose sender cannot check this side's token: with a token, this side takes version {mutual} only",
+        mutual = crate::frame::MUTUAL_VERSION
+    )]
+    HelloNotMutual(u8),
+    /// A CHALLENGE of a version before the PROOF, to an initiator with a token: that target
+    /// cannot prove the token.
+    #[error(
+        "the target speaks protocol version {0}, which cannot prove the token: with a token, this side needs version {mutual}",
+        mutual = crate::frame::MUTUAL_VERSION
+    )]
+    ChallengeNotMutual(u8),
+    /// The peer has no token and this side has one: refused, whichever side connected.
+    #[error(
+        "authentication refused: the peer has no auth token and this side has one (give both sides the same token)"
+    )]
+    PeerHasNoToken,
+    /// The peer has a token and this side has none: refused, whichever side connected.
+    #[error(
+        "authentication refused: the peer has an auth token and this side has none (give both sides the same token)"
+    )]
+    NoTokenHere,
+    /// A CHALLENGE or HELLO naming an authentication mode this side does not know.
+    #[error("unknown authentication mode {0}")]
+    UnknownAuthMode(u32),
     /// A HELLO whose tag is not the token's for our CHALLENGE's nonce: no token, a wrong
     /// one, or a HELLO recorded on another connection.
     #[error(
         "authentication failed: the HELLO does not prove the token for this connection's challenge"
     )]
     AuthenticationFailed,
+    /// A PROOF whose tag is not the token's for the nonce of our HELLO: the target has
+    /// another token, or is not the target we meant (one that relays or replays).
+    #[error(
+        "authentication failed: the target's PROOF does not prove the token for this connection's nonce"
+    )]
+    ProofFailed,
+    /// The target refused our HELLO (a NACK of code [`AUTH`](crate::frame::code::AUTH)):
+    /// its token is not ours.
+    #[error(
+        "authentication refused by the target: our HELLO does not prove its token (the tokens differ)"
+    )]
+    RefusedByTarget,
+    /// A connection we opened got no PROOF in time after its HELLO.
+    #[error("no PROOF within {0:?} of connecting")]
+    NoProof(Duration),
+    /// A connection we opened got something other than a PROOF after its HELLO.
+    #[error("{op} frame before PROOF")]
+    BeforeProof {
+        /// What the target sent.
+        op: Op,
+    },
+    /// A PROOF on a connection that waits for none.
+    #[error("unexpected PROOF")]
+    UnexpectedProof,
+    /// A PROOF that announces a payload (it carries none).
+    #[error("PROOF announcing {0} payload bytes (none expected)")]
+    ProofLength(u64),
+    /// The system's random source gave no nonce for our HELLO.
+    #[error("no nonce for the HELLO")]
+    Random(#[source] AuthError),
     /// An accepted connection sent no HELLO in time.
     #[error("no HELLO within {0:?}")]
     NoHello(Duration),
@@ -109,7 +166,7 @@ pub enum TcpError {
     /// An ACK that would answer a READ (only a READ_REPLY or a NACK does).
     #[error("ACK that answers a READ")]
     AckForRead,
-    /// A READ, READ_REPLY or CHALLENGE with flags set (they carry no immediate data).
+    /// A READ, READ_REPLY, CHALLENGE or PROOF with flags set (they carry no immediate data).
     #[error("{op} frame with flags {flags:#x}")]
     UnexpectedFlags {
         /// The frame.
@@ -205,6 +262,25 @@ pub enum TcpError {
 }
 
 impl TcpError {
+    /// Whether this is a refusal of the handshake's authentication (a token missing on one
+    /// side, a wrong one, a tag that does not prove it, a peer too old to prove it): asking
+    /// again will not pass, so a connection we opened fails with it as its cause
+    /// ([`OpError::Transport`](fabric_core::OpError::Transport), not retryable) rather
+    /// than as an unreachable peer.
+    pub fn is_authentication(&self) -> bool {
+        matches!(
+            self,
+            TcpError::AuthenticationFailed
+                | TcpError::ProofFailed
+                | TcpError::RefusedByTarget
+                | TcpError::PeerHasNoToken
+                | TcpError::NoTokenHere
+                | TcpError::HelloNotMutual(_)
+                | TcpError::ChallengeNotMutual(_)
+                | TcpError::UnknownAuthMode(_)
+        )
+    }
+
     /// Shorthand for a failed socket call.
     pub(crate) fn io(call: &'static str, source: std::io::Error) -> TcpError {
         TcpError::Io { call, source }

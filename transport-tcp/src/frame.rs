@@ -5,17 +5,31 @@
 //! 0      1       2      3      4        8        16      24       32      40
 //! | op   | flags | code | rsvd | imm u32 | wr u64 | key u64| off u64 | len u64|
 //! ```
-//! Handshake (protocol version 4): the target speaks first. On every connection it accepts
-//! it sends a `CHALLENGE` whose `key` and `offset` carry a fresh random nonce (16 bytes,
-//! see [`Header::key_offset_bytes`]) and whose `code` is its protocol version. The
-//! initiator sends nothing before the CHALLENGE; then its HELLO, whose `key` and `offset`
-//! carry the left 16 bytes of [`auth::tag`](crate::auth::tag)`(token, `[`HELLO_CONTEXT`]`,
-//! nonce)`, zeros when it has no token. A target with a token checks the tag in constant
-//! time ([`auth::verify`](crate::auth::verify)) before it reads anything else the peer
-//! sends, and closes the connection if it is wrong; one without a token takes any tag. The
-//! nonce is new for every connection, so a HELLO recorded on one is refused on any other.
-//! A connection that gets no CHALLENGE (initiator) or no HELLO (target) within
-//! `peer_timeout` is closed.
+//! Handshake (protocol version 5): the target speaks first, and each side proves the
+//! shared token to the other. On every connection it accepts the target sends a
+//! `CHALLENGE` whose `key` and `offset` carry a fresh random nonce (16 bytes, see
+//! [`Header::key_offset_bytes`]), whose `code` is its protocol version and whose `imm` is
+//! its authentication mode ([`AUTH_NONE`], or [`AUTH_TOKEN`] when it has a token). The
+//! initiator sends nothing before the CHALLENGE; then its HELLO, whose `imm` is its own
+//! mode, whose `key` and `offset` carry the left 16 bytes of
+//! [`auth::tag`](crate::auth::tag)`(token, `[`HELLO_CONTEXT`]`, nonce)` (zeros without a
+//! token, or when the modes differ), and whose payload begins with a fresh nonce of its
+//! own ([`HELLO_NONCE_LEN`] bytes). A target checks the modes and the tag (in constant
+//! time, [`auth::verify`](crate::auth::verify)) before it reads anything else the peer
+//! sends, and closes the connection if they differ or the tag is wrong; then its `PROOF`
+//! (no payload) carries the left 16 bytes of `auth::tag(token, `[`PROOF_CONTEXT`]`,
+//! initiator's nonce)`, zeros without a token. The initiator sends nothing after its HELLO
+//! until the PROOF has come and, with a token, proves it: a peer that cannot prove the
+//! token never gets a request, a payload or an answer. Modes that differ are refused on
+//! both sides, each saying which side lacks the token (the initiator still sends its HELLO,
+//! untagged, so that the target can say so too). A target that refuses a HELLO of version 5
+//! says so with a NACK of code [`code::AUTH`] in place of the PROOF, then closes. Nonces are new for every connection, so a
+//! HELLO or a PROOF recorded on one is refused on any other. A connection that gets no
+//! CHALLENGE or PROOF (initiator) or no HELLO (target) within `peer_timeout` is closed.
+//!
+//! A target without a token still serves the HELLOs of version 4 (CHALLENGE, no PROOF), 2
+//! and 0 (no nonce of the initiator's, no PROOF, any tag); one with a token refuses them:
+//! such a peer cannot check who it talks to.
 //!
 //! A `BATCH` header announces `len` WRITE headers that follow back to back, then their
 //! payloads in order: the target learns every destination before the bytes arrive and reads
@@ -76,8 +90,12 @@ pub enum Op {
     /// The answer to the next outstanding request, a READ: its `len` bytes follow.
     ReadReply = 8,
     /// The target's first frame (no payload): `key` and `offset` = a fresh nonce that the
-    /// HELLO's tag must cover, `code` = the target's protocol version.
+    /// HELLO's tag must cover, `code` = the target's protocol version, `imm` = its
+    /// authentication mode.
     Challenge = 9,
+    /// The target's answer to a HELLO of version 5 (no payload): `key` and `offset` = the tag
+    /// of the initiator's nonce (see the module documentation).
+    Proof = 10,
 }
 
 impl std::fmt::Display for Op {
@@ -93,6 +111,7 @@ impl std::fmt::Display for Op {
             Op::Read => "READ",
             Op::ReadReply => "READ_REPLY",
             Op::Challenge => "CHALLENGE",
+            Op::Proof => "PROOF",
         })
     }
 }
@@ -109,19 +128,31 @@ impl Op {
             7 => Op::Read,
             8 => Op::ReadReply,
             9 => Op::Challenge,
+            10 => Op::Proof,
             _ => return None,
         })
     }
 }
 
-/// The protocol version of this code, in a HELLO's `code` and a CHALLENGE's: 4 adds the
-/// CHALLENGE (3 added READ). Version 3 and every other are refused with
-/// [`TcpError::HelloVersion`](crate::TcpError::HelloVersion), but for two feature levels
-/// that a target still serves after its CHALLENGE: HELLOs that claim version 2 (SEND
-/// credit, no READ: such a peer never sends one, and is never sent one) or 0 (before SEND
-/// credit). A build of any version before 4 reads no CHALLENGE and sends no tag: it cannot
-/// connect to this one, nor this one to it ([`TcpError::NoChallenge`](crate::TcpError::NoChallenge)).
-pub const PROTOCOL_VERSION: u8 = 4;
+/// The protocol version of this code, in a HELLO's `code` and a CHALLENGE's: 5 adds the
+/// PROOF and the authentication modes (4 added the CHALLENGE, 3 READ). A target without a
+/// token also serves HELLOs that claim version 4 (no PROOF), 2 (SEND credit, no READ: such
+/// a peer never sends one, and is never sent one) or 0 (before SEND credit); one with a
+/// token refuses every version but this one
+/// ([`TcpError::HelloNotMutual`](crate::TcpError::HelloNotMutual)), and every other
+/// version is refused with [`TcpError::HelloVersion`](crate::TcpError::HelloVersion). An
+/// initiator without a token answers a target of version 4 as one of version 4 did; one
+/// with a token refuses it
+/// ([`TcpError::ChallengeNotMutual`](crate::TcpError::ChallengeNotMutual)). A build before
+/// 4 reads no CHALLENGE and sends no tag: it cannot connect to this one, nor this one to it
+/// ([`TcpError::NoChallenge`](crate::TcpError::NoChallenge)).
+pub const PROTOCOL_VERSION: u8 = 5;
+
+/// The first protocol version in which the target proves the token too (the PROOF).
+pub const MUTUAL_VERSION: u8 = 5;
+
+/// The version that added the CHALLENGE, still served by targets without a token.
+pub const CHALLENGE_VERSION: u8 = 4;
 
 /// The first protocol version with READ.
 pub const READ_VERSION: u8 = 3;
@@ -131,11 +162,33 @@ pub const CREDIT_VERSION: u8 = 2;
 
 /// The context of a HELLO's tag ([`auth::tag`](crate::auth::tag)): this protocol, its
 /// version and the direction, so that the tag proves nothing anywhere else.
-pub const HELLO_CONTEXT: &str = "xfer-tcp/4 HELLO: initiator to target";
+pub const HELLO_CONTEXT: &str = "xfer-tcp/5 HELLO: initiator to target";
 
-/// Bytes of the tag a HELLO carries (in `key` and `offset`): the left half of the
-/// HMAC-SHA256, 128 bits.
+/// The context of a PROOF's tag: the other direction's.
+pub const PROOF_CONTEXT: &str = "xfer-tcp/5 PROOF: target to initiator";
+
+/// Bytes of the tag a HELLO or a PROOF carries (in `key` and `offset`): the left half of
+/// the HMAC-SHA256, 128 bits.
 pub const HELLO_TAG_LEN: usize = 16;
+
+/// Bytes of the initiator's nonce at the start of a HELLO's payload (version 5).
+pub const HELLO_NONCE_LEN: usize = crate::auth::NONCE_LEN;
+
+/// The authentication mode (a CHALLENGE's or a HELLO's `imm`) of a side without a token.
+pub const AUTH_NONE: u32 = 0;
+
+/// The authentication mode of a side with a token: it proves it, and asks for proof.
+pub const AUTH_TOKEN: u32 = 1;
+
+/// The shortest HELLO payload of protocol `version`: rail (u32) and instance (u64), after
+/// the initiator's nonce from version 5 on.
+pub fn hello_min_len(version: u8) -> u64 {
+    if version >= MUTUAL_VERSION {
+        (HELLO_NONCE_LEN + 12) as u64
+    } else {
+        12
+    }
+}
 
 /// The `code` of an ACK that also grants SEND credit (see the module documentation).
 pub const ACK_CREDIT: u8 = 1;
@@ -167,17 +220,17 @@ pub struct Header {
     /// Flags (`FLAG_IMM`).
     pub flags: u8,
     /// Error code of a NACK, [`ACK_CREDIT`] on an ACK that grants credit, protocol version
-    /// of a HELLO or a CHALLENGE.
+    /// of a HELLO, a CHALLENGE or a PROOF.
     pub code: u8,
-    /// Immediate data.
+    /// Immediate data, or the sender's authentication mode (CHALLENGE, HELLO).
     pub imm: u32,
     /// The initiator's work-request id (diagnostics only).
     pub wr_id: u64,
     /// Remote key (WRITE, READ), detail (NACK), messages of SEND credit (ACK), or the first
-    /// half of a nonce (CHALLENGE) or tag (HELLO).
+    /// half of a nonce (CHALLENGE) or tag (HELLO, PROOF).
     pub key: u64,
     /// Remote offset (WRITE, READ), detail (NACK), bytes of SEND credit (ACK), or the second
-    /// half of a nonce (CHALLENGE) or tag (HELLO).
+    /// half of a nonce (CHALLENGE) or tag (HELLO, PROOF).
     pub offset: u64,
     /// Payload length (WRITE, SEND, HELLO, READ_REPLY), bytes asked for (READ), count
     /// (ACK), or detail (NACK).
@@ -199,11 +252,21 @@ impl Header {
         }
     }
 
-    /// A CHALLENGE carrying `nonce`, of this protocol version.
-    pub fn challenge(nonce: &Nonce) -> Header {
+    /// A CHALLENGE carrying `nonce`, of this protocol version, from a side of
+    /// authentication mode `mode` ([`AUTH_NONE`], [`AUTH_TOKEN`]).
+    pub fn challenge(nonce: &Nonce, mode: u32) -> Header {
         let mut h = Header::new(Op::Challenge, 0);
         h.code = PROTOCOL_VERSION;
+        h.imm = mode;
         h.set_key_offset_bytes(nonce.as_bytes());
+        h
+    }
+
+    /// A PROOF carrying `tag` (zeros from a target without a token).
+    pub fn proof(tag: &[u8; HELLO_TAG_LEN]) -> Header {
+        let mut h = Header::new(Op::Proof, 0);
+        h.code = PROTOCOL_VERSION;
+        h.set_key_offset_bytes(tag);
         h
     }
 
@@ -289,6 +352,9 @@ pub mod code {
     pub const INTERNAL: u8 = 5;
     /// The payload's checksum did not match: nothing was placed.
     pub const CHECKSUM: u8 = 6;
+    /// Before the PROOF, in answer to a HELLO of version 5: the target refused it (a tag
+    /// that does not prove its token, or modes that differ), and closes the connection.
+    pub const AUTH: u8 = 7;
 }
 
 /// The NACK header that reports `err` for request `wr_id`.
@@ -400,10 +466,10 @@ mod tests {
     #[test]
     fn challenge_frames_round_trip_their_nonce() {
         let n = Nonce::from_bytes(std::array::from_fn(|i| i as u8 + 1));
-        let h = Header::challenge(&n);
+        let h = Header::challenge(&n, AUTH_TOKEN);
         assert_eq!(
-            (h.op, h.code, h.len, h.flags),
-            (Op::Challenge, PROTOCOL_VERSION, 0, 0)
+            (h.op, h.code, h.len, h.flags, h.imm),
+            (Op::Challenge, PROTOCOL_VERSION, 0, 0, AUTH_TOKEN)
         );
         let d = Header::decode(&h.encode()).unwrap();
         assert_eq!(d, h);
@@ -411,6 +477,23 @@ mod tests {
         // On the wire, the nonce's bytes are the header's bytes 16..32, in order.
         assert_eq!(&h.encode()[16..32], n.as_bytes());
         assert_eq!(Op::Challenge.to_string(), "CHALLENGE");
+    }
+
+    #[test]
+    fn proof_frames_round_trip_their_tag() {
+        let tag: [u8; HELLO_TAG_LEN] = std::array::from_fn(|i| 0xA0 + i as u8);
+        let h = Header::proof(&tag);
+        assert_eq!(
+            (h.op, h.code, h.len, h.flags, h.imm),
+            (Op::Proof, PROTOCOL_VERSION, 0, 0, 0)
+        );
+        let d = Header::decode(&h.encode()).unwrap();
+        assert_eq!(d, h);
+        assert_eq!(d.key_offset_bytes(), tag);
+        assert_eq!(Op::Proof.to_string(), "PROOF");
+        assert_eq!(hello_min_len(MUTUAL_VERSION), 28);
+        assert_eq!(hello_min_len(CHALLENGE_VERSION), 12);
+        assert_ne!(HELLO_CONTEXT, PROOF_CONTEXT);
     }
 
     #[test]

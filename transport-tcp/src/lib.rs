@@ -20,9 +20,12 @@
 //! operations leave in one vectored write. With [`TcpConfig::checksum`], WRITEs carry a
 //! CRC32C that the target checks before placing any byte (see [`frame`]).
 //!
-//! With [`TcpConfig::auth_token`], a target lets in only peers that prove the token by
-//! challenge and response: a fresh nonce per connection, answered with an HMAC of it (see
-//! [`auth`], which other channels that share the token may use too).
+//! With [`TcpConfig::auth_token`], both ends of every connection prove the token by
+//! challenge and response: a fresh nonce per connection and per direction, answered with an
+//! HMAC of it (see [`auth`], which other channels that share the token may use too, and
+//! [`frame`] for the handshake). A token on one side only is refused by both, each saying
+//! which side lacks it ([`TcpError::PeerHasNoToken`], [`TcpError::NoTokenHere`]); a
+//! connection we open fails with the refusal itself ([`TcpError::is_authentication`]).
 //!
 //! Dependencies: `socket2` (socket options std lacks), `libc` (vectored I/O, poll),
 //! `hmac` and `sha2` (HMAC-SHA256 for the token's challenge and response: the RustCrypto
@@ -181,12 +184,15 @@ pub struct TcpConfig {
     /// no HELLO within `peer_timeout` is closed.
     pub max_connections: usize,
     /// A shared secret. When set, peers whose HELLO does not prove knowledge of it are
-    /// refused before any of their frames touches memory, and our HELLOs carry its proof.
-    /// The proof is an HMAC of a nonce that the target draws afresh for each connection
-    /// (see [`auth`] and [`frame`]): the token never travels, and a recorded HELLO is
-    /// refused on any other connection. It authenticates the start of a connection, not
-    /// the bytes after it: on untrusted networks run inside an encrypted tunnel. A target
-    /// without a token lets in every peer, with a token or not.
+    /// refused before any of their frames touches memory, and our HELLOs carry its proof;
+    /// targets we connect to must prove it back (their PROOF) before any request, payload
+    /// or answer of ours leaves. Each proof is an HMAC of a nonce that the other side draws
+    /// afresh for each connection (see [`auth`] and [`frame`]): the token never travels,
+    /// and a recorded HELLO or PROOF is refused on any other connection. It authenticates
+    /// the start of a connection, not the bytes after it: on untrusted networks run inside
+    /// an encrypted tunnel. A token on one side and none on the other is refused by both.
+    /// Without a token, the transport lets in every peer without one (and old peers of
+    /// protocol version 4, 2 or 0).
     pub auth_token: Option<String>,
     /// How long `wait` naps on the sockets while device copies are in flight (they finish
     /// without a socket event). Zero (the default) polls again at once; a few microseconds
@@ -273,7 +279,10 @@ pub struct TcpTransport {
     /// In `wait`'s poll set: the engine makes it readable when it has work for us.
     wake: WakeFd,
     /// Added peers whose connection failed, and why, until `peer_ready` reports it.
-    failed_connects: HashMap<PeerId, String>,
+    failed_connects: HashMap<PeerId, OpError>,
+    /// Accepted connections refused for their authentication, and why (the latest
+    /// [`MAX_AUTH_REFUSALS`]), until [`take_auth_refusals`](TcpTransport::take_auth_refusals).
+    auth_refusals: std::collections::VecDeque<TcpError>,
     /// Where payloads are read to compute their checksums (made on first use).
     scratch: Vec<u8>,
     /// `wait` saw the listener readable: the next `poll` accepts.
@@ -288,6 +297,10 @@ pub struct TcpTransport {
 /// fifth of all its system calls when moving 4 KiB pages), while a connection still gets
 /// its CHALLENGE within this long of arriving, or at once after a `wait`.
 const ACCEPT_EVERY: Duration = Duration::from_millis(10);
+
+/// Refusals of accepted connections' authentication kept for
+/// [`TcpTransport::take_auth_refusals`].
+pub const MAX_AUTH_REFUSALS: usize = 64;
 
 impl TcpTransport {
     /// Listens on `cfg.listen`, ready for peers.
@@ -327,10 +340,21 @@ impl TcpTransport {
             cuda: CudaProbe::default(),
             wake: WakeFd::new().map_err(|e| Error::io("wake-up socket pair", e))?,
             failed_connects: HashMap::new(),
+            auth_refusals: std::collections::VecDeque::new(),
             scratch: Vec::new(),
             listener_ready: false,
             next_accept: Instant::now(),
         })
+    }
+
+    /// Why connections peers opened to us were refused for their authentication since the
+    /// last call (the latest [`MAX_AUTH_REFUSALS`]; each is also logged): a peer without
+    /// our token ([`TcpError::PeerHasNoToken`]), one with a token when we have none
+    /// ([`TcpError::NoTokenHere`]), a wrong one ([`TcpError::AuthenticationFailed`]), or
+    /// one too old to check us ([`TcpError::HelloNotMutual`]). Connections we open report
+    /// theirs through [`peer_ready`](fabric_core::Transport::peer_ready) and their requests.
+    pub fn take_auth_refusals(&mut self) -> Vec<TcpError> {
+        self.auth_refusals.drain(..).collect()
     }
 
     /// The socket address peers connect to.
@@ -611,23 +635,24 @@ impl TcpTransport {
 
     /// A connection of an added peer could not be made: the peer is gone (its other
     /// connections too, its requests failed), and `peer_ready` reports why.
-    fn fail_connect(&mut self, idx: usize, peer: PeerId, reason: String) {
-        tracing::debug!(%peer, %reason, "connection failed");
-        let err = OpError::PeerUnreachable {
-            peer,
-            reason: reason.clone(),
-        };
+    fn fail_connect(&mut self, idx: usize, peer: PeerId, err: OpError) {
+        let reason = report(&err);
+        if matches!(err, OpError::Transport(_)) {
+            tracing::warn!(%peer, %reason, "connection refused");
+        } else {
+            tracing::debug!(%peer, %reason, "connection failed");
+        }
         self.close_conn(idx, err.clone());
         if let Some(p) = self.peers.remove(&peer) {
             for i in p.conns {
                 self.close_conn(i, err.clone());
             }
         }
-        self.shared.stats.peer_closed(peer, Some(reason.clone()));
-        self.failed_connects.insert(peer, reason);
+        self.shared.stats.peer_closed(peer, Some(reason));
+        self.failed_connects.insert(peer, err);
     }
 
-    /// A connection of `peer` we opened is up (connected, and the target's CHALLENGE in):
+    /// A connection of `peer` we opened is up (connected, and the target's PROOF in):
     /// the peer is connected once all are.
     fn note_connected(&mut self, peer: PeerId) {
         let Some(p) = self.peers.get(&peer) else {
@@ -749,8 +774,8 @@ impl Transport for TcpTransport {
     }
 
     fn peer_ready(&mut self, peer: PeerId) -> Result<bool> {
-        if let Some(reason) = self.failed_connects.remove(&peer) {
-            return Err(Error::Op(OpError::PeerUnreachable { peer, reason }));
+        if let Some(err) = self.failed_connects.remove(&peer) {
+            return Err(Error::Op(err));
         }
         let p = self.peers.get(&peer).ok_or(Error::UnknownPeer(peer))?;
         Ok(p.conns
@@ -965,19 +990,19 @@ impl Transport for TcpTransport {
                             c.peer,
                             report(&TcpError::ConnectTimedOut(self.cfg.peer_timeout)),
                         );
-                        self.fail_connect(idx, peer, reason);
+                        self.fail_connect(idx, peer, OpError::PeerUnreachable { peer, reason });
                         continue;
                     }
                     Err(e) => {
                         let (peer, reason) = (c.peer, report(&TcpError::Connect(e)));
-                        self.fail_connect(idx, peer, reason);
+                        self.fail_connect(idx, peer, OpError::PeerUnreachable { peer, reason });
                         continue;
                     }
                 }
             }
             // A connection we opened, still in its handshake: it fails as a connection that
             // could not be made would (`peer_ready` reports it), and is up once done.
-            let handshaking = c.awaiting_challenge();
+            let handshaking = c.opening();
             let mut res = c
                 .progress_copies(&mut self.shared)
                 .and_then(|_| c.flush(&mut self.shared))
@@ -1006,16 +1031,22 @@ impl Transport for TcpTransport {
                 }
             }
             let c = self.conns[idx].as_mut().expect("still open");
-            // Checked once what came has been read: a CHALLENGE that is in counts.
+            // Checked once what came has been read: a CHALLENGE or PROOF that is in counts.
             if res.is_ok() {
                 res = c
-                    .check_challenge_due(std::time::Instant::now(), self.cfg.peer_timeout)
+                    .check_handshake(std::time::Instant::now(), self.cfg.peer_timeout)
                     .map(|_| ReadOutcome::Open);
             }
             if res.is_ok() {
                 // Credit that came in lets waiting SENDs go; those that waited too long fail.
                 c.release_sends(2 * self.cfg.peer_timeout, &mut self.shared);
                 res = c.flush(&mut self.shared).map(|_| ReadOutcome::Open);
+            }
+            // A refusal fails the connection as soon as its untagged HELLO has left.
+            if res.is_ok() && handshaking {
+                res = c
+                    .check_handshake(std::time::Instant::now(), self.cfg.peer_timeout)
+                    .map(|_| ReadOutcome::Open);
             }
             // A connection we do not read from cannot see its end by reading: ask the kernel.
             if res.is_ok() && c.reads_paused() && io::peer_hung_up(c.stream.as_raw_fd()) {
@@ -1032,20 +1063,38 @@ impl Transport for TcpTransport {
                     .map(|_| ReadOutcome::Open);
             }
             if let Err(err) = res {
+                // A connection heading for a refusal fails with it, whatever came first.
+                let err = c.take_refusal().unwrap_or(err);
                 let (peer, reason) = (c.peer, report(&err));
                 if handshaking {
-                    self.fail_connect(idx, peer, reason);
+                    // A refused authentication is the cause itself (typed, not retryable).
+                    let why = if err.is_authentication() {
+                        OpError::transport(err)
+                    } else {
+                        OpError::PeerUnreachable {
+                            peer,
+                            reason: reason.clone(),
+                        }
+                    };
+                    self.fail_connect(idx, peer, why);
                     continue;
                 }
                 if c.awaiting_hello() {
+                    c.tell_refusal();
                     tracing::warn!(%reason, "closing connection before HELLO");
+                    if err.is_authentication() {
+                        if self.auth_refusals.len() == MAX_AUTH_REFUSALS {
+                            self.auth_refusals.pop_front();
+                        }
+                        self.auth_refusals.push_back(err);
+                    }
                 } else if c.inflight.is_empty() && c.out.is_empty() {
                     tracing::debug!(%peer, %reason, "connection closed with nothing pending");
                 } else {
                     tracing::warn!(%peer, %reason, pending = c.inflight.len(), "closing connection");
                 }
                 self.close_conn(idx, OpError::PeerUnreachable { peer, reason });
-            } else if handshaking && !c.awaiting_challenge() {
+            } else if handshaking && !c.opening() {
                 connected.push(c.peer);
             }
         }
@@ -1094,8 +1143,8 @@ impl Transport for TcpTransport {
                 events |= libc::POLLIN;
             }
             // Writable also says that a connection we opened is made; nothing leaves before
-            // the CHALLENGE has come.
-            if c.connecting.is_some() || (!c.out.is_empty() && !c.awaiting_challenge()) {
+            // the CHALLENGE has come, and only the HELLO before the PROOF.
+            if c.connecting.is_some() || c.wants_write() {
                 events |= libc::POLLOUT;
             }
             self.pollfds.push(libc::pollfd {

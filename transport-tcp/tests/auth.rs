@@ -1,18 +1,26 @@
-//! The optional shared token (`TcpConfig::auth_token`): peers that do not prove it for the
-//! nonce of their connection's CHALLENGE are refused during the handshake, before any of
-//! their frames touches memory; a HELLO recorded on one connection proves nothing on
-//! another.
+//! The optional shared token (`TcpConfig::auth_token`): both ends of every connection
+//! prove it. Peers that do not prove it for the nonce of their connection's CHALLENGE are
+//! refused during the handshake, before any of their frames touches memory; targets that do
+//! not prove it for the nonce of our HELLO (their PROOF) never get a request, a payload or
+//! an answer of ours; a token on one side only is refused by both, each saying which side
+//! lacks it; a HELLO or PROOF recorded on one connection proves nothing on another.
 
 mod common;
 
-use common::{Deadline, Node, Raw, concat, hello_frame, tagged_hello_frame, write_frame};
+use common::{
+    Deadline, Node, Raw, concat, hello_frame, mutual_hello_frame, proof_frame, tagged_hello_frame,
+    write_frame,
+};
 use fabric_core::testing::{Canaried, pattern};
 use fabric_core::{Access, Error, OpError, OpKind, PostOutcome, Transport, WorkRequestId};
 use std::net::{TcpListener, TcpStream};
 use std::time::Duration;
 use transport_tcp::auth::{self, Nonce};
-use transport_tcp::frame::{HEADER_LEN, HELLO_CONTEXT, Header, Op, PROTOCOL_VERSION};
-use transport_tcp::{TcpConfig, TcpTransport, auth_digest};
+use transport_tcp::frame::{
+    AUTH_NONE, AUTH_TOKEN, CHALLENGE_VERSION, HEADER_LEN, HELLO_CONTEXT, HELLO_TAG_LEN, Header, Op,
+    PROOF_CONTEXT, PROTOCOL_VERSION, code,
+};
+use transport_tcp::{TcpConfig, TcpError, TcpTransport, auth_digest};
 
 const LEN: u64 = 4096;
 
@@ -65,16 +73,42 @@ fn known_peers(t: &mut TcpTransport) -> usize {
     t.stats().expect("stats").snapshot().peers.len()
 }
 
+/// The refusal a failed operation carries, as the transport's typed error.
+fn refusal(r: &Result<u64, OpError>) -> &TcpError {
+    match r {
+        Err(OpError::Transport(e)) => e
+            .downcast_ref::<TcpError>()
+            .unwrap_or_else(|| panic!("not a TcpError: {e:?}")),
+        other => panic!("expected a refusal of the handshake, got {other:?}"),
+    }
+}
+
 #[test]
-fn the_right_token_is_let_in_and_others_are_refused() {
+fn the_right_token_is_let_in_and_others_are_refused_with_typed_errors_on_both_sides() {
     let mut target = Node::new(with_token(Some("s3cret")));
     let dst = Canaried::new(&mut target.t, LEN, Access::REMOTE_WRITE, 0x11);
     for wrong in [None, Some("wrong"), Some("s3cret ")] {
         let r = write_from(wrong, &mut target, &dst, 1);
-        assert!(
-            matches!(r, Err(OpError::PeerUnreachable { .. })),
-            "token {wrong:?}: {r:?}"
-        );
+        // Each side names what it saw: the initiator without a token is told the target has
+        // one; one with another token, that the target refused its proof.
+        let (ours, theirs) = (refusal(&r), target.t.take_auth_refusals());
+        match wrong {
+            None => {
+                assert!(matches!(ours, TcpError::NoTokenHere), "{ours}");
+                assert!(
+                    matches!(theirs[..], [TcpError::PeerHasNoToken]),
+                    "{theirs:?}"
+                );
+            }
+            Some(_) => {
+                assert!(matches!(ours, TcpError::RefusedByTarget), "{ours}");
+                assert!(
+                    matches!(theirs[..], [TcpError::AuthenticationFailed]),
+                    "{theirs:?}"
+                );
+            }
+        }
+        assert!(ours.is_authentication() && !r.as_ref().unwrap_err().is_retryable());
         assert_eq!(
             dst.read(0, LEN as usize),
             vec![0x11; LEN as usize],
@@ -85,6 +119,7 @@ fn the_right_token_is_let_in_and_others_are_refused() {
     assert_eq!(write_from(Some("s3cret"), &mut target, &dst, 2), Ok(LEN));
     assert_eq!(dst.read(0, LEN as usize), pattern(2, LEN as usize));
     assert_eq!(known_peers(&mut target.t), 1);
+    assert!(target.t.take_auth_refusals().is_empty());
     dst.assert_canaries();
 }
 
@@ -112,10 +147,227 @@ fn frames_right_behind_an_unauthenticated_hello_never_land() {
 }
 
 #[test]
-fn a_target_without_a_token_accepts_peers_that_send_one() {
+fn a_target_without_a_token_is_refused_by_an_initiator_with_one_both_ways() {
+    // Was `a_target_without_a_token_accepts_peers_that_send_one`: a client with a token
+    // wrote to any server, which proved nothing.
     let mut target = Node::new(with_token(None));
     let dst = Canaried::new(&mut target.t, LEN, Access::REMOTE_WRITE, 0);
-    assert_eq!(write_from(Some("anything"), &mut target, &dst, 3), Ok(LEN));
+    let r = write_from(Some("anything"), &mut target, &dst, 3);
+    let ours = refusal(&r);
+    assert!(matches!(ours, TcpError::PeerHasNoToken), "{ours}");
+    let theirs = target.t.take_auth_refusals();
+    assert!(matches!(theirs[..], [TcpError::NoTokenHere]), "{theirs:?}");
+    assert_eq!(dst.read(0, LEN as usize), vec![0; LEN as usize]);
+    assert_eq!(known_peers(&mut target.t), 0);
+    // Without a token on either side, as before.
+    assert_eq!(write_from(None, &mut target, &dst, 4), Ok(LEN));
+    assert_eq!(dst.read(0, LEN as usize), pattern(4, LEN as usize));
+}
+
+/// A fake target on a listener of our own: the initiator `a` (with `token`) adds it as a
+/// peer and posts a WRITE to it; the fake's side of the connection is returned.
+struct FakeTarget {
+    a: Node,
+    /// The WRITE's source, registered with `a`.
+    _src: Canaried,
+    peer: fabric_core::PeerId,
+    fake: Raw,
+}
+
+impl FakeTarget {
+    fn new(token: Option<&str>) -> FakeTarget {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = format!("tcp://{}", listener.local_addr().unwrap());
+        let mut a = Node::new(with_token(token));
+        let src = Canaried::new(&mut a.t, LEN, Access::NONE, 0);
+        src.write(0, &[0xA7; LEN as usize]);
+        let peer = a.t.add_peer(addr.as_bytes()).expect("add_peer");
+        let fake = Raw::from_stream(listener.accept().unwrap().0);
+        let region = fabric_core::RemoteRegion {
+            addr: 0,
+            len: LEN,
+            key: fabric_core::RemoteKey(1),
+        };
+        let dst = fabric_core::RemoteSlice {
+            region,
+            offset: 0,
+            len: LEN,
+        };
+        let posted =
+            a.t.post_write(peer, WorkRequestId(1), src.local(0, LEN), dst, None)
+                .unwrap();
+        assert_eq!(posted, PostOutcome::Posted);
+        FakeTarget {
+            a,
+            _src: src,
+            peer,
+            fake,
+        }
+    }
+
+    /// Sends `challenge`, and takes the initiator's HELLO (header and payload).
+    fn challenge(&mut self, challenge: Header) -> (Header, Vec<u8>) {
+        let a = &mut self.a;
+        self.fake.send_ok(&challenge.encode(), || a.step());
+        let h = self.fake.read_header(|| a.step());
+        assert_eq!(h.op, Op::Hello, "{h:?}");
+        let payload = self.fake.read_bytes(h.len as usize, || a.step());
+        (h, payload)
+    }
+
+    /// Steps the initiator until the peer fails; its error.
+    fn failure(&mut self) -> Error {
+        let d = Deadline::new("the initiator to give the fake target up");
+        loop {
+            self.a.step();
+            self.fake.pump();
+            match self.a.t.peer_ready(self.peer) {
+                Ok(_) => d.check(),
+                Err(e) => return e,
+            }
+        }
+    }
+}
+
+/// The typed refusal in a failed `peer_ready`.
+fn peer_refusal(e: &Error) -> &TcpError {
+    match e {
+        Error::Op(OpError::Transport(t)) => t.downcast_ref::<TcpError>().expect("a TcpError"),
+        e => panic!("expected a refusal of the handshake, got {e:?}"),
+    }
+}
+
+#[test]
+fn an_initiator_sends_nothing_after_its_hello_until_the_target_proves_the_token() {
+    let nonce = Nonce::new().unwrap();
+    type Prover = fn(&Nonce, &Nonce) -> [u8; auth::TAG_LEN];
+    // PROOFs that do not prove the token for this connection's nonce (the initiator's, the
+    // first 16 bytes of its HELLO's payload).
+    let wrong: [(&str, Prover); 5] = [
+        ("another token's", |mine, _| {
+            auth::tag("guess", PROOF_CONTEXT, mine)
+        }),
+        ("a replayed PROOF (another nonce)", |_, _| {
+            auth::tag("s3cret", PROOF_CONTEXT, &Nonce::new().unwrap())
+        }),
+        ("the HELLO's own tag reflected", |_, challenge| {
+            auth::tag("s3cret", HELLO_CONTEXT, challenge)
+        }),
+        ("the HELLO context over our nonce", |mine, _| {
+            auth::tag("s3cret", HELLO_CONTEXT, mine)
+        }),
+        ("zeros", |_, _| [0u8; auth::TAG_LEN]),
+    ];
+    for (what, prover) in wrong {
+        let mut f = FakeTarget::new(Some("s3cret"));
+        let (h, payload) = f.challenge(Header::challenge(&nonce, AUTH_TOKEN));
+        assert_eq!((h.code, h.imm), (PROTOCOL_VERSION, AUTH_TOKEN), "{what}");
+        let want = auth::tag("s3cret", HELLO_CONTEXT, &nonce);
+        assert_eq!(h.key_offset_bytes()[..], want[..HELLO_TAG_LEN], "{what}");
+        let mine = Nonce::from_bytes(payload[..16].try_into().unwrap());
+        // Nothing but the HELLO leaves while the PROOF has not come: not the WRITE.
+        for _ in 0..50 {
+            f.a.step();
+        }
+        f.fake.pump();
+        assert!(
+            f.fake.rx.is_empty(),
+            "{what}: sent before a PROOF: {:?}",
+            f.fake.rx
+        );
+        let tag = prover(&mine, &nonce);
+        f.fake.send_ok(
+            &Header::proof(tag[..HELLO_TAG_LEN].try_into().unwrap()).encode(),
+            || f.a.step(),
+        );
+        let e = f.failure();
+        assert!(
+            matches!(peer_refusal(&e), TcpError::ProofFailed),
+            "{what}: {e}"
+        );
+        f.fake.expect_closed(what, || f.a.step());
+        assert!(
+            f.fake.rx.is_empty(),
+            "{what}: the WRITE left: {:?}",
+            f.fake.rx
+        );
+        assert_eq!(f.a.done.len(), 1, "{what}");
+        assert!(f.a.done[0].result.is_err(), "{what}");
+    }
+    // The right PROOF lets the WRITE go.
+    let mut f = FakeTarget::new(Some("s3cret"));
+    let (_, payload) = f.challenge(Header::challenge(&nonce, AUTH_TOKEN));
+    f.fake
+        .send_ok(&proof_frame(Some("s3cret"), &payload), || f.a.step());
+    let w = f.fake.read_header(|| f.a.step());
+    assert!(matches!(w.op, Op::Write | Op::Batch), "{w:?}");
+    let a = &mut f.a;
+    let _ = f.fake.read_bytes(LEN as usize, || a.step());
+    assert!(f.a.t.peer_ready(f.peer).unwrap());
+}
+
+#[test]
+fn an_initiator_with_a_token_gives_no_tag_to_a_target_without_one() {
+    // A target of this version without a token: the HELLO says we have one, untagged, and
+    // the peer fails with the reason.
+    let mut f = FakeTarget::new(Some("s3cret"));
+    let (h, _) = f.challenge(Header::challenge(&Nonce::new().unwrap(), AUTH_NONE));
+    assert_eq!((h.code, h.imm), (PROTOCOL_VERSION, AUTH_TOKEN));
+    assert_eq!(
+        h.key_offset_bytes(),
+        [0u8; 16],
+        "a tag for a target without a token"
+    );
+    let e = f.failure();
+    assert!(matches!(peer_refusal(&e), TcpError::PeerHasNoToken), "{e}");
+    f.fake
+        .expect_closed("the refusing initiator", || f.a.step());
+    assert!(
+        f.fake.rx.is_empty(),
+        "sent after its HELLO: {:?}",
+        f.fake.rx
+    );
+
+    // A target of version 4 cannot prove a token: nothing at all is sent to it.
+    let mut f = FakeTarget::new(Some("s3cret"));
+    let mut old = Header::challenge(&Nonce::new().unwrap(), AUTH_NONE);
+    old.code = CHALLENGE_VERSION;
+    f.fake.send_ok(&old.encode(), || f.a.step());
+    let e = f.failure();
+    assert!(
+        matches!(peer_refusal(&e), TcpError::ChallengeNotMutual(4)),
+        "{e}"
+    );
+    f.fake
+        .expect_closed("the initiator refusing version 4", || f.a.step());
+    assert_eq!(f.fake.received, 0, "sent {:?}", f.fake.rx);
+
+    // Without a token, an initiator answers a target of version 4 as version 4 did.
+    let mut f = FakeTarget::new(None);
+    let mut old = Header::challenge(&Nonce::new().unwrap(), AUTH_NONE);
+    old.code = CHALLENGE_VERSION;
+    let (h, payload) = f.challenge(old);
+    assert_eq!((h.code, h.len as usize), (CHALLENGE_VERSION, payload.len()));
+    let w = f.fake.read_header(|| f.a.step());
+    assert!(matches!(w.op, Op::Write | Op::Batch), "{w:?}");
+}
+
+#[test]
+fn an_initiator_without_a_token_is_told_the_target_has_one() {
+    let mut f = FakeTarget::new(None);
+    let (h, payload) = f.challenge(Header::challenge(&Nonce::new().unwrap(), AUTH_TOKEN));
+    assert_eq!((h.code, h.imm), (PROTOCOL_VERSION, AUTH_NONE));
+    assert_eq!(h.key_offset_bytes(), [0u8; 16]);
+    assert!(payload.len() >= 28);
+    let e = f.failure();
+    assert!(matches!(peer_refusal(&e), TcpError::NoTokenHere), "{e}");
+    f.fake
+        .expect_closed("the refusing initiator", || f.a.step());
+    assert!(
+        f.fake.rx.is_empty(),
+        "sent after its HELLO: {:?}",
+        f.fake.rx
+    );
 }
 
 /// A relay on loopback between an initiator and a target, polled from the test thread,
@@ -209,6 +461,16 @@ fn a_replayed_hello_is_refused() {
     let old = Header::decode(rec.down[..HEADER_LEN].try_into().unwrap()).unwrap();
     assert_eq!(old.op, Op::Challenge);
     let old_nonce = Nonce::from_bytes(old.key_offset_bytes());
+    // The target proved itself for the initiator's nonce before the WRITE was answered.
+    let proof = Header::decode(rec.down[HEADER_LEN..2 * HEADER_LEN].try_into().unwrap()).unwrap();
+    assert_eq!(proof.op, Op::Proof);
+    let theirs = Nonce::from_bytes(recorded[HEADER_LEN..HEADER_LEN + 16].try_into().unwrap());
+    assert!(auth::verify(
+        "s3cret",
+        PROOF_CONTEXT,
+        &theirs,
+        &proof.key_offset_bytes()
+    ));
     assert!(
         recorded.len() > HEADER_LEN + LEN as usize,
         "the HELLO, the WRITE and its payload were recorded"
@@ -227,7 +489,12 @@ fn a_replayed_hello_is_refused() {
     assert_ne!(nonce, old_nonce, "a fresh nonce for every connection");
     let _ = r.send(&recorded, || target.step());
     r.expect_closed("a replayed HELLO", || target.step());
-    assert!(r.rx.is_empty(), "the target answered a replay: {:?}", r.rx);
+    assert_refused_only(&r.rx, "a replayed HELLO");
+    let theirs = target.t.take_auth_refusals();
+    assert!(
+        matches!(theirs[..], [TcpError::AuthenticationFailed]),
+        "{theirs:?}"
+    );
     assert_eq!(dst.read(0, LEN as usize), vec![0x11; LEN as usize]);
     dst.assert_canaries();
     assert!(
@@ -264,11 +531,29 @@ fn a_replayed_hello_is_refused() {
     dst.assert_canaries();
 }
 
-/// A HELLO of this version carrying `tag`'s left 16 bytes.
-fn hello_with_tag(tag: &[u8; auth::TAG_LEN]) -> Vec<u8> {
-    let mut b = hello_frame();
+/// What a target sends a refused HELLO of version 5 before it closes: at most a NACK of
+/// code AUTH (nothing else: no PROOF, no answer).
+fn assert_refused_only(rx: &[u8], what: &str) {
+    match rx.len() {
+        0 => {}
+        HEADER_LEN => {
+            let h = Header::decode(rx.try_into().unwrap()).unwrap();
+            assert_eq!((h.op, h.code), (Op::Nack, code::AUTH), "{what}: {h:?}");
+        }
+        _ => panic!("{what}: the target answered {rx:?}"),
+    }
+}
+
+/// A HELLO of this version, with a token's mode and the initiator's nonce `mine`, carrying
+/// `tag`'s left 16 bytes.
+fn hello_with_tag(tag: &[u8; auth::TAG_LEN], mine: &Nonce) -> Vec<u8> {
+    let mut b = mutual_hello_frame(
+        PROTOCOL_VERSION,
+        Some("unused"),
+        &Nonce::new().unwrap(),
+        mine,
+    );
     let mut h = Header::decode(b[..HEADER_LEN].try_into().unwrap()).unwrap();
-    h.code = PROTOCOL_VERSION;
     h.set_key_offset_bytes(tag[..16].try_into().unwrap());
     b[..HEADER_LEN].copy_from_slice(&h.encode());
     b
@@ -298,12 +583,13 @@ fn a_raw_hello_with_the_tag_of_its_challenge_is_let_in() {
         let mut c = Raw::connect(&target.t);
         let nonce = c.nonce(|| target.step());
         assert_ne!(nonce, other_nonce, "a fresh nonce for every connection");
-        let hello = hello_with_tag(&tagger(&nonce, &other_nonce));
+        let hello = hello_with_tag(&tagger(&nonce, &other_nonce), &Nonce::new().unwrap());
         let _ = c.send(
             &concat(&[&hello, &write_frame(key, 0, &[0xEE; 64], Some(5), 1)]),
             || target.step(),
         );
         c.expect_closed(what, || target.step());
+        assert_refused_only(&c.rx, what);
         assert_eq!(
             dst.read(0, LEN as usize),
             vec![0x11; LEN as usize],
@@ -313,16 +599,32 @@ fn a_raw_hello_with_the_tag_of_its_challenge_is_let_in() {
     }
 
     // The HELLO as the protocol says: the left 16 bytes of the tag of this connection's
-    // nonce, in `key` and `offset`.
+    // nonce, in `key` and `offset`. The target's PROOF comes first: the tag of our nonce.
     let mut c = Raw::connect(&target.t);
     let nonce = c.nonce(|| target.step());
+    assert_eq!(c.challenge.unwrap().imm, AUTH_TOKEN);
+    let mine = Nonce::new().unwrap();
     c.send_ok(
         &concat(&[
-            &hello_with_tag(&auth::tag("s3cret", HELLO_CONTEXT, &nonce)),
+            &hello_with_tag(&auth::tag("s3cret", HELLO_CONTEXT, &nonce), &mine),
             &write_frame(key, 0, &[0xA5; 64], Some(5), 1),
         ]),
         || target.step(),
     );
+    let proof = c.read_header(|| target.step());
+    assert_eq!((proof.op, proof.len, proof.flags), (Op::Proof, 0, 0));
+    assert!(auth::verify(
+        "s3cret",
+        PROOF_CONTEXT,
+        &mine,
+        &proof.key_offset_bytes()
+    ));
+    assert!(!auth::verify(
+        "s3cret",
+        PROOF_CONTEXT,
+        &nonce,
+        &proof.key_offset_bytes()
+    ));
     assert_eq!(c.answers(1, || target.step()), vec![common::Answer::Ack]);
     assert_eq!(dst.read(0, 64), vec![0xA5; 64]);
     assert_eq!(known_peers(&mut target.t), 1);
@@ -330,28 +632,55 @@ fn a_raw_hello_with_the_tag_of_its_challenge_is_let_in() {
 }
 
 #[test]
-fn a_target_without_a_token_still_challenges_and_takes_any_tag() {
+fn a_target_without_a_token_serves_peers_without_one_and_refuses_peers_with_one() {
     let mut target = Node::new(with_token(None));
     let dst = Canaried::new(&mut target.t, LEN, Access::REMOTE_WRITE, 0);
     let key = dst.reg.remote.key.0;
-    for (i, hello) in [
-        hello_frame(), // zero tag, as from an initiator without a token
-        tagged_hello_frame(PROTOCOL_VERSION, "anything", &Nonce::new().unwrap()),
-    ]
-    .into_iter()
-    .enumerate()
+    for (i, version) in [0u8, CHALLENGE_VERSION, PROTOCOL_VERSION]
+        .into_iter()
+        .enumerate()
     {
         let mut c = Raw::connect(&target.t);
-        // The same frames as with a token: the CHALLENGE comes first.
-        c.nonce(|| target.step());
+        // The same frames as with a token: the CHALLENGE comes first, saying it has none.
+        let nonce = c.nonce(|| target.step());
+        assert_eq!(c.challenge.unwrap().imm, AUTH_NONE);
+        let hello = match version {
+            0 => hello_frame(),
+            v => mutual_hello_frame(v, None, &nonce, &Nonce::new().unwrap()),
+        };
         let data = [i as u8 + 1; 64];
         c.send_ok(
             &concat(&[&hello, &write_frame(key, 0, &data, None, 1)]),
             || target.step(),
         );
+        if version == PROTOCOL_VERSION {
+            // A PROOF of zeros: no token, as agreed.
+            let p = c.read_header(|| target.step());
+            assert_eq!((p.op, p.key_offset_bytes()), (Op::Proof, [0u8; 16]));
+        }
         assert_eq!(c.answers(1, || target.step()), vec![common::Answer::Ack]);
         assert_eq!(dst.read(0, 64), data);
     }
+    // A HELLO that says it has a token, tagged or not: refused, and told so.
+    for tagged in [false, true] {
+        let mut c = Raw::connect(&target.t);
+        let nonce = c.nonce(|| target.step());
+        let mut hello = tagged_hello_frame(PROTOCOL_VERSION, "anything", &nonce);
+        if !tagged {
+            hello[16..32].fill(0);
+        }
+        let _ = c.send(
+            &concat(&[&hello, &write_frame(key, 0, &[0xEE; 64], None, 1)]),
+            || target.step(),
+        );
+        c.expect_closed("a HELLO with a token to a target without one", || {
+            target.step()
+        });
+        assert_refused_only(&c.rx, "a HELLO with a token");
+        let theirs = target.t.take_auth_refusals();
+        assert!(matches!(theirs[..], [TcpError::NoTokenHere]), "{theirs:?}");
+    }
+    assert_eq!(dst.read(0, 64), [3u8; 64]);
 }
 
 #[test]
@@ -385,6 +714,25 @@ fn a_peer_of_protocol_version_3_is_refused() {
         || target.step(),
     );
     c.expect_closed("a tagged HELLO of version 3", || target.step());
+    // Version 4 proves the token but cannot check ours: refused by a target with a token.
+    let mut c = Raw::connect(&target.t);
+    let nonce = c.nonce(|| target.step());
+    let _ = c.send(
+        &concat(&[
+            &tagged_hello_frame(CHALLENGE_VERSION, "s3cret", &nonce),
+            &write_frame(key, 0, &[0xEE; 64], Some(5), 1),
+        ]),
+        || target.step(),
+    );
+    c.expect_closed("a tagged HELLO of version 4", || target.step());
+    assert!(c.rx.is_empty(), "answered version 4: {:?}", c.rx);
+    let theirs = target.t.take_auth_refusals();
+    assert!(
+        theirs
+            .iter()
+            .any(|e| matches!(e, TcpError::HelloNotMutual(4))),
+        "{theirs:?}"
+    );
     assert_eq!(dst.read(0, LEN as usize), vec![0x11; LEN as usize]);
     assert!(target.remote_writes().is_empty());
     assert_eq!(known_peers(&mut target.t), 0);

@@ -19,7 +19,7 @@
 
 mod common;
 
-use common::{Deadline, Node, Raw, challenge_frame, hello_frame, honest_write, write_header};
+use common::{Deadline, Node, Raw, fake_target_handshake, hello_frame, honest_write, write_header};
 use fabric_core::testing::{Canaried, pattern};
 use fabric_core::{
     Access, OpKind, PostOutcome, RemoteKey, RemoteRegion, RemoteSlice, Transport, WorkRequestId,
@@ -31,7 +31,8 @@ use std::collections::HashMap;
 use std::net::TcpListener;
 use transport_tcp::TcpConfig;
 use transport_tcp::frame::{
-    CHECKSUM_LEN, FLAG_CRC, FLAG_IMM, HEADER_LEN, Header, MAX_BATCH, Op, code,
+    AUTH_NONE, AUTH_TOKEN, CHALLENGE_VERSION, CHECKSUM_LEN, FLAG_CRC, FLAG_IMM, HEADER_LEN,
+    HELLO_CONTEXT, Header, MAX_BATCH, MUTUAL_VERSION, Op, PROTOCOL_VERSION, code,
 };
 
 /// The target's registered window.
@@ -719,10 +720,7 @@ proptest! {
         }
         // The fake sends its CHALLENGE, and takes in HELLO and the k requests (one BATCH)
         // before it answers.
-        fake.send_ok(&challenge_frame(), || a.step());
-        let h = fake.read_header(|| a.step());
-        prop_assert_eq!(h.op, Op::Hello);
-        let _ = fake.read_bytes(h.len as usize, || a.step());
+        fake_target_handshake(&mut fake, || a.step());
         let _ = fake.read_bytes(HEADER_LEN + k * (HEADER_LEN + 4096), || a.step());
         let _ = fake.send(&mutate(encode_replies(&replies), &muts), || a.step());
         fake.shutdown_write();
@@ -842,10 +840,7 @@ proptest! {
             let r = a.t.post_read(fake_peer, WorkRequestId(i), dst.local(i * 4096, 4096), src).unwrap();
             prop_assert_eq!(r, PostOutcome::Posted);
         }
-        fake.send_ok(&challenge_frame(), || a.step());
-        let h = fake.read_header(|| a.step());
-        prop_assert_eq!(h.op, Op::Hello);
-        let _ = fake.read_bytes(h.len as usize, || a.step());
+        fake_target_handshake(&mut fake, || a.step());
         // The k READs leave as one batch (no payloads).
         let h = fake.read_header(|| a.step());
         prop_assert_eq!((h.op, h.len), (Op::Batch, k as u64));
@@ -931,6 +926,7 @@ struct ChallengeSpec {
     rsvd: u8,
     code: u8,
     len: u64,
+    mode: u32,
     nonce: [u8; 16],
     tail: Vec<u8>,
 }
@@ -947,18 +943,22 @@ fn challenge_spec() -> impl Strategy<Value = ChallengeSpec> {
         prop_oneof![6 => Just(0u8), 1 => any::<u8>()],
         prop_oneof![3 => Just(transport_tcp::frame::PROTOCOL_VERSION), 1 => any::<u8>()],
         prop_oneof![6 => Just(0u64), 1 => edge_u64()],
+        prop_oneof![3 => Just(AUTH_NONE), 3 => Just(AUTH_TOKEN), 1 => any::<u32>()],
         any::<[u8; 16]>(),
         prop_oneof![3 => Just(Vec::new()), 1 => vec(any::<u8>(), 1..80)],
     )
-        .prop_map(|(op, flags, rsvd, code, len, nonce, tail)| ChallengeSpec {
-            op,
-            flags,
-            rsvd,
-            code,
-            len,
-            nonce,
-            tail,
-        })
+        .prop_map(
+            |(op, flags, rsvd, code, len, mode, nonce, tail)| ChallengeSpec {
+                op,
+                flags,
+                rsvd,
+                code,
+                len,
+                mode,
+                nonce,
+                tail,
+            },
+        )
 }
 
 impl ChallengeSpec {
@@ -968,6 +968,7 @@ impl ChallengeSpec {
         h[1] = self.flags;
         h[2] = self.code;
         h[3] = self.rsvd;
+        h[4..8].copy_from_slice(&self.mode.to_le_bytes());
         h[16..32].copy_from_slice(&self.nonce);
         h[32..40].copy_from_slice(&self.len.to_le_bytes());
         let mut b = h.to_vec();
@@ -1017,17 +1018,33 @@ proptest! {
         let bytes = mutate(spec.bytes(), &muts);
         let challenge = leading_challenge(&bytes);
         let alone = challenge.is_some() && bytes.len() == HEADER_LEN;
+        let mut mutual_hello = false;
         if let (Some(c), true) = (challenge, alone) {
-            // A CHALLENGE alone: the HELLO must answer it, with the tag of its nonce.
+            // A CHALLENGE alone: the HELLO must answer it, with the tag of its nonce where
+            // both sides have a token, untagged where one side has none (toward a refusal),
+            // none at all where the target cannot prove our token or names an unknown mode.
             fake.send_ok(&bytes, || a.step());
-            let h = fake.read_header(|| a.step());
-            prop_assert_eq!((h.op, h.code), (Op::Hello, transport_tcp::frame::PROTOCOL_VERSION));
-            let nonce = transport_tcp::auth::Nonce::from_bytes(c.key_offset_bytes());
-            let want = token.map_or([0u8; 16], |t| {
-                let tag = transport_tcp::auth::tag(t, transport_tcp::frame::HELLO_CONTEXT, &nonce);
-                tag[..16].try_into().unwrap()
-            });
-            prop_assert_eq!(h.key_offset_bytes(), want);
+            let mutual = c.code >= MUTUAL_VERSION;
+            let answers = if mutual { c.imm <= AUTH_TOKEN } else { token.is_none() };
+            if answers {
+                let h = fake.read_header(|| a.step());
+                let version = if mutual { PROTOCOL_VERSION } else { CHALLENGE_VERSION };
+                prop_assert_eq!((h.op, h.code), (Op::Hello, version));
+                let nonce = transport_tcp::auth::Nonce::from_bytes(c.key_offset_bytes());
+                let want = match token {
+                    Some(t) if mutual && c.imm == AUTH_TOKEN => {
+                        let tag = transport_tcp::auth::tag(t, HELLO_CONTEXT, &nonce);
+                        tag[..16].try_into().unwrap()
+                    }
+                    _ => [0u8; 16],
+                };
+                prop_assert_eq!(h.key_offset_bytes(), want);
+                if mutual {
+                    prop_assert_eq!(h.imm, if token.is_some() { AUTH_TOKEN } else { AUTH_NONE });
+                }
+                let _ = fake.read_bytes(h.len as usize, || a.step());
+                mutual_hello = mutual;
+            }
         } else {
             let _ = fake.send(&bytes, || a.step());
         }
@@ -1051,6 +1068,11 @@ proptest! {
             }
         }
         prop_assert_eq!(seen.len(), k);
+        if mutual_hello {
+            // No PROOF came: nothing of ours but the HELLO left.
+            prop_assert!(fake.rx.is_empty(), "sent before a PROOF: {:?}", &fake.rx[..fake.rx.len().min(80)]);
+            prop_assert!(a.t.peer_ready(fake_peer).is_err(), "the peer did not fail");
+        }
         match challenge {
             None => {
                 prop_assert_eq!(fake.received, 0, "the initiator sent bytes before a CHALLENGE");

@@ -89,7 +89,7 @@ fn bytes_before_hello_close_the_connection() {
 /// Every op this build defines. The match below stops compiling when a kind is added, so
 /// that the list is brought up to date instead of letting a test send a defined op as an
 /// unknown one (7 was "unknown" in a test until it became READ in protocol 3).
-const DEFINED_OPS: [Op; 9] = [
+const DEFINED_OPS: [Op; 10] = [
     Op::Hello,
     Op::Write,
     Op::Send,
@@ -99,6 +99,7 @@ const DEFINED_OPS: [Op; 9] = [
     Op::Read,
     Op::ReadReply,
     Op::Challenge,
+    Op::Proof,
 ];
 
 /// Where `op` is in [`DEFINED_OPS`] (exhaustive: see there).
@@ -113,6 +114,7 @@ fn defined_index(op: Op) -> usize {
         Op::Read => 6,
         Op::ReadReply => 7,
         Op::Challenge => 8,
+        Op::Proof => 9,
     }
 }
 

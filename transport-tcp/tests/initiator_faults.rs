@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{Deadline, Node, Raw, challenge_frame, concat, hello_frame, write_frame};
+use common::{Deadline, Node, Raw, concat, fake_target_handshake, hello_frame, write_frame};
 use fabric_core::testing::{Canaried, pattern};
 use fabric_core::{
     Access, Error, OpError, OpKind, PeerId, PostOutcome, RemoteKey, RemoteRegion, RemoteSlice,
@@ -61,20 +61,18 @@ impl Scene {
             },
             wr: 0,
         };
-        // The fake speaks first, as a target does; the HELLO answers its CHALLENGE.
-        s.fake.send_ok(&challenge_frame(), || {
+        // The fake speaks first, as a target does; the HELLO answers its CHALLENGE, and
+        // the fake's PROOF lets the requests go.
+        fake_target_handshake(&mut s.fake, || {
             s.a.step();
             s.real.step();
         });
-        let h = s.fake.read_header(|| {
-            s.a.step();
-            s.real.step();
-        });
-        assert_eq!(h.op, Op::Hello);
-        let _ = s.fake.read_bytes(h.len as usize, || {
-            s.a.step();
-            s.real.step();
-        });
+        // The fake peer is connected once the initiator has taken the PROOF in.
+        let d = Deadline::new("the initiator to take the fake's PROOF");
+        while !s.a.t.peer_ready(s.fake_peer).expect("the fake's PROOF") {
+            s.step();
+            d.check();
+        }
         s
     }
 

@@ -6,27 +6,35 @@
 use fabric_core::engine::{Engine, EngineConfig, Transfer};
 use fabric_core::plan::Segment;
 use fabric_core::{Access, Error, HostBuffer, OpError};
-use std::io::Write;
+use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 use transport_tcp::auth::Nonce;
-use transport_tcp::frame::Header;
+use transport_tcp::frame::{AUTH_NONE, HEADER_LEN, Header};
 use transport_tcp::{TcpConfig, TcpTransport};
 
 const PEER_TIMEOUT: Duration = Duration::from_secs(1);
 
 #[test]
 fn a_timed_out_transfer_holds_its_source_until_the_transport_lets_go() {
-    // The stalled peer: accepts connections, sends its CHALLENGE (a target stopped after
-    // its handshake), then never reads or answers.
+    // The stalled peer: accepts connections, goes through the handshake (its CHALLENGE,
+    // the HELLO read, its PROOF: a target stopped after its handshake), then never reads
+    // or answers.
     let stalled = TcpListener::bind("127.0.0.1:0").unwrap();
     let stalled_addr = format!("tcp://{}", stalled.local_addr().unwrap());
     let (stop_tx, stop_rx) = mpsc::channel::<()>();
     let holder = std::thread::spawn(move || {
         let (mut conn, _) = stalled.accept().unwrap();
         let nonce = Nonce::new().unwrap();
-        conn.write_all(&Header::challenge(&nonce).encode()).unwrap();
+        conn.write_all(&Header::challenge(&nonce, AUTH_NONE).encode())
+            .unwrap();
+        let mut head = [0u8; HEADER_LEN];
+        conn.read_exact(&mut head).unwrap();
+        let hello = Header::decode(&head).unwrap();
+        let mut payload = vec![0u8; hello.len as usize];
+        conn.read_exact(&mut payload).unwrap();
+        conn.write_all(&Header::proof(&[0u8; 16]).encode()).unwrap();
         let _ = stop_rx.recv_timeout(Duration::from_secs(60));
         drop(conn);
     });

@@ -10,7 +10,7 @@ use common::{Deadline, Node, Raw, concat, frame, write_frame};
 use fabric_core::testing::{Canaried, pattern};
 use fabric_core::{Access, Error, Transport};
 use transport_tcp::TcpError;
-use transport_tcp::frame::{HEADER_LEN, Header, Op, PROTOCOL_VERSION, code};
+use transport_tcp::frame::{CHALLENGE_VERSION, HEADER_LEN, Header, Op, PROTOCOL_VERSION, code};
 
 const LEN: u64 = 64 * 1024;
 
@@ -97,7 +97,7 @@ fn refused_reads_are_nacked_before_any_byte_leaves_and_good_ones_are_served() {
     let mut c = Raw::connect(&t.t);
     c.send_ok(
         &concat(&[
-            &hello(PROTOCOL_VERSION, 0xEAD0_0001),
+            &hello(CHALLENGE_VERSION, 0xEAD0_0001),
             &read_frame(key ^ 0x55, 0, 16, 1),
             &read_frame(key, LEN - 10, 11, 2),
             &read_frame(key, u64::MAX - 4, 16, 3),
@@ -147,7 +147,7 @@ fn refused_reads_are_nacked_before_any_byte_leaves_and_good_ones_are_served() {
 fn malformed_read_frames_close_the_connection() {
     let (mut t, readable, _w) = owner();
     let key = readable.remote(0, 0).region.key.0;
-    let h3 = || hello(PROTOCOL_VERSION, fabric_core::random_u64());
+    let h3 = || hello(CHALLENGE_VERSION, fabric_core::random_u64());
     // Longer than the largest message (Node::small's), whatever the region.
     expect_closed(
         &mut t,
@@ -279,7 +279,7 @@ fn reads_inside_a_batch_are_answered_in_order_with_the_writes_around_them() {
     batch.extend(read_frame(key, 100, 64, 4));
     batch.extend([9u8; 16]);
     c.send_ok(
-        &concat(&[&hello(PROTOCOL_VERSION, 0xEAD0_0003), &batch]),
+        &concat(&[&hello(CHALLENGE_VERSION, 0xEAD0_0003), &batch]),
         || t.step(),
     );
     // The WRITE's ACK comes first; then the answers, in order.

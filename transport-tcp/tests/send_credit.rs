@@ -12,7 +12,7 @@ use fabric_core::{
     Access, Completion, OpError, OpKind, PeerId, PostOutcome, Transport, WorkRequestId,
 };
 use std::time::Duration;
-use transport_tcp::frame::{ACK_CREDIT, Header, Op, PROTOCOL_VERSION};
+use transport_tcp::frame::{ACK_CREDIT, CHALLENGE_VERSION, Header, Op};
 use transport_tcp::{TcpConfig, TcpError};
 
 const FILL: u8 = 0x11;
@@ -277,7 +277,7 @@ fn a_send_without_credit_is_given_up_with_a_clear_error() {
 /// The HELLO of `common::hello_frame` (version 0), claiming the credit protocol (version 2).
 fn hello_v2() -> Vec<u8> {
     let mut h = hello_frame();
-    h[2] = PROTOCOL_VERSION;
+    h[2] = CHALLENGE_VERSION;
     h
 }
 

@@ -27,7 +27,7 @@
 //! protocol: the connection is closed ([`TcpError::SendBeyondCredit`]).
 
 use super::*;
-use crate::frame::{ACK_CREDIT, CREDIT_VERSION, PROTOCOL_VERSION};
+use crate::frame::{ACK_CREDIT, CHALLENGE_VERSION, CREDIT_VERSION, PROTOCOL_VERSION};
 use std::time::{Duration, Instant};
 /// A connection's credit window is at most this share of the early-arrival queue (so that
 /// a few peers may each hold a window before one has to wait for another's to come back)...
@@ -321,7 +321,9 @@ impl Conn {
     ) -> Result<(), TcpError> {
         match version {
             0 => self.credit = Credit::Legacy,
-            CREDIT_VERSION | PROTOCOL_VERSION => self.granted = Some(Granted::new(&shared.early)),
+            CREDIT_VERSION | CHALLENGE_VERSION | PROTOCOL_VERSION => {
+                self.granted = Some(Granted::new(&shared.early))
+            }
             v => return Err(TcpError::HelloVersion(v)),
         }
         self.peer_version = Some(version);

@@ -12,8 +12,8 @@
 //! answer after it, until the copy has completed. Host memory never goes through staging.
 //!
 //! The connection's pieces, each in its module:
-//! - [`handshake`]: the target's CHALLENGE, the initiator's HELLO that answers it, and the
-//!   check of the HELLO's tag;
+//! - [`handshake`]: the target's CHALLENGE, the initiator's HELLO that answers it, the
+//!   check of the HELLO's tag, and the target's PROOF that the initiator checks in turn;
 //! - [`send`]: the outgoing frame queue (frames, batching of WRITEs, vectored writes, staging
 //!   of device payloads);
 //! - [`read`]: the incoming state machine (headers, batches, payloads, HELLO, answers
@@ -124,9 +124,12 @@ pub(crate) struct Conn {
     rpos: usize,
     rlen: usize,
     rstate: ReadState,
-    /// The CHALLENGE and HELLO (see [`handshake`]).
+    /// The CHALLENGE, HELLO and PROOF (see [`handshake`]).
     handshake: Handshake,
     hello: Option<(u32, u64, Vec<u8>)>,
+    /// An accepted connection whose HELLO of version 5 was refused: the peer is told so
+    /// before the connection closes ([`Conn::tell_refusal`]).
+    refused_hello: bool,
     /// When the connection was opened (a peer that never says HELLO is dropped).
     pub opened: std::time::Instant,
     discard: Box<[u8]>,
@@ -176,6 +179,7 @@ impl Conn {
             rlen: 0,
             rstate: ReadState::Header,
             hello: None,
+            refused_hello: false,
             opened: std::time::Instant::now(),
             discard: Vec::new().into_boxed_slice(),
             answered: 0,

@@ -339,11 +339,8 @@ impl Conn {
                 let Dest::Buffer(data) = dest else {
                     unreachable!("HELLO goes to a buffer")
                 };
-                let rail = u32::from_le_bytes(data[0..4].try_into().expect("len >= 12 checked"));
-                let instance =
-                    u64::from_le_bytes(data[4..12].try_into().expect("len >= 12 checked"));
-                self.handshake = Handshake::Done;
-                self.hello = Some((rail, instance, data[12..].to_vec()));
+                // Its length was checked against its version's fixed part.
+                self.hello = Some(self.on_hello_payload(&data));
             }
             Finish::Rejected { err, wr_id } => self.nack(&err, wr_id, shared),
             Finish::Dropped => {}

@@ -364,6 +364,12 @@ impl Conn {
         if self.awaiting_challenge() && h.op != Op::Challenge {
             return Err(TcpError::BeforeChallenge { op: h.op });
         }
+        if self.opening() && !self.awaiting_challenge() && h.op != Op::Proof {
+            if h.op == Op::Nack && h.code == frame::code::AUTH {
+                return Err(TcpError::RefusedByTarget);
+            }
+            return Err(TcpError::BeforeProof { op: h.op });
+        }
         // Only WRITEs carry checksums.
         if h.flags & crate::frame::FLAG_CRC != 0 && h.op != Op::Write {
             return Err(TcpError::UnexpectedFlags {
@@ -376,12 +382,15 @@ impl Conn {
                 if !self.awaiting_hello() {
                     return Err(TcpError::UnexpectedHello);
                 }
-                if h.len > MAX_HELLO || h.len < 12 {
+                // Checked before anything else of the peer is read (the token is never logged).
+                self.check_hello(&h).inspect_err(|_| {
+                    // A peer of version 5 is told, in place of the PROOF.
+                    self.refused_hello = h.code >= frame::MUTUAL_VERSION;
+                })?;
+                self.on_hello_version(h.code, shared)?;
+                if h.len > MAX_HELLO || h.len < frame::hello_min_len(h.code) {
                     return Err(TcpError::HelloLength(h.len));
                 }
-                // Checked before anything else of the peer is read (the token is never logged).
-                self.check_hello_tag(&h)?;
-                self.on_hello_version(h.code, shared)?;
                 self.rstate = ReadState::Payload {
                     dest: Dest::Buffer(Vec::with_capacity(h.len as usize)),
                     remaining: h.len,
@@ -430,6 +439,7 @@ impl Conn {
             }
             Op::ReadReply => self.start_read_reply(&h)?,
             Op::Challenge => self.on_challenge(&h)?,
+            Op::Proof => self.on_proof(&h)?,
             Op::Ack => {
                 if h.len > self.inflight.len() as u64 {
                     return Err(TcpError::AckOverrun {

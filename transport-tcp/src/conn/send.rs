@@ -330,6 +330,8 @@ impl Conn {
             // Our HELLO goes first, and it needs the CHALLENGE's nonce.
             return Ok(());
         }
+        // Until the target's PROOF, our HELLO only (see `handshake`).
+        let opening = self.opening();
         self.flush_acks();
         // SEND credit rides on the ACK just queued, if any.
         self.grant_credit(&mut shared.early);
@@ -342,7 +344,12 @@ impl Conn {
             // it does not grow while filled.
             let want: usize = self.out.iter().map(|f| 1 + f.payloads.len()).sum();
             let mut iov: Vec<RawIov> = Vec::with_capacity(want.min(MAX_IOV));
-            for f in self.out.iter() {
+            let frames = if opening {
+                self.writable_frames()
+            } else {
+                self.out.len()
+            };
+            for f in self.out.iter().take(frames) {
                 if !f.push_iov(&mut iov, self.out_ring.as_ref()) {
                     break;
                 }

@@ -14,7 +14,10 @@ use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use transport_tcp::auth::{self, Nonce};
-use transport_tcp::frame::{FLAG_IMM, HEADER_LEN, HELLO_CONTEXT, HELLO_TAG_LEN, Header, Op};
+use transport_tcp::frame::{
+    AUTH_NONE, AUTH_TOKEN, FLAG_IMM, HEADER_LEN, HELLO_CONTEXT, HELLO_NONCE_LEN, HELLO_TAG_LEN,
+    Header, MUTUAL_VERSION, Op, PROOF_CONTEXT, PROTOCOL_VERSION,
+};
 use transport_tcp::{TcpConfig, TcpTransport};
 
 /// The longest any one wait may take.
@@ -126,22 +129,79 @@ pub fn hello_frame() -> Vec<u8> {
 }
 
 /// [`hello_frame`] of protocol `version`, carrying the tag that proves `token` for `nonce`
-/// (a CHALLENGE's), as a real initiator's HELLO does.
+/// (a CHALLENGE's), as a real initiator's HELLO does; from version 5 on, with the
+/// initiator's own nonce `mine` first in its payload and the token's mode.
 pub fn tagged_hello_frame(version: u8, token: &str, nonce: &Nonce) -> Vec<u8> {
-    let mut b = hello_frame();
-    let mut h = Header::decode(b[..HEADER_LEN].try_into().expect("40 bytes")).expect("a HELLO");
-    h.code = version;
-    let tag = auth::tag(token, HELLO_CONTEXT, nonce);
-    h.set_key_offset_bytes(tag[..HELLO_TAG_LEN].try_into().expect("16 bytes"));
-    b[..HEADER_LEN].copy_from_slice(&h.encode());
-    b
+    mutual_hello_frame(
+        version,
+        Some(token),
+        nonce,
+        &Nonce::new().expect("random nonce"),
+    )
 }
 
-/// A CHALLENGE with a fresh nonce, as a target's first frame.
+/// A HELLO of `version` as an initiator with `token` (or none) sends it: the tag of the
+/// target's `nonce` (zeros without a token) and, from version 5 on, its own nonce `mine`
+/// before the rail, instance and address, and its authentication mode.
+pub fn mutual_hello_frame(
+    version: u8,
+    token: Option<&str>,
+    nonce: &Nonce,
+    mine: &Nonce,
+) -> Vec<u8> {
+    let plain = hello_frame();
+    let mut h = Header::decode(plain[..HEADER_LEN].try_into().expect("40 bytes")).expect("a HELLO");
+    let mut payload = Vec::new();
+    if version >= MUTUAL_VERSION {
+        payload.extend_from_slice(mine.as_bytes());
+        h.imm = if token.is_some() {
+            AUTH_TOKEN
+        } else {
+            AUTH_NONE
+        };
+    }
+    payload.extend_from_slice(&plain[HEADER_LEN..]);
+    h.code = version;
+    h.len = payload.len() as u64;
+    if let Some(token) = token {
+        let tag = auth::tag(token, HELLO_CONTEXT, nonce);
+        h.set_key_offset_bytes(tag[..HELLO_TAG_LEN].try_into().expect("16 bytes"));
+    }
+    frame(h, &payload)
+}
+
+/// A CHALLENGE with a fresh nonce from a target without a token, as a target's first frame.
 pub fn challenge_frame() -> Vec<u8> {
-    Header::challenge(&Nonce::new().expect("random nonce"))
+    Header::challenge(&Nonce::new().expect("random nonce"), AUTH_NONE)
         .encode()
         .to_vec()
+}
+
+/// The PROOF a target with `token` (zeros without one) answers a HELLO of version 5 with:
+/// the tag of the initiator's nonce, the first bytes of the HELLO's `payload`.
+pub fn proof_frame(token: Option<&str>, hello_payload: &[u8]) -> Vec<u8> {
+    let nonce = Nonce::from_bytes(
+        hello_payload[..HELLO_NONCE_LEN]
+            .try_into()
+            .expect("a HELLO of version 5 begins with a nonce"),
+    );
+    let mut tag = [0u8; HELLO_TAG_LEN];
+    if let Some(token) = token {
+        tag.copy_from_slice(&auth::tag(token, PROOF_CONTEXT, &nonce)[..HELLO_TAG_LEN]);
+    }
+    Header::proof(&tag).encode().to_vec()
+}
+
+/// The handshake of a fake target without a token on `fake` (a connection a real initiator
+/// opened): its CHALLENGE, the initiator's HELLO taken in (returned, header and payload),
+/// and its PROOF, after which the initiator sends its requests.
+pub fn fake_target_handshake(fake: &mut Raw, mut step: impl FnMut()) -> (Header, Vec<u8>) {
+    fake.send_ok(&challenge_frame(), &mut step);
+    let h = fake.read_header(&mut step);
+    assert_eq!((h.op, h.code), (Op::Hello, PROTOCOL_VERSION), "{h:?}");
+    let payload = fake.read_bytes(h.len as usize, &mut step);
+    fake.send_ok(&proof_frame(None, &payload), &mut step);
+    (h, payload)
 }
 
 /// A WRITE header.
