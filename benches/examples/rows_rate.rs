@@ -31,6 +31,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         segments: (0..rows).map(|i| (2 * i * row, i * row, row)).collect(),
         runs: Vec::new(),
         imm: None,
+        message: None,
         timeout: Some(TRANSFER_TIMEOUT),
         direction: Default::default(),
         after: None,

@@ -312,6 +312,7 @@ impl GroupPair {
                     .collect(),
                 runs: Vec::new(),
                 imm: None,
+                message: None,
                 timeout: Some(TRANSFER_TIMEOUT),
                 direction: Default::default(),
                 after: None,
