@@ -474,7 +474,7 @@ impl Engine {
     /// buffer; such a registration can also be the destination of this engine's reads); a
     /// source-only region may be read-only. remote_read: whether peers may read it.
     #[pyo3(signature = (obj, remote_write=true, remote_read=false))]
-    fn register(
+    pub(crate) fn register(
         &self,
         py: Python<'_>,
         obj: &Bound<'_, PyAny>,

@@ -165,7 +165,10 @@ pub fn engine_error(e: &Error) -> PyErr {
 /// The exception for a failed call of the agent (building it included): option mistakes,
 /// bad metadata and peers that cannot be reached over any common transport are
 /// `InvalidArgument`, a transport this machine cannot run is `Unsupported`, the directory's
-/// errors map as [`directory_error`] says and the engine's as [`engine_error`] says.
+/// errors map as [`directory_error`] says and the engine's as [`engine_error`] says. KV
+/// errors: bad layouts, requests, ranks, layers and ids are `InvalidArgument`, a request
+/// (or layer) not landed in time is `TimedOut`, and a failed transfer of a request is
+/// raised as its cause's class with a message that names the request, layer and peer rank.
 pub fn agent_error(e: &xfer::Error) -> PyErr {
     use xfer::Error as X;
     match e {
@@ -196,6 +199,21 @@ pub fn agent_error(e: &xfer::Error) -> PyErr {
         X::PeerStalled { .. } => PeerStalled::new_err(e.to_string()),
         X::WeightSync(s) => sync_error(s),
         X::WeightPlan(_) | X::WeightCheck(_) => InvalidArgument::new_err(report(e)),
+        X::Kv(_)
+        | X::KvRequestId { .. }
+        | X::KvNoSuchRank { .. }
+        | X::KvPeerLayout { .. }
+        | X::KvNotAttached { .. }
+        | X::KvNoSuchRegion { .. }
+        | X::KvWrongSide { .. }
+        | X::KvNoSuchLayer { .. } => InvalidArgument::new_err(report(e)),
+        X::KvNotLanded { .. } => TimedOut::new_err(report(e)),
+        X::KvRequest { source, .. } => {
+            // The class of what failed (PeerUnreachable, TimedOut, ...), the message naming
+            // the request, the layer and the peer rank first.
+            let typed = agent_error(source);
+            Python::attach(|py| PyErr::from_type(typed.get_type(py), report(e)))
+        }
         _ => TransportFailed::new_err(report(e)),
     }
 }

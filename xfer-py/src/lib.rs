@@ -8,7 +8,8 @@
 //! every call that waits, buffers taken without copies through the buffer protocol,
 //! `__cuda_array_interface__` or DLPack ([`memory`]), CUDA stream order for GPU memory
 //! (`stream`), errors as a class hierarchy under `xfer.Error` ([`errors`]), and
-//! `xfer.Directory`, and `xfer.weights` ([`weights`]): layouts, plans and the weight sync.
+//! `xfer.Directory`, `xfer.weights` ([`weights`]): layouts, plans and the weight sync, and
+//! `xfer.kv` ([`kv`]): KV cache layouts, request plans and ranks between prefill and decode.
 //! Addresses and descriptors are the library's metadata as bytes
 //! (`AgentInfo::to_bytes`, `RegionDescriptor::to_bytes`).
 //!
@@ -48,6 +49,7 @@ mod directory;
 mod engine;
 pub mod errors;
 mod handle;
+pub mod kv;
 pub mod memory;
 pub mod options;
 mod stream;
@@ -72,6 +74,7 @@ fn _xfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<weights::PyPlan>()?;
     m.add_class::<weights::PySource>()?;
     m.add_class::<weights::PyDestination>()?;
+    m.add_submodule(&kv::module(m.py())?)?;
     errors::add(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
