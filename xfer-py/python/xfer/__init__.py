@@ -30,6 +30,9 @@ another engine is refused with :class:`ForeignHandle`.
 
 :mod:`xfer.weights` syncs a model's weights from trainer ranks to inference ranks laid out
 another way (layouts, a static plan, pushes with immediate data per destination, pulls).
+:mod:`xfer.kv` moves a request's paged KV cache from prefill ranks to decode ranks of
+another shape, layer by layer (layouts from vLLM's and SGLang's tensors, request plans,
+ranks, and classes with the calls of vLLM's KV connector and SGLang's sender/receiver).
 
 Errors are subclasses of :class:`Error`, one per kind (``TimedOut`` and its
 ``PeerStalled``: a peer that stopped answering while its connection stands, with
@@ -66,7 +69,7 @@ from ._xfer import (  # noqa: F401
     Watch,
     __version__,
 )
-from . import weights  # noqa: E402, F401
+from . import kv, weights  # noqa: E402, F401
 
 __all__ = [
     "Engine",
@@ -96,4 +99,5 @@ __all__ = [
     "Unsupported",
     "TransportFailed",
     "weights",
+    "kv",
 ]
