@@ -1,6 +1,7 @@
 //! The direct rendezvous between two agents of this process over loopback: the client
 //! finds the server's named region by name, writes into it with immediate data, and the
-//! server sees every byte; a client without the token is refused before anything happens.
+//! server sees every byte; a client without the token is refused before anything happens,
+//! and so is a server without it (or one that cannot prove it).
 
 use std::net::TcpListener;
 use std::sync::Arc;
@@ -91,6 +92,121 @@ fn without_the_token_the_client_is_refused_and_nothing_is_connected() {
     assert!(c.rendezvous(at, None, T).is_err(), "no token at all");
     assert_eq!(stats.refusals(xfer::rendezvous::Refusal::Auth), 2);
     assert_eq!(stats.admitted.load(std::sync::atomic::Ordering::Relaxed), 0);
+}
+
+#[test]
+fn a_token_on_one_side_only_is_refused_by_both_with_the_side_that_lacks_it() {
+    use xfer::rendezvous::ClientError;
+    // A client with a token no longer talks to a server without one.
+    let (_srv, _dst, at, stats) = server(None);
+    let c = agent();
+    match c.rendezvous(at, Some("s3cret"), T).unwrap_err() {
+        xfer::Error::Rendezvous(ClientError::ServerHasNoToken { addr }) => assert_eq!(addr, at),
+        e => panic!("{e:?}"),
+    }
+    assert_eq!(stats.refusals(xfer::rendezvous::Refusal::Auth), 1);
+    // A client without one is told the server has one (typed), and the server says why.
+    let (_srv, _dst, at, stats) = server(Some("s3cret"));
+    match c.rendezvous(at, None, T).unwrap_err() {
+        xfer::Error::Rendezvous(ClientError::NoTokenHere { addr }) => assert_eq!(addr, at),
+        e => panic!("{e:?}"),
+    }
+    // Another token: the server refuses the hello's proof, and the client says so.
+    match c.rendezvous(at, Some("guess"), T).unwrap_err() {
+        xfer::Error::Rendezvous(ClientError::AuthRefused { reason, .. }) => {
+            assert!(reason.contains("does not prove"), "{reason}")
+        }
+        e => panic!("{e:?}"),
+    }
+    assert_eq!(stats.refusals(xfer::rendezvous::Refusal::Auth), 2);
+    assert_eq!(stats.admitted.load(std::sync::atomic::Ordering::Relaxed), 0);
+}
+
+/// A fake rendezvous server that greets `greeting_auth` and welcomes any hello with a
+/// well-formed reply (its agent one of this process) whose proof is `proof(client
+/// nonce)`; what the client's rendezvous gave.
+fn against_fake_server(
+    greeting_auth: bool,
+    proof: fn(&transport_tcp::auth::Nonce) -> Option<String>,
+) -> Result<(), xfer::Error> {
+    use std::io::{BufRead, BufReader, Write};
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let at = l.local_addr().unwrap();
+    let me = agent();
+    let info = serde_json::to_value(me.info()).unwrap();
+    let fake = std::thread::spawn(move || {
+        let (mut conn, _) = l.accept().unwrap();
+        let nonce = transport_tcp::auth::Nonce::new().unwrap();
+        let greeting = serde_json::json!({
+            "op": "challenge", "version": xfer::rendezvous::VERSION,
+            "nonce": nonce.to_hex(), "auth": greeting_auth,
+        });
+        writeln!(conn, "{greeting}").unwrap();
+        let mut line = String::new();
+        BufReader::new(conn.try_clone().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let hello: serde_json::Value = serde_json::from_str(&line).unwrap();
+        let theirs: transport_tcp::auth::Nonce = hello["nonce"].as_str().unwrap().parse().unwrap();
+        let mut reply = serde_json::json!({
+            "ok": true, "agent": info, "transport": "tcp", "regions": {},
+        });
+        if let Some(p) = proof(&theirs) {
+            reply["proof"] = p.into();
+        }
+        writeln!(conn, "{reply}").unwrap();
+        conn
+    });
+    let c = agent();
+    let r = c.rendezvous(at, Some("s3cret"), T).map(|_| ());
+    drop(fake.join().unwrap());
+    r
+}
+
+#[test]
+fn a_server_that_does_not_prove_the_token_is_refused_by_the_client() {
+    use transport_tcp::auth;
+    use xfer::rendezvous::{ClientError, PROOF_CONTEXT};
+    let cases: [(&str, fn(&auth::Nonce) -> Option<String>); 4] = [
+        ("no proof", |_| None),
+        ("another token's", |n| {
+            Some(hex_of(&auth::tag("guess", PROOF_CONTEXT, n)))
+        }),
+        ("another nonce's (a replay)", |_| {
+            Some(hex_of(&auth::tag(
+                "s3cret",
+                PROOF_CONTEXT,
+                &auth::Nonce::new().unwrap(),
+            )))
+        }),
+        ("the hello's context", |n| {
+            Some(hex_of(&auth::tag(
+                "s3cret",
+                xfer::rendezvous::AUTH_CONTEXT,
+                n,
+            )))
+        }),
+    ];
+    for (what, proof) in cases {
+        match against_fake_server(true, proof) {
+            Err(xfer::Error::Rendezvous(ClientError::ServerAuthFailed { .. })) => {}
+            r => panic!("{what}: {r:?}"),
+        }
+    }
+    // A greeting that says the server has no token: refused before any tag is sent.
+    match against_fake_server(false, |_| None) {
+        Err(xfer::Error::Rendezvous(ClientError::ServerHasNoToken { .. })) => {}
+        r => panic!("{r:?}"),
+    }
+    // The right proof is taken (the client goes on to connect to the fake's agent).
+    against_fake_server(true, |n| {
+        Some(hex_of(&auth::tag("s3cret", PROOF_CONTEXT, n)))
+    })
+    .expect("a welcome that proves the token");
+}
+
+fn hex_of(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! The client's side of the rendezvous: [`Client`] and [`hello`].
 
 use super::server::{HelloReply, HelloRequest};
-use super::{AUTH_CONTEXT, Envelope, Greeting, MAX_HELLO, MAX_LINE, VERSION};
+use super::{AUTH_CONTEXT, Envelope, Greeting, MAX_HELLO, MAX_LINE, PROOF_CONTEXT, VERSION};
 use fabric_core::metadata::{AgentInfo, RegionDescriptor, TransportKind};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -62,6 +62,38 @@ pub enum ClientError {
         /// After how long asking again may pass.
         retry: Option<Duration>,
     },
+    /// The client has a token and the server has none (its greeting says so): refused
+    /// without sending it any proof (the server refuses too, and says why).
+    #[error(
+        "authentication failed: {addr} has no auth token and this side has one (give both the same token)"
+    )]
+    ServerHasNoToken {
+        /// Where.
+        addr: SocketAddr,
+    },
+    /// The server has a token and the client has none (the server refuses too).
+    #[error(
+        "authentication failed: {addr} has an auth token and this side has none (give both the same token)"
+    )]
+    NoTokenHere {
+        /// Where.
+        addr: SocketAddr,
+    },
+    /// The server refused the hello's proof of the token (the tokens differ).
+    #[error("{reason} ({addr} refused the hello)")]
+    AuthRefused {
+        /// Where.
+        addr: SocketAddr,
+        /// The server's reason.
+        reason: String,
+    },
+    /// The server's welcome does not prove the token for our nonce: a server with another
+    /// token, or not the server we meant (one that relays, replays or lies).
+    #[error("authentication failed: the welcome of {addr} does not prove the token")]
+    ServerAuthFailed {
+        /// Where.
+        addr: SocketAddr,
+    },
     /// The server's reply is not what the protocol says.
     #[error("malformed reply from the peer: {0}")]
     Malformed(String),
@@ -98,7 +130,13 @@ pub struct Client {
     w: TcpStream,
     r: BufReader<TcpStream>,
     nonce: Nonce,
+    /// Whether the server's greeting says it has a token.
+    server_token: bool,
+    /// Ours, fresh for this connection: the welcome's proof answers it.
+    mine: Nonce,
     token: Option<String>,
+    /// The kind of the server's last refusal, if it named one.
+    refusal: Option<String>,
 }
 
 impl Client {
@@ -122,9 +160,12 @@ impl Client {
                 "{addr} closed the control connection before its greeting"
             )));
         }
-        let nonce = match serde_json::from_str::<Greeting>(&line) {
-            Ok(g) if g.op == "challenge" && g.version == VERSION => Nonce::from_hex(&g.nonce)
-                .map_err(|e| ClientError::Malformed(format!("greeting: {e}")))?,
+        let (nonce, server_token) = match serde_json::from_str::<Greeting>(&line) {
+            Ok(g) if g.op == "challenge" && g.version == VERSION => (
+                Nonce::from_hex(&g.nonce)
+                    .map_err(|e| ClientError::Malformed(format!("greeting: {e}")))?,
+                g.auth,
+            ),
             Ok(g) => {
                 return Err(ClientError::Version {
                     addr,
@@ -150,17 +191,25 @@ impl Client {
             }
         };
         s.set_read_timeout(Some(REPLY_WITHIN))?;
+        let mine = Nonce::new()
+            .map_err(|e| ClientError::Io(std::io::Error::other(format!("no nonce: {e}"))))?;
         Ok(Client {
             addr,
             w: s,
             r,
             nonce,
+            server_token,
+            mine,
             token: None,
+            refusal: None,
         })
     }
 
     /// Says hello as `me` to the server's agent `worker` (the first by default), answering
-    /// the greeting with `token` if there is one.
+    /// the greeting with `token` if there is one, and checking that the server proves it
+    /// back. A token on one side only fails ([`ClientError::ServerHasNoToken`],
+    /// [`ClientError::NoTokenHere`]) after the server has been told, so that it refuses
+    /// and logs why too.
     pub fn hello(
         &mut self,
         me: &AgentInfo,
@@ -168,14 +217,43 @@ impl Client {
         token: Option<&str>,
     ) -> Result<Welcome, ClientError> {
         self.token = token.map(str::to_owned);
-        let reply: HelloReply = self.call(&HelloRequest {
+        let addr = self.addr;
+        let mismatch = match (token.is_some(), self.server_token) {
+            (true, false) => Some(ClientError::ServerHasNoToken { addr }),
+            (false, true) => Some(ClientError::NoTokenHere { addr }),
+            _ => None,
+        };
+        // A tag only for a server that says it has the token: to any other it would be a
+        // tag of a nonce of its choosing, for nothing.
+        let auth = token
+            .filter(|_| self.server_token)
+            .map(|t| hex::encode(transport_tcp::auth::tag(t, AUTH_CONTEXT, &self.nonce)));
+        let reply: Result<HelloReply, ClientError> = self.call(&HelloRequest {
             op: "hello".into(),
             version: VERSION,
             agent: me.clone(),
             worker,
-            auth: token
-                .map(|t| hex::encode(transport_tcp::auth::tag(t, AUTH_CONTEXT, &self.nonce))),
+            auth,
+            token: token.is_some(),
+            nonce: Some(self.mine.to_hex()),
+        });
+        if let Some(e) = mismatch {
+            return Err(e);
+        }
+        let reply = reply.map_err(|e| match e {
+            ClientError::Refused { reason, .. } if self.refusal.as_deref() == Some("auth") => {
+                ClientError::AuthRefused { addr, reason }
+            }
+            e => e,
         })?;
+        // Nothing of the welcome is used before it proves the token.
+        if let Some(t) = token {
+            let proof = reply.proof.as_deref().and_then(|p| hex::decode(p).ok());
+            if !proof.is_some_and(|p| transport_tcp::auth::verify(t, PROOF_CONTEXT, &self.mine, &p))
+            {
+                return Err(ClientError::ServerAuthFailed { addr });
+            }
+        }
         reply
             .agent
             .check()
@@ -222,6 +300,7 @@ impl Client {
         }
         let env: Envelope<T> =
             serde_json::from_str(&resp).map_err(|e| ClientError::Malformed(e.to_string()))?;
+        self.refusal = env.refusal.clone();
         match (env.ok, env.body) {
             (true, Some(b)) => Ok(b),
             _ => Err(ClientError::Refused {

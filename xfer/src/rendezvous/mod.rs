@@ -13,16 +13,25 @@
 //! The wire is JSON lines, out of band of the data path:
 //!
 //! ```text
-//! server: {"op":"challenge","version":2,"nonce":"5f0c..."}
-//! client: {"op":"hello","version":2,"agent":{...AgentInfo...},"worker":0,"auth":"<hex tag>"}
-//! server: {"ok":true,"agent":{...},"transport":"tcp","regions":{"kv":{...RegionDescriptor...}}}
+//! server: {"op":"challenge","version":3,"nonce":"5f0c...","auth":true}
+//! client: {"op":"hello","version":3,"agent":{...AgentInfo...},"worker":0,"token":true,
+//!          "auth":"<hex tag>","nonce":"9a1e..."}
+//! server: {"ok":true,"agent":{...},"transport":"tcp","regions":{"kv":{...RegionDescriptor...}},
+//!          "proof":"<hex tag>"}
 //! client: {"op":"verify",...}                    (a request the service answers)
 //! server: {"ok":true,...}
 //! ```
 //!
-//! The server greets every connection first with a fresh random nonce; a client with the
-//! shared token answers it in its hello with an HMAC of the nonce
-//! ([`transport_tcp::auth`], [`AUTH_CONTEXT`]), so a hello seen once cannot be replayed.
+//! Both sides prove the shared token. The server greets every connection first with a
+//! fresh random nonce, saying whether it has a token (`auth`); a client with the token
+//! answers it in its hello with an HMAC of the nonce ([`transport_tcp::auth`],
+//! [`AUTH_CONTEXT`]) and a fresh nonce of its own, and the server's welcome carries the
+//! HMAC of that one ([`PROOF_CONTEXT`]), which the client checks before it uses anything
+//! of the welcome: a hello or a welcome seen once cannot be replayed, and a server without
+//! the token cannot pass as one with it. A token on one side only is refused by both: the
+//! server refuses the hello ([`Refusal::Auth`], saying which side lacks the token), and
+//! the client fails with [`ClientError::ServerHasNoToken`] or
+//! [`ClientError::NoTokenHere`] (it sends no tag to a server without a token).
 //! Until its hello is complete a connection lives in one event loop ([`door`]): no thread,
 //! no client's place, a short deadline, and caps per address and in all that close the
 //! oldest pending connection to make room, so silent or trickling connections cannot keep
@@ -48,13 +57,16 @@ pub use server::{
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
 
-/// Protocol version (2: the server greets with a nonce, the hello answers it and carries
-/// the client's `AgentInfo`).
-pub const VERSION: u32 = 2;
+/// Protocol version (3: the welcome proves the server's token too; 2: the server greets
+/// with a nonce, the hello answers it and carries the client's `AgentInfo`).
+pub const VERSION: u32 = 3;
 
-/// What an authentication tag of the control port is an HMAC of, beside the nonce: a tag
-/// made for another purpose (a data connection's) does not pass here.
-pub const AUTH_CONTEXT: &str = "xfer control hello v2";
+/// What a hello's authentication tag is an HMAC of, beside the server's nonce: a tag made
+/// for another purpose (a data connection's, the other direction's) does not pass here.
+pub const AUTH_CONTEXT: &str = "xfer control hello v3: client to server";
+
+/// What a welcome's proof is an HMAC of, beside the client's nonce.
+pub const PROOF_CONTEXT: &str = "xfer control welcome v3: server to client";
 
 /// The longest reply line a client reads.
 pub const MAX_LINE: u64 = 64 << 20;
@@ -75,6 +87,9 @@ pub(crate) struct Greeting {
     pub version: u32,
     /// The nonce the hello's `auth` answers, in hex.
     pub nonce: String,
+    /// Whether the server has a token (and so asks for the hello's tag, and proves it).
+    #[serde(default)]
+    pub auth: bool,
 }
 
 /// A reply: `ok`, or the reason the server refused (and when asking again may succeed);
@@ -87,6 +102,10 @@ pub(crate) struct Envelope<T> {
     /// For a refusal that passes: milliseconds after which asking again may succeed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry_ms: Option<u64>,
+    /// For a refusal: its kind ([`Refusal::name`]), so that a client can tell an
+    /// authentication refusal from others.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refusal: Option<String>,
     #[serde(flatten)]
     pub body: Option<T>,
 }
@@ -98,6 +117,7 @@ impl<T: Serialize> Envelope<T> {
             ok: false,
             error: Some(reason),
             retry_ms: retry.map(|d| d.as_millis().max(1) as u64),
+            refusal: None,
             body: None,
         }
     }
@@ -108,6 +128,7 @@ impl<T: Serialize> Envelope<T> {
             ok: true,
             error: None,
             retry_ms: None,
+            refusal: None,
             body: Some(body),
         }
     }

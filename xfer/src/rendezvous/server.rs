@@ -2,7 +2,7 @@
 //! [`Service`] an application plugs into it.
 
 use super::door::{self, Door, DoorLimits};
-use super::{AUTH_CONTEXT, Envelope, FULL_RETRY, Greeting, MAX_HELLO, VERSION};
+use super::{AUTH_CONTEXT, Envelope, FULL_RETRY, Greeting, MAX_HELLO, PROOF_CONTEXT, VERSION};
 use crate::{Agent, resolve};
 use fabric_core::metadata::{AgentInfo, RegionDescriptor, TransportKind};
 use serde::{Deserialize, Serialize};
@@ -336,6 +336,12 @@ pub(crate) struct HelloRequest {
     /// Its answer to the greeting's nonce, if it has the token (hex).
     #[serde(default)]
     pub auth: Option<String>,
+    /// Whether it has a token (a tag is sent only to a server that has one too).
+    #[serde(default)]
+    pub token: bool,
+    /// Its nonce (hex), which the welcome's proof answers.
+    #[serde(default)]
+    pub nonce: Option<String>,
 }
 
 /// The server's answer to a hello.
@@ -348,6 +354,9 @@ pub(crate) struct HelloReply {
     /// The regions the client may use, by name: the agent's offered ones and what the
     /// service gave this client.
     pub regions: BTreeMap<String, RegionDescriptor>,
+    /// The server's answer to the hello's nonce, if it has the token (hex).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proof: Option<String>,
 }
 
 /// What a service answers.
@@ -592,8 +601,9 @@ fn run_door<S: Service>(
     let pending_stats = budget.stats.clone();
     let judge_token = token.clone();
     let judge_agents = agents.clone();
+    let has_token = token.is_some();
     door.run(
-        greeting,
+        move |nonce: &Nonce| greeting(nonce, has_token),
         |hello| judge(&judged, judge_token.as_deref(), &judge_agents, hello),
         move |a: door::Admitted<(HelloRequest, ClientSlot)>| {
             let (hello, slot) = a.admitted;
@@ -642,11 +652,12 @@ fn run_door<S: Service>(
 }
 
 /// The server's first line on every connection.
-fn greeting(nonce: &Nonce) -> Vec<u8> {
+fn greeting(nonce: &Nonce, auth: bool) -> Vec<u8> {
     let mut line = serde_json::to_vec(&Greeting {
         op: "challenge".into(),
         version: VERSION,
         nonce: nonce.to_hex(),
+        auth,
     })
     .unwrap_or_default();
     line.push(b'\n');
@@ -675,7 +686,9 @@ fn judge(
     let from = Some(hello.from);
     let refuse = |why: Refusal, reason: String, retry: Option<Duration>| {
         budget.stats.refuse(why, from, &reason);
-        door::Verdict::Refuse(Envelope::<()>::refused(reason, retry).line())
+        let mut env = Envelope::<()>::refused(reason, retry);
+        env.refusal = Some(why.name().into());
+        door::Verdict::Refuse(env.line())
     };
     let Ok(line) = std::str::from_utf8(hello.line) else {
         return refuse(Refusal::Malformed, "request is not UTF-8".into(), None);
@@ -687,6 +700,10 @@ fn judge(
         version: Option<u32>,
         #[serde(default)]
         auth: Option<String>,
+        #[serde(default)]
+        token: bool,
+        #[serde(default)]
+        nonce: Option<String>,
     }
     let head: Head = match serde_json::from_str(line) {
         Ok(h) => h,
@@ -702,19 +719,7 @@ fn judge(
             None,
         );
     }
-    // Checked before anything else of the hello is used, and before any place is taken.
-    if let Some(want) = token {
-        let tag = head.auth.as_deref().and_then(|a| hex::decode(a).ok());
-        let ok =
-            tag.is_some_and(|t| transport_tcp::auth::verify(want, AUTH_CONTEXT, hello.nonce, &t));
-        if !ok {
-            return refuse(
-                Refusal::Auth,
-                "authentication failed: no or wrong --auth-token".into(),
-                None,
-            );
-        }
-    }
+    // The version first: an older client names no token and proves nothing back.
     if head.version != Some(VERSION) {
         return refuse(
             Refusal::Version,
@@ -725,6 +730,36 @@ fn judge(
             ),
             None,
         );
+    }
+    // Checked before anything else of the hello is used, and before any place is taken:
+    // both sides have the token (the hello proves it, and carries the nonce the welcome's
+    // proof answers), or neither has.
+    let refused = match (token, head.token) {
+        (Some(want), true) => {
+            let tag = head.auth.as_deref().and_then(|a| hex::decode(a).ok());
+            let nonce = head.nonce.as_deref().map(Nonce::from_hex);
+            if !matches!(nonce, Some(Ok(_))) {
+                Some("authentication failed: the hello carries no nonce for the server's proof")
+            } else if !tag
+                .is_some_and(|t| transport_tcp::auth::verify(want, AUTH_CONTEXT, hello.nonce, &t))
+            {
+                Some("authentication failed: the hello does not prove this server's --auth-token")
+            } else {
+                None
+            }
+        }
+        (Some(_), false) => Some(
+            "authentication failed: this server has an --auth-token and the client has none \
+             (give both the same token)",
+        ),
+        (None, true) => Some(
+            "authentication failed: the client has an --auth-token and this server has none \
+             (give both the same token)",
+        ),
+        (None, false) => None,
+    };
+    if let Some(reason) = refused {
+        return refuse(Refusal::Auth, reason.into(), None);
     }
     let req: HelloRequest = match serde_json::from_str(line) {
         Ok(r) => r,
@@ -808,6 +843,17 @@ struct Conn<'a> {
 
 impl Conn<'_> {
     /// Answers the admitted `hello`, then the client's requests until it leaves.
+    /// The welcome's proof of our token for the nonce of the client's (admitted) hello.
+    fn proof(&self, hello: &HelloRequest) -> Option<String> {
+        let token = self.token?;
+        let nonce = Nonce::from_hex(hello.nonce.as_deref()?).ok()?;
+        Some(hex::encode(transport_tcp::auth::tag(
+            token,
+            PROOF_CONTEXT,
+            &nonce,
+        )))
+    }
+
     fn run<S: Service>(
         &self,
         conn: TcpStream,
@@ -845,11 +891,13 @@ impl Conn<'_> {
         agent.know(&hello.agent);
         let mut regions = agent.offered();
         regions.extend(given);
+        let proof = self.proof(&hello);
         let replied = w.write_all(
             &Envelope::ok(HelloReply {
                 agent: agent.info().clone(),
                 transport,
                 regions,
+                proof,
             })
             .line(),
         );
@@ -929,6 +977,7 @@ impl Conn<'_> {
                         agent: agent.info().clone(),
                         transport,
                         regions: agent.offered(),
+                        proof: self.proof(hello),
                     })
                     .line(),
                 )?;
