@@ -382,8 +382,9 @@ impl KvRank {
         layer: u32,
         after: Option<Arc<dyn Fence>>,
     ) -> Result<KvTransfers> {
+        self.must_be(Side::Prefill, "push")?;
         let mut out = KvTransfers::new(id);
-        self.push_into(&mut out, plan, layer, after)?;
+        self.post_into(&mut out, plan, layer, after)?;
         Ok(out)
     }
 
@@ -394,53 +395,78 @@ impl KvRank {
         plan: &KvPlan,
         after: Option<Arc<dyn Fence>>,
     ) -> Result<KvTransfers> {
+        self.must_be(Side::Prefill, "push")?;
         let mut out = KvTransfers::new(id);
         for layer in 0..self.layers() {
-            self.push_into(&mut out, plan, layer, after.clone())?;
+            self.post_into(&mut out, plan, layer, after.clone())?;
         }
         Ok(out)
     }
 
-    fn push_into(
+    /// Posts one layer of a request: this rank's pairs, one transfer per region pair,
+    /// WRITEs from a prefill rank (`Landed` notes) or READs from a decode rank (`Read`
+    /// notes, to the prefill rank read from).
+    fn post_into(
         &self,
         out: &mut KvTransfers,
         plan: &KvPlan,
         layer: u32,
         after: Option<Arc<dyn Fence>>,
     ) -> Result<()> {
-        self.must_be(Side::Prefill, "push")?;
         check_id(&out.id)?;
         self.check_layer(layer)?;
-        let me = &self.prefill[self.rank as usize];
-        for pair in plan.pairs_from(self.rank) {
-            let d = pair.decode;
-            let dl = self.decode_layout(d)?;
-            let peer = self.attached(Side::Decode, d)?;
-            let expected = self.expected(plan.pairs_to(d), layer)?;
+        let pull = self.side == Side::Decode;
+        let (kind, other) = match self.side {
+            Side::Prefill => (NoteKind::Landed, Side::Decode),
+            Side::Decode => (NoteKind::Read, Side::Prefill),
+        };
+        let pairs: Vec<&PairPlan> = if pull {
+            plan.pairs_to(self.rank).collect()
+        } else {
+            plan.pairs_from(self.rank).collect()
+        };
+        for pair in pairs {
+            let (p, d) = (pair.prefill, pair.decode);
+            let them = if pull { p } else { d };
+            let peer = self.attached(other, them)?;
+            // The receiver's transfers for the layer, from every rank of this side.
+            let expected = if pull {
+                self.expected(plan.pairs_from(p), layer)?
+            } else {
+                self.expected(plan.pairs_to(d), layer)?
+            };
             let note = KvNote {
-                kind: NoteKind::Landed,
+                kind,
                 request: out.id.clone(),
                 layer,
                 layers: self.layers(),
                 expected,
             }
             .encode();
-            for (pr, dr, runs) in layer_groups(pair, me, dl, layer, false)? {
-                let local = self.region(pr)?;
-                let remote = peer.regions.get(dr as usize).ok_or(Error::KvNoSuchRegion {
-                    side: Side::Decode,
-                    rank: d,
-                    region: dr,
-                })?;
+            let (pl, dl) = (self.prefill_layout(p)?, self.decode_layout(d)?);
+            for (pr, dr, runs) in layer_groups(pair, pl, dl, layer, pull)? {
+                let (mine, theirs) = if pull { (dr, pr) } else { (pr, dr) };
+                let local = self.region(mine)?;
+                let remote = peer
+                    .regions
+                    .get(theirs as usize)
+                    .ok_or(Error::KvNoSuchRegion {
+                        side: other,
+                        rank: them,
+                        region: theirs,
+                    })?;
                 let mut t = Transfer::runs(runs).imm(KV_IMM).message(note.clone());
+                if pull {
+                    t = t.read();
+                }
                 if let Some(f) = &after {
                     t = t.after(f.clone());
                 }
                 let h = self
                     .agent
                     .submit(&peer.peer, local, remote, t)
-                    .map_err(|e| out.failure(Some(layer), Some(d), e))?;
-                out.handles.push((layer, d, h));
+                    .map_err(|e| out.failure(Some(layer), Some(them), e))?;
+                out.handles.push((layer, them, h));
             }
         }
         Ok(())
@@ -450,57 +476,20 @@ impl KvRank {
     /// this rank's share from; each read tells its prefill rank with a [`KvNote`] of kind
     /// [`NoteKind::Read`] once its bytes are here. The handles say when the bytes landed.
     pub fn pull_layer(&self, id: &[u8], plan: &KvPlan, layer: u32) -> Result<KvTransfers> {
+        self.must_be(Side::Decode, "pull")?;
         let mut out = KvTransfers::new(id);
-        self.pull_into(&mut out, plan, layer)?;
+        self.post_into(&mut out, plan, layer, None)?;
         Ok(out)
     }
 
     /// Decode: every layer of request `id` (see [`pull_layer`](Self::pull_layer)).
     pub fn pull(&self, id: &[u8], plan: &KvPlan) -> Result<KvTransfers> {
+        self.must_be(Side::Decode, "pull")?;
         let mut out = KvTransfers::new(id);
         for layer in 0..self.layers() {
-            self.pull_into(&mut out, plan, layer)?;
+            self.post_into(&mut out, plan, layer, None)?;
         }
         Ok(out)
-    }
-
-    fn pull_into(&self, out: &mut KvTransfers, plan: &KvPlan, layer: u32) -> Result<()> {
-        self.must_be(Side::Decode, "pull")?;
-        check_id(&out.id)?;
-        self.check_layer(layer)?;
-        let me = &self.decode[self.rank as usize];
-        for pair in plan.pairs_to(self.rank) {
-            let p = pair.prefill;
-            let pl = self.prefill_layout(p)?;
-            let peer = self.attached(Side::Prefill, p)?;
-            let expected = self.expected(plan.pairs_from(p), layer)?;
-            let note = KvNote {
-                kind: NoteKind::Read,
-                request: out.id.clone(),
-                layer,
-                layers: self.layers(),
-                expected,
-            }
-            .encode();
-            for (pr, dr, runs) in layer_groups(pair, pl, me, layer, true)? {
-                let local = self.region(dr)?;
-                let remote = peer.regions.get(pr as usize).ok_or(Error::KvNoSuchRegion {
-                    side: Side::Prefill,
-                    rank: p,
-                    region: pr,
-                })?;
-                let t = Transfer::runs(runs)
-                    .read()
-                    .imm(KV_IMM)
-                    .message(note.clone());
-                let h = self
-                    .agent
-                    .submit(&peer.peer, local, remote, t)
-                    .map_err(|e| out.failure(Some(layer), Some(p), e))?;
-                out.handles.push((layer, p, h));
-            }
-        }
-        Ok(())
     }
 
     /// Transfers that make `layer` whole at the receiver of `pairs`.
