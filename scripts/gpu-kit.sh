@@ -47,6 +47,7 @@ copy transport-efa hmem_cuda efa_hmem_tests
 copy transport-efa shm_cuda_one_process efa_hmem_one_process
 copy transport-efa stream_order_shm efa_stream_order
 copy xfer gpu_one_agent gpu_one_agent_tests
+copy xfer gpu_kv gpu_kv_tests
 strip "$out"/* 2>/dev/null || true
 cp scripts/gpu-proof.sh scripts/ipc-proof.sh scripts/efa-hmem-proof.sh scripts/efa-small.sh scripts/proof-lib.sh \
     scripts/bench.sh scripts/weights-proof.sh scripts/kv-proof.sh "$out/"

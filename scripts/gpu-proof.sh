@@ -13,6 +13,7 @@ proof_machine
 hw_tests ./tcp_gpu_tests
 hw_tests ./gpu_mem_cuda_tests
 hw_tests ./gpu_one_agent_tests
+hw_tests ./gpu_kv_tests
 # --baseline only with host memory: GPU memory over tcp has no raw equivalent in one process.
 d() { step "demo $*" $X demo --transport tcp --page-size 64KiB --pages 1000 --bytes 16GiB --json "$@"; }
 for r in 1 4 8; do d --memory cuda --gpus 0 --rails "$r" --pin off; done

@@ -27,6 +27,11 @@ fn gpu_agent(name: &str) -> Agent {
 }
 
 #[test]
+fn the_gpus_this_machine_must_have_are_here() {
+    gpu_mem::testing::check_required_gpus();
+}
+
+#[test]
 #[ignore = "needs a GPU"]
 fn host_and_gpu_memory_move_through_one_pair_of_agents() {
     let cuda = xfer::cuda::Cuda::probe().unwrap().expect("a GPU");
