@@ -498,6 +498,10 @@ impl Agent {
     /// agents of one process placed together, one per GPU, take distinct cores). Its
     /// [`home`](Agent::home) is then the first rail's core.
     pub fn with_pins(o: AgentOptions, pins: Option<Vec<Option<CorePin>>>) -> Result<Agent> {
+        // The token, read once (from its file, if given): every lane below sees it.
+        let mut o = o;
+        o.auth_token = o.token()?;
+        o.auth_token_file = None;
         if let Some(r) = o.rails {
             lanes::check_rails(r)?;
         }
@@ -545,6 +549,7 @@ impl Agent {
                 nics: choice,
             });
         }
+        lanes::check_exposure(&o, &lanes_built, &name)?;
         let memory = match o.memory {
             MemoryKind::Host => MemoryLocation::Host,
             MemoryKind::Cuda => MemoryLocation::Cuda { device: o.gpu },

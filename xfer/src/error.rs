@@ -16,6 +16,10 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// The agent's token could not be had (its file), or an agent that requires one has
+    /// none and listens beyond loopback.
+    #[error(transparent)]
+    AuthToken(#[from] crate::options::AuthTokenError),
     /// The transport cannot run on this machine (libfabric or CUDA missing).
     #[error("the {kind} transport cannot run here")]
     Unavailable {
@@ -371,6 +375,7 @@ impl Error {
         use crate::weights::SyncError as S;
         match self {
             Error::Option { .. }
+            | Error::AuthToken(_)
             | Error::NotInThisProcess { .. }
             | Error::RegionNotOnTransport(_)
             | Error::Metadata(_)

@@ -3,7 +3,7 @@
 
 use crate::error::{Error, OptionName, Result};
 use crate::nics::{self, NicChoice, RailNic};
-use crate::options::{AgentOptions, MAX_RAILS, MemoryKind, Role, TransportChoice};
+use crate::options::{AgentOptions, AuthTokenError, MAX_RAILS, MemoryKind, Role, TransportChoice};
 use crate::placement::{self, CorePin};
 use fabric_core::engine::{EngineConfig, RailGroup};
 use fabric_core::mem::MemTransport;
@@ -267,4 +267,54 @@ pub fn nic_choice(o: &AgentOptions, kind: TransportKind) -> Result<NicChoice> {
         }
         _ => NicChoice::unbound(format!("{kind} does not run on a NIC")),
     })
+}
+
+/// An agent without a token whose listeners reach beyond loopback (its tcp `lanes`' rails,
+/// its rendezvous address `o.control`): refused with [`AgentOptions::require_auth`], else
+/// said loudly, once (at the agent's start). Whoever reaches such an address can read and
+/// write the regions the agent registers for remote access.
+pub(crate) fn check_exposure(o: &AgentOptions, lanes: &[Lane], agent: &str) -> Result<()> {
+    if o.auth_token.is_some() {
+        return Ok(());
+    }
+    let mut exposed: Vec<(String, String)> = Vec::new();
+    for l in lanes.iter().filter(|l| l.kind == TransportKind::Tcp) {
+        for (i, a) in l.group.addresses().iter().enumerate() {
+            if let Ok(sa) = TcpTransport::parse_address(a)
+                && !sa.ip().is_loopback()
+            {
+                exposed.push((format!("tcp rail {i}"), sa.to_string()));
+            }
+        }
+    }
+    if let Some(c) = &o.control
+        && !control_is_loopback(c)
+    {
+        exposed.push(("the rendezvous".into(), c.clone()));
+    }
+    let Some((what, address)) = exposed.first().cloned() else {
+        return Ok(());
+    };
+    if o.require_auth {
+        return Err(AuthTokenError::Required { what, address }.into());
+    }
+    let listeners: Vec<String> = exposed.iter().map(|(w, a)| format!("{w} {a}")).collect();
+    tracing::warn!(
+        agent,
+        listeners = %listeners.join(", "),
+        "listening beyond loopback without an auth token: whoever reaches these addresses can \
+         read and write the regions this agent registers for remote access (set auth_token or \
+         auth_token_file; require_auth refuses to start so)"
+    );
+    Ok(())
+}
+
+/// Whether a rendezvous address (`HOST:PORT`) is on loopback.
+fn control_is_loopback(c: &str) -> bool {
+    match c.parse::<SocketAddr>() {
+        Ok(a) => a.ip().is_loopback(),
+        Err(_) => c
+            .rsplit_once(':')
+            .is_some_and(|(host, _)| host.eq_ignore_ascii_case("localhost")),
+    }
 }

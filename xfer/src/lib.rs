@@ -106,8 +106,8 @@ pub use agent::{
 pub use error::{Error, ErrorKind, OptionName, Result};
 pub use fabric_core::engine::MAX_MESSAGE;
 pub use options::{
-    AgentOptions, BalanceOptions, CudaIpcOptions, DEFAULT_MESSAGES, EfaOptions, MAX_RAILS,
-    MemoryKind, Role, TcpOptions, TransportChoice, WorkerOptions,
+    AgentOptions, AuthTokenError, BalanceOptions, CudaIpcOptions, DEFAULT_MESSAGES, EfaOptions,
+    MAX_RAILS, MemoryKind, Role, TcpOptions, TransportChoice, WorkerOptions, read_token_file,
 };
 pub use placement::PinMode;
 pub use transport_tcp::{Congestion, CongestionError};

@@ -9,6 +9,7 @@ use crate::nics::Nics;
 use crate::placement::PinMode;
 use fabric_core::metadata::TransportKind;
 use std::net::IpAddr;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 use transport_tcp::Congestion;
 
@@ -200,9 +201,12 @@ pub struct AgentOptions {
     pub pin: PinMode,
     /// Which of the plan's cores its workers take.
     pub role: Role,
-    /// A shared secret tcp peers must prove (never sent). With [`TransportChoice::Auto`]
-    /// it guards the agent's tcp rails; asking for another transport only, with a token,
-    /// is refused (that transport has no such check).
+    /// A shared secret both ends of every tcp connection prove (never sent): peers
+    /// without it, and peers we connect to that cannot prove it back, are refused (see
+    /// `docs/security.md`). With [`TransportChoice::Auto`] it guards the agent's tcp rails
+    /// (not its efa or cuda-ipc lanes); asking for another transport only, with a token,
+    /// is refused (that transport has no such check). See also
+    /// [`auth_token_file`](Self::auth_token_file).
     pub auth_token: Option<String>,
     /// Where this agent's rendezvous listens (`HOST:PORT`, the address peers reach), if it
     /// serves one: its [`AgentInfo::control`](fabric_core::metadata::AgentInfo::control),
@@ -218,6 +222,16 @@ pub struct AgentOptions {
     pub workers: WorkerOptions,
     /// Rail balance knobs.
     pub balance: BalanceOptions,
+    /// A file holding [`auth_token`](Self::auth_token) (read at [`Agent::new`](crate::Agent::new),
+    /// one final newline trimmed): a token in a file is not in the process's arguments or
+    /// environment for every local user to read in `/proc`. Unreadable or empty is
+    /// refused, as is giving both a token and a file ([`AuthTokenError`]).
+    pub auth_token_file: Option<PathBuf>,
+    /// Refuse to start when a listener of the agent (its tcp rails, its
+    /// [`control`](Self::control) address) is on an address other than loopback and there
+    /// is no token ([`AuthTokenError::Required`]). Without it such an agent starts, and
+    /// says so in a warning.
+    pub require_auth: bool,
 }
 
 impl Default for AgentOptions {
@@ -241,6 +255,88 @@ impl Default for AgentOptions {
             cuda_ipc: CudaIpcOptions::default(),
             workers: WorkerOptions::default(),
             balance: BalanceOptions::default(),
+            auth_token_file: None,
+            require_auth: false,
+        }
+    }
+}
+
+/// Why an agent's token could not be had, or why an agent without one may not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AuthTokenError {
+    /// The token file could not be read.
+    #[error("cannot read the auth token file {path}")]
+    Unreadable {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The token file holds nothing (or only a newline).
+    #[error("the auth token file {path} is empty")]
+    Empty {
+        /// The file.
+        path: PathBuf,
+    },
+    /// The token file is not UTF-8.
+    #[error("the auth token file {path} is not UTF-8")]
+    NotUtf8 {
+        /// The file.
+        path: PathBuf,
+    },
+    /// Both a token and a token file were given.
+    #[error("auth_token and auth_token_file both given: give one")]
+    Both,
+    /// [`AgentOptions::require_auth`] with no token, and a listener other than loopback.
+    #[error(
+        "no auth token, and {what} listens on {address}, which is not loopback: set a token \
+         (auth_token, auth_token_file, --auth-token-file, XFER_AUTH_TOKEN_FILE) or listen on \
+         loopback"
+    )]
+    Required {
+        /// What listens (`tcp rail 0`, `the rendezvous`).
+        what: String,
+        /// Where.
+        address: String,
+    },
+}
+
+/// Reads a token from `path`: its contents, one final newline (`\n` or `\r\n`) trimmed;
+/// refused when unreadable, not UTF-8 or empty.
+pub fn read_token_file(path: &Path) -> Result<String, AuthTokenError> {
+    let bytes = std::fs::read(path).map_err(|source| AuthTokenError::Unreadable {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let mut token = String::from_utf8(bytes).map_err(|_| AuthTokenError::NotUtf8 {
+        path: path.to_path_buf(),
+    })?;
+    if token.ends_with('\n') {
+        token.pop();
+        if token.ends_with('\r') {
+            token.pop();
+        }
+    }
+    if token.is_empty() {
+        return Err(AuthTokenError::Empty {
+            path: path.to_path_buf(),
+        });
+    }
+    Ok(token)
+}
+
+impl AgentOptions {
+    /// The agent's token: [`auth_token`](Self::auth_token), or what
+    /// [`auth_token_file`](Self::auth_token_file) holds ([`read_token_file`]); both given
+    /// is refused.
+    pub fn token(&self) -> Result<Option<String>, AuthTokenError> {
+        match (&self.auth_token, &self.auth_token_file) {
+            (Some(_), Some(_)) => Err(AuthTokenError::Both),
+            (Some(t), None) => Ok(Some(t.clone())),
+            (None, Some(path)) => read_token_file(path).map(Some),
+            (None, None) => Ok(None),
         }
     }
 }

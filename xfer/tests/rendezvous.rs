@@ -125,10 +125,7 @@ fn a_token_on_one_side_only_is_refused_by_both_with_the_side_that_lacks_it() {
 /// A fake rendezvous server that greets `greeting_auth` and welcomes any hello with a
 /// well-formed reply (its agent one of this process) whose proof is `proof(client
 /// nonce)`; what the client's rendezvous gave.
-fn against_fake_server(
-    greeting_auth: bool,
-    proof: fn(&transport_tcp::auth::Nonce) -> Option<String>,
-) -> Result<(), xfer::Error> {
+fn against_fake_server(greeting_auth: bool, proof: Prover) -> Result<(), xfer::Error> {
     use std::io::{BufRead, BufReader, Write};
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let at = l.local_addr().unwrap();
@@ -167,7 +164,7 @@ fn against_fake_server(
 fn a_server_that_does_not_prove_the_token_is_refused_by_the_client() {
     use transport_tcp::auth;
     use xfer::rendezvous::{ClientError, PROOF_CONTEXT};
-    let cases: [(&str, fn(&auth::Nonce) -> Option<String>); 4] = [
+    let cases: [(&str, Prover); 4] = [
         ("no proof", |_| None),
         ("another token's", |n| {
             Some(hex_of(&auth::tag("guess", PROOF_CONTEXT, n)))
@@ -204,6 +201,9 @@ fn a_server_that_does_not_prove_the_token_is_refused_by_the_client() {
     })
     .expect("a welcome that proves the token");
 }
+
+/// What a fake server answers a client's nonce with.
+type Prover = fn(&transport_tcp::auth::Nonce) -> Option<String>;
 
 fn hex_of(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()

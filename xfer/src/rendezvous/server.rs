@@ -501,8 +501,26 @@ pub fn serve<S: Service>(
     token: Option<String>,
     service: Arc<S>,
 ) -> std::io::Result<()> {
+    warn_if_open(&listener, token.as_deref());
     let door = door_for(listener, &limits)?;
     run_door(door, agents, limits, stats, token, service)
+}
+
+/// Says loudly that a server without a token listens beyond loopback: whoever reaches it
+/// gets the offered regions' descriptors (and, through the agents' rails, their bytes).
+fn warn_if_open(listener: &TcpListener, token: Option<&str>) {
+    if token.is_some() {
+        return;
+    }
+    if let Ok(at) = listener.local_addr()
+        && !at.ip().is_loopback()
+    {
+        tracing::warn!(
+            %at,
+            "rendezvous listening beyond loopback without an auth token: whoever reaches it \
+             gets the offered regions"
+        );
+    }
 }
 
 /// A rendezvous server on a thread of its own (what [`serve`] does, until
@@ -524,6 +542,7 @@ impl Server {
         service: Arc<S>,
     ) -> std::io::Result<Server> {
         let addr = listener.local_addr()?;
+        warn_if_open(&listener, token.as_deref());
         let door = door_for(listener, &limits)?;
         let stop = door.stopper();
         let thread = std::thread::Builder::new()
