@@ -106,6 +106,20 @@ pub struct BackendArgs {
     /// read from XFER_AUTH_TOKEN; never printed or logged.
     #[arg(long, env = "XFER_AUTH_TOKEN", hide_env_values = true)]
     pub auth_token: Option<String>,
+    /// A file holding the shared secret (one final newline trimmed): unlike --auth-token
+    /// and XFER_AUTH_TOKEN, not readable by every local user in /proc. Also read from
+    /// XFER_AUTH_TOKEN_FILE; not with --auth-token.
+    #[arg(
+        long,
+        env = "XFER_AUTH_TOKEN_FILE",
+        value_name = "PATH",
+        conflicts_with = "auth_token"
+    )]
+    pub auth_token_file: Option<std::path::PathBuf>,
+    /// Refuse to start without a token when a listener (tcp rails, the control port) is on
+    /// an address other than loopback (without it: a warning).
+    #[arg(long)]
+    pub require_auth: bool,
     /// tcp: this side's WRITEs from host memory carry a CRC32C that the target checks
     /// before placing any byte (a corrupted payload is refused, not written); WRITEs are
     /// then at most 4 MiB. Targets check sums that come whether or not they have it.
@@ -200,6 +214,16 @@ fn parse_nics(s: &str) -> Result<Nics, String> {
 }
 
 impl BackendArgs {
+    /// The shared secret: --auth-token's, or what --auth-token-file holds.
+    pub fn token(&self) -> Result<Option<String>, CliError> {
+        let o = AgentOptions {
+            auth_token: self.auth_token.clone(),
+            auth_token_file: self.auth_token_file.clone(),
+            ..AgentOptions::default()
+        };
+        o.token().map_err(|e| CliError::from(xfer::Error::from(e)))
+    }
+
     /// The tcp connections' congestion control (`--tcp-congestion`): the rails' and the raw
     /// streams' of `--baseline`.
     pub fn congestion(&self) -> Congestion {
@@ -224,7 +248,8 @@ impl BackendArgs {
             rails,
             nics: self.nics.clone(),
             pin: pin.mode(),
-            auth_token: self.auth_token.clone(),
+            auth_token: self.token()?,
+            require_auth: self.require_auth,
             tcp: TcpOptions {
                 checksum: self.checksum,
                 copy_nap: us(self.tcp_copy_nap_us),

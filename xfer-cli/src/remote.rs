@@ -111,7 +111,8 @@ pub fn bench(mut a: BenchArgs) -> Result<(), CliError> {
 }
 
 /// The options of bench worker `slot`'s agent, toward the server at `ctl_addr`: it listens
-/// on every interface and chooses its NICs toward the server.
+/// on every interface (on loopback only toward a server on loopback: nothing else need
+/// reach it) and chooses its NICs toward the server.
 fn bench_options(
     a: &BenchArgs,
     ctl_addr: SocketAddr,
@@ -122,7 +123,11 @@ fn bench_options(
         role: Role::Initiator,
         worker: slot,
         gpu: a.backend.gpu(slot)?,
-        listen: unspecified(ctl_addr),
+        listen: if ctl_addr.ip().is_loopback() {
+            ctl_addr.ip()
+        } else {
+            unspecified(ctl_addr)
+        },
         toward: Some(ctl_addr.ip()),
         ..a.backend
             .options(a.knobs.pin, rails.or(a.knobs.rails_asked))?
@@ -450,7 +455,7 @@ pub(crate) fn say_hello(
         Duration::from_secs(30),
         agent.info(),
         worker.map(|w| w as u32),
-        a.backend.auth_token.as_deref(),
+        a.backend.token()?.as_deref(),
     )?)
 }
 
@@ -612,9 +617,15 @@ pub fn serve(a: ServeArgs) -> Result<(), CliError> {
             ctl.ip()
         );
     }
-    let token = a.backend.auth_token.clone();
+    let token = a.backend.token()?;
     if token.is_some() {
         eprintln!("xfer: clients need the same --auth-token (or XFER_AUTH_TOKEN)");
+    } else if a.backend.require_auth && !ctl.ip().is_loopback() {
+        let required = xfer::AuthTokenError::Required {
+            what: "the control port".into(),
+            address: ctl.to_string(),
+        };
+        return Err(xfer::Error::from(required).into());
     } else if !ctl.ip().is_loopback() {
         eprintln!(
             "xfer: warning: serving {ctl} without --auth-token: anyone who reaches it can write \

@@ -232,11 +232,11 @@ impl Scrape {
     }
 }
 
-/// The control protocol's hello (version 2) without a token, as one line: a client agent
+/// The control protocol's hello (version 3) without a token, as one line: a client agent
 /// (its `AgentInfo`) that offers tcp on one rail (`tcp://127.0.0.1:9`, in hex; the server
 /// never connects to it).
 pub const HELLO: &str = concat!(
-    "{\"op\":\"hello\",\"version\":2,\"agent\":{\"version\":1,\"name\":\"test-client\",",
+    "{\"op\":\"hello\",\"version\":3,\"agent\":{\"version\":1,\"name\":\"test-client\",",
     "\"instance\":1,\"boot_id\":\"\",\"hostname\":\"\",\"memory\":\"Host\",\"transports\":",
     "[{\"kind\":\"tcp\",\"provider\":null,\"rails\":[\"7463703a2f2f3132372e302e302e313a39\"],",
     "\"nics\":[]}],\"control\":null}}\n"
@@ -271,14 +271,20 @@ pub fn said_hello(addr: std::net::SocketAddr) -> std::net::TcpStream {
 }
 
 /// A raw stream to a `sink` or `echo` listener of `serve`, past its authentication without
-/// a token: the server's 16-byte nonce read, 32 zero bytes of tag sent.
+/// a token (`xfer::rendezvous::raw_auth`): the server's mode byte and 16-byte nonce read,
+/// our mode (0), 32 zero bytes of tag and a nonce of ours sent, the server's 32-byte
+/// answer read.
 pub fn raw_stream(at: std::net::SocketAddr) -> std::net::TcpStream {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(at).expect("connect to the raw listener");
     s.set_read_timeout(Some(Duration::from_secs(10)))
         .expect("read timeout");
-    let mut nonce = [0u8; 16];
-    s.read_exact(&mut nonce).expect("the stream's nonce");
-    s.write_all(&[0u8; 32]).expect("the tag");
+    let mut greeting = [0u8; 1 + 16];
+    s.read_exact(&mut greeting)
+        .expect("the stream's mode and nonce");
+    assert_eq!(greeting[0], 0, "a server without a token");
+    s.write_all(&[0u8; 1 + 32 + 16]).expect("the answer");
+    let mut proof = [0u8; 32];
+    s.read_exact(&mut proof).expect("the server's answer");
     s
 }
