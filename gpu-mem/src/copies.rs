@@ -110,7 +110,48 @@ impl Queued {
 
     /// The most kernel pieces its rows may become.
     fn max_pieces(&self) -> u64 {
+        if self.strided() {
+            return 0;
+        }
         self.rows * self.len.div_ceil(KERNEL_PIECE)
+    }
+
+    /// Whether the rows kernel moves it: rows the kernel may reach, each of whole 16-byte
+    /// chunks at 16-byte aligned places, none longer than a piece.
+    fn strided(&self) -> bool {
+        self.kernel_ok
+            && self.rows > 1
+            && self.len <= KERNEL_PIECE
+            && (self.dst | self.src | self.dst_stride | self.src_stride | self.len) & 15 == 0
+    }
+
+    /// Rows per strided entry: each entry at most a piece, so that a long run is shared
+    /// by many blocks.
+    fn rows_per_entry(&self) -> u64 {
+        (KERNEL_PIECE / self.len.max(1)).max(1)
+    }
+
+    /// The strided entries it becomes (0 unless [`strided`](Self::strided)).
+    fn strided_entries(&self) -> u64 {
+        if !self.strided() {
+            return 0;
+        }
+        self.rows.div_ceil(self.rows_per_entry())
+    }
+}
+
+/// Hands every entry of `queued` that the rows kernel moves to `entry` as ((dst,
+/// dst_stride), (src, src_stride), len, rows), cut so that none is longer than a piece.
+fn strided_entries(queued: &[Queued], mut entry: impl FnMut((u64, u64), (u64, u64), u64, u64)) {
+    for q in queued.iter().filter(|q| q.strided()) {
+        let per = q.rows_per_entry();
+        let mut first = 0;
+        while first < q.rows {
+            let rows = per.min(q.rows - first);
+            let (d, s) = q.row(first);
+            entry((d, q.dst_stride), (s, q.src_stride), q.len, rows);
+            first += rows;
+        }
     }
 }
 
@@ -123,7 +164,7 @@ fn kernel_pieces(
     mut piece: impl FnMut(u64, u64, u64),
     mut odd: impl FnMut(u64, u64, u64),
 ) {
-    for q in queued {
+    for q in queued.iter().filter(|q| !q.strided()) {
         // Every row is aligned when the first is and the strides are multiples of 16.
         let all_aligned = (q.dst | q.src | q.dst_stride | q.src_stride) & 15 == 0;
         for i in 0..q.rows {
@@ -155,11 +196,11 @@ fn list_bound(queued: &[Queued]) -> u64 {
 type KeepAlive = Box<dyn Send + Sync>;
 
 /// The copies of one submit: their event (none where the completion word tells), the
-/// kernel's list of ranges, what they use.
+/// kernels' lists of ranges, what they use.
 struct Fence {
     event: Option<Arc<EventInner>>,
     ticket: u64,
-    list: Option<DescList>,
+    lists: [Option<DescList>; 2],
     keep: Vec<KeepAlive>,
 }
 
@@ -332,9 +373,9 @@ impl RangeCopies {
     /// stays alive until the stream has passed its mark anyway.
     pub(crate) fn submit(&mut self) -> Result<u64, GpuMemError> {
         self.device.bind()?;
-        let mut list = None;
+        let mut lists = [None, None];
         let issued = match self.method {
-            CopyMethod::Kernel => self.issue_kernel(&mut list),
+            CopyMethod::Kernel => self.issue_kernel(&mut lists),
             CopyMethod::Batch => self.issue_batch(),
             CopyMethod::Memcpy => self.issue_each(self.queued.iter().flat_map(|q| {
                 (0..q.rows).map(move |i| {
@@ -362,7 +403,7 @@ impl RangeCopies {
         self.fences.push_back(Fence {
             event,
             ticket,
-            list,
+            lists,
             keep: std::mem::take(&mut self.keep),
         });
         marked?;
@@ -391,9 +432,21 @@ impl RangeCopies {
 
     /// Launches the copy kernel for the queued copies it may move, plain copies for the
     /// rest.
-    fn issue_kernel(&mut self, list: &mut Option<DescList>) -> Result<(), GpuMemError> {
+    fn issue_kernel(&mut self, lists: &mut [Option<DescList>; 2]) -> Result<(), GpuMemError> {
         let mut odd = Vec::new();
         let bound = list_bound(&self.queued);
+        let rows_bound: u64 = self.queued.iter().map(Queued::strided_entries).sum();
+        if let (Some(k), true) = (self.kernel.as_mut(), rows_bound > 0) {
+            let queued = &self.queued;
+            // SAFETY: as for the plain launch below; `strided_entries` hands over only
+            // entries `Queued::strided` says the rows kernel may move (reachable rows, every
+            // address, stride and length a multiple of 16), at most `rows_bound` of them.
+            lists[1] = unsafe {
+                k.launch_rows(self.stream, rows_bound as usize, |w| {
+                    strided_entries(queued, |d, s, l, r| w.push_rows(d, s, l, r))
+                })?
+            };
+        }
         match self.kernel.as_mut() {
             Some(k) if bound > 0 => {
                 let queued = &self.queued;
@@ -412,9 +465,15 @@ impl RangeCopies {
                         )
                     })?
                 };
-                *list = launched;
+                lists[0] = launched;
             }
-            _ => kernel_pieces(&self.queued, |_, _, _| {}, |d, s, l| odd.push((d, s, l))),
+            _ => {
+                kernel_pieces(&self.queued, |_, _, _| {}, |d, s, l| odd.push((d, s, l)));
+                // No kernel: strided entries are copied a row at a time.
+                strided_entries(&self.queued, |(d, ds), (s, ss), l, rows| {
+                    odd.extend((0..rows).map(|i| (d + i * ds, s + i * ss, l)));
+                });
+            }
         }
         self.issue_each(odd.into_iter())
     }
@@ -559,8 +618,10 @@ impl RangeCopies {
             self.done = f.ticket;
             // The copies are done: their memory may go now, and their list be reused.
             drop(f.keep);
-            if let (Some(l), Some(k)) = (f.list, self.kernel.as_mut()) {
-                k.recycle(l);
+            if let Some(k) = self.kernel.as_mut() {
+                for l in f.lists.into_iter().flatten() {
+                    k.recycle(l);
+                }
             }
             if let Some(e) = f.event {
                 self.spare.push(e);
@@ -731,32 +792,41 @@ impl StagedCopies {
 
 #[cfg(test)]
 mod tests {
-    use super::{CopyMethod, KERNEL_PIECE, Queued, kernel_pieces, list_bound};
+    use super::{CopyMethod, KERNEL_PIECE, Queued, kernel_pieces, list_bound, strided_entries};
     use proptest::prelude::*;
 
     type Ranges = Vec<(u64, u64, u64)>;
 
-    /// The ranges `queued` becomes: (kernel pieces, odd ranges), each (dst, src, len);
-    /// checks that pieces are aligned, no longer than a piece, and that the pieces and odd
-    /// ranges together cover each row exactly, in order.
-    fn issued(queued: &[Queued]) -> (Ranges, Ranges) {
-        let all = std::cell::RefCell::new(Vec::new());
-        let (mut pieces, mut odd) = (Vec::new(), Vec::new());
-        kernel_pieces(
-            queued,
-            |d, s, l| {
-                assert_eq!((d | s) & 15, 0, "unaligned piece {d:#x} {s:#x}");
-                assert!(l > 0 && l <= KERNEL_PIECE);
-                pieces.push((d, s, l));
-                all.borrow_mut().push((d, s, l));
-            },
-            |d, s, l| {
-                odd.push((d, s, l));
-                all.borrow_mut().push((d, s, l));
-            },
-        );
-        let mut at = all.into_inner().into_iter();
+    /// The ranges `queued` becomes: (kernel pieces, odd ranges, rows the rows kernel
+    /// moves), each (dst, src, len); checks that pieces are aligned, no longer than a
+    /// piece, that strided entries are aligned whole chunks of at most a piece, and that
+    /// the three together cover each row of each entry exactly, in order.
+    fn issued(queued: &[Queued]) -> (Ranges, Ranges, Ranges) {
+        let (mut pieces, mut odd, mut strided) = (Vec::new(), Vec::new(), Vec::new());
         for q in queued {
+            let all = std::cell::RefCell::new(Vec::new());
+            kernel_pieces(
+                std::slice::from_ref(q),
+                |d, s, l| {
+                    assert_eq!((d | s) & 15, 0, "unaligned piece {d:#x} {s:#x}");
+                    assert!(l > 0 && l <= KERNEL_PIECE);
+                    pieces.push((d, s, l));
+                    all.borrow_mut().push((d, s, l));
+                },
+                |d, s, l| {
+                    odd.push((d, s, l));
+                    all.borrow_mut().push((d, s, l));
+                },
+            );
+            strided_entries(std::slice::from_ref(q), |(d, ds), (s, ss), l, rows| {
+                assert_eq!((d | s | ds | ss | l) & 15, 0, "unaligned strided entry");
+                assert!(l * rows <= KERNEL_PIECE || rows == 1);
+                for i in 0..rows {
+                    strided.push((d + i * ds, s + i * ss, l));
+                    all.borrow_mut().push((d + i * ds, s + i * ss, l));
+                }
+            });
+            let mut at = all.into_inner().into_iter();
             for i in 0..q.rows {
                 let (d, s) = q.row(i);
                 let mut done = 0;
@@ -767,9 +837,9 @@ mod tests {
                 }
                 assert_eq!(done, q.len);
             }
+            assert!(at.next().is_none());
         }
-        assert!(at.next().is_none());
-        (pieces, odd)
+        (pieces, odd, strided)
     }
 
     proptest! {
@@ -790,19 +860,62 @@ mod tests {
                     dst_stride: 0, src_stride: 0, kernel_ok,
                 })
                 .collect();
-            let (a, odd_a) = issued(&[q]);
-            let (b, odd_b) = issued(&one);
-            prop_assert_eq!(&a, &b);
+            let (a, odd_a, rows_a) = issued(&[q]);
+            let (b, odd_b, rows_b) = issued(&one);
+            prop_assert!(rows_b.is_empty(), "one row is never strided");
+            // What the kernels move is the same bytes, whichever kernel moves them.
+            let kernel_a: Ranges = a.iter().chain(&rows_a).copied().collect();
+            prop_assert_eq!(&kernel_a, &b);
             prop_assert_eq!(&odd_a, &odd_b);
-            let pa = a.len();
-            prop_assert!(pa as u64 <= list_bound(&[q]));
-            prop_assert_eq!(list_bound(&[q]) == 0, !kernel_ok);
+            prop_assert!(a.len() as u64 <= list_bound(&[q]));
+            prop_assert_eq!(list_bound(&[q]) == 0, !kernel_ok || q.strided());
+            prop_assert_eq!(rows_a.is_empty(), !q.strided());
+            let pa = kernel_a.len();
             let aligned_rows = (0..rows)
                 .filter(|i| ((dst + i * ds) | (src + i * ss)) & 15 == 0)
                 .count() as u64;
             let want = if kernel_ok { aligned_rows * len.div_ceil(KERNEL_PIECE) } else { 0 };
             prop_assert_eq!(pa as u64, want);
         }
+    }
+
+    #[test]
+    fn a_long_strided_copy_is_cut_into_entries_of_at_most_a_piece() {
+        // 4096 rows of 512 bytes (2 MiB): 128 rows an entry, 32 entries.
+        let q = Queued {
+            dst: 1 << 20,
+            src: 1 << 40,
+            len: 512,
+            rows: 4096,
+            dst_stride: 512,
+            src_stride: 1024,
+            kernel_ok: true,
+        };
+        assert!(q.strided());
+        assert_eq!(q.strided_entries(), 32);
+        let mut entries = Vec::new();
+        strided_entries(&[q], |d, s, l, r| entries.push((d, s, l, r)));
+        assert_eq!(entries.len(), 32);
+        assert!(entries.iter().all(|&(_, _, l, r)| l == 512 && r == 128));
+        assert_eq!(entries[1].0, (q.dst + 128 * 512, 512));
+        assert_eq!(entries[1].1, (q.src + 128 * 1024, 1024));
+        // Not whole 16-byte chunks, or one row: the plain kernel's pieces instead.
+        assert!(!Queued { len: 500, ..q }.strided());
+        assert!(!Queued { rows: 1, ..q }.strided());
+        assert!(
+            !Queued {
+                src_stride: 1000,
+                ..q
+            }
+            .strided()
+        );
+        assert!(
+            !Queued {
+                kernel_ok: false,
+                ..q
+            }
+            .strided()
+        );
     }
 
     #[test]

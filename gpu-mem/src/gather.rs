@@ -5,7 +5,10 @@
 //! The kernel (`gather.ptx`, hand-written PTX, JIT-compiled by the driver for the device)
 //! reads its list of `(dst, src, len)` from pinned host memory mapped into the device's
 //! address space; each list stays untouched until an event recorded after the launch says
-//! the kernel is done.
+//! the kernel is done. Its second entry, `xfer_gather_rows`, takes strided ranges `(dst,
+//! src, len, rows, dst_stride, src_stride)`: the rows of a head slice of a KV block, say,
+//! as one entry instead of one per row (per-entry work, not bytes, is what a list of
+//! small rows costs).
 
 use crate::device::Device;
 use crate::error::{GpuMemError, check_call};
@@ -24,13 +27,21 @@ const MAX_BLOCKS: u32 = 1056;
 /// Ranges a descriptor list holds at least.
 const MIN_ENTRIES: usize = 1024;
 
-/// One list of `(dst, src, len)` in pinned, device-mapped host memory.
+/// One list of `(dst, src, len)` (or, for the rows kernel, `(dst, src, len, rows,
+/// dst_stride, src_stride)`) in pinned, device-mapped host memory.
 pub(crate) struct DescList {
     device: Device,
     host: NonNull<u64>,
     dev: sys::CUdeviceptr,
     entries: usize,
+    /// Words per entry: [`PLAIN`] or [`ROWS`].
+    words: usize,
 }
+
+/// Words of a plain entry.
+pub(crate) const PLAIN: usize = 3;
+/// Words of a strided entry.
+const ROWS: usize = 6;
 
 // SAFETY: the pointer is to pinned memory owned by this value alone (written only through
 // `&mut self`); the driver calls in Drop bind the context first.
@@ -39,9 +50,13 @@ unsafe impl Send for DescList {}
 unsafe impl Sync for DescList {}
 
 impl DescList {
-    pub(crate) fn new(device: &Device, entries: usize) -> Result<DescList, GpuMemError> {
+    pub(crate) fn new(
+        device: &Device,
+        entries: usize,
+        words: usize,
+    ) -> Result<DescList, GpuMemError> {
         device.bind()?;
-        let bytes = entries * 24;
+        let bytes = entries * words * 8;
         let mut p: *mut c_void = std::ptr::null_mut();
         check_call(
             // SAFETY: p is a valid out-pointer; the context is current.
@@ -68,6 +83,7 @@ impl DescList {
             host,
             dev,
             entries,
+            words,
         };
         check_call(r, "cuMemHostGetDevicePointer")?;
         Ok(list)
@@ -97,12 +113,14 @@ impl Drop for DescList {
     }
 }
 
-/// The loaded kernel of one device, and spare descriptor lists.
+/// The loaded kernels of one device, and spare descriptor lists of each.
 pub(crate) struct GatherKernel {
     device: Device,
     module: sys::CUmodule,
     func: sys::CUfunction,
+    func_rows: sys::CUfunction,
     spare: Vec<DescList>,
+    spare_rows: Vec<DescList>,
 }
 
 // SAFETY: module and function are opaque driver handles of the device's context, used only
@@ -122,10 +140,19 @@ impl GatherKernel {
             unsafe { sys::cuModuleLoadData(&mut module, PTX.as_ptr().cast()) },
             "cuModuleLoadData (copy kernel)",
         )?;
-        let mut func: sys::CUfunction = std::ptr::null_mut();
-        // SAFETY: func is a valid out-pointer, module is loaded, the name is NUL-terminated.
+        let (mut func, mut func_rows): (sys::CUfunction, sys::CUfunction) =
+            (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: func and func_rows are valid out-pointers, module is loaded, the names are
+        // NUL-terminated.
         let r = unsafe { sys::cuModuleGetFunction(&mut func, module, c"xfer_gather".as_ptr()) };
-        if let Err(e) = check_call(r, "cuModuleGetFunction") {
+        let found = check_call(r, "cuModuleGetFunction").and_then(|()| {
+            // SAFETY: as above.
+            let r = unsafe {
+                sys::cuModuleGetFunction(&mut func_rows, module, c"xfer_gather_rows".as_ptr())
+            };
+            check_call(r, "cuModuleGetFunction (rows)")
+        });
+        if let Err(e) = found {
             // SAFETY: loaded just above, unloaded once.
             unsafe { sys::cuModuleUnload(module) };
             return Err(e);
@@ -134,7 +161,9 @@ impl GatherKernel {
             device: device.clone(),
             module,
             func,
+            func_rows,
             spare: Vec::new(),
+            spare_rows: Vec::new(),
         })
     }
 
@@ -154,9 +183,44 @@ impl GatherKernel {
         bound: usize,
         fill: impl FnOnce(&mut ListWriter<'_>),
     ) -> Result<Option<DescList>, GpuMemError> {
-        let list = match best_fit(self.spare.iter().map(|l| l.entries), bound) {
-            Some(i) => self.spare.swap_remove(i),
-            None => DescList::new(&self.device, list_entries(bound))?,
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.launch_list(PLAIN, stream, bound, fill) }
+    }
+
+    /// As [`launch`](Self::launch), for strided ranges written with
+    /// [`ListWriter::push_rows`] into a list of at most `bound`, copied by the rows kernel.
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch), for every row of every range; `len`, `dst`, `src`
+    /// and both strides must be multiples of 16.
+    pub(crate) unsafe fn launch_rows(
+        &mut self,
+        stream: sys::CUstream,
+        bound: usize,
+        fill: impl FnOnce(&mut ListWriter<'_>),
+    ) -> Result<Option<DescList>, GpuMemError> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.launch_list(ROWS, stream, bound, fill) }
+    }
+
+    /// Fills a list of entries of `words` words and launches the kernel that reads them.
+    ///
+    /// # Safety
+    /// See [`launch`](Self::launch) and [`launch_rows`](Self::launch_rows).
+    unsafe fn launch_list(
+        &mut self,
+        words: usize,
+        stream: sys::CUstream,
+        bound: usize,
+        fill: impl FnOnce(&mut ListWriter<'_>),
+    ) -> Result<Option<DescList>, GpuMemError> {
+        let (spare, func) = match words {
+            ROWS => (&mut self.spare_rows, self.func_rows),
+            _ => (&mut self.spare, self.func),
+        };
+        let list = match best_fit(spare.iter().map(|l| l.entries), bound) {
+            Some(i) => spare.swap_remove(i),
+            None => DescList::new(&self.device, list_entries(bound), words)?,
         };
         let mut w = ListWriter {
             list: &list,
@@ -166,7 +230,7 @@ impl GatherKernel {
         fill(&mut w);
         let (n, overflow) = (w.len, w.overflow);
         if n == 0 || overflow {
-            self.spare.push(list);
+            self.recycle(list);
             return match overflow {
                 false => Ok(None),
                 true => Err(GpuMemError::WrongMemory(format!(
@@ -187,7 +251,7 @@ impl GatherKernel {
             // alive until the caller recycles it after the launch's mark.
             unsafe {
                 sys::cuLaunchKernel(
-                    self.func,
+                    func,
                     blocks,
                     1,
                     1,
@@ -205,7 +269,7 @@ impl GatherKernel {
         match r {
             Ok(()) => Ok(Some(list)),
             Err(e) => {
-                self.spare.push(list);
+                self.recycle(list);
                 Err(e)
             }
         }
@@ -213,8 +277,12 @@ impl GatherKernel {
 
     /// Takes back a list whose launch has completed.
     pub(crate) fn recycle(&mut self, list: DescList) {
-        if self.spare.len() < MAX_SPARE {
-            self.spare.push(list);
+        let spare = match list.words {
+            ROWS => &mut self.spare_rows,
+            _ => &mut self.spare,
+        };
+        if spare.len() < MAX_SPARE {
+            spare.push(list);
         }
     }
 }
@@ -230,17 +298,35 @@ impl ListWriter<'_> {
     /// Appends the range `(dst, src, len)`. One beyond the list's entries fails the launch
     /// instead (the caller's bound counts every range it writes, so none is).
     pub(crate) fn push(&mut self, dst: u64, src: u64, len: u64) {
-        if self.len >= self.list.entries {
+        self.write(&[dst, src, len]);
+    }
+
+    /// Appends the strided range of `rows` rows of `len` bytes, row `i` from `src + i *
+    /// src_stride` to `dst + i * dst_stride` (a list of the rows kernel only).
+    pub(crate) fn push_rows(
+        &mut self,
+        (dst, dst_stride): (u64, u64),
+        (src, src_stride): (u64, u64),
+        len: u64,
+        rows: u64,
+    ) {
+        self.write(&[dst, src, len, rows, dst_stride, src_stride]);
+    }
+
+    /// Appends one entry, `words` being the list's own number of words an entry.
+    fn write(&mut self, words: &[u64]) {
+        if self.len >= self.list.entries || words.len() != self.list.words {
             self.overflow = true;
             return;
         }
-        // SAFETY: len < entries, so the three words lie inside the list's pinned memory,
-        // which no kernel reads until the launch that follows this fill.
+        // SAFETY: len < entries and the entry has the list's words, so they lie inside the
+        // list's pinned memory, which no kernel reads until the launch that follows this
+        // fill.
         unsafe {
-            let p = self.list.host.as_ptr().add(3 * self.len);
-            p.write(dst);
-            p.add(1).write(src);
-            p.add(2).write(len);
+            let p = self.list.host.as_ptr().add(self.list.words * self.len);
+            for (i, &w) in words.iter().enumerate() {
+                p.add(i).write(w);
+            }
         }
         self.len += 1;
     }
@@ -274,6 +360,7 @@ fn best_fit(spare: impl Iterator<Item = usize>, n: usize) -> Option<usize> {
 impl Drop for GatherKernel {
     fn drop(&mut self) {
         self.spare.clear();
+        self.spare_rows.clear();
         if self.device.bind().is_ok() {
             // SAFETY: loaded in `load`, unloaded once; owners synchronise their streams
             // before dropping the kernel.

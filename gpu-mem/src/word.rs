@@ -61,7 +61,7 @@ impl StreamWord {
         let Some(write) = write_value_fn() else {
             return Ok(None);
         };
-        let list = DescList::new(device, 1)?;
+        let list = DescList::new(device, 1, crate::gather::PLAIN)?;
         // SAFETY: the word lies in the list's pinned memory, owned here and not yet shared
         // with any stream.
         unsafe { list.host_word().write_volatile(u64::MAX) };
