@@ -16,9 +16,13 @@ use crate::handle::Handle;
 use crate::memory::{self, Accept};
 use crate::options::EngineArgs;
 use fabric_core::{Access, Fence, MemoryLocation};
+use pyo3::exceptions::PyUserWarning;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use std::collections::HashMap;
+use std::ffi::CString;
+use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -130,7 +134,14 @@ impl Shared {
 ///   NICs for the engine's GPU, the route toward a non-loopback `listen` address for tcp,
 ///   none on loopback.
 /// - memory: "host" or "cuda", what this engine registers; gpu: the CUDA device ordinal.
-/// - auth_token: a shared secret that tcp peers must know.
+/// - auth_token: a shared secret that tcp peers must know (both ends prove it).
+///   auth_token_file: a file holding it instead (read once, here; one final newline
+///   trimmed), so that it is not in the process's arguments or environment for every
+///   local user to read in /proc; unreadable, empty, or given with auth_token:
+///   InvalidArgument. Without a token, an engine whose tcp rails listen beyond loopback
+///   (listen="0.0.0.0" or a host address) lets whoever reaches them read and write the
+///   memory it registers for remote access: it warns (a UserWarning, and the library's
+///   log), or with require_auth=True refuses to start (InvalidArgument).
 /// - timeout: seconds; the limit of control calls and how long a silent tcp peer is given
 ///   before its transfers fail with PeerUnreachable.
 /// - listen: the IP address tcp rails listen on (e.g. "0.0.0.0" or the host's address
@@ -276,6 +287,22 @@ fn paged(
     Transfer::pages(&lp, ls, &rp, rs, len).map_err(|e| agent_error(&e))
 }
 
+/// The tcp rails of `info` whose addresses are beyond loopback, "IP:PORT" each: what the
+/// library's start-up check (`xfer::lanes`, its warning or `require_auth`) counts as
+/// exposed, for the engine's Python warning.
+fn exposed_rails(info: &AgentInfo) -> Vec<String> {
+    info.transports
+        .iter()
+        .filter(|t| t.kind == TransportKind::Tcp)
+        .flat_map(|t| &t.rails)
+        .filter_map(|a| {
+            let s = std::str::from_utf8(a).ok()?;
+            let at: SocketAddr = s.strip_prefix("tcp://").unwrap_or(s).parse().ok()?;
+            (!at.ip().is_loopback()).then(|| at.to_string())
+        })
+        .collect()
+}
+
 impl Engine {
     /// An engine over `agent`, whose CUDA memory is on device `gpu`.
     pub(crate) fn from_agent(agent: Agent, gpu: u32) -> PyResult<Engine> {
@@ -368,7 +395,7 @@ impl Engine {
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (transport="auto", provider=None, rails=None, nics=None, memory="host", gpu=0, auth_token=None, timeout=10.0, listen="127.0.0.1", wait_spin_us=None, pin="off", tcp_congestion="auto", name=None, stall_timeout=None))]
+    #[pyo3(signature = (transport="auto", provider=None, rails=None, nics=None, memory="host", gpu=0, auth_token=None, timeout=10.0, listen="127.0.0.1", wait_spin_us=None, pin="off", tcp_congestion="auto", name=None, stall_timeout=None, auth_token_file=None, require_auth=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -386,7 +413,10 @@ impl Engine {
         tcp_congestion: &str,
         name: Option<String>,
         stall_timeout: Option<f64>,
+        auth_token_file: Option<PathBuf>,
+        require_auth: bool,
     ) -> PyResult<Engine> {
+        let tokenless = auth_token.is_none() && auth_token_file.is_none();
         let (o, gpu) = EngineArgs {
             name,
             transport,
@@ -402,12 +432,34 @@ impl Engine {
             pin,
             tcp_congestion,
             stall_timeout,
+            auth_token_file,
+            require_auth,
         }
         .options()?;
         let agent = py
             .detach(move || Agent::new(o))
             .map_err(|e| agent_error(&e))?;
-        Engine::from_agent(agent, gpu)
+        let exposed = if tokenless {
+            exposed_rails(agent.info())
+        } else {
+            Vec::new()
+        };
+        let engine = Engine::from_agent(agent, gpu)?;
+        if !exposed.is_empty() {
+            let msg = format!(
+                "this engine has no auth token and its tcp rails listen beyond loopback ({}): \
+                 whoever reaches them can read and write the memory it registers for remote \
+                 access; set auth_token_file (or auth_token), listen on 127.0.0.1, or pass \
+                 require_auth=True to refuse to start so",
+                exposed.join(", ")
+            );
+            let msg = CString::new(msg).expect("no NUL in addresses");
+            let category = py.get_type::<PyUserWarning>();
+            // An error here is the warnings filter turning it into an exception: raised, and
+            // the engine (dropped) stops.
+            PyErr::warn(py, &category, &msg, 1)?;
+        }
+        Ok(engine)
     }
 
     /// This engine's address (bytes): its agent metadata (name, host, memory, and each

@@ -162,7 +162,8 @@ pub fn engine_error(e: &Error) -> PyErr {
     }
 }
 
-/// The exception for a failed call of the agent (building it included): option mistakes,
+/// The exception for a failed call of the agent (building it included): option mistakes
+/// (a token file unreadable or empty, a token and a file both, require_auth unmet),
 /// bad metadata and peers that cannot be reached over any common transport are
 /// `InvalidArgument`, a transport this machine cannot run is `Unsupported`, the directory's
 /// errors map as [`directory_error`] says and the engine's as [`engine_error`] says. KV
@@ -173,6 +174,9 @@ pub fn agent_error(e: &xfer::Error) -> PyErr {
     use xfer::Error as X;
     match e {
         X::Option { .. } => InvalidArgument::new_err(e.to_string()),
+        // A token file unreadable, empty or given with a token, or require_auth without a
+        // token beyond loopback: the arguments' fault (the chain names the file's OS error).
+        X::AuthToken(_) => InvalidArgument::new_err(report(e)),
         X::Nics(n @ (xfer::nics::NicError::Domains(_) | xfer::nics::NicError::Interfaces(_))) => {
             TransportFailed::new_err(report(n))
         }

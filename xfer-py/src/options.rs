@@ -8,6 +8,7 @@ use crate::errors::invalid;
 use pyo3::prelude::*;
 use pyo3::types::PyString;
 use std::net::IpAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 use xfer::nics::Nics;
 use xfer::placement::PinMode;
@@ -32,6 +33,10 @@ pub struct EngineArgs<'a, 'py> {
     pub gpu: i64,
     /// The tcp transport's shared secret.
     pub auth_token: Option<String>,
+    /// A file holding the shared secret (read once, when the engine starts).
+    pub auth_token_file: Option<PathBuf>,
+    /// Refuse to start without a token when a tcp rail listens beyond loopback.
+    pub require_auth: bool,
     /// Seconds: control calls' limit and a silent tcp peer's.
     pub timeout: f64,
     /// The IP address tcp rails listen on.
@@ -95,6 +100,8 @@ impl EngineArgs<'_, '_> {
             listen,
             pin,
             auth_token: self.auth_token.clone(),
+            auth_token_file: self.auth_token_file.clone(),
+            require_auth: self.require_auth,
             name: self.name.clone(),
             ..AgentOptions::default()
         };

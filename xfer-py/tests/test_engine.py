@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 import weakref
 
 import numpy as np
@@ -774,3 +775,73 @@ def test_the_library_options_are_keyword_arguments():
         xfer.Engine(transport="tcp", tcp_congestion="no_such_algo")
     assert "pin" in xfer.Engine.__doc__ and "auto" in xfer.Engine.__doc__
     assert xfer.Peer.transport.__doc__
+
+
+def _write_page(src, dst):
+    """Writes a page from engine `src` into a region of engine `dst`; the bytes landed."""
+    rd = dst.register(np.zeros(PAGE, dtype=np.uint8))
+    rs = src.register(pattern(PAGE, 11))
+    p = src.add_peer(dst.address)
+    got = src.write(p, rs, rd.descriptor, [(0, 0, PAGE)]).wait(timeout=10)
+    return got == PAGE and np.array_equal(rd.obj, rs.obj)
+
+
+@pytest.mark.parametrize("contents", [b"s3cret\n", b"s3cret\r\n", b"s3cret"])
+def test_a_token_from_a_file_lets_its_holders_in_and_no_one_else(tmp_path, contents):
+    path = tmp_path / "token"
+    path.write_bytes(contents)
+    with xfer.Engine(transport="tcp", auth_token_file=path, timeout=2.0) as guarded:
+        with xfer.Engine(transport="tcp", auth_token_file=str(path)) as holder:
+            assert _write_page(holder, guarded)
+        with xfer.Engine(transport="tcp", auth_token="s3cret") as same:
+            assert _write_page(same, guarded)
+        for other in ({}, {"auth_token": "wrong"}):
+            with xfer.Engine(transport="tcp", timeout=2.0, **other) as outsider:
+                with pytest.raises(xfer.Error):
+                    _write_page(outsider, guarded)
+                    pytest.fail(f"a peer with {other or 'no token'} got in")
+
+
+def test_token_files_that_cannot_serve_are_invalid_arguments_naming_the_file(tmp_path):
+    both = tmp_path / "both"
+    both.write_text("s3cret")
+    with pytest.raises(xfer.InvalidArgument, match="both given"):
+        xfer.Engine(transport="tcp", auth_token="s3cret", auth_token_file=both)
+    missing = tmp_path / "missing"
+    with pytest.raises(xfer.InvalidArgument, match=f"cannot read .*{missing.name}"):
+        xfer.Engine(transport="tcp", auth_token_file=missing)
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    with pytest.raises(xfer.InvalidArgument, match="empty"):
+        xfer.Engine(transport="tcp", auth_token_file=empty)
+
+
+def test_require_auth_refuses_an_engine_beyond_loopback_without_a_token(tmp_path):
+    with pytest.raises(xfer.InvalidArgument, match="no auth token.*not loopback"):
+        xfer.Engine(transport="tcp", listen="0.0.0.0", require_auth=True)
+    path = tmp_path / "token"
+    path.write_text("s3cret\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        xfer.Engine(transport="tcp", listen="0.0.0.0", require_auth=True, auth_token_file=path).close()
+        xfer.Engine(transport="tcp", listen="0.0.0.0", require_auth=True, auth_token="s3cret").close()
+        xfer.Engine(transport="tcp", require_auth=True).close()  # loopback
+
+
+def test_an_engine_beyond_loopback_without_a_token_warns():
+    with pytest.warns(UserWarning, match=r"no auth token.*tcp rails listen beyond loopback \(.*:\d+\)") as said:
+        e = xfer.Engine(transport="tcp", listen="0.0.0.0")
+    e.close()
+    assert len(said) == 1
+    assert "auth_token_file" in str(said[0].message) and said[0].filename == __file__
+    # On loopback, with a token, or with no tcp rail: nothing said.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        xfer.Engine(transport="tcp").close()
+        xfer.Engine(transport="tcp", listen="0.0.0.0", auth_token="s3cret").close()
+        xfer.Engine(transport="mem", listen="0.0.0.0").close()
+    # Warnings turned into errors stop the engine from being made.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning):
+            xfer.Engine(transport="tcp", listen="0.0.0.0")

@@ -1,5 +1,6 @@
 """Type stubs of the xfer package (see the module docstring of xfer/__init__.py)."""
 
+import os
 from collections.abc import Awaitable, Generator, Sequence
 from types import TracebackType
 from typing import Any, Literal
@@ -145,6 +146,11 @@ class Engine:
     defaults to one per NIC chosen, else 1. pin="auto" pins workers to the placement plan's
     cores (those of its first worker, whatever the gpu: several engines on one host would
     share them, hence pin="off" by default).
+
+    auth_token (or auth_token_file, a file holding it, read once at the start: not in
+    /proc for other users to read) is a secret tcp peers must know. Without one, an engine
+    whose tcp rails listen beyond loopback warns (UserWarning), or with require_auth=True
+    refuses to start (InvalidArgument).
     """
 
     def __init__(
@@ -163,6 +169,8 @@ class Engine:
         tcp_congestion: str = "auto",
         name: str | None = None,
         stall_timeout: float | None = None,
+        auth_token_file: str | os.PathLike[str] | None = None,
+        require_auth: bool = False,
     ) -> None: ...
     @property
     def address(self) -> bytes:
