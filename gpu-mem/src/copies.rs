@@ -469,10 +469,13 @@ impl RangeCopies {
             }
             _ => {
                 kernel_pieces(&self.queued, |_, _, _| {}, |d, s, l| odd.push((d, s, l)));
-                // No kernel: strided entries are copied a row at a time.
-                strided_entries(&self.queued, |(d, ds), (s, ss), l, rows| {
-                    odd.extend((0..rows).map(|i| (d + i * ds, s + i * ss, l)));
-                });
+                if self.kernel.is_none() {
+                    // No kernel (so no rows launch above): strided entries are copied a row
+                    // at a time.
+                    strided_entries(&self.queued, |(d, ds), (s, ss), l, rows| {
+                        odd.extend((0..rows).map(|i| (d + i * ds, s + i * ss, l)));
+                    });
+                }
             }
         }
         self.issue_each(odd.into_iter())
