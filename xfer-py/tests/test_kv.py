@@ -536,3 +536,53 @@ def test_gpu_caches_between_processes(transport):
             e.close()
     finally:
         proc.kill()
+
+
+def test_the_disaggregation_example_streams_and_checks_every_byte_between_processes():
+    # Both shapes, TP 2 -> 4 and 4 -> 1, each rank a process over tcp; 40 tokens leave the
+    # last block of each table part-filled.
+    script = os.path.join(EXAMPLES, "kv_disagg.py")
+    args = ["--device", "cpu", "--tokens", "40", "--shape", "both", "--tp", "2:4,4:1", "--requests", "2", "--timeout", "60"]
+    done = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=600)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    for pair in ("prefill TP2 -> decode TP4", "prefill TP4 -> decode TP1"):
+        assert out.count(pair) == 2, out  # llama and mla
+    assert out.count("bytes checked") == 8 and "BYTES DIFFER" not in out, out
+    assert "every decode byte checked: 20 (request, decode rank) caches" in out, out
+    for word in ("transfers", "runs", "per-block, per-head path", "after its save", "Gbps"):
+        assert word in out, out
+
+
+def test_the_disaggregation_examples_check_sees_a_misplaced_byte(monkeypatch):
+    monkeypatch.syspath_prepend(EXAMPLES)
+    import kv_disagg as ex  # noqa: PLC0415
+
+    a = ex.Arrays("cpu")
+    for name, tp, rank in (("llama", 4, 1), ("mla", 2, 1)):
+        shape = ex.SHAPES[name]._replace(layers=2)
+        heads = ex.heads_of(shape, tp, rank)
+        table, n = [5, 0, 3], 2 * shape.block_size + 1
+        caches = [a.cache(ex.cache_shape(shape, 6, heads), ex.DECODE_EMPTY) for _ in range(shape.layers)]
+        tokens = a.arange(n)
+        for layer, c in enumerate(caches):
+            ex.put(a, shape, c, ex.places(a, shape, table, n), ex.values(a, shape, 7, layer, tokens, heads))
+        assert ex.mismatches(a, shape, caches, heads, 7, table, n) == []
+        # Another request's values, a byte out of place, a slot the request does not own.
+        assert ex.mismatches(a, shape, caches, heads, 8, table, n) != []
+        c = caches[1].view(np.uint8).reshape(-1)
+        c[7] ^= 1
+        assert ex.mismatches(a, shape, caches, heads, 7, table, n) == [f"layer 1: 1 of {caches[1].size} elements differ"]
+        c[7] ^= 1
+        # Block 1 is not the request's, nor the last slot of its last block (3).
+        for place in ((1,), (3, shape.block_size - 1)):
+            cells = a.cells(caches[0])
+            at = (slice(None), *place) if name == "llama" else place
+            saved = cells[at].copy()
+            cells[at] = 0
+            assert len(ex.mismatches(a, shape, caches, heads, 7, table, n)) == 1, place
+            cells[at] = saved
+    # The logical cache's slices: heads 2..4 of TP 4 rank 1 are heads 2..4 of the whole.
+    llama = ex.SHAPES["llama"]
+    whole = ex.values(a, llama, 3, 5, a.arange(4), (0, 8))
+    assert np.array_equal(ex.values(a, llama, 3, 5, a.arange(4), (2, 4)), whole[:, :, 2:4])
