@@ -122,7 +122,7 @@ fn layouts(a: &KvBenchArgs, tp: u32) -> Result<Vec<KvLayout>, CliError> {
         .map_err(|e| lib(e.into()))
 }
 
-/// A shuffled table of `n` of `of` blocks.
+/// A shuffled table of `n` of `of` blocks (`n` at most `of`).
 fn table(n: u32, of: u32, seed: u64) -> Vec<u32> {
     let mut t: Vec<u32> = (0..of).collect();
     let mut s = seed | 1;
@@ -503,13 +503,25 @@ fn rank(a: &KvBenchArgs, side: Side, r: u32) -> Result<(), CliError> {
                         * u64::from(d.layout.heads.end - d.layout.heads.start)
                         * d.layout.head_bytes;
                     let count = pair.runs.iter().map(|x| x.count * x.len).sum::<u64>() / dpage;
-                    let pages: Vec<u64> = (0..count * u64::from(d.layout.components)).collect();
+                    let n = (count * u64::from(d.layout.components)) as u32;
                     let Some(peer) = &base_peers[pair.decode as usize] else {
                         continue;
                     };
-                    // Regions are layers here (per-layer tensors).
-                    for (local, remote) in regions.iter().zip(&d.regions) {
-                        let tr = Transfer::pages(&pages, dpage, &pages, dpage, dpage)
+                    // Regions are layers here (per-layer tensors). Pages at random places on
+                    // both sides, as a paged cache's are: in order they would coalesce into
+                    // one contiguous write.
+                    for (l, (local, remote)) in regions.iter().zip(&d.regions).enumerate() {
+                        let slots = |len: u64| (len / dpage) as u32;
+                        let seed = u64::from(id) * 64 + l as u64;
+                        let src: Vec<u64> = table(n, slots(local.len()), seed)
+                            .into_iter()
+                            .map(u64::from)
+                            .collect();
+                        let dst: Vec<u64> = table(n, slots(remote.len), seed + 7)
+                            .into_iter()
+                            .map(u64::from)
+                            .collect();
+                        let tr = Transfer::pages(&src, dpage, &dst, dpage, dpage)
                             .map_err(lib)?
                             .imm(0x6b62_0000 | id);
                         hs.push(agent.submit(peer, local, remote, tr).map_err(lib)?);
