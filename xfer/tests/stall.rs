@@ -148,7 +148,16 @@ fn main() {
     );
     assert!(!h.is_finished(), "a stall ends the wait, not the transfer");
     p.signal("CONT");
-    h.wait(T).expect("the transfer goes on once the peer does");
+    // The connection stood: the transfer goes on. A peer slow to resume (a loaded machine)
+    // may still read as stalled for a wait or two; only a real end counts.
+    let until = Instant::now() + T;
+    loop {
+        match h.wait(T) {
+            Ok(_) => break,
+            Err(e) if e.kind() == ErrorKind::PeerStalled && Instant::now() < until => continue,
+            Err(e) => panic!("the transfer goes on once the peer does: {e}"),
+        }
+    }
     assert!(p.holds(1), "every byte landed");
 
     // A stall timeout longer than the stop: the wait only runs out; the transfer completes.
