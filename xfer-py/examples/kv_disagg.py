@@ -129,6 +129,7 @@ class Arrays:
         return np.asarray(values, dtype=np.int64)
 
     def arange(self, start, stop=None):
+        start, stop = (0, start) if stop is None else (start, stop)
         if self.cuda:
             return self.torch.arange(start, stop, dtype=self.torch.int64, device=self.dev)
         return np.arange(start, stop, dtype=np.int64)
