@@ -26,6 +26,10 @@ The pieces, from the bottom up:
   :class:`KVPoll`, ``failure_exception``). Adapters that subclass the real base classes
   are a few lines: ``examples/vllm_connector.py``, ``examples/sglang_connector.py``.
 
+``examples/kv_disagg.py`` puts it together: prefill TP 2 -> decode TP 4 and TP 4 -> 1 as
+processes, Llama-3-8B and DeepSeek-V3 (MLA) caches, layers pushed as computed, every
+decode byte checked.
+
 >>> import numpy as np, xfer
 >>> from xfer import kv
 >>> m = kv.Model(num_layers=2, kv_heads=4, head_dim=8, elem_size=2)
