@@ -15,6 +15,7 @@ use fabric_core::metadata::{AgentInfo, RegionDescriptor, TransportInfo, Transpor
 use fabric_core::plan::StridedRun;
 use fabric_core::{Access, Fence, Invalid, MemoryLocation, MemoryRegion};
 use std::collections::{BTreeMap, HashMap};
+use std::ops::Deref;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -95,6 +96,8 @@ struct Inner {
     started_ms: u64,
     /// Transfers' stall timeout unless they set their own.
     stall: Option<Duration>,
+    /// What the agent counts of its peers' connections (reconnects, stale descriptors).
+    counts: Arc<crate::metrics::AgentCounters>,
 }
 
 /// The agent's registrations, and what keeps foreign memory alive.
@@ -267,17 +270,132 @@ impl Region {
 /// ([`transport`](Peer::transport)), and, where that transport moves GPU memory only
 /// (cuda-ipc), also over the next one both offer, for host memory. Each transfer goes over
 /// the first of them on which both its regions are registered.
+///
+/// The handle stays valid when the peer's connection drops: the agent reconnects before
+/// the next transfer to it (see `docs/connections.md`), and every clone of the handle sees
+/// the new connection.
 #[derive(Clone, Debug)]
 pub struct Peer {
     /// The instance of the agent that connected to it.
     owner: u64,
     info: AgentInfo,
-    /// The transports it is reached by, the preferred first.
-    links: Vec<(TransportKind, GroupPeer)>,
+    /// The transports it is reached by, the preferred first, as of `generation`.
+    links: Links,
+    /// The connection `links` belong to.
+    generation: u64,
+    /// The connection as it stands now, shared by every clone.
+    cell: Arc<LinkCell>,
+}
+
+/// A peer's transports and their group peers, the preferred first.
+type Links = Arc<[(TransportKind, GroupPeer)]>;
+
+/// `LinkCell::state`'s bit for a connection found broken (a transfer failed with
+/// `PeerUnreachable`): the next transfer reconnects first.
+const BROKEN: u64 = 1;
+/// `LinkCell::state`'s bit for a peer this agent disconnected: never reconnected.
+const CLOSED: u64 = 2;
+/// `LinkCell::state`'s generation is above these bits.
+const GENERATION_SHIFT: u32 = 2;
+
+/// A peer's connection as it stands, shared by every clone of its [`Peer`], by its
+/// [`Prepared`] transfers and by the handles of its transfers (which mark it broken).
+pub(crate) struct LinkCell {
+    /// The peer's name, for errors and logs.
+    name: String,
+    /// `generation << GENERATION_SHIFT | CLOSED | BROKEN`: the generation counts the
+    /// connections made to the peer (0 for [`Agent::connect`]'s, then one more per
+    /// reconnect or [`Agent::update_peer`]). A transfer reads it once: equal to its
+    /// handle's generation shifted, nothing happened since the handle was made.
+    state: AtomicU64,
+    /// The current connection: what a handle of an older generation reads, and what a
+    /// reconnect replaces (under this lock, one reconnect at a time).
+    now: Mutex<LinkNow>,
+}
+
+/// A peer's current connection.
+struct LinkNow {
+    links: Links,
+    /// What the peer said about itself last (its addresses, its instance).
+    info: AgentInfo,
+    /// Its group peers were removed (by a reconnect that then failed to add them again).
+    removed: bool,
+}
+
+impl std::fmt::Debug for LinkCell {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = self.state.load(Ordering::Relaxed);
+        f.debug_struct("LinkCell")
+            .field("peer", &self.name)
+            .field("generation", &(s >> GENERATION_SHIFT))
+            .field("broken", &(s & BROKEN != 0))
+            .field("closed", &(s & CLOSED != 0))
+            .finish()
+    }
+}
+
+impl LinkCell {
+    fn lock(&self) -> MutexGuard<'_, LinkNow> {
+        self.now.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The peer's name.
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// A transfer of connection `generation` failed with `e`: if the peer is unreachable
+    /// or was removed under us (not by [`Agent::disconnect`]), the connection is marked
+    /// broken, unless it was replaced since (a late failure of the old connection).
+    pub(crate) fn note(&self, generation: u64, e: &fabric_core::OpError) {
+        use fabric_core::OpError as O;
+        if !matches!(e, O::PeerUnreachable { .. } | O::PeerRemoved(_)) {
+            return;
+        }
+        let marked = self
+            .state
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |s| {
+                (s >> GENERATION_SHIFT == generation && s & (BROKEN | CLOSED) == 0)
+                    .then_some(s | BROKEN)
+            });
+        if marked.is_ok() {
+            tracing::info!(peer = %self.name, error = %e, "connection to peer lost: reconnecting before its next transfer");
+        }
+    }
+}
+
+/// A peer's links for one transfer: the handle's own (nothing changed since it was made)
+/// or the current ones.
+enum LinksNow<'a> {
+    Own(&'a Links),
+    Now(Links),
+}
+
+impl Deref for LinksNow<'_> {
+    type Target = [(TransportKind, GroupPeer)];
+    fn deref(&self) -> &Self::Target {
+        match self {
+            LinksNow::Own(l) => l,
+            LinksNow::Now(l) => l,
+        }
+    }
+}
+
+/// The first of `links` on which `local` and `remote` are both registered.
+fn link_for<'a>(
+    links: &'a [(TransportKind, GroupPeer)],
+    local: &Region,
+    remote: &RegionDescriptor,
+) -> Result<&'a (TransportKind, GroupPeer)> {
+    links
+        .iter()
+        .find(|(k, _)| local.on(*k).is_ok() && remote.on(*k).is_some())
+        .ok_or(Error::RegionNotOnTransport(links[0].0))
 }
 
 impl Peer {
-    /// What the peer said about itself.
+    /// What the peer said about itself (when this handle was made; after
+    /// [`Agent::update_peer`], [`Agent::peer_info`] says what it says now).
     pub fn info(&self) -> &AgentInfo {
         &self.info
     }
@@ -292,16 +410,10 @@ impl Peer {
         self.links.iter().map(|(k, _)| *k).collect()
     }
 
-    /// The first of its transports on which `local` and `remote` are both registered.
-    fn link_for(
-        &self,
-        local: &Region,
-        remote: &RegionDescriptor,
-    ) -> Result<&(TransportKind, GroupPeer)> {
-        self.links
-            .iter()
-            .find(|(k, _)| local.on(*k).is_ok() && remote.on(*k).is_some())
-            .ok_or(Error::RegionNotOnTransport(self.links[0].0))
+    /// How many times the agent has connected to it again (after a dropped connection,
+    /// or [`Agent::update_peer`]).
+    pub fn reconnects(&self) -> u64 {
+        self.cell.state.load(Ordering::Acquire) >> GENERATION_SHIFT
     }
 }
 
@@ -314,6 +426,10 @@ pub struct Prepared {
     inner: fabric_core::engine::PreparedTransfer,
     /// Its stall timeout and its peer's name.
     stall: Option<(Duration, String)>,
+    /// Its peer's connection, and the generation of it that it was planned on: a post
+    /// after a reconnect is refused ([`Error::PreparedStale`]).
+    cell: Arc<LinkCell>,
+    generation: u64,
 }
 
 impl Prepared {
@@ -636,6 +752,7 @@ impl Agent {
                 regions: Mutex::new(Regions::default()),
                 started_ms: now_ms(),
                 stall: None,
+                counts: Arc::default(),
             }),
         }
     }
@@ -871,11 +988,37 @@ impl Agent {
             });
             kinds.extend(next);
         }
+        let links = self.add_links(peer, &kinds)?;
+        self.know(peer);
+        let links: Links = links.into();
+        Ok(Peer {
+            owner: self.inner.info.instance,
+            info: peer.clone(),
+            links: links.clone(),
+            generation: 0,
+            cell: Arc::new(LinkCell {
+                name: peer.name.clone(),
+                state: AtomicU64::new(0),
+                now: Mutex::new(LinkNow {
+                    links,
+                    info: peer.clone(),
+                    removed: false,
+                }),
+            }),
+        })
+    }
+
+    /// Adds `peer` to the rail group of each of `kinds`: all or none.
+    fn add_links(
+        &self,
+        peer: &AgentInfo,
+        kinds: &[TransportKind],
+    ) -> Result<Vec<(TransportKind, GroupPeer)>> {
         let mut links = Vec::with_capacity(kinds.len());
-        for k in kinds {
+        for &k in kinds {
             let addresses = &peer
                 .transport(k)
-                .expect("both offer each transport chosen")
+                .ok_or(Error::RegionNotOnTransport(k))?
                 .rails;
             let lane = self.lane(k)?;
             match lane.group.add_peer(addresses) {
@@ -890,12 +1033,86 @@ impl Agent {
                 }
             }
         }
-        self.know(peer);
-        Ok(Peer {
-            owner: self.inner.info.instance,
-            info: peer.clone(),
-            links,
-        })
+        Ok(links)
+    }
+
+    /// The links a transfer to `peer` takes now: the handle's own while nothing happened
+    /// to the connection (one atomic load), else the current ones, after connecting again
+    /// if the connection was found broken. Also the peer's current instance.
+    fn links_now<'a>(&self, peer: &'a Peer) -> Result<(LinksNow<'a>, u64, u64)> {
+        let s = peer.cell.state.load(Ordering::Acquire);
+        if s == peer.generation << GENERATION_SHIFT {
+            return Ok((
+                LinksNow::Own(&peer.links),
+                peer.info.instance,
+                peer.generation,
+            ));
+        }
+        self.reconnect(&peer.cell, None)
+            .map(|(l, i, g)| (LinksNow::Now(l), i, g))
+    }
+
+    /// Connects again to the peer of `cell` if its connection is broken (or to `info`, a
+    /// new incarnation of it, if given), bounded by the control timeout of each rail; returns
+    /// the current links, the peer's instance and the connection's generation. One at a
+    /// time per peer: a transfer that finds the reconnect done uses it.
+    fn reconnect(&self, cell: &LinkCell, info: Option<&AgentInfo>) -> Result<(Links, u64, u64)> {
+        let mut now = cell.lock();
+        let s = cell.state.load(Ordering::Acquire);
+        let generation = s >> GENERATION_SHIFT;
+        let renew = info.is_some_and(|i| *i != now.info);
+        if (s & BROKEN == 0 && !renew) || s & CLOSED != 0 {
+            return Ok((now.links.clone(), now.info.instance, generation));
+        }
+        let target = info.unwrap_or(&now.info).clone();
+        let kinds: Vec<TransportKind> = now.links.iter().map(|(k, _)| *k).collect();
+        if !now.removed {
+            // The dead connection's group peers go: what was still in flight on them ends
+            // with `PeerRemoved` (the transport had failed it already, as a rule).
+            for (k, g) in now.links.iter() {
+                if let Ok(l) = self.lane(*k) {
+                    let _ = l.group.remove_peer(g);
+                }
+            }
+            now.removed = true;
+        }
+        let added = self.add_links(&target, &kinds);
+        match added {
+            Ok(links) => {
+                let links: Links = links.into();
+                now.links = links.clone();
+                now.removed = false;
+                let old = std::mem::replace(&mut now.info, target);
+                if renew {
+                    self.know(&now.info);
+                }
+                let next = generation + 1;
+                cell.state
+                    .store(next << GENERATION_SHIFT, Ordering::Release);
+                self.inner.counts.reconnects.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(
+                    peer = %cell.name,
+                    generation = next,
+                    instance = format_args!("{:016x}", now.info.instance),
+                    previous_instance = format_args!("{:016x}", old.instance),
+                    "reconnected to peer"
+                );
+                Ok((links, now.info.instance, next))
+            }
+            Err(e) => {
+                // Still broken: the next transfer tries again.
+                cell.state.fetch_or(BROKEN, Ordering::AcqRel);
+                self.inner
+                    .counts
+                    .reconnect_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(peer = %cell.name, error = %e, "reconnecting to peer failed");
+                Err(Error::Reconnect {
+                    peer: cell.name.clone(),
+                    source: Box::new(e),
+                })
+            }
+        }
     }
 
     /// The direct rendezvous: connects to the server at `addr` (an agent serving with
@@ -920,11 +1137,17 @@ impl Agent {
         Ok((peer, welcome))
     }
 
-    /// Disconnects `peer`: its pending transfers fail with `PeerRemoved`.
+    /// Disconnects `peer`: its pending transfers fail with `PeerRemoved`, and the agent
+    /// never connects to it again by itself.
     pub fn disconnect(&self, peer: &Peer) -> Result<()> {
         self.own(peer.owner, "peer")?;
+        let now = peer.cell.lock();
+        peer.cell.state.fetch_or(CLOSED, Ordering::AcqRel);
+        if now.removed {
+            return Ok(());
+        }
         let mut first = None;
-        for (k, g) in &peer.links {
+        for (k, g) in now.links.iter() {
             if let Err(e) = self.lane(*k).and_then(|l| Ok(l.group.remove_peer(g)?)) {
                 first.get_or_insert(e);
             }
@@ -932,22 +1155,53 @@ impl Agent {
         first.map_or(Ok(()), Err)
     }
 
-    /// `t` as the transfer of the lane `peer` is reached by, its handles checked to be ours.
-    fn group_transfer<'a>(
+    /// Tells the agent that `peer` is now the agent `info` describes: a new incarnation of
+    /// it (restarted under the same name, [`AgentInfo::instance`] new), learned from the
+    /// directory, a rendezvous or the application's own exchange. The agent connects to
+    /// `info`'s addresses (before this returns), and from then on refuses descriptors of
+    /// the earlier incarnation ([`Error::StaleDescriptor`]) and prepared transfers made
+    /// before ([`Error::PreparedStale`]). Nothing happens if `info` is what the agent
+    /// knows already.
+    pub fn update_peer(&self, peer: &Peer, info: &AgentInfo) -> Result<()> {
+        self.own(peer.owner, "peer")?;
+        info.check()?;
+        if info.name != peer.cell.name {
+            return Err(Error::PeerRenamed {
+                peer: peer.cell.name.clone(),
+                name: info.name.clone(),
+            });
+        }
+        self.reconnect(&peer.cell, Some(info)).map(drop)
+    }
+
+    /// What `peer` said about itself last: [`Peer::info`], or the info given to
+    /// [`update_peer`](Self::update_peer) since.
+    pub fn peer_info(&self, peer: &Peer) -> AgentInfo {
+        peer.cell.lock().info.clone()
+    }
+
+    /// `t` as the transfer of the lane `peer` is reached by, its handles checked to be ours,
+    /// with the connection's generation.
+    #[allow(clippy::type_complexity)]
+    fn group_transfer<'a, 'p>(
         &'a self,
-        peer: &'a Peer,
+        peer: &'p Peer,
         local: &Region,
         remote: &RegionDescriptor,
         t: Transfer,
-    ) -> Result<(&'a Lane, &'a GroupPeer, GroupTransfer, Stall)> {
+    ) -> Result<(&'a Lane, GroupTransfer, Stall, LinksNow<'p>, usize, u64)> {
         self.own(peer.owner, "peer")?;
         self.own(local.owner, "region")?;
+        let (links, _instance, generation) = self.links_now(peer)?;
         let stall = t
             .stall
             .or(self.inner.stall)
             .map(|d| (d, peer.info.name.clone()));
-        let (kind, group) = peer.link_for(local, remote)?;
-        let lane = self.lane(*kind)?;
+        let (kind, _) = link_for(&links, local, remote)?;
+        let kind = *kind;
+        let at = links.iter().position(|(k, _)| *k == kind).unwrap_or(0);
+        let lane = self.lane(kind)?;
+        let kind = &kind;
         let dst = remote
             .on(*kind)
             .ok_or(Error::RegionNotOnTransport(*kind))?
@@ -963,11 +1217,13 @@ impl Agent {
             direction: t.direction,
             after: t.after,
         };
-        Ok((lane, group, g, stall))
+        Ok((lane, g, stall, links, at, generation))
     }
 
     /// Submits `t` between `local` and the peer's region `remote`. Bad segments fail here,
-    /// before anything moves.
+    /// before anything moves. If the peer's connection was found broken (an earlier
+    /// transfer failed with `PeerUnreachable`), the agent connects to it again first
+    /// ([`Error::Reconnect`] if it cannot).
     pub fn submit(
         &self,
         peer: &Peer,
@@ -975,15 +1231,34 @@ impl Agent {
         remote: &RegionDescriptor,
         t: Transfer,
     ) -> Result<Handle> {
-        let (lane, group, g, stall) = self.group_transfer(peer, local, remote, t)?;
-        Ok(Handle::new(lane.group.submit(group, g)?, stall))
+        let (lane, g, stall, links, at, generation) =
+            self.group_transfer(peer, local, remote, t)?;
+        let h = lane
+            .group
+            .submit(&links[at].1, g)
+            .inspect_err(|e| self.note_failure(&peer.cell, generation, e))?;
+        Ok(Handle::new(h, stall, Some((peer.cell.clone(), generation))))
+    }
+
+    /// A call failed at once with `e`: an unreachable peer marks its connection broken.
+    fn note_failure(&self, cell: &LinkCell, generation: u64, e: &fabric_core::Error) {
+        match e {
+            fabric_core::Error::Op(op) => cell.note(generation, op),
+            fabric_core::Error::UnknownPeer(p) => {
+                cell.note(generation, &fabric_core::OpError::PeerRemoved(*p));
+            }
+            _ => {}
+        }
     }
 
     /// Checks and plans `t` between `local` and the peer's region `remote` once, for
     /// [`post`](Self::post) to start as many times as wanted with no planning at each: the
     /// same pages of the same regions every step (a weight sync's, a KV layer's). Bad
     /// segments fail here. A fence given with [`Transfer::after`] is not kept: each post
-    /// takes its own ([`post_after`](Self::post_after)).
+    /// takes its own ([`post_after`](Self::post_after)). It is planned on the peer's
+    /// connection of now: once the agent has connected to the peer again (its connection
+    /// dropped, or [`update_peer`](Self::update_peer)), posting it fails with
+    /// [`Error::PreparedStale`]: prepare it again.
     pub fn prepare(
         &self,
         peer: &Peer,
@@ -991,17 +1266,22 @@ impl Agent {
         remote: &RegionDescriptor,
         t: Transfer,
     ) -> Result<Prepared> {
-        let (lane, group, g, stall) = self.group_transfer(peer, local, remote, t)?;
+        let (lane, g, stall, links, at, generation) =
+            self.group_transfer(peer, local, remote, t)?;
         Ok(Prepared {
             owner: self.inner.info.instance,
             kind: lane.kind,
-            inner: lane.group.prepare(group, g)?,
+            inner: lane.group.prepare(&links[at].1, g)?,
             stall,
+            cell: peer.cell.clone(),
+            generation,
         })
     }
 
     /// Starts a transfer [`prepare`](Self::prepare) planned: a transfer of its own, with
-    /// its own handle and deadline. Fails if its local region was deregistered since.
+    /// its own handle and deadline. Fails if its local region was deregistered since, or
+    /// with [`Error::PreparedStale`] if the agent has connected to its peer again since it
+    /// was prepared (a broken connection is re-established here first).
     pub fn post(&self, p: &Prepared) -> Result<Handle> {
         self.post_after_maybe(p, None)
     }
@@ -1014,10 +1294,28 @@ impl Agent {
 
     fn post_after_maybe(&self, p: &Prepared, after: Option<Arc<dyn Fence>>) -> Result<Handle> {
         self.own(p.owner, "prepared transfer")?;
+        let s = p.cell.state.load(Ordering::Acquire);
+        if s != p.generation << GENERATION_SHIFT {
+            // Something happened to the connection: reconnect if it broke, then refuse a
+            // plan of an older connection (its group peer ids are gone).
+            let (_, _, generation) = self.reconnect(&p.cell, None)?;
+            if generation != p.generation {
+                return Err(Error::PreparedStale {
+                    peer: p.cell.name.clone(),
+                    prepared: p.generation,
+                    now: generation,
+                });
+            }
+        }
         let lane = self.lane(p.kind)?;
+        let h = lane
+            .group
+            .post(&p.inner, after)
+            .inspect_err(|e| self.note_failure(&p.cell, p.generation, e))?;
         Ok(Handle::new(
-            lane.group.post(&p.inner, after)?,
+            h,
             p.stall.clone(),
+            Some((p.cell.clone(), p.generation)),
         ))
     }
 
@@ -1032,7 +1330,8 @@ impl Agent {
     ) -> Result<()> {
         self.own(peer.owner, "peer")?;
         self.own(local.owner, "region")?;
-        let (kind, group) = peer.link_for(local, remote)?;
+        let (links, _, _) = self.links_now(peer)?;
+        let (kind, group) = link_for(&links, local, remote)?;
         let dst = remote.on(*kind).ok_or(Error::RegionNotOnTransport(*kind))?;
         Ok(self
             .lane(*kind)?
@@ -1127,6 +1426,7 @@ impl Agent {
         for l in &self.inner.lanes {
             sources.add_group(l.kind.name().to_owned(), &l.group);
         }
+        sources.set_agent(self.inner.counts.clone());
         crate::metrics::render(&sources)
     }
 

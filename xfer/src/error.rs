@@ -136,6 +136,71 @@ pub enum Error {
         /// The stall timeout.
         limit: Duration,
     },
+    /// A transfer ended because the connection to its peer broke (reset, link down, the
+    /// peer's process gone): its source says what the transport saw. The agent connects
+    /// to the peer again before the next transfer to it (see `docs/connections.md`).
+    #[error(
+        "the connection to peer {peer} was lost; the agent reconnects before the next \
+         transfer to it"
+    )]
+    ConnectionLost {
+        /// The peer's name.
+        peer: String,
+        /// What the transport reported.
+        #[source]
+        source: fabric_core::Error,
+    },
+    /// The peer's connection had broken, and connecting to it again failed (within the
+    /// control timeout): the next transfer to it tries again.
+    #[error("reconnecting to peer {peer} failed; the next transfer to it tries again")]
+    Reconnect {
+        /// The peer's name.
+        peer: String,
+        /// Why connecting failed.
+        #[source]
+        source: Box<Error>,
+    },
+    /// A [`Prepared`](crate::Prepared) transfer was planned on an earlier connection to
+    /// its peer (the agent has connected to it again since: its connection dropped, or
+    /// [`Agent::update_peer`](crate::Agent::update_peer)): prepare it again.
+    #[error(
+        "this prepared transfer was planned on connection {prepared} to peer {peer}, which \
+         has since been replaced by connection {now}: prepare it again"
+    )]
+    PreparedStale {
+        /// The peer's name.
+        peer: String,
+        /// The connection it was planned on (0: the first).
+        prepared: u64,
+        /// The connection now.
+        now: u64,
+    },
+    /// A remote descriptor of another incarnation of the peer than the one this agent
+    /// knows now (the peer restarted since the descriptor was made, or the descriptor is
+    /// another agent's): refused before anything moves, so nothing of the peer's memory
+    /// changes. Ask the peer for its regions' descriptors again.
+    #[error(
+        "the descriptor belongs to instance {descriptor_instance:016x}, but peer {peer} is \
+         instance {peer_instance:016x} (it restarted since the descriptor was made, or the \
+         descriptor is another agent's): ask it for the region again"
+    )]
+    StaleDescriptor {
+        /// The peer's name.
+        peer: String,
+        /// The instance of the agent that made the descriptor.
+        descriptor_instance: u64,
+        /// The peer's instance as this agent knows it now.
+        peer_instance: u64,
+    },
+    /// [`Agent::update_peer`](crate::Agent::update_peer) was given another agent's info
+    /// (another name).
+    #[error("peer {peer} cannot become {name:?}: update a peer with its own new info")]
+    PeerRenamed {
+        /// The peer's name.
+        peer: String,
+        /// The name of the info given.
+        name: String,
+    },
     /// A weight-sync plan cannot be made from the layouts given.
     /// A KV layout, request or plan is wrong (see `kv_plan::KvError`).
     #[error(transparent)]
@@ -397,6 +462,11 @@ impl Error {
             Error::ForeignHandle { .. } => ErrorKind::ForeignHandle,
             Error::Closed => ErrorKind::Closed,
             Error::PeerStalled { .. } => ErrorKind::PeerStalled,
+            Error::ConnectionLost { source, .. } => core_kind(source),
+            Error::Reconnect { .. } => ErrorKind::PeerUnreachable,
+            Error::PreparedStale { .. }
+            | Error::PeerRenamed { .. }
+            | Error::StaleDescriptor { .. } => ErrorKind::InvalidInput,
             Error::Kv(_)
             | Error::KvRequestId { .. }
             | Error::KvNoSuchRank { .. }

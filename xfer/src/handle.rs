@@ -1,10 +1,12 @@
 //! [`Handle`]: a submitted transfer, as the front door reports it: its result is this
 //! crate's [`Error`], like every other call's.
 
+use crate::agent::LinkCell;
 use crate::error::{Error, Result};
 use fabric_core::engine::{TransferHandle, TransferStats};
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -16,15 +18,47 @@ pub struct Handle {
     inner: TransferHandle,
     /// The stall timeout and the peer's name, where the transfer has one.
     stall: Option<(Duration, String)>,
+    /// The peer's connection and its generation the transfer went on: a failure that says
+    /// the peer is unreachable marks it broken (the agent reconnects before the next
+    /// transfer).
+    link: Option<Link>,
 }
 
-fn op(e: fabric_core::OpError) -> Error {
-    Error::Engine(fabric_core::Error::Op(e))
+/// A peer's connection and the generation of it a transfer went on.
+pub(crate) type Link = (Arc<LinkCell>, u64);
+
+/// The transfer's failure `e` as this crate reports it: a broken connection is
+/// [`Error::ConnectionLost`], naming the peer, and marks the peer's connection broken.
+fn op_on(link: Option<&Link>, e: fabric_core::OpError) -> Error {
+    let Some((cell, generation)) = link else {
+        return Error::Engine(fabric_core::Error::Op(e));
+    };
+    cell.note(*generation, &e);
+    if matches!(e, fabric_core::OpError::PeerUnreachable { .. }) {
+        Error::ConnectionLost {
+            peer: cell.name().to_owned(),
+            source: fabric_core::Error::Op(e),
+        }
+    } else {
+        Error::Engine(fabric_core::Error::Op(e))
+    }
+}
+
+/// As [`op_on`], for the engine's error of a wait.
+fn engine_on(link: Option<&Link>, e: fabric_core::Error) -> Error {
+    match e {
+        fabric_core::Error::Op(o) => op_on(link, o),
+        e => e.into(),
+    }
 }
 
 impl Handle {
-    pub(crate) fn new(inner: TransferHandle, stall: Option<(Duration, String)>) -> Handle {
-        Handle { inner, stall }
+    pub(crate) fn new(
+        inner: TransferHandle,
+        stall: Option<(Duration, String)>,
+        link: Option<Link>,
+    ) -> Handle {
+        Handle { inner, stall, link }
     }
 
     /// Blocks until the transfer finishes, at most `timeout`: its figures, or why it
@@ -36,7 +70,10 @@ impl Handle {
     /// the peer comes back) or [`cancel`](Self::cancel).
     pub fn wait(&self, timeout: Duration) -> Result<TransferStats> {
         let Some((limit, _)) = &self.stall else {
-            return Ok(self.inner.wait(timeout)?);
+            return self
+                .inner
+                .wait(timeout)
+                .map_err(|e| engine_on(self.link.as_ref(), e));
         };
         let began = Instant::now();
         let deadline = began + timeout;
@@ -47,7 +84,7 @@ impl Handle {
             match self.inner.wait(left.min(every)) {
                 Ok(s) => return Ok(s),
                 Err(fabric_core::Error::TimedOut(..)) => {}
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(engine_on(self.link.as_ref(), e)),
             }
             if let Some(e) = self.stalled(began.elapsed()) {
                 return Err(e);
@@ -95,14 +132,19 @@ impl Handle {
 
     /// The result, if the transfer has finished.
     pub fn try_result(&self) -> Option<Result<TransferStats>> {
-        self.inner.try_result().map(|r| r.map_err(op))
+        let link = self.link.as_ref();
+        self.inner
+            .try_result()
+            .map(|r| r.map_err(|e| op_on(link, e)))
     }
 
     /// Runs `f` with the result once the transfer finishes: on the worker thread that
     /// decides it (keep it short: that worker runs nothing else meanwhile), or at once in
     /// this thread if it has already finished.
     pub fn on_complete(self, f: impl FnOnce(Result<TransferStats>) + Send + 'static) {
-        self.inner.on_complete(move |r| f(r.map_err(op)));
+        let link = self.link;
+        self.inner
+            .on_complete(move |r| f(r.map_err(|e| op_on(link.as_ref(), e))));
     }
 
     /// Cancels the transfer if it has not finished: it posts nothing more and finishes
@@ -131,6 +173,10 @@ impl std::fmt::Debug for Handle {
 impl Future for Handle {
     type Output = Result<TransferStats>;
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        Pin::new(&mut self.inner).poll(cx).map(|r| r.map_err(op))
+        let this = &mut *self;
+        let link = this.link.as_ref();
+        Pin::new(&mut this.inner)
+            .poll(cx)
+            .map(|r| r.map_err(|e| op_on(link, e)))
     }
 }

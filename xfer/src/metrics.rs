@@ -22,6 +22,8 @@
 //!   `xfer_peer_connections`, and `xfer_peer_last_error` (1, with the error as label `error`);
 //! - per group (`group`): `xfer_transfer_latency_seconds` (histogram), `xfer_registered_bytes`,
 //!   `xfer_registered_regions`;
+//! - the agent's (no labels): `xfer_reconnects_total`, `xfer_reconnect_failures_total`,
+//!   `xfer_stale_descriptors_total` (see [`AgentCounters`]);
 //! - a rendezvous server's (see [`Sources::set_serve`]): `xfer_serve_clients`,
 //!   `xfer_serve_pending_handshakes`, `xfer_serve_region_bytes`,
 //!   `xfer_serve_clients_admitted_total`, `xfer_serve_refusals_total` (`reason`),
@@ -36,18 +38,37 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
-/// What the endpoint reports: rail groups (held weakly: a group that stops drops out) and,
-/// for `serve`, its clients.
+/// What an agent counts of its peers' connections (see `docs/connections.md`).
+#[derive(Debug, Default)]
+pub struct AgentCounters {
+    /// Connections to a peer made again: after one broke, or for a peer's new incarnation
+    /// ([`Agent::update_peer`](crate::Agent::update_peer)).
+    pub reconnects: AtomicU64,
+    /// Attempts to connect to a peer again that failed.
+    pub reconnect_failures: AtomicU64,
+    /// Transfers refused because their remote descriptor belongs to another incarnation of
+    /// the peer than the one it is now ([`Error::StaleDescriptor`](crate::Error::StaleDescriptor)).
+    pub stale_descriptors: AtomicU64,
+}
+
+/// What the endpoint reports: rail groups (held weakly: a group that stops drops out),
+/// an agent's own counters and, for `serve`, its clients.
 #[derive(Debug, Default)]
 pub struct Sources {
     groups: Mutex<Vec<(String, Weak<RailGroup>)>>,
     serve: Mutex<Option<Arc<ServeStats>>>,
+    agent: Mutex<Option<Arc<AgentCounters>>>,
 }
 
 impl Sources {
+    /// Reports an agent's counters of its peers' connections.
+    pub fn set_agent(&self, counters: Arc<AgentCounters>) {
+        *self.agent.lock().unwrap_or_else(|p| p.into_inner()) = Some(counters);
+    }
+
     /// Reports `group` under the label `group=name` while it lives.
     pub fn add_group(&self, name: String, group: &Arc<RailGroup>) {
         let mut g = self.groups.lock().unwrap_or_else(|p| p.into_inner());
@@ -314,6 +335,40 @@ impl Collector for Snapshots {
                 (group_labels(name), gauge(n as u64))
             }),
         )?;
+        let agent = self
+            .0
+            .agent
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(a) = agent {
+            let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+            for (name, help, v) in [
+                (
+                    "xfer_reconnects",
+                    "Connections to a peer made again (after one broke, or for a peer's new incarnation).",
+                    load(&a.reconnects),
+                ),
+                (
+                    "xfer_reconnect_failures",
+                    "Attempts to connect to a peer again that failed.",
+                    load(&a.reconnect_failures),
+                ),
+                (
+                    "xfer_stale_descriptors",
+                    "Transfers refused: their remote descriptor is of an earlier incarnation of the peer.",
+                    load(&a.stale_descriptors),
+                ),
+            ] {
+                family(
+                    &mut enc,
+                    name,
+                    help,
+                    MetricType::Counter,
+                    [(Vec::new(), counter(v))],
+                )?;
+            }
+        }
         let serve = self
             .0
             .serve

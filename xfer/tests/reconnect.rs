@@ -1,0 +1,259 @@
+//! A dropped connection comes back without any call of the application: the peer's tcp
+//! connection is killed (`ss -K`, the peer process staying), then the peer process is
+//! killed and started again on the same address; each time the transfer that meets the
+//! dead connection ends with `ConnectionLost` naming the peer, and the next one reconnects
+//! (with the same token) and lands. A transfer prepared before a reconnect is refused with
+//! `PreparedStale`, and prepared again it works. A descriptor of the peer's previous
+//! incarnation is refused with `StaleDescriptor` once the agent knows the new one, and
+//! nothing of the new process's memory changes.
+//!
+//! Its own harness (`harness = false`): run with `XFER_RECONNECT_PEER=1`, this binary is
+//! the peer (an agent on `127.0.0.1:$XFER_RECONNECT_PORT` with one region, its metadata on
+//! stdout, checking its memory on request).
+
+use fabric_core::MemoryLocation;
+use fabric_core::engine::{EngineConfig, RailGroup};
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::time::Duration;
+use transport_tcp::{TcpConfig, TcpTransport};
+use xfer::{
+    Access, Agent, AgentInfo, Error, ErrorKind, HostBuffer, RegionDescriptor, Transfer,
+    TransportKind,
+};
+
+const LEN: usize = 1 << 20;
+const T: Duration = Duration::from_secs(30);
+const TOKEN: &str = "reconnect-test-token";
+
+/// An agent whose one tcp rail listens on `127.0.0.1:port` (0: any), with the token.
+fn agent(name: &str, port: u16) -> Agent {
+    let cfg = TcpConfig {
+        listen: SocketAddr::from(([127, 0, 0, 1], port)),
+        auth_token: Some(TOKEN.into()),
+        ..TcpConfig::default()
+    };
+    let group = RailGroup::spawn(
+        1,
+        move |_| TcpTransport::new(cfg.clone()),
+        EngineConfig::default(),
+    )
+    .expect("a tcp rail");
+    Agent::from_groups(
+        name,
+        MemoryLocation::Host,
+        vec![(TransportKind::Tcp, group)],
+    )
+    .expect("an agent")
+}
+
+fn pattern(round: u8) -> impl Fn(u64, &mut [u8]) {
+    move |at, chunk| {
+        for (i, b) in chunk.iter_mut().enumerate() {
+            *b = ((at + i as u64) % 251) as u8 ^ round;
+        }
+    }
+}
+
+/// The peer: prints its agent's and region's metadata (hex), then answers each line
+/// `check N` with `ok` when its region holds round N's pattern (round 0: all zero), `bad`
+/// otherwise.
+fn peer() {
+    let port: u16 = std::env::var("XFER_RECONNECT_PORT")
+        .ok()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0);
+    let b = agent("restarting-peer", port);
+    let mem = HostBuffer::new_shared(LEN).expect("memory");
+    let r = b
+        .register(mem.clone(), Access::REMOTE_WRITE)
+        .expect("a region");
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{}", hex::encode(b.info().to_bytes().unwrap())).unwrap();
+    writeln!(out, "{}", hex::encode(r.descriptor().to_bytes().unwrap())).unwrap();
+    out.flush().unwrap();
+    for line in std::io::stdin().lock().lines() {
+        let line = line.expect("a line");
+        let round: u8 = line.trim_start_matches("check ").parse().expect("check N");
+        let want = HostBuffer::new_shared(LEN).unwrap();
+        if round != 0 {
+            want.fill_with(pattern(round));
+        }
+        let same = mem.to_vec(0, LEN).unwrap() == want.to_vec(0, LEN).unwrap();
+        writeln!(out, "{}", if same { "ok" } else { "bad" }).unwrap();
+        out.flush().unwrap();
+    }
+}
+
+struct Peer {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<std::process::ChildStdout>,
+}
+
+impl Peer {
+    fn start(port: u16) -> (Peer, AgentInfo, RegionDescriptor) {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .env("XFER_RECONNECT_PEER", "1")
+            .env("XFER_RECONNECT_PORT", port.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("the peer process");
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut line = || {
+            let mut l = String::new();
+            stdout.read_line(&mut l).expect("the peer's metadata");
+            hex::decode(l.trim()).expect("hex")
+        };
+        let info = AgentInfo::from_bytes(&line()).unwrap();
+        let desc = RegionDescriptor::from_bytes(&line()).unwrap();
+        let p = Peer {
+            child,
+            stdin,
+            stdout,
+        };
+        (p, info, desc)
+    }
+
+    fn holds(&mut self, round: u8) -> bool {
+        writeln!(self.stdin, "check {round}").unwrap();
+        self.stdin.flush().unwrap();
+        let mut l = String::new();
+        self.stdout.read_line(&mut l).unwrap();
+        l.trim() == "ok"
+    }
+
+    /// Kills the process and waits for it to be gone (its port free again).
+    fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The port of the peer's tcp rail (`tcp://127.0.0.1:PORT`).
+fn port_of(info: &AgentInfo) -> u16 {
+    let addr = &info.transport(TransportKind::Tcp).unwrap().rails[0];
+    let addr = std::str::from_utf8(addr).unwrap();
+    addr.rsplit(':').next().unwrap().parse().unwrap()
+}
+
+/// The agent's count of reconnects, read from its metrics.
+fn reconnects(a: &Agent) -> u64 {
+    let m = a.metrics();
+    m.lines()
+        .find_map(|l| l.strip_prefix("xfer_reconnects_total "))
+        .unwrap_or_else(|| panic!("no reconnect counter in\n{m}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// The transfer that meets a dead connection: it fails (at submit or in its wait) with
+/// `ConnectionLost` naming the peer, never hangs, never succeeds.
+fn meets_dead_connection(r: xfer::Result<xfer::Handle>) {
+    let e = match r {
+        Ok(h) => h.wait(T).expect_err("the connection is dead"),
+        Err(e) => e,
+    };
+    assert_eq!(e.kind(), ErrorKind::PeerUnreachable, "{e}");
+    assert!(
+        matches!(&e, Error::ConnectionLost { peer, .. } if peer == "restarting-peer"),
+        "{e:?}"
+    );
+    assert!(std::error::Error::source(&e).is_some(), "with its cause");
+}
+
+fn main() {
+    if std::env::var_os("XFER_RECONNECT_PEER").is_some() {
+        peer();
+        return;
+    }
+    let (mut p, info, desc) = Peer::start(0);
+    let port = port_of(&info);
+    let a = agent("initiator", 0);
+    let mem = HostBuffer::new_shared(LEN).unwrap();
+    let src = a.register(mem.clone(), Access::NONE).unwrap();
+    let peer = a.connect(&info).unwrap();
+    let whole = || Transfer::segments(vec![(0, 0, LEN as u64)]);
+    let write = |peer: &xfer::Peer, desc: &RegionDescriptor, round: u8| {
+        mem.fill_with(pattern(round));
+        a.submit(peer, &src, desc, whole())
+    };
+
+    write(&peer, &desc, 1)
+        .unwrap()
+        .wait(T)
+        .expect("a first write");
+    assert!(p.holds(1));
+    let prepared = a.prepare(&peer, &src, &desc, whole()).unwrap();
+    mem.fill_with(pattern(2));
+    a.post(&prepared).unwrap().wait(T).expect("a post");
+    assert!(p.holds(2));
+    assert_eq!(reconnects(&a), 0);
+
+    // 1. The connection killed under both processes (ss -K on ours).
+    let killed = Command::new("ss")
+        .args(["-K", "dst", "127.0.0.1", "dport", "=", &port.to_string()])
+        .output()
+        .expect("ss");
+    assert!(killed.status.success(), "ss -K: {killed:?}");
+    meets_dead_connection(write(&peer, &desc, 3));
+    // The next one reconnects, with no call of ours, and lands.
+    let clone = peer.clone();
+    write(&clone, &desc, 4)
+        .expect("reconnected")
+        .wait(T)
+        .expect("the write after the reconnect");
+    assert!(p.holds(4), "every byte landed");
+    assert_eq!(reconnects(&a), 1);
+    assert_eq!(peer.reconnects(), 1, "every clone of the peer sees it");
+    // A plan of the old connection is refused, and works prepared again.
+    let e = a
+        .post(&prepared)
+        .expect_err("planned on the dead connection");
+    assert!(
+        matches!(
+            e,
+            Error::PreparedStale {
+                prepared: 0,
+                now: 1,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert_eq!(e.kind(), ErrorKind::InvalidInput);
+    let prepared = a.prepare(&peer, &src, &desc, whole()).unwrap();
+    mem.fill_with(pattern(5));
+    a.post(&prepared).unwrap().wait(T).expect("prepared again");
+    assert!(p.holds(5));
+
+    // 2. The peer process killed and started again on the same address.
+    p.kill();
+    let (mut p, info2, desc2) = Peer::start(port);
+    assert_eq!(port_of(&info2), port);
+    assert_ne!(info2.instance, info.instance, "a new incarnation");
+    meets_dead_connection(write(&peer, &desc2, 6));
+    write(&peer, &desc2, 7)
+        .expect("reconnected to the new process")
+        .wait(T)
+        .expect("the write after the restart");
+    assert!(p.holds(7), "every byte landed in the new process");
+    assert_eq!(reconnects(&a), 2);
+    let e = a
+        .post(&prepared)
+        .expect_err("planned on the old process's connection");
+    assert!(matches!(e, Error::PreparedStale { .. }), "{e:?}");
+
+    println!("reconnect: killed connection and restarted peer both reconnected");
+}
