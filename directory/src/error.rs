@@ -72,6 +72,37 @@ pub enum Error {
     /// The async runtime the etcd client needs could not start.
     #[error("starting the etcd client's runtime: {0}")]
     Runtime(#[source] std::io::Error),
+    /// A record offering regions was to be published unsigned (the directory has no cluster
+    /// token) in a directory that does not allow it: their keys would be readable, and the
+    /// record forgeable, by whoever reaches the directory. Set a token, or allow unsigned
+    /// regions ([`DirectoryConfig::unsigned_regions`](crate::DirectoryConfig::unsigned_regions)).
+    #[error(
+        "member {member} of cluster {cluster} offers regions {regions:?}, and the directory \
+         has no cluster token: their keys are not published in an unsigned record (set a \
+         token, or allow unsigned regions)"
+    )]
+    UnsignedRegions {
+        /// The cluster.
+        cluster: String,
+        /// The member.
+        member: String,
+        /// The regions it offers.
+        regions: Vec<String>,
+    },
+    /// A file the directory's configuration names (a certificate, a key) could not be read.
+    #[error("directory configuration: {what} {path}: {source}")]
+    ConfigFile {
+        /// What the file is (`CA certificate`, `client certificate`, `client key`).
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The directory's configuration does not hold together.
+    #[error("directory configuration: {0}")]
+    Config(&'static str),
     /// The publication was withdrawn already.
     #[error("{0}: withdrawn already")]
     Withdrawn(String),

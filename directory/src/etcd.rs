@@ -2,6 +2,7 @@
 //! revision of their listing, re-publishing and re-listing after etcd comes back.
 
 use crate::record::{Record, members_prefix};
+use crate::sign::{ClusterToken, Signing};
 use crate::track::Tracker;
 use crate::{Directory, Error, Event, Listing, Member, Publication, Published, Result, Watch};
 use crossbeam_channel::{Sender, TrySendError};
@@ -10,6 +11,7 @@ use etcd_client::{
     WatchOptions,
 };
 use std::future::Future;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::runtime::Runtime;
@@ -19,7 +21,39 @@ use tokio::sync::{mpsc, oneshot};
 /// waits (etcd holds the rest).
 const WATCH_QUEUE: usize = 4096;
 
-/// Timeouts of an [`EtcdDirectory`].
+/// TLS to etcd (`--cert-file`/`--key-file` on etcd's side): the CA that signed etcd's
+/// certificate, and where etcd asks for client certificates (`--client-cert-auth`), this
+/// client's certificate and key. PEM files, read at connect.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EtcdTls {
+    /// The CA certificate(s) etcd's server certificate must chain to (only these are
+    /// trusted, not the system's roots).
+    pub ca: PathBuf,
+    /// This client's certificate, for etcd's `--client-cert-auth` (with `key`).
+    pub cert: Option<PathBuf>,
+    /// This client's private key (with `cert`).
+    pub key: Option<PathBuf>,
+}
+
+/// An etcd user (etcd's `auth enable`): its name and password. Its `Debug` does not show
+/// the password.
+#[derive(Clone, PartialEq, Eq)]
+pub struct EtcdUser {
+    /// The user's name.
+    pub name: String,
+    /// Its password.
+    pub password: String,
+}
+
+impl std::fmt::Debug for EtcdUser {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdUser")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How an [`EtcdDirectory`] reaches etcd: timeouts, TLS and user.
 #[derive(Clone, Debug)]
 pub struct EtcdOptions {
     /// How long the first contact with etcd may take before it is called unreachable.
@@ -28,6 +62,10 @@ pub struct EtcdOptions {
     pub call_timeout: Duration,
     /// How long publishers and watchers wait between attempts while etcd is away.
     pub retry: Duration,
+    /// TLS, with a client certificate where etcd asks for one. `None`: plain HTTP.
+    pub tls: Option<EtcdTls>,
+    /// The etcd user to authenticate as. `None`: none (etcd without `auth enable`).
+    pub user: Option<EtcdUser>,
 }
 
 impl Default for EtcdOptions {
@@ -36,6 +74,8 @@ impl Default for EtcdOptions {
             connect_timeout: Duration::from_secs(3),
             call_timeout: Duration::from_secs(5),
             retry: Duration::from_millis(250),
+            tls: None,
+            user: None,
         }
     }
 }
@@ -46,6 +86,7 @@ pub struct EtcdDirectory {
     client: Client,
     endpoint: String,
     opts: EtcdOptions,
+    signing: Signing,
 }
 
 /// What the background tasks need to talk to etcd.
@@ -54,6 +95,7 @@ struct Conn {
     client: Client,
     endpoint: String,
     opts: EtcdOptions,
+    signing: Signing,
 }
 
 impl Conn {
@@ -93,7 +135,7 @@ impl Conn {
         };
         for kv in resp.kvs() {
             let key = String::from_utf8_lossy(kv.key()).into_owned();
-            match Record::decode(cluster, &key, kv.value()) {
+            match self.signing.decode(cluster, &key, kv.value()) {
                 Ok(record) => listing.members.push(Member {
                     record,
                     revision: kv.mod_revision(),
@@ -122,10 +164,54 @@ impl Conn {
     }
 }
 
+/// Reads a PEM file of the TLS configuration.
+fn read_pem(what: &'static str, path: &std::path::Path) -> Result<Vec<u8>> {
+    std::fs::read(path).map_err(|source| Error::ConfigFile {
+        what,
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// The client's TLS configuration from `tls`'s files.
+fn tls_options(tls: &EtcdTls) -> Result<etcd_client::TlsOptions> {
+    let ca = etcd_client::Certificate::from_pem(read_pem("CA certificate", &tls.ca)?);
+    let mut o = etcd_client::TlsOptions::new().ca_certificate(ca);
+    match (&tls.cert, &tls.key) {
+        (Some(cert), Some(key)) => {
+            o = o.identity(etcd_client::Identity::from_pem(
+                read_pem("client certificate", cert)?,
+                read_pem("client key", key)?,
+            ));
+        }
+        (None, None) => {}
+        _ => {
+            return Err(Error::Config(
+                "a client certificate needs its key, and a key its certificate",
+            ));
+        }
+    }
+    Ok(o)
+}
+
 impl EtcdDirectory {
-    /// Connects to etcd at `endpoints` (`http://HOST:PORT`), checking that it answers
-    /// within `opts.connect_timeout`.
+    /// Connects to etcd at `endpoints` (`http://HOST:PORT`; with [`EtcdOptions::tls`],
+    /// `https://HOST:PORT`, and `http://` is taken as `https://`), as
+    /// [`EtcdOptions::user`] if given, checking that it answers within
+    /// `opts.connect_timeout`. The directory is open (no cluster token) until
+    /// [`with_token`](EtcdDirectory::with_token).
     pub fn connect(endpoints: &[String], opts: EtcdOptions) -> Result<EtcdDirectory> {
+        let tls = opts.tls.as_ref().map(tls_options).transpose()?;
+        let endpoints: Vec<String> = match tls {
+            Some(_) => endpoints
+                .iter()
+                .map(|e| match e.strip_prefix("http://") {
+                    Some(rest) => format!("https://{rest}"),
+                    None => e.clone(),
+                })
+                .collect(),
+            None => endpoints.to_vec(),
+        };
         let endpoint = endpoints.join(",");
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -139,11 +225,17 @@ impl EtcdDirectory {
             source,
         };
         let connect = async {
-            let o = ConnectOptions::new()
+            let mut o = ConnectOptions::new()
                 .with_connect_timeout(opts.connect_timeout)
                 .with_timeout(opts.call_timeout)
                 .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2));
-            let mut client = Client::connect(endpoints, Some(o)).await?;
+            if let Some(tls) = tls {
+                o = o.with_tls(tls);
+            }
+            if let Some(u) = &opts.user {
+                o = o.with_user(u.name.clone(), u.password.clone());
+            }
+            let mut client = Client::connect(&endpoints, Some(o)).await?;
             client.status().await?;
             Ok::<_, etcd_client::Error>(client)
         };
@@ -156,7 +248,19 @@ impl EtcdDirectory {
             client,
             endpoint,
             opts,
+            signing: Signing::default(),
         })
+    }
+
+    /// Signs the records it publishes with `token` and reads only records signed with it
+    /// (see [`crate::sign`]).
+    pub fn with_token(self, token: ClusterToken) -> EtcdDirectory {
+        self.with_signing(Signing::new(Some(token), false))
+    }
+
+    pub(crate) fn with_signing(mut self, signing: Signing) -> EtcdDirectory {
+        self.signing = signing;
+        self
     }
 
     fn conn(&self) -> Conn {
@@ -164,6 +268,7 @@ impl EtcdDirectory {
             client: self.client.clone(),
             endpoint: self.endpoint.clone(),
             opts: self.opts.clone(),
+            signing: self.signing.clone(),
         }
     }
 }
@@ -171,6 +276,7 @@ impl EtcdDirectory {
 impl Directory for EtcdDirectory {
     fn publish(&self, mut record: Record, ttl: Duration) -> Result<Publication> {
         record.ttl_ms = ttl.as_millis() as u64;
+        self.signing.seal(&mut record)?;
         let value = record.encode()?;
         let key = record.key();
         let conn = self.conn();
@@ -186,6 +292,7 @@ impl Directory for EtcdDirectory {
                 cmds: tx,
                 call_timeout: self.opts.call_timeout,
                 endpoint: self.endpoint.clone(),
+                signing: self.signing.clone(),
             }),
         ))
     }
@@ -202,7 +309,7 @@ impl Directory for EtcdDirectory {
         match resp.kvs().first() {
             None => Ok(None),
             Some(kv) => Ok(Some(Member {
-                record: Record::decode(cluster, &key, kv.value())?,
+                record: self.signing.decode(cluster, &key, kv.value())?,
                 revision: kv.mod_revision(),
             })),
         }
@@ -232,7 +339,19 @@ impl Directory for EtcdDirectory {
     }
 
     fn endpoint(&self) -> String {
-        format!("etcd://{}", self.endpoint.replace("http://", ""))
+        let hosts = self.endpoint.replace("https://", "").replace("http://", "");
+        match self.opts.tls {
+            Some(_) => format!("etcd://{hosts} (tls)"),
+            None => format!("etcd://{hosts}"),
+        }
+    }
+
+    fn signed(&self) -> bool {
+        self.signing.signed()
+    }
+
+    fn refused_records(&self) -> u64 {
+        self.signing.refused()
     }
 }
 
@@ -250,6 +369,7 @@ struct EtcdPublished {
     cmds: mpsc::Sender<Cmd>,
     call_timeout: Duration,
     endpoint: String,
+    signing: Signing,
 }
 
 impl EtcdPublished {
@@ -286,6 +406,8 @@ impl Published for EtcdPublished {
                 record.agent.name.clone(),
             )));
         }
+        let mut record = record.clone();
+        self.signing.seal(&mut record)?;
         let value = record.encode()?;
         self.ask(|tx| Cmd::Update(value, tx), "updating the record")
     }
@@ -428,7 +550,7 @@ async fn watch_members(
     tx: Sender<Event>,
     mut stop: oneshot::Receiver<()>,
 ) {
-    let mut t = Tracker::default();
+    let mut t = Tracker::new(conn.signing.clone());
     let mut revision = first.revision;
     if !deliver(&tx, t.listing(first, false, Instant::now())).await {
         return;

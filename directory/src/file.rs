@@ -4,6 +4,7 @@
 //! and replace the file by a rename, so readers never see half a file.
 
 use crate::record::{MAX_RECORD_BYTES, Record, member_key};
+use crate::sign::{ClusterToken, Signing};
 use crate::track::Tracker;
 use crate::{Directory, Error, Listing, Member, Publication, Published, Result, Watch};
 use std::os::fd::AsRawFd;
@@ -18,6 +19,7 @@ const MAX_FILE_BYTES: u64 = 1024 * MAX_RECORD_BYTES as u64;
 pub struct FileDirectory {
     path: PathBuf,
     poll: Duration,
+    signing: Signing,
 }
 
 impl FileDirectory {
@@ -27,7 +29,19 @@ impl FileDirectory {
         FileDirectory {
             path: path.as_ref().to_path_buf(),
             poll: Duration::from_millis(100),
+            signing: Signing::default(),
         }
+    }
+
+    /// Signs the records it publishes with `token` and reads only records signed with it
+    /// (see [`crate::sign`]). Without it the file is an open directory.
+    pub fn with_token(self, token: ClusterToken) -> FileDirectory {
+        self.with_signing(Signing::new(Some(token), false))
+    }
+
+    pub(crate) fn with_signing(mut self, signing: Signing) -> FileDirectory {
+        self.signing = signing;
+        self
     }
 
     /// How often watches read the file again.
@@ -83,7 +97,10 @@ impl FileDirectory {
             let name = member_name(&v).unwrap_or("");
             let at = format!("{}[{i}]", self.path.display());
             let bytes = serde_json::to_vec(&v).unwrap_or_default();
-            match Record::decode(cluster, &member_key(cluster, name), &bytes) {
+            match self
+                .signing
+                .decode(cluster, &member_key(cluster, name), &bytes)
+            {
                 Ok(record) => listing.members.push(Member {
                     record,
                     revision: 0,
@@ -122,8 +139,10 @@ impl FileDirectory {
     }
 
     fn put(&self, record: &Record) -> Result<()> {
+        let mut record = record.clone();
+        self.signing.seal(&mut record)?;
         record.encode()?;
-        let value = serde_json::to_value(record).map_err(|e| self.io(std::io::Error::other(e)))?;
+        let value = serde_json::to_value(&record).map_err(|e| self.io(std::io::Error::other(e)))?;
         self.edit(|values| {
             values.retain(|v| !same_member(v, &record.cluster, record.name()));
             values.push(value);
@@ -185,7 +204,7 @@ impl Directory for FileDirectory {
         std::thread::Builder::new()
             .name("xfer-dir-file".into())
             .spawn(move || {
-                let mut t = Tracker::default();
+                let mut t = Tracker::new(dir.signing.clone());
                 let mut last = t.listing(first, false, Instant::now());
                 loop {
                     for e in last.drain(..) {
@@ -211,6 +230,14 @@ impl Directory for FileDirectory {
 
     fn endpoint(&self) -> String {
         format!("file://{}", self.path.display())
+    }
+
+    fn signed(&self) -> bool {
+        self.signing.signed()
+    }
+
+    fn refused_records(&self) -> u64 {
+        self.signing.refused()
     }
 }
 

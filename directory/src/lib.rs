@@ -23,6 +23,17 @@
 //! - **a static file** (`file:///path/members.json`, [`FileDirectory`]), for tests and fixed
 //!   setups: the same records in one JSON file, without leases.
 //!
+//! ## Signed records and a protected etcd
+//! A directory opened with a cluster token ([`DirectoryConfig::token`]) signs every record
+//! it publishes (HMAC-SHA256 over the record, [`sign`]) and refuses, logs and counts
+//! ([`Directory::refused_records`]) every record it reads whose signature does not hold:
+//! a forged member is skipped as an invalid record is, and nobody connects to it. Without
+//! a token a directory accepts only unsigned records, and publishes regions (whose keys
+//! reach every reader) only where [`DirectoryConfig::unsigned_regions`] allows it. etcd can
+//! be reached over TLS with a client certificate, and with a user and password
+//! ([`EtcdOptions::tls`], [`EtcdOptions::user`]). `docs/security.md` says what each
+//! protects.
+//!
 //! Everything here is blocking, with a timeout on every call; the async runtime is an
 //! implementation detail of the etcd backend.
 //!
@@ -41,15 +52,17 @@ mod error;
 mod etcd;
 mod file;
 pub mod record;
+pub mod sign;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod track;
 
 pub use cluster::{Cluster, ClusterEvent, ClusterPeer, Peers, Refusal};
 pub use error::Error;
-pub use etcd::{EtcdDirectory, EtcdOptions};
+pub use etcd::{EtcdDirectory, EtcdOptions, EtcdTls, EtcdUser};
 pub use file::FileDirectory;
 pub use record::{RECORD_VERSION, Record, RecordError};
+pub use sign::ClusterToken;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use std::time::Duration;
@@ -229,17 +242,89 @@ pub trait Directory: Send + Sync {
     fn watch(&self, cluster: &str) -> Result<Watch>;
     /// Where the directory is, for messages (`etcd://...`, `file://...`).
     fn endpoint(&self) -> String;
+    /// Whether records are signed with a cluster token here (and only records that carry
+    /// its signature are read).
+    fn signed(&self) -> bool {
+        false
+    }
+    /// How many records read so far were refused for their signature (missing, wrong, or
+    /// one this directory has no token to check), counting each read of one: each is
+    /// also logged at `warn`, target `directory::signing`. See [`sign`].
+    fn refused_records(&self) -> u64 {
+        0
+    }
+}
+
+/// How to open a directory ([`open_with`]): the cluster token its records are signed and
+/// checked with, whether regions may be published in unsigned records, and for etcd how to
+/// reach it (timeouts, TLS, user). Its `Debug` shows no secret.
+#[derive(Clone, Default)]
+pub struct DirectoryConfig {
+    /// The cluster's token: records published are signed with it, and records read must
+    /// carry its signature. `None`: records are published unsigned and only unsigned
+    /// records are read (the directory is open; a warning says so). An empty token is
+    /// refused.
+    pub token: Option<String>,
+    /// Without a token: publish records that offer regions anyway, their descriptors with
+    /// their keys readable by whoever reaches the directory (a warning says so at each
+    /// publication). Off by default: such a publication fails with
+    /// [`Error::UnsignedRegions`]. Ignored with a token.
+    pub unsigned_regions: bool,
+    /// How to reach etcd (ignored for a file).
+    pub etcd: EtcdOptions,
+}
+
+impl DirectoryConfig {
+    /// An open directory, as [`open`] makes: no token, regions published unsigned.
+    pub fn open() -> DirectoryConfig {
+        DirectoryConfig {
+            unsigned_regions: true,
+            ..DirectoryConfig::default()
+        }
+    }
+
+    fn signing(&self) -> Result<sign::Signing> {
+        let token = match self.token.as_deref() {
+            Some("") => return Err(Error::Config("the cluster token is empty")),
+            Some(t) => Some(ClusterToken::new(t)),
+            None => None,
+        };
+        Ok(sign::Signing::new(token, self.unsigned_regions))
+    }
+}
+
+impl std::fmt::Debug for DirectoryConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DirectoryConfig")
+            .field("token", &self.token.as_ref().map(|_| ".."))
+            .field("unsigned_regions", &self.unsigned_regions)
+            .field("etcd", &self.etcd)
+            .finish()
+    }
 }
 
 /// Opens the directory at `url`: `etcd://HOST:PORT[,HOST:PORT...]` (see [`EtcdOptions`]
-/// for its timeouts) or `file://PATH`.
+/// for its timeouts) or `file://PATH`, open: with no token, publishing regions in unsigned
+/// records ([`DirectoryConfig::open`]). [`open_with`] takes a token and etcd's TLS and user.
 pub fn open(url: &str) -> Result<Box<dyn Directory>> {
+    open_with(url, &DirectoryConfig::open())
+}
+
+/// Opens the directory at `url` (as [`open`]) with `config`: its cluster token, and for
+/// etcd its TLS (the endpoints are then reached over `https`) and user.
+pub fn open_with(url: &str, config: &DirectoryConfig) -> Result<Box<dyn Directory>> {
+    let signing = config.signing()?;
     if let Some(rest) = url.strip_prefix("etcd://") {
+        let scheme = if config.etcd.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        };
         let endpoints: Vec<String> = rest
             .trim_end_matches('/')
             .split(',')
             .filter(|s| !s.is_empty())
-            .map(|s| format!("http://{s}"))
+            .map(|s| format!("{scheme}://{s}"))
             .collect();
         if endpoints.is_empty() {
             return Err(Error::Url {
@@ -247,10 +332,16 @@ pub fn open(url: &str) -> Result<Box<dyn Directory>> {
                 why: "no HOST:PORT after etcd://",
             });
         }
-        Ok(Box::new(EtcdDirectory::connect(
-            &endpoints,
-            EtcdOptions::default(),
-        )?))
+        let d = EtcdDirectory::connect(&endpoints, config.etcd.clone())?.with_signing(signing);
+        if !d.signed() {
+            tracing::warn!(
+                target: "directory::signing",
+                endpoint = %d.endpoint(),
+                "the directory is open: no cluster token, so member records are neither signed \
+                 nor checked, and whoever can write to etcd can add members"
+            );
+        }
+        Ok(Box::new(d))
     } else if let Some(path) = url.strip_prefix("file://") {
         if path.is_empty() {
             return Err(Error::Url {
@@ -258,7 +349,7 @@ pub fn open(url: &str) -> Result<Box<dyn Directory>> {
                 why: "no path after file://",
             });
         }
-        Ok(Box::new(FileDirectory::open(path)))
+        Ok(Box::new(FileDirectory::open(path).with_signing(signing)))
     } else {
         Err(Error::Url {
             url: url.into(),

@@ -62,6 +62,12 @@ pub struct Record {
     /// renewing disappears after it; watchers also use it as the grace period after a
     /// reconnect before declaring an unlisted member gone.
     pub ttl_ms: u64,
+    /// The record's HMAC-SHA256 by the cluster's token, in lowercase hex, over its
+    /// [canonical bytes](Record::canonical_bytes); absent in an unsigned record. A
+    /// directory with a token sets it when it publishes and checks it when it reads (see
+    /// [`crate::sign`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signature: Option<String>,
 }
 
 impl Record {
@@ -75,6 +81,7 @@ impl Record {
             regions: BTreeMap::new(),
             started_ms: now_ms(),
             ttl_ms: 0,
+            signature: None,
         }
     }
 
@@ -115,6 +122,15 @@ impl Record {
             })?;
         }
         Ok(())
+    }
+
+    /// What a signature covers: the record as this crate writes it, with no signature.
+    pub fn canonical_bytes(&self) -> Result<Vec<u8>, RecordError> {
+        let unsigned = Record {
+            signature: None,
+            ..self.clone()
+        };
+        serde_json::to_vec(&unsigned).map_err(RecordError::Json)
     }
 
     /// The record as stored: JSON, checked ([`Record::check`]) and against
@@ -199,6 +215,19 @@ pub enum RecordError {
     /// The member's metadata is unusable ([`AgentInfo::check`] failed).
     #[error("the member's agent metadata: {0}")]
     Agent(#[source] MetadataError),
+    /// This reader has the cluster's token and the record carries no signature: anyone
+    /// who can write to the directory may have written it.
+    #[error("the record is unsigned, and this cluster's records must be signed with its token")]
+    Unsigned,
+    /// The record's signature is not the cluster token's over this record: it was forged,
+    /// changed, or signed with another token.
+    #[error(
+        "the record's signature does not hold for this cluster's token (forged, changed, or another token)"
+    )]
+    BadSignature,
+    /// The record is signed and this reader has no token to check it with.
+    #[error("the record is signed, and this reader has no cluster token to check it with")]
+    CannotCheck,
     /// A region's descriptor is unusable ([`RegionDescriptor::check`] failed).
     #[error("region {name:?}: {source}")]
     Region {

@@ -1,6 +1,9 @@
 //! A real etcd for tests: Debian's `etcd` binary (package `etcd-server`, or `XFER_ETCD`)
 //! started on free loopback ports with a temporary data directory, stopped when dropped.
 //!
+//! [`Etcd::start_tls_or_skip`] starts one that speaks TLS only and asks every client for a
+//! certificate signed by a given CA (`--client-cert-auth`).
+//!
 //! When no etcd binary is found, [`Etcd::start_or_skip`] returns `None` (the test reports
 //! itself skipped), unless `XFER_REQUIRE_ETCD` is set, as under CI, when it panics.
 
@@ -14,6 +17,18 @@ use std::time::{Duration, Instant};
 /// How long etcd gets to start answering.
 const START_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// The PEM files of an etcd that speaks TLS to its clients and asks each for a certificate
+/// signed by `ca`.
+#[derive(Clone, Debug)]
+pub struct ServerTls {
+    /// The CA client certificates must chain to (`--trusted-ca-file`).
+    pub ca: PathBuf,
+    /// etcd's certificate, for 127.0.0.1 (`--cert-file`).
+    pub cert: PathBuf,
+    /// Its key (`--key-file`).
+    pub key: PathBuf,
+}
+
 /// One etcd server of one member, on loopback.
 pub struct Etcd {
     child: Option<Child>,
@@ -21,6 +36,9 @@ pub struct Etcd {
     dir: PathBuf,
     client_port: u16,
     peer_port: u16,
+    tls: Option<ServerTls>,
+    /// How to tell that it answers.
+    client: EtcdOptions,
 }
 
 /// The etcd binary to run, if there is one.
@@ -46,6 +64,17 @@ impl Etcd {
     /// Starts etcd, or returns `None` (saying why) when there is no binary and
     /// `XFER_REQUIRE_ETCD` is not set.
     pub fn start_or_skip() -> Option<Etcd> {
+        Etcd::start(None, EtcdOptions::default())
+    }
+
+    /// Starts an etcd that speaks TLS only, with `tls`'s certificate, and refuses clients
+    /// without a certificate signed by `tls.ca`; it is ready once a client with `client`'s
+    /// options (its TLS among them) gets an answer. `None` as [`Etcd::start_or_skip`].
+    pub fn start_tls_or_skip(tls: ServerTls, client: EtcdOptions) -> Option<Etcd> {
+        Etcd::start(Some(tls), client)
+    }
+
+    fn start(tls: Option<ServerTls>, client: EtcdOptions) -> Option<Etcd> {
         let Some(bin) = binary() else {
             if std::env::var_os("XFER_REQUIRE_ETCD").is_some() {
                 panic!(
@@ -69,6 +98,8 @@ impl Etcd {
             dir,
             client_port: free_port(),
             peer_port: free_port(),
+            tls,
+            client,
         };
         e.spawn();
         Some(e)
@@ -105,14 +136,24 @@ impl Etcd {
     }
 
     fn start_child(&mut self) {
-        let c = format!("http://127.0.0.1:{}", self.client_port);
+        let c = self.endpoint();
         let p = format!("http://127.0.0.1:{}", self.peer_port);
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(self.dir.join("etcd.log"))
             .expect("opening etcd's log");
-        let child = Command::new(&self.bin)
+        let mut cmd = Command::new(&self.bin);
+        if let Some(t) = &self.tls {
+            cmd.arg("--cert-file")
+                .arg(&t.cert)
+                .arg("--key-file")
+                .arg(&t.key)
+                .arg("--trusted-ca-file")
+                .arg(&t.ca)
+                .arg("--client-cert-auth");
+        }
+        let child = cmd
             .args(["--name", "xfer-test", "--data-dir"])
             .arg(self.data())
             .args(["--listen-client-urls", &c, "--advertise-client-urls", &c])
@@ -137,7 +178,7 @@ impl Etcd {
     fn wait_ready(&mut self, until: Instant) -> Result<(), std::process::ExitStatus> {
         let opts = EtcdOptions {
             connect_timeout: Duration::from_millis(500),
-            ..EtcdOptions::default()
+            ..self.client.clone()
         };
         loop {
             if let Some(c) = self.child.as_mut()
@@ -165,9 +206,10 @@ impl Etcd {
         std::fs::read_to_string(self.dir.join("etcd.log")).unwrap_or_default()
     }
 
-    /// The client endpoint, `http://127.0.0.1:PORT`.
+    /// The client endpoint, `http://127.0.0.1:PORT` (`https://` with TLS).
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
     }
 
     /// The directory URL, `etcd://127.0.0.1:PORT`.

@@ -1,7 +1,8 @@
 //! What a watcher knows of a cluster, and the events that changes to it make: shared by the
 //! etcd watch (live events, and listings after a reconnect) and the file watch (listings).
 
-use crate::record::{Record, RecordError, members_prefix};
+use crate::record::{RecordError, members_prefix};
+use crate::sign::Signing;
 use crate::{Event, Listing, Member};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -21,9 +22,19 @@ pub(crate) struct Tracker {
     /// declared gone unless they reappear: their publishers may be re-publishing into an
     /// etcd that lost its data.
     missing: BTreeMap<String, Instant>,
+    /// How records' signatures are checked.
+    signing: Signing,
 }
 
 impl Tracker {
+    /// A tracker that checks records' signatures with `signing`.
+    pub(crate) fn new(signing: Signing) -> Tracker {
+        Tracker {
+            signing,
+            ..Tracker::default()
+        }
+    }
+
     /// A record was written under `key` at `revision`.
     pub(crate) fn put(
         &mut self,
@@ -32,7 +43,7 @@ impl Tracker {
         value: &[u8],
         revision: i64,
     ) -> Vec<Event> {
-        match Record::decode(cluster, key, value) {
+        match self.signing.decode(cluster, key, value) {
             Ok(record) => self.valid(Member { record, revision }),
             Err(error) => {
                 let mut out = Vec::new();
@@ -143,13 +154,20 @@ fn name_of<'k>(cluster: &str, key: &'k str) -> Option<&'k str> {
 }
 
 fn skipped(key: &str, error: &RecordError) {
+    if matches!(
+        error,
+        RecordError::Unsigned | RecordError::BadSignature | RecordError::CannotCheck
+    ) {
+        // Logged, with the count, where it was refused.
+        return;
+    }
     tracing::warn!(key, %error, "skipping a member key that holds no valid record");
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::record::member_key;
+    use crate::record::{Record, member_key};
     use fabric_core::MemoryLocation;
     use fabric_core::metadata::{AgentInfo, TransportInfo, TransportKind};
 
