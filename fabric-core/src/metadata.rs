@@ -36,8 +36,10 @@ use crate::memory::MemoryLocation;
 use crate::types::Access;
 use serde::{Deserialize, Serialize};
 
-/// The metadata format this build writes, and the only one it reads.
-pub const METADATA_VERSION: u32 = 1;
+/// The metadata format this build writes, and the only one it reads. Version 2 added
+/// [`RegionDescriptor::owner`] (version 1's descriptors cannot be told apart between their
+/// owner's lives, and are refused by name).
+pub const METADATA_VERSION: u32 = 2;
 
 /// The largest encoded agent or region metadata accepted (a few KiB at 32 rails).
 pub const MAX_METADATA_BYTES: usize = 1 << 20;
@@ -245,6 +247,10 @@ impl AgentInfo {
 pub struct RegionDescriptor {
     /// The format ([`METADATA_VERSION`]).
     pub version: u32,
+    /// The instance ([`AgentInfo::instance`]) of the agent that registered it: a peer
+    /// refuses the descriptor once that agent has been replaced by another instance (a
+    /// restart under the same name and address), whose keys may name other memory.
+    pub owner: u64,
     /// Its length in bytes.
     pub len: u64,
     /// Where its bytes live.
@@ -444,6 +450,7 @@ mod tests {
         };
         RegionDescriptor {
             version: METADATA_VERSION,
+            owner: 0x1234_5678_9abc_def0,
             len: 1 << 20,
             memory: MemoryLocation::Host,
             access: Access::REMOTE_WRITE | Access::REMOTE_READ,
@@ -482,6 +489,7 @@ mod tests {
         let json = serde_json::to_string(&r).unwrap();
         assert_eq!(serde_json::from_str::<RegionDescriptor>(&json).unwrap(), r);
         assert_eq!(r.on(TransportKind::Mem).unwrap().rails[0].key, RemoteKey(9));
+        assert!(json.contains("\"owner\":1311768467463790320"), "{json}");
         assert!(r.on(TransportKind::Efa).is_none());
     }
 
@@ -506,11 +514,22 @@ mod tests {
             AgentInfo::from_bytes(&vec![0; MAX_METADATA_BYTES + 1]),
             Err(MetadataError::TooLarge(_))
         ));
-        let mut v2 = agent();
-        v2.version = 2;
-        let bytes = encode(AGENT_MAGIC, &v2).unwrap();
+        let mut next = agent();
+        next.version = METADATA_VERSION + 1;
+        let bytes = encode(AGENT_MAGIC, &next).unwrap();
         let e = AgentInfo::from_bytes(&bytes).unwrap_err();
-        assert!(matches!(e, MetadataError::Version { found: 2 }), "{e}");
+        assert!(
+            matches!(e, MetadataError::Version { found } if found == METADATA_VERSION + 1),
+            "{e}"
+        );
+        // A descriptor that says version 1 (written before the owner was added) is refused
+        // by its version, not misread.
+        let mut v1 = REGION_MAGIC.to_vec();
+        v1.extend(postcard::to_allocvec(&1u32).unwrap());
+        v1.extend_from_slice(&r[5..]);
+        let e = RegionDescriptor::from_bytes(&v1).unwrap_err();
+        assert!(matches!(e, MetadataError::Version { found: 1 }), "{e}");
+        assert!(e.to_string().contains("version 1"), "{e}");
     }
 
     #[test]

@@ -201,6 +201,14 @@ pub fn agent_error(e: &xfer::Error) -> PyErr {
         X::Engine(inner) => engine_error(inner),
         X::Closed => EngineClosed::new_err(e.to_string()),
         X::PeerStalled { .. } => PeerStalled::new_err(e.to_string()),
+        // A transfer on a connection that broke, or connecting again failed: the agent
+        // tries again at the next transfer.
+        X::ConnectionLost { .. } | X::Reconnect { .. } => PeerUnreachable::new_err(report(e)),
+        // A descriptor of a peer's previous life, a plan of an earlier connection, another
+        // agent's info: the caller asks again (for the region, prepares again).
+        X::StaleDescriptor { .. } | X::PreparedStale { .. } | X::PeerRenamed { .. } => {
+            InvalidArgument::new_err(e.to_string())
+        }
         X::WeightSync(s) => sync_error(s),
         X::WeightPlan(_) | X::WeightCheck(_) => InvalidArgument::new_err(report(e)),
         X::Kv(_)

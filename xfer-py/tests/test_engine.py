@@ -46,10 +46,12 @@ def to_varint(v):
 
 def lie_about_length(desc, length):
     """A host-memory region descriptor (the library's byte form: "XFRD", then postcard's
-    version, len, memory, access, transports) whose length and every rail's length are
-    `length`, keys and addresses kept."""
+    version, owner, len, memory, access, transports) whose length and every rail's length
+    are `length`, keys, owner and addresses kept."""
     assert desc[:4] == b"XFRD"
-    _, at = varint(desc, 4)  # version
+    version, at = varint(desc, 4)
+    assert version == 2, "the layout of metadata version 2"
+    _, at = varint(desc, at)  # owner: the registering agent's instance
     head = bytearray(desc[:at])
     _, at = varint(desc, at)  # len
     head += to_varint(length)

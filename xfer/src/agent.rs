@@ -895,6 +895,7 @@ impl Agent {
         }
         let descriptor = RegionDescriptor {
             version: fabric_core::metadata::METADATA_VERSION,
+            owner: self.inner.info.instance,
             len: mem.len() as u64,
             memory: mem.location(),
             access: Access::from_bits_truncate(
@@ -1192,7 +1193,8 @@ impl Agent {
     ) -> Result<(&'a Lane, GroupTransfer, Stall, LinksNow<'p>, usize, u64)> {
         self.own(peer.owner, "peer")?;
         self.own(local.owner, "region")?;
-        let (links, _instance, generation) = self.links_now(peer)?;
+        let (links, instance, generation) = self.links_now(peer)?;
+        self.check_owner(peer, remote, instance)?;
         let stall = t
             .stall
             .or(self.inner.stall)
@@ -1238,6 +1240,29 @@ impl Agent {
             .submit(&links[at].1, g)
             .inspect_err(|e| self.note_failure(&peer.cell, generation, e))?;
         Ok(Handle::new(h, stall, Some((peer.cell.clone(), generation))))
+    }
+
+    /// Refuses `remote` unless it is a region of the peer's current incarnation
+    /// (`instance`): [`Error::StaleDescriptor`], counted, before anything moves.
+    fn check_owner(&self, peer: &Peer, remote: &RegionDescriptor, instance: u64) -> Result<()> {
+        if remote.owner == instance {
+            return Ok(());
+        }
+        self.inner
+            .counts
+            .stale_descriptors
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            peer = %peer.cell.name,
+            descriptor_instance = format_args!("{:016x}", remote.owner),
+            peer_instance = format_args!("{instance:016x}"),
+            "refused a descriptor of another incarnation of the peer"
+        );
+        Err(Error::StaleDescriptor {
+            peer: peer.cell.name.clone(),
+            descriptor_instance: remote.owner,
+            peer_instance: instance,
+        })
     }
 
     /// A call failed at once with `e`: an unreachable peer marks its connection broken.
@@ -1330,7 +1355,8 @@ impl Agent {
     ) -> Result<()> {
         self.own(peer.owner, "peer")?;
         self.own(local.owner, "region")?;
-        let (links, _, _) = self.links_now(peer)?;
+        let (links, instance, _) = self.links_now(peer)?;
+        self.check_owner(peer, remote, instance)?;
         let (kind, group) = link_for(&links, local, remote)?;
         let dst = remote.on(*kind).ok_or(Error::RegionNotOnTransport(*kind))?;
         Ok(self

@@ -238,22 +238,58 @@ fn main() {
     a.post(&prepared).unwrap().wait(T).expect("prepared again");
     assert!(p.holds(5));
 
-    // 2. The peer process killed and started again on the same address.
+    // 2. The peer process killed and started again on the same address. The transfer that
+    // meets the dead connection fails; the next one reconnects. Until the agent learns the
+    // new incarnation, it knows no other than the old one: a descriptor of the new process
+    // is refused, named as such.
     p.kill();
     let (mut p, info2, desc2) = Peer::start(port);
     assert_eq!(port_of(&info2), port);
     assert_ne!(info2.instance, info.instance, "a new incarnation");
-    meets_dead_connection(write(&peer, &desc2, 6));
-    write(&peer, &desc2, 7)
-        .expect("reconnected to the new process")
+    assert_eq!(desc.owner, info.instance);
+    assert_eq!(desc2.owner, info2.instance);
+    meets_dead_connection(write(&peer, &desc, 6));
+    let e = write(&peer, &desc2, 7).expect_err("the agent knows the old incarnation only");
+    assert!(
+        matches!(e, Error::StaleDescriptor { descriptor_instance, peer_instance, .. }
+            if descriptor_instance == info2.instance && peer_instance == info.instance),
+        "{e:?}"
+    );
+    // Told of the new incarnation (as the directory's follow or a rendezvous would tell
+    // it), the agent takes it: the old process's descriptor is refused before anything
+    // moves, and nothing of the new process's memory changes.
+    a.update_peer(&peer, &info2).unwrap();
+    assert_eq!(a.peer_info(&peer).instance, info2.instance);
+    let e = write(&peer, &desc, 8).expect_err("a descriptor of the previous incarnation");
+    assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+    assert!(
+        matches!(e, Error::StaleDescriptor { ref peer, descriptor_instance, peer_instance }
+            if peer == "restarting-peer"
+                && descriptor_instance == info.instance
+                && peer_instance == info2.instance),
+        "{e:?}"
+    );
+    let e = a
+        .prepare(&peer, &src, &desc, whole())
+        .expect_err("prepared through it neither");
+    assert!(matches!(e, Error::StaleDescriptor { .. }), "{e:?}");
+    assert!(p.holds(0), "nothing of the new process's memory changed");
+    write(&peer, &desc2, 9)
+        .expect("the new process's descriptor")
         .wait(T)
         .expect("the write after the restart");
-    assert!(p.holds(7), "every byte landed in the new process");
-    assert_eq!(reconnects(&a), 2);
+    assert!(p.holds(9), "every byte landed in the new process");
     let e = a
         .post(&prepared)
         .expect_err("planned on the old process's connection");
     assert!(matches!(e, Error::PreparedStale { .. }), "{e:?}");
+    let m = a.metrics();
+    assert!(m.contains("xfer_stale_descriptors_total 3"), "{m}");
+    // 1 (ss -K), then the restarted process: the reconnect at 7's submit, and
+    // update_peer's to the new incarnation.
+    assert_eq!(reconnects(&a), 3);
 
-    println!("reconnect: killed connection and restarted peer both reconnected");
+    println!(
+        "reconnect: a killed connection and a restarted peer reconnected; stale descriptors refused"
+    );
 }
