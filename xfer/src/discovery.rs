@@ -9,6 +9,17 @@
 //! [`Agent::connect`] takes, and its regions are the [`RegionDescriptor`]s that
 //! [`Agent::submit`] writes into.
 //!
+//! ## A cluster that accepts only signed records
+//! Open the directory with a cluster token ([`open_with`], [`config_for`] to take the
+//! agent's token): every record published is signed with it (HMAC-SHA256), and every
+//! record read must carry its signature; a forged or unsigned record is skipped, logged and
+//! counted ([`Directory::refused_records`]), and [`Agent::follow`] never connects to its
+//! member. Without a token the directory is open: [`open`] publishes regions (with their
+//! keys) in unsigned records as before, while [`open_with`] refuses to unless
+//! [`DirectoryConfig::unsigned_regions`] allows it. etcd is reached over TLS with a client
+//! certificate, and as a user, through [`EtcdOptions::tls`] and [`EtcdOptions::user`].
+//! `docs/security.md` says what each protects.
+//!
 //! ```
 //! use std::time::Duration;
 //! use xfer::{Access, Agent, AgentOptions, HostBuffer, Transfer, discovery};
@@ -49,7 +60,24 @@ use fabric_core::metadata::{AgentInfo, RegionDescriptor};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-pub use directory::{Directory, EtcdDirectory, EtcdOptions, FileDirectory, open};
+pub use directory::{
+    ClusterToken, Directory, DirectoryConfig, EtcdDirectory, EtcdOptions, EtcdTls, EtcdUser,
+    FileDirectory, open, open_with,
+};
+
+/// `config` for the directory of an agent built from `opts`: its cluster token, where
+/// `config` has none, is the agent's ([`AgentOptions::token`](crate::AgentOptions::token):
+/// its `auth_token`, or what its `auth_token_file` holds), so that a fleet with one token
+/// signs its records with it too. Pass the result to [`open_with`].
+pub fn config_for(
+    opts: &crate::AgentOptions,
+    mut config: DirectoryConfig,
+) -> Result<DirectoryConfig> {
+    if config.token.is_none() {
+        config.token = opts.token()?;
+    }
+    Ok(config)
+}
 
 /// What a [`Following`] did with a membership change: a member connected
 /// ([`Joined`](directory::ClusterEvent::Joined)), its record changed in place
@@ -323,5 +351,109 @@ impl Agent {
             cluster: Cluster::start(self.clone(), watch, Some(self.name())),
             name: cluster.to_owned(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Access, AgentOptions, HostBuffer};
+
+    const T: Duration = Duration::from_secs(20);
+    const TTL: Duration = Duration::from_secs(30);
+
+    fn agent(name: &str) -> Agent {
+        Agent::new(AgentOptions {
+            name: Some(name.into()),
+            ..AgentOptions::default()
+        })
+        .unwrap()
+    }
+
+    struct TempFile(std::path::PathBuf);
+
+    impl Drop for TempFile {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+            let _ = std::fs::remove_file(self.0.with_extension("lock"));
+        }
+    }
+
+    /// A follower with the cluster's token connects the member that signed with it, and
+    /// never the ones that published with another token or none (real agents, each
+    /// offering a region).
+    #[test]
+    fn a_follower_connects_only_members_signed_with_the_cluster_token() {
+        let file = TempFile(
+            std::env::temp_dir().join(format!("xfer-discovery-signed-{}.json", std::process::id())),
+        );
+        let url = format!("file://{}", file.0.display());
+        let with = |token: Option<&str>| {
+            let config = DirectoryConfig {
+                token: token.map(str::to_string),
+                unsigned_regions: true,
+                ..DirectoryConfig::default()
+            };
+            open_with(&url, &config).unwrap()
+        };
+        let signed = with(Some("cluster token"));
+        let forger = with(Some("a guess"));
+        let open_dir = with(None);
+
+        let mut publications = Vec::new();
+        let mut agents = Vec::new();
+        for (name, dir) in [("b", &signed), ("m1", &forger), ("m2", &open_dir)] {
+            let a = agent(name);
+            let inbox = HostBuffer::new_shared(4096).unwrap();
+            a.offer("inbox", &a.register(inbox, Access::REMOTE_WRITE).unwrap())
+                .unwrap();
+            publications.push(a.publish(&**dir, "c", TTL).unwrap());
+            agents.push(a);
+        }
+
+        let a = agent("a");
+        let following = a.follow(&*signed, "c").unwrap();
+        let b = following.wait_for("b", T).unwrap();
+        assert!(b.region("inbox").is_ok());
+        // The first listing held all three, its skipped records reported before its
+        // members: once b joined, m1 and m2 were seen and refused.
+        // The join is said after b is connected: wait for it, then take what else came.
+        let mut said = vec![format!("{:?}", following.next_event(T))];
+        while let Some(e) = following.try_event() {
+            said.push(format!("{e:?}"));
+        }
+        assert_eq!(said, [r#"Some(Joined("b"))"#]);
+        assert!(following.peer("m1").is_none() && following.peer("m2").is_none());
+        assert!(signed.refused_records() >= 2);
+        // A lookup through the signed directory does not find them either.
+        assert_eq!(lookup(&*signed, "c", "m1").unwrap(), None);
+        assert!(lookup(&*signed, "c", "b").unwrap().is_some());
+        drop(publications);
+    }
+
+    #[test]
+    fn the_directory_token_defaults_to_the_agents() {
+        let opts = AgentOptions {
+            auth_token: Some("fleet".into()),
+            ..AgentOptions::default()
+        };
+        let c = config_for(&opts, DirectoryConfig::default()).unwrap();
+        assert_eq!(c.token.as_deref(), Some("fleet"));
+        let own = DirectoryConfig {
+            token: Some("its own".into()),
+            ..DirectoryConfig::default()
+        };
+        assert_eq!(
+            config_for(&opts, own).unwrap().token.as_deref(),
+            Some("its own")
+        );
+        let both = AgentOptions {
+            auth_token_file: Some("/nonexistent".into()),
+            ..opts
+        };
+        assert!(matches!(
+            config_for(&both, DirectoryConfig::default()),
+            Err(Error::AuthToken(_))
+        ));
     }
 }
