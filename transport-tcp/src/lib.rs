@@ -80,7 +80,7 @@ use fabric_core::stats::{PeerState, TransportStats};
 use fabric_core::wake::{Wake, WakeFd};
 use fabric_core::{
     Access, Completion, Error, LocalKey, LocalSlice, MemoryRegion, OpError, OpKind, PeerId,
-    PostOutcome, Registration, RemoteKey, RemoteRegion, RemoteSlice, Result, Transport,
+    PostOutcome, Registration, RemoteKey, RemoteRegion, RemoteSlice, Result, Rows, Transport,
     TransportLimits, WorkRequestId,
 };
 use frame::{FLAG_IMM, Header, Op};
@@ -465,7 +465,8 @@ impl TcpTransport {
             });
         }
         // Sent, and still waiting for SEND credit.
-        for op in c.into_unanswered() {
+        // (The silent rows of a strided write are reported by its last row.)
+        for op in c.into_unanswered().filter(|op| !op.silent) {
             self.shared.completions.push(Completion {
                 wr_id: op.wr_id,
                 op: op.op,
@@ -540,7 +541,27 @@ impl TcpTransport {
             op,
             len: src.len,
             read: None,
+            silent: false,
         };
+        self.post_on(idx, hdr, src, inflight)?;
+        Ok(PostOutcome::Posted)
+    }
+
+    /// Queues the request `hdr` (its `wr_id` set) with the payload `src` (a range of a
+    /// local region the caller checked) on connection `idx`, which has room for it.
+    fn post_on(
+        &mut self,
+        idx: usize,
+        mut hdr: Header,
+        src: &LocalSlice,
+        inflight: Inflight,
+    ) -> Result<()> {
+        let op = inflight.op;
+        let r = self
+            .local
+            .get(&src.key)
+            .ok_or_else(|| Error::Op(OpError::LocalKeyInvalid(src.key)))?;
+        let c = self.conns[idx].as_mut().expect("peer conns are open");
         // A WRITE from host memory: its batch frame holds the region (one reference count
         // per region and frame, not per WRITE).
         if op == OpKind::Write
@@ -548,7 +569,7 @@ impl TcpTransport {
             && let Some(at) = io::At::of(&*r.mem, src.offset, src.len)
         {
             c.post_write_kept(hdr, &r.mem, at, src.len as usize, inflight);
-            return Ok(PostOutcome::Posted);
+            return Ok(());
         }
         let payload = if r.mem.host_ptr().is_some() {
             Payload::Region {
@@ -584,7 +605,7 @@ impl TcpTransport {
         if let Some(t) = trailer {
             c.queue_trailer(t);
         }
-        Ok(PostOutcome::Posted)
+        Ok(())
     }
 
     /// The largest message `op` may carry: checksummed WRITEs are held whole by the target.
@@ -728,7 +749,7 @@ impl Transport for TcpTransport {
             max_outstanding: self.cfg.max_outstanding,
             write_imm: true,
             busy_poll: false,
-            strided_writes: false,
+            strided_writes: true,
         }
     }
 
@@ -902,6 +923,122 @@ impl Transport for TcpTransport {
         self.post_request(peer, false, h, &src, OpKind::Write, wr_id)
     }
 
+    /// A strided WRITE: host rows that land contiguously go as one WRITE whose payload is
+    /// gathered from the rows (the target sees a plain WRITE: one header, one answer, rows
+    /// of a few hundred bytes at the cost of one frame); otherwise each row is a WRITE frame
+    /// of its own on one connection, only the last of them answered to the engine (with any
+    /// failure of an earlier one) and carrying the immediate data.
+    fn post_write_rows(
+        &mut self,
+        peer: PeerId,
+        wr_id: WorkRequestId,
+        src: LocalSlice,
+        dst: RemoteSlice,
+        rows: Rows,
+        imm: Option<u32>,
+    ) -> Result<PostOutcome> {
+        fabric_core::check_write_lengths(&src, &dst)?;
+        let (src_span, dst_span, bytes) = rows.check(src.len)?;
+        // Rows sent as frames of their own are checked by the target one by one: a write
+        // that leaves the peer's region (as its descriptor says) fails whole, here, before
+        // any row lands.
+        if dst
+            .offset
+            .checked_add(dst_span)
+            .is_none_or(|end| end > dst.region.len)
+        {
+            self.shared.completions.push(Completion {
+                wr_id,
+                op: OpKind::Write,
+                result: Err(OpError::OutOfBounds {
+                    offset: dst.offset,
+                    len: dst_span,
+                    region_len: dst.region.len,
+                }),
+                peer: Some(peer),
+                imm: None,
+            });
+            return Ok(PostOutcome::Posted);
+        }
+        let r = self
+            .local
+            .get(&src.key)
+            .ok_or_else(|| Error::Op(OpError::LocalKeyInvalid(src.key)))?;
+        check_range(src.offset, src_span, r.mem.len() as u64).map_err(Error::Memory)?;
+        let limit = self.max_msg(OpKind::Write);
+        if src.len > limit {
+            return Err(Invalid::TooLarge {
+                op: "WRITE",
+                len: src.len,
+                limit,
+                setting: "TcpConfig::max_msg_size",
+            }
+            .into());
+        }
+        let row = |i: u64| src.offset + i * rows.src_stride;
+        // Rows of host memory that land contiguously: one WRITE, gathered.
+        let gathered: Option<Vec<io::At>> =
+            if rows.dst_stride == src.len && bytes <= limit && !self.cfg.checksum {
+                (0..rows.count)
+                    .map(|i| io::At::of(&*r.mem, row(i), src.len))
+                    .collect()
+            } else {
+                None
+            };
+        let idx = pick_conn(&mut self.peers, peer, false)?;
+        let c = self.conns[idx].as_mut().expect("peer conns are open");
+        let frames = if gathered.is_some() { 1 } else { rows.count };
+        // Room for every frame, or none posted (a write is never half queued); a write of
+        // more rows than the limit goes alone.
+        if c.outstanding() > 0
+            && (c.outstanding() as u64 + frames > self.cfg.max_outstanding as u64
+                || c.queued_bytes() >= self.cfg.max_queued_bytes)
+        {
+            return Ok(PostOutcome::NoRoom);
+        }
+        let header = |offset: u64, len: u64, last: bool| {
+            let mut h = Header::new(Op::Write, len);
+            h.key = dst.region.key.0;
+            h.offset = offset;
+            h.wr_id = wr_id.0;
+            if let (true, Some(v)) = (last, imm) {
+                h.flags = FLAG_IMM;
+                h.imm = v;
+            }
+            h
+        };
+        if let Some(ats) = gathered {
+            let inflight = Inflight {
+                wr_id,
+                op: OpKind::Write,
+                len: bytes,
+                read: None,
+                silent: false,
+            };
+            let h = header(dst.offset, bytes, true);
+            c.post_write_kept_rows(h, &r.mem, ats, src.len as usize, inflight);
+            return Ok(PostOutcome::Posted);
+        }
+        for i in 0..rows.count {
+            let last = i + 1 == rows.count;
+            let inflight = Inflight {
+                wr_id,
+                op: OpKind::Write,
+                len: if last { bytes } else { src.len },
+                read: None,
+                silent: !last,
+            };
+            let h = header(dst.offset + i * rows.dst_stride, src.len, last);
+            let piece = LocalSlice {
+                key: src.key,
+                offset: row(i),
+                len: src.len,
+            };
+            self.post_on(idx, h, &piece, inflight)?;
+        }
+        Ok(PostOutcome::Posted)
+    }
+
     /// A READ request leaves at once (no payload); the owner's transport validates it and
     /// sends the bytes straight from its registered region, and they are placed straight
     /// into `dst` (device memory through the connection's staging ring). Peers that
@@ -960,6 +1097,7 @@ impl Transport for TcpTransport {
                 op: OpKind::Read,
                 len: dst.len,
                 read: Some(into),
+                silent: false,
             },
         );
         Ok(PostOutcome::Posted)

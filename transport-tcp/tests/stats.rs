@@ -49,11 +49,13 @@ fn the_target_counts_what_landed_and_each_side_sees_its_peers() {
     for round in 0..20u64 {
         let mut t = Transfer::new(peer);
         for i in 0..16u64 {
+            // Rows landing back to back: a strided write gathered into one WRITE (rows at a
+            // stride on both sides would go as a WRITE each, counted so by the target).
             t = t.segment(Segment {
                 src: s.local,
                 src_offset: i * 16384,
                 dst: d.remote,
-                dst_offset: ((round * 16 + i) % 64) * 16384,
+                dst_offset: (round % 5) * 16 * 12288 + i * 12288,
                 len: 12288,
             });
         }

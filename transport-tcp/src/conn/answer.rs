@@ -40,6 +40,10 @@ pub(crate) struct Inflight {
     pub len: u64,
     /// A READ's destination (`None`: a WRITE or SEND).
     pub read: Option<ReadInto>,
+    /// A row of a strided WRITE sent as frames of its own, all but the last: its answer
+    /// makes no completion (a failure is carried to the last row's, which completes the
+    /// whole write).
+    pub silent: bool,
 }
 
 impl Conn {

@@ -206,6 +206,22 @@ impl Shared {
 impl Conn {
     /// Posts a WRITE of `len` host bytes at `at` of `mem` (a range the caller checked),
     /// carried by its batch frame without a reference count of its own.
+    /// Posts a WRITE whose payload is `rows` of `len` host bytes each, at `ats` of `mem`
+    /// (ranges the caller checked), one after the other: the target sees one WRITE of
+    /// `rows × len` bytes.
+    pub(crate) fn post_write_kept_rows(
+        &mut self,
+        hdr: Header,
+        mem: &Arc<dyn MemoryRegion>,
+        ats: Vec<At>,
+        len: usize,
+        inflight: Inflight,
+    ) {
+        debug_assert_eq!(hdr.op, Op::Write);
+        self.queue_write_kept_rows(hdr, mem, ats, len);
+        self.inflight.push_back(inflight);
+    }
+
     pub(crate) fn post_write_kept(
         &mut self,
         hdr: Header,

@@ -135,6 +135,9 @@ pub(crate) struct Conn {
     discard: Box<[u8]>,
     /// Requests answered so far (ACK or NACK).
     answered: u64,
+    /// The failure of a strided write's silent row (and the write's request id), for the
+    /// write's last row to report.
+    carried: Option<(WorkRequestId, OpError)>,
     /// Until when a connection we opened may take to connect (`None`: connected, or
     /// accepted).
     pub connecting: Option<std::time::Instant>,
@@ -183,6 +186,7 @@ impl Conn {
             opened: std::time::Instant::now(),
             discard: Vec::new().into_boxed_slice(),
             answered: 0,
+            carried: None,
             received: 0,
             unanswered_since: None,
             connecting: None,

@@ -459,10 +459,18 @@ impl Conn {
                 for _ in 0..h.len {
                     let op = self.inflight.pop_front().expect("checked above");
                     self.answered += 1;
+                    if op.silent {
+                        continue;
+                    }
+                    // The last row of a strided write reports a failure of an earlier one.
+                    let result = match self.carried.take() {
+                        Some((wr, e)) if wr == op.wr_id => Err(e),
+                        _ => Ok(op.len),
+                    };
                     shared.completions.push(Completion {
                         wr_id: op.wr_id,
                         op: op.op,
-                        result: Ok(op.len),
+                        result,
                         peer: Some(self.peer),
                         imm: None,
                     });
@@ -474,10 +482,22 @@ impl Conn {
             Op::Nack => {
                 let op = self.inflight.pop_front().ok_or(TcpError::NackOverrun)?;
                 self.answered += 1;
+                let err = frame::error_of_nack(&h);
+                if op.silent {
+                    // Kept for the write's last row, which reports the write.
+                    if self.carried.is_none() {
+                        self.carried = Some((op.wr_id, err));
+                    }
+                    return Ok(());
+                }
+                let first = match self.carried.take() {
+                    Some((wr, e)) if wr == op.wr_id => e,
+                    _ => err,
+                };
                 shared.completions.push(Completion {
                     wr_id: op.wr_id,
                     op: op.op,
-                    result: Err(frame::error_of_nack(&h)),
+                    result: Err(first),
                     peer: Some(self.peer),
                     imm: None,
                 });

@@ -247,6 +247,30 @@ impl Conn {
         self.queue_batched(hdr, Payload::Kept { at, len }, Some(mem));
     }
 
+    /// Queues a WRITE whose payload is the host rows at `ats` of `mem`, `len` bytes each,
+    /// back to back (the header says their sum): each row is a payload of the frame after
+    /// the header's place, as a checksum trailer is.
+    pub(super) fn queue_write_kept_rows(
+        &mut self,
+        hdr: Header,
+        mem: &Arc<dyn MemoryRegion>,
+        ats: Vec<At>,
+        len: usize,
+    ) {
+        let mut ats = ats.into_iter();
+        let Some(first) = ats.next() else {
+            return;
+        };
+        self.queue_batched(hdr, Payload::Kept { at: first, len }, Some(mem));
+        if let Some(f) = self.out.back_mut() {
+            for at in ats {
+                f.payloads.push(Payload::Kept { at, len });
+                f.total += len;
+                self.out_bytes += len;
+            }
+        }
+    }
+
     /// [`queue_write`](Self::queue_write), with the region that the frame must hold for a
     /// `Payload::Kept`.
     fn queue_batched(
