@@ -25,6 +25,31 @@ pub struct DirectoryArgs {
     /// The cluster within the directory.
     #[arg(long, env = "XFER_CLUSTER", default_value = "default")]
     pub cluster: String,
+    /// A file holding the cluster's token: records published are signed with it, and only
+    /// records signed with it are read (see docs/security.md). Without it the directory is
+    /// open.
+    #[arg(long, env = "XFER_DIRECTORY_TOKEN_FILE")]
+    pub directory_token_file: Option<std::path::PathBuf>,
+    /// etcd over TLS: the CA certificate (PEM) etcd's certificate must chain to.
+    #[arg(long, env = "XFER_ETCD_CA")]
+    pub etcd_ca: Option<std::path::PathBuf>,
+    /// etcd over TLS: this client's certificate (PEM), where etcd asks for one.
+    #[arg(
+        long,
+        env = "XFER_ETCD_CERT",
+        requires = "etcd_ca",
+        requires = "etcd_key"
+    )]
+    pub etcd_cert: Option<std::path::PathBuf>,
+    /// etcd over TLS: this client's key (PEM).
+    #[arg(long, env = "XFER_ETCD_KEY", requires = "etcd_cert")]
+    pub etcd_key: Option<std::path::PathBuf>,
+    /// The etcd user to authenticate as (with --etcd-password-file).
+    #[arg(long, env = "XFER_ETCD_USER", requires = "etcd_password_file")]
+    pub etcd_user: Option<String>,
+    /// A file holding the etcd user's password.
+    #[arg(long, env = "XFER_ETCD_PASSWORD_FILE", requires = "etcd_user")]
+    pub etcd_password_file: Option<std::path::PathBuf>,
 }
 
 impl DirectoryArgs {
@@ -35,7 +60,33 @@ impl DirectoryArgs {
         };
         directory::record::check_name("cluster", &self.cluster)
             .map_err(|e| CliError::Usage(format!("--cluster: {e}")))?;
-        Ok(Some(xfer::discovery::open(url)?))
+        Ok(Some(xfer::discovery::open_with(url, &self.config()?)?))
+    }
+
+    /// The directory's configuration from the flags. Without a token the directory is
+    /// open, and regions are published in unsigned records as before (with a warning).
+    fn config(&self) -> Result<xfer::discovery::DirectoryConfig, CliError> {
+        let read = |flag: &str, path: &std::path::Path| {
+            xfer::read_token_file(path).map_err(|e| CliError::Usage(format!("{flag}: {e}")))
+        };
+        let mut config = xfer::discovery::DirectoryConfig::open();
+        if let Some(p) = &self.directory_token_file {
+            config.token = Some(read("--directory-token-file", p)?);
+        }
+        if let Some(ca) = &self.etcd_ca {
+            config.etcd.tls = Some(xfer::discovery::EtcdTls {
+                ca: ca.clone(),
+                cert: self.etcd_cert.clone(),
+                key: self.etcd_key.clone(),
+            });
+        }
+        if let (Some(name), Some(p)) = (&self.etcd_user, &self.etcd_password_file) {
+            config.etcd.user = Some(xfer::discovery::EtcdUser {
+                name: name.clone(),
+                password: read("--etcd-password-file", p)?,
+            });
+        }
+        Ok(config)
     }
 
     /// Opens the directory, which `what` needs.
