@@ -8,12 +8,12 @@
 //!
 //! ```json
 //! {"version": 2, "cluster": "c1",
-//!  "agent": {"version": 1, "name": "node-0", "instance": 8047515007836987947,
+//!  "agent": {"version": 2, "name": "node-0", "instance": 8047515007836987947,
 //!            "boot_id": "5b0e...", "hostname": "pod-a", "memory": "Host",
 //!            "transports": [{"kind": "tcp", "provider": null, "rails": ["010203", "ff"],
 //!                            "nics": []}],
 //!            "control": null},
-//!  "regions": {"kv": {"version": 1, "len": 4096, "memory": "Host", "access": 2,
+//!  "regions": {"kv": {"version": 2, "owner": 8047515007836987947, "len": 4096, "memory": "Host", "access": 2,
 //!                     "transports": [["tcp", {"rails": [{"addr": 0, "len": 4096, "key": 7}]}]]}},
 //!  "started_ms": 1796195435794, "ttl_ms": 2000}
 //! ```
@@ -303,6 +303,7 @@ mod tests {
     fn region(len: u64) -> RegionDescriptor {
         RegionDescriptor {
             version: METADATA_VERSION,
+            owner: 1,
             len,
             memory: MemoryLocation::Host,
             access: Access::REMOTE_WRITE,

@@ -9,7 +9,7 @@
 //! changed fails (a field this build does not know is dropped unread, so it is not acted
 //! on either).
 //!
-//! The rule a reader applies ([`Signing::check`]):
+//! The rule a reader applies:
 //!
 //! | reader | unsigned record | signed, right token | signed, wrong token |
 //! |---|---|---|---|
@@ -267,6 +267,7 @@ mod tests {
             "kv".into(),
             fabric_core::metadata::RegionDescriptor {
                 version: fabric_core::metadata::METADATA_VERSION,
+                owner: r.agent.instance,
                 len: 8,
                 memory: MemoryLocation::Host,
                 access: fabric_core::Access::REMOTE_WRITE,

@@ -51,6 +51,7 @@ fn target(name: &str) -> Target {
         "kv".into(),
         RegionDescriptor {
             version: METADATA_VERSION,
+            owner: record.agent.instance,
             len: LEN,
             memory: MemoryLocation::Host,
             access: Access::REMOTE_WRITE,

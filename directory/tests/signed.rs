@@ -34,6 +34,7 @@ fn record(name: &str) -> Record {
         "kv".into(),
         RegionDescriptor {
             version: METADATA_VERSION,
+            owner: r.agent.instance,
             len: 64,
             memory: MemoryLocation::Host,
             access: Access::REMOTE_WRITE,
