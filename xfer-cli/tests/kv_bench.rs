@@ -6,8 +6,24 @@ use std::process::Command;
 #[test]
 fn kv_bench_moves_a_request_between_rank_processes_and_reports_it() {
     let out = Command::new(env!("CARGO_BIN_EXE_xfer"))
-        .args(["kv-bench", "--memory", "host", "--transport", "tcp", "--tokens", "256"])
-        .args(["--requests", "1", "--prefill-tp", "2", "--decode-tp", "4", "--json"])
+        .args([
+            "kv-bench",
+            "--memory",
+            "host",
+            "--transport",
+            "tcp",
+            "--tokens",
+            "256",
+        ])
+        .args([
+            "--requests",
+            "1",
+            "--prefill-tp",
+            "2",
+            "--decode-tp",
+            "4",
+            "--json",
+        ])
         .output()
         .expect("xfer runs");
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -19,7 +35,10 @@ fn kv_bench_moves_a_request_between_rank_processes_and_reports_it() {
     // random tables) per pair, 4 pairs, 64 tensors.
     assert_eq!(v["transfers_per_request"], 16 * 4 * 64);
     assert!(v["kv_gbps_median"].as_f64().unwrap() > 0.0);
-    assert!(v["ratio"].as_f64().unwrap() > 0.0, "the paged write ran too");
+    assert!(
+        v["ratio"].as_f64().unwrap() > 0.0,
+        "the paged write ran too"
+    );
 }
 
 #[test]

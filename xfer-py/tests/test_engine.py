@@ -751,7 +751,7 @@ def test_bytes_that_are_not_an_address_name_the_metadata_error(pair):
         (b"garbage bytes", "not an xfer agent"),
         (rd.descriptor, "not an xfer agent"),  # a region's descriptor is not an address
         (b.address[:-3], "malformed agent"),
-        (b"XFAG" + bytes([2]) + b.address[5:], "metadata version 2"),
+        (b"XFAG" + bytes([3]) + b.address[5:], "metadata version 3"),
         (b.address + b"\0", "after the agent"),
     ]
     for bad, why in cases:

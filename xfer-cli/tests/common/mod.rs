@@ -233,10 +233,10 @@ impl Scrape {
 }
 
 /// The control protocol's hello (version 3) without a token, as one line: a client agent
-/// (its `AgentInfo`) that offers tcp on one rail (`tcp://127.0.0.1:9`, in hex; the server
+/// (its `AgentInfo`, metadata version 2) that offers tcp on one rail (`tcp://127.0.0.1:9`, in hex; the server
 /// never connects to it).
 pub const HELLO: &str = concat!(
-    "{\"op\":\"hello\",\"version\":3,\"agent\":{\"version\":1,\"name\":\"test-client\",",
+    "{\"op\":\"hello\",\"version\":3,\"agent\":{\"version\":2,\"name\":\"test-client\",",
     "\"instance\":1,\"boot_id\":\"\",\"hostname\":\"\",\"memory\":\"Host\",\"transports\":",
     "[{\"kind\":\"tcp\",\"provider\":null,\"rails\":[\"7463703a2f2f3132372e302e302e313a39\"],",
     "\"nics\":[]}],\"control\":null}}\n"
