@@ -209,38 +209,63 @@ impl Fixture {
     /// What holds after any input.
     fn check(&mut self, answered: &[u8], seed: u64) {
         let mut rest = answered;
+        // The payload (and checksum) lengths of a READ_REPLY header.
+        let reply = |h: &Header| {
+            assert!(h.len <= READABLE_LEN, "a READ_REPLY of {} bytes", h.len);
+            let crc = if h.flags & FLAG_CRC != 0 {
+                CHECKSUM_LEN
+            } else {
+                0
+            };
+            (h.len as usize, crc as usize)
+        };
         // Whole headers only: the target may stop mid-answer when it reads our EOF.
         while let Some(raw) = rest.get(..HEADER_LEN) {
             let h = Header::decode(raw.try_into().unwrap());
-            let (len, checksum) = match h {
+            rest = &rest[HEADER_LEN..];
+            // The payloads that follow: none, a READ_REPLY's, or those of a BATCH of
+            // READ_REPLYs (their headers first, then their payloads in order).
+            let payloads: Vec<(usize, usize)> = match h {
                 Ok(Header {
                     op: Op::Ack | Op::Nack,
                     ..
-                }) => (0, 0),
+                }) => Vec::new(),
+                Ok(
+                    ref h @ Header {
+                        op: Op::ReadReply, ..
+                    },
+                ) => vec![reply(h)],
                 Ok(Header {
-                    op: Op::ReadReply,
-                    len,
-                    flags,
-                    ..
+                    op: Op::Batch, len, ..
                 }) => {
-                    assert!(len <= READABLE_LEN, "a READ_REPLY of {len} bytes");
-                    let crc = if flags & FLAG_CRC != 0 {
-                        CHECKSUM_LEN
-                    } else {
-                        0
-                    };
-                    (len as usize, crc as usize)
+                    let mut lens = Vec::new();
+                    for _ in 0..len {
+                        let Some(raw) = rest.get(..HEADER_LEN) else {
+                            break;
+                        };
+                        match Header::decode(raw.try_into().unwrap()) {
+                            Ok(
+                                ref h @ Header {
+                                    op: Op::ReadReply, ..
+                                },
+                            ) => lens.push(reply(h)),
+                            other => panic!("the target batched {other:?}"),
+                        }
+                        rest = &rest[HEADER_LEN..];
+                    }
+                    lens
                 }
                 _ => panic!("the target sent {h:?}"),
             };
-            rest = &rest[HEADER_LEN..];
-            assert!(
-                rest[..len.min(rest.len())]
-                    .iter()
-                    .all(|&b| b == READABLE_FILL),
-                "a READ_REPLY carried bytes from outside the readable region"
-            );
-            rest = &rest[(len + checksum).min(rest.len())..];
+            for (len, checksum) in payloads {
+                assert!(
+                    rest[..len.min(rest.len())]
+                        .iter()
+                        .all(|&b| b == READABLE_FILL),
+                    "a READ_REPLY carried bytes from outside the readable region"
+                );
+                rest = &rest[(len + checksum).min(rest.len())..];
+            }
         }
         for c in &self.target.done {
             assert!(
