@@ -14,8 +14,9 @@
 //! bench, and the ratio varies from run to run. `scripts/hostile-ratio.sh` decides it: a
 //! release build, this test 3 times with `XFER_ASSERT_HOSTILE_RATIO=1` (under which each
 //! run asserts its own ratio), each ratio and the median printed, failing when the median
-//! is below 0.8 or a run fails. Without the variable the test asserts correctness and
-//! liveness only.
+//! is below 0.8 or a run fails. Without the variable each run asserts a floor of 0.25,
+//! which any run keeps unless the hostiles starve the server (debug runs on the 2-core VM
+//! read 0.89 to 1.07).
 
 mod common;
 
@@ -244,6 +245,14 @@ fn hostile_clients_are_refused_with_reasons_while_a_bench_runs() {
     );
     if std::env::var("XFER_ASSERT_HOSTILE_RATIO").as_deref() == Ok("1") {
         assert!(ratio >= 0.8, "the bench kept {ratio:.2} of its throughput");
+    } else {
+        // One debug run on shared cores varies too much for the 0.8 target (that is
+        // scripts/hostile-ratio.sh's to judge, on medians of release runs), but a server
+        // that the hostiles starve keeps far less than a quarter: that much holds anywhere.
+        assert!(
+            ratio >= 0.25,
+            "the bench kept {ratio:.2} of its throughput beside the hostiles"
+        );
     }
 
     // Every kind was refused with its own reason; some may have met another limit first
