@@ -9,7 +9,7 @@
 //!   `poll` (its application does nothing);
 //! - SEND into receives posted in advance, with a bounded queue for early arrivals whose
 //!   room the receiver grants to senders as credit: a sender holds SENDs it has no credit
-//!   for (and fails one that waited twice `peer_timeout`), so a receiver never stops reading
+//!   for (and fails one that waited [`TcpConfig::liveness_timeout`]), so a receiver never stops reading
 //!   a connection for them and the WRITEs on it go on;
 //! - a polled completion queue; progress happens only inside [`Transport::poll`].
 //!
@@ -114,6 +114,11 @@ pub fn auth_digest(token: &str) -> [u8; 16] {
 /// 1 MiB, while the socket moves the chunks before them, and never more than this at once.
 pub const DEVICE_STAGING_BYTES: usize = staging::RING;
 
+/// [`TcpConfig::liveness_timeout`]'s default: longer than a process is usually
+/// descheduled, paused by a debugger or checkpointed, short enough that a dead host's
+/// transfers fail within a minute.
+pub const DEFAULT_LIVENESS_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Prefix of every TCP transport address.
 pub const ADDRESS_PREFIX: &str = "tcp://";
 
@@ -171,13 +176,23 @@ pub struct TcpConfig {
     pub max_unexpected_bytes: usize,
     /// See `max_unexpected_bytes`.
     pub max_unexpected_count: usize,
-    /// Time after which a peer that does not acknowledge sent data is declared unreachable
-    /// (TCP_USER_TIMEOUT and keepalive), the limit for connecting, and then for the
-    /// target's CHALLENGE (a target that sends none fails the peer). On a congested or
-    /// lossy link give it several retransmission timeouts: a segment dropped three times
-    /// stays unacknowledged for 1.4 s of backoff (0.2 + 0.4 + 0.8 s) on a healthy
-    /// connection, and a shorter timeout would fail it.
+    /// The limit for setting a connection up: connecting, then the target's CHALLENGE (a
+    /// target that sends none fails the peer), and an accepted connection's HELLO. Once a
+    /// connection is up, [`liveness_timeout`](Self::liveness_timeout) alone judges it.
     pub peer_timeout: Duration,
+    /// How long an established connection may go unanswered before it is declared dead:
+    /// the peer's kernel not acknowledging our bytes (a partition, a dead host:
+    /// TCP_USER_TIMEOUT and TCP keep-alives), keeping its window shut (a stopped or
+    /// descheduled process whose buffers are full), or its transport not answering
+    /// requests that its kernel took (a stopped process; checked in [`Transport::poll`]).
+    /// Until then nothing fails: a peer stopped (SIGSTOP, a debugger, a checkpoint) or
+    /// partitioned for less than this keeps its connection, and what was in flight
+    /// completes once it goes on. A transfer that must not wait that long sets its own
+    /// stall limit above the transport (the engine's `Transfer::stall_timeout`), which
+    /// reports the stall and leaves the connection alone. SENDs held for lack of credit
+    /// fail after this long too. Default 30 s; on a congested or lossy link keep it above
+    /// several retransmission timeouts (a segment dropped three times waits 1.4 s).
+    pub liveness_timeout: Duration,
     /// Socket buffer sizes (SO_SNDBUF / SO_RCVBUF); `None` keeps the system's.
     pub socket_buffer: Option<usize>,
     /// Most open connections (accepted ones beyond this are refused). A connection that sends
@@ -232,6 +247,7 @@ impl Default for TcpConfig {
             max_unexpected_bytes: 64 << 20,
             max_unexpected_count: 4096,
             peer_timeout: Duration::from_secs(5),
+            liveness_timeout: DEFAULT_LIVENESS_TIMEOUT,
             socket_buffer: None,
             max_connections: 4096,
             auth_token: None,
@@ -389,13 +405,18 @@ impl TcpTransport {
         }
         s.set_tcp_nodelay(true)
             .map_err(|e| Error::io("TCP_NODELAY", e))?;
+        // Keep-alive probes on an idle connection from a quarter of the liveness timeout,
+        // once a second; TCP_USER_TIMEOUT (which overrides the probes' count) ends the
+        // connection once the peer's kernel has acknowledged nothing, or kept its window
+        // shut, for the whole timeout.
+        let live = self.cfg.liveness_timeout;
         let ka = TcpKeepalive::new()
-            .with_time(self.cfg.peer_timeout.max(Duration::from_secs(1)))
+            .with_time((live / 4).max(Duration::from_secs(1)))
             .with_interval(Duration::from_secs(1))
             .with_retries(3);
         s.set_tcp_keepalive(&ka)
             .map_err(|e| Error::io("SO_KEEPALIVE", e))?;
-        s.set_tcp_user_timeout(Some(self.cfg.peer_timeout))
+        s.set_tcp_user_timeout(Some(live))
             .map_err(|e| Error::io("TCP_USER_TIMEOUT", e))?;
         if let Some(n) = self.cfg.socket_buffer {
             s.set_send_buffer_size(n)
@@ -1177,7 +1198,7 @@ impl Transport for TcpTransport {
             }
             if res.is_ok() {
                 // Credit that came in lets waiting SENDs go; those that waited too long fail.
-                c.release_sends(2 * self.cfg.peer_timeout, &mut self.shared);
+                c.release_sends(self.cfg.liveness_timeout, &mut self.shared);
                 res = c.flush(&mut self.shared).map(|_| ReadOutcome::Open);
             }
             // A refusal fails the connection as soon as its untagged HELLO has left.
@@ -1191,13 +1212,11 @@ impl Transport for TcpTransport {
                 res = Err(TcpError::PeerClosedWhileHeld);
             }
             // A peer whose kernel takes our bytes but whose transport never answers (a
-            // stopped process, a hung peer) fails its requests after twice `peer_timeout`,
-            // so that nothing waits on it for ever (TCP's own timers see a healthy socket).
-            // Twice: right after a partition heals, a target was seen silent for over one
-            // peer_timeout with all bytes acknowledged (netns_faults), cause not known yet.
+            // stopped process, a hung peer) fails its requests after `liveness_timeout`, so
+            // that nothing waits on it for ever (TCP's own timers see a healthy socket).
             if res.is_ok() {
                 res = c
-                    .check_answers(2 * self.cfg.peer_timeout)
+                    .check_answers(self.cfg.liveness_timeout)
                     .map(|_| ReadOutcome::Open);
             }
             if let Err(err) = res {

@@ -56,6 +56,7 @@ fn a_blackholed_connect_does_not_stall_other_peers() {
     let tcp = || {
         TcpTransport::new(TcpConfig {
             peer_timeout: PEER_TIMEOUT,
+            liveness_timeout: PEER_TIMEOUT,
             ..TcpConfig::default()
         })
     };

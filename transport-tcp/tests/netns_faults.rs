@@ -202,6 +202,7 @@ fn loss_and_rate_limit_transfers_complete_and_verify() {
     let cfg = TcpConfig {
         rails: 2,
         peer_timeout: Duration::from_secs(20),
+        liveness_timeout: Duration::from_secs(20),
         ..TcpConfig::default()
     };
     let a = engine_in(&net, Side::A, cfg.clone(), "loss-a");
@@ -274,6 +275,7 @@ fn partition_fails_pending_transfers_then_heals() {
     let cfg = TcpConfig {
         rails: 2,
         peer_timeout,
+        liveness_timeout: peer_timeout,
         ..TcpConfig::default()
     };
     let a = engine_in(&net, Side::A, cfg.clone(), "part-a");
@@ -385,6 +387,7 @@ fn netns_server_child() {
     let cfg = TcpConfig {
         listen: listen.parse().expect("XFER_NETNS_SERVE is an address"),
         peer_timeout: Duration::from_secs(2),
+        liveness_timeout: Duration::from_secs(2),
         ..TcpConfig::default()
     };
     let e = Engine::spawn(move || TcpTransport::new(cfg), EngineConfig::default()).unwrap();
@@ -518,6 +521,7 @@ fn killed_server_fails_its_transfers_only() {
     net.rate(Side::A, "50mbit").expect("rate limit");
     let cfg = TcpConfig {
         peer_timeout: Duration::from_secs(2),
+        liveness_timeout: Duration::from_secs(2),
         ..TcpConfig::default()
     };
     let a = engine_in(&net, Side::A, cfg.clone(), "kill-a");

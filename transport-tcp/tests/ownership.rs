@@ -42,6 +42,7 @@ fn a_timed_out_transfer_holds_its_source_until_the_transport_lets_go() {
     let tcp = || {
         TcpTransport::new(TcpConfig {
             peer_timeout: PEER_TIMEOUT,
+            liveness_timeout: PEER_TIMEOUT,
             ..TcpConfig::default()
         })
     };

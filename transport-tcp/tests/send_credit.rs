@@ -199,7 +199,7 @@ fn a_send_without_credit_is_given_up_with_a_clear_error() {
     // Room for 4 messages at the target, which posts no receive: 4 of 6 SENDs get credit.
     let cfg = TcpConfig {
         max_unexpected_count: 4,
-        peer_timeout: Duration::from_millis(300),
+        liveness_timeout: Duration::from_millis(300),
         ..config()
     };
     let (mut a, mut b) = (Node::new(cfg.clone()), Node::new(cfg));

@@ -179,6 +179,10 @@ pub struct BackendArgs {
     /// microseconds (the engine's `linger`; default 50).
     #[arg(long = "linger", value_name = "US")]
     pub linger_us: Option<u64>,
+    /// How long a peer's connection may go unanswered (the peer stopped, descheduled or
+    /// partitioned) before it is declared dead, in seconds (tcp; default 30).
+    #[arg(long = "liveness-timeout", value_name = "SECONDS")]
+    pub liveness_timeout_s: Option<u64>,
     /// efa: how long an idle rail sleeps between CQ reads where the provider gives no
     /// descriptor to sleep on, in microseconds (default 50); 0 reads the CQ of a
     /// manual-progress provider (shm) without sleeping, which one process needs for speed.
@@ -269,6 +273,7 @@ impl BackendArgs {
                 wait_spin: self.wait_spin_us.map(us),
                 linger: self.linger_us.map(us),
                 control_timeout: None,
+                liveness_timeout: self.liveness_timeout_s.map(Duration::from_secs),
                 notification_keys: None,
                 messages: None,
                 stall_timeout: None,

@@ -128,6 +128,7 @@ pub fn spawn(
                 (o.auth_token.clone(), o.tcp.checksum, o.tcp.copy_nap);
             let congestion = o.tcp.congestion.clone();
             let timeout = o.workers.control_timeout;
+            let liveness = o.workers.liveness_timeout;
             let ip = o.listen;
             let make = move |i: usize| {
                 pin(i);
@@ -141,6 +142,7 @@ pub fn spawn(
                     checksum,
                     congestion: congestion.clone(),
                     peer_timeout: timeout.unwrap_or(d.peer_timeout),
+                    liveness_timeout: liveness.unwrap_or(d.liveness_timeout),
                     ..d
                 })
             };

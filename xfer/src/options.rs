@@ -133,8 +133,14 @@ pub struct WorkerOptions {
     pub wait_spin: Option<Duration>,
     /// How long a worker keeps polling after a completion before it sleeps.
     pub linger: Option<Duration>,
-    /// Limit of control calls (add a peer, register) and of a silent tcp peer.
+    /// Limit of control calls (add a peer, register) and of setting up a tcp connection.
     pub control_timeout: Option<Duration>,
+    /// How long a peer's connection may go unanswered (the peer stopped, descheduled,
+    /// partitioned) before it is declared dead and its transfers fail with
+    /// `PeerUnreachable` (tcp: `transport_tcp::TcpConfig::liveness_timeout`; `None`: its
+    /// default, 30 s). A shorter stall is reported per transfer instead
+    /// ([`stall_timeout`](Self::stall_timeout)), and the connection stays.
+    pub liveness_timeout: Option<Duration>,
     /// The most distinct (sender, value) pairs of notifications each rail keeps until they
     /// are taken (`fabric_core::engine::EngineConfig::notification_keys`; `None`: its
     /// default, 2^20). `Some(0)` keeps none: for a server that never takes them.

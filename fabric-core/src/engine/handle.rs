@@ -216,8 +216,8 @@ const YIELD_AFTER: Duration = Duration::from_micros(5);
 /// result is reported, no transport touches the source any more, even for a failure: a
 /// transfer past its deadline posts nothing more and is reported
 /// [`TimedOut`](crate::OpError::TimedOut) only after every operation the transport had
-/// accepted has completed or failed (TCP fails a silent peer's operations after twice its
-/// `peer_timeout`), so a resubmit never races the NIC. A wait that runs out
+/// accepted has completed or failed (TCP fails a silent peer's operations after its
+/// `liveness_timeout`), so a resubmit never races the NIC. A wait that runs out
 /// ([`Error::TimedOut`](crate::Error::TimedOut) from [`wait`](Self::wait)) ends only the
 /// wait: the transfer goes on. The target region may be read once the target has seen the
 /// transfer's immediate data (or a later SEND): the initiator's success says the bytes

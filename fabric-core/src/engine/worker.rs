@@ -1157,7 +1157,7 @@ impl<T: Transport> Worker<T> {
     /// Times out transfers past their deadline: they post nothing more, and finish (with
     /// `TimedOut`) once every operation they had posted has completed or failed, so that no
     /// transport still touches their memory when the caller hears of it. A transport fails
-    /// operations whose peer stops answering (TCP: within its `peer_timeout`).
+    /// operations whose peer stops answering (TCP: within its `liveness_timeout`).
     fn expire(&mut self) {
         let now = Instant::now();
         self.next_deadline_scan = now + Duration::from_millis(1);
