@@ -33,8 +33,9 @@ struct Shared {
     /// The agent; `None` once the engine is closed.
     agent: Mutex<Option<Agent>>,
     /// The objects of open registrations, by registration (what `Registration.obj`
-    /// returns, and where a transfer finds the tensor whose stream it follows).
-    objs: Mutex<HashMap<u64, Py<PyAny>>>,
+    /// returns, and where a transfer finds the tensor whose stream it follows), with their
+    /// torch storage's record.
+    objs: Mutex<HashMap<u64, Kept>>,
     next_reg: AtomicU64,
     /// What memory the agent takes.
     accept: Accept,
@@ -42,6 +43,13 @@ struct Shared {
     address: Vec<u8>,
     /// Rendezvous servers started by `Engine.serve`, stopped by `close`.
     servers: Mutex<Vec<Arc<ServerCell>>>,
+}
+
+/// An open registration's object, and a torch tensor's storage as it was registered
+/// (checked before each local use of the registration).
+struct Kept {
+    obj: Py<PyAny>,
+    storage: Option<memory::StorageGuard>,
 }
 
 /// A rendezvous server; `None` once stopped.
@@ -174,7 +182,10 @@ pub struct Engine {
 
 /// Memory registered with an engine: the object stays alive (and is not freed or
 /// resized) until the registration is closed, by close(), a `with` block, or the
-/// engine's close. `descriptor` is the library's region descriptor, as bytes.
+/// engine's close; for a torch tensor, its storage too (set_() and del cannot free it),
+/// and a storage resized meanwhile makes the registration's next use raise
+/// RegionInvalidated (see Engine.register). `descriptor` is the library's region
+/// descriptor, as bytes.
 #[pyclass(module = "xfer", frozen)]
 pub struct Registration {
     shared: Arc<Shared>,
@@ -343,7 +354,7 @@ impl Engine {
             MemoryLocation::Cuda { device } => {
                 let obj = lock(&self.shared.objs)
                     .get(&reg.id)
-                    .map(|o| o.clone_ref(py))
+                    .map(|k| k.obj.clone_ref(py))
                     .ok_or_else(|| {
                         invalid("this registration is closed: register the memory again")
                     })?;
@@ -379,6 +390,7 @@ impl Engine {
                 "this registration is closed: register the memory again",
             ));
         }
+        reg.check_storage(py, "this transfer is refused")?;
         let remote = RegionDescriptor::from_bytes(remote_descriptor)
             .map_err(|e| metadata_error("remote_descriptor", &e))?;
         let t = match self.fence(py, reg, stream)? {
@@ -525,6 +537,23 @@ impl Engine {
     /// gpu). No copy is made. remote_write: whether peers may write into it (needs a writable
     /// buffer; such a registration can also be the destination of this engine's reads); a
     /// source-only region may be read-only. remote_read: whether peers may read it.
+    ///
+    /// Read-only memory (bytes, a read-only memoryview, a numpy array with writeable=False,
+    /// a __cuda_array_interface__ or DLPack 1.x export marked read-only) with
+    /// remote_write=True raises InvalidArgument; with remote_write=False (a source, and with
+    /// remote_read=True readable by peers) it is taken. A producer that only speaks the
+    /// unversioned DLPack (no read-only flag) is taken as writable.
+    ///
+    /// A torch tensor: the registration holds its storage (the memory itself), checked to
+    /// contain the registered bytes, so tensor.set_(other) or del tensor leaves the
+    /// registered memory valid. resize_() beyond the storage's size reallocates that
+    /// storage's memory and frees the old one, and torch offers no way to make a storage
+    /// non-resizable: the registration records where the storage was, and the next local
+    /// use of it (write, read, their pages, a weights or KV push, pull or wait, offer,
+    /// close) raises RegionInvalidated (an InvalidArgument) once it moved; register the
+    /// tensor again. What cannot be caught: a peer's write into the region after the resize
+    /// and before that next call lands in memory that was freed (the receiver learns of it
+    /// only at its next call). Resizing a registered tensor is an error of the program.
     #[pyo3(signature = (obj, remote_write=true, remote_read=false))]
     pub(crate) fn register(
         &self,
@@ -536,7 +565,11 @@ impl Engine {
         if self.closed() {
             return Err(EngineClosed::new_err("the engine is closed"));
         }
-        let (region, held) = memory::take(obj, remote_write, self.shared.accept)?;
+        let memory::Taken {
+            region,
+            held,
+            storage,
+        } = memory::take(obj, remote_write, self.shared.accept)?;
         // A writable registration may also receive this engine's READs (LOCAL_WRITE).
         let mut access = if remote_write {
             Access::REMOTE_WRITE | Access::LOCAL_WRITE
@@ -556,7 +589,13 @@ impl Engine {
             .to_bytes()
             .map_err(|e| metadata_error("the registration's descriptor", &e))?;
         let id = self.shared.next_reg.fetch_add(1, Ordering::Relaxed);
-        lock(&self.shared.objs).insert(id, obj.clone().unbind());
+        lock(&self.shared.objs).insert(
+            id,
+            Kept {
+                obj: obj.clone().unbind(),
+                storage,
+            },
+        );
         Ok(Registration {
             shared: self.shared.clone(),
             id,
@@ -584,8 +623,8 @@ impl Engine {
 
     /// Offers `registration` to peers under `name`: a peer that meets this engine through
     /// `serve`/`rendezvous` (or the directory) finds its descriptor by that name.
-    fn offer(&self, name: &str, registration: &Registration) -> PyResult<()> {
-        self.check_registration(registration)?;
+    fn offer(&self, py: Python<'_>, name: &str, registration: &Registration) -> PyResult<()> {
+        self.check_registration(py, registration)?;
         if name.is_empty() {
             return Err(invalid("offer: the name is empty"));
         }
@@ -1028,8 +1067,9 @@ impl Engine {
         self.shared.agent()
     }
 
-    /// Whether `reg` is a registration of this engine and open (else `InvalidArgument`).
-    pub(crate) fn check_registration(&self, reg: &Registration) -> PyResult<()> {
+    /// Whether `reg` is a registration of this engine and open (else `InvalidArgument`),
+    /// its torch storage where it was registered (else `RegionInvalidated`).
+    pub(crate) fn check_registration(&self, py: Python<'_>, reg: &Registration) -> PyResult<()> {
         self.shared
             .agent()?
             .check_region(&reg.region)
@@ -1039,7 +1079,7 @@ impl Engine {
                 "this registration is closed: register the memory again",
             ));
         }
-        Ok(())
+        reg.check_storage(py, "this registration cannot be used")
     }
 
     /// Whether `peer` is a peer of this engine and not removed (else `InvalidArgument`).
@@ -1085,11 +1125,37 @@ impl Registration {
     pub(crate) fn object(&self, py: Python<'_>) -> Option<Py<PyAny>> {
         lock(&self.shared.objs)
             .get(&self.id)
-            .map(|o| o.clone_ref(py))
+            .map(|k| k.obj.clone_ref(py))
+    }
+
+    /// `RegionInvalidated` (its message beginning with `what`) if the registered object is
+    /// a torch tensor whose storage was resized or replaced since it was registered; `Ok`
+    /// for other memory, and once the registration is closed.
+    pub(crate) fn check_storage(&self, py: Python<'_>, what: &str) -> PyResult<()> {
+        // Out of the lock first: the check calls Python, which may let other threads run.
+        let guard = lock(&self.shared.objs)
+            .get(&self.id)
+            .and_then(|k| k.storage.as_ref().map(|g| g.clone_ref(py)));
+        match guard {
+            Some(g) => g.check(py, what),
+            None => Ok(()),
+        }
+    }
+
+    /// [`check_storage`](Self::check_storage) of each of `regs`.
+    pub(crate) fn check_storages(
+        py: Python<'_>,
+        regs: &[Py<Registration>],
+        what: &str,
+    ) -> PyResult<()> {
+        regs.iter()
+            .try_for_each(|r| r.get().check_storage(py, what))
     }
 
     /// Deregisters; on success lets go of the object (the agent gives the memory back now,
-    /// or once no transport holds it).
+    /// or once no transport holds it). A torch tensor's storage resized meanwhile closes
+    /// all the same, then raises `RegionInvalidated`: transfers may have used memory that
+    /// had been freed.
     fn close_inner(&self, py: Python<'_>) -> PyResult<()> {
         if self.closed.swap(true, Ordering::AcqRel) {
             return Ok(());
@@ -1098,6 +1164,9 @@ impl Registration {
         if lock(&self.shared.agent).is_none() {
             return Ok(());
         }
+        let moved = self
+            .check_storage(py, "the registration is closed, but")
+            .err();
         let done = self.shared.with_agent(py, |a| a.deregister(&self.region));
         match done {
             Ok(()) => {}
@@ -1109,7 +1178,7 @@ impl Registration {
         }
         let obj = lock(&self.shared.objs).remove(&self.id);
         drop(obj);
-        Ok(())
+        moved.map_or(Ok(()), Err)
     }
 }
 
@@ -1128,7 +1197,7 @@ impl Registration {
     fn obj(&self, py: Python<'_>) -> Option<Py<PyAny>> {
         lock(&self.shared.objs)
             .get(&self.id)
-            .map(|o| o.clone_ref(py))
+            .map(|k| k.obj.clone_ref(py))
     }
 
     /// Length of the registered memory in bytes.
@@ -1150,7 +1219,9 @@ impl Registration {
     }
 
     /// Deregisters the memory and lets go of the object. Raises RegionInUse while
-    /// transfers that use it have not finished (wait for their handles first).
+    /// transfers that use it have not finished (wait for their handles first). A torch
+    /// tensor whose storage was resized since it was registered is closed all the same,
+    /// then RegionInvalidated is raised: transfers may have used memory that was freed.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         self.close_inner(py)
     }

@@ -70,6 +70,12 @@ create_exception!(
 );
 create_exception!(
     xfer,
+    RegionInvalidated,
+    InvalidArgument,
+    "The registered tensor's storage was resized or replaced after registration (torch's resize_ reallocates it), so the memory registered may have been freed: register the tensor again. Raised by the next local use of the registration (a transfer, a push or pull, close)."
+);
+create_exception!(
+    xfer,
     Cancelled,
     XferError,
     "The transfer was cancelled (the engine shut down)."
@@ -118,6 +124,7 @@ pub fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PermissionDenied", py.get_type::<PermissionDenied>())?;
     m.add("InvalidArgument", py.get_type::<InvalidArgument>())?;
     m.add("ForeignHandle", py.get_type::<ForeignHandle>())?;
+    m.add("RegionInvalidated", py.get_type::<RegionInvalidated>())?;
     m.add("Cancelled", py.get_type::<Cancelled>())?;
     m.add("EngineClosed", py.get_type::<EngineClosed>())?;
     m.add("RegionInUse", py.get_type::<RegionInUse>())?;

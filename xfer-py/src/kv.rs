@@ -899,7 +899,7 @@ fn rank_info<'py>(
     let side = side_of(side)?;
     let mut regions: Vec<RegionDescriptor> = Vec::with_capacity(registrations.len());
     for r in &registrations {
-        engine.check_registration(r.get())?;
+        engine.check_registration(py, r.get())?;
         regions.push(r.get().region().descriptor().clone());
     }
     let agent: AgentInfo = engine.agent_handle()?.info().clone();
@@ -932,7 +932,9 @@ fn read_info(info: &[u8]) -> PyResult<(&'static str, u32, PyLayout)> {
 /// Attach the other side's ranks (`attach(their info)`), plan a request (`plan`), then on
 /// prefill `push_layer` as each layer is saved (after the stream's work) or `push`, and on
 /// decode `wait`/`wait_layer`/`poll` for what landed; or pull: decode `pull`/`pull_layer`,
-/// prefill `wait`/`poll` to learn that every reader is done.
+/// prefill `wait`/`poll` to learn that every reader is done. Pushes, pulls and waits raise
+/// RegionInvalidated if a registered torch tensor's storage was resized since it was
+/// registered (see Engine.register).
 #[pyclass(module = "xfer.kv", name = "Rank", frozen)]
 pub struct PyRank {
     rank: Arc<KvRank>,
@@ -1045,7 +1047,7 @@ impl PyRank {
         let mut registrations = Vec::with_capacity(memory.len());
         for obj in &memory {
             let reg = if let Ok(r) = obj.cast::<Registration>() {
-                e.check_registration(r.get())?;
+                e.check_registration(py, r.get())?;
                 r.clone().unbind()
             } else {
                 let (remote_write, remote_read) = match side {
@@ -1123,6 +1125,7 @@ impl PyRank {
                 layers: self.rank.layers(),
             }));
         }
+        Registration::check_storages(py, &self.registrations, "this push is refused")?;
         let fence = self.fence(py, Some(layer), stream)?;
         let (rank, p) = (&self.rank, &plan.plan);
         let t = py
@@ -1141,6 +1144,7 @@ impl PyRank {
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyTransfers> {
         let id = id_of(request_id)?;
+        Registration::check_storages(py, &self.registrations, "this push is refused")?;
         let fence = self.fence(py, None, stream)?;
         let (rank, p) = (&self.rank, &plan.plan);
         let t = py
@@ -1160,6 +1164,7 @@ impl PyRank {
         layer: u32,
     ) -> PyResult<PyTransfers> {
         let id = id_of(request_id)?;
+        Registration::check_storages(py, &self.registrations, "this pull is refused")?;
         let (rank, p) = (&self.rank, &plan.plan);
         let t = py
             .detach(|| rank.pull_layer(&id, p, layer))
@@ -1175,6 +1180,7 @@ impl PyRank {
         plan: &PyPlan,
     ) -> PyResult<PyTransfers> {
         let id = id_of(request_id)?;
+        Registration::check_storages(py, &self.registrations, "this pull is refused")?;
         let (rank, p) = (&self.rank, &plan.plan);
         let t = py
             .detach(|| rank.pull(&id, p))
@@ -1194,6 +1200,7 @@ impl PyRank {
         timeout: Option<f64>,
     ) -> PyResult<()> {
         let id = id_of(request_id)?;
+        Registration::check_storages(py, &self.registrations, "this wait is refused")?;
         self.wait_for(py, &id, None, timeout)
     }
 
@@ -1213,6 +1220,7 @@ impl PyRank {
                 layers: self.rank.layers(),
             }));
         }
+        Registration::check_storages(py, &self.registrations, "this wait is refused")?;
         self.wait_for(py, &id, Some(layer), timeout)
     }
 

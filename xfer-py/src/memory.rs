@@ -4,17 +4,33 @@
 //!
 //! A region reaches the transports as a raw pointer and a length ([`MemoryRegion`]); what
 //! keeps the memory alive is a [`Held`]: the buffer-protocol view (which holds the exporting
-//! object and keeps numpy from resizing or freeing it) or a reference to the tensor. The
-//! `Held` goes to the agent with the region (`xfer::Agent::register_kept`), which drops it
-//! only once the region is deregistered and no transport holds it any more (for the whole
-//! process if a transport never lets go), so deleting the array in Python while it is
-//! registered is safe.
+//! object and keeps numpy from resizing or freeing it) or a reference to the tensor (or its
+//! DLPack capsule), and for a torch tensor its storage too. The `Held` goes to the agent
+//! with the region (`xfer::Agent::register_kept`), which drops it only once the region is
+//! deregistered and no transport holds it any more (for the whole process if a transport
+//! never lets go), so deleting the array in Python while it is registered is safe.
+//!
+//! A torch tensor is not its memory: `t.set_(other)` points it at another storage (and the
+//! old one is freed once nothing else holds it), and `t.resize_(bigger)` reallocates its
+//! storage in place (the same storage object, new memory; the old memory freed). So a
+//! tensor's registration holds its *storage* ([`StorageGuard`]), which makes `set_` and
+//! `del` harmless, and records where the storage's memory was; torch has no Python call
+//! that makes a storage non-resizable, so a resize is detected instead: before each local
+//! use of the registration ([`StorageGuard::check`]) the storage's address and size are
+//! compared with those recorded, and a change raises `xfer.RegionInvalidated`.
+//!
+//! Read-only memory is registered for peers' writes nowhere: the buffer protocol's and
+//! `__cuda_array_interface__`'s read-only flags, and DLPack 1.x's
+//! `DLPACK_FLAG_BITMASK_READ_ONLY` (asked for with `__dlpack__(max_version=(1, 0))`), make
+//! `remote_write=True` an `InvalidArgument`. A producer that only speaks the unversioned
+//! DLPack (no flags) is taken as writable.
 
-use crate::errors::invalid;
+use crate::errors::{RegionInvalidated, invalid};
 use fabric_core::{MemoryLocation, MemoryRegion};
 use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyCapsule, PyDict};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -84,8 +100,17 @@ unsafe impl MemoryRegion for CudaTensorRegion {
 
 /// What keeps a registered region's memory alive, handed to the agent with the region
 /// (`Agent::register_kept`). Never read: held for its drop, which gives the view (or the
-/// reference) back.
-pub enum Held {
+/// references) back.
+pub struct Held {
+    /// The view, the tensor or its capsule.
+    _what: Keep,
+    /// A torch tensor's storage (the memory itself: the tensor may be pointed elsewhere
+    /// with `set_` while this is held), released when dropped.
+    _storage: Option<Py<PyAny>>,
+}
+
+/// The first half of a [`Held`].
+enum Keep {
     /// The buffer-protocol view (it holds the exporting object).
     View {
         /// Released when dropped.
@@ -96,6 +121,112 @@ pub enum Held {
         /// Released when dropped.
         _obj: Py<PyAny>,
     },
+}
+
+/// A torch tensor's storage as it was when the tensor was registered: the storage object
+/// (held, so that its memory is not freed while the registration lives, whatever becomes
+/// of the tensor) and where its memory was. [`check`](Self::check) tells whether it still
+/// is there: `resize_` of the tensor (beyond its storage) or of the storage reallocates the
+/// memory under the same storage object, which the registration cannot prevent.
+pub struct StorageGuard {
+    /// The `torch.UntypedStorage`.
+    storage: Py<PyAny>,
+    /// Its `data_ptr()` at registration.
+    ptr: u64,
+    /// Its `nbytes()` at registration.
+    nbytes: u64,
+    /// The registered object's type name, for messages.
+    type_name: String,
+}
+
+impl StorageGuard {
+    /// The storage of `obj` (anything with `untyped_storage()`: torch tensors), if it has
+    /// one, checked to hold the registered bytes `ptr..ptr+len`; `None` for other objects.
+    fn of(obj: &Bound<'_, PyAny>, ptr: u64, len: usize) -> PyResult<Option<StorageGuard>> {
+        if !obj.hasattr("untyped_storage")? {
+            return Ok(None);
+        }
+        let type_name = obj.get_type().name()?.to_string();
+        let storage = obj.call_method0("untyped_storage").map_err(|e| {
+            invalid(format!(
+                "cannot take the {type_name}'s storage (untyped_storage() failed: {e}): \
+                 register a dense tensor"
+            ))
+        })?;
+        let (sp, sn) = storage_place(&storage).map_err(|e| {
+            invalid(format!(
+                "cannot tell where the {type_name}'s storage is (data_ptr()/nbytes() \
+                 failed: {e})"
+            ))
+        })?;
+        let end = ptr.checked_add(len as u64);
+        let inside = sp <= ptr && end.is_some_and(|e| sp.checked_add(sn).is_some_and(|s| e <= s));
+        if !inside {
+            return Err(invalid(format!(
+                "the {type_name}'s {len} bytes at {ptr:#x} are not inside its storage \
+                 ({sn} bytes at {sp:#x}): register a tensor whose memory is its own storage's"
+            )));
+        }
+        Ok(Some(StorageGuard {
+            storage: storage.unbind(),
+            ptr: sp,
+            nbytes: sn,
+            type_name,
+        }))
+    }
+
+    /// Another handle on the same storage and record.
+    pub fn clone_ref(&self, py: Python<'_>) -> StorageGuard {
+        StorageGuard {
+            storage: self.storage.clone_ref(py),
+            ptr: self.ptr,
+            nbytes: self.nbytes,
+            type_name: self.type_name.clone(),
+        }
+    }
+
+    /// `Ok` while the storage's memory is where it was at registration; else
+    /// `RegionInvalidated` (`what` says what is refused, e.g. "this write") naming both
+    /// places. A storage that cannot say where it is counts as changed.
+    pub fn check(&self, py: Python<'_>, what: &str) -> PyResult<()> {
+        let now = storage_place(self.storage.bind(py));
+        if let Ok((ptr, nbytes)) = now
+            && ptr == self.ptr
+            && nbytes == self.nbytes
+        {
+            return Ok(());
+        }
+        let now = match now {
+            Ok((ptr, nbytes)) => format!("{nbytes} bytes at {ptr:#x}"),
+            Err(e) => format!("unreadable ({e})"),
+        };
+        Err(RegionInvalidated::new_err(format!(
+            "{what}: the registered {t}'s storage was resized or replaced after registration \
+             ({n} bytes at {p:#x} then, {now} now), so the memory registered may have been \
+             freed: register the tensor again (and do not resize a registered tensor)",
+            t = self.type_name,
+            n = self.nbytes,
+            p = self.ptr,
+        )))
+    }
+}
+
+/// A storage's `(data_ptr(), nbytes())`.
+fn storage_place(storage: &Bound<'_, PyAny>) -> PyResult<(u64, u64)> {
+    let ptr: u64 = storage.call_method0("data_ptr")?.extract()?;
+    let nbytes: u64 = storage.call_method0("nbytes")?.extract()?;
+    Ok((ptr, nbytes))
+}
+
+/// What [`take`] gives: the region, what keeps it alive, and for a torch tensor its
+/// storage's record (for [`StorageGuard::check`] before each use).
+pub struct Taken {
+    /// The memory, for the agent.
+    pub region: Arc<dyn MemoryRegion>,
+    /// What keeps it alive, for the agent (`Agent::register_kept`).
+    pub held: Held,
+    /// A torch tensor's storage, held by `held` too.
+    pub storage: Option<StorageGuard>,
 }
 
 /// What an engine accepts.
@@ -110,13 +241,30 @@ pub struct Accept {
 }
 
 /// Takes `obj`'s memory: a CUDA tensor by `__cuda_array_interface__`, anything else through
-/// the buffer protocol (or DLPack). Returns the region and what keeps it alive. Every way an
-/// object can be unfit is an `InvalidArgument` that names the fix.
-pub fn take(
+/// the buffer protocol (or DLPack). Returns the region, what keeps it alive and, for a
+/// torch tensor, its storage's record (the storage is held too, and must hold the region).
+/// Every way an object can be unfit is an `InvalidArgument` that names the fix; read-only
+/// memory with `remote_write` is one.
+pub fn take(obj: &Bound<'_, PyAny>, remote_write: bool, accept: Accept) -> PyResult<Taken> {
+    let (region, what) = take_memory(obj, remote_write, accept)?;
+    let storage = StorageGuard::of(obj, region.device_addr(), region.len())?;
+    let held = Held {
+        _what: what,
+        _storage: storage.as_ref().map(|s| s.storage.clone_ref(obj.py())),
+    };
+    Ok(Taken {
+        region,
+        held,
+        storage,
+    })
+}
+
+/// [`take`] but for the storage.
+fn take_memory(
     obj: &Bound<'_, PyAny>,
     remote_write: bool,
     accept: Accept,
-) -> PyResult<(Arc<dyn MemoryRegion>, Held)> {
+) -> PyResult<(Arc<dyn MemoryRegion>, Keep)> {
     if obj.hasattr("__cuda_array_interface__")? {
         return cuda_region(obj, remote_write, accept);
     }
@@ -180,7 +328,7 @@ pub fn take(
     let len = buf.len_bytes();
     Ok((
         Arc::new(PyHostRegion { ptr, len }),
-        Held::View { _view: buf },
+        Keep::View { _view: buf },
     ))
 }
 
@@ -194,7 +342,7 @@ fn cuda_region(
     obj: &Bound<'_, PyAny>,
     remote_write: bool,
     accept: Accept,
-) -> PyResult<(Arc<dyn MemoryRegion>, Held)> {
+) -> PyResult<(Arc<dyn MemoryRegion>, Keep)> {
     let type_name = obj.get_type().name()?.to_string();
     let iface = obj.getattr("__cuda_array_interface__")?;
     let iface = iface.cast::<PyDict>().map_err(|_| {
@@ -284,7 +432,7 @@ fn cuda_held(
     ptr: u64,
     len: usize,
     accept: Accept,
-) -> PyResult<(Arc<dyn MemoryRegion>, Held)> {
+) -> PyResult<(Arc<dyn MemoryRegion>, Keep)> {
     let type_name = obj.get_type().name()?.to_string();
     if accept.host_only {
         return Err(invalid(format!(
@@ -299,7 +447,7 @@ fn cuda_held(
             len,
             device: accept.gpu,
         }),
-        Held::Object { _obj: keep },
+        Keep::Object { _obj: keep },
     ))
 }
 
@@ -345,6 +493,33 @@ struct DlManagedTensor {
     deleter: Option<unsafe extern "C" fn(*mut DlManagedTensor)>,
 }
 
+/// DLPack's `DLPackVersion`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DlPackVersion {
+    major: u32,
+    minor: u32,
+}
+
+/// DLPack 1.x's `DLManagedTensorVersioned` (the capsule named "dltensor_versioned").
+#[repr(C)]
+struct DlManagedTensorVersioned {
+    version: DlPackVersion,
+    manager_ctx: *mut std::ffi::c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DlManagedTensorVersioned)>,
+    flags: u64,
+    dl_tensor: DlTensor,
+}
+
+/// `DLPACK_FLAG_BITMASK_READ_ONLY`: the consumer must not write the memory.
+const DL_FLAG_READ_ONLY: u64 = 1 << 0;
+/// `DLPACK_FLAG_BITMASK_IS_COPIED`: the producer exported a copy, not its own memory.
+const DL_FLAG_IS_COPIED: u64 = 1 << 1;
+
+/// The DLPack version this module asks producers for (`max_version`): 1.x, whose
+/// versioned capsule carries the read-only flag.
+const DL_MAX_VERSION: (u32, u32) = (1, 0);
+
 /// Whether `obj` is a DLPack tensor on a CUDA device (asked without exporting it).
 fn dlpack_on_cuda(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
     if !obj.hasattr("__dlpack_device__")? {
@@ -360,21 +535,82 @@ struct DlView {
     len: usize,
     device: DlDevice,
     contiguous: bool,
+    /// The producer marked it read-only (DLPack 1.x; an unversioned capsule never is).
+    read_only: bool,
 }
 
-/// Reads the tensor description of a "dltensor" capsule.
-fn read_capsule(capsule: &Bound<'_, pyo3::types::PyCapsule>) -> PyResult<DlView> {
+/// `obj.__dlpack__(max_version=(1, 0))`, or `obj.__dlpack__()` where the producer does not
+/// take `max_version` (a `TypeError`, as the DLPack protocol says to fall back on).
+fn export_dlpack<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let kwargs = PyDict::new(obj.py());
+    kwargs.set_item("max_version", DL_MAX_VERSION)?;
+    match obj.call_method("__dlpack__", (), Some(&kwargs)) {
+        Err(e) if e.is_instance_of::<PyTypeError>(obj.py()) => obj.call_method0("__dlpack__"),
+        r => r,
+    }
+}
+
+/// Reads the tensor description of an unused "dltensor_versioned" (DLPack 1.x) or
+/// "dltensor" capsule.
+fn read_capsule(capsule: &Bound<'_, PyCapsule>) -> PyResult<DlView> {
     use pyo3::types::PyCapsuleMethods;
-    let p = capsule
-        .pointer_checked(Some(c"dltensor"))
-        .map_err(|_| invalid("__dlpack__ returned a capsule that is not an unused \"dltensor\""))?;
+    if capsule.is_valid_checked(Some(c"dltensor_versioned")) {
+        let p = capsule.pointer_checked(Some(c"dltensor_versioned"))?;
+        // SAFETY: a capsule named "dltensor_versioned" holds a DLManagedTensorVersioned
+        // (DLPack 1.x), owned by the capsule and alive while it is (the caller holds
+        // `capsule`); only its version and flags are read here, which every 1.x and later
+        // version has at these places.
+        let (version, flags) = unsafe {
+            let m = &*p.as_ptr().cast::<DlManagedTensorVersioned>();
+            (m.version, m.flags)
+        };
+        if version.major != 1 {
+            return Err(invalid(format!(
+                "__dlpack__ returned a DLPack {}.{} tensor, and this build reads DLPack 1.x \
+                 (it asked for max_version={DL_MAX_VERSION:?})",
+                version.major, version.minor
+            )));
+        }
+        if flags & DL_FLAG_IS_COPIED != 0 {
+            return Err(invalid(
+                "__dlpack__ exported a copy of the tensor (DLPack's IS_COPIED flag), not its \
+                 own memory: register memory the producer can export without a copy",
+            ));
+        }
+        // SAFETY: as above, and the major version is 1, so the whole struct is DLPack 1's.
+        let view = unsafe {
+            let m = &*p.as_ptr().cast::<DlManagedTensorVersioned>();
+            describe(&m.dl_tensor)?
+        };
+        return Ok(DlView {
+            read_only: flags & DL_FLAG_READ_ONLY != 0,
+            ..view
+        });
+    }
+    let p = capsule.pointer_checked(Some(c"dltensor")).map_err(|_| {
+        invalid(
+            "__dlpack__ returned a capsule that is not an unused \"dltensor_versioned\" nor \
+             \"dltensor\"",
+        )
+    })?;
     // SAFETY: a capsule named "dltensor" holds a DLManagedTensor (the DLPack protocol),
-    // owned by the capsule and alive while it is (we hold `capsule`); it is only read here,
-    // and its shape and strides arrays hold `ndim` entries each (strides may be null).
-    let (t, shape, strides) = unsafe {
+    // owned by the capsule and alive while it is (the caller holds `capsule`).
+    unsafe {
         let m = &*p.as_ptr().cast::<DlManagedTensor>();
-        let t = &m.dl_tensor;
-        let n = usize::try_from(t.ndim).unwrap_or(0);
+        describe(&m.dl_tensor)
+    }
+}
+
+/// What `t` describes (`read_only` false: the caller sets it from the capsule's flags).
+///
+/// # Safety
+///
+/// `t` is a live DLTensor of a capsule: its shape and strides arrays hold `ndim` entries
+/// each (strides may be null).
+unsafe fn describe(t: &DlTensor) -> PyResult<DlView> {
+    let n = usize::try_from(t.ndim).unwrap_or(0);
+    // SAFETY: the caller's contract: `ndim` entries each, read only.
+    let (shape, strides) = unsafe {
         let shape = if n == 0 || t.shape.is_null() {
             Vec::new()
         } else {
@@ -385,13 +621,9 @@ fn read_capsule(capsule: &Bound<'_, pyo3::types::PyCapsule>) -> PyResult<DlView>
         } else {
             Some(std::slice::from_raw_parts(t.strides, n).to_vec())
         };
-        (
-            (t.data as u64, t.byte_offset, t.device, t.dtype),
-            shape,
-            strides,
-        )
+        (shape, strides)
     };
-    let (data, offset, device, dtype) = t;
+    let (data, offset, device, dtype) = (t.data as u64, t.byte_offset, t.device, t.dtype);
     let item_bits = u64::from(dtype.bits) * u64::from(dtype.lanes.max(1));
     if item_bits == 0 || item_bits % 8 != 0 {
         return Err(invalid(format!(
@@ -422,24 +654,32 @@ fn read_capsule(capsule: &Bound<'_, pyo3::types::PyCapsule>) -> PyResult<DlView>
         len,
         device,
         contiguous,
+        read_only: false,
     })
 }
 
 /// A tensor's memory through DLPack: host memory (CPU, CUDA-pinned) or the engine's GPU.
 /// The capsule is kept (unconsumed, so its own destructor frees the tensor's reference
-/// when the registration lets go of it).
+/// when the registration lets go of it). A DLPack 1.x producer's read-only flag refuses
+/// `remote_write`.
 fn dlpack_region(
     obj: &Bound<'_, PyAny>,
     remote_write: bool,
     accept: Accept,
-) -> PyResult<(Arc<dyn MemoryRegion>, Held)> {
+) -> PyResult<(Arc<dyn MemoryRegion>, Keep)> {
     let type_name = obj.get_type().name()?.to_string();
-    let capsule = obj.call_method0("__dlpack__")?;
+    let capsule = export_dlpack(obj)?;
     let cap = capsule
-        .cast::<pyo3::types::PyCapsule>()
+        .cast::<PyCapsule>()
         .map_err(|_| invalid(format!("{type_name}.__dlpack__() did not return a capsule")))?;
     let v = read_capsule(cap)?;
-    let _ = remote_write; // DLPack has no read-only flag: the memory is taken as writable.
+    if remote_write && v.read_only {
+        return Err(invalid(format!(
+            "the {type_name} is read-only (its DLPack export says so), and remote_write=True \
+             lets peers write into it: register a writable tensor (a copy), or pass \
+             remote_write=False for memory that is only a source"
+        )));
+    }
     if !v.contiguous {
         return Err(invalid(format!(
             "the {type_name} is not contiguous: register tensor.contiguous()"
@@ -476,7 +716,7 @@ fn dlpack_region(
                 .ok_or_else(|| invalid(format!("the {type_name} has a null data pointer")))?;
             Ok((
                 Arc::new(PyHostRegion { ptr, len: v.len }),
-                Held::Object {
+                Keep::Object {
                     _obj: capsule.clone().unbind(),
                 },
             ))

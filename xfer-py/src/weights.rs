@@ -301,11 +301,15 @@ impl PyPlan {
 }
 
 /// Registrations as the library's regions, checked against the engine.
-fn regions_of(engine: &Engine, regs: &[Py<Registration>]) -> PyResult<Vec<xfer::Region>> {
+fn regions_of(
+    py: Python<'_>,
+    engine: &Engine,
+    regs: &[Py<Registration>],
+) -> PyResult<Vec<xfer::Region>> {
     regs.iter()
         .map(|r| {
             let r = r.get();
-            engine.check_registration(r)?;
+            engine.check_registration(py, r)?;
             Ok(r.region().clone())
         })
         .collect()
@@ -429,12 +433,15 @@ fn version_of(v: i64) -> PyResult<u32> {
 /// registrations: one Registration per region of the layout, in order (with
 /// remote_read=True if destinations are to pull; kept open while the source lives). chunk_bytes, max_inflight_bytes,
 /// max_inflight_transfers: how pushes are cut and how much may be in flight; timeout: each
-/// transfer's limit, in seconds.
+/// transfer's limit, in seconds. A push raises RegionInvalidated if a registered torch
+/// tensor's storage was resized since it was registered (see Engine.register), and a
+/// piece whose storage its prepare hook moved fails the destinations that need it.
 #[pyclass(module = "xfer.weights", name = "Source", frozen)]
 pub struct PySource {
     engine: Py<Engine>,
-    /// The registrations, kept open while the source lives (a dropped one deregisters).
-    _registrations: Vec<Py<Registration>>,
+    /// The registrations, kept open while the source lives (a dropped one deregisters),
+    /// and checked before each push (a torch tensor's storage must not have moved).
+    registrations: Vec<Py<Registration>>,
     sync: Mutex<SourceSync>,
     /// The registered objects (for stream order), and their CUDA device.
     objs: Vec<(Py<PyAny>, Option<u32>)>,
@@ -458,7 +465,7 @@ impl PySource {
         timeout: Option<f64>,
     ) -> PyResult<PySource> {
         let agent = engine.get().agent_handle()?;
-        let regions = regions_of(engine.get(), &registrations)?;
+        let regions = regions_of(py, engine.get(), &registrations)?;
         let objs = registrations
             .iter()
             .filter_map(|r| r.get().object(py).map(|o| (o, r.get().cuda_device())))
@@ -477,7 +484,7 @@ impl PySource {
             .with_options(o);
         Ok(PySource {
             engine,
-            _registrations: registrations,
+            registrations,
             sync: Mutex::new(sync),
             objs,
         })
@@ -556,6 +563,7 @@ impl PySource {
         stream: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let version = version_of(version)?;
+        Registration::check_storages(py, &self.registrations, "this push is refused")?;
         let cuda = self.objs.iter().find(|(_, d)| d.is_some());
         let base: Option<Arc<dyn Fence>> = match cuda {
             Some((obj, Some(device))) => {
@@ -570,7 +578,7 @@ impl PySource {
             _ => None,
         };
         let cuda_obj = cuda.map(|(o, d)| (o.clone_ref(py), d.unwrap_or(0)));
-        let sync = &self.sync;
+        let (sync, registrations) = (&self.sync, &self.registrations);
         let report = py.detach(|| {
             let sync = lock(sync);
             let hook =
@@ -582,6 +590,14 @@ impl PySource {
                         let got = f
                             .call1(py, (p.index, p.tensor.name.as_str(), p.piece.region))
                             .map_err(|e| e.to_string())?;
+                        // What prepare did may have reallocated the piece's tensor (a
+                        // storage resized to gather it): its bytes are not sent from memory
+                        // that was freed.
+                        if let Some(r) = registrations.get(p.piece.region as usize) {
+                            r.get()
+                                .check_storage(py, &format!("piece {} after prepare", p.index))
+                                .map_err(|e| e.to_string())?;
+                        }
                         if got.is_none(py) {
                             return Ok(base.clone());
                         }
@@ -696,12 +712,15 @@ impl PySource {
 /// engine: its Engine; layout: its Layout; registrations: one Registration per region of
 /// the layout, in order (writable; kept open while the destination lives); sources: how many sources the sync has; rank: its rank
 /// in the plan (None for a destination that joins later). chunk_bytes,
-/// max_inflight_bytes, max_inflight_transfers, timeout: as Source's, for pulls.
+/// max_inflight_bytes, max_inflight_transfers, timeout: as Source's, for pulls. Waits and
+/// pulls raise RegionInvalidated if a registered torch tensor's storage was resized since
+/// it was registered (see Engine.register).
 #[pyclass(module = "xfer.weights", name = "Destination", frozen)]
 pub struct PyDestination {
     engine: Py<Engine>,
-    /// The registrations, kept open while the destination lives.
-    _registrations: Vec<Py<Registration>>,
+    /// The registrations, kept open while the destination lives, and checked before each
+    /// wait and pull (a torch tensor's storage must not have moved).
+    registrations: Vec<Py<Registration>>,
     sync: Mutex<DestinationSync>,
 }
 
@@ -723,7 +742,7 @@ impl PyDestination {
         timeout: Option<f64>,
     ) -> PyResult<PyDestination> {
         let agent = engine.get().agent_handle()?;
-        let regions = regions_of(engine.get(), &registrations)?;
+        let regions = regions_of(py, engine.get(), &registrations)?;
         let l = layout.layout();
         let o = sync_options(
             chunk_bytes,
@@ -737,7 +756,7 @@ impl PyDestination {
             .with_options(o);
         Ok(PyDestination {
             engine,
-            _registrations: registrations,
+            registrations,
             sync: Mutex::new(sync),
         })
     }
@@ -749,6 +768,7 @@ impl PyDestination {
     fn wait(&self, py: Python<'_>, version: i64, timeout: Option<f64>) -> PyResult<()> {
         let version = version_of(version)?;
         let limit = seconds(timeout, "timeout")?;
+        Registration::check_storages(py, &self.registrations, "this wait is refused")?;
         let sync = &self.sync;
         let done = wait_sliced(py, limit, |slice| {
             match lock(sync).wait(version, slice.max(Duration::from_millis(1))) {
@@ -808,6 +828,7 @@ impl PyDestination {
     fn pull(&self, py: Python<'_>, version: Option<i64>, timeout: f64) -> PyResult<u32> {
         let version = version.map(version_of).transpose()?;
         let t = seconds(Some(timeout), "timeout")?.unwrap_or_default();
+        Registration::check_storages(py, &self.registrations, "this pull is refused")?;
         let sync = &self.sync;
         py.detach(|| lock(sync).pull(version, t))
             .map(|r| r.version)

@@ -132,6 +132,45 @@ def test_a_cuda_registration_keeps_its_tensor_alive():
         assert alive() is None
 
 
+def test_a_cuda_tensor_set_elsewhere_keeps_its_storage_and_a_resize_is_refused():
+    """A tensor registered through __cuda_array_interface__: the registration holds its
+    storage, so set_() and del leave the registered memory valid (the caching allocator
+    would hand it out again otherwise); resize_() beyond the storage moves it, and the next
+    write (and close) raises RegionInvalidated."""
+    torch = cuda_or_skip()
+    with xfer.Engine(transport="tcp", memory="cuda") as a, xfer.Engine(transport="tcp", memory="cuda") as b:
+        p = a.add_peer(b.address)
+        data = pattern(4 * PAGE, seed=14)
+        t = torch.from_numpy(data).cuda()
+        rs = a.register(t, remote_write=False)
+        weak = t.untyped_storage()._weak_ref()
+        try:
+            t.set_(torch.zeros(8, dtype=torch.uint8, device="cuda:0"))
+            del t
+            gc.collect()
+            assert not torch.UntypedStorage._expired(weak), "the registration holds the storage"
+            taken = [torch.full((4 * PAGE,), 0xAB, dtype=torch.uint8, device="cuda:0") for _ in range(8)]
+            dst = torch.zeros(4 * PAGE, dtype=torch.uint8, device="cuda:0")
+            rd = b.register(dst)
+            a.write(p, rs, rd.descriptor, [(0, 0, 4 * PAGE)], imm=5).wait(timeout=30)
+            b.wait_imm(5, timeout=30)
+            assert np.array_equal(dst.cpu().numpy(), data)
+            del taken
+            rs.close()
+            gc.collect()
+            assert torch.UntypedStorage._expired(weak), "closing gave the storage back"
+        finally:
+            torch.UntypedStorage._free_weak_ref(weak)
+        src = torch.from_numpy(data).cuda()
+        rs = a.register(src, remote_write=False)
+        src.resize_(64 * PAGE)
+        with pytest.raises(xfer.RegionInvalidated, match="resized or replaced"):
+            a.write(p, rs, rd.descriptor, [(0, 0, PAGE)])
+        with pytest.raises(xfer.RegionInvalidated):
+            rs.close()
+        assert rs.closed
+
+
 # Stream order: the source is computed by a kernel queued behind about half a second of GPU
 # time, and the transfer is submitted at once. It must move the kernel's bytes, not what
 # was there before; and the target, reading on a stream of its own right after wait_imm,

@@ -37,7 +37,8 @@ ranks, and classes with the calls of vLLM's KV connector and SGLang's sender/rec
 Errors are subclasses of :class:`Error`, one per kind (``TimedOut`` and its
 ``PeerStalled``: a peer that stopped answering while its connection stands, with
 ``Engine(stall_timeout=...)``; ``PeerUnreachable``, ``PeerRemoved``, ``RemoteKeyInvalid``, ``OutOfBounds``,
-``PermissionDenied``, ``InvalidArgument``, ...), raised with the engine's message.
+``PermissionDenied``, ``InvalidArgument`` and its ``RegionInvalidated``: a registered torch
+tensor whose storage was resized, ...), raised with the engine's message.
 """
 
 from ._xfer import (  # noqa: F401
@@ -61,6 +62,7 @@ from ._xfer import (  # noqa: F401
     Publication,
     Registration,
     RegionInUse,
+    RegionInvalidated,
     Server,
     RemoteKeyInvalid,
     TimedOut,
@@ -96,6 +98,7 @@ __all__ = [
     "Cancelled",
     "EngineClosed",
     "RegionInUse",
+    "RegionInvalidated",
     "Unsupported",
     "TransportFailed",
     "weights",

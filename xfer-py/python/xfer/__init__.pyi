@@ -43,6 +43,12 @@ class Cancelled(Error):
 class ForeignHandle(InvalidArgument):
     """A Peer or Registration of another engine was given to this one."""
 
+class RegionInvalidated(InvalidArgument):
+    """The registered torch tensor's storage was resized or replaced after registration
+    (resize_ reallocates it), so the memory registered may have been freed: register the
+    tensor again. Raised by the next local use of the registration (a transfer, a push or
+    pull, close: which closes all the same)."""
+
 class EngineClosed(Error):
     """The engine is closed (or its worker stopped)."""
 
@@ -56,7 +62,8 @@ class TransportFailed(Error):
     """The transport failed in its own way (OS, provider or device error)."""
 
 class Registration:
-    """Memory registered with an engine; the object stays alive until close()."""
+    """Memory registered with an engine; the object stays alive until close() (a torch
+    tensor's storage too: resizing it makes the next use raise RegionInvalidated)."""
 
     @property
     def descriptor(self) -> bytes:
@@ -75,7 +82,10 @@ class Registration:
     def closed(self) -> bool:
         """Whether the registration is closed."""
     def close(self) -> None:
-        """Deregisters and lets go of the object; RegionInUse while transfers use it."""
+        """Deregisters and lets go of the object; RegionInUse while transfers use it.
+
+        A torch tensor whose storage was resized since it was registered is closed all the
+        same, then RegionInvalidated is raised (transfers may have used freed memory)."""
     def __enter__(self) -> Registration: ...
     def __exit__(
         self,
@@ -194,7 +204,19 @@ class Engine:
     def register(
         self, obj: Any, remote_write: bool = True, remote_read: bool = False
     ) -> Registration:
-        """Registers a buffer-protocol object or a CUDA tensor."""
+        """Registers a buffer-protocol object, a CUDA tensor or a DLPack tensor.
+
+        Read-only memory (bytes, a read-only memoryview, a numpy array with
+        writeable=False, a __cuda_array_interface__ or DLPack 1.x export marked read-only)
+        with remote_write=True raises InvalidArgument; remote_write=False (a source only,
+        remote_read=True for peers' reads) takes it.
+
+        A torch tensor: its storage is held with the registration, so set_() or del of the
+        tensor leaves the registered memory valid. resize_() that outgrows the storage
+        reallocates it (torch cannot make a storage non-resizable): the next local use of
+        the registration (a transfer, a push or pull, close) raises RegionInvalidated. A
+        peer's write that lands before that, into memory that was freed, cannot be caught:
+        do not resize a registered tensor."""
     def add_peer(self, address: bytes) -> Peer:
         """Adds a peer by its Engine.address, over the best transport both offer.
 
