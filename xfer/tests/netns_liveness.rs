@@ -21,27 +21,19 @@
 
 #[path = "../../transport-tcp/tests/netns/mod.rs"]
 mod netns;
+mod netns_target;
 
-use fabric_core::MemoryLocation;
-use fabric_core::engine::{EngineConfig, RailGroup};
 use netns::{NetPair, Side};
-use std::collections::BTreeSet;
-use std::io::{BufRead, BufReader, Write};
-use std::net::{IpAddr, SocketAddr};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use netns_target::{RAILS, Target, agent, connections, cut, metric, ports_of};
+use std::io::{BufRead, Write};
+use std::net::IpAddr;
 use std::time::{Duration, Instant};
-use transport_tcp::{TcpConfig, TcpTransport};
-use xfer::{
-    Access, Agent, AgentInfo, Error, ErrorKind, HostBuffer, RegionDescriptor, Transfer,
-    TransportKind,
-};
+use xfer::{Access, Error, ErrorKind, HostBuffer, RegionDescriptor, Transfer};
 
 /// The target's region (and the largest transfer).
 const LEN: u64 = 4 << 30;
 /// The unit of the pattern: each chunk holds one byte value, different from its neighbours'.
 const CHUNK: u64 = 64 << 10;
-const RAILS: usize = 2;
-const TOKEN: &str = "netns-liveness-token";
 /// Far beyond what any transfer here needs, so that nothing passes by timing out.
 const T: Duration = Duration::from_secs(300);
 const TARGET_ENV: &str = "XFER_NETNS_TARGET";
@@ -66,47 +58,18 @@ fn holds(mem: &HostBuffer, round: u8, len: u64) -> bool {
     })
 }
 
-/// An agent of `RAILS` tcp rails listening on `ip` at `ports` (0: any), with the token and
-/// the transport's default liveness timeout.
-fn agent(name: &str, ip: IpAddr, ports: &[u16]) -> Agent {
-    let ports = ports.to_vec();
-    let group = RailGroup::spawn(
-        RAILS,
-        move |i| {
-            TcpTransport::new(TcpConfig {
-                listen: SocketAddr::new(ip, ports[i]),
-                auth_token: Some(TOKEN.into()),
-                ..TcpConfig::default()
-            })
-        },
-        EngineConfig::default(),
-    )
-    .expect("tcp rails");
-    Agent::from_groups(
-        name,
-        MemoryLocation::Host,
-        vec![(TransportKind::Tcp, group)],
-    )
-    .expect("an agent")
-}
-
-/// The target process: `ADDR,PORT,PORT` in `XFER_NETNS_TARGET`. Prints its agent's and
-/// region's metadata (hex), then answers each line `check ROUND LEN` with `ok` when its
-/// region holds that round's pattern over `[0, LEN)` (round 0: zeros), `bad` otherwise.
+/// The target process (`XFER_NETNS_TARGET` set): announces its agent and region, then
+/// answers each line `check ROUND LEN` with `ok` when its region holds that round's pattern
+/// over `[0, LEN)` (round 0: zeros), `bad` otherwise.
 fn target(spec: &str) {
-    let mut parts = spec.split(',');
-    let ip: IpAddr = parts.next().unwrap().parse().expect("an address");
-    let ports: Vec<u16> = parts.map(|p| p.parse().expect("a port")).collect();
-    assert_eq!(ports.len(), RAILS);
-    let b = agent("liveness-target", ip, &ports);
+    let (ip, ports) = netns_target::parse_spec(spec);
+    let b = agent("liveness-target", ip, &ports, None);
     let mem = HostBuffer::new_shared(LEN as usize).expect("memory");
     let r = b
         .register(mem.clone(), Access::REMOTE_WRITE)
         .expect("a region");
+    netns_target::announce(&b.info(), r.descriptor());
     let mut out = std::io::stdout().lock();
-    writeln!(out, "{}", hex::encode(b.info().to_bytes().unwrap())).unwrap();
-    writeln!(out, "{}", hex::encode(r.descriptor().to_bytes().unwrap())).unwrap();
-    out.flush().unwrap();
     for line in std::io::stdin().lock().lines() {
         let line = line.expect("a line");
         let mut w = line.split_whitespace().skip(1);
@@ -118,114 +81,9 @@ fn target(spec: &str) {
     }
 }
 
-/// The target process, started in namespace B.
-struct Target {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<std::process::ChildStdout>,
-}
-
-impl Target {
-    fn start(net: &NetPair, ports: &[u16]) -> (Target, AgentInfo, RegionDescriptor) {
-        let spec = std::iter::once(net.ip(Side::B).to_string())
-            .chain(ports.iter().map(|p| p.to_string()))
-            .collect::<Vec<_>>()
-            .join(",");
-        // `ip netns exec` enters the namespace and execs the binary: the child's pid is
-        // the target's own, for the signals.
-        let exe = std::env::current_exe().unwrap();
-        let mut child = Command::new("ip")
-            .args(["netns", "exec", net.name(Side::B)])
-            .arg(exe)
-            .env(TARGET_ENV, spec)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("the target process");
-        let stdin = child.stdin.take().unwrap();
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut line = || {
-            let mut l = String::new();
-            stdout.read_line(&mut l).expect("the target's metadata");
-            hex::decode(l.trim()).expect("the target's metadata, in hex")
-        };
-        let info = AgentInfo::from_bytes(&line()).unwrap();
-        let desc = RegionDescriptor::from_bytes(&line()).unwrap();
-        let t = Target {
-            child,
-            stdin,
-            stdout,
-        };
-        (t, info, desc)
-    }
-
-    fn signal(&self, sig: libc::c_int) {
-        // SAFETY: kill has no memory preconditions; the pid is our own child's, not reaped.
-        let r = unsafe { libc::kill(self.child.id() as libc::pid_t, sig) };
-        assert_eq!(r, 0, "kill({sig}): {}", std::io::Error::last_os_error());
-    }
-
-    fn holds(&mut self, round: u8, len: u64) -> bool {
-        writeln!(self.stdin, "check {round} {len}").unwrap();
-        self.stdin.flush().unwrap();
-        let mut l = String::new();
-        self.stdout.read_line(&mut l).unwrap();
-        l.trim() == "ok"
-    }
-
-    /// Kills the process and waits for it to be gone (its ports free again).
-    fn kill(mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Target {
-    fn drop(&mut self) {
-        // SAFETY: as in `signal`; a continued process is killed at once below.
-        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGCONT) };
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// The ports of the target's tcp rails (`tcp://ADDR:PORT`).
-fn ports_of(info: &AgentInfo) -> Vec<u16> {
-    info.transport(TransportKind::Tcp)
-        .unwrap()
-        .rails
-        .iter()
-        .map(|a| {
-            let a = std::str::from_utf8(a).unwrap();
-            a.rsplit(':').next().unwrap().parse().unwrap()
-        })
-        .collect()
-}
-
-/// The established tcp connections of this namespace (`ss`), as (local, peer) pairs.
-fn connections() -> BTreeSet<(String, String)> {
-    let out = Command::new("ss")
-        .args(["-Htn", "state", "established"])
-        .output()
-        .expect("ss");
-    assert!(out.status.success(), "ss: {out:?}");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| {
-            let w: Vec<&str> = l.split_whitespace().collect();
-            (w.len() >= 4).then(|| (w[2].to_string(), w[3].to_string()))
-        })
-        .collect()
-}
-
-fn metric(a: &Agent, name: &str) -> u64 {
-    let m = a.metrics();
-    m.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')))
-        .unwrap_or_else(|| panic!("no {name} in\n{m}"))
-        .trim()
-        .parse()
-        .unwrap()
+/// Whether the target's region holds round `round` over `[0, len)`.
+fn target_holds(p: &mut Target, round: u8, len: u64) -> bool {
+    p.ask(&format!("check {round} {len}")) == "ok"
 }
 
 /// Waits until namespace A has sent `bytes` more on its veth than `from` (the transfer is
@@ -235,26 +93,6 @@ fn sent_beyond(net: &NetPair, from: u64, bytes: u64) {
     while net.tx_bytes(Side::A, net.dev(Side::A)).unwrap() < from + bytes {
         assert!(Instant::now() < deadline, "the transfer never got that far");
         std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
-/// Drops every packet both sides receive on their veth (a cut link), or stops dropping.
-fn cut(net: &NetPair, on: bool) {
-    for side in [Side::A, Side::B] {
-        let dev = net.dev(side);
-        let rules: Vec<String> = if on {
-            vec![
-                "add table inet xfercut".into(),
-                "add chain inet xfercut in { type filter hook prerouting priority -10 ; }".into(),
-                format!("add rule inet xfercut in iifname {dev} drop"),
-            ]
-        } else {
-            vec!["delete table inet xfercut".into()]
-        };
-        for r in &rules {
-            let args: Vec<&str> = r.split_whitespace().collect();
-            net.exec(side, "nft", &args).expect("nft");
-        }
     }
 }
 
@@ -270,11 +108,12 @@ fn main() {
     }
     // This process is host A: its threads (the agent's rails) inherit the namespace.
     netns::enter(net.name(Side::A)).expect("enter namespace A");
-    let (mut p, info, desc) = Target::start(&net, &[0; RAILS]);
+    let (mut p, info, desc) = Target::start(&net, TARGET_ENV, &[0; RAILS]);
     let a = agent(
         "liveness-initiator",
         IpAddr::V4(net.ip(Side::A)),
         &[0; RAILS],
+        None,
     );
     let mem = HostBuffer::new_shared(LEN as usize).unwrap();
     let src = a.register(mem.clone(), Access::NONE).unwrap();
@@ -288,7 +127,7 @@ fn main() {
         .unwrap()
         .wait(T)
         .expect("a first write");
-    assert!(p.holds(1, 1 << 20));
+    assert!(target_holds(&mut p, 1, 1 << 20));
     let before = connections();
     assert_eq!(before.len(), RAILS, "one connection per rail: {before:?}");
 
@@ -329,7 +168,10 @@ fn main() {
     h.wait(T)
         .expect("the transfer completes once the target goes on");
     let done = resumed.elapsed();
-    assert!(p.holds(2, LEN), "every byte of the 4 GiB landed");
+    assert!(
+        target_holds(&mut p, 2, LEN),
+        "every byte of the 4 GiB landed"
+    );
     assert_eq!(
         connections(),
         before,
@@ -362,12 +204,15 @@ fn main() {
     h.wait(T)
         .expect("the transfer in flight completes once the link is back");
     let done = restored.elapsed();
-    assert!(p.holds(3, len), "every byte of the 1 GiB landed");
+    assert!(
+        target_holds(&mut p, 3, len),
+        "every byte of the 1 GiB landed"
+    );
     write(&desc, 4, 1 << 20)
         .expect("the next transfer, with no call of the application")
         .wait(T)
         .expect("the next transfer");
-    assert!(p.holds(4, 1 << 20));
+    assert!(target_holds(&mut p, 4, 1 << 20));
     assert_eq!(connections(), before, "the connections outlived the cut");
     assert_eq!(metric(&a, "xfer_reconnects_total"), 0);
     println!(
@@ -379,7 +224,7 @@ fn main() {
     // 3. The target killed and started again on the same addresses, under the same name.
     let ports = ports_of(&info);
     p.kill();
-    let (mut p, info2, desc2) = Target::start(&net, &ports);
+    let (mut p, info2, desc2) = Target::start(&net, TARGET_ENV, &ports);
     assert_eq!(ports_of(&info2), ports);
     assert_ne!(info2.instance, info.instance, "a new incarnation");
     // The transfer that meets the dead connection fails typed, naming the peer.
@@ -400,7 +245,7 @@ fn main() {
     };
     assert_eq!(e.kind(), ErrorKind::RemoteAccess, "{e:?}");
     assert!(
-        p.holds(0, LEN),
+        target_holds(&mut p, 0, LEN),
         "nothing of the new process's memory changed"
     );
     // Told of the new incarnation (the directory's follow, a rendezvous), the agent refuses
@@ -413,14 +258,17 @@ fn main() {
         "{e:?}"
     );
     assert!(
-        p.holds(0, LEN),
+        target_holds(&mut p, 0, LEN),
         "nothing of the new process's memory changed"
     );
     write(&desc2, 8, 1 << 20)
         .unwrap()
         .wait(T)
         .expect("a write through the new process's descriptor");
-    assert!(p.holds(8, 1 << 20), "it landed in the new process");
+    assert!(
+        target_holds(&mut p, 8, 1 << 20),
+        "it landed in the new process"
+    );
     println!(
         "target killed and restarted on the same addresses: the dead connection failed \
          typed, the old descriptor refused (RemoteKeyInvalid by the new process, then \
