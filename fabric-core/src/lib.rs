@@ -28,9 +28,12 @@
 //! the in-memory transport's small-integer keys, in place of a hasher written here),
 //! `postcard` (the compact byte form of the [`metadata`]: a maintained serde format that
 //! reads untrusted input without panicking and grows nothing beyond the input's size) and
-//! `hex` (byte strings in the metadata's JSON form).
+//! `hex` (byte strings in the metadata's JSON form); `hmac` and `sha2` for [`auth`], the
+//! challenge and response by which both ends of a connection prove a shared token (every
+//! transport that has one uses it, so it lives here).
 #![warn(missing_docs)]
 
+pub mod auth;
 pub mod engine;
 pub mod error;
 pub mod fence;

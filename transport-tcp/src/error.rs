@@ -302,23 +302,9 @@ pub enum FrameError {
     Reserved(u8),
 }
 
-/// Why a nonce could not be made or parsed (see [`auth`](crate::auth)).
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum AuthError {
-    /// The operating system's random source failed.
-    #[error("the operating system's random source failed")]
-    Random(#[source] getrandom::Error),
-    /// A hexadecimal nonce of the wrong length.
-    #[error(
-        "a nonce is {digits} hexadecimal digits, not {0} bytes",
-        digits = 2 * crate::auth::NONCE_LEN
-    )]
-    NonceLength(usize),
-    /// A nonce with a character that is not a hexadecimal digit.
-    #[error("a nonce is hexadecimal digits only")]
-    NonceNotHex,
-}
+// Why a nonce could not be made or parsed: `fabric_core::auth`'s (the source of
+// `TcpError::Random`; public as `auth::AuthError`).
+pub use fabric_core::auth::AuthError;
 
 /// The error under a failed copy: the CUDA driver's, or the memory layer's.
 #[derive(Debug, thiserror::Error)]
