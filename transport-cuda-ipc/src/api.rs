@@ -2,8 +2,8 @@
 
 use crate::wire::{self, Header, Op};
 use crate::{
-    Conn, CudaIpcTransport, FrameConn, IpcAddress, Link, LocalRegion, Peer, Role, TargetRegion,
-    WriteOp,
+    Conn, CudaIpcTransport, FrameConn, Handshake, IpcAddress, Link, LocalRegion, Peer, Role,
+    TargetRegion, WriteOp,
 };
 use fabric_core::{
     Access, Completion, Error, LocalKey, LocalSlice, MemoryRegion, OpError, PeerId, PostOutcome,
@@ -53,17 +53,27 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
             tracing::debug!("SO_PEERCRED of a CUDA IPC peer failed ({e}): another process");
             None
         });
-        let mut io = FrameConn::new(stream, self.max_payload())
+        // Our HELLO's nonce, fresh for this connection: the target's PROOF must cover it.
+        let nonce = fabric_core::auth::Nonce::new().map_err(|e| Error::Backend {
+            call: "draw a nonce for the CUDA IPC handshake",
+            message: e.to_string(),
+            source: Some(Arc::new(e)),
+        })?;
+        // Nothing leaves before the target's CHALLENGE (then our HELLO), and frames are
+        // handshake-sized until its PROOF has come.
+        let io = FrameConn::new(stream, wire::HANDSHAKE_MAX_PAYLOAD)
             .map_err(|e| Error::io("set_nonblocking", e))?;
-        Header::new(Op::Hello, 0, wire::VERSION, self.address.len() as u64).encode(io.out());
-        io.out().extend_from_slice(&self.address);
         let id = PeerId(self.next_peer);
         self.next_peer += 1;
+        let now = Instant::now();
         let idx = self.insert_conn(Conn {
             io,
             role: Role::Initiator(id),
+            hs: Handshake::AwaitingChallenge { nonce },
+            held: Vec::new(),
+            opened: now,
             paused: false,
-            last_heard: Instant::now(),
+            last_heard: now,
         });
         self.peers.insert(
             id,
@@ -81,6 +91,21 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
             },
         );
         Ok(id)
+    }
+
+    /// Ready once the target has proved itself (its PROOF); a refused or failed handshake is
+    /// its error (a refusal: [`OpError::Transport`] whose cause is the
+    /// [`HandshakeError`](crate::HandshakeError)), after which the peer is gone.
+    fn peer_ready(&mut self, peer: PeerId) -> Result<bool> {
+        let p = self.peers.get(&peer).ok_or(Error::UnknownPeer(peer))?;
+        if let Some(why) = p.broken.clone() {
+            self.peers.remove(&peer);
+            return Err(Error::Op(why));
+        }
+        Ok(p.conn
+            .and_then(|i| self.conns.get(i))
+            .and_then(Option::as_ref)
+            .is_some_and(|c| c.hs.is_done()))
     }
 
     fn remove_peer(&mut self, peer: PeerId) -> Result<()> {
@@ -172,8 +197,15 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
         };
         let mut h = Header::new(Op::Send, wr_id.0, 0, src.len);
         h.imm = imm;
-        h.encode(c.io.out());
-        c.io.out().extend_from_slice(&bytes);
+        // Held until the target has proved itself: no byte of ours goes to a peer that has
+        // not.
+        let out = if c.hs.is_done() {
+            c.io.out()
+        } else {
+            &mut c.held
+        };
+        h.encode(out);
+        out.extend_from_slice(&bytes);
         self.outstanding += 1;
         Ok(PostOutcome::Posted)
     }

@@ -46,6 +46,11 @@ impl FrameConn {
         &mut self.out
     }
 
+    /// Sets the longest payload a frame may announce (small until the handshake is over).
+    pub fn set_max_payload(&mut self, max_payload: u64) {
+        self.max_payload = max_payload;
+    }
+
     /// Whether bytes wait to be written.
     pub fn has_output(&self) -> bool {
         self.sent < self.out.len()

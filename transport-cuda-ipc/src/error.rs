@@ -1,10 +1,114 @@
 //! Why a control connection is closed: its socket failed or the peer closed it
-//! ([`ConnError`]), or the peer broke the protocol ([`ProtocolError`]). Neither leaves the
-//! crate as such: the pending operations of the connection's peer fail with
+//! ([`ConnError`]), the peer broke the protocol ([`ProtocolError`]), or its handshake was
+//! refused ([`HandshakeError`]). The first two do not leave the crate as such: the pending
+//! operations of the connection's peer fail with
 //! [`OpError::PeerUnreachable`](fabric_core::OpError::PeerUnreachable), whose reason is the
-//! error with its sources ([`fabric_core::error::report`]).
+//! error with its sources ([`fabric_core::error::report`]). A refused handshake fails them
+//! with [`OpError::Transport`] whose cause is the [`HandshakeError`] itself (a handshake that
+//! did not end in time, with `PeerUnreachable`), and an accepted connection's refusal is
+//! kept for [`CudaIpcTransport::take_auth_refusals`](crate::CudaIpcTransport::take_auth_refusals).
 
 use crate::wire::{Op, WireError};
+use fabric_core::{OpError, PeerId};
+use std::time::Duration;
+
+/// Why a connection's handshake (see [`wire`](crate::wire)) was refused, on either side.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum HandshakeError {
+    /// The peer has no token and this side has one: refused, whichever side connected.
+    #[error(
+        "authentication refused: the peer has no auth token and this side has one (give both sides the same token)"
+    )]
+    PeerHasNoToken,
+    /// The peer has a token and this side has none: refused, whichever side connected.
+    #[error(
+        "authentication refused: the peer has an auth token and this side has none (give both sides the same token)"
+    )]
+    NoTokenHere,
+    /// (Target) a HELLO whose tag is not the token's for this connection's CHALLENGE: another
+    /// token, or a HELLO recorded on another connection.
+    #[error(
+        "authentication failed: the HELLO does not prove the token for this connection's challenge"
+    )]
+    AuthenticationFailed,
+    /// (Initiator) a PROOF whose tag is not the token's for our HELLO's nonce: the target
+    /// has another token, or is not the target we meant (one that replays a PROOF).
+    #[error(
+        "authentication failed: the target's PROOF does not prove the token for this connection's nonce"
+    )]
+    ProofFailed,
+    /// (Initiator) the target refused our HELLO's tag ([`Op::Refuse`]): its token is not
+    /// ours.
+    #[error(
+        "authentication refused by the target: our HELLO does not prove its token (the tokens differ)"
+    )]
+    RefusedByTarget,
+    /// (Initiator) a [`Op::Refuse`] giving a reason this side does not know.
+    #[error("the target refused the handshake (reason {0})")]
+    UnknownRefusal(u64),
+    /// An authentication mode that is neither [`AUTH_NONE`](crate::wire::AUTH_NONE) nor
+    /// [`AUTH_TOKEN`](crate::wire::AUTH_TOKEN).
+    #[error("unknown authentication mode {0}")]
+    UnknownAuthMode(u64),
+    /// The peer speaks another protocol version (a target's CHALLENGE, an initiator's
+    /// HELLO).
+    #[error(
+        "the peer speaks CUDA IPC protocol version {0}, this side {ours} (run the same xfer release on both sides)",
+        ours = crate::wire::VERSION
+    )]
+    Version(u64),
+    /// A frame the handshake did not expect where it stands (`expected` names the one due).
+    #[error("{op:?} frame during the handshake, where a {expected} was due")]
+    Unexpected {
+        /// The frame that came.
+        op: Op,
+        /// The frame that was due.
+        expected: &'static str,
+    },
+    /// A handshake frame of the wrong size.
+    #[error("malformed handshake frame")]
+    Malformed(#[source] WireError),
+    /// (Initiator) no CHALLENGE within `peer_timeout`.
+    #[error(
+        "no CHALLENGE within {0:?} (a target of protocol version 2 or older sends none: it waits for a HELLO)"
+    )]
+    NoChallenge(Duration),
+    /// (Initiator) no PROOF within `peer_timeout` of the connection's start.
+    #[error("no PROOF within {0:?}")]
+    NoProof(Duration),
+}
+
+impl HandshakeError {
+    /// Whether this is a refusal of authentication (a token missing on one side, or
+    /// another token), rather than a version or protocol fault or a time-out.
+    pub fn is_authentication(&self) -> bool {
+        matches!(
+            self,
+            HandshakeError::PeerHasNoToken
+                | HandshakeError::NoTokenHere
+                | HandshakeError::AuthenticationFailed
+                | HandshakeError::ProofFailed
+                | HandshakeError::RefusedByTarget
+                | HandshakeError::UnknownAuthMode(_)
+        )
+    }
+
+    /// What the pending operations of `peer` fail with: a handshake that did not end in
+    /// time leaves the peer unreachable (retryable, as any silent peer); a refusal is the
+    /// refusal itself, as [`OpError::Transport`] (not retryable).
+    pub(crate) fn op_error(self, peer: PeerId) -> OpError {
+        match self {
+            HandshakeError::NoChallenge(_) | HandshakeError::NoProof(_) => {
+                OpError::PeerUnreachable {
+                    peer,
+                    reason: self.to_string(),
+                }
+            }
+            refusal => OpError::transport(refusal),
+        }
+    }
+}
 
 /// Why a connection's socket is gone.
 #[derive(Debug, thiserror::Error)]
@@ -42,9 +146,9 @@ pub(crate) enum ProtocolError {
     /// A HELLO on a connection past its HELLO.
     #[error("second HELLO")]
     SecondHello,
-    /// A HELLO of a protocol version this side does not speak.
-    #[error("protocol version {0} (we speak {ours})", ours = crate::wire::VERSION)]
-    Version(u64),
+    /// The handshake was refused.
+    #[error(transparent)]
+    Handshake(#[from] HandshakeError),
     /// A HELLO whose payload is not an address.
     #[error(transparent)]
     HelloAddress(fabric_core::Error),
@@ -122,8 +226,18 @@ mod tests {
             "the peer closed the connection"
         );
         assert_eq!(
-            report(&ProtocolError::Version(9)),
-            format!("protocol version 9 (we speak {})", crate::wire::VERSION)
+            report(&ProtocolError::Handshake(HandshakeError::Version(9))),
+            format!(
+                "the peer speaks CUDA IPC protocol version 9, this side {} (run the same xfer release on both sides)",
+                crate::wire::VERSION
+            )
+        );
+        assert_eq!(
+            report(&HandshakeError::Malformed(WireError::BadPayload {
+                op: Op::Challenge,
+                len: 3
+            })),
+            "malformed handshake frame: Challenge frame with a malformed 3-byte payload"
         );
         assert_eq!(
             report(&ProtocolError::BeforeHello(Op::Reserve)),
@@ -141,5 +255,29 @@ mod tests {
             report(&ProtocolError::KeyInfoRecords(0)),
             "KeyInfo with 0 records (one expected)"
         );
+    }
+
+    /// A refusal fails operations with itself (not retryable); a time-out with an
+    /// unreachable peer (retryable).
+    #[test]
+    fn refusals_are_typed_and_final_time_outs_retryable() {
+        let peer = PeerId(3);
+        let e = HandshakeError::RefusedByTarget.op_error(peer);
+        let OpError::Transport(t) = &e else {
+            panic!("{e:?}")
+        };
+        assert_eq!(
+            t.downcast_ref::<HandshakeError>(),
+            Some(&HandshakeError::RefusedByTarget)
+        );
+        assert!(!e.is_retryable());
+        let e = HandshakeError::NoChallenge(Duration::from_secs(1)).op_error(peer);
+        assert!(
+            matches!(&e, OpError::PeerUnreachable { reason, .. } if reason.contains("no CHALLENGE")),
+            "{e:?}"
+        );
+        assert!(e.is_retryable());
+        assert!(HandshakeError::PeerHasNoToken.is_authentication());
+        assert!(!HandshakeError::Version(2).is_authentication());
     }
 }

@@ -79,6 +79,10 @@ impl<L: Link> CudaIpcTransport<L> {
             let Some(Some(c)) = self.conns.get_mut(ci) else {
                 continue;
             };
+            // No reservation (no key, no range) before the target has proved itself.
+            if !c.hs.is_done() {
+                continue;
+            }
             while !p.pending.is_empty() && p.in_flight < window {
                 // A batch is all writes or all reads (its reservation says which).
                 let read = p.pending.front().is_some_and(|o| o.read);

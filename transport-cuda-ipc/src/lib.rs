@@ -38,6 +38,22 @@
 //! Abstract Unix sockets are reachable by every process in the same network namespace;
 //! remote keys are random 64-bit values, so a process must be given a descriptor to write.
 //!
+//! **The token.** With [`CudaIpcConfig::auth_token`], both ends of every control connection
+//! prove it by challenge and response before anything else ([`fabric_core::auth`]; the
+//! handshake is in [`wire`]): the target sends a fresh nonce, the initiator's HELLO answers
+//! it with an HMAC-SHA256 keyed by the token and carries a nonce of its own, which the
+//! target's PROOF answers in the other direction's context. The target checks the HELLO (in
+//! constant time) before it handles any reservation or SEND, and sends no handle, grant or
+//! answer before; the initiator sends no reservation, SEND or handle request before the
+//! PROOF has verified. A token on one side only is refused by both, each saying which side
+//! lacks it ([`HandshakeError::PeerHasNoToken`], [`HandshakeError::NoTokenHere`]); another
+//! token is [`HandshakeError::RefusedByTarget`] at the initiator and
+//! [`HandshakeError::AuthenticationFailed`] at the target. The initiator's operations (and
+//! [`peer_ready`](fabric_core::Transport::peer_ready)) fail with [`OpError::Transport`]
+//! whose cause is the [`HandshakeError`]; the target logs its refusals and keeps them for
+//! [`CudaIpcTransport::take_auth_refusals`]. The token guards the control socket only: it
+//! does not change what a handle, once sent to a peer that proved it, opens (below).
+//!
 //! **What a peer can reach.** The target checks every reservation against the region's key,
 //! registered range (with checked arithmetic) and access (REMOTE_WRITE for writes,
 //! REMOTE_READ for reads) and answers a refused one with its verdict (the initiator's
@@ -110,12 +126,14 @@ mod address;
 mod api;
 mod conn;
 mod error;
+mod handshake;
 mod initiator;
 mod link;
 mod target;
 pub mod wire;
 
 pub use address::{IpcAddress, boot_id, is_local_address};
+pub use error::HandshakeError;
 
 use conn::{FrameConn, ReadOutcome};
 use error::ProtocolError;
@@ -124,13 +142,14 @@ use fabric_core::{
     RemoteKey, Result, WorkRequestId,
 };
 use gpu_mem::Cuda;
+use handshake::Handshake;
 pub use link::{CudaLink, Link, LinkError, LinkExport, LoopbackLink, LoopbackMapping};
 use std::collections::{HashMap, VecDeque};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use wire::{Reserve, Status};
+use wire::{Header, Op, Reserve, Status};
 
 /// The maps on the data path, looked up once or more per operation: their keys are integers
 /// this process chose (local keys, peer ids, batch numbers) or random 64-bit remote keys, so
@@ -140,8 +159,8 @@ type FastMap<K, V> = rustc_hash::FxHashMap<K, V>;
 /// See [`FastMap`].
 type FastSet<K> = rustc_hash::FxHashSet<K>;
 
-/// Settings of a [`CudaIpcTransport`].
-#[derive(Clone, Debug)]
+/// Settings of a [`CudaIpcTransport`]. Its `Debug` form does not show the token.
+#[derive(Clone)]
 pub struct CudaIpcConfig {
     /// The CUDA device this transport copies from (its stream and mappings live there).
     pub device: u32,
@@ -160,14 +179,42 @@ pub struct CudaIpcConfig {
     pub max_unexpected_count: usize,
     /// See `max_unexpected_count`.
     pub max_unexpected_bytes: usize,
-    /// How long a peer may leave a reservation (or a new connection its HELLO) unanswered
-    /// before it is declared unreachable.
+    /// How long a peer may leave a reservation unanswered before it is declared
+    /// unreachable, and how long a new connection's handshake may take (an accepted one's
+    /// HELLO; one we opened, the target's CHALLENGE and PROOF).
     pub peer_timeout: Duration,
     /// Most open connections.
     pub max_connections: usize,
     /// How batches of copies are issued (`None`: the best that works here, the copy kernel
     /// first); forcing one is for comparisons. Was the `XFER_CUDA_COPY` variable.
     pub copy_method: Option<gpu_mem::CopyMethod>,
+    /// A shared secret that both ends of every control connection prove to each other
+    /// before any reservation, handle, SEND or copy (see the [crate documentation](crate)).
+    /// A peer with another token, or without one, is refused, and so is one with a token
+    /// when this side has none. `None`: every peer without a token is let in.
+    pub auth_token: Option<String>,
+}
+
+impl std::fmt::Debug for CudaIpcConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaIpcConfig")
+            .field("device", &self.device)
+            .field("max_msg_size", &self.max_msg_size)
+            .field("max_send_size", &self.max_send_size)
+            .field("max_outstanding", &self.max_outstanding)
+            .field("max_batch", &self.max_batch)
+            .field("max_batches_in_flight", &self.max_batches_in_flight)
+            .field("max_unexpected_count", &self.max_unexpected_count)
+            .field("max_unexpected_bytes", &self.max_unexpected_bytes)
+            .field("peer_timeout", &self.peer_timeout)
+            .field("max_connections", &self.max_connections)
+            .field("copy_method", &self.copy_method)
+            .field(
+                "auth_token",
+                &self.auth_token.as_ref().map(|_| "<redacted>"),
+            )
+            .finish()
+    }
 }
 
 impl Default for CudaIpcConfig {
@@ -184,6 +231,7 @@ impl Default for CudaIpcConfig {
             peer_timeout: Duration::from_secs(5),
             max_connections: 1024,
             copy_method: None,
+            auth_token: None,
         }
     }
 }
@@ -252,7 +300,7 @@ struct Peer<M> {
     conn: Option<usize>,
     address: Vec<u8>,
     /// Set once the connection is gone: later posts fail with this.
-    broken: Option<String>,
+    broken: Option<OpError>,
     pending: VecDeque<WriteOp>,
     reserving: FastMap<u64, (Instant, Vec<WriteOp>)>,
     next_batch: u64,
@@ -278,13 +326,19 @@ enum Role {
         /// Regions of granted batches, kept alive until DONE, and how many writes each
         /// batch was granted.
         granted: FastMap<u64, (Vec<Arc<dyn MemoryRegion>>, usize)>,
-        opened: Instant,
     },
 }
 
 struct Conn {
     io: FrameConn,
     role: Role,
+    /// Where the handshake stands: nothing but its frames is read or sent before it is over.
+    hs: Handshake,
+    /// (Initiator) SENDs posted before the handshake was over, sent once it is.
+    held: Vec<u8>,
+    /// When the connection was opened or accepted (its handshake must end within
+    /// `peer_timeout`).
+    opened: Instant,
     /// Reading stopped: a SEND waits for room in the unexpected queue.
     paused: bool,
     /// When the last frame arrived (or the connection opened).
@@ -338,7 +392,14 @@ pub struct CudaIpcTransport<L: Link = CudaLink> {
     pollfds: Vec<libc::pollfd>,
     /// In `wait`'s poll set: the engine makes it readable when it has work for us.
     wake: fabric_core::wake::WakeFd,
+    /// Accepted connections whose handshake was refused, and why (the latest
+    /// [`MAX_AUTH_REFUSALS`]), until [`take_auth_refusals`](Self::take_auth_refusals).
+    auth_refusals: VecDeque<HandshakeError>,
 }
+
+/// Refusals of accepted connections' handshakes kept for
+/// [`CudaIpcTransport::take_auth_refusals`].
+pub const MAX_AUTH_REFUSALS: usize = 64;
 
 fn op_error(status: u32, op: &WriteOp, region_len: u64) -> OpError {
     match Status::from_u32(status) {
@@ -413,7 +474,20 @@ impl<L: Link> CudaIpcTransport<L> {
             pollfds: Vec::new(),
             wake: fabric_core::wake::WakeFd::new()
                 .map_err(|e| Error::io("wake-up socket pair", e))?,
+            auth_refusals: VecDeque::new(),
         })
+    }
+
+    /// The handshakes of accepted connections refused since the last call (the latest
+    /// [`MAX_AUTH_REFUSALS`]), each also logged when it happened: a peer without the token
+    /// ([`HandshakeError::PeerHasNoToken`]), one with a token when this side has none
+    /// ([`HandshakeError::NoTokenHere`]), another token or a replayed HELLO
+    /// ([`HandshakeError::AuthenticationFailed`]), another protocol version
+    /// ([`HandshakeError::Version`]) or a malformed HELLO. Connections we open report
+    /// theirs through [`peer_ready`](fabric_core::Transport::peer_ready) and their
+    /// operations.
+    pub fn take_auth_refusals(&mut self) -> Vec<HandshakeError> {
+        self.auth_refusals.drain(..).collect()
     }
 
     /// Whether copies go out as one `cuMemcpyBatchAsync` per batch (driver 12.8 or later).
@@ -450,19 +524,34 @@ impl<L: Link> CudaIpcTransport<L> {
                         tracing::warn!("connection refused: {} open", self.cfg.max_connections);
                         continue;
                     }
-                    let Ok(io) = FrameConn::new(stream, self.max_payload()) else {
+                    // A fresh nonce for every connection: a HELLO recorded on another one
+                    // proves nothing here. No weaker source stands in for the system's.
+                    let nonce = match fabric_core::auth::Nonce::new() {
+                        Ok(n) => n,
+                        Err(e) => {
+                            let e = fabric_core::error::report(&e);
+                            tracing::warn!("dropping a new CUDA IPC connection: {e}");
+                            continue;
+                        }
+                    };
+                    // Until its HELLO is let in, a connection's frames are handshake-sized.
+                    let Ok(mut io) = FrameConn::new(stream, wire::HANDSHAKE_MAX_PAYLOAD) else {
                         continue;
                     };
+                    handshake::challenge(&nonce, self.cfg.auth_token.as_deref(), io.out());
+                    let now = Instant::now();
                     self.insert_conn(Conn {
                         io,
                         role: Role::Target {
                             peer: None,
                             known_keys: FastSet::default(),
                             granted: FastMap::default(),
-                            opened: Instant::now(),
                         },
+                        hs: Handshake::Challenged { nonce },
+                        held: Vec::new(),
+                        opened: now,
                         paused: false,
-                        last_heard: Instant::now(),
+                        last_heard: now,
                     });
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
@@ -488,7 +577,15 @@ impl<L: Link> CudaIpcTransport<L> {
             let e = err(peer);
             if let Some(p) = self.peers.get_mut(&peer) {
                 p.conn = None;
-                p.broken = Some(e.to_string());
+                // A refused handshake stays itself (its cause typed); anything else leaves
+                // the peer unreachable, saying why.
+                p.broken = Some(match &e {
+                    OpError::Transport(_) => e.clone(),
+                    other => OpError::PeerUnreachable {
+                        peer,
+                        reason: other.to_string(),
+                    },
+                });
                 let mut failed: Vec<WriteOp> = p.pending.drain(..).collect();
                 for (_, (_, ops)) in p.reserving.drain() {
                     failed.extend(ops);
@@ -520,12 +617,100 @@ impl<L: Link> CudaIpcTransport<L> {
     }
 
     fn protocol_error(&mut self, idx: usize, why: ProtocolError) {
+        if let ProtocolError::Handshake(e) = why {
+            return self.handshake_failed(idx, e);
+        }
         let why = fabric_core::error::report(&why);
         tracing::warn!(conn = idx, "closing a CUDA IPC connection: {why}");
         self.close_conn(idx, |peer| OpError::PeerUnreachable {
             peer,
             reason: format!("protocol error: {why}"),
         });
+    }
+
+    /// Closes connection `idx`, whose handshake was refused with `e`. What is queued on it
+    /// leaves first, best effort (an untagged HELLO that tells the target why; a REFUSE,
+    /// queued here for a HELLO whose tag failed). An accepted connection's refusal is kept
+    /// for [`take_auth_refusals`](Self::take_auth_refusals); one we opened fails its peer's
+    /// operations with it.
+    fn handshake_failed(&mut self, idx: usize, e: HandshakeError) {
+        let Some(Some(c)) = self.conns.get_mut(idx) else {
+            return;
+        };
+        if e == HandshakeError::AuthenticationFailed {
+            handshake::refuse(c.io.out());
+        }
+        let _ = c.io.flush();
+        let why = fabric_core::error::report(&e);
+        match c.role {
+            Role::Target { .. } => {
+                tracing::warn!(conn = idx, "refused a CUDA IPC connection: {why}");
+                if self.auth_refusals.len() == MAX_AUTH_REFUSALS {
+                    self.auth_refusals.pop_front();
+                }
+                self.auth_refusals.push_back(e);
+                // An accepted connection has no operations of ours to fail.
+                self.close_conn(idx, OpError::PeerRemoved);
+            }
+            Role::Initiator(peer) => {
+                tracing::warn!(%peer, "CUDA IPC connection refused: {why}");
+                let failed = e.op_error(peer);
+                self.close_conn(idx, |_| failed.clone());
+            }
+        }
+    }
+
+    /// (Initiator) a frame of the handshake of connection `idx`, which we opened for
+    /// `peer`: the CHALLENGE (answered with our HELLO), then the PROOF (checked; then the
+    /// SENDs posted meanwhile go, and reservations may) or a REFUSE.
+    fn on_handshake(
+        &mut self,
+        idx: usize,
+        (h, payload): (Header, Vec<u8>),
+    ) -> std::result::Result<(), ProtocolError> {
+        let max_payload = self.max_payload();
+        let token = self.cfg.auth_token.as_deref();
+        let Some(Some(c)) = self.conns.get_mut(idx) else {
+            return Ok(());
+        };
+        match (c.hs, h.op) {
+            (Handshake::AwaitingChallenge { nonce }, Op::Challenge) => {
+                handshake::answer_challenge(
+                    &nonce,
+                    token,
+                    &h,
+                    &payload,
+                    &self.address,
+                    c.io.out(),
+                )?;
+                c.hs = Handshake::AwaitingProof { nonce };
+            }
+            (Handshake::AwaitingProof { nonce }, Op::Proof) => {
+                handshake::check_proof(&nonce, token, &h, &payload)?;
+                c.hs = Handshake::Done;
+                c.io.set_max_payload(max_payload);
+                let held = std::mem::take(&mut c.held);
+                c.io.out().extend_from_slice(&held);
+            }
+            (Handshake::AwaitingProof { .. }, Op::Refuse) => {
+                return Err(handshake::refusal(&h).into());
+            }
+            (Handshake::AwaitingChallenge { .. }, op) => {
+                return Err(HandshakeError::Unexpected {
+                    op,
+                    expected: "CHALLENGE",
+                }
+                .into());
+            }
+            (_, op) => {
+                return Err(HandshakeError::Unexpected {
+                    op,
+                    expected: "PROOF",
+                }
+                .into());
+            }
+        }
+        Ok(())
     }
 
     /// Reads and handles the frames of connection `idx`.
@@ -563,6 +748,7 @@ impl<L: Link> CudaIpcTransport<L> {
                 Err(e) => return self.protocol_error(idx, ProtocolError::Frame(e)),
             };
             let r = match c.role {
+                Role::Initiator(_) if !c.hs.is_done() => self.on_handshake(idx, frame),
                 Role::Initiator(peer) => self.on_answer(idx, peer, frame),
                 Role::Target { .. } => self.on_request(idx, frame),
             };
@@ -575,15 +761,27 @@ impl<L: Link> CudaIpcTransport<L> {
     fn expire(&mut self, now: Instant) {
         let timeout = self.cfg.peer_timeout;
         let mut dead = Vec::new();
+        let mut unshaken = Vec::new();
         for (i, c) in self.conns.iter().enumerate() {
             match c {
                 Some(Conn {
-                    role:
-                        Role::Target {
-                            peer: None, opened, ..
-                        },
+                    role: Role::Target { peer: None, .. },
+                    opened,
                     ..
                 }) if now.duration_since(*opened) > timeout => dead.push((i, "no HELLO")),
+                // A connection we opened whose target has not proved itself in time.
+                Some(Conn {
+                    role: Role::Initiator(_),
+                    hs,
+                    opened,
+                    ..
+                }) if !hs.is_done() && now.duration_since(*opened) > timeout => unshaken.push((
+                    i,
+                    match hs {
+                        Handshake::AwaitingChallenge { .. } => HandshakeError::NoChallenge(timeout),
+                        _ => HandshakeError::NoProof(timeout),
+                    },
+                )),
                 // Unanswered for the whole timeout, and nothing else heard from the peer
                 // meanwhile (a busy initiator that reads grants late is not a dead peer).
                 Some(Conn {
@@ -608,6 +806,9 @@ impl<L: Link> CudaIpcTransport<L> {
                 reason: format!("{why} within {timeout:?}"),
             });
         }
+        for (i, why) in unshaken {
+            self.handshake_failed(i, why);
+        }
     }
 
     fn local_slice(&self, s: LocalSlice) -> Result<&LocalRegion> {
@@ -622,10 +823,7 @@ impl<L: Link> CudaIpcTransport<L> {
     fn live_peer(&mut self, peer: PeerId) -> Result<&mut Peer<L::Mapping>> {
         let p = self.peers.get_mut(&peer).ok_or(Error::UnknownPeer(peer))?;
         if let Some(why) = &p.broken {
-            return Err(Error::Op(OpError::PeerUnreachable {
-                peer,
-                reason: why.clone(),
-            }));
+            return Err(Error::Op(why.clone()));
         }
         Ok(p)
     }

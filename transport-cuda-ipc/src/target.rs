@@ -1,8 +1,10 @@
-//! The target's half of the protocol: HELLO, SEND delivery, reservations (for WRITEs or
-//! READs) checked against the registered regions (key, bounds, permission) before any
-//! grant, and DONE frames turned into remote-write completions.
+//! The target's half of the protocol: HELLO (its proof of the token checked before anything
+//! else of the peer's, then our PROOF), SEND delivery, reservations (for WRITEs or READs)
+//! checked against the registered regions (key, bounds, permission) before any grant, and
+//! DONE frames turned into remote-write completions.
 
 use crate::error::ProtocolError;
+use crate::handshake::{self, Handshake};
 use crate::wire::{self, Grant, Header, KeyInfo, Landed, Op, Reserve, Status, put_frame, records};
 use crate::{Conn, CudaIpcTransport, IpcAddress, Link, Role};
 use fabric_core::recv::Arrival;
@@ -28,35 +30,45 @@ impl<L: Link> CudaIpcTransport<L> {
         }
         match h.op {
             Op::Hello => {
-                if peer.is_some() {
-                    return Err(ProtocolError::SecondHello);
-                }
-                if h.x != wire::VERSION {
-                    return Err(ProtocolError::Version(h.x));
-                }
-                let addr = IpcAddress::parse(&payload).map_err(ProtocolError::HelloAddress)?;
+                let nonce = match &self.conns[idx] {
+                    Some(Conn {
+                        hs: Handshake::Challenged { nonce },
+                        ..
+                    }) if peer.is_none() => *nonce,
+                    _ => return Err(ProtocolError::SecondHello),
+                };
+                // Version, modes and the tag of our CHALLENGE's nonce, before anything else.
+                let token = self.cfg.auth_token.as_deref();
+                let hello = handshake::check_hello(&nonce, token, &h, &payload)?;
+                let addr = IpcAddress::parse(hello.address).map_err(ProtocolError::HelloAddress)?;
                 addr.check_same_host(&self.boot_id)
                     .map_err(ProtocolError::OtherHost)?;
                 let known = self
                     .peers
                     .iter()
-                    .find(|(_, p)| p.address == payload)
+                    .find(|(_, p)| p.address == hello.address)
                     .map(|(id, _)| *id);
-                let id = match known.or_else(|| self.passive.get(&payload).copied()) {
+                let id = match known.or_else(|| self.passive.get(hello.address).copied()) {
                     Some(id) => id,
                     None => {
                         let id = PeerId(self.next_peer);
                         self.next_peer += 1;
-                        self.passive.insert(payload, id);
+                        self.passive.insert(hello.address.to_vec(), id);
                         id
                     }
                 };
+                let max_payload = self.max_payload();
                 if let Some(Some(Conn {
+                    io,
                     role: Role::Target { peer, .. },
+                    hs,
                     ..
                 })) = self.conns.get_mut(idx)
                 {
                     *peer = Some(id);
+                    *hs = Handshake::Done;
+                    io.set_max_payload(max_payload);
+                    handshake::prove(token, &hello.nonce, io.out());
                 }
             }
             Op::Send => {

@@ -8,6 +8,8 @@
 //! The hostile target is a thread of this process speaking the wire format by hand, or, to
 //! be another process, this binary run again with `XFER_IPC_HOSTILE_TARGET` set.
 
+mod raw;
+
 use fabric_core::testing::Canaried;
 use fabric_core::{
     Access, Completion, OpError, PeerId, RemoteKey, RemoteRegion, RemoteSlice, Transport,
@@ -35,20 +37,7 @@ const FAKE_KEY: u64 = 0xFA4E;
 
 /// A listening socket named as a transport's, and the address that names it.
 fn fake_listener() -> (UnixListener, Vec<u8>) {
-    let name = format!(
-        "xfer-ipc-{}-{:016x}",
-        std::process::id(),
-        fabric_core::random_u64()
-    );
-    let l =
-        UnixListener::bind_addr(&SocketAddr::from_abstract_name(name.as_bytes()).unwrap()).unwrap();
-    let addr = IpcAddress {
-        boot_id: transport_cuda_ipc::boot_id().unwrap(),
-        pid: std::process::id(),
-        device: 0,
-        socket: name,
-    };
-    (l, addr.encode())
+    raw::fake_listener()
 }
 
 fn read_frame(s: &mut UnixStream) -> Option<(Header, Vec<u8>)> {
@@ -60,12 +49,21 @@ fn read_frame(s: &mut UnixStream) -> Option<(Header, Vec<u8>)> {
     Some((h, payload))
 }
 
-/// A hostile target on `l`: it answers every reservation with `info` as the handle of the
+/// A hostile target on `l` (without a token): it goes through the handshake (its CHALLENGE,
+/// a PROOF for the HELLO), then answers every reservation with `info` as the handle of the
 /// key reserved and grants every range, whatever it asks. Returns at the initiator's EOF.
 fn hostile_target(l: UnixListener, info: KeyInfo) {
     let (mut s, _) = l.accept().unwrap();
+    s.write_all(&raw::challenge(wire::AUTH_NONE).0).unwrap();
     let mut sent_info = false;
     while let Some((h, payload)) = read_frame(&mut s) {
+        if h.op == Op::Hello {
+            let hello = wire::Hello::decode(&h, &payload).unwrap();
+            if s.write_all(&raw::proof(None, &hello.nonce)).is_err() {
+                return;
+            }
+            continue;
+        }
         if h.op != Op::Reserve {
             continue;
         }
@@ -274,7 +272,10 @@ fn answers(t: &mut T, s: &mut UnixStream, want: usize) -> Vec<(Header, Vec<u8>)>
             if got.len() < end {
                 break;
             }
-            frames.push((h, got[HEADER_LEN..end].to_vec()));
+            // The handshake's frames (the CHALLENGE, the PROOF) are no answers.
+            if !matches!(h.op, Op::Challenge | Op::Proof) {
+                frames.push((h, got[HEADER_LEN..end].to_vec()));
+            }
             got.drain(..end);
             if h.op == Op::Grant {
                 assert_eq!(h.len as usize, want * Grant::LEN);
@@ -323,10 +324,9 @@ fn reservations_outside_a_region_or_its_access_are_refused_without_the_handle() 
         let mut s =
             UnixStream::connect_addr(&SocketAddr::from_abstract_name(a.socket.as_bytes()).unwrap())
                 .unwrap();
-        let from = make().address();
-        let mut v = Vec::new();
-        Header::new(Op::Hello, 0, wire::VERSION, from.len() as u64).encode(&mut v);
-        v.extend_from_slice(&from);
+        // A target without a token looks at no tag: the HELLO may go before its CHALLENGE
+        // is read.
+        let mut v = raw::hello(&make().address());
         put_frame(&mut v, Op::Reserve, 1, kind, &entries);
         s.write_all(&v).unwrap();
         let frames = answers(&mut t, &mut s, entries.len());

@@ -95,16 +95,18 @@ pub fn spawn(
             format!("{} NICs for {rails} rails", nics.len()),
         ));
     }
-    // Asked for another transport only, a token or checksums would silently do nothing;
-    // with `auto` they guard the tcp lane, and the others (cuda-ipc within a host, efa)
-    // go without, as they would have been chosen without them.
+    // Asked for another transport only, a token or checksums would silently do nothing.
+    // A token guards the tcp and cuda-ipc lanes (both ends of every tcp connection and
+    // every cuda-ipc control connection prove it); with `auto` the efa lane goes without
+    // (its data path has no per-connection check), as it would have been chosen without
+    // it. Checksums are tcp's only.
     if let TransportChoice::Only(only) = o.transport
         && only != TransportKind::Tcp
     {
-        if o.auth_token.is_some() {
+        if o.auth_token.is_some() && only != TransportKind::CudaIpc {
             return Err(Error::option(
                 OptionName::AuthToken,
-                format!("applies to the tcp transport only, not {only}"),
+                format!("applies to the tcp and cuda-ipc transports only, not {only}"),
             ));
         }
         if o.tcp.checksum {
@@ -157,6 +159,8 @@ pub fn spawn(
             }
             let cuda = cuda()?;
             let (device, copy_method) = (o.gpu, o.cuda_ipc.copy_method);
+            // The agent's token: both ends of every control connection prove it.
+            let token = o.auth_token.clone();
             RailGroup::spawn(
                 rails,
                 move |i| {
@@ -166,6 +170,7 @@ pub fn spawn(
                         CudaIpcConfig {
                             device,
                             copy_method,
+                            auth_token: token.clone(),
                             ..CudaIpcConfig::default()
                         },
                     )
