@@ -150,8 +150,10 @@ impl Shared {
 ///   (listen="0.0.0.0" or a host address) lets whoever reaches them read and write the
 ///   memory it registers for remote access: it warns (a UserWarning, and the library's
 ///   log), or with require_auth=True refuses to start (InvalidArgument).
-/// - timeout: seconds; the limit of control calls and how long a silent tcp peer is given
-///   before its transfers fail with PeerUnreachable.
+/// - timeout: seconds; the limit of control calls and of setting up a tcp connection.
+/// - liveness_timeout: seconds a peer may leave its connection unanswered (stopped,
+///   descheduled, cut off) before it is declared dead and its transfers fail with
+///   PeerUnreachable (tcp; None, the default: 30). Shorter stalls are stall_timeout's.
 /// - listen: the IP address tcp rails listen on (e.g. "0.0.0.0" or the host's address
 ///   for peers on other hosts).
 /// - wait_spin_us: how long a wait spins before it sleeps (default 200): lower latency for
@@ -407,7 +409,7 @@ impl Engine {
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (transport="auto", provider=None, rails=None, nics=None, memory="host", gpu=0, auth_token=None, timeout=10.0, listen="127.0.0.1", wait_spin_us=None, pin="off", tcp_congestion="auto", name=None, stall_timeout=None, auth_token_file=None, require_auth=false))]
+    #[pyo3(signature = (transport="auto", provider=None, rails=None, nics=None, memory="host", gpu=0, auth_token=None, timeout=10.0, listen="127.0.0.1", wait_spin_us=None, pin="off", tcp_congestion="auto", name=None, stall_timeout=None, auth_token_file=None, require_auth=false, liveness_timeout=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -427,6 +429,7 @@ impl Engine {
         stall_timeout: Option<f64>,
         auth_token_file: Option<PathBuf>,
         require_auth: bool,
+        liveness_timeout: Option<f64>,
     ) -> PyResult<Engine> {
         let tokenless = auth_token.is_none() && auth_token_file.is_none();
         let (o, gpu) = EngineArgs {
@@ -444,6 +447,7 @@ impl Engine {
             pin,
             tcp_congestion,
             stall_timeout,
+            liveness_timeout,
             auth_token_file,
             require_auth,
         }

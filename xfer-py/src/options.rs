@@ -37,7 +37,7 @@ pub struct EngineArgs<'a, 'py> {
     pub auth_token_file: Option<PathBuf>,
     /// Refuse to start without a token when a tcp rail listens beyond loopback.
     pub require_auth: bool,
-    /// Seconds: control calls' limit and a silent tcp peer's.
+    /// Seconds: control calls' limit and that of setting up a tcp connection.
     pub timeout: f64,
     /// The IP address tcp rails listen on.
     pub listen: &'a str,
@@ -49,6 +49,8 @@ pub struct EngineArgs<'a, 'py> {
     pub tcp_congestion: &'a str,
     /// Seconds a transfer may make no progress before a wait raises PeerStalled.
     pub stall_timeout: Option<f64>,
+    /// Seconds a peer's connection may go unanswered before it is declared dead.
+    pub liveness_timeout: Option<f64>,
 }
 
 impl EngineArgs<'_, '_> {
@@ -109,6 +111,8 @@ impl EngineArgs<'_, '_> {
         o.workers.control_timeout = Some(timeout);
         o.workers.wait_spin = self.wait_spin_us.map(Duration::from_micros);
         o.workers.stall_timeout = crate::args::seconds(self.stall_timeout, "stall_timeout")?;
+        o.workers.liveness_timeout =
+            crate::args::seconds(self.liveness_timeout, "liveness_timeout")?;
         o.tcp.congestion = Congestion::parse(self.tcp_congestion)
             .map_err(|e| invalid(format!("tcp_congestion={:?}: {e}", self.tcp_congestion)))?;
         Ok((o, gpu))

@@ -654,6 +654,30 @@ def test_a_stopped_peer_is_stalled_not_dead_and_the_transfer_goes_on():
         proc.kill()
 
 
+def test_a_peer_stopped_beyond_the_liveness_timeout_is_dead():
+    """With liveness_timeout=1, a stopped peer that leaves a write unanswered for longer is
+    declared dead: the write fails with PeerUnreachable (not a stall, not a hang). A bad
+    value is refused."""
+    with pytest.raises(xfer.InvalidArgument, match="liveness_timeout"):
+        xfer.Engine(transport="tcp", liveness_timeout=-1.0)
+    size = 64 * PAGE
+    proc, addr, desc = spawn_peer("--transport", "tcp", "--bytes", str(size))
+    try:
+        with xfer.Engine(transport="tcp", liveness_timeout=1.0) as e:
+            p = e.add_peer(addr)
+            rs = e.register(pattern(size, seed=6), remote_write=False)
+            stop(proc)
+            try:
+                h = e.write(p, rs, desc, [(0, 0, size)])
+                with pytest.raises(xfer.PeerUnreachable):
+                    h.wait(timeout=30)
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
 def test_help_reads_well():
     doc = xfer.Engine.__doc__
     for word in ("transport", "rails", "nics", "memory", "gpu", "auth_token", "timeout"):

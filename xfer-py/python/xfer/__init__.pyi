@@ -181,6 +181,7 @@ class Engine:
         stall_timeout: float | None = None,
         auth_token_file: str | os.PathLike[str] | None = None,
         require_auth: bool = False,
+        liveness_timeout: float | None = None,
     ) -> None: ...
     @property
     def address(self) -> bytes:
