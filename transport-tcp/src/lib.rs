@@ -28,10 +28,8 @@
 //! connection we open fails with the refusal itself ([`TcpError::is_authentication`]).
 //!
 //! Dependencies: `socket2` (socket options std lacks), `libc` (vectored I/O, poll),
-//! `hmac` and `sha2` (HMAC-SHA256 for the token's challenge and response: the RustCrypto
-//! implementations, maintained, pure Rust, and with the constant-time tag check we need;
-//! `sha2` also computes the old static digest of [`auth_digest`]), `getrandom` (the
-//! nonces, from the operating system's random source), `crc32c` (the optional checksum:
+//! `fabric-core`'s [`auth`] (HMAC-SHA256 challenge and response, nonces from the operating
+//! system), `sha2` (the old static digest of [`auth_digest`]), `crc32c` (the optional checksum:
 //! SSE 4.2 / ARMv8 CRC instructions picked at run time, a table where they are missing; one
 //! call per payload), `rustc-hash` (FxHash for the maps looked up once or more per
 //! operation: peers, local registrations and target regions by integers this process chose,

@@ -102,7 +102,8 @@ pub struct BackendArgs {
     /// first, target on the second if given).
     #[arg(long, value_delimiter = ',', default_value = "0")]
     pub gpus: Vec<u32>,
-    /// Shared secret (tcp): peers without it are refused before they touch memory. Also
+    /// Shared secret (tcp and cuda-ipc; not efa): peers without it are refused before they
+    /// touch memory, and peers we connect to must prove it back. Also
     /// read from XFER_AUTH_TOKEN; never printed or logged.
     #[arg(long, env = "XFER_AUTH_TOKEN", hide_env_values = true)]
     pub auth_token: Option<String>,

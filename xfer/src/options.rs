@@ -207,11 +207,11 @@ pub struct AgentOptions {
     pub pin: PinMode,
     /// Which of the plan's cores its workers take.
     pub role: Role,
-    /// A shared secret both ends of every tcp connection prove (never sent): peers
-    /// without it, and peers we connect to that cannot prove it back, are refused (see
-    /// `docs/security.md`). With [`TransportChoice::Auto`] it guards the agent's tcp rails
-    /// (not its efa or cuda-ipc lanes); asking for another transport only, with a token,
-    /// is refused (that transport has no such check). See also
+    /// A shared secret both ends of every tcp and cuda-ipc connection prove (never sent):
+    /// peers without it, and peers we connect to that cannot prove it back, are refused
+    /// (see `docs/security.md`). With [`TransportChoice::Auto`] it guards the agent's tcp
+    /// rails and cuda-ipc lanes, not its efa lanes (libfabric has no such check); asking
+    /// for efa only, with a token, is refused. See also
     /// [`auth_token_file`](Self::auth_token_file).
     pub auth_token: Option<String>,
     /// Where this agent's rendezvous listens (`HOST:PORT`, the address peers reach), if it

@@ -78,7 +78,7 @@ fn target(spec: &str) {
     let r = b
         .register(mem, Access::REMOTE_WRITE | Access::REMOTE_READ)
         .expect("a region");
-    netns_target::announce(&b.info(), r.descriptor());
+    netns_target::announce(b.info(), r.descriptor());
     for line in std::io::stdin().lock().lines() {
         if line.is_err() {
             break;
@@ -252,7 +252,7 @@ fn main() {
         let workers: Vec<_> = (0..TARGETS)
             .map(|i| {
                 let (a, peer, known, stop) = (&a, &peers[i], &known[i], &stop);
-                s.spawn(move || traffic(a, peer, known, stop, seed ^ (i as u64 + 1) * 0x9e37))
+                s.spawn(move || traffic(a, peer, known, stop, seed ^ ((i as u64 + 1) * 0x9e37)))
             })
             .collect();
         let mut rng = Rng(seed | 1);
@@ -301,34 +301,33 @@ fn main() {
         (tallies, faults, rss)
     });
 
-    // Every fault undone: each target takes a verified transfer again, without any call of
-    // the application but this one (a reconnect where a connection died).
+    // Every fault undone: each target takes a verified transfer again (a page written, read
+    // back, compared), with no call of the application: the agent reconnects where a
+    // connection died. The first transfer may still meet a connection that died at the
+    // soak's end.
+    let page = HostBuffer::new_shared(PAGE as usize).unwrap();
+    page.fill(0, PAGE, 0x5a).unwrap();
+    let back = HostBuffer::new_shared(PAGE as usize).unwrap();
+    let src = a.register(page, Access::NONE).unwrap();
+    let dst = a.register(back.clone(), Access::LOCAL_WRITE).unwrap();
     for i in 0..TARGETS {
-        let stop = AtomicBool::new(false);
-        let mem = HostBuffer::new_shared(PAGE as usize).unwrap();
-        mem.fill(0, PAGE, 0x5a).unwrap();
-        let src = a.register(mem, Access::NONE).unwrap();
         let desc = known[i].lock().unwrap().desc.clone();
-        let r = run(
-            &a,
-            &peers[i],
-            &src,
-            &desc,
-            Transfer::segments(vec![(0, 0, PAGE)]),
-        );
-        let r = match r {
-            // The first transfer may meet a connection that died at the soak's end.
-            Err(e) if e.kind() == ErrorKind::PeerUnreachable => run(
-                &a,
-                &peers[i],
-                &src,
-                &desc,
-                Transfer::segments(vec![(0, 0, PAGE)]),
-            ),
-            r => r,
+        let seg = || Transfer::segments(vec![(0, 0, PAGE)]);
+        let round_trip = || {
+            run(&a, &peers[i], &src, &desc, seg())
+                .and_then(|_| run(&a, &peers[i], &dst, &desc, seg().read()))
         };
-        r.unwrap_or_else(|e| panic!("target {i} after the soak: {e:?}"));
-        drop(stop);
+        back.fill(0, PAGE, 0).unwrap();
+        match round_trip() {
+            Err(e) if e.kind() == ErrorKind::PeerUnreachable => round_trip(),
+            r => r,
+        }
+        .unwrap_or_else(|e| panic!("target {i} after the soak: {e:?}"));
+        assert_eq!(
+            back.to_vec(0, PAGE as usize).unwrap(),
+            vec![0x5a; PAGE as usize],
+            "target {i}"
+        );
     }
 
     let verified: u64 = tallies.iter().map(|t| t.verified).sum();

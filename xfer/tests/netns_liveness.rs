@@ -68,7 +68,7 @@ fn target(spec: &str) {
     let r = b
         .register(mem.clone(), Access::REMOTE_WRITE)
         .expect("a region");
-    netns_target::announce(&b.info(), r.descriptor());
+    netns_target::announce(b.info(), r.descriptor());
     let mut out = std::io::stdout().lock();
     for line in std::io::stdin().lock().lines() {
         let line = line.expect("a line");
