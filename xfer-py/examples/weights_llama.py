@@ -266,10 +266,9 @@ def trainer(args, conn, rank):
             s = time.monotonic() - t
             redone = {}
             if failed:
-                # Each failed alone; redo them alone, over a new connection (a receiver
-                # that restarted would be attached again with its new info instead).
-                for d in failed:
-                    sender.source.reconnect(d)
+                # Each failed alone; redo them alone (the engine connects again by itself
+                # where a connection broke; a receiver that restarted would be attached
+                # again with its new info instead).
                 again = sender.send_weights(arg, destinations=sorted(failed))
                 redone = {d: repr(x) for d, x in again.items()}
             conn.send(("pushed", {"s": s, "failed": {d: repr(x) for d, x in failed.items()}, "still_failed": redone}))

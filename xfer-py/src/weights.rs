@@ -501,14 +501,6 @@ impl PySource {
             .map_err(|e| sync_error(&e))
     }
 
-    /// Connects to destination `rank` anew, keeping its descriptors (its connection broke
-    /// while its process lived on); then push to it again.
-    fn reconnect(&self, py: Python<'_>, rank: u32) -> PyResult<()> {
-        let sync = &self.sync;
-        py.detach(|| lock(sync).reconnect(rank))
-            .map_err(|e| sync_error(&e))
-    }
-
     /// Detaches destination `rank` (it stays planned).
     fn detach(&self, rank: u32) {
         lock(&self.sync).detach(rank);

@@ -147,6 +147,22 @@ impl Handle {
             .on_complete(move |r| f(r.map_err(|e| op_on(link.as_ref(), e))));
     }
 
+    /// As [`on_complete`](Self::on_complete), with the engine's error as it is (weight sync
+    /// reports it so); a broken connection still marks the peer's connection broken, so
+    /// that the agent connects again before the next transfer.
+    pub(crate) fn on_complete_op(
+        self,
+        f: impl FnOnce(std::result::Result<TransferStats, fabric_core::OpError>) + Send + 'static,
+    ) {
+        let link = self.link;
+        self.inner.on_complete(move |r| {
+            if let (Err(e), Some((cell, generation))) = (&r, link.as_ref()) {
+                cell.note(*generation, e);
+            }
+            f(r)
+        });
+    }
+
     /// Cancels the transfer if it has not finished: it posts nothing more and finishes
     /// with a [`Cancelled`](crate::ErrorKind::Cancelled) error once every operation it had
     /// posted has completed or failed, so its memory is the caller's again when the handle

@@ -19,11 +19,17 @@ use xfer::{
 const T: Duration = Duration::from_secs(20);
 
 fn mem_agent() -> Agent {
+    agent_of(TransportKind::Mem)
+}
+
+/// An agent of one transport, one rail.
+fn agent_of(kind: TransportKind) -> Agent {
     Agent::new(AgentOptions {
-        transport: TransportChoice::Only(TransportKind::Mem),
+        transport: TransportChoice::Only(kind),
+        rails: Some(1),
         ..AgentOptions::default()
     })
-    .expect("a mem agent")
+    .expect("an agent")
 }
 
 /// Agents made once for every case (8 sources, 8 destinations) and their peers both ways:
@@ -257,6 +263,11 @@ struct Small {
 }
 
 fn small_sync(opts: SyncOptions, fill_sources: bool) -> Small {
+    small_sync_on(TransportKind::Mem, opts, fill_sources)
+}
+
+/// [`small_sync`] over agents of transport `kind`.
+fn small_sync_on(kind: TransportKind, opts: SyncOptions, fill_sources: bool) -> Small {
     let (src, dst) = small();
     let plan = Plan::new(&src, &dst).unwrap();
     let src_bytes = buffers(&src, fill_sources);
@@ -264,7 +275,7 @@ fn small_sync(opts: SyncOptions, fill_sources: bool) -> Small {
     let mut senders = Vec::new();
     let mut src_bufs = Vec::new();
     for (s, l) in src.iter().enumerate() {
-        let a = mem_agent();
+        let a = agent_of(kind);
         let (regions, bufs) = register(&a, l, &src_bytes[s], Access::REMOTE_READ);
         src_bufs.push(bufs);
         let sync = SourceSync::new(&a, &plan, s as u32, l.clone(), regions).unwrap();
@@ -273,7 +284,7 @@ fn small_sync(opts: SyncOptions, fill_sources: bool) -> Small {
     let mut receivers = Vec::new();
     let mut dst_bufs = Vec::new();
     for (d, l) in dst.iter().enumerate() {
-        let a = mem_agent();
+        let a = agent_of(kind);
         let access = Access::REMOTE_WRITE | Access::LOCAL_WRITE;
         let (regions, bufs) = register(&a, l, &blank[d], access);
         dst_bufs.push(bufs);
@@ -523,29 +534,70 @@ fn a_joiner_is_planned_in_without_replanning_the_others_and_a_leaver_dropped() {
     assert_eq!(plan.pairs(), &before[..]);
 }
 
+/// The port of an agent's first tcp rail (`tcp://127.0.0.1:PORT`).
+fn tcp_port(a: &Agent) -> u16 {
+    let rail = &a.info().transport(TransportKind::Tcp).unwrap().rails[0];
+    let rail = std::str::from_utf8(rail).unwrap();
+    rail.rsplit(':').next().unwrap().parse().unwrap()
+}
+
+/// Aborts this host's established loopback connections to `port` (`ss -K`, which needs
+/// CAP_NET_ADMIN): false where that cannot be done here.
+fn kill_connections_to(port: u16) -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        return false;
+    }
+    let out = std::process::Command::new("ss")
+        .args(["-K", "dst", "127.0.0.1", "dport", "=", &port.to_string()])
+        .output();
+    matches!(out, Ok(o) if o.status.success())
+}
+
 #[test]
-fn a_destination_whose_connection_broke_is_reconnected_and_redone() {
-    let mut s = small_sync(SyncOptions::default(), true);
-    // Source 0's peer for destination 1 goes away (as a broken connection does).
-    let d1 = s.receivers[1].agent().clone();
-    let peer = s.senders[0].agent().connect(d1.info()).unwrap();
-    s.senders[0]
-        .attach(1, peer.clone(), s.receivers[1].descriptors())
-        .unwrap();
-    s.senders[0].agent().disconnect(&peer).unwrap();
-    let r = s.senders[0].push(12).unwrap();
-    assert_eq!(r.failed(), vec![1], "{r:?}");
-    assert!(r.destinations[&0].is_ok());
-    assert!(s.senders[1].push(12).unwrap().is_ok());
+fn a_destination_whose_connection_broke_is_redone_over_a_new_one_without_a_call() {
+    let mut s = small_sync_on(TransportKind::Tcp, SyncOptions::default(), true);
+    let r = s.senders[0].push(11).unwrap();
+    assert!(r.is_ok(), "{r:?}");
+    assert!(s.senders[1].push(11).unwrap().is_ok());
+    for d in &mut s.receivers {
+        d.wait(11, T).unwrap();
+    }
+    // The connections to destination 1 are cut under both ends (its process lives on).
+    let port = tcp_port(s.receivers[1].agent());
+    if !kill_connections_to(port) {
+        assert!(
+            std::env::var("CI").is_err(),
+            "CI runs as root: connections can be killed there"
+        );
+        eprintln!("skipped: killing a connection needs root (ss -K)");
+        return;
+    }
+    // Both sources' connections to it (both in this process) are gone: each fails it
+    // alone, and the other destination lands.
+    for sender in &s.senders {
+        let r = sender.push(12).unwrap();
+        assert_eq!(r.failed(), vec![1], "{r:?}");
+        let e = r.destinations[&1].as_ref().unwrap_err();
+        assert!(
+            matches!(
+                e.op_error(),
+                Some(fabric_core::OpError::PeerUnreachable { .. })
+            ),
+            "{e:?}"
+        );
+    }
     s.receivers[0].wait(12, T).unwrap();
-    s.senders[0].reconnect(1).unwrap();
-    assert!(s.senders[0].push_to(12, &[1]).unwrap().is_ok());
+    // Redone alone: each agent connects again by itself (same rails, same token).
+    for sender in &s.senders {
+        assert!(sender.push_to(12, &[1]).unwrap().is_ok());
+    }
     s.receivers[1].wait(12, T).unwrap();
-    assert_landed(&s.dst, &s.dst_bufs, "after the reconnect");
-    assert!(matches!(
-        s.senders[0].reconnect(7),
-        Err(SyncError::NotAttached { rank: 7, .. })
-    ));
+    assert_landed(&s.dst, &s.dst_bufs, "after the connection came back");
+    for sender in &s.senders {
+        let m = sender.agent().metrics();
+        assert!(m.contains("xfer_reconnects_total 1"), "{m}");
+    }
 }
 
 /// Trace output of this thread, collected for a test.

@@ -378,7 +378,7 @@ impl DestinationSync {
                     match self.agent.submit(&info.peer, local, remote, t) {
                         Ok(h) => {
                             let tx = tx.clone();
-                            h.into_inner().on_complete(move |r| {
+                            h.on_complete_op(move |r| {
                                 let _ = tx.send((lane, bytes, r));
                             });
                         }

@@ -383,27 +383,6 @@ impl SourceSync {
         Ok(())
     }
 
-    /// Connects to destination `rank` anew (the same agent, a new peer; the old one is
-    /// disconnected), keeping its regions: for a destination whose connection broke while
-    /// its process lived on, before redoing its update with [`push_to`](Self::push_to). A
-    /// destination that restarted has new regions: attach it again instead.
-    pub fn reconnect(&mut self, rank: u32) -> Result<(), SyncError> {
-        let link = (self.dests.get_mut(&rank).and_then(|d| d.link.as_mut())).ok_or(
-            SyncError::NotAttached {
-                side: Side::Destination,
-                rank,
-            },
-        )?;
-        let peer = self
-            .agent
-            .connect(link.peer.info())
-            .map_err(|e| SyncError::submit(Side::Destination, Some(rank), &link.peer, e))?;
-        let old = std::mem::replace(&mut link.peer, peer);
-        // Its transfers have ended (the push that failed waited for them all).
-        let _ = self.agent.disconnect(&old);
-        Ok(())
-    }
-
     /// Detaches destination `rank` (it stays planned: attach it again to push to it);
     /// returns its peer, which stays connected.
     pub fn detach(&mut self, rank: u32) -> Option<Peer> {
@@ -591,7 +570,7 @@ impl SourceSync {
                     match self.agent.submit(&link.peer, local, remote, t) {
                         Ok(h) => {
                             let tx = tx.clone();
-                            h.into_inner().on_complete(move |r| {
+                            h.on_complete_op(move |r| {
                                 let _ = tx.send((lane, bytes, r));
                             });
                         }
@@ -613,7 +592,7 @@ impl SourceSync {
                     {
                         Ok(h) => {
                             let tx = tx.clone();
-                            h.into_inner().on_complete(move |r| {
+                            h.on_complete_op(move |r| {
                                 let _ = tx.send((lane, 0, r));
                             });
                         }
