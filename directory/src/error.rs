@@ -37,7 +37,7 @@ pub enum Error {
         /// Its timeout.
         after: Duration,
     },
-    /// etcd refused or failed a call.
+    /// etcd refused or failed a call (an authentication refusal is [`Error::Auth`]).
     #[error("etcd at {endpoint}: {what}: {source}")]
     Etcd {
         /// The endpoints.
@@ -45,6 +45,25 @@ pub enum Error {
         /// The call.
         what: &'static str,
         /// The client's error.
+        #[source]
+        source: etcd_client::Error,
+    },
+    /// etcd refused the call for want of authentication or permission: its `auth enable` is
+    /// on and no user was given ([`EtcdOptions::user`](crate::EtcdOptions::user)), the
+    /// user's name or password is wrong, or the user's roles do not give it this key range.
+    #[error(
+        "etcd at {endpoint}: {what}: authentication required or refused ({}; check the etcd \
+         user, its password and its role's permissions on the directory's keys): {source}",
+        as_user(.user)
+    )]
+    Auth {
+        /// The endpoints.
+        endpoint: String,
+        /// The call (`authenticating` at connect).
+        what: &'static str,
+        /// The user the call was made as (`None`: no user given); never its password.
+        user: Option<String>,
+        /// The client's error (etcd's gRPC status).
         #[source]
         source: etcd_client::Error,
     },
@@ -109,4 +128,12 @@ pub enum Error {
     /// The watch's backend stopped.
     #[error("the directory watch ended")]
     WatchEnded,
+}
+
+/// Who an [`Error::Auth`] call was made as, for its message.
+fn as_user(user: &Option<String>) -> String {
+    match user {
+        Some(name) => format!("as etcd user {name:?}"),
+        None => "no etcd user given".to_string(),
+    }
 }

@@ -107,11 +107,7 @@ impl Conn {
     ) -> Result<T> {
         match tokio::time::timeout(self.opts.call_timeout, f).await {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(source)) => Err(Error::Etcd {
-                endpoint: self.endpoint.clone(),
-                what,
-                source,
-            }),
+            Ok(Err(source)) => Err(call_error(&self.endpoint, what, &self.opts, source)),
             Err(_) => Err(Error::TimedOut {
                 endpoint: self.endpoint.clone(),
                 what,
@@ -164,6 +160,62 @@ impl Conn {
     }
 }
 
+// gRPC's status codes (a wire standard) under which etcd refuses a call for want of
+// authentication or permission (`tonic`, whose `Code` they are, is not named here).
+/// gRPC's `INVALID_ARGUMENT`: etcd's no user, or a wrong name or password.
+const GRPC_INVALID_ARGUMENT: i32 = 3;
+/// gRPC's `PERMISSION_DENIED`: a key outside the user's roles.
+const GRPC_PERMISSION_DENIED: i32 = 7;
+/// gRPC's `UNAUTHENTICATED`: an invalid or expired token.
+const GRPC_UNAUTHENTICATED: i32 = 16;
+
+/// What etcd says, under gRPC's `InvalidArgument`, when a call lacks a user (auth enabled,
+/// no token) or a user's name or password is wrong (etcd's `rpctypes.ErrGRPCUserEmpty`,
+/// `ErrGRPCAuthFailed`). Its other refusals have their own codes (`PermissionDenied`,
+/// `Unauthenticated` for an invalid token).
+const ETCD_AUTH_MESSAGES: [&str; 2] = [
+    "etcdserver: user name is empty",
+    "etcdserver: authentication failed",
+];
+
+/// Whether `e` is etcd refusing a call for want of authentication or permission.
+fn is_auth_refusal(e: &etcd_client::Error) -> bool {
+    let etcd_client::Error::GRpcStatus(status) = e else {
+        return false;
+    };
+    match status.code() as i32 {
+        GRPC_PERMISSION_DENIED | GRPC_UNAUTHENTICATED => true,
+        GRPC_INVALID_ARGUMENT => ETCD_AUTH_MESSAGES
+            .iter()
+            .any(|m| status.message().starts_with(m)),
+        _ => false,
+    }
+}
+
+/// A failed call's error: [`Error::Auth`] where etcd refused it for want of authentication
+/// or permission, else [`Error::Etcd`].
+fn call_error(
+    endpoint: &str,
+    what: &'static str,
+    opts: &EtcdOptions,
+    source: etcd_client::Error,
+) -> Error {
+    if is_auth_refusal(&source) {
+        Error::Auth {
+            endpoint: endpoint.to_string(),
+            what,
+            user: opts.user.as_ref().map(|u| u.name.clone()),
+            source,
+        }
+    } else {
+        Error::Etcd {
+            endpoint: endpoint.to_string(),
+            what,
+            source,
+        }
+    }
+}
+
 /// Reads a PEM file of the TLS configuration.
 fn read_pem(what: &'static str, path: &std::path::Path) -> Result<Vec<u8>> {
     std::fs::read(path).map_err(|source| Error::ConfigFile {
@@ -200,6 +252,11 @@ impl EtcdDirectory {
     /// [`EtcdOptions::user`] if given, checking that it answers within
     /// `opts.connect_timeout`. The directory is open (no cluster token) until
     /// [`with_token`](EtcdDirectory::with_token).
+    ///
+    /// A user etcd does not know, or a wrong password, is [`Error::Auth`]. Without a user,
+    /// connecting to an etcd with `auth enable` succeeds (etcd answers its status to
+    /// anyone) and each call on the directory's keys is then [`Error::Auth`], as is a call
+    /// outside the user's roles' permissions.
     pub fn connect(endpoints: &[String], opts: EtcdOptions) -> Result<EtcdDirectory> {
         let tls = opts.tls.as_ref().map(tls_options).transpose()?;
         let endpoints: Vec<String> = match tls {
@@ -235,14 +292,26 @@ impl EtcdDirectory {
             if let Some(u) = &opts.user {
                 o = o.with_user(u.name.clone(), u.password.clone());
             }
-            let mut client = Client::connect(&endpoints, Some(o)).await?;
-            client.status().await?;
-            Ok::<_, etcd_client::Error>(client)
+            // With a user, connecting authenticates (a wrong password fails here).
+            let mut client = Client::connect(&endpoints, Some(o))
+                .await
+                .map_err(|e| ("connecting and authenticating", e))?;
+            client
+                .status()
+                .await
+                .map_err(|e| ("asking for etcd's status", e))?;
+            Ok::<_, (&'static str, etcd_client::Error)>(client)
         };
         let client = rt
             .block_on(async { tokio::time::timeout(opts.connect_timeout, connect).await })
             .map_err(|_| unreachable("no answer".into()))?
-            .map_err(|e| unreachable(Box::new(e)))?;
+            .map_err(|(what, e)| {
+                if is_auth_refusal(&e) {
+                    call_error(&endpoint, what, &opts, e)
+                } else {
+                    unreachable(Box::new(e))
+                }
+            })?;
         Ok(EtcdDirectory {
             rt: Arc::new(rt),
             client,
