@@ -1239,7 +1239,12 @@ impl Agent {
             .group
             .submit(&links[at].1, g)
             .inspect_err(|e| self.note_failure(&peer.cell, generation, e))?;
-        Ok(Handle::new(h, stall, Some((peer.cell.clone(), generation))))
+        Ok(Handle::new(
+            h,
+            stall,
+            Some((peer.cell.clone(), generation)),
+            Some(self.inner.counts.clone()),
+        ))
     }
 
     /// Refuses `remote` unless it is a region of the peer's current incarnation
@@ -1341,6 +1346,7 @@ impl Agent {
             h,
             p.stall.clone(),
             Some((p.cell.clone(), p.generation)),
+            Some(self.inner.counts.clone()),
         ))
     }
 

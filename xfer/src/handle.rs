@@ -18,6 +18,8 @@ pub struct Handle {
     inner: TransferHandle,
     /// The stall timeout and the peer's name, where the transfer has one.
     stall: Option<(Duration, String)>,
+    /// The agent's counters (stalls reported), where the handle is an agent's.
+    counts: Option<Arc<crate::metrics::AgentCounters>>,
     /// The peer's connection and its generation the transfer went on: a failure that says
     /// the peer is unreachable marks it broken (the agent reconnects before the next
     /// transfer).
@@ -57,8 +59,14 @@ impl Handle {
         inner: TransferHandle,
         stall: Option<(Duration, String)>,
         link: Option<Link>,
+        counts: Option<Arc<crate::metrics::AgentCounters>>,
     ) -> Handle {
-        Handle { inner, stall, link }
+        Handle {
+            inner,
+            stall,
+            counts,
+            link,
+        }
     }
 
     /// Blocks until the transfer finishes, at most `timeout`: its figures, or why it
@@ -87,6 +95,9 @@ impl Handle {
                 Err(e) => return Err(engine_on(self.link.as_ref(), e)),
             }
             if let Some(e) = self.stalled(began.elapsed()) {
+                if let Some(c) = &self.counts {
+                    c.stalls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
                 return Err(e);
             }
             if Instant::now() >= deadline {

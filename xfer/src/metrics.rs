@@ -23,7 +23,7 @@
 //! - per group (`group`): `xfer_transfer_latency_seconds` (histogram), `xfer_registered_bytes`,
 //!   `xfer_registered_regions`;
 //! - the agent's (no labels): `xfer_reconnects_total`, `xfer_reconnect_failures_total`,
-//!   `xfer_stale_descriptors_total` (see [`AgentCounters`]);
+//!   `xfer_stale_descriptors_total`, `xfer_stalls_total` (see [`AgentCounters`]);
 //! - a rendezvous server's (see [`Sources::set_serve`]): `xfer_serve_clients`,
 //!   `xfer_serve_pending_handshakes`, `xfer_serve_region_bytes`,
 //!   `xfer_serve_clients_admitted_total`, `xfer_serve_refusals_total` (`reason`),
@@ -52,6 +52,9 @@ pub struct AgentCounters {
     /// Transfers refused because their remote descriptor belongs to another incarnation of
     /// the peer than the one it is now ([`Error::StaleDescriptor`](crate::Error::StaleDescriptor)).
     pub stale_descriptors: AtomicU64,
+    /// Waits that reported a transfer stalled ([`Error::PeerStalled`](crate::Error::PeerStalled)):
+    /// no progress for its stall timeout while its peer's connection stood.
+    pub stalls: AtomicU64,
 }
 
 /// What the endpoint reports: rail groups (held weakly: a group that stops drops out),
@@ -358,6 +361,11 @@ impl Collector for Snapshots {
                     "xfer_stale_descriptors",
                     "Transfers refused: their remote descriptor is of an earlier incarnation of the peer.",
                     load(&a.stale_descriptors),
+                ),
+                (
+                    "xfer_stalls",
+                    "Waits that reported a transfer stalled: no progress for its stall timeout while its peer's connection stood.",
+                    load(&a.stalls),
                 ),
             ] {
                 family(

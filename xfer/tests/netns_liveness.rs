@@ -151,6 +151,7 @@ fn main() {
     assert_eq!(e.kind(), ErrorKind::PeerStalled, "{e}");
     assert!(matches!(e, Error::PeerStalled { .. }), "{e:?}");
     let stalled_after = stopped.elapsed();
+    assert_eq!(metric(&a, "xfer_stalls_total"), 1, "the stall is counted");
     // The stop lasts 20 s (the fault itself, not a synchronisation).
     std::thread::sleep(Duration::from_secs(20).saturating_sub(stopped.elapsed()));
     assert!(
