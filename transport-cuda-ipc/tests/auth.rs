@@ -55,6 +55,23 @@ struct Outcome {
     at_target: Vec<Completion>,
 }
 
+/// A target with `token`, a region filled with 0x11 (canaried) that peers may write, and
+/// a receive posted for one SEND.
+fn target(token: Option<&str>) -> (T, Canaried) {
+    let mut b = transport(token);
+    let dst = Canaried::new(
+        &mut b,
+        LEN,
+        Access::REMOTE_WRITE | Access::LOCAL_WRITE,
+        0x11,
+    );
+    assert_eq!(
+        b.post_recv(WorkRequestId(50), dst.local(0, 64)).unwrap(),
+        PostOutcome::Posted
+    );
+    (b, dst)
+}
+
 /// A fresh initiator with `token` adds `target`, posts a write of `LEN` bytes into `dst`
 /// (immediate value 9) and a 64-byte SEND at once (before the handshake), and polls both.
 fn write_from(token: Option<&str>, target: &mut T, dst: &Canaried, seed: u64) -> Outcome {
@@ -168,17 +185,7 @@ fn different_tokens_are_refused_by_both_sides_either_way_and_touch_nothing() {
         ("other", "s3cret"),
         ("s3cret", "s3cret "),
     ] {
-        let mut b = transport(Some(theirs));
-        let dst = Canaried::new(
-            &mut b,
-            LEN,
-            Access::REMOTE_WRITE | Access::LOCAL_WRITE,
-            0x11,
-        );
-        assert_eq!(
-            b.post_recv(WorkRequestId(50), dst.local(0, 64)).unwrap(),
-            PostOutcome::Posted
-        );
+        let (mut b, dst) = target(Some(theirs));
         let Outcome {
             write: w,
             send: s,
@@ -227,17 +234,7 @@ fn a_token_on_one_side_only_is_refused_by_both_naming_the_side_without() {
             HandshakeError::PeerHasNoToken,
         ),
     ] {
-        let mut b = transport(theirs);
-        let dst = Canaried::new(
-            &mut b,
-            LEN,
-            Access::REMOTE_WRITE | Access::LOCAL_WRITE,
-            0x11,
-        );
-        assert_eq!(
-            b.post_recv(WorkRequestId(50), dst.local(0, 64)).unwrap(),
-            PostOutcome::Posted
-        );
+        let (mut b, dst) = target(theirs);
         let Outcome {
             write: w,
             send: s,
