@@ -1,0 +1,272 @@
+#!/usr/bin/env python3
+"""xfer and NIXL side by side: the same paged WRITEs between two processes of one host,
+host memory, over TCP (NIXL's UCX backend restricted to its tcp transport, xfer's tcp
+transport), interleaved round by round; the median of the rounds.
+
+Each transfer writes `--pages` pages of `--page-kib` KiB from random pages of the
+initiator's region to random pages of the target's (a fixed permutation), the way a KV
+cache moves; `--transfers` of them are timed per round, one in flight at a time (`--depth`
+for more). The target's pages are checked against the source's after each engine's rounds.
+
+Setup (any Python 3.10+; a venv of its own, NIXL brings UCX):
+
+    python3 -m venv /tmp/nixl-venv
+    /tmp/nixl-venv/bin/pip install nixl numpy target/wheels/xfer-*.whl
+    /tmp/nixl-venv/bin/python scripts/nixl-side-by-side.py --page-kib 64 --rails 1
+
+NIXL picks its CUDA flavour (nixl-cu12 or nixl-cu13) from what it finds; on a machine
+without a GPU either works for host memory. UCX_TLS is set to tcp unless given: UCX would
+otherwise use shared memory between processes of one host, which is not the link being
+compared. Prints one JSON line per engine and round and a summary: the rate, and the CPU
+time each process (initiator, target; all threads) spent per GB moved in the timed rounds.
+"""
+
+import argparse
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def pages_of(args):
+    rng = np.random.default_rng(7)
+    n = args.region_pages
+    src = rng.permutation(n)[: args.pages].astype(np.int64)
+    dst = rng.permutation(n)[: args.pages].astype(np.int64)
+    return src, dst
+
+
+def cpu_seconds():
+    """User and system CPU time of this process, all its threads."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def digest(buf, pages, page):
+    h = hashlib.sha256()
+    for p in pages:
+        h.update(buf[int(p) * page : (int(p) + 1) * page].tobytes())
+    return h.hexdigest()
+
+
+def cpu_pair(conn):
+    """CPU seconds so far of this process and of the target's."""
+    conn.send("cpu")
+    return cpu_seconds(), conn.recv()
+
+
+def cpu_spent(conn, before):
+    """CPU seconds this process and the target's spent since `before` (cpu_pair)."""
+    now = cpu_pair(conn)
+    return now[0] - before[0], now[1] - before[1]
+
+
+# ---- xfer ----------------------------------------------------------------------------
+
+
+def xfer_target(args, conn):
+    import xfer
+
+    page = args.page_kib << 10
+    buf = np.zeros(args.region_pages * page, dtype=np.uint8)
+    with xfer.Engine(transport="tcp", rails=args.rails) as e:
+        reg = e.register(buf)
+        conn.send((e.address, reg.descriptor))
+        while True:
+            cmd = conn.recv()
+            if cmd == "stop":
+                break
+            if cmd == "cpu":
+                conn.send(cpu_seconds())
+                continue
+            conn.send(digest(buf, cmd, page))
+            buf[:] = 0
+
+
+def xfer_initiator(args, conn, rounds_out):
+    import xfer
+
+    page = args.page_kib << 10
+    src_pages, dst_pages = pages_of(args)
+    buf = np.random.default_rng(3).integers(0, 256, args.region_pages * page, dtype=np.uint8)
+    address, desc = conn.recv()
+    with xfer.Engine(transport="tcp", rails=args.rails) as e:
+        peer = e.add_peer(address)
+        reg = e.register(buf, remote_write=False)
+        # Warm up: connections, the first pages.
+        for _ in range(args.depth):
+            e.write_pages(peer, reg, desc, src_pages, dst_pages, page).wait(timeout=60)
+        for _ in range(args.rounds):
+            cpu = cpu_pair(conn)
+            t = time.perf_counter()
+            inflight = []
+            for _ in range(args.transfers):
+                if len(inflight) == args.depth:
+                    inflight.pop(0).wait(timeout=60)
+                inflight.append(e.write_pages(peer, reg, desc, src_pages, dst_pages, page))
+            for h in inflight:
+                h.wait(timeout=60)
+            rounds_out.append((time.perf_counter() - t, cpu_spent(conn, cpu)))
+        conn.send(dst_pages.tolist())
+        ok = conn.recv() == digest(buf, src_pages, page)
+        conn.send("stop")
+    return ok
+
+
+# ---- NIXL ----------------------------------------------------------------------------
+
+
+def nixl_target(args, conn):
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    page = args.page_kib << 10
+    buf = np.zeros(args.region_pages * page, dtype=np.uint8)
+    agent = nixl_agent("target", nixl_agent_config(backends=["UCX"]))
+    agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+    conn.send((agent.get_agent_metadata(), buf.ctypes.data))
+    # UCX's tcp transport moves a PUT through the target's worker. With --nixl-target idle
+    # (the default) NIXL's own progress thread does it (2.5x the busy mode's rate on two
+    # cores); busy polls the agent here too, as a serving engine's loop might.
+    while True:
+        if args.nixl_target == "idle" or conn.poll():
+            cmd = conn.recv()
+            if cmd == "stop":
+                break
+            if cmd == "cpu":
+                conn.send(cpu_seconds())
+                continue
+            conn.send(digest(buf, cmd, page))
+            buf[:] = 0
+        agent.get_new_notifs()
+
+
+def nixl_initiator(args, conn, rounds_out):
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    page = args.page_kib << 10
+    src_pages, dst_pages = pages_of(args)
+    buf = np.random.default_rng(3).integers(0, 256, args.region_pages * page, dtype=np.uint8)
+    meta, base = conn.recv()
+    agent = nixl_agent("initiator", nixl_agent_config(backends=["UCX"]))
+    agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+    remote = agent.add_remote_agent(meta)
+    n = args.region_pages
+    local_descs = np.array([(buf.ctypes.data + i * page, page, 0) for i in range(n)], dtype=np.int64)
+    remote_descs = np.array([(base + i * page, page, 0) for i in range(n)], dtype=np.int64)
+    # NIXL's prepared path (prepXferDlist once, makeXferReq per transfer by index), as
+    # vLLM's NIXL connector uses it.
+    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local_descs, "DRAM")
+    far = agent.prep_xfer_dlist(remote, remote_descs, "DRAM")
+    si, di = src_pages.astype(np.int32), dst_pages.astype(np.int32)
+
+    def post():
+        h = agent.make_prepped_xfer("WRITE", local, si, far, di)
+        state = agent.transfer(h)
+        if state == "ERR":
+            raise RuntimeError("NIXL transfer failed to post")
+        return h
+
+    def wait(h):
+        while True:
+            state = agent.check_xfer_state(h)
+            if state == "DONE":
+                agent.release_xfer_handle(h)
+                return
+            if state == "ERR":
+                raise RuntimeError("NIXL transfer failed")
+
+    for _ in range(args.depth):
+        wait(post())
+    for _ in range(args.rounds):
+        cpu = cpu_pair(conn)
+        t = time.perf_counter()
+        inflight = []
+        for _ in range(args.transfers):
+            if len(inflight) == args.depth:
+                wait(inflight.pop(0))
+            inflight.append(post())
+        for h in inflight:
+            wait(h)
+        rounds_out.append((time.perf_counter() - t, cpu_spent(conn, cpu)))
+    conn.send(dst_pages.tolist())
+    ok = conn.recv() == digest(buf, src_pages, page)
+    conn.send("stop")
+    return ok
+
+
+# ---- driver --------------------------------------------------------------------------
+
+ENGINES = {"xfer": (xfer_target, xfer_initiator), "nixl": (nixl_target, nixl_initiator)}
+
+
+def initiator_proc(name, args, conn, out):
+    rounds = []
+    ok = ENGINES[name][1](args, conn, rounds)
+    out.put((rounds, ok))
+
+
+def one_round(name, args):
+    """One process pair, `args.rounds` timed rounds: (seconds per round, verified)."""
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    out = ctx.Queue()
+    t = ctx.Process(target=ENGINES[name][0], args=(args, b))
+    i = ctx.Process(target=initiator_proc, args=(name, args, a, out))
+    t.start()
+    i.start()
+    rounds, ok = out.get(timeout=600)
+    i.join(60)
+    t.join(60)
+    return rounds, ok
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--page-kib", type=int, default=64)
+    ap.add_argument("--pages", type=int, default=256, help="pages per transfer")
+    ap.add_argument("--region-pages", type=int, default=1024)
+    ap.add_argument("--transfers", type=int, default=100, help="transfers per round")
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds per process pair")
+    ap.add_argument("--pairs", type=int, default=3, help="process pairs per engine, interleaved")
+    ap.add_argument("--depth", type=int, default=1, help="transfers in flight")
+    ap.add_argument("--rails", type=int, default=1, help="xfer's tcp rails")
+    ap.add_argument("--engines", default="xfer,nixl")
+    ap.add_argument("--nixl-target", choices=["idle", "busy"], default="idle", help="whether the NIXL target process only waits, leaving progress to NIXL's own thread (idle, its faster mode here), or polls its agent (busy)")
+    args = ap.parse_args()
+    os.environ.setdefault("UCX_TLS", "tcp")
+    bytes_per_round = args.transfers * args.pages * (args.page_kib << 10)
+    rates, cpus = {}, {}
+    gb = bytes_per_round / 1e9
+    for _ in range(args.pairs):
+        for name in args.engines.split(","):
+            rounds, ok = one_round(name, args)
+            for s, (cpu_init, cpu_target) in rounds:
+                gbps = bytes_per_round * 8 / s / 1e9
+                rates.setdefault(name, []).append(gbps)
+                per_gb = (cpu_init / gb, cpu_target / gb)
+                cpus.setdefault(name, []).append(per_gb)
+                print(json.dumps({"engine": name, "gbps": round(gbps, 2), "verified": ok, "cpu_s_per_gb": {"initiator": round(per_gb[0], 3), "target": round(per_gb[1], 3)}}), flush=True)
+            if not ok:
+                print(f"{name}: the target's pages differ from the source's", file=sys.stderr)
+                sys.exit(3)
+    summary = {name: round(statistics.median(r), 2) for name, r in rates.items()}
+    for name, c in cpus.items():
+        summary[f"{name}_cpu_s_per_gb"] = {
+            "initiator": round(statistics.median(x[0] for x in c), 3),
+            "target": round(statistics.median(x[1] for x in c), 3),
+        }
+    if "xfer" in summary and "nixl" in summary:
+        summary["xfer/nixl"] = round(summary["xfer"] / summary["nixl"], 3)
+    summary.update(page_kib=args.page_kib, pages=args.pages, depth=args.depth, rails=args.rails, ucx_tls=os.environ["UCX_TLS"])
+    print(json.dumps({"median_gbps": summary}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
