@@ -400,12 +400,18 @@ impl DestinationSync {
                     };
                     if let Err(op) = r {
                         let info = &self.links[&ranks[lane]];
-                        first.get_or_insert(SyncError::Transfer {
+                        let e = SyncError::Transfer {
                             side: Some(Side::Source),
                             rank: Some(ranks[lane]),
                             peer: info.peer.info().name.clone(),
                             source: op,
-                        });
+                        };
+                        // The read's own failure says why; a submit after it that could
+                        // not connect again only follows from it.
+                        match &mut first {
+                            Some(f) if !f.is_reconnect() => {}
+                            slot => *slot = Some(e),
+                        }
                     }
                     pipe.completed(lane, bytes, first.is_none());
                 }

@@ -434,6 +434,12 @@ impl SyncError {
         }
     }
 
+    /// Whether a transfer could not be submitted because the agent could not connect to
+    /// the peer again ([`Error::Reconnect`](crate::Error::Reconnect)).
+    pub(crate) fn is_reconnect(&self) -> bool {
+        matches!(self, SyncError::Submit { source, .. } if matches!(**source, crate::Error::Reconnect { .. }))
+    }
+
     /// The engine's error of a failed transfer (peer unreachable, removed, timed out...).
     pub fn op_error(&self) -> Option<&OpError> {
         match self {
