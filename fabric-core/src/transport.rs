@@ -123,6 +123,16 @@ pub trait Transport: Send + 'static {
         None
     }
 
+    /// The incarnation that peer `peer` announced when we connected to it (its agent's
+    /// [`AgentInfo::instance`](crate::metadata::AgentInfo::instance)), where the transport's
+    /// handshake carries one and the peer announced it: a reconnect that finds another
+    /// incarnation at the same address knows the peer restarted. Asked once
+    /// [`peer_ready`](Transport::peer_ready) says the peer is ready. The default: unknown.
+    fn peer_instance(&self, peer: PeerId) -> Option<u64> {
+        let _ = peer;
+        None
+    }
+
     /// Removes a peer: its pending operations complete with [`OpError::PeerRemoved`].
     fn remove_peer(&mut self, peer: PeerId) -> Result<()>;
 

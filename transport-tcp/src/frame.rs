@@ -8,8 +8,10 @@
 //! Handshake (protocol version 5): the target speaks first, and each side proves the
 //! shared token to the other. On every connection it accepts the target sends a
 //! `CHALLENGE` whose `key` and `offset` carry a fresh random nonce (16 bytes, see
-//! [`Header::key_offset_bytes`]), whose `code` is its protocol version and whose `imm` is
-//! its authentication mode ([`AUTH_NONE`], or [`AUTH_TOKEN`] when it has a token). The
+//! [`Header::key_offset_bytes`]), whose `code` is its protocol version, whose `imm` is
+//! its authentication mode ([`AUTH_NONE`], or [`AUTH_TOKEN`] when it has a token), and
+//! whose `wr_id` is the incarnation it announces (its agent's instance,
+//! [`TcpConfig::announce`](crate::TcpConfig::announce); 0: none, as older builds send). The
 //! initiator sends nothing before the CHALLENGE; then its HELLO, whose `imm` is its own
 //! mode, whose `key` and `offset` carry the left 16 bytes of
 //! [`auth::tag`](crate::auth::tag)`(token, `[`HELLO_CONTEXT`]`, nonce)` (zeros without a

@@ -227,6 +227,12 @@ pub struct TcpConfig {
     /// holds each whole before placing it: a copy more on each side. Writes from device
     /// memory, SENDs and READs carry none. Targets always check checksums that come.
     pub checksum: bool,
+    /// The incarnation this transport announces to the peers that connect to it, in its
+    /// CHALLENGE (the agent's [`AgentInfo::instance`](fabric_core::metadata::AgentInfo::instance)):
+    /// an initiator that connects again to the same address learns that a restarted
+    /// process answers ([`Transport::peer_instance`]). `None` (0 on the wire) announces
+    /// nothing; builds that predate it ignore it.
+    pub announce: Option<u64>,
     /// The congestion control of the connections (`TCP_CONGESTION`). The default,
     /// [`Congestion::Auto`], takes loopback connections off BBR, whose pacing halves a
     /// loopback stream (see [`Congestion`]), and leaves connections between hosts to the
@@ -252,6 +258,7 @@ impl Default for TcpConfig {
             copy_nap: Duration::ZERO,
             interface: None,
             checksum: false,
+            announce: None,
             congestion: Congestion::Auto,
         }
     }
@@ -661,7 +668,8 @@ impl TcpTransport {
                     };
                     // The peer id is settled by the HELLO; until then the conn has none.
                     let token = self.token.clone();
-                    self.insert_conn(Conn::challenging(sock.into(), nonce, token));
+                    let announce = self.cfg.announce.unwrap_or(0);
+                    self.insert_conn(Conn::challenging(sock.into(), nonce, token, announce));
                     tracing::debug!(%from, "accepted connection, CHALLENGE queued");
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
@@ -827,6 +835,13 @@ impl Transport for TcpTransport {
     /// that connected to us): its listening address either way.
     fn peer_address(&self, peer: PeerId) -> Option<Vec<u8>> {
         self.peers.get(&peer).map(|p| p.address.clone())
+    }
+
+    fn peer_instance(&self, peer: PeerId) -> Option<u64> {
+        let p = self.peers.get(&peer)?;
+        p.conns
+            .iter()
+            .find_map(|&i| self.conns.get(i)?.as_ref()?.announced)
     }
 
     fn remove_peer(&mut self, peer: PeerId) -> Result<()> {

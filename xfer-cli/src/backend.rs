@@ -259,6 +259,7 @@ impl BackendArgs {
                 checksum: self.checksum,
                 copy_nap: us(self.tcp_copy_nap_us),
                 congestion: self.congestion(),
+                ..TcpOptions::default()
             },
             efa: EfaOptions {
                 provider: self.provider.clone(),

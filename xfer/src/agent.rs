@@ -639,6 +639,7 @@ impl Agent {
             .clone()
             .unwrap_or_else(|| format!("xfer-{}-{id}", std::process::id()));
         let mut lanes_built = Vec::new();
+        let instance = fabric_core::random_u64();
         for kind in kinds {
             let choice = lanes::nic_choice(&o, kind)?;
             let rails = o.rails.unwrap_or(choice.default_rails(1));
@@ -658,6 +659,7 @@ impl Agent {
                 &rail_nics,
                 rail_pins,
                 &format!("xfer-{}-{}", kind.name(), o.worker),
+                instance,
             )?;
             lanes_built.push(Lane {
                 kind,
@@ -672,6 +674,8 @@ impl Agent {
         };
         let boot_id = transport_cuda_ipc::boot_id().unwrap_or_default();
         let mut info = AgentInfo::new(&name, &boot_id, memory);
+        // The incarnation the tcp rails announced in their handshakes.
+        info.instance = instance;
         info.hostname = hostname();
         info.net_namespace = net_namespace();
         info.control = o.control.clone();
@@ -990,11 +994,26 @@ impl Agent {
             kinds.extend(next);
         }
         let links = self.add_links(peer, &kinds)?;
-        self.know(peer);
+        let mut info = peer.clone();
+        // Another incarnation than `peer` says answered at its addresses (it restarted
+        // since `peer` was taken): that one is the peer, and descriptors of the one `peer`
+        // describes are refused.
+        if let Some(i) = links.iter().find_map(|(_, g)| g.announced)
+            && i != info.instance
+        {
+            tracing::warn!(
+                peer = %info.name,
+                described_instance = format_args!("{:016x}", info.instance),
+                instance = format_args!("{i:016x}"),
+                "another incarnation of the peer answered: its descriptors are refused"
+            );
+            info.instance = i;
+        }
+        self.know(&info);
         let links: Links = links.into();
         Ok(Peer {
             owner: self.inner.info.instance,
-            info: peer.clone(),
+            info: info.clone(),
             links: links.clone(),
             generation: 0,
             cell: Arc::new(LinkCell {
@@ -1002,7 +1021,7 @@ impl Agent {
                 state: AtomicU64::new(0),
                 now: Mutex::new(LinkNow {
                     links,
-                    info: peer.clone(),
+                    info,
                     removed: false,
                 }),
             }),
@@ -1065,7 +1084,7 @@ impl Agent {
         if (s & BROKEN == 0 && !renew) || s & CLOSED != 0 {
             return Ok((now.links.clone(), now.info.instance, generation));
         }
-        let target = info.unwrap_or(&now.info).clone();
+        let mut target = info.unwrap_or(&now.info).clone();
         let kinds: Vec<TransportKind> = now.links.iter().map(|(k, _)| *k).collect();
         if !now.removed {
             // The dead connection's group peers go: what was still in flight on them ends
@@ -1080,11 +1099,25 @@ impl Agent {
         let added = self.add_links(&target, &kinds);
         match added {
             Ok(links) => {
+                // The peer's handshake says which incarnation answered at its addresses: one
+                // other than we knew restarted there. Its descriptors of before are refused
+                // from now on (`StaleDescriptor`), its new ones taken.
+                let announced = links.iter().find_map(|(_, g)| g.announced);
+                let restarted = info.is_none() && announced.is_some_and(|i| i != target.instance);
+                if let (true, Some(i)) = (restarted, announced) {
+                    tracing::warn!(
+                        peer = %cell.name,
+                        previous_instance = format_args!("{:016x}", target.instance),
+                        instance = format_args!("{i:016x}"),
+                        "peer restarted: descriptors of its previous incarnation are refused"
+                    );
+                    target.instance = i;
+                }
                 let links: Links = links.into();
                 now.links = links.clone();
                 now.removed = false;
                 let old = std::mem::replace(&mut now.info, target);
-                if renew {
+                if renew || restarted {
                     self.know(&now.info);
                 }
                 let next = generation + 1;

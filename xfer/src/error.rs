@@ -417,6 +417,8 @@ pub enum OptionName {
     AuthToken,
     /// [`TcpOptions::checksum`](crate::TcpOptions::checksum).
     Checksum,
+    /// [`TcpOptions::port`](crate::TcpOptions::port).
+    Port,
 }
 
 impl OptionName {
@@ -430,6 +432,7 @@ impl OptionName {
             OptionName::Provider => "provider",
             OptionName::AuthToken => "auth_token",
             OptionName::Checksum => "checksum",
+            OptionName::Port => "port",
         }
     }
 }

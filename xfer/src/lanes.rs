@@ -79,7 +79,8 @@ pub fn engine_config(o: &AgentOptions, name: &str) -> EngineConfig {
 
 /// Starts `rails` rails of `kind` for `o`, named `name`; `nics` (empty: unbound) holds each
 /// rail's NIC (a tcp rail listens on its address and binds to it, an efa rail opens it as
-/// its domain), `pins` each rail's core.
+/// its domain), `pins` each rail's core; `instance` is the agent's incarnation, which tcp
+/// rails announce to the peers that connect to them.
 pub fn spawn(
     kind: TransportKind,
     o: &AgentOptions,
@@ -87,8 +88,18 @@ pub fn spawn(
     nics: &[RailNic],
     pins: Vec<Option<CorePin>>,
     name: &str,
+    instance: u64,
 ) -> Result<RailGroup> {
     check_rails(rails)?;
+    if kind == TransportKind::Tcp
+        && let Some(p) = o.tcp.port
+        && usize::from(p) + rails > usize::from(u16::MAX) + 1
+    {
+        return Err(Error::option(
+            OptionName::Port,
+            format!("{rails} rails from port {p} go past port 65535"),
+        ));
+    }
     if !nics.is_empty() && nics.len() != rails {
         return Err(Error::option(
             OptionName::Nics,
@@ -131,13 +142,19 @@ pub fn spawn(
             let congestion = o.tcp.congestion.clone();
             let timeout = o.workers.control_timeout;
             let liveness = o.workers.liveness_timeout;
+            let first_port = o.tcp.port;
+            let port_of = move |i: usize| {
+                first_port.map_or(0, |p| {
+                    p.saturating_add(u16::try_from(i).unwrap_or(u16::MAX))
+                })
+            };
             let ip = o.listen;
             let make = move |i: usize| {
                 pin(i);
                 let nic = nics.get(i);
                 let d = TcpConfig::default();
                 TcpTransport::new(TcpConfig {
-                    listen: SocketAddr::new(nic.and_then(|n| n.ip).unwrap_or(ip), 0),
+                    listen: SocketAddr::new(nic.and_then(|n| n.ip).unwrap_or(ip), port_of(i)),
                     interface: nic.map(|n| n.name.clone()),
                     auth_token: token.clone(),
                     copy_nap,
@@ -145,6 +162,7 @@ pub fn spawn(
                     congestion: congestion.clone(),
                     peer_timeout: timeout.unwrap_or(d.peer_timeout),
                     liveness_timeout: liveness.unwrap_or(d.liveness_timeout),
+                    announce: Some(instance),
                     ..d
                 })
             };

@@ -88,6 +88,10 @@ pub struct TcpOptions {
     /// BBR (its pacing halves a stream between processes of one host) and leaves those
     /// between hosts to the system; see [`Congestion`].
     pub congestion: Congestion,
+    /// The port rail 0 listens on, rail `i` on the next `i` (a firewall's or a container's
+    /// fixed ports; a process restarted with the same ports is found where it was). `None`
+    /// (the default): ports the system picks.
+    pub port: Option<u16>,
 }
 
 /// Knobs of the efa (libfabric) transport.

@@ -27,6 +27,21 @@ const LEN: usize = 1 << 20;
 const T: Duration = Duration::from_secs(30);
 const TOKEN: &str = "reconnect-test-token";
 
+/// An agent made by `Agent::new` (its tcp rail announces its incarnation in handshakes)
+/// whose one tcp rail listens on `127.0.0.1:port`, with the token.
+fn announcing_agent(name: &str, port: u16) -> Agent {
+    let mut o = xfer::AgentOptions {
+        name: Some(name.into()),
+        transport: xfer::TransportChoice::Only(TransportKind::Tcp),
+        rails: Some(1),
+        auth_token: Some(TOKEN.into()),
+        pin: xfer::placement::PinMode::Off,
+        ..xfer::AgentOptions::default()
+    };
+    o.tcp.port = Some(port);
+    Agent::new(o).expect("an agent")
+}
+
 /// An agent whose one tcp rail listens on `127.0.0.1:port` (0: any), with the token.
 fn agent(name: &str, port: u16) -> Agent {
     let cfg = TcpConfig {
@@ -64,7 +79,11 @@ fn peer() {
         .ok()
         .and_then(|p| p.parse().ok())
         .unwrap_or(0);
-    let b = agent("restarting-peer", port);
+    let b = if std::env::var_os("XFER_RECONNECT_ANNOUNCE").is_some() {
+        announcing_agent("restarting-peer", port)
+    } else {
+        agent("restarting-peer", port)
+    };
     let mem = HostBuffer::new_shared(LEN).expect("memory");
     let r = b
         .register(mem.clone(), Access::REMOTE_WRITE)
@@ -94,7 +113,17 @@ struct Peer {
 
 impl Peer {
     fn start(port: u16) -> (Peer, AgentInfo, RegionDescriptor) {
-        let mut child = Command::new(std::env::current_exe().unwrap())
+        Peer::start_with(port, false)
+    }
+
+    /// A peer whose agent announces its incarnation in the tcp handshake (`announce`), or
+    /// one made from its rail group (which announces nothing).
+    fn start_with(port: u16, announce: bool) -> (Peer, AgentInfo, RegionDescriptor) {
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        if announce {
+            cmd.env("XFER_RECONNECT_ANNOUNCE", "1");
+        }
+        let mut child = cmd
             .env("XFER_RECONNECT_PEER", "1")
             .env("XFER_RECONNECT_PORT", port.to_string())
             .stdin(Stdio::piped())
@@ -289,7 +318,50 @@ fn main() {
     // update_peer's to the new incarnation.
     assert_eq!(reconnects(&a), 3);
 
+    p.kill();
+    drop(a);
+
+    // 3. A peer whose handshake announces its incarnation (an agent of AgentOptions),
+    // restarted on its port: the reconnect learns the new incarnation by itself. With no
+    // call of the application, the old descriptor is refused before anything moves and
+    // the new process's descriptor is taken.
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = free.local_addr().unwrap().port();
+    drop(free);
+    let (p, info, desc) = Peer::start_with(port, true);
+    assert_eq!(port_of(&info), port, "the fixed port (TcpOptions::port)");
+    let a = agent("initiator-2", 0);
+    let src = a.register(mem.clone(), Access::NONE).unwrap();
+    let peer = a.connect(&info).unwrap();
+    let write = |desc: &RegionDescriptor, round: u8| {
+        mem.fill_with(pattern(round));
+        a.submit(&peer, &src, desc, whole())
+    };
+    write(&desc, 10).unwrap().wait(T).expect("a first write");
+    p.kill();
+    let (mut p, info2, desc2) = Peer::start_with(port, true);
+    assert_ne!(info2.instance, info.instance);
+    meets_dead_connection(write(&desc, 11));
+    let e = write(&desc, 12).expect_err("the restarted peer announced its new incarnation");
+    assert!(
+        matches!(e, Error::StaleDescriptor { descriptor_instance, peer_instance, .. }
+            if descriptor_instance == info.instance && peer_instance == info2.instance),
+        "{e:?}"
+    );
+    assert_eq!(
+        a.peer_info(&peer).instance,
+        info2.instance,
+        "learned by the reconnect"
+    );
+    assert!(p.holds(0), "nothing of the new process's memory changed");
+    write(&desc2, 13)
+        .expect("the new process's descriptor, with no call of the application")
+        .wait(T)
+        .expect("the write after the restart");
+    assert!(p.holds(13), "every byte landed in the new process");
+
     println!(
-        "reconnect: a killed connection and a restarted peer reconnected; stale descriptors refused"
+        "reconnect: a killed connection and a restarted peer reconnected; stale descriptors \
+         refused, and a restarted peer's new incarnation learned from its handshake"
     );
 }

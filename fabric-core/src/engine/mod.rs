@@ -517,11 +517,15 @@ impl Engine {
 
     /// Adds a peer by its transport address.
     pub fn add_peer(&self, address: &[u8]) -> Result<PeerId> {
-        self.start_add_peer(address)?.finish()
+        self.start_add_peer(address)?.finish().map(|(p, _)| p)
     }
 
-    /// [`Engine::add_peer`], its answer read later.
-    pub(crate) fn start_add_peer(&self, address: &[u8]) -> Result<Pending<'_, PeerId>> {
+    /// [`Engine::add_peer`], its answer read later: the peer, and the incarnation it
+    /// announced ([`Transport::peer_instance`](crate::Transport::peer_instance)).
+    pub(crate) fn start_add_peer(
+        &self,
+        address: &[u8],
+    ) -> Result<Pending<'_, (PeerId, Option<u64>)>> {
         let a = address.to_vec();
         self.start(|r| Command::AddPeer(a, r), "add_peer")
     }

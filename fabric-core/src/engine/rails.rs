@@ -76,6 +76,10 @@ pub struct GroupPeer {
     pub rails: Vec<PeerId>,
     /// Which remote rail each local rail talks to.
     pub remote_rail: Vec<usize>,
+    /// The incarnation the peer announced when this group connected to it (the first rail
+    /// whose transport learned one; see
+    /// [`Transport::peer_instance`](crate::Transport::peer_instance)), if any.
+    pub announced: Option<u64>,
 }
 
 /// A transfer between two rail groups: segments of one local region to one remote region
@@ -542,10 +546,11 @@ impl RailGroup {
         let remote_rail: Vec<usize> = (0..self.rails.len()).map(|i| i % remote.len()).collect();
         let added = self.on_every_rail(
             |i, e| e.start_add_peer(&remote[remote_rail[i]]),
-            |e, p| e.start_remove_peer(*p),
+            |e, p| e.start_remove_peer(p.0),
         )?;
         Ok(GroupPeer {
-            rails: added,
+            announced: added.iter().find_map(|(_, i)| *i),
+            rails: added.into_iter().map(|(p, _)| p).collect(),
             remote_rail,
         })
     }

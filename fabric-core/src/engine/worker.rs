@@ -40,8 +40,13 @@ pub(crate) struct Job {
     pub watch: Option<Arc<Slot<TransferResult>>>,
 }
 
+/// Where an `add_peer` is answered: the peer once ready, and the incarnation it announced
+/// (if any).
+pub(crate) type PeerAnswer = Sender<Result<(PeerId, Option<u64>)>>;
+
 pub(crate) enum Command {
-    AddPeer(Vec<u8>, Sender<Result<PeerId>>),
+    /// Answered once the peer is ready.
+    AddPeer(Vec<u8>, PeerAnswer),
     RemovePeer(PeerId, Sender<Result<()>>),
     Register(Arc<dyn MemoryRegion>, Access, Sender<Result<Registration>>),
     Deregister(LocalKey, Sender<Result<()>>),
@@ -203,7 +208,7 @@ pub(crate) struct Worker<T: Transport> {
     /// Unfinished transfers (and SENDs) per local region: deregistration waits for zero.
     in_use: HashMap<LocalKey, usize>,
     /// Peers added whose set-up goes on in `poll`, with who waits for the answer.
-    connecting: Vec<(PeerId, Sender<Result<PeerId>>)>,
+    connecting: Vec<(PeerId, PeerAnswer)>,
     /// Transfers held until their fence reports done (slot, generation, fence): nothing of
     /// them is queued yet.
     fenced: Vec<(u32, u32, Arc<dyn Fence>)>,
@@ -430,7 +435,7 @@ impl<T: Transport> Worker<T> {
                     i += 1;
                     continue;
                 }
-                Ok(true) => Ok(p),
+                Ok(true) => Ok((p, self.t.peer_instance(p))),
                 Err(e) => Err(e),
             };
             let (_, r) = self.connecting.swap_remove(i);

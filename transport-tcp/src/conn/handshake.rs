@@ -45,16 +45,24 @@ pub(crate) enum Handshake {
 }
 
 impl Conn {
-    /// A connection we accepted: its CHALLENGE, carrying `nonce` (fresh for it) and our
-    /// mode, is queued; its HELLO must prove `token` for that nonce.
-    pub fn challenging(stream: TcpStream, nonce: Nonce, token: Option<Arc<str>>) -> Conn {
+    /// A connection we accepted: its CHALLENGE, carrying `nonce` (fresh for it), our mode
+    /// and the incarnation we announce (`announce`, 0: none, in the header's `wr_id`), is
+    /// queued; its HELLO must prove `token` for that nonce.
+    pub fn challenging(
+        stream: TcpStream,
+        nonce: Nonce,
+        token: Option<Arc<str>>,
+        announce: u64,
+    ) -> Conn {
         let mode = if token.is_some() {
             AUTH_TOKEN
         } else {
             AUTH_NONE
         };
         let mut c = Conn::new(stream, PeerId(0), Handshake::Challenged { nonce, token });
-        c.queue(Header::challenge(&nonce, mode), Payload::None);
+        let mut h = Header::challenge(&nonce, mode);
+        h.wr_id = announce;
+        c.queue(h, Payload::None);
         c
     }
 
@@ -187,6 +195,8 @@ impl Conn {
             return Err(TcpError::UnexpectedChallenge); // checked above
         };
         let theirs = Nonce::from_bytes(h.key_offset_bytes());
+        // The target's incarnation, where it announces one (older builds send 0).
+        self.announced = (h.wr_id != 0).then_some(h.wr_id);
         if h.code < MUTUAL_VERSION {
             // A target of version 4: it cannot prove the token. Without one, we answer as
             // a build of version 4 did (the target judges the version).

@@ -103,6 +103,9 @@ pub(crate) struct Shared {
 pub(crate) struct Conn {
     pub stream: TcpStream,
     pub peer: PeerId,
+    /// The incarnation the target announced in its CHALLENGE (a connection we opened), if
+    /// it announced one (see [`TcpConfig::announce`](crate::TcpConfig::announce)).
+    pub announced: Option<u64>,
     pub out: VecDeque<OutFrame>,
     /// Written batch frames, emptied, whose buffers the next batches reuse (at most
     /// [`SPARE_FRAMES`](send::SPARE_FRAMES)): a batch grows to hundreds of WRITEs, and
@@ -167,6 +170,7 @@ impl Conn {
             handshake,
             stream,
             peer,
+            announced: None,
             out: VecDeque::new(),
             spare: Vec::new(),
             out_bytes: 0,
