@@ -77,8 +77,7 @@ pub struct GroupPeer {
     /// Which remote rail each local rail talks to.
     pub remote_rail: Vec<usize>,
     /// The incarnation the peer announced when this group connected to it (the first rail
-    /// whose transport learned one; see
-    /// [`Transport::peer_instance`](crate::Transport::peer_instance)), if any.
+    /// whose transport learned one; see [`Transport::peer_instance`]), if any.
     pub announced: Option<u64>,
 }
 
