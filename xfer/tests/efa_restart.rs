@@ -12,15 +12,15 @@
 //! peer. Where libfabric or its tcp provider is missing it prints `skipped:` and passes,
 //! unless `XFER_REQUIRE_LIBFABRIC=1` (CI).
 
+mod common;
+
+use common::child::{self, Child};
 use fabric_core::MemoryLocation;
 use fabric_core::engine::{EngineConfig, RailGroup};
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 use transport_efa::{EfaConfig, EfaTransport};
 use xfer::{
-    Access, Agent, AgentInfo, Error, ErrorKind, HostBuffer, RegionDescriptor, Transfer,
-    TransportKind,
+    Access, Agent, Error, ErrorKind, HostBuffer, RegionDescriptor, Transfer, TransportKind,
 };
 
 const LEN: usize = 1 << 20;
@@ -50,7 +50,7 @@ fn byte(round: u8) -> u8 {
     round.wrapping_mul(37).wrapping_add(1)
 }
 
-/// The peer: prints its agent's and region's metadata (hex), then answers each line
+/// The peer: announces its agent's and region's metadata, then answers each line
 /// `check N` with `ok` when its region holds round N's byte everywhere (round 0: zeros).
 fn peer() {
     let b = agent("efa-restarting-peer").expect("the peer's agent");
@@ -58,70 +58,18 @@ fn peer() {
     let r = b
         .register(mem.clone(), Access::REMOTE_WRITE)
         .expect("a region");
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "{}", hex::encode(b.info().to_bytes().unwrap())).unwrap();
-    writeln!(out, "{}", hex::encode(r.descriptor().to_bytes().unwrap())).unwrap();
-    out.flush().unwrap();
-    for line in std::io::stdin().lock().lines() {
-        let line = line.expect("a line");
+    child::announce(b.info(), r.descriptor());
+    child::serve(|line| {
         let round: u8 = line.trim_start_matches("check ").parse().expect("check N");
         let want = if round == 0 { 0 } else { byte(round) };
         let same = mem.to_vec(0, LEN).unwrap() == vec![want; LEN];
-        writeln!(out, "{}", if same { "ok" } else { "bad" }).unwrap();
-        out.flush().unwrap();
-    }
+        if same { "ok" } else { "bad" }.into()
+    });
 }
 
-struct Peer {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-}
-
-impl Peer {
-    fn start() -> (Peer, AgentInfo, RegionDescriptor) {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .env(PEER_ENV, "1")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("the peer process");
-        let stdin = child.stdin.take().unwrap();
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut line = || {
-            let mut l = String::new();
-            stdout.read_line(&mut l).expect("the peer's metadata");
-            hex::decode(l.trim()).expect("the peer's metadata, in hex")
-        };
-        let info = AgentInfo::from_bytes(&line()).unwrap();
-        let desc = RegionDescriptor::from_bytes(&line()).unwrap();
-        let p = Peer {
-            child,
-            stdin,
-            stdout,
-        };
-        (p, info, desc)
-    }
-
-    fn holds(&mut self, round: u8) -> bool {
-        writeln!(self.stdin, "check {round}").unwrap();
-        self.stdin.flush().unwrap();
-        let mut l = String::new();
-        self.stdout.read_line(&mut l).unwrap();
-        l.trim() == "ok"
-    }
-
-    fn kill(mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Whether the peer's region holds round `round`'s byte everywhere.
+fn holds(p: &mut Child, round: u8) -> bool {
+    p.ask(&format!("check {round}")) == "ok"
 }
 
 fn main() {
@@ -140,7 +88,7 @@ fn main() {
             return;
         }
     };
-    let (mut p, info, desc) = Peer::start();
+    let (mut p, info, desc) = Child::spawn(Child::this_binary(PEER_ENV, "1"));
     let mem = HostBuffer::new_shared(LEN).unwrap();
     let src = a.register(mem.clone(), Access::NONE).unwrap();
     let peer = a.connect(&info).unwrap();
@@ -154,11 +102,11 @@ fn main() {
         )
     };
     write(&desc, 1).unwrap().wait(T).expect("a first write");
-    assert!(p.holds(1));
+    assert!(holds(&mut p, 1));
 
     // The peer killed and started again: a new address, a new incarnation.
     p.kill();
-    let (mut p, info2, desc2) = Peer::start();
+    let (mut p, info2, desc2) = Child::spawn(Child::this_binary(PEER_ENV, "1"));
     assert_ne!(info2.instance, info.instance);
     assert_ne!(
         info2.transport(TransportKind::Efa).unwrap().rails,
@@ -171,7 +119,7 @@ fn main() {
     // removes the old address from the address vector, and the provider then fails what
     // was pending: it ends typed, promptly.
     let pending = write(&desc, 2);
-    assert!(p.holds(0), "nothing reached the new process");
+    assert!(holds(&mut p, 0), "nothing reached the new process");
     let began = Instant::now();
     a.update_peer(&peer, &info2).expect("the new incarnation");
     let e = match pending {
@@ -196,12 +144,15 @@ fn main() {
             if descriptor_instance == info.instance && peer_instance == info2.instance),
         "{e:?}"
     );
-    assert!(p.holds(0), "nothing of the new process's memory changed");
+    assert!(
+        holds(&mut p, 0),
+        "nothing of the new process's memory changed"
+    );
     write(&desc2, 5)
         .unwrap()
         .wait(T)
         .expect("a write through the new process's descriptor");
-    assert!(p.holds(5), "it landed in the new process");
+    assert!(holds(&mut p, 5), "it landed in the new process");
     println!(
         "efa restart: the dead peer's writes failed typed, the old descriptor refused \
          (StaleDescriptor), the new process reached at its new address"

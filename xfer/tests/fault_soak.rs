@@ -19,14 +19,14 @@
 //! seed is printed). Its own harness (`harness = false`); needs root for the namespaces
 //! (as `netns_liveness.rs`). With `XFER_SOAK_TARGET` set, this binary is a target.
 
+mod common;
 #[path = "../../transport-tcp/tests/netns/mod.rs"]
 mod netns;
 mod netns_target;
 
 use netns::{NetPair, Side};
-use netns_target::{RAILS, Target, agent, cut_ports, metric, ports_of};
+use netns_target::{RAILS, agent, cut_ports, metric, ports_of};
 use std::collections::BTreeMap;
-use std::io::BufRead;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -79,11 +79,8 @@ fn target(spec: &str) {
         .register(mem, Access::REMOTE_WRITE | Access::REMOTE_READ)
         .expect("a region");
     netns_target::announce(b.info(), r.descriptor());
-    for line in std::io::stdin().lock().lines() {
-        if line.is_err() {
-            break;
-        }
-    }
+    // Serves until the parent closes stdin.
+    common::child::serve(|_| String::new());
 }
 
 /// What the agent knows of one target: its descriptor and ports, changed by a restart.
@@ -237,7 +234,7 @@ fn main() {
     let mut known = Vec::new();
     let mut peers = Vec::new();
     for _ in 0..TARGETS {
-        let (t, info, desc) = Target::start(&net, TARGET_ENV, &[0; RAILS]);
+        let (t, info, desc) = netns_target::start(&net, TARGET_ENV, &[0; RAILS]);
         peers.push(a.connect(&info).unwrap());
         known.push(Arc::new(Mutex::new(Known {
             desc,
@@ -283,7 +280,7 @@ fn main() {
                 _ => {
                     let ports = known[i].lock().unwrap().ports.clone();
                     targets[i].take().unwrap().kill();
-                    let (t, info, desc) = Target::start(&net, TARGET_ENV, &ports);
+                    let (t, info, desc) = netns_target::start(&net, TARGET_ENV, &ports);
                     targets[i] = Some(t);
                     // As the directory's follow would report the new incarnation.
                     a.update_peer(&peers[i], &info)

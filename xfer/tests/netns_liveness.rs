@@ -19,13 +19,13 @@
 //! with `XFER_NETNS_TARGET=ADDR,PORT,PORT`, this binary is the target (an agent whose rails
 //! listen there, one region, its metadata on stdout, checking its memory on request).
 
+mod common;
 #[path = "../../transport-tcp/tests/netns/mod.rs"]
 mod netns;
 mod netns_target;
 
 use netns::{NetPair, Side};
 use netns_target::{RAILS, Target, agent, connections, cut, metric, ports_of};
-use std::io::{BufRead, Write};
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 use xfer::{Access, Error, ErrorKind, HostBuffer, RegionDescriptor, Transfer};
@@ -69,16 +69,12 @@ fn target(spec: &str) {
         .register(mem.clone(), Access::REMOTE_WRITE)
         .expect("a region");
     netns_target::announce(b.info(), r.descriptor());
-    let mut out = std::io::stdout().lock();
-    for line in std::io::stdin().lock().lines() {
-        let line = line.expect("a line");
+    common::child::serve(|line| {
         let mut w = line.split_whitespace().skip(1);
         let round: u8 = w.next().unwrap().parse().expect("check ROUND LEN");
         let len: u64 = w.next().unwrap().parse().expect("check ROUND LEN");
-        let ok = holds(&mem, round, len);
-        writeln!(out, "{}", if ok { "ok" } else { "bad" }).unwrap();
-        out.flush().unwrap();
-    }
+        if holds(&mem, round, len) { "ok" } else { "bad" }.into()
+    });
 }
 
 /// Whether the target's region holds round `round` over `[0, len)`.
@@ -108,7 +104,7 @@ fn main() {
     }
     // This process is host A: its threads (the agent's rails) inherit the namespace.
     netns::enter(net.name(Side::A)).expect("enter namespace A");
-    let (mut p, info, desc) = Target::start(&net, TARGET_ENV, &[0; RAILS]);
+    let (mut p, info, desc) = netns_target::start(&net, TARGET_ENV, &[0; RAILS]);
     let a = agent(
         "liveness-initiator",
         IpAddr::V4(net.ip(Side::A)),
@@ -225,7 +221,7 @@ fn main() {
     // 3. The target killed and started again on the same addresses, under the same name.
     let ports = ports_of(&info);
     p.kill();
-    let (mut p, info2, desc2) = Target::start(&net, TARGET_ENV, &ports);
+    let (mut p, info2, desc2) = netns_target::start(&net, TARGET_ENV, &ports);
     assert_eq!(ports_of(&info2), ports);
     assert_ne!(info2.instance, info.instance, "a new incarnation");
     // The transfer that meets the dead connection fails typed, naming the peer.

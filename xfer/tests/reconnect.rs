@@ -11,11 +11,13 @@
 //! the peer (an agent on `127.0.0.1:$XFER_RECONNECT_PORT` with one region, its metadata on
 //! stdout, checking its memory on request).
 
+mod common;
+
+use common::child::{self, Child};
 use fabric_core::MemoryLocation;
 use fabric_core::engine::{EngineConfig, RailGroup};
-use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 use transport_tcp::{TcpConfig, TcpTransport};
 use xfer::{
@@ -71,7 +73,7 @@ fn pattern(round: u8) -> impl Fn(u64, &mut [u8]) {
     }
 }
 
-/// The peer: prints its agent's and region's metadata (hex), then answers each line
+/// The peer: announces its agent's and region's metadata, then answers each line
 /// `check N` with `ok` when its region holds round N's pattern (round 0: all zero), `bad`
 /// otherwise.
 fn peer() {
@@ -88,85 +90,32 @@ fn peer() {
     let r = b
         .register(mem.clone(), Access::REMOTE_WRITE)
         .expect("a region");
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "{}", hex::encode(b.info().to_bytes().unwrap())).unwrap();
-    writeln!(out, "{}", hex::encode(r.descriptor().to_bytes().unwrap())).unwrap();
-    out.flush().unwrap();
-    for line in std::io::stdin().lock().lines() {
-        let line = line.expect("a line");
+    child::announce(b.info(), r.descriptor());
+    child::serve(|line| {
         let round: u8 = line.trim_start_matches("check ").parse().expect("check N");
         let want = HostBuffer::new_shared(LEN).unwrap();
         if round != 0 {
             want.fill_with(pattern(round));
         }
         let same = mem.to_vec(0, LEN).unwrap() == want.to_vec(0, LEN).unwrap();
-        writeln!(out, "{}", if same { "ok" } else { "bad" }).unwrap();
-        out.flush().unwrap();
-    }
+        if same { "ok" } else { "bad" }.into()
+    });
 }
 
-struct Peer {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<std::process::ChildStdout>,
+/// The peer process on `port`: one whose agent announces its incarnation in the tcp
+/// handshake (`announce`), or one made from its rail group (which announces nothing).
+fn start_peer(port: u16, announce: bool) -> (Child, AgentInfo, RegionDescriptor) {
+    let mut cmd = Child::this_binary("XFER_RECONNECT_PEER", "1");
+    cmd.env("XFER_RECONNECT_PORT", port.to_string());
+    if announce {
+        cmd.env("XFER_RECONNECT_ANNOUNCE", "1");
+    }
+    Child::spawn(cmd)
 }
 
-impl Peer {
-    fn start(port: u16) -> (Peer, AgentInfo, RegionDescriptor) {
-        Peer::start_with(port, false)
-    }
-
-    /// A peer whose agent announces its incarnation in the tcp handshake (`announce`), or
-    /// one made from its rail group (which announces nothing).
-    fn start_with(port: u16, announce: bool) -> (Peer, AgentInfo, RegionDescriptor) {
-        let mut cmd = Command::new(std::env::current_exe().unwrap());
-        if announce {
-            cmd.env("XFER_RECONNECT_ANNOUNCE", "1");
-        }
-        let mut child = cmd
-            .env("XFER_RECONNECT_PEER", "1")
-            .env("XFER_RECONNECT_PORT", port.to_string())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("the peer process");
-        let stdin = child.stdin.take().unwrap();
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut line = || {
-            let mut l = String::new();
-            stdout.read_line(&mut l).expect("the peer's metadata");
-            hex::decode(l.trim()).expect("hex")
-        };
-        let info = AgentInfo::from_bytes(&line()).unwrap();
-        let desc = RegionDescriptor::from_bytes(&line()).unwrap();
-        let p = Peer {
-            child,
-            stdin,
-            stdout,
-        };
-        (p, info, desc)
-    }
-
-    fn holds(&mut self, round: u8) -> bool {
-        writeln!(self.stdin, "check {round}").unwrap();
-        self.stdin.flush().unwrap();
-        let mut l = String::new();
-        self.stdout.read_line(&mut l).unwrap();
-        l.trim() == "ok"
-    }
-
-    /// Kills the process and waits for it to be gone (its port free again).
-    fn kill(mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Whether the peer's region holds round `round`'s pattern (round 0: all zero).
+fn holds(p: &mut Child, round: u8) -> bool {
+    p.ask(&format!("check {round}")) == "ok"
 }
 
 /// The port of the peer's tcp rail (`tcp://127.0.0.1:PORT`).
@@ -207,7 +156,7 @@ fn main() {
         peer();
         return;
     }
-    let (mut p, info, desc) = Peer::start(0);
+    let (mut p, info, desc) = start_peer(0, false);
     let port = port_of(&info);
     let a = agent("initiator", 0);
     let mem = HostBuffer::new_shared(LEN).unwrap();
@@ -223,11 +172,11 @@ fn main() {
         .unwrap()
         .wait(T)
         .expect("a first write");
-    assert!(p.holds(1));
+    assert!(holds(&mut p, 1));
     let prepared = a.prepare(&peer, &src, &desc, whole()).unwrap();
     mem.fill_with(pattern(2));
     a.post(&prepared).unwrap().wait(T).expect("a post");
-    assert!(p.holds(2));
+    assert!(holds(&mut p, 2));
     assert_eq!(reconnects(&a), 0);
 
     // 1. The connection killed under both processes (ss -K on ours).
@@ -243,7 +192,7 @@ fn main() {
         .expect("reconnected")
         .wait(T)
         .expect("the write after the reconnect");
-    assert!(p.holds(4), "every byte landed");
+    assert!(holds(&mut p, 4), "every byte landed");
     assert_eq!(reconnects(&a), 1);
     assert_eq!(peer.reconnects(), 1, "every clone of the peer sees it");
     // A plan of the old connection is refused, and works prepared again.
@@ -265,14 +214,14 @@ fn main() {
     let prepared = a.prepare(&peer, &src, &desc, whole()).unwrap();
     mem.fill_with(pattern(5));
     a.post(&prepared).unwrap().wait(T).expect("prepared again");
-    assert!(p.holds(5));
+    assert!(holds(&mut p, 5));
 
     // 2. The peer process killed and started again on the same address. The transfer that
     // meets the dead connection fails; the next one reconnects. Until the agent learns the
     // new incarnation, it knows no other than the old one: a descriptor of the new process
     // is refused, named as such.
     p.kill();
-    let (mut p, info2, desc2) = Peer::start(port);
+    let (mut p, info2, desc2) = start_peer(port, false);
     assert_eq!(port_of(&info2), port);
     assert_ne!(info2.instance, info.instance, "a new incarnation");
     assert_eq!(desc.owner, info.instance);
@@ -302,12 +251,15 @@ fn main() {
         .prepare(&peer, &src, &desc, whole())
         .expect_err("prepared through it neither");
     assert!(matches!(e, Error::StaleDescriptor { .. }), "{e:?}");
-    assert!(p.holds(0), "nothing of the new process's memory changed");
+    assert!(
+        holds(&mut p, 0),
+        "nothing of the new process's memory changed"
+    );
     write(&peer, &desc2, 9)
         .expect("the new process's descriptor")
         .wait(T)
         .expect("the write after the restart");
-    assert!(p.holds(9), "every byte landed in the new process");
+    assert!(holds(&mut p, 9), "every byte landed in the new process");
     let e = a
         .post(&prepared)
         .expect_err("planned on the old process's connection");
@@ -328,7 +280,7 @@ fn main() {
     let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = free.local_addr().unwrap().port();
     drop(free);
-    let (p, info, desc) = Peer::start_with(port, true);
+    let (p, info, desc) = start_peer(port, true);
     assert_eq!(port_of(&info), port, "the fixed port (TcpOptions::port)");
     let a = agent("initiator-2", 0);
     let src = a.register(mem.clone(), Access::NONE).unwrap();
@@ -339,7 +291,7 @@ fn main() {
     };
     write(&desc, 10).unwrap().wait(T).expect("a first write");
     p.kill();
-    let (mut p, info2, desc2) = Peer::start_with(port, true);
+    let (mut p, info2, desc2) = start_peer(port, true);
     assert_ne!(info2.instance, info.instance);
     meets_dead_connection(write(&desc, 11));
     let e = write(&desc, 12).expect_err("the restarted peer announced its new incarnation");
@@ -353,12 +305,15 @@ fn main() {
         info2.instance,
         "learned by the reconnect"
     );
-    assert!(p.holds(0), "nothing of the new process's memory changed");
+    assert!(
+        holds(&mut p, 0),
+        "nothing of the new process's memory changed"
+    );
     write(&desc2, 13)
         .expect("the new process's descriptor, with no call of the application")
         .wait(T)
         .expect("the write after the restart");
-    assert!(p.holds(13), "every byte landed in the new process");
+    assert!(holds(&mut p, 13), "every byte landed in the new process");
 
     println!(
         "reconnect: a killed connection and a restarted peer reconnected; stale descriptors \

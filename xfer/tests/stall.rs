@@ -6,13 +6,11 @@
 //! Its own harness (`harness = false`): run with `XFER_STALL_PEER=1`, this binary is the
 //! peer (an agent with a region, its metadata on stdout, checking its memory on request).
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
+mod common;
+
+use common::child::{self, Child};
 use std::time::{Duration, Instant};
-use xfer::{
-    Access, Agent, AgentInfo, AgentOptions, ErrorKind, HostBuffer, RegionDescriptor,
-    TransportChoice, TransportKind,
-};
+use xfer::{Access, Agent, AgentOptions, ErrorKind, HostBuffer, TransportChoice, TransportKind};
 
 const LEN: usize = 64 << 20;
 const T: Duration = Duration::from_secs(60);
@@ -35,7 +33,7 @@ fn pattern(round: u8) -> impl Fn(u64, &mut [u8]) {
     }
 }
 
-/// The peer: prints its agent's and region's metadata (hex), then answers each line
+/// The peer: announces its agent's and region's metadata, then answers each line
 /// `check N` with `ok` when its region holds round N's pattern, `bad` otherwise.
 fn peer() {
     let b = Agent::new(options("stopped-peer")).expect("the peer's agent");
@@ -43,79 +41,19 @@ fn peer() {
     let r = b
         .register(mem.clone(), Access::REMOTE_WRITE)
         .expect("a region");
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "{}", hex::encode(b.info().to_bytes().unwrap())).unwrap();
-    writeln!(out, "{}", hex::encode(r.descriptor().to_bytes().unwrap())).unwrap();
-    out.flush().unwrap();
-    for line in std::io::stdin().lock().lines() {
-        let line = line.expect("a line");
+    child::announce(b.info(), r.descriptor());
+    child::serve(|line| {
         let round: u8 = line.trim_start_matches("check ").parse().expect("check N");
         let want = HostBuffer::new_shared(LEN).unwrap();
         want.fill_with(pattern(round));
         let same = mem.to_vec(0, LEN).unwrap() == want.to_vec(0, LEN).unwrap();
-        writeln!(out, "{}", if same { "ok" } else { "bad" }).unwrap();
-        out.flush().unwrap();
-    }
+        if same { "ok" } else { "bad" }.into()
+    });
 }
 
-struct Peer {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<std::process::ChildStdout>,
-}
-
-impl Peer {
-    fn start() -> (Peer, AgentInfo, RegionDescriptor) {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .env("XFER_STALL_PEER", "1")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("the peer process");
-        let stdin = child.stdin.take().unwrap();
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut line = || {
-            let mut l = String::new();
-            stdout.read_line(&mut l).expect("the peer's metadata");
-            hex::decode(l.trim()).expect("hex")
-        };
-        let info = AgentInfo::from_bytes(&line()).unwrap();
-        let desc = RegionDescriptor::from_bytes(&line()).unwrap();
-        (
-            Peer {
-                child,
-                stdin,
-                stdout,
-            },
-            info,
-            desc,
-        )
-    }
-
-    fn signal(&self, sig: &str) {
-        let ok = Command::new("sh")
-            .args(["-c", &format!("kill -{sig} {}", self.child.id())])
-            .status()
-            .expect("sh")
-            .success();
-        assert!(ok, "kill -{sig}");
-    }
-
-    fn holds(&mut self, round: u8) -> bool {
-        writeln!(self.stdin, "check {round}").unwrap();
-        self.stdin.flush().unwrap();
-        let mut l = String::new();
-        self.stdout.read_line(&mut l).unwrap();
-        l.trim() == "ok"
-    }
-}
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        self.signal("CONT");
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Whether the peer's region holds round `round`'s pattern.
+fn holds(p: &mut Child, round: u8) -> bool {
+    p.ask(&format!("check {round}")) == "ok"
 }
 
 fn main() {
@@ -123,7 +61,7 @@ fn main() {
         peer();
         return;
     }
-    let (mut p, info, desc) = Peer::start();
+    let (mut p, info, desc) = Child::spawn(Child::this_binary("XFER_STALL_PEER", "1"));
     let a = Agent::new(options("initiator")).unwrap();
     let mem = HostBuffer::new_shared(LEN).unwrap();
     let src = a.register(mem.clone(), Access::NONE).unwrap();
@@ -132,7 +70,7 @@ fn main() {
 
     // A stall timeout shorter than the stop: PeerStalled, then it completes on SIGCONT.
     mem.fill_with(pattern(1));
-    p.signal("STOP");
+    p.signal(libc::SIGSTOP);
     let started = Instant::now();
     let stall = Duration::from_millis(300);
     let h = a
@@ -147,7 +85,7 @@ fn main() {
         "reported after {took:?}"
     );
     assert!(!h.is_finished(), "a stall ends the wait, not the transfer");
-    p.signal("CONT");
+    p.signal(libc::SIGCONT);
     // The connection stood: the transfer goes on. A peer slow to resume (a loaded machine)
     // may still read as stalled for a wait or two; only a real end counts.
     let until = Instant::now() + T;
@@ -158,11 +96,11 @@ fn main() {
             Err(e) => panic!("the transfer goes on once the peer does: {e}"),
         }
     }
-    assert!(p.holds(1), "every byte landed");
+    assert!(holds(&mut p, 1), "every byte landed");
 
     // A stall timeout longer than the stop: the wait only runs out; the transfer completes.
     mem.fill_with(pattern(2));
-    p.signal("STOP");
+    p.signal(libc::SIGSTOP);
     let h = a
         .submit(
             &peer,
@@ -175,8 +113,8 @@ fn main() {
         .wait(Duration::from_millis(500))
         .expect_err("the peer is stopped");
     assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
-    p.signal("CONT");
+    p.signal(libc::SIGCONT);
     h.wait(T).expect("completes after SIGCONT");
-    assert!(p.holds(2), "every byte landed");
+    assert!(holds(&mut p, 2), "every byte landed");
     println!("stall: 2 cases passed (PeerStalled after {took:?} with a 300 ms stall timeout)");
 }

@@ -4,16 +4,16 @@
 //! (this test binary run again in namespace B, its metadata on stdout), signals, the ports of
 //! an agent's rails, its metrics, the namespace's connections, and cuts of the link.
 //!
-//! The including test declares `mod netns;` (transport-tcp/tests/netns/mod.rs) at its root.
+//! The including test declares `mod netns;` (transport-tcp/tests/netns/mod.rs) and
+//! `mod common;` at its root.
 #![allow(dead_code)]
 
 use crate::netns::{NetPair, Side};
 use fabric_core::MemoryLocation;
 use fabric_core::engine::{EngineConfig, RailGroup};
 use std::collections::BTreeSet;
-use std::io::{BufRead, BufReader, Write};
 use std::net::{IpAddr, SocketAddr};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 use transport_tcp::{TcpConfig, TcpTransport};
 use xfer::{Agent, AgentInfo, RegionDescriptor, TransportKind};
@@ -65,82 +65,18 @@ pub fn parse_spec(spec: &str) -> (IpAddr, Vec<u16>) {
     (ip, ports)
 }
 
-/// Prints an agent's and a region's metadata (hex), one line each, for the parent.
-pub fn announce(info: &AgentInfo, desc: &RegionDescriptor) {
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "{}", hex::encode(info.to_bytes().unwrap())).unwrap();
-    writeln!(out, "{}", hex::encode(desc.to_bytes().unwrap())).unwrap();
-    out.flush().unwrap();
-}
+pub use crate::common::child::{Child as Target, announce};
 
-/// A target process, started in namespace B.
-pub struct Target {
-    pub child: Child,
-    pub stdin: ChildStdin,
-    pub stdout: BufReader<ChildStdout>,
-}
-
-impl Target {
-    /// This test binary run again in namespace B with `env=spec(B's address, ports)`; returns
-    /// once it has announced its metadata.
-    pub fn start(net: &NetPair, env: &str, ports: &[u16]) -> (Target, AgentInfo, RegionDescriptor) {
-        // `ip netns exec` enters the namespace and execs the binary: the child's pid is
-        // the target's own, for the signals.
-        let exe = std::env::current_exe().unwrap();
-        let mut child = Command::new("ip")
-            .args(["netns", "exec", net.name(Side::B)])
-            .arg(exe)
-            .env(env, spec(IpAddr::V4(net.ip(Side::B)), ports))
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("the target process");
-        let stdin = child.stdin.take().unwrap();
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut line = || {
-            let mut l = String::new();
-            stdout.read_line(&mut l).expect("the target's metadata");
-            hex::decode(l.trim()).expect("the target's metadata, in hex")
-        };
-        let info = AgentInfo::from_bytes(&line()).unwrap();
-        let desc = RegionDescriptor::from_bytes(&line()).unwrap();
-        let t = Target {
-            child,
-            stdin,
-            stdout,
-        };
-        (t, info, desc)
-    }
-
-    pub fn signal(&self, sig: libc::c_int) {
-        // SAFETY: kill has no memory preconditions; the pid is our own child's, not reaped.
-        let r = unsafe { libc::kill(self.child.id() as libc::pid_t, sig) };
-        assert_eq!(r, 0, "kill({sig}): {}", std::io::Error::last_os_error());
-    }
-
-    /// Sends `line` and returns the answer's line.
-    pub fn ask(&mut self, line: &str) -> String {
-        writeln!(self.stdin, "{line}").unwrap();
-        self.stdin.flush().unwrap();
-        let mut l = String::new();
-        self.stdout.read_line(&mut l).unwrap();
-        l.trim().to_string()
-    }
-
-    /// Kills the process and waits for it to be gone (its ports free again).
-    pub fn kill(mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Target {
-    fn drop(&mut self) {
-        // SAFETY: as in `signal`; a continued process is killed at once below.
-        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGCONT) };
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// This test binary run again in namespace B with `env=spec(B's address, ports)`: a
+/// target, once it has announced its metadata.
+pub fn start(net: &NetPair, env: &str, ports: &[u16]) -> (Target, AgentInfo, RegionDescriptor) {
+    // `ip netns exec` enters the namespace and execs the binary: the child's pid is the
+    // target's own, for the signals.
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", net.name(Side::B)])
+        .arg(std::env::current_exe().unwrap())
+        .env(env, spec(IpAddr::V4(net.ip(Side::B)), ports));
+    Target::spawn(cmd)
 }
 
 /// The ports of an agent's tcp rails (`tcp://ADDR:PORT`).
