@@ -55,6 +55,13 @@ pub enum CopyMethod {
     /// One launch of a copy kernel per batch (ranges with 16-byte aligned ends; others
     /// fall back to `cuMemcpyAsync`): SMs move the bytes, no per-range engine cost.
     Kernel,
+    /// As [`Kernel`](Self::Kernel), with each strided run of rows (whole 16-byte chunks,
+    /// aligned) one entry of the rows kernel (`xfer_gather_rows`) instead of one piece per
+    /// row. Its bytes have not yet been checked on a GPU on their own (the one GPU run
+    /// that used it also copied every row a second time, see the git log), so it is
+    /// chosen only when asked for; the default keeps rows one plain-kernel piece each,
+    /// the path the GPU tests proved.
+    KernelRows,
     /// One `cuMemcpyBatchAsync` per batch (driver 12.8 and later).
     Batch,
     /// One `cuMemcpyAsync` per range.
@@ -66,16 +73,22 @@ impl CopyMethod {
     pub fn name(self) -> &'static str {
         match self {
             CopyMethod::Kernel => "kernel",
+            CopyMethod::KernelRows => "kernel-rows",
             CopyMethod::Batch => "batch",
             CopyMethod::Memcpy => "memcpy",
         }
     }
 
-    /// The method of that name (`kernel`, `batch` or `memcpy`), or `None`.
+    /// The method of that name (`kernel`, `kernel-rows`, `batch` or `memcpy`), or `None`.
     pub fn from_name(name: &str) -> Option<CopyMethod> {
-        [CopyMethod::Kernel, CopyMethod::Batch, CopyMethod::Memcpy]
-            .into_iter()
-            .find(|m| m.name() == name)
+        [
+            CopyMethod::Kernel,
+            CopyMethod::KernelRows,
+            CopyMethod::Batch,
+            CopyMethod::Memcpy,
+        ]
+        .into_iter()
+        .find(|m| m.name() == name)
     }
 }
 
@@ -97,6 +110,8 @@ struct Queued {
     /// Whether the copy kernel may move it (both ends reachable by this device's kernels);
     /// others go through `cuMemcpyAsync`, which reaches any device.
     kernel_ok: bool,
+    /// Whether its stream's method is [`CopyMethod::KernelRows`].
+    rows_kernel: bool,
 }
 
 impl Queued {
@@ -118,9 +133,9 @@ impl Queued {
 
     /// Whether the rows kernel moves it: rows the kernel may reach, each of whole 16-byte
     /// chunks at 16-byte aligned places, none longer than a piece; and the rows kernel
-    /// asked for ([`rows_kernel`]).
+    /// asked for ([`CopyMethod::KernelRows`]).
     fn strided(&self) -> bool {
-        rows_kernel() && self.strided_shape()
+        self.rows_kernel && self.strided_shape()
     }
 
     /// Whether its shape suits the rows kernel (see [`strided`](Self::strided)).
@@ -144,15 +159,6 @@ impl Queued {
         }
         self.rows.div_ceil(self.rows_per_entry())
     }
-}
-
-/// Whether strided copies go to the rows kernel (`xfer_gather_rows`): only with
-/// `XFER_GPU_ROWS_KERNEL=1` for now. Its bytes have not yet been checked on a GPU on their
-/// own (the one GPU run that used it also copied every row a second time, see the git log),
-/// so by default rows stay one plain-kernel piece each, the path the GPU tests proved.
-fn rows_kernel() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("XFER_GPU_ROWS_KERNEL").as_deref() == Ok("1"))
 }
 
 /// Hands every entry of `queued` that the rows kernel moves to `entry` as ((dst,
@@ -285,7 +291,7 @@ impl RangeCopies {
         method: CopyMethod,
     ) -> Result<RangeCopies, GpuMemError> {
         let kernel = match method {
-            CopyMethod::Kernel => Some(GatherKernel::load(device)?),
+            CopyMethod::Kernel | CopyMethod::KernelRows => Some(GatherKernel::load(device)?),
             _ => None,
         };
         let batch = batch_fn();
@@ -375,6 +381,7 @@ impl RangeCopies {
             dst_stride,
             src_stride,
             kernel_ok,
+            rows_kernel: self.method == CopyMethod::KernelRows,
         });
     }
 
@@ -395,7 +402,7 @@ impl RangeCopies {
         self.device.bind()?;
         let mut lists = [None, None];
         let issued = match self.method {
-            CopyMethod::Kernel => self.issue_kernel(&mut lists),
+            CopyMethod::Kernel | CopyMethod::KernelRows => self.issue_kernel(&mut lists),
             CopyMethod::Batch => self.issue_batch(),
             CopyMethod::Memcpy => self.issue_each(self.queued.iter().flat_map(|q| {
                 (0..q.rows).map(move |i| {
@@ -875,14 +882,16 @@ mod tests {
         fn rows_as_one_entry_move_the_bytes_of_their_rows(
             dst in 0u64..64, src in 0u64..64, len in 1u64..200_000,
             rows in 1u64..6, ds in 0u64..300_000, ss in 0u64..300_000,
-            kernel_ok: bool,
+            kernel_ok: bool, rows_kernel: bool,
         ) {
             let (dst, src) = (dst * 8, (1 << 40) | (src * 8));
-            let q = Queued { dst, src, len, rows, dst_stride: ds, src_stride: ss, kernel_ok };
+            let q = Queued {
+                dst, src, len, rows, dst_stride: ds, src_stride: ss, kernel_ok, rows_kernel,
+            };
             let one: Vec<Queued> = (0..rows)
                 .map(|i| Queued {
                     dst: dst + i * ds, src: src + i * ss, len, rows: 1,
-                    dst_stride: 0, src_stride: 0, kernel_ok,
+                    dst_stride: 0, src_stride: 0, kernel_ok, rows_kernel,
                 })
                 .collect();
             let (a, odd_a, rows_a) = issued(&[q]);
@@ -915,8 +924,18 @@ mod tests {
             dst_stride: 512,
             src_stride: 1024,
             kernel_ok: true,
+            rows_kernel: true,
         };
         assert!(q.strided_shape());
+        assert!(q.strided());
+        assert!(
+            !Queued {
+                rows_kernel: false,
+                ..q
+            }
+            .strided(),
+            "only when asked for"
+        );
         let mut entries = Vec::new();
         cut_rows(&q, &mut |d, s, l, r| entries.push((d, s, l, r)));
         assert_eq!(entries.len(), 32);
@@ -944,7 +963,12 @@ mod tests {
 
     #[test]
     fn copy_methods_round_trip_by_name_and_nothing_else_parses() {
-        for m in [CopyMethod::Kernel, CopyMethod::Batch, CopyMethod::Memcpy] {
+        for m in [
+            CopyMethod::Kernel,
+            CopyMethod::KernelRows,
+            CopyMethod::Batch,
+            CopyMethod::Memcpy,
+        ] {
             assert_eq!(CopyMethod::from_name(m.name()), Some(m));
         }
         for bad in ["", "Kernel", "dma", "memcpy "] {

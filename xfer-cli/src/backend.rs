@@ -142,8 +142,9 @@ pub struct BackendArgs {
     /// demo's and bench's raw streams (--baseline) run the same
     #[arg(long = "tcp-congestion", value_name = "auto|system|NAME", default_value = "auto", value_parser = Congestion::parse)]
     pub tcp_congestion: Congestion,
-    /// cuda-ipc: force how batches of copies are issued (kernel, batch or memcpy), for
-    /// comparisons; the default is the best that works here (the copy kernel first).
+    /// cuda-ipc: force how batches of copies are issued (kernel, kernel-rows, batch or
+    /// memcpy), for comparisons; the default is the best that works here (the copy kernel
+    /// first).
     #[arg(long = "cuda-copy", value_name = "METHOD", value_parser = parse_copy_method)]
     pub cuda_copy: Option<gpu_mem::CopyMethod>,
     /// The NICs the rails run on: `auto` (the placement plan's NICs for the worker's GPU;
@@ -210,7 +211,7 @@ pub struct BackendArgs {
 /// `--cuda-copy`'s value.
 fn parse_copy_method(s: &str) -> Result<gpu_mem::CopyMethod, String> {
     gpu_mem::CopyMethod::from_name(s)
-        .ok_or_else(|| format!("{s:?}: expected kernel, batch or memcpy"))
+        .ok_or_else(|| format!("{s:?}: expected kernel, kernel-rows, batch or memcpy"))
 }
 
 /// `--nics`'s value.

@@ -145,6 +145,7 @@ pub fn memcpy_kind(threads: usize) -> String {
 pub fn device_copies_kind(method: CopyMethod, streams: usize, from: u32, to: u32) -> String {
     let how = match method {
         CopyMethod::Kernel => "copy kernel",
+        CopyMethod::KernelRows => "copy kernel, strided rows as one entry",
         CopyMethod::Batch => "cuMemcpyBatchAsync",
         CopyMethod::Memcpy => "one cuMemcpyAsync a page",
     };

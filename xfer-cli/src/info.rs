@@ -121,7 +121,7 @@ struct CudaReport {
 #[derive(Serialize)]
 struct CudaIpcReport {
     available: bool,
-    /// How its copies are made on device 0 (`kernel`, `batch` or `memcpy`).
+    /// How its copies are made on device 0 (`kernel`, `kernel-rows`, `batch` or `memcpy`).
     copy_method: Option<String>,
     /// For each ordered pair of devices: whether copies go device to device directly (peer
     /// access over NVLink or PCIe) rather than staged by the driver.
