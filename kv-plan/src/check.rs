@@ -159,12 +159,7 @@ pub fn check(
     req: &KvRequest,
     plan: &KvPlan,
 ) -> Result<(), CheckError> {
-    let first = prefill.first().ok_or(KvError::NoRanks {
-        side: Side::Prefill,
-    })?;
-    if decode.is_empty() {
-        return Err(KvError::NoRanks { side: Side::Decode }.into());
-    }
+    let first = crate::plan::check_layouts(prefill, decode)?;
     let mut sides: [Vec<Rank>; 2] = [Vec::new(), Vec::new()];
     for (si, (side, layouts)) in [(Side::Prefill, prefill), (Side::Decode, decode)]
         .into_iter()
@@ -176,29 +171,6 @@ pub fn check(
         };
         for (rank, l) in layouts.iter().enumerate() {
             let rank_u32 = u32::try_from(rank).map_err(|_| KvError::Overflow { what: "rank" })?;
-            l.validate().map_err(|e| KvError::Layout {
-                side,
-                rank: rank_u32,
-                source: Box::new(e),
-            })?;
-            for (field, expected, found) in [
-                ("num_layers", first.num_layers, l.num_layers),
-                ("components", first.components, l.components),
-                ("elem_size", first.elem_size, l.elem_size),
-                ("head_dim", first.head_dim, l.head_dim),
-                ("total_heads", first.total_heads, l.total_heads),
-            ] {
-                if expected != found {
-                    return Err(KvError::Mismatch {
-                        side,
-                        rank: rank_u32,
-                        field,
-                        expected: expected.into(),
-                        found: found.into(),
-                    }
-                    .into());
-                }
-            }
             let table = match tables.len() {
                 1 => &tables[0],
                 n if n == layouts.len() => &tables[rank],

@@ -293,8 +293,13 @@ pub fn plan(prefill: &[KvLayout], decode: &[KvLayout], req: &KvRequest) -> Resul
     Ok(out)
 }
 
-/// Every layout valid, with the geometry of prefill rank 0; rank counts fit in `u32`.
-fn check_layouts(prefill: &[KvLayout], decode: &[KvLayout]) -> Result<()> {
+/// Every layout valid, with the geometry of prefill rank 0 (returned); rank counts fit in
+/// `u32`. The planner and the checker both start here (what they check independently is
+/// the plan, not their inputs).
+pub(crate) fn check_layouts<'a>(
+    prefill: &'a [KvLayout],
+    decode: &[KvLayout],
+) -> Result<&'a KvLayout> {
     let first = prefill.first().ok_or(KvError::NoRanks {
         side: Side::Prefill,
     })?;
@@ -328,7 +333,7 @@ fn check_layouts(prefill: &[KvLayout], decode: &[KvLayout]) -> Result<()> {
             }
         }
     }
-    Ok(())
+    Ok(first)
 }
 
 /// A piece of a decode rank's needs that one set of prefill ranks can serve.
