@@ -406,12 +406,7 @@ impl DestinationSync {
                             peer: info.peer.info().name.clone(),
                             source: op,
                         };
-                        // The read's own failure says why; a submit after it that could
-                        // not connect again only follows from it.
-                        match &mut first {
-                            Some(f) if !f.is_reconnect() => {}
-                            slot => *slot = Some(e),
-                        }
+                        SyncError::keep_cause(&mut first, e);
                     }
                     pipe.completed(lane, bytes, first.is_none());
                 }

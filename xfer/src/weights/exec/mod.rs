@@ -434,10 +434,17 @@ impl SyncError {
         }
     }
 
-    /// Whether a transfer could not be submitted because the agent could not connect to
-    /// the peer again ([`Error::Reconnect`](crate::Error::Reconnect)).
-    pub(crate) fn is_reconnect(&self) -> bool {
-        matches!(self, SyncError::Submit { source, .. } if matches!(**source, crate::Error::Reconnect { .. }))
+    /// Keeps in `first` the first cause of a peer's failure, given a transfer's own failure
+    /// `e`: it replaces a submit that could not connect to the peer again
+    /// ([`Error::Reconnect`](crate::Error::Reconnect)), which only follows from it (a
+    /// broken connection is marked when the failure is, and the next submit may try to
+    /// connect again before the failure is read).
+    pub(crate) fn keep_cause(first: &mut Option<SyncError>, e: SyncError) {
+        let reconnect = matches!(first, Some(SyncError::Submit { source, .. })
+            if matches!(**source, crate::Error::Reconnect { .. }));
+        if first.is_none() || reconnect {
+            *first = Some(e);
+        }
     }
 
     /// The engine's error of a failed transfer (peer unreachable, removed, timed out...).

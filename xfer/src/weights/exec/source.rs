@@ -628,13 +628,8 @@ impl SourceSync {
                         }
                         Err(op) => {
                             let (rank, link) = lanes[lane];
-                            // The chunk's own failure says why; a submit after it that
-                            // could not connect again only follows from it.
                             let e = transfer_error(rank, &link.peer, op);
-                            match &mut errors[lane] {
-                                Some(first) if !first.is_reconnect() => {}
-                                slot => *slot = Some(e),
-                            }
+                            SyncError::keep_cause(&mut errors[lane], e);
                             pipe.completed(lane, bytes, false);
                         }
                     }
