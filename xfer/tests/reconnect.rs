@@ -17,7 +17,6 @@ use common::child::{self, Child};
 use fabric_core::MemoryLocation;
 use fabric_core::engine::{EngineConfig, RailGroup};
 use std::net::SocketAddr;
-use std::process::Command;
 use std::time::Duration;
 use transport_tcp::{TcpConfig, TcpTransport};
 use xfer::{
@@ -180,11 +179,10 @@ fn main() {
     assert_eq!(reconnects(&a), 0);
 
     // 1. The connection killed under both processes (ss -K on ours).
-    let killed = Command::new("ss")
-        .args(["-K", "dst", "127.0.0.1", "dport", "=", &port.to_string()])
-        .output()
-        .expect("ss");
-    assert!(killed.status.success(), "ss -K: {killed:?}");
+    assert!(
+        common::kill_loopback_connections_to(port),
+        "ss -K on port {port} (needs root)"
+    );
     meets_dead_connection(write(&peer, &desc, 3));
     // The next one reconnects, with no call of ours, and lands.
     let clone = peer.clone();

@@ -541,19 +541,6 @@ fn tcp_port(a: &Agent) -> u16 {
     rail.rsplit(':').next().unwrap().parse().unwrap()
 }
 
-/// Aborts this host's established loopback connections to `port` (`ss -K`, which needs
-/// CAP_NET_ADMIN): false where that cannot be done here.
-fn kill_connections_to(port: u16) -> bool {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        return false;
-    }
-    let out = std::process::Command::new("ss")
-        .args(["-K", "dst", "127.0.0.1", "dport", "=", &port.to_string()])
-        .output();
-    matches!(out, Ok(o) if o.status.success())
-}
-
 #[test]
 fn a_destination_whose_connection_broke_is_redone_over_a_new_one_without_a_call() {
     let mut s = small_sync_on(TransportKind::Tcp, SyncOptions::default(), true);
@@ -565,7 +552,7 @@ fn a_destination_whose_connection_broke_is_redone_over_a_new_one_without_a_call(
     }
     // The connections to destination 1 are cut under both ends (its process lives on).
     let port = tcp_port(s.receivers[1].agent());
-    if !kill_connections_to(port) {
+    if !common::kill_loopback_connections_to(port) {
         assert!(
             std::env::var("CI").is_err(),
             "CI runs as root: connections can be killed there"
