@@ -209,7 +209,7 @@ pub struct BackendArgs {
 }
 
 /// `--cuda-copy`'s value.
-fn parse_copy_method(s: &str) -> Result<gpu_mem::CopyMethod, String> {
+pub(crate) fn parse_copy_method(s: &str) -> Result<gpu_mem::CopyMethod, String> {
     gpu_mem::CopyMethod::from_name(s)
         .ok_or_else(|| format!("{s:?}: expected kernel, kernel-rows, batch or memcpy"))
 }

@@ -60,6 +60,11 @@ pub struct KvBenchArgs {
     /// 0: the caches are filled once and requests pushed whole.
     #[arg(long, default_value_t = 0)]
     layer_us: u64,
+    /// cuda-ipc: how batches of copies are issued (kernel, kernel-rows, batch or memcpy);
+    /// the default is the best that works here. `kernel-rows` moves each strided run as
+    /// one entry of the rows kernel.
+    #[arg(long = "cuda-copy", value_name = "METHOD", value_parser = crate::backend::parse_copy_method)]
+    cuda_copy: Option<gpu_mem::CopyMethod>,
     /// Skip the plain paged write of the same bytes.
     #[arg(long)]
     no_baseline: bool,
@@ -221,9 +226,11 @@ fn spawn(a: &KvBenchArgs, role: &str, r: u32) -> Result<Child1, CliError> {
         .args(["--tokens", &a.tokens.to_string()])
         .args(["--order", &a.order, "--transport", &a.transport])
         .args(["--rails", &a.rails.to_string(), "--memory", &a.memory])
-        .args(["--layer-us", &a.layer_us.to_string()])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped());
+        .args(["--layer-us", &a.layer_us.to_string()]);
+    if let Some(m) = a.cuda_copy {
+        c.args(["--cuda-copy", m.name()]);
+    }
+    c.stdin(Stdio::piped()).stdout(Stdio::piped());
     let mut child = c
         .spawn()
         .map_err(|e| other(format!("starting a {role} rank: {e}")))?;
@@ -372,6 +379,9 @@ fn rank(a: &KvBenchArgs, side: Side, r: u32) -> Result<(), CliError> {
         },
         rails: Some(a.rails),
         pin: xfer::PinMode::Off,
+        cuda_ipc: xfer::CudaIpcOptions {
+            copy_method: a.cuda_copy,
+        },
         ..AgentOptions::default()
     })
     .map_err(lib)?;

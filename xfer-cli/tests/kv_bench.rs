@@ -50,3 +50,27 @@ fn kv_bench_refuses_an_unknown_order() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--order nchw: nhd or hnd"));
 }
+
+#[test]
+fn kv_bench_takes_a_copy_method_by_name_and_refuses_another() {
+    let out = Command::new(env!("CARGO_BIN_EXE_xfer"))
+        .args(["kv-bench", "--cuda-copy", "dma"])
+        .output()
+        .expect("xfer runs");
+    assert_eq!(out.status.code(), Some(2), "a usage error");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("kernel-rows") && stderr.contains("\"dma\""),
+        "{stderr}"
+    );
+    // Over tcp with host memory the method is accepted and passed to every rank process
+    // (cuda-ipc is the transport that uses it).
+    let out = Command::new(env!("CARGO_BIN_EXE_xfer"))
+        .args(["kv-bench", "--memory", "host", "--transport", "tcp"])
+        .args(["--tokens", "64", "--requests", "1", "--no-baseline"])
+        .args(["--cuda-copy", "kernel-rows", "--json"])
+        .output()
+        .expect("xfer runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "xfer kv-bench failed: {stderr}");
+}
