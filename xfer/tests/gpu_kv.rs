@@ -1,13 +1,17 @@
 //! KV caches on the GPU over cuda-ipc: every shape of the KV tests (other TP degrees and
 //! block sizes, HND into NHD, replicated heads, MLA) with each rank's cache in device
 //! memory and each rank its own agent, pushed and pulled, every decode byte checked
-//! against the logical cache. Needs a GPU: ignored here, run by the GPU kit
-//! (`gpu-kit/gpu_kv_tests --include-ignored`).
+//! against the logical cache; with the default copy method and with the rows kernel
+//! (`CopyMethod::KernelRows`: each strided run one entry). Needs a GPU: ignored here, run
+//! by the GPU kit (`gpu-kit/gpu_kv_tests --include-ignored`).
 
 use std::sync::Arc;
 use std::time::Duration;
+use xfer::cuda::CopyMethod;
 use xfer::kv::{KvLayout, KvRank, KvRequest, Side};
-use xfer::{Agent, AgentOptions, MemoryKind, MemoryRegion, TransportChoice, TransportKind};
+use xfer::{
+    Agent, AgentOptions, CudaIpcOptions, MemoryKind, MemoryRegion, TransportChoice, TransportKind,
+};
 
 mod common;
 use common::kv::{cells, region_lens, shapes, table, value};
@@ -26,6 +30,7 @@ fn ranks(
     side: Side,
     layouts: &[KvLayout],
     all: (&[KvLayout], &[KvLayout]),
+    method: Option<CopyMethod>,
 ) -> Ranks {
     layouts
         .iter()
@@ -45,6 +50,9 @@ fn ranks(
                 memory: MemoryKind::Cuda,
                 rails: Some(2),
                 pin: xfer::PinMode::Off,
+                cuda_ipc: CudaIpcOptions {
+                    copy_method: method,
+                },
                 ..AgentOptions::default()
             })
             .unwrap();
@@ -59,12 +67,24 @@ fn ranks(
 #[test]
 #[ignore = "needs a GPU"]
 fn every_shape_over_cuda_ipc_with_device_caches() {
+    every_shape(None);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn every_shape_over_cuda_ipc_with_the_rows_kernel() {
+    every_shape(Some(CopyMethod::KernelRows));
+}
+
+/// Every shape pushed and pulled between ranks whose copies use `method` (`None`: the
+/// default), every decode byte checked.
+fn every_shape(method: Option<CopyMethod>) {
     let cuda = gpu_mem::testing::require_gpus(1);
     let dev = cuda.device(0).unwrap();
     for (i, s) in shapes().iter().enumerate() {
         let all = (&s.prefill[..], &s.decode[..]);
-        let prefill = ranks(&dev, Side::Prefill, &s.prefill, all);
-        let decode = ranks(&dev, Side::Decode, &s.decode, all);
+        let prefill = ranks(&dev, Side::Prefill, &s.prefill, all, method);
+        let decode = ranks(&dev, Side::Decode, &s.decode, all, method);
         for (p, _) in &prefill {
             for (d, _) in &decode {
                 p.attach(&d.info()).unwrap();
