@@ -768,7 +768,7 @@ fn an_unknown_cuda_copy_method_is_a_usage_error_naming_the_choices() {
     assert_eq!(out.status.code(), Some(2), "{out:?}");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("dma") && err.contains("kernel, batch or memcpy"),
+        err.contains("dma") && err.contains("kernel, kernel-rows, batch or memcpy"),
         "{err}"
     );
 }
