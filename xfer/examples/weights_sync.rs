@@ -15,7 +15,7 @@
 //! baseline, then a sync: in the baseline each source writes, to each destination, as many
 //! bytes as the sync sends it, as one transfer of contiguous pages (both sources and both
 //! destinations at once); in the sync each source pushes its plan with
-//! `SourceSync::push`. Rates are the bytes of both sources over the slower source's time;
+//! `Source::push`. Rates are the bytes of both sources over the slower source's time;
 //! every destination checks every byte of what the sync wrote, every round (the baseline
 //! writes over it). The figures: the median of the rounds' rates, and their ratio.
 //!
@@ -33,7 +33,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use xfer::discovery;
-use xfer::weights::exec::{DestinationSync, SourceSync, SyncOptions};
+use xfer::weights::exec::{Destination, Source, SyncOptions};
 use xfer::weights::{Holding, Layout, Piece, Plan, RegionSpec, TensorSpec};
 use xfer::{
     Access, Agent, AgentOptions, HostBuffer, MemoryKind, MemoryRegion, Transfer, TransportChoice,
@@ -442,7 +442,7 @@ fn destination(o: &Opts) -> Res<()> {
     let mem = alloc(o, l.regions[0].len)?;
     let region = a.register(mem.clone(), Access::REMOTE_WRITE | Access::LOCAL_WRITE)?;
     let sync =
-        DestinationSync::new(&a, l.clone(), vec![region], 2, Some(rank))?.with_options(options(o));
+        Destination::new(&a, l.clone(), vec![region], 2, Some(rank))?.with_options(options(o));
     sync.offer()?;
     let dir = discovery::open(o.get("dir")?)?;
     let _p = a.publish(&*dir, "weights", Duration::from_secs(600))?;
@@ -484,8 +484,7 @@ fn source(o: &Opts) -> Res<()> {
     let mem = alloc(o, l.regions[0].len)?;
     mem.write_from_host(0, &contents(&l))?;
     let region = a.register(mem, Access::REMOTE_READ)?;
-    let mut sync =
-        SourceSync::new(&a, &plan, rank, l, vec![region.clone()])?.with_options(options(o));
+    let mut sync = Source::new(&a, &plan, rank, l, vec![region.clone()])?.with_options(options(o));
     sync.offer()?;
     let dir = discovery::open(o.get("dir")?)?;
     let _p = a.publish(&*dir, "weights", Duration::from_secs(600))?;

@@ -10,7 +10,7 @@ use proptest::prelude::*;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
-use xfer::weights::exec::{DestinationSync, SourceInfo, SourceSync, SyncError, SyncOptions};
+use xfer::weights::exec::{Destination, Source, SourceInfo, SyncError, SyncOptions};
 use xfer::weights::{Holding, Layout, Plan, Side, TensorSpec, check};
 use xfer::{
     Access, Agent, AgentOptions, Fence, HostBuffer, Peer, Region, TransportChoice, TransportKind,
@@ -117,7 +117,7 @@ fn push_then_pull(c: &Case, opts: SyncOptions) {
     for (s, l) in src.iter().enumerate() {
         let (regions, _bufs) = register(&pool.src[s], l, &src_bytes[s], Access::REMOTE_READ);
         src_regions.push(regions.clone());
-        let sync = SourceSync::new(&pool.src[s], &plan, s as u32, l.clone(), regions)
+        let sync = Source::new(&pool.src[s], &plan, s as u32, l.clone(), regions)
             .unwrap()
             .with_options(opts.clone());
         senders.push(sync);
@@ -128,7 +128,7 @@ fn push_then_pull(c: &Case, opts: SyncOptions) {
         let access = Access::REMOTE_WRITE | Access::LOCAL_WRITE;
         let (regions, bufs) = register(&pool.dst[d], l, &blank[d], access);
         dst_bufs.push(bufs);
-        let r = DestinationSync::new(
+        let r = Destination::new(
             &pool.dst[d],
             l.clone(),
             regions,
@@ -256,8 +256,8 @@ fn small() -> (Vec<Layout>, Vec<Layout>) {
 struct Small {
     src: Vec<Layout>,
     dst: Vec<Layout>,
-    senders: Vec<SourceSync>,
-    receivers: Vec<DestinationSync>,
+    senders: Vec<Source>,
+    receivers: Vec<Destination>,
     src_bufs: Vec<Vec<Arc<HostBuffer>>>,
     dst_bufs: Vec<Vec<Arc<HostBuffer>>>,
 }
@@ -278,7 +278,7 @@ fn small_sync_on(kind: TransportKind, opts: SyncOptions, fill_sources: bool) -> 
         let a = agent_of(kind);
         let (regions, bufs) = register(&a, l, &src_bytes[s], Access::REMOTE_READ);
         src_bufs.push(bufs);
-        let sync = SourceSync::new(&a, &plan, s as u32, l.clone(), regions).unwrap();
+        let sync = Source::new(&a, &plan, s as u32, l.clone(), regions).unwrap();
         senders.push(sync.with_options(opts.clone()));
     }
     let mut receivers = Vec::new();
@@ -288,7 +288,7 @@ fn small_sync_on(kind: TransportKind, opts: SyncOptions, fill_sources: bool) -> 
         let access = Access::REMOTE_WRITE | Access::LOCAL_WRITE;
         let (regions, bufs) = register(&a, l, &blank[d], access);
         dst_bufs.push(bufs);
-        let r = DestinationSync::new(&a, l.clone(), regions, 2, Some(d as u32)).unwrap();
+        let r = Destination::new(&a, l.clone(), regions, 2, Some(d as u32)).unwrap();
         for s in &mut senders {
             let peer = s.agent().connect(a.info()).unwrap();
             s.attach(d as u32, peer, r.descriptors()).unwrap();
@@ -509,7 +509,7 @@ fn a_joiner_is_planned_in_without_replanning_the_others_and_a_leaver_dropped() {
         &buffers(std::slice::from_ref(&joiner), false)[0],
         access,
     );
-    let j = DestinationSync::new(&a, joiner.clone(), regions, 2, None).unwrap();
+    let j = Destination::new(&a, joiner.clone(), regions, 2, None).unwrap();
     for sender in &mut s.senders {
         let peer = sender.agent().connect(a.info()).unwrap();
         sender.attach(2, peer, j.descriptors()).unwrap();

@@ -17,7 +17,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use xfer::discovery::{self, Directory, Following};
-use xfer::weights::exec::{DestinationSync, SourceSync, SyncError, SyncOptions};
+use xfer::weights::exec::{Destination, Source, SyncError, SyncOptions};
 use xfer::weights::{Holding, Layout, Plan, Side, TensorSpec};
 use xfer::{Access, Agent, AgentOptions, HostBuffer, Region, TransportChoice, TransportKind};
 
@@ -167,7 +167,7 @@ fn run_child(spec: &str) -> Result<(), Box<dyn std::error::Error>> {
     let (regions, bufs) = register(&agent, &layout, &blank, access);
     let rank = rank.parse::<u32>().ok();
     let mut sync =
-        DestinationSync::new(&agent, layout.clone(), regions, 2, rank)?.with_options(options());
+        Destination::new(&agent, layout.clone(), regions, 2, rank)?.with_options(options());
     sync.offer().expect("offer");
     let _published = agent.publish(&*dir, cluster, Duration::from_secs(30))?;
     let following = agent.follow(&*dir, cluster)?;
@@ -307,7 +307,7 @@ impl Drop for TempDir {
 /// The two sources (agents of this process), their regions holding `version`, published in
 /// `cluster` and following it.
 struct Sources {
-    syncs: Vec<SourceSync>,
+    syncs: Vec<Source>,
     bufs: Vec<Vec<Arc<HostBuffer>>>,
     following: Vec<Following>,
     _published: Vec<discovery::Publication>,
@@ -325,7 +325,7 @@ impl Sources {
             let l = source_layout(u64::from(r));
             let agent = tcp_agent(&format!("{tag}-src{r}"));
             let (regions, bufs) = register(&agent, &l, &contents(&l, version), Access::REMOTE_READ);
-            let sync = SourceSync::new(&agent, plan, r, l, regions)
+            let sync = Source::new(&agent, plan, r, l, regions)
                 .unwrap()
                 .with_options(options());
             sync.offer().expect("offer");
@@ -354,7 +354,7 @@ impl Sources {
 
     /// Refreshes every source until `done` holds for each (each change of the cluster
     /// wakes it).
-    fn refresh_until(&mut self, what: &str, done: impl Fn(&SourceSync) -> bool) {
+    fn refresh_until(&mut self, what: &str, done: impl Fn(&Source) -> bool) {
         let deadline = Instant::now() + T;
         for (sync, f) in self.syncs.iter_mut().zip(&self.following) {
             loop {
@@ -370,7 +370,7 @@ impl Sources {
 }
 
 /// Whether `sync` has `rank` attached to the member of that instance.
-fn attached_as(sync: &SourceSync, rank: u32, instance: u64) -> bool {
+fn attached_as(sync: &Source, rank: u32, instance: u64) -> bool {
     sync.member(rank).is_some_and(|m| m.1 == instance)
 }
 

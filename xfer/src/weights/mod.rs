@@ -65,7 +65,7 @@ mod planner;
 mod runs;
 
 pub use check::{CheckError, CheckReport, check};
-pub use exec::{DestinationSync, SourceSync, SyncError, SyncOptions};
+pub use exec::{Destination, Source, SyncError, SyncOptions};
 pub use layout::{
     ElementBox, Holding, Layout, LayoutError, MAX_DIMS, Piece, RegionSpec, TensorSpec,
 };

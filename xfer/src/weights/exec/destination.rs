@@ -1,4 +1,4 @@
-//! [`DestinationSync`]: a destination rank's side of a weight sync (waiting for pushes,
+//! [`Destination`]: a destination rank's side of a weight sync (waiting for pushes,
 //! pulling).
 
 use super::pipeline::{LaneState, Pipeline, Step, Way};
@@ -22,7 +22,7 @@ pub struct SourceInfo {
     /// Its regions' descriptors, by its layout's region index (registered with
     /// [`Access::REMOTE_READ`](crate::Access)).
     pub regions: Vec<RegionDescriptor>,
-    /// Its record region ([`SourceSync::record`](super::SourceSync::record)), whose first
+    /// Its record region ([`Source::record`](super::Source::record)), whose first
     /// bytes say which version its memory holds.
     pub record: RegionDescriptor,
 }
@@ -52,7 +52,7 @@ pub struct PullReport {
 /// must be registered with [`Access::REMOTE_WRITE`](crate::Access) for pushes and
 /// [`Access::LOCAL_WRITE`](crate::Access) for pulls. The agent's immediate values are the
 /// sync's: other traffic to it should not use them.
-pub struct DestinationSync {
+pub struct Destination {
     pub(super) agent: Agent,
     pub(super) layout: Layout,
     regions: Vec<Region>,
@@ -71,7 +71,7 @@ pub struct DestinationSync {
     pub(super) members: BTreeMap<u32, super::source::MemberId>,
 }
 
-impl DestinationSync {
+impl Destination {
     /// A destination on `agent` holding `layout` in `regions` (registered with `agent`, by
     /// the layout's region index), fed by `sources` sources. `rank` is its rank in the plan
     /// the sources were made with, or `None` for one that joins later (sources plan it in
@@ -83,7 +83,7 @@ impl DestinationSync {
         regions: Vec<Region>,
         sources: u32,
         rank: Option<u32>,
-    ) -> Result<DestinationSync, SyncError> {
+    ) -> Result<Destination, SyncError> {
         layout.validate()?;
         if regions.len() != layout.regions.len() {
             return Err(SyncError::RegionCount {
@@ -111,7 +111,7 @@ impl DestinationSync {
                 layout: layout.clone(),
             },
         )?;
-        Ok(DestinationSync {
+        Ok(Destination {
             agent: agent.clone(),
             layout,
             regions,
@@ -128,7 +128,7 @@ impl DestinationSync {
     }
 
     /// With `options` for later pulls.
-    pub fn with_options(mut self, options: SyncOptions) -> DestinationSync {
+    pub fn with_options(mut self, options: SyncOptions) -> Destination {
         self.options = options;
         self
     }
@@ -471,15 +471,15 @@ fn with_rank(e: SyncError, rank: u32) -> SyncError {
     }
 }
 
-impl Drop for DestinationSync {
+impl Drop for Destination {
     fn drop(&mut self) {
         self.record.close(&self.agent);
     }
 }
 
-impl std::fmt::Debug for DestinationSync {
+impl std::fmt::Debug for Destination {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DestinationSync")
+        f.debug_struct("Destination")
             .field("agent", &self.agent.name())
             .field("rank", &self.rank)
             .field("sources", &self.sources)

@@ -1,14 +1,14 @@
 //! Membership through the cluster directory: sources attach the destinations that joined
-//! and drop those that left ([`SourceSync::refresh`]); destinations attach the sources
-//! ([`DestinationSync::refresh`]). A member of a weight sync offers its record under
+//! and drop those that left ([`Source::refresh`]); destinations attach the sources
+//! ([`Destination::refresh`]). A member of a weight sync offers its record under
 //! [`RECORD_REGION`] and its layout's regions under their names (`offer`, then
 //! [`Agent::publish`](crate::Agent::publish)); members that offer no record are someone
 //! else's and are left alone.
 
 use super::SyncError;
-use super::destination::{DestinationSync, SourceInfo};
+use super::destination::{Destination, SourceInfo};
 use super::record::{RECORD_REGION, RankRecord, read_record};
-use super::source::{MemberId, SourceSync};
+use super::source::{MemberId, Source};
 use crate::agent::Agent;
 use crate::discovery::{Connected, Following};
 use crate::weights::{Layout, Side};
@@ -101,7 +101,7 @@ fn id(c: &Connected) -> MemberId {
     }
 }
 
-impl SourceSync {
+impl Source {
     /// Brings the destinations in line with the cluster `following` follows: every
     /// destination member (one that offers a [`RankRecord`] of side destination) is
     /// attached, under its rank if it was planned, or planned in first
@@ -255,7 +255,7 @@ impl SourceSync {
     }
 }
 
-impl DestinationSync {
+impl Destination {
     /// Attaches the sources of the cluster `following` follows (members that offer a
     /// [`RankRecord`] of side source) for pulls, each again when it restarted; detaches
     /// those that left.

@@ -1,6 +1,6 @@
 //! Executing a weight-sync [`Plan`](crate::weights::Plan) over agents: sources push with
-//! WRITEs ([`SourceSync`]), destinations learn that an update landed from immediate data
-//! ([`DestinationSync::wait`]) or pull their share with READs ([`DestinationSync::pull`]).
+//! WRITEs ([`Source`]), destinations learn that an update landed from immediate data
+//! ([`Destination::wait`]) or pull their share with READs ([`Destination::pull`]).
 //!
 //! **Push.** Each source writes its pairs to every destination as one-sided WRITEs, cut
 //! into chunks (at most [`SyncOptions::chunk_bytes`] and [`SyncOptions::chunk_segments`]
@@ -13,7 +13,7 @@
 //! transfer, itself after the chunks, so `d` never polls its memory. Every source signals
 //! every destination it pushes to, even one it sends no byte (so that a destination needs
 //! to know only how many sources there are), and a destination's update has landed once it
-//! has heard each source's value for that version ([`DestinationSync::wait`]). The source
+//! has heard each source's value for that version ([`Destination::wait`]). The source
 //! is part of the value so that a redone update cannot be confused with what a failed one
 //! left behind: a destination that heard source 0 but not source 1 before the failure waits
 //! for source 1 again, not for any second value.
@@ -21,26 +21,26 @@
 //! **Failures.** A destination that dies (or stops answering) mid-push fails its own
 //! result in the [`PushReport`] with a [`SyncError`] naming it (the transfer's error:
 //! unreachable, removed, timed out); its chunks stop, the other destinations' go on and
-//! complete. [`SourceSync::push_to`] then redoes that destination alone, once it is back
+//! complete. [`Source::push_to`] then redoes that destination alone, once it is back
 //! (attached again: a restarted process has new regions).
 //!
 //! **Pull.** A destination reads its share from the sources' regions (registered with
 //! [`Access::REMOTE_READ`](crate::Access::REMOTE_READ)), planned by itself against the
 //! sources' layouts: the sources' code does nothing. Each source's record region says which
-//! version its memory holds (set by [`SourceSync::push`], made "changing" by
-//! [`SourceSync::begin_update`] before the trainer writes its weights); a pull reads those
+//! version its memory holds (set by [`Source::push`], made "changing" by
+//! [`Source::begin_update`] before the trainer writes its weights); a pull reads those
 //! words before and after the weights and retries while they differ, as a sequence lock.
 //!
 //! **Membership.** Ranks are agents found by name in the cluster directory
 //! ([`Agent::follow`](crate::Agent::follow)): each offers its layout's regions under their
 //! names and its [`RankRecord`] (side, rank, layout) in a region of its own
 //! ([`RECORD_REGION`], see [`record`](mod@record): the directory's records hold agents and
-//! region descriptors only). [`SourceSync::refresh`] attaches the destinations that joined,
+//! region descriptors only). [`Source::refresh`] attaches the destinations that joined,
 //! plans in those that were not in the plan ([`Plan::add_destination`](crate::weights::Plan::add_destination):
 //! the others' pairs stay as they are) and drops those that left;
-//! [`DestinationSync::refresh`] attaches the sources for a pull.
+//! [`Destination::refresh`] attaches the sources for a pull.
 //!
-//! **Preparing tensors.** [`SourceSync::push_with`] calls a hook once per piece of the
+//! **Preparing tensors.** [`Source::push_with`] calls a hook once per piece of the
 //! source's layout, just before the first chunk that reads it is submitted, and the chunks
 //! that read it wait for the [`Fence`](crate::Fence) it returns: where a dtype conversion or
 //! an FSDP gather would write the piece into the registered region (the caller's code), so
@@ -54,7 +54,7 @@
 //! ```
 //! use std::sync::Arc;
 //! use std::time::Duration;
-//! use xfer::weights::exec::{DestinationSync, SourceSync};
+//! use xfer::weights::exec::{Destination, Source};
 //! use xfer::weights::{Holding, Layout, Plan, TensorSpec};
 //! use xfer::{Access, Agent, AgentOptions, HostBuffer, TransportChoice, TransportKind};
 //!
@@ -75,7 +75,7 @@
 //! let d = mem()?;
 //! let out = HostBuffer::new_shared(48)?;
 //! let region = d.register(out.clone(), Access::REMOTE_WRITE | Access::LOCAL_WRITE)?;
-//! let receiver = DestinationSync::new(&d, dst[0].clone(), vec![region.clone()], 2, Some(0))?;
+//! let receiver = Destination::new(&d, dst[0].clone(), vec![region.clone()], 2, Some(0))?;
 //!
 //! let mut senders = Vec::new();
 //! for (rank, layout) in src.iter().enumerate() {
@@ -83,7 +83,7 @@
 //!     let buf = HostBuffer::new_shared(24)?;
 //!     buf.fill(0, 24, rank as u8 + 1)?;
 //!     let r = a.register(buf, Access::REMOTE_READ)?;
-//!     let mut s = SourceSync::new(&a, &plan, rank as u32, layout.clone(), vec![r])?;
+//!     let mut s = Source::new(&a, &plan, rank as u32, layout.clone(), vec![r])?;
 //!     s.attach(0, a.connect(d.info())?, vec![region.descriptor().clone()])?;
 //!     senders.push(s);
 //! }
@@ -103,10 +103,10 @@ mod pipeline;
 pub mod record;
 mod source;
 
-pub use destination::{DestinationSync, PullReport, SourceInfo};
+pub use destination::{Destination, PullReport, SourceInfo};
 pub use members::Changes;
 pub use record::{RECORD_REGION, RankRecord, SourceState, read_record};
-pub use source::{PieceToSend, PrepareResult, PushReport, PushStats, SourceSync};
+pub use source::{PieceToSend, PrepareResult, PushReport, PushStats, Source};
 
 use crate::weights::{LayoutError, PlanError, Side};
 use fabric_core::OpError;
@@ -339,7 +339,7 @@ pub enum SyncError {
         #[source]
         source: Box<crate::Error>,
     },
-    /// The prepare hook of [`SourceSync::push_with`] failed for a piece: every destination
+    /// The prepare hook of [`Source::push_with`] failed for a piece: every destination
     /// that needs the piece fails with this.
     #[error("preparing piece {piece} (tensor {tensor}) failed")]
     Prepare {

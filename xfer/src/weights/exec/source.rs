@@ -1,4 +1,4 @@
-//! [`SourceSync`]: a source rank's side of a weight sync (pushes, and what pulls read).
+//! [`Source`]: a source rank's side of a weight sync (pushes, and what pulls read).
 
 use super::pipeline::{Chunk, LaneState, Pipeline, Step, Way};
 use super::record::{OwnRecord, RankRecord};
@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-/// A piece of the source's layout about to be sent, as [`SourceSync::push_with`]'s hook
+/// A piece of the source's layout about to be sent, as [`Source::push_with`]'s hook
 /// sees it.
 #[derive(Clone, Copy, Debug)]
 pub struct PieceToSend<'a> {
@@ -151,7 +151,7 @@ impl Fence for AllOf {
 /// cluster directory ([`refresh`](Self::refresh)). It also registers its record region
 /// (its side, rank and layout, and the version its memory holds: what pulls read), deregistered
 /// when it is dropped.
-pub struct SourceSync {
+pub struct Source {
     pub(super) agent: Agent,
     pub(super) rank: u32,
     pub(super) sources: u32,
@@ -172,7 +172,7 @@ pub struct SourceSync {
     pub(super) source_layouts: Option<Vec<Layout>>,
 }
 
-impl SourceSync {
+impl Source {
     /// Source `rank` of `plan`, on `agent`, holding `layout` in `regions` (registered with
     /// `agent`, by the layout's region index; with [`Access::REMOTE_READ`](crate::Access)
     /// if destinations are to pull). Every destination of the plan is known, none
@@ -183,7 +183,7 @@ impl SourceSync {
         rank: u32,
         layout: Layout,
         regions: Vec<Region>,
-    ) -> Result<SourceSync, SyncError> {
+    ) -> Result<Source, SyncError> {
         if rank >= plan.sources() {
             return Err(SyncError::NoSuchRank {
                 side: Side::Source,
@@ -249,7 +249,7 @@ impl SourceSync {
                 layout: layout.clone(),
             },
         )?;
-        Ok(SourceSync {
+        Ok(Source {
             agent: agent.clone(),
             rank,
             sources: plan.sources(),
@@ -267,7 +267,7 @@ impl SourceSync {
     }
 
     /// With `options` for later pushes.
-    pub fn with_options(mut self, options: SyncOptions) -> SourceSync {
+    pub fn with_options(mut self, options: SyncOptions) -> Source {
         self.options = options;
         self
     }
@@ -741,15 +741,15 @@ impl SourceSync {
     }
 }
 
-impl Drop for SourceSync {
+impl Drop for Source {
     fn drop(&mut self) {
         self.record.close(&self.agent);
     }
 }
 
-impl std::fmt::Debug for SourceSync {
+impl std::fmt::Debug for Source {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SourceSync")
+        f.debug_struct("Source")
             .field("agent", &self.agent.name())
             .field("rank", &self.rank)
             .field("sources", &self.sources)
