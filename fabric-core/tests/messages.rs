@@ -48,7 +48,7 @@ fn a_message_follows_the_bytes_and_names_its_sender() {
     a.submit(t).unwrap().wait(T).unwrap();
     let n = b.notifications().next(T).unwrap();
     assert_eq!(n.key.imm, 7);
-    assert_eq!(n.key.payload.as_deref(), Some(&b"request 42"[..]));
+    assert_eq!(n.key.message.as_deref(), Some(&b"request 42"[..]));
     assert_eq!(
         n.key.from.as_deref(),
         Some(&a.address()[..]),
@@ -66,7 +66,7 @@ fn a_message_follows_the_bytes_and_names_its_sender() {
         .unwrap();
     let n = b.notifications().next(T).unwrap();
     assert_eq!(
-        (n.key.imm, n.key.payload.as_deref()),
+        (n.key.imm, n.key.message.as_deref()),
         (0, Some(&b"hello"[..]))
     );
 
@@ -116,7 +116,7 @@ fn a_read_tells_the_owner_with_a_message_once_its_bytes_are_read() {
     assert_eq!(ours.to_vec(0, 4096).unwrap(), vec![9; 4096]);
     let n = b.notifications().next(T).unwrap();
     assert_eq!(
-        (n.key.imm, n.key.payload.as_deref()),
+        (n.key.imm, n.key.message.as_deref()),
         (3, Some(&b"done with 9"[..]))
     );
 }
@@ -146,7 +146,7 @@ fn messages_to_a_receiver_that_looks_late_are_held_back_never_lost() {
     while seen.len() < 300 {
         let n = b.notifications().next(Duration::from_secs(60)).unwrap();
         assert_eq!(n.count, 1);
-        let text = String::from_utf8(n.key.payload.unwrap().to_vec()).unwrap();
+        let text = String::from_utf8(n.key.message.unwrap().to_vec()).unwrap();
         let i: u32 = text[1..].parse().unwrap();
         assert_eq!(n.key.imm, i % 3);
         *seen.entry(i).or_insert(0) += 1;
@@ -178,7 +178,7 @@ fn a_rail_group_sends_its_message_after_every_chunk_landed() {
         a.post(&p, None).unwrap().wait(T).unwrap();
         let n = b.notifications().next(T).unwrap();
         assert_eq!(
-            (n.key.imm, n.key.payload.as_deref()),
+            (n.key.imm, n.key.message.as_deref()),
             (11, Some(&b"layer 3 of request 8"[..])),
             "round {round}"
         );

@@ -9,7 +9,7 @@ use clap::{Args, ValueEnum};
 use fabric_core::{MemoryLocation, MemoryRegion};
 use std::sync::Arc;
 use std::time::Duration;
-use xfer::nics::Nics;
+use xfer::Nics;
 use xfer::{
     AgentOptions, BalanceOptions, Congestion, CudaIpcOptions, EfaOptions, MemoryKind, PinMode,
     TcpOptions, TransportChoice, TransportKind, WorkerOptions,
@@ -216,7 +216,8 @@ pub(crate) fn parse_copy_method(s: &str) -> Result<gpu_mem::CopyMethod, String> 
 
 /// `--nics`'s value.
 fn parse_nics(s: &str) -> Result<Nics, String> {
-    s.parse().map_err(|e: xfer::nics::NicError| e.to_string())
+    s.parse()
+        .map_err(|e: xfer::layers::nics::NicError| e.to_string())
 }
 
 impl BackendArgs {
@@ -353,7 +354,7 @@ pub fn cuda() -> Result<gpu_mem::Cuda, CliError> {
 
 /// A region of `size` bytes where `memory` says (an agent's memory: host memory, or on its
 /// GPU), zeroed. Host memory is first touched by the calling thread: call it from a thread
-/// that prefers the agent's NUMA node ([`xfer::Agent::home`]).
+/// that prefers the agent's NUMA node ([`AgentLayers::home`](xfer::layers::AgentLayers::home)).
 pub fn alloc(memory: MemoryLocation, size: u64) -> Result<Arc<dyn MemoryRegion>, CliError> {
     let len = usize::try_from(size)
         .map_err(|_| CliError::Usage(format!("{size} bytes do not fit this address space")))?;

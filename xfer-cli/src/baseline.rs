@@ -24,7 +24,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
-use xfer::placement::{self, CorePin};
+use xfer::layers::placement::{self, CorePin};
 use xfer::{Congestion, TransportKind};
 
 /// Why a baseline could not run.

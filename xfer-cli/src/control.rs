@@ -23,7 +23,7 @@
 //! connections (at most [`crate::sink::MAX_STREAMS`], within --hello-timeout), reads each
 //! to EOF and answers it with the 8-byte count; then the control connection takes requests
 //! again. Raw streams answer the server's nonce first
-//! ([`xfer::rendezvous::raw_auth`]).
+//! ([`xfer::layers::raw_auth`]).
 
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;

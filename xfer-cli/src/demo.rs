@@ -15,7 +15,8 @@ use crate::{
 use fabric_core::MemoryRegion;
 use serde::Serialize;
 use std::sync::{Arc, Barrier};
-use xfer::placement::{CorePin, GpuWorkerPins, WorkerPins};
+use xfer::layers::AgentLayers;
+use xfer::layers::placement::{CorePin, GpuWorkerPins, WorkerPins};
 use xfer::{Access, Agent, AgentOptions, Peer, Region, Role, TransportChoice, TransportKind};
 
 /// Runs `xfer demo`.
@@ -421,7 +422,7 @@ fn per_gpu(a: &DemoArgs, w: &Workload) -> Result<(), CliError> {
         Some(r) => r,
         None => {
             let o = b.options(k.pin, None)?;
-            xfer::lanes::nic_choice(&o, b.nic_transport())?.default_rails(1)
+            xfer::layers::lanes::nic_choice(&o, b.nic_transport())?.default_rails(1)
         }
     };
     let pins = gpu_worker_pins(&b.gpus, k.pin, rails);
@@ -585,13 +586,13 @@ pub(crate) fn print_per_gpu(s: &PerGpuSummary, json: bool) {
 /// (`--pin auto`) of this machine's topology.
 pub(crate) fn gpu_worker_pins(gpus: &[u32], pin: PinArg, rails: usize) -> Vec<GpuWorkerPins> {
     let unpinned = || vec![GpuWorkerPins::default(); gpus.len()];
-    match (pin, xfer::placement::machine()) {
+    match (pin, xfer::layers::placement::machine()) {
         (PinArg::Auto, Some(t)) => {
             let idx: Vec<_> = gpus
                 .iter()
-                .map(|&o| xfer::placement::topology_gpu(t, o))
+                .map(|&o| xfer::layers::placement::topology_gpu(t, o))
                 .collect();
-            xfer::placement::per_gpu_pins(t, &t.plan(), &idx, rails)
+            xfer::layers::placement::per_gpu_pins(t, &t.plan(), &idx, rails)
         }
         _ => unpinned(),
     }

@@ -83,7 +83,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::process::ExitCode;
 use std::time::Duration;
 use workload::Workload;
-use xfer::nics::NicChoice;
+use xfer::layers::nics::NicChoice;
 use xfer::{Agent, AgentInfo, Peer, Region, RegionDescriptor, TransportChoice, TransportKind};
 
 /// See the crate docs: transfers allocate on one thread and free on another.
@@ -513,7 +513,7 @@ impl CliError {
 impl From<xfer::Error> for CliError {
     /// Options the library refused are the command line's fault; the rest failed.
     fn from(e: xfer::Error) -> Self {
-        use xfer::nics::NicError;
+        use xfer::layers::nics::NicError;
         match &e {
             // The agent's setting, spelled as the command's flag (`auth_token`: `--auth-token`).
             xfer::Error::Option { option, reason } => CliError::Flag {
@@ -577,7 +577,7 @@ pub(crate) fn workload_of(k: &Knobs) -> Result<Workload, CliError> {
     k.check_op()?;
     let w = w.whole_pages();
     if let Some(r) = k.rails_asked {
-        xfer::lanes::check_rails(r)?;
+        xfer::layers::lanes::check_rails(r)?;
     }
     if k.region_size > usize::MAX as u64 {
         return Err(CliError::Usage(
@@ -802,7 +802,7 @@ mod tests {
 
     #[test]
     fn refused_options_are_usage_errors_and_failures_are_not() {
-        let e = CliError::from(xfer::lanes::check_rails(0).unwrap_err());
+        let e = CliError::from(xfer::layers::lanes::check_rails(0).unwrap_err());
         assert_eq!(e.exit_code(), 2, "{e}");
         let e = CliError::from(fabric_core::Error::from(fabric_core::Invalid::NoRails));
         assert_eq!(e.exit_code(), 1, "{e}");

@@ -14,6 +14,7 @@ use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 use xfer::discovery::{FollowEvent, Publication};
+use xfer::layers::AgentLayers;
 use xfer::{Access, Agent, AgentOptions, Region, Role};
 
 /// Where the cluster directory is, and which cluster.

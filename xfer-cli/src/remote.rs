@@ -21,7 +21,9 @@ use fabric_core::MemoryRegion;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
-use xfer::rendezvous::{self, Welcome, raw_auth};
+use xfer::layers::AgentLayers;
+use xfer::layers::raw_auth;
+use xfer::rendezvous::{self, Welcome};
 use xfer::{
     Access, Agent, AgentOptions, Peer, Region, RegionDescriptor, Role, TransportChoice,
     TransportKind,
@@ -85,7 +87,7 @@ pub fn bench(mut a: BenchArgs) -> Result<(), CliError> {
         Some(r) => r,
         None => {
             let o = bench_options(&a, ctl_addr, 0, None)?;
-            xfer::lanes::nic_choice(&o, a.backend.nic_transport())?.default_rails(1)
+            xfer::layers::lanes::nic_choice(&o, a.backend.nic_transport())?.default_rails(1)
         }
     };
     let pins = gpu_worker_pins(&a.backend.gpus, k.pin, rails);
@@ -325,7 +327,7 @@ pub(crate) fn check(
 /// moving `bytes` (less what does not divide among the streams); returns their Gbps.
 fn baseline_streams(
     ctl: &mut BenchClient,
-    (server_rails, rail_nics): (&[Vec<u8>], &[xfer::nics::RailNic]),
+    (server_rails, rail_nics): (&[Vec<u8>], &[xfer::layers::nics::RailNic]),
     rails: usize,
     bytes: u64,
     k: &crate::Knobs,
@@ -390,7 +392,7 @@ fn set_up_bench_worker(
     if k.rails_asked.is_none() && on_nics {
         let ips = server_ips(&welcome, kind);
         if ips > rails_of(&agent, kind) {
-            xfer::lanes::check_rails(ips)?;
+            xfer::layers::lanes::check_rails(ips)?;
             drop((client, agent));
             clock.stage(STARTING);
             agent = build(Some(ips))?;
@@ -500,7 +502,7 @@ pub fn serve(a: ServeArgs) -> Result<(), CliError> {
         ));
     }
     if let Some(r) = a.rails_asked {
-        xfer::lanes::check_rails(r)?;
+        xfer::layers::lanes::check_rails(r)?;
     }
     a.backend.check_gpus()?;
     let workers = if a.per_gpu {
@@ -544,9 +546,8 @@ pub fn serve(a: ServeArgs) -> Result<(), CliError> {
     // (clients' rails are spread over them).
     let rails = match a.rails_asked {
         Some(r) => r,
-        None => {
-            xfer::lanes::nic_choice(&options(0, None)?, a.backend.nic_transport())?.default_rails(4)
-        }
+        None => xfer::layers::lanes::nic_choice(&options(0, None)?, a.backend.nic_transport())?
+            .default_rails(4),
     };
     let pins = a
         .per_gpu

@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use xfer::rendezvous::raw_auth;
+use xfer::layers::raw_auth;
 use xfer::rendezvous::{Given, Refusal, Refused, ServeLimits, Service, ServiceClient, Verdict};
 use xfer::{Access, Agent, Region};
 

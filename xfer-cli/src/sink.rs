@@ -20,8 +20,8 @@ use std::sync::Barrier;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use xfer::Congestion;
-use xfer::nics::RailNic;
-use xfer::rendezvous::raw_auth;
+use xfer::layers::nics::RailNic;
+use xfer::layers::raw_auth;
 
 /// Most streams one `sink` request may ask for (as many as the most rails).
 pub const MAX_STREAMS: u32 = 256;

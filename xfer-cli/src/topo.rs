@@ -29,7 +29,7 @@ struct TopoReport<'a> {
     topology: &'a Topology,
     plan: &'a PlacementPlan,
     /// The NICs `bench --nics auto` runs each worker's rails on, for efa and tcp.
-    rails: Vec<xfer::nics::WorkerRails>,
+    rails: Vec<xfer::layers::nics::WorkerRails>,
 }
 
 /// An error and its sources on one line: `a: b: c` (the library's [`report`]).
@@ -73,7 +73,7 @@ pub fn run(a: TopoArgs) -> Result<(), CliError> {
         None => Topology::discover().map_err(topology_error)?,
     };
     let plan = t.plan();
-    let rails = xfer::nics::rail_map(&t, &plan, a.xml.is_none());
+    let rails = xfer::layers::nics::rail_map(&t, &plan, a.xml.is_none());
     if a.json {
         let report = TopoReport {
             topology: &t,

@@ -11,6 +11,7 @@ use fabric_core::engine::{Direction, RailGroup};
 use fabric_core::{Error, MemoryRegion};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
+use xfer::layers::AgentLayers;
 use xfer::{Agent, Handle, Peer, Region, RegionDescriptor, Transfer};
 
 /// Transfers in flight by default, whatever the rails.

@@ -451,7 +451,7 @@ pub struct Notification {
     /// The sender's name ([`AgentInfo::name`]), where this agent knows it: an agent it
     /// connected to, or was told of ([`Agent::know`]); `None` otherwise, or where the
     /// transport cannot tell senders apart (efa, cuda-ipc).
-    pub from: Option<String>,
+    pub sender: Option<String>,
     /// The immediate value.
     pub imm: u32,
     /// How many arrivals of this sender and value this is (1 from
@@ -460,7 +460,7 @@ pub struct Notification {
     pub count: u64,
     /// The bytes the sender attached ([`Transfer::message`]), `None` for plain immediate
     /// data.
-    pub payload: Option<Vec<u8>>,
+    pub message: Option<Vec<u8>>,
 }
 
 /// A transfer's stall timeout and its peer's name.
@@ -557,7 +557,7 @@ impl Transfer {
     /// Bytes for the peer (a request id and what goes with it, at most
     /// [`MAX_MESSAGE`](fabric_core::engine::MAX_MESSAGE)), sent once every byte of the
     /// transfer is placed, a WRITE's or a READ's: the peer takes them as a
-    /// [`Notification`] with its [`payload`](Notification::payload), naming us, with the
+    /// [`Notification`] with its [`message`](Notification::message), naming us, with the
     /// immediate value given by [`imm`](Self::imm) (0 without). Never dropped: while the
     /// peer keeps too many untaken, our transfer waits for it to take some.
     pub fn message(mut self, bytes: impl Into<Vec<u8>>) -> Transfer {
@@ -607,13 +607,12 @@ impl Agent {
     /// [`TransportChoice::Auto`]), each with its rails on the chosen NICs and its workers
     /// pinned.
     pub fn new(o: AgentOptions) -> Result<Agent> {
-        Agent::with_pins(o, None)
+        Agent::build(o, None)
     }
 
-    /// As [`Agent::new`], with each rail's core given (`pins[i]` for rail `i`; several
-    /// agents of one process placed together, one per GPU, take distinct cores). Its
-    /// [`home`](Agent::home) is then the first rail's core.
-    pub fn with_pins(o: AgentOptions, pins: Option<Vec<Option<CorePin>>>) -> Result<Agent> {
+    /// [`Agent::new`] with each rail's core given or not
+    /// ([`AgentLayers::with_pins`](crate::layers::AgentLayers::with_pins)).
+    pub(crate) fn build(o: AgentOptions, pins: Option<Vec<Option<CorePin>>>) -> Result<Agent> {
         // The token, read once (from its file, if given): every lane below sees it.
         let mut o = o;
         o.auth_token = o.token()?;
@@ -705,11 +704,9 @@ impl Agent {
         Ok(a)
     }
 
-    /// An agent over rail groups made elsewhere (a transport of one's own, or engines with
-    /// settings [`AgentOptions`] does not cover): `groups` are its transports, in the order
-    /// they are preferred, each a rail group of that kind; `memory` is where the memory it
-    /// registers lives. No NIC is chosen and no worker pinned here: the groups are as made.
-    pub fn from_groups(
+    /// An agent over rail groups made elsewhere
+    /// ([`AgentLayers::from_groups`](crate::layers::AgentLayers::from_groups)).
+    pub(crate) fn over_groups(
         name: &str,
         memory: MemoryLocation,
         groups: Vec<(TransportKind, RailGroup)>,
@@ -795,21 +792,13 @@ impl Agent {
         self.inner.lanes.iter().map(|l| l.kind).collect()
     }
 
-    /// The rail group of transport `kind`, if the agent offers it (for what the agent does
-    /// not wrap: metrics, per-rail counters). A clone of it held past the agent's end keeps
-    /// its rails running, and their regions held, until it goes.
-    pub fn group(&self, kind: TransportKind) -> Option<&Arc<RailGroup>> {
-        self.lane(kind).ok().map(|l| &l.group)
+    /// Transport `kind`'s lane, if the agent offers it.
+    pub(crate) fn lane_of(&self, kind: TransportKind) -> Option<&Lane> {
+        self.lane(kind).ok()
     }
 
-    /// The NICs of transport `kind`'s rails and how they were chosen.
-    pub fn nics(&self, kind: TransportKind) -> Option<&NicChoice> {
-        self.lane(kind).ok().map(|l| &l.nics)
-    }
-
-    /// The core whose NUMA node this agent's workers run on: allocate its memory from a
-    /// thread that prefers it ([`CorePin::prefer_memory_here`]).
-    pub fn home(&self) -> Option<CorePin> {
+    /// The core its workers run near, if placed.
+    pub(crate) fn home_core(&self) -> Option<CorePin> {
         self.inner.home
     }
 
@@ -1439,7 +1428,7 @@ impl Agent {
     }
 
     /// Tells this agent of `peer` without connecting to it, so that notifications it sends
-    /// name it ([`Notification::from`]). [`connect`](Self::connect) does this too.
+    /// name it ([`Notification::sender`]). [`connect`](Self::connect) does this too.
     pub fn know(&self, peer: &AgentInfo) {
         let mut s = self.inner.senders.lock().unwrap_or_else(|p| p.into_inner());
         for t in &peer.transports {
@@ -1463,15 +1452,15 @@ impl Agent {
     }
 
     fn notification(&self, n: fabric_core::engine::Note) -> Notification {
-        let from = n.key.from.as_ref().and_then(|a| {
+        let sender = n.key.from.as_ref().and_then(|a| {
             let s = self.inner.senders.lock().unwrap_or_else(|p| p.into_inner());
             s.get(&a[..]).cloned()
         });
         Notification {
-            from,
+            sender,
             imm: n.key.imm,
             count: n.count,
-            payload: n.key.payload.map(|p| p.to_vec()),
+            message: n.key.message.map(|p| p.to_vec()),
         }
     }
 

@@ -40,10 +40,12 @@
 //! [`Agent::lookup`] finds a member, and [`Agent::follow`] keeps every member connected as
 //! it joins and disconnected as it leaves; see [`discovery`].
 //!
-//! The layers below, for what this crate does not wrap: `fabric-core` (the transfer engine,
-//! the `Transport` trait, the metadata format) and the backends (`transport-tcp`,
-//! `transport-efa`, `transport-cuda-ipc`), and `directory` (the cluster directory's
-//! backends and records).
+//! The layers below, for what this crate does not wrap, are under [`layers`]: how an agent
+//! builds its transports (lanes, NICs, placement) and, through
+//! [`AgentLayers`](layers::AgentLayers), an agent's rail groups; then the crates
+//! `fabric-core` (the transfer engine, the `Transport` trait, the metadata format), the
+//! backends (`transport-tcp`, `transport-efa`, `transport-cuda-ipc`) and `directory` (the
+//! cluster directory's backends and records).
 //!
 //! Dependencies: the workspace's crates; `serde`, `serde_json` and `thiserror` as
 //! everywhere; `tracing` for logs; `if-addrs` lists network interfaces and their addresses
@@ -91,11 +93,9 @@ pub mod discovery;
 mod error;
 mod handle;
 pub mod kv;
-pub mod lanes;
+pub mod layers;
 pub mod metrics;
-pub mod nics;
 mod options;
-pub mod placement;
 pub mod rendezvous;
 pub mod weights;
 
@@ -105,14 +105,18 @@ pub use agent::{
 };
 pub use error::{Error, ErrorKind, OptionName, Result};
 pub use fabric_core::engine::MAX_MESSAGE;
+pub use layers::nics::Nics;
+pub use layers::placement::PinMode;
 pub use options::{
     AgentOptions, AuthTokenError, BalanceOptions, CudaIpcOptions, DEFAULT_MESSAGES, EfaOptions,
     MAX_RAILS, MemoryKind, Role, TcpOptions, TransportChoice, WorkerOptions, read_token_file,
 };
-pub use placement::PinMode;
+
+// The layers under their old crate paths, for this crate's own modules.
+pub(crate) use layers::{lanes, nics, placement};
 pub use transport_tcp::{Congestion, CongestionError};
 
-pub use fabric_core::engine::{Event, TransferStats};
+pub use fabric_core::engine::TransferStats;
 pub use fabric_core::metadata::{AgentInfo, RegionDescriptor, TransportInfo, TransportKind};
 pub use fabric_core::plan::StridedRun;
 pub use fabric_core::{Access, Fence, HostBuffer, MemoryLocation, MemoryRegion};

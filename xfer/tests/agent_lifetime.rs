@@ -6,6 +6,7 @@ use fabric_core::engine::{EngineConfig, RailGroup};
 use fabric_core::testing::{StuckGate, StuckTransport, eventually};
 use std::sync::Arc;
 use std::time::Duration;
+use xfer::layers::AgentLayers;
 use xfer::{
     Access, Agent, AgentInfo, AgentOptions, Error, HostBuffer, MemoryLocation, TransportChoice,
     TransportKind,
@@ -14,7 +15,7 @@ use xfer::{
 fn mem_agent() -> Agent {
     Agent::new(AgentOptions {
         transport: TransportChoice::Only(TransportKind::Mem),
-        pin: xfer::placement::PinMode::Off,
+        pin: xfer::PinMode::Off,
         ..AgentOptions::default()
     })
     .expect("a mem agent")

@@ -19,6 +19,7 @@ use fabric_core::MemoryLocation;
 use fabric_core::engine::{EngineConfig, RailGroup};
 use std::time::{Duration, Instant};
 use transport_efa::{EfaConfig, EfaTransport};
+use xfer::layers::AgentLayers;
 use xfer::{
     Access, Agent, Error, ErrorKind, HostBuffer, RegionDescriptor, Transfer, TransportKind,
 };

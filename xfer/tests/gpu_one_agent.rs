@@ -20,7 +20,7 @@ fn gpu_agent(name: &str) -> Agent {
         memory: MemoryKind::Cuda,
         gpu: 0,
         rails: Some(1),
-        pin: xfer::placement::PinMode::Off,
+        pin: xfer::PinMode::Off,
         ..AgentOptions::default()
     })
     .expect("an agent of GPU memory")

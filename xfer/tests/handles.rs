@@ -10,7 +10,7 @@ const T: Duration = Duration::from_secs(10);
 fn agent() -> Agent {
     Agent::new(AgentOptions {
         transport: TransportChoice::Only(xfer::TransportKind::Mem),
-        pin: xfer::placement::PinMode::Off,
+        pin: xfer::PinMode::Off,
         ..AgentOptions::default()
     })
     .expect("a mem agent")

@@ -20,7 +20,7 @@ fn agent(kind: TransportKind, name: String) -> Agent {
         name: Some(name),
         transport: TransportChoice::Only(kind),
         rails: Some(2),
-        pin: xfer::placement::PinMode::Off,
+        pin: xfer::PinMode::Off,
         ..AgentOptions::default()
     })
     .expect("an agent")

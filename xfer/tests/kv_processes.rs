@@ -34,7 +34,7 @@ fn agent(name: &str) -> Agent {
         name: Some(name.into()),
         transport: TransportChoice::Only(TransportKind::Tcp),
         rails: Some(2),
-        pin: xfer::placement::PinMode::Off,
+        pin: xfer::PinMode::Off,
         ..AgentOptions::default()
     })
     .unwrap()

@@ -18,7 +18,7 @@ fn agent(kind: TransportKind, name: &str) -> Agent {
         name: Some(name.into()),
         transport: TransportChoice::Only(kind),
         rails: Some(1),
-        pin: xfer::placement::PinMode::Off,
+        pin: xfer::PinMode::Off,
         ..AgentOptions::default()
     })
     .expect("an agent")
@@ -158,7 +158,7 @@ fn a_notification_names_its_sender(kind: TransportKind) {
         .unwrap();
     p.b.wait_imm(6, 1, T).expect("c's write landed");
     let unknown = p.b.next_notification(T).expect("a's arrival");
-    assert_eq!((unknown.imm, unknown.from), (5, None));
+    assert_eq!((unknown.imm, unknown.sender), (5, None));
 
     p.b.know(p.a.info());
     p.b.know(c.info());
@@ -174,7 +174,7 @@ fn a_notification_names_its_sender(kind: TransportKind) {
     while got.iter().map(|(_, n)| n).sum::<u64>() < 3 {
         let n = p.b.next_notification(T).expect("an arrival");
         assert_eq!(n.imm, 7);
-        got.push((n.from.expect("a known sender"), n.count));
+        got.push((n.sender.expect("a known sender"), n.count));
     }
     got.sort();
     assert_eq!(
@@ -206,7 +206,7 @@ fn a_message_carries_its_request(kind: TransportKind) {
         name: Some(name.into()),
         transport: TransportChoice::Only(kind),
         rails: Some(4),
-        pin: xfer::placement::PinMode::Off,
+        pin: xfer::PinMode::Off,
         ..AgentOptions::default()
     };
     let (a, b) = (
@@ -238,10 +238,10 @@ fn a_message_carries_its_request(kind: TransportKind) {
     // Taken late: all 40, in order, each with the bytes in place.
     for r in 0..40u32 {
         let n = b.next_notification(T).expect("a message");
-        assert_eq!(n.from.as_deref(), Some("prefill"));
+        assert_eq!(n.sender.as_deref(), Some("prefill"));
         assert_eq!(n.imm, r % 2);
         assert_eq!(
-            n.payload.as_deref(),
+            n.message.as_deref(),
             Some(format!("request {r}").as_bytes())
         );
     }
@@ -262,7 +262,7 @@ fn a_message_carries_its_request(kind: TransportKind) {
     assert!(dst_mem.to_vec(0, len).unwrap().iter().all(|&x| x == 3));
     let n = a.next_notification(T).expect("the reader's message");
     assert_eq!(
-        (n.from.as_deref(), n.imm, n.payload.as_deref()),
+        (n.sender.as_deref(), n.imm, n.message.as_deref()),
         (Some("decode"), 0, Some(&b"read request 7"[..]))
     );
 }
@@ -286,7 +286,7 @@ fn an_agent_that_keeps_no_notifications_counts_them_and_holds_none() {
         name: Some("server".into()),
         transport: TransportChoice::Only(TransportKind::Tcp),
         rails: Some(1),
-        pin: xfer::placement::PinMode::Off,
+        pin: xfer::PinMode::Off,
         ..AgentOptions::default()
     };
     o.workers.notification_keys = Some(0);

@@ -15,7 +15,7 @@ const PAGE: u64 = 4096;
 fn agent() -> Agent {
     Agent::new(AgentOptions {
         transport: TransportChoice::Only(TransportKind::Mem),
-        pin: xfer::placement::PinMode::Off,
+        pin: xfer::PinMode::Off,
         ..AgentOptions::default()
     })
     .expect("a mem agent")
@@ -136,7 +136,7 @@ fn a_cancelled_transfer_ends_cancelled_and_moves_nothing() {
         let mem = |rails| {
             Agent::new(AgentOptions {
                 transport: TransportChoice::Only(TransportKind::Mem),
-                pin: xfer::placement::PinMode::Off,
+                pin: xfer::PinMode::Off,
                 rails: Some(rails),
                 ..AgentOptions::default()
             })

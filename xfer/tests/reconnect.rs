@@ -19,6 +19,7 @@ use fabric_core::engine::{EngineConfig, RailGroup};
 use std::net::SocketAddr;
 use std::time::Duration;
 use transport_tcp::{TcpConfig, TcpTransport};
+use xfer::layers::AgentLayers;
 use xfer::{
     Access, Agent, AgentInfo, Error, ErrorKind, HostBuffer, RegionDescriptor, Transfer,
     TransportKind,
@@ -36,7 +37,7 @@ fn announcing_agent(name: &str, port: u16) -> Agent {
         transport: xfer::TransportChoice::Only(TransportKind::Tcp),
         rails: Some(1),
         auth_token: Some(TOKEN.into()),
-        pin: xfer::placement::PinMode::Off,
+        pin: xfer::PinMode::Off,
         ..xfer::AgentOptions::default()
     };
     o.tcp.port = Some(port);

@@ -20,7 +20,7 @@ fn options(name: &str) -> AgentOptions {
         name: Some(name.into()),
         transport: TransportChoice::Only(TransportKind::Tcp),
         rails: Some(1),
-        pin: xfer::placement::PinMode::Off,
+        pin: xfer::PinMode::Off,
         ..AgentOptions::default()
     }
 }

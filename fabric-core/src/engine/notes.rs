@@ -41,7 +41,7 @@ pub struct NoteKey {
     /// The bytes a message carried ([`Transfer::message`](super::Transfer::message)),
     /// `None` for plain immediate data. Messages of the same sender, value and bytes are
     /// counted together like plain arrivals.
-    pub payload: Option<Arc<[u8]>>,
+    pub message: Option<Arc<[u8]>>,
 }
 
 /// Arrivals taken from an inbox: one (sender, value) and how many times it landed.
@@ -404,7 +404,7 @@ mod tests {
             imm,
             peer: Some(PeerId(1)),
             from: Some(Arc::from(from.as_bytes())),
-            payload: None,
+            message: None,
         }
     }
 

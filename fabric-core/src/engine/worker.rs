@@ -1145,14 +1145,14 @@ impl<T: Transport> Worker<T> {
         };
         // Counted before it can be taken, so that whoever took it sees it counted.
         self.counters.notifications.fetch_add(1, Ordering::Relaxed);
-        let message = payload.is_some();
+        let is_message = payload.is_some();
         let key = NoteKey {
             imm,
             peer,
             from,
-            payload,
+            message: payload,
         };
-        if message {
+        if is_message {
             self.inbox.message(key);
         } else {
             self.inbox.arrive(key);

@@ -271,7 +271,7 @@ pub fn said_hello(addr: std::net::SocketAddr) -> std::net::TcpStream {
 }
 
 /// A raw stream to a `sink` or `echo` listener of `serve`, past its authentication without
-/// a token (`xfer::rendezvous::raw_auth`): the server's mode byte and 16-byte nonce read,
+/// a token (`xfer::layers::raw_auth`): the server's mode byte and 16-byte nonce read,
 /// our mode (0), 32 zero bytes of tag and a nonce of ours sent, the server's 32-byte
 /// answer read.
 pub fn raw_stream(at: std::net::SocketAddr) -> std::net::TcpStream {

@@ -550,7 +550,7 @@ impl KvRank {
 
     /// Counts a notification: a KV note goes to its request, anything else to the others.
     fn record(t: &mut Tracker, n: Notification) {
-        let note = match (n.imm, n.payload.as_deref().and_then(KvNote::decode)) {
+        let note = match (n.imm, n.message.as_deref().and_then(KvNote::decode)) {
             (KV_IMM, Some(note)) => note,
             _ => {
                 t.others.push_back(n);

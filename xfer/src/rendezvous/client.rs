@@ -311,7 +311,7 @@ impl Client {
     }
 
     /// The shared token this client said hello with: raw streams to the server answer its
-    /// nonces with it ([`super::raw_auth::answer`]).
+    /// nonces with it ([`raw_auth::answer`](crate::layers::raw_auth::answer)).
     pub fn token(&self) -> Option<&str> {
         self.token.as_deref()
     }

@@ -32,7 +32,7 @@
 //! server refuses the hello ([`Refusal::Auth`], saying which side lacks the token), and
 //! the client fails with [`ClientError::ServerHasNoToken`] or
 //! [`ClientError::NoTokenHere`] (it sends no tag to a server without a token).
-//! Until its hello is complete a connection lives in one event loop ([`door`]): no thread,
+//! Until its hello is complete a connection lives in one event loop (the door): no thread,
 //! no client's place, a short deadline, and caps per address and in all that close the
 //! oldest pending connection to make room, so silent or trickling connections cannot keep
 //! legitimate clients out. A client takes a place ([`ServeLimits::max_clients`]) only once
@@ -41,11 +41,10 @@
 //! line), then the connection closes.
 //!
 //! Raw TCP streams a service opens beside a control connection authenticate the same way
-//! ([`raw_auth`]).
+//! ([`raw_auth`](crate::layers::raw_auth)).
 
 mod client;
-pub mod door;
-pub mod raw_auth;
+mod door;
 mod server;
 
 pub use client::{Client, ClientError, Welcome, hello};

@@ -466,7 +466,7 @@ impl ServiceClient<'_> {
     }
 
     /// The shared token, for raw streams the service opens beside (see
-    /// [`raw_auth`](super::raw_auth)).
+    /// [`raw_auth`](crate::layers::raw_auth)).
     pub fn token(&self) -> Option<&str> {
         self.token
     }
@@ -491,7 +491,7 @@ impl ServiceClient<'_> {
 
 /// Serves clients for `agents` (the hello's `worker` picks one, the first by default) on
 /// `listener`, with `service`, until the process ends or the listener fails. Connections
-/// wait for their hello in one event loop ([`door`]); a hello that passes (version, token
+/// wait for their hello in one event loop (the door); a hello that passes (version, token
 /// `token`, a free place) gets a thread of its own.
 pub fn serve<S: Service>(
     listener: TcpListener,
@@ -633,7 +633,7 @@ fn run_door<S: Service>(
                 .name("xfer-rendezvous".into())
                 .spawn(move || {
                     let agent = &agents[hello.worker.unwrap_or(0) as usize];
-                    if let Some(p) = agent.home() {
+                    if let Some(p) = agent.home_core() {
                         p.prefer_memory_here("xfer-rendezvous");
                     }
                     let c = Conn {

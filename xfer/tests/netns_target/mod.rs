@@ -16,6 +16,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::process::Command;
 use std::time::Duration;
 use transport_tcp::{TcpConfig, TcpTransport};
+use xfer::layers::AgentLayers;
 use xfer::{Agent, AgentInfo, RegionDescriptor, TransportKind};
 
 /// Rails of every agent.
