@@ -1,7 +1,7 @@
-//! `xfer.Directory`: the cluster directory ([`directory`]) from Python. An engine publishes
-//! itself and named registrations; peers look it up, list or watch the cluster, and get
-//! members as dicts whose `address` and `regions` are the same bytes `Engine.add_peer` and
-//! the write calls take: a record carries the library's metadata (the engine's
+//! `xfer.Directory`: the cluster directory ([`directory`]) from Python. An agent publishes
+//! itself and named regions; peers look it up, list or watch the cluster, and get
+//! members as dicts whose `address` and `regions` are the same bytes `Agent.connect` and
+//! the write calls take: a record carries the library's metadata (the agent's
 //! `AgentInfo`, under the member's name, and each region's `RegionDescriptor`), as bytes.
 
 use crate::engine::{Engine, Registration};
@@ -28,14 +28,14 @@ pub struct Publication {
     inner: Mutex<Option<Published>>,
 }
 
-/// What a [`Publication`] holds: a record put together by `publish`, or an engine's own
-/// (`join`), which `update` renews with what the engine offers then.
+/// What a [`Publication`] holds: a record put together by `publish`, or an agent's own
+/// (`join`), which `update` renews with what the agent offers then.
 enum Published {
     Record(directory::Publication),
     Engine(xfer::discovery::Publication),
 }
 
-/// A cluster followed by an engine (`Directory.follow`): every other member is connected
+/// A cluster followed by an agent (`Directory.follow`): every other member is connected
 /// as it joins and disconnected as it leaves, on a thread of the library's; weight-sync
 /// members refresh against it (`Source.refresh`, `Destination.refresh`). `close()` (or
 /// dropping it) stops following; the peers stay connected.
@@ -81,7 +81,7 @@ fn ttl_of(ttl: f64) -> PyResult<Duration> {
     Duration::try_from_secs_f64(ttl).map_err(|_| invalid(format!("ttl={ttl} is too large")))
 }
 
-/// A member as a dict: name, address (bytes for Engine.add_peer), regions (name ->
+/// A member as a dict: name, address (its info: bytes for Agent.connect), regions (name ->
 /// descriptor bytes), transport, host, memory, gpu, nics, control, instance, age_s.
 fn member_dict<'py>(py: Python<'py>, m: &Member) -> PyResult<Bound<'py, PyDict>> {
     let r = &m.record;
@@ -100,7 +100,7 @@ fn member_dict<'py>(py: Python<'py>, m: &Member) -> PyResult<Bound<'py, PyDict>>
         regions.set_item(name, PyBytes::new(py, &bytes))?;
     }
     d.set_item("regions", regions)?;
-    // As `Engine.transport`: the name where it offers one transport, else "auto".
+    // As `Agent.transport`: the name where it offers one transport, else "auto".
     let transport = match agent.transports.as_slice() {
         [one] => one.kind.name(),
         _ => "auto",
@@ -149,7 +149,7 @@ impl Directory {
         )
     }
 
-    /// Publishes `engine` as member `name`, with `regions` (name -> Registration) that
+    /// Publishes `engine` (an Agent) as member `name`, with `regions` (name -> Region) that
     /// peers may use, for `ttl` seconds past this process's last renewal.
     #[pyo3(signature = (name, engine, regions=None, ttl=10.0))]
     fn publish(
@@ -176,8 +176,8 @@ impl Directory {
         })
     }
 
-    /// Publishes `engine` under its own name (`Engine.name`) with every registration it
-    /// offers now (`Engine.offer`, and the weight sync's `Source.offer` and
+    /// Publishes `engine` (an Agent) under its own name (`Agent.name`) with every region it
+    /// offers now (`Agent.offer`, and the weight sync's `Source.offer` and
     /// `Destination.offer`), for `ttl` seconds past this process's last renewal: how a
     /// weight-sync member makes itself known to the others. Offer more later, then call
     /// `Publication.update()`.
@@ -193,8 +193,9 @@ impl Directory {
         })
     }
 
-    /// Follows the cluster with `engine`: every member but the engine itself (by name) is
-    /// connected as it joins (the members there now first) and disconnected as it leaves.
+    /// Follows the cluster with `engine` (an Agent): every member but the agent itself (by
+    /// name) is connected as it joins (the members there now first) and disconnected as it
+    /// leaves.
     fn follow(&self, py: Python<'_>, engine: &Engine) -> PyResult<Following> {
         let agent = engine.agent_handle()?;
         let f = py
@@ -246,7 +247,7 @@ impl Publication {
         }
     }
 
-    /// Publishes the engine again with what it offers now (a `Directory.join`
+    /// Publishes the agent again with what it offers now (a `Directory.join`
     /// publication; one made by `publish` holds a fixed record: publish again instead).
     fn update(&self, py: Python<'_>) -> PyResult<()> {
         let inner = &self.inner;

@@ -1,22 +1,26 @@
-//! The Python classes `Engine`, `Registration` and `Peer`: handles on one [`xfer::Agent`].
+//! The Python classes `Agent`, `Region` and `Peer`: handles on one [`xfer::Agent`], named
+//! as the library names them (the Rust structs here are [`Engine`] and [`Registration`];
+//! `xfer.Engine`, `xfer.Registration` and `xfer.EngineClosed` are the package's deprecated
+//! aliases, in `xfer/__init__.py`).
 //!
-//! An `Engine` holds the agent (built by the library from the keyword arguments,
-//! [`crate::options`]); a `Registration` holds the library's region and the registered
+//! An `Agent` holds the agent (built by the library from the keyword arguments,
+//! [`crate::options`]); a `Region` holds the library's region and the registered
 //! object, a `Peer` the library's peer. What keeps registered memory alive goes to the agent
 //! (`Agent::register_kept`), which lets go of it only once no transport can touch it.
 //!
 //! Every call into the agent runs with the GIL released (and so does the drop of a handle
 //! on it, which may be its last); long waits wake every 50 ms to let Python deliver signals
-//! (Ctrl-C), and a transfer's completion is decided on the engine's workers, never in
-//! Python.
+//! (Ctrl-C), and a transfer's completion is decided on the transfer engine's workers, never
+//! in Python.
 
+use xfer::layers::AgentLayers;
 use crate::args::{imm_value, pages, positive, seconds, triples, wait_sliced};
-use crate::errors::{EngineClosed, agent_error, invalid, metadata_error};
+use crate::errors::{AgentClosed, agent_error, invalid, metadata_error};
 use crate::handle::Handle;
 use crate::memory::{self, Accept};
 use crate::options::EngineArgs;
 use fabric_core::{Access, Fence, MemoryLocation};
-use pyo3::exceptions::PyUserWarning;
+use pyo3::exceptions::{PyDeprecationWarning, PyUserWarning};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use std::collections::HashMap;
@@ -28,20 +32,20 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use xfer::{Agent, AgentInfo, RegionDescriptor, Transfer, TransportKind};
 
-/// What an engine, its registrations and its peers share.
+/// What an agent, its regions and its peers share.
 struct Shared {
-    /// The agent; `None` once the engine is closed.
+    /// The agent; `None` once it is closed.
     agent: Mutex<Option<Agent>>,
-    /// The objects of open registrations, by registration (what `Registration.obj`
+    /// The objects of open registrations, by registration (what `Region.obj`
     /// returns, and where a transfer finds the tensor whose stream it follows), with their
     /// torch storage's record.
     objs: Mutex<HashMap<u64, Kept>>,
     next_reg: AtomicU64,
     /// What memory the agent takes.
     accept: Accept,
-    /// The agent's metadata, as bytes (`Engine.address`).
-    address: Vec<u8>,
-    /// Rendezvous servers started by `Engine.serve`, stopped by `close`.
+    /// The agent's metadata, as bytes (`Agent.info`).
+    info: Vec<u8>,
+    /// Rendezvous servers started by `Agent.serve`, stopped by `close`.
     servers: Mutex<Vec<Arc<ServerCell>>>,
 }
 
@@ -55,9 +59,9 @@ struct Kept {
 /// A rendezvous server; `None` once stopped.
 type ServerCell = Mutex<Option<xfer::rendezvous::Server>>;
 
-/// A direct-rendezvous server of an engine, from `Engine.serve`: peers'
-/// `Engine.rendezvous(address)` reach the engine through it and get its offered regions by
-/// name. It stops with `stop()` or when the engine closes.
+/// A direct-rendezvous server of an agent, from `Agent.serve`: peers'
+/// `Agent.rendezvous(address)` reach the agent through it and get its offered regions by
+/// name. It stops with `stop()` or when the agent closes.
 #[pyclass(module = "xfer", frozen)]
 pub struct Server {
     cell: Arc<ServerCell>,
@@ -98,16 +102,29 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// `AgentClosed`: a call on an agent after its close.
+fn agent_closed() -> PyErr {
+    AgentClosed::new_err("the agent is closed")
+}
+
+/// A `DeprecationWarning` that `old` is now `new`, raised at the caller's line (an error
+/// where the warnings filter makes it one).
+fn deprecated(py: Python<'_>, old: &str, new: &str) -> PyResult<()> {
+    let msg = CString::new(format!(
+        "{old} is deprecated: use {new}, the name the xfer library gives it"
+    ))
+    .expect("no NUL in names");
+    PyErr::warn(py, &py.get_type::<PyDeprecationWarning>(), &msg, 1)
+}
+
 impl Shared {
-    /// A handle on the agent, or `EngineClosed`.
+    /// A handle on the agent, or `AgentClosed`.
     fn agent(&self) -> PyResult<Agent> {
-        lock(&self.agent)
-            .clone()
-            .ok_or_else(|| EngineClosed::new_err("the engine is closed"))
+        lock(&self.agent).clone().ok_or_else(agent_closed)
     }
 
     /// Runs `f` on the agent with the GIL released. The handle is dropped there too: if the
-    /// engine was closed meanwhile it is the agent's last, and its drop stops the workers.
+    /// agent was closed meanwhile it is the agent's last, and its drop stops the workers.
     fn with_agent<R: Send>(
         &self,
         py: Python<'_>,
@@ -123,8 +140,9 @@ impl Shared {
     }
 }
 
-/// The transfer engine: one agent of the `xfer` library. Keyword arguments mirror the
-/// `xfer` command's flags.
+/// An agent of the `xfer` library (Rust's `xfer::Agent`): it registers memory, connects to
+/// peers and moves bytes between them. Keyword arguments mirror the `xfer` command's flags.
+/// (`xfer.Engine` is its old name, deprecated.)
 ///
 /// - transport: "auto" (the default: every transport that can work here, the best chosen
 ///   for each peer from what both offer: "cuda-ipc" between GPU memory of one host, "efa"
@@ -132,21 +150,21 @@ impl Shared {
 ///   other over tcp and two GPU processes of one host over cuda-ipc), or one transport only:
 ///   "tcp" (any two hosts, host or GPU memory), "cuda-ipc" (GPU memory between processes of
 ///   one host), "efa" (libfabric: EFA on AWS, or the provider named by `provider`), "mem"
-///   (engines of one process).
+///   (agents of one process).
 /// - provider: the libfabric provider of the efa transport ("efa" by default; "tcp",
 ///   "sockets", "shm" elsewhere).
 /// - rails: worker threads of each transport, each with its own connection or NIC;
 ///   transfers spread over them. Default: one per NIC chosen, else 1.
 /// - nics: the NICs the rails run on (rail i on nics[i % len]): a list of names (tcp
 ///   interfaces, or efa libfabric domains), or "auto" (the default): the placement plan's
-///   NICs for the engine's GPU, the route toward a non-loopback `listen` address for tcp,
+///   NICs for the agent's GPU, the route toward a non-loopback `listen` address for tcp,
 ///   none on loopback.
-/// - memory: "host" or "cuda", what this engine registers; gpu: the CUDA device ordinal.
+/// - memory: "host" or "cuda", what this agent registers; gpu: the CUDA device ordinal.
 /// - auth_token: a shared secret that tcp peers must know (both ends prove it).
 ///   auth_token_file: a file holding it instead (read once, here; one final newline
 ///   trimmed), so that it is not in the process's arguments or environment for every
 ///   local user to read in /proc; unreadable, empty, or given with auth_token:
-///   InvalidArgument. Without a token, an engine whose tcp rails listen beyond loopback
+///   InvalidArgument. Without a token, an agent whose tcp rails listen beyond loopback
 ///   (listen="0.0.0.0" or a host address) lets whoever reaches them read and write the
 ///   memory it registers for remote access: it warns (a UserWarning, and the library's
 ///   log), or with require_auth=True refuses to start (InvalidArgument).
@@ -160,35 +178,35 @@ impl Shared {
 ///   short transfers, at the cost of the waiting thread's core.
 /// - pin: "off" (the default: workers run where the OS puts them) or "auto": pinned to the
 ///   placement plan's cores. The library pins every agent to the cores of the plan's first
-///   worker, whatever its gpu and process: right for one engine on a host, but several
-///   engines (one per GPU, or a prefill and a decode process) would share those cores, so
+///   worker, whatever its gpu and process: right for one agent on a host, but several
+///   agents (one per GPU, or a prefill and a decode process) would share those cores, so
 ///   it is off unless asked for.
 /// - tcp_congestion: the tcp connections' congestion control: "auto" (the default) takes
 ///   connections over loopback off BBR, whose pacing halves a stream between processes of
 ///   one host, and leaves the rest to the system; "system" never changes it; a name
 ///   ("cubic", "reno", "bbr") sets it on every connection (unprivileged: those in
-///   net.ipv4.tcp_allowed_congestion_control; a name the kernel refuses fails the engine).
+///   net.ipv4.tcp_allowed_congestion_control; a name the kernel refuses fails the agent).
 /// - stall_timeout: seconds a transfer may make no progress, its peer's connection
 ///   standing (a stopped or descheduled process), before Handle.wait raises PeerStalled
 ///   (the transfer goes on: wait again or cancel). None (the default): never.
 ///
-/// `address` is the engine's metadata (the library's agent metadata, as bytes): peers pass
-/// it to add_peer, which picks the transport for that peer (Peer.transport).
+/// `info` is the agent's metadata (the library's `AgentInfo`, as bytes): peers pass it to
+/// connect, which picks the transport for that peer (Peer.transport).
 ///
-/// An engine is a context manager; close() (or leaving the `with` block) stops it and
+/// An agent is a context manager; close() (or leaving the `with` block) stops it and
 /// gives back every registered buffer.
-#[pyclass(module = "xfer", frozen)]
+#[pyclass(module = "xfer", name = "Agent", frozen)]
 pub struct Engine {
     shared: Arc<Shared>,
 }
 
-/// Memory registered with an engine: the object stays alive (and is not freed or
-/// resized) until the registration is closed, by close(), a `with` block, or the
-/// engine's close; for a torch tensor, its storage too (set_() and del cannot free it),
-/// and a storage resized meanwhile makes the registration's next use raise
-/// RegionInvalidated (see Engine.register). `descriptor` is the library's region
-/// descriptor, as bytes.
-#[pyclass(module = "xfer", frozen)]
+/// Memory registered with an agent (Rust's `xfer::Region`): the object stays alive (and
+/// is not freed or resized) until the region is closed, by close(), a `with` block, or the
+/// agent's close; for a torch tensor, its storage too (set_() and del cannot free it),
+/// and a storage resized meanwhile makes the region's next use raise RegionInvalidated
+/// (see Agent.register). `descriptor` is the library's region descriptor, as bytes.
+/// (`xfer.Registration` is its old name, deprecated.)
+#[pyclass(module = "xfer", name = "Region", frozen)]
 pub struct Registration {
     shared: Arc<Shared>,
     id: u64,
@@ -198,24 +216,26 @@ pub struct Registration {
     closed: AtomicBool,
 }
 
-/// A peer of an engine, from Engine.add_peer, reached over one transport (`transport`).
+/// A peer of an agent (Rust's `xfer::Peer`), from Agent.connect, reached over one
+/// transport (`transport`).
 #[pyclass(module = "xfer", frozen)]
 pub struct Peer {
     peer: xfer::Peer,
     removed: AtomicBool,
 }
 
-/// Arrivals of a peer's immediate data: `value` (the 32-bit immediate value), `count`
-/// (how many arrivals of this sender and value: 1 from next_notification), `sender`
-/// (the sending engine's name where this engine knows it, from add_peer or know; else
-/// None) and `message` (the bytes the sender attached with message=, else None).
+/// Arrivals of a peer's immediate data (Rust's `xfer::Notification`): `imm` (the 32-bit
+/// immediate value), `count` (how many arrivals of this sender and value: 1 from
+/// next_notification), `sender` (the sending agent's name where this agent knows it, from
+/// connect or know; else None) and `message` (the bytes the sender attached with message=,
+/// else None). `value` is the old name of `imm`, deprecated.
 #[pyclass(module = "xfer", frozen, eq)]
 #[derive(Clone, PartialEq, Eq)]
 pub struct Notification {
     #[pyo3(get)]
     sender: Option<String>,
     #[pyo3(get)]
-    value: u32,
+    imm: u32,
     #[pyo3(get)]
     count: u64,
     message: Option<Vec<u8>>,
@@ -231,13 +251,20 @@ impl Notification {
             .map(|m| pyo3::types::PyBytes::new(py, m))
     }
 
+    /// Deprecated: the old name of `imm` (a DeprecationWarning, then `imm`).
+    #[getter]
+    fn value(&self, py: Python<'_>) -> PyResult<u32> {
+        deprecated(py, "Notification.value", "Notification.imm")?;
+        Ok(self.imm)
+    }
+
     fn __repr__(&self) -> String {
         format!(
-            "Notification(sender={}, value={}, count={}, message={})",
+            "Notification(sender={}, imm={}, count={}, message={})",
             self.sender
                 .as_deref()
                 .map_or("None".into(), |s| format!("{s:?}")),
-            self.value,
+            self.imm,
             self.count,
             self.message
                 .as_deref()
@@ -249,10 +276,10 @@ impl Notification {
 impl From<xfer::Notification> for Notification {
     fn from(n: xfer::Notification) -> Self {
         Notification {
-            sender: n.from,
-            value: n.imm,
+            sender: n.sender,
+            imm: n.imm,
             count: n.count,
-            message: n.payload,
+            message: n.message,
         }
     }
 }
@@ -301,8 +328,8 @@ fn paged(
 }
 
 /// The tcp rails of `info` whose addresses are beyond loopback, "IP:PORT" each: what the
-/// library's start-up check (`xfer::lanes`, its warning or `require_auth`) counts as
-/// exposed, for the engine's Python warning.
+/// library's start-up check (`xfer::layers::lanes`, its warning or `require_auth`) counts as
+/// exposed, for the agent's Python warning.
 fn exposed_rails(info: &AgentInfo) -> Vec<String> {
     info.transports
         .iter()
@@ -317,16 +344,16 @@ fn exposed_rails(info: &AgentInfo) -> Vec<String> {
 }
 
 impl Engine {
-    /// An engine over `agent`, whose CUDA memory is on device `gpu`.
+    /// The Python agent over `agent`, whose CUDA memory is on device `gpu`.
     pub(crate) fn from_agent(agent: Agent, gpu: u32) -> PyResult<Engine> {
-        let address = agent
+        let info = agent
             .info()
             .to_bytes()
-            .map_err(|e| metadata_error("the engine's own metadata", &e))?;
+            .map_err(|e| metadata_error("the agent's own metadata", &e))?;
         let kinds = agent.transports();
         let accept = Accept {
             gpu,
-            // Host memory goes over another transport where the engine has one beside
+            // Host memory goes over another transport where the agent has one beside
             // cuda-ipc (memory="cuda" with auto: tcp too).
             device_only: kinds.iter().all(|&k| k == TransportKind::CudaIpc),
             host_only: kinds.contains(&TransportKind::Mem),
@@ -337,7 +364,7 @@ impl Engine {
                 objs: Mutex::new(HashMap::new()),
                 next_reg: AtomicU64::new(1),
                 accept,
-                address,
+                info,
                 servers: Mutex::new(Vec::new()),
             }),
         })
@@ -370,7 +397,7 @@ impl Engine {
         }
     }
 
-    /// What the engine's agent says about itself (for a directory record).
+    /// What the agent says about itself (for a directory record).
     pub(crate) fn info(&self, py: Python<'_>) -> PyResult<AgentInfo> {
         self.shared.with_agent(py, |a| Ok(a.info().clone()))
     }
@@ -463,7 +490,7 @@ impl Engine {
         let engine = Engine::from_agent(agent, gpu)?;
         if !exposed.is_empty() {
             let msg = format!(
-                "this engine has no auth token and its tcp rails listen beyond loopback ({}): \
+                "this agent has no auth token and its tcp rails listen beyond loopback ({}): \
                  whoever reaches them can read and write the memory it registers for remote \
                  access; set auth_token_file (or auth_token), listen on 127.0.0.1, or pass \
                  require_auth=True to refuse to start so",
@@ -472,24 +499,31 @@ impl Engine {
             let msg = CString::new(msg).expect("no NUL in addresses");
             let category = py.get_type::<PyUserWarning>();
             // An error here is the warnings filter turning it into an exception: raised, and
-            // the engine (dropped) stops.
+            // the agent (dropped) stops.
             PyErr::warn(py, &category, &msg, 1)?;
         }
         Ok(engine)
     }
 
-    /// This engine's address (bytes): its agent metadata (name, host, memory, and each
+    /// This agent's info (bytes: the library's `AgentInfo`: name, host, memory, and each
     /// transport it offers with its rails' addresses). Give it to peers, who pass it to
-    /// add_peer.
-    #[getter]
-    fn address<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+    /// connect.
+    #[getter(info)]
+    fn info_bytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
         if self.closed() {
-            return Err(EngineClosed::new_err("the engine is closed"));
+            return Err(agent_closed());
         }
-        Ok(PyBytes::new(py, &self.shared.address))
+        Ok(PyBytes::new(py, &self.shared.info))
     }
 
-    /// The transport: its name when the engine offers exactly one ("tcp", "cuda-ipc",
+    /// Deprecated: the old name of `info` (a DeprecationWarning, then the same bytes).
+    #[getter]
+    fn address<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        deprecated(py, "Agent.address", "Agent.info")?;
+        self.info_bytes(py)
+    }
+
+    /// The transport: its name when the agent offers exactly one ("tcp", "cuda-ipc",
     /// "efa", "mem"), else "auto" (see `transports`, and `Peer.transport` for the one a peer
     /// is reached by).
     #[getter]
@@ -501,14 +535,14 @@ impl Engine {
         })
     }
 
-    /// The engine's name: what peers see, and the member name `Directory.join` publishes
+    /// The agent's name: what peers see, and the member name `Directory.join` publishes
     /// it under.
     #[getter]
     fn name(&self, py: Python<'_>) -> PyResult<String> {
         self.shared.with_agent(py, |a| Ok(a.name().to_owned()))
     }
 
-    /// The transports the engine offers, in the order they are preferred for a peer.
+    /// The transports the agent offers, in the order they are preferred for a peer.
     #[getter]
     fn transports(&self, py: Python<'_>) -> PyResult<Vec<&'static str>> {
         let kinds = self.shared.with_agent(py, |a| Ok(a.transports()))?;
@@ -527,19 +561,19 @@ impl Engine {
         })
     }
 
-    /// Whether the engine is closed.
+    /// Whether the agent is closed.
     #[getter]
     fn closed(&self) -> bool {
         lock(&self.shared.agent).is_none()
     }
 
-    /// Registers `obj`'s memory and returns its Registration.
+    /// Registers `obj`'s memory and returns its Region.
     ///
     /// obj: a numpy array, bytearray, memoryview or any C-contiguous buffer-protocol
     /// object (host memory), a torch / cupy CUDA tensor (__cuda_array_interface__) on
-    /// the engine's gpu, or a DLPack tensor (__dlpack__: CPU, or CUDA on the engine's
+    /// the agent's gpu, or a DLPack tensor (__dlpack__: CPU, or CUDA on the agent's
     /// gpu). No copy is made. remote_write: whether peers may write into it (needs a writable
-    /// buffer; such a registration can also be the destination of this engine's reads); a
+    /// buffer; such a region can also be the destination of this agent's reads); a
     /// source-only region may be read-only. remote_read: whether peers may read it.
     ///
     /// Read-only memory (bytes, a read-only memoryview, a numpy array with writeable=False,
@@ -548,11 +582,11 @@ impl Engine {
     /// remote_read=True readable by peers) it is taken. A producer that only speaks the
     /// unversioned DLPack (no read-only flag) is taken as writable.
     ///
-    /// A torch tensor: the registration holds its storage (the memory itself), checked to
+    /// A torch tensor: the region holds its storage (the memory itself), checked to
     /// contain the registered bytes, so tensor.set_(other) or del tensor leaves the
     /// registered memory valid. resize_() beyond the storage's size reallocates that
     /// storage's memory and frees the old one, and torch offers no way to make a storage
-    /// non-resizable: the registration records where the storage was, and the next local
+    /// non-resizable: the region records where the storage was, and the next local
     /// use of it (write, read, their pages, a weights or KV push, pull or wait, offer,
     /// close) raises RegionInvalidated (an InvalidArgument) once it moved; register the
     /// tensor again. What cannot be caught: a peer's write into the region after the resize
@@ -567,14 +601,14 @@ impl Engine {
         remote_read: bool,
     ) -> PyResult<Registration> {
         if self.closed() {
-            return Err(EngineClosed::new_err("the engine is closed"));
+            return Err(agent_closed());
         }
         let memory::Taken {
             region,
             held,
             storage,
         } = memory::take(obj, remote_write, self.shared.accept)?;
-        // A writable registration may also receive this engine's READs (LOCAL_WRITE).
+        // A writable region may also receive this agent's READs (LOCAL_WRITE).
         let mut access = if remote_write {
             Access::REMOTE_WRITE | Access::LOCAL_WRITE
         } else {
@@ -610,14 +644,14 @@ impl Engine {
         })
     }
 
-    /// Adds a peer by its address (the bytes of its Engine.address) and returns a Peer,
-    /// reached over the best transport both engines offer (Peer.transport). Bytes that are
-    /// not an engine's address raise InvalidArgument naming what is wrong with them.
-    fn add_peer(&self, py: Python<'_>, address: &[u8]) -> PyResult<Peer> {
+    /// Connects to a peer by its info (the bytes of its Agent.info) and returns a Peer,
+    /// reached over the best transport both agents offer (Peer.transport). Bytes that are
+    /// not an agent's info raise InvalidArgument naming what is wrong with them.
+    fn connect(&self, py: Python<'_>, info: &[u8]) -> PyResult<Peer> {
         if self.closed() {
-            return Err(EngineClosed::new_err("the engine is closed"));
+            return Err(agent_closed());
         }
-        let info = AgentInfo::from_bytes(address).map_err(|e| metadata_error("address", &e))?;
+        let info = AgentInfo::from_bytes(info).map_err(|e| metadata_error("info", &e))?;
         let peer = self.shared.with_agent(py, |a| a.connect(&info))?;
         Ok(Peer {
             peer,
@@ -625,8 +659,14 @@ impl Engine {
         })
     }
 
-    /// Offers `registration` to peers under `name`: a peer that meets this engine through
-    /// `serve`/`rendezvous` (or the directory) finds its descriptor by that name.
+    /// Deprecated: the old name of `connect` (a DeprecationWarning, then connect(address)).
+    fn add_peer(&self, py: Python<'_>, address: &[u8]) -> PyResult<Peer> {
+        deprecated(py, "Agent.add_peer", "Agent.connect")?;
+        self.connect(py, address)
+    }
+
+    /// Offers `registration` (a Region) to peers under `name`: a peer that meets this agent
+    /// through `serve`/`rendezvous` (or the directory) finds its descriptor by that name.
     fn offer(&self, py: Python<'_>, name: &str, registration: &Registration) -> PyResult<()> {
         self.check_registration(py, registration)?;
         if name.is_empty() {
@@ -639,8 +679,8 @@ impl Engine {
     }
 
     /// Serves the direct rendezvous on `listen` ("IP:PORT"; port 0 picks a free one) on a
-    /// thread of its own: a peer's `Engine.rendezvous(server.address)` connects to this
-    /// engine and gets the regions it offered. With `auth_token`, clients must prove they
+    /// thread of its own: a peer's `Agent.rendezvous(server.address)` connects to this
+    /// agent and gets the regions it offered. With `auth_token`, clients must prove they
     /// know it. Returns the Server; it stops with `Server.stop()` or `close()`.
     #[pyo3(signature = (listen="127.0.0.1:0", auth_token=None))]
     fn serve(&self, py: Python<'_>, listen: &str, auth_token: Option<String>) -> PyResult<Server> {
@@ -667,8 +707,8 @@ impl Engine {
         Ok(Server { cell, address })
     }
 
-    /// The direct rendezvous: connects to the engine serving at `address` ("HOST:PORT",
-    /// from its `Engine.serve`), over the best transport both offer, within `timeout`
+    /// The direct rendezvous: connects to the agent serving at `address` ("HOST:PORT",
+    /// from its `Agent.serve`), over the best transport both offer, within `timeout`
     /// seconds. Returns (Peer, regions): what it offered, name -> descriptor bytes for
     /// write/read.
     #[pyo3(signature = (address, auth_token=None, timeout=20.0))]
@@ -681,7 +721,7 @@ impl Engine {
     ) -> PyResult<(Peer, Bound<'py, pyo3::types::PyDict>)> {
         use std::net::ToSocketAddrs;
         if self.closed() {
-            return Err(EngineClosed::new_err("the engine is closed"));
+            return Err(agent_closed());
         }
         let within = seconds(Some(timeout), "timeout")?.unwrap_or_default();
         let at = address
@@ -710,7 +750,7 @@ impl Engine {
 
     /// Removes a peer; its pending transfers fail with PeerRemoved.
     fn remove_peer(&self, py: Python<'_>, peer: &Peer) -> PyResult<()> {
-        // Another engine's peer is refused before it is marked removed (in its engine).
+        // Another agent's peer is refused before it is marked removed (in its agent).
         self.shared
             .agent()?
             .check_peer(&peer.peer)
@@ -721,12 +761,12 @@ impl Engine {
         self.shared.with_agent(py, |a| a.disconnect(&peer.peer))
     }
 
-    /// Writes ranges of a local registration into a peer's region.
+    /// Writes ranges of a local region into a peer's region.
     ///
     /// segments: (src_offset, dst_offset, length) in bytes; remote_descriptor: the
-    /// peer's Registration.descriptor; imm: a 32-bit value the peer sees (wait_imm) once
+    /// peer's Region.descriptor; imm: a 32-bit value the peer sees (wait_imm) once
     /// every byte has landed; message: bytes (at most 4096) the peer then takes as a
-    /// Notification's message, with imm (or 0) as its value; timeout: seconds, after
+    /// Notification's message, with imm (or 0) as its imm; timeout: seconds, after
     /// which the transfer fails with TimedOut. Returns a Handle.
     ///
     /// GPU memory: the transfer reads the source only after the work queued so far on
@@ -788,12 +828,12 @@ impl Engine {
         self.submit(py, peer, registration, remote_descriptor, t, stream)
     }
 
-    /// Reads ranges of a peer's region into a local registration (one-sided: the peer
+    /// Reads ranges of a peer's region into a local region (one-sided: the peer
     /// does nothing but progress).
     ///
     /// segments: (local_offset, remote_offset, length) in bytes; registration: local, made
     /// with remote_write=True (a writable buffer); remote_descriptor: the peer's
-    /// Registration.descriptor, registered with remote_read=True; timeout: seconds;
+    /// Region.descriptor, registered with remote_read=True; timeout: seconds;
     /// message (with imm, its value): bytes the peer takes as a Notification once every
     /// byte was read (so it knows its memory is free again). Returns a Handle, done once
     /// every byte is in the local memory (and the message, if any, was delivered).
@@ -913,15 +953,15 @@ impl Engine {
         Ok(all.into_iter().map(Notification::from).collect())
     }
 
-    /// Tells this engine of a peer (its `address` bytes) without connecting to it, so that
-    /// its notifications name it (Notification.sender). add_peer does this too.
+    /// Tells this agent of a peer (its `info` bytes) without connecting to it, so that
+    /// its notifications name it (Notification.sender). connect does this too.
     fn know(&self, address: &[u8]) -> PyResult<()> {
         let info = AgentInfo::from_bytes(address).map_err(|e| metadata_error("address", &e))?;
         self.shared.agent()?.know(&info);
         Ok(())
     }
 
-    /// The engine's figures in the Prometheus text exposition format (version 0.0.4), for
+    /// The agent's figures in the Prometheus text exposition format (version 0.0.4), for
     /// an exporter of the application's own (prometheus_client's, a web framework's): per
     /// rail bytes, operations, errors, notifications, per peer connections, per transport
     /// the transfers' latency histogram. The same names as `xfer serve --metrics`.
@@ -942,7 +982,7 @@ impl Engine {
         ]))
     }
 
-    /// Stops the engine: pending transfers fail, and every registration's memory is
+    /// Stops the agent: pending transfers fail, and every region's memory is
     /// given back. Closing twice is fine.
     ///
     /// Memory a transport still holds is not given back: a rail whose worker does not stop
@@ -968,7 +1008,7 @@ impl Engine {
         let objs = std::mem::take(&mut *lock(&self.shared.objs));
         drop(objs);
         // Stops every rail (each waits for its worker); the GIL is not needed meanwhile.
-        // `None`: another thread runs a call on the engine, and the agent stops when it
+        // `None`: another thread runs a call on the agent, and the agent stops when it
         // returns.
         let held = py.detach(move || agent.close()).unwrap_or(0);
         if held > 0 {
@@ -976,7 +1016,7 @@ impl Engine {
                 py,
                 &py.get_type::<pyo3::exceptions::PyResourceWarning>(),
                 &std::ffi::CString::new(format!(
-                    "xfer.Engine.close: {held} registered buffer(s) are still held by a \
+                    "xfer.Agent.close: {held} registered buffer(s) are still held by a \
                      transport that did not stop in time; they stay alive (and unusable to \
                      Python's allocator) until it lets go, or until the process exits"
                 ))
@@ -1016,9 +1056,9 @@ impl Engine {
                     [one] => format!("{one:?}"),
                     _ => format!("\"auto\" ({})", kinds.join(", ")),
                 };
-                format!("xfer.Engine({name:?}, transport={transport}, rails={rails})")
+                format!("xfer.Agent({name:?}, transport={transport}, rails={rails})")
             }
-            Err(_) => "xfer.Engine(closed)".into(),
+            Err(_) => "xfer.Agent(closed)".into(),
         }
     }
 }
@@ -1031,8 +1071,8 @@ impl Drop for Engine {
 
 impl Engine {
     /// Runs `step` on the agent in slices of a wait of at most `limit` (None: no limit),
-    /// the GIL released and signals checked between slices: its result, `EngineClosed` if
-    /// the engine closes meanwhile (a handle on the agent per slice, so a close from
+    /// the GIL released and signals checked between slices: its result, `AgentClosed` if
+    /// the agent closes meanwhile (a handle on the agent per slice, so a close from
     /// another thread stops it within a slice), `TimedOut` naming `what` after `limit`.
     fn wait_agent<R: Send>(
         &self,
@@ -1055,8 +1095,8 @@ impl Engine {
         })?;
         match done {
             Some(Ok(r)) => Ok(r),
-            Some(Err(xfer::Error::Closed)) => Err(EngineClosed::new_err(format!(
-                "the engine was closed while waiting for {what}"
+            Some(Err(xfer::Error::Closed)) => Err(AgentClosed::new_err(format!(
+                "the agent was closed while waiting for {what}"
             ))),
             Some(Err(e)) => Err(agent_error(&e)),
             None => Err(crate::errors::TimedOut::new_err(format!(
@@ -1066,12 +1106,12 @@ impl Engine {
         }
     }
 
-    /// A handle on the agent (for `xfer.weights`), or `EngineClosed`.
+    /// A handle on the agent (for `xfer.weights`), or `AgentClosed`.
     pub(crate) fn agent_handle(&self) -> PyResult<Agent> {
         self.shared.agent()
     }
 
-    /// Whether `reg` is a registration of this engine and open (else `InvalidArgument`),
+    /// Whether `reg` is a region of this agent and open (else `InvalidArgument`),
     /// its torch storage where it was registered (else `RegionInvalidated`).
     pub(crate) fn check_registration(&self, py: Python<'_>, reg: &Registration) -> PyResult<()> {
         self.shared
@@ -1086,7 +1126,7 @@ impl Engine {
         reg.check_storage(py, "this registration cannot be used")
     }
 
-    /// Whether `peer` is a peer of this engine and not removed (else `InvalidArgument`).
+    /// Whether `peer` is a peer of this agent and not removed (else `InvalidArgument`).
     pub(crate) fn check_peer(&self, peer: &Peer) -> PyResult<()> {
         self.shared
             .agent()?
@@ -1164,7 +1204,7 @@ impl Registration {
         if self.closed.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
-        // A closed engine gave the memory back already.
+        // A closed agent gave the memory back already.
         if lock(&self.shared.agent).is_none() {
             return Ok(());
         }
@@ -1174,7 +1214,7 @@ impl Registration {
         let done = self.shared.with_agent(py, |a| a.deregister(&self.region));
         match done {
             Ok(()) => {}
-            Err(e) if e.is_instance_of::<EngineClosed>(py) => return Ok(()),
+            Err(e) if e.is_instance_of::<AgentClosed>(py) => return Ok(()),
             Err(e) => {
                 self.closed.store(false, Ordering::Release);
                 return Err(e);
@@ -1189,13 +1229,13 @@ impl Registration {
 #[pymethods]
 impl Registration {
     /// What a peer needs to reach this memory (bytes: the library's region descriptor,
-    /// with its keys on every transport of the engine): send it to the peer.
+    /// with its keys on every transport of the agent): send it to the peer.
     #[getter]
     fn descriptor<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         PyBytes::new(py, &self.descriptor)
     }
 
-    /// The registered object, or None once the registration is closed (it no longer
+    /// The registered object, or None once the region is closed (it no longer
     /// holds the object then).
     #[getter]
     fn obj(&self, py: Python<'_>) -> Option<Py<PyAny>> {
@@ -1216,7 +1256,7 @@ impl Registration {
         matches!(self.location, MemoryLocation::Cuda { .. })
     }
 
-    /// Whether the registration is closed.
+    /// Whether the region is closed.
     #[getter]
     fn closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
@@ -1241,7 +1281,7 @@ impl Registration {
 
     fn __repr__(&self) -> String {
         format!(
-            "xfer.Registration({} bytes of {} memory{})",
+            "xfer.Region({} bytes of {} memory{})",
             self.nbytes(),
             if self.is_cuda() { "cuda" } else { "host" },
             if self.closed() { ", closed" } else { "" }
@@ -1250,8 +1290,8 @@ impl Registration {
 }
 
 impl Drop for Registration {
-    /// A registration dropped while open is closed; if that fails (transfers still use
-    /// it) its memory stays held until the engine closes.
+    /// A region dropped while open is closed; if that fails (transfers still use
+    /// it) its memory stays held until the agent closes.
     fn drop(&mut self) {
         Python::attach(|py| {
             let _ = self.close_inner(py);
@@ -1268,13 +1308,13 @@ impl Peer {
     }
 
     /// The transport this peer is reached by ("tcp", "cuda-ipc", "efa", "mem"): the best
-    /// that both engines offer.
+    /// that both agents offer.
     #[getter]
     fn transport(&self) -> &'static str {
         self.peer.transport().name()
     }
 
-    /// The peer's name (its engine's, as its address says).
+    /// The peer's name (its agent's, as its info says).
     #[getter]
     fn name(&self) -> &str {
         &self.peer.info().name

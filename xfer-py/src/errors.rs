@@ -12,7 +12,7 @@ create_exception!(
     xfer,
     XferError,
     PyException,
-    "Base class of every error the xfer engine raises."
+    "Base class of every error xfer raises."
 );
 create_exception!(
     xfer,
@@ -24,7 +24,7 @@ create_exception!(
     xfer,
     PeerStalled,
     TimedOut,
-    "A transfer made no progress for the engine's stall_timeout while its peer's connection stands (a stopped or descheduled process): the transfer goes on; wait again or cancel."
+    "A transfer made no progress for the agent's stall_timeout while its peer's connection stands (a stopped or descheduled process): the transfer goes on; wait again or cancel."
 );
 create_exception!(
     xfer,
@@ -66,7 +66,7 @@ create_exception!(
     xfer,
     ForeignHandle,
     InvalidArgument,
-    "A Peer or Registration of another engine was given to this one."
+    "A Peer or Region of another agent was given to this one."
 );
 create_exception!(
     xfer,
@@ -78,13 +78,13 @@ create_exception!(
     xfer,
     Cancelled,
     XferError,
-    "The transfer was cancelled (the engine shut down)."
+    "The transfer was cancelled (the agent shut down)."
 );
 create_exception!(
     xfer,
-    EngineClosed,
+    AgentClosed,
     XferError,
-    "The engine is closed (or its worker stopped)."
+    "The agent is closed (or its workers stopped). `xfer.EngineClosed` is its old name, deprecated."
 );
 create_exception!(
     xfer,
@@ -126,7 +126,7 @@ pub fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ForeignHandle", py.get_type::<ForeignHandle>())?;
     m.add("RegionInvalidated", py.get_type::<RegionInvalidated>())?;
     m.add("Cancelled", py.get_type::<Cancelled>())?;
-    m.add("EngineClosed", py.get_type::<EngineClosed>())?;
+    m.add("AgentClosed", py.get_type::<AgentClosed>())?;
     m.add("RegionInUse", py.get_type::<RegionInUse>())?;
     m.add("Unsupported", py.get_type::<Unsupported>())?;
     m.add("TransportFailed", py.get_type::<TransportFailed>())?;
@@ -163,7 +163,7 @@ pub fn engine_error(e: &Error) -> PyErr {
             Unsupported::new_err(msg)
         }
         Error::TimedOut(..) => TimedOut::new_err(msg),
-        Error::EngineStopped => EngineClosed::new_err(msg),
+        Error::EngineStopped => AgentClosed::new_err(msg),
         Error::RegionInUse { .. } => RegionInUse::new_err(msg),
         _ => TransportFailed::new_err(msg),
     }
@@ -184,7 +184,7 @@ pub fn agent_error(e: &xfer::Error) -> PyErr {
         // A token file unreadable, empty or given with a token, or require_auth without a
         // token beyond loopback: the arguments' fault (the chain names the file's OS error).
         X::AuthToken(_) => InvalidArgument::new_err(report(e)),
-        X::Nics(n @ (xfer::nics::NicError::Domains(_) | xfer::nics::NicError::Interfaces(_))) => {
+        X::Nics(n @ (xfer::layers::nics::NicError::Domains(_) | xfer::layers::nics::NicError::Interfaces(_))) => {
             TransportFailed::new_err(report(n))
         }
         X::Nics(n) => InvalidArgument::new_err(format!("nics: {}", report(n))),
@@ -197,16 +197,11 @@ pub fn agent_error(e: &xfer::Error) -> PyErr {
         X::Directory(d) => directory_error(d),
         X::NoSuchRegion { .. } => InvalidArgument::new_err(e.to_string()),
         X::ForeignHandle { what, .. } => ForeignHandle::new_err(format!(
-            "this {} belongs to another engine: use the one this engine returned ({e})",
-            if *what == "region" {
-                "registration"
-            } else {
-                what
-            }
+            "this {what} belongs to another agent: use the one this agent returned ({e})"
         )),
         X::NotJoined { .. } | X::NotLeft { .. } => TimedOut::new_err(e.to_string()),
         X::Engine(inner) => engine_error(inner),
-        X::Closed => EngineClosed::new_err(e.to_string()),
+        X::Closed => AgentClosed::new_err(e.to_string()),
         X::PeerStalled { .. } => PeerStalled::new_err(e.to_string()),
         // A transfer on a connection that broke, or connecting again failed: the agent
         // tries again at the next transfer.

@@ -8,7 +8,7 @@ use xfer::Handle as AgentHandle;
 
 /// A submitted transfer: wait(), done(), or `await` it. Dropping it does not cancel
 /// the transfer. Until the handle reports a result, the source ranges belong to the
-/// engine: do not change them.
+/// agent: do not change them.
 #[pyclass(module = "xfer", frozen)]
 pub struct Handle {
     handle: Arc<AgentHandle>,
@@ -29,7 +29,7 @@ impl Handle {
     /// (None: until it finishes; Ctrl-C still interrupts). Returns the bytes moved, or
     /// raises the transfer's error (PeerUnreachable, RemoteKeyInvalid, ...). TimedOut
     /// from an expired wait ends only the wait: the transfer goes on. So does PeerStalled
-    /// (a TimedOut), raised once the transfer made no progress for the engine's
+    /// (a TimedOut), raised once the transfer made no progress for the agent's
     /// stall_timeout while its peer's connection stands: wait again or cancel.
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<u64> {

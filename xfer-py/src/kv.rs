@@ -1,8 +1,8 @@
 //! `xfer.kv`: a request's KV cache moved between prefill and decode ranks of different
 //! shapes ([`xfer::kv`]) from Python. `Model` and `Layout` describe a rank's paged cache
 //! (the constructors of `kv_plan` for vLLM's and SGLang's caches), `Request` a request's
-//! block tables, `Plan` its strided runs, `Rank` one rank's end over an `Engine` (its cache
-//! registered through the engine's own path, so numpy arrays and torch CUDA tensors both
+//! block tables, `Plan` its strided runs, `Rank` one rank's end over an `Agent` (its cache
+//! registered through the agent's own path, so numpy arrays and torch CUDA tensors both
 //! work), `Transfers` a request's transfers from one rank, and `Event` what `Rank.poll`
 //! reports. Every blocking call runs with the GIL released, in slices that let Python
 //! deliver signals; failures are the package's exception classes
@@ -763,7 +763,7 @@ impl From<KvEvent> for PyEvent {
 
 /// A request's transfers from one rank (`Rank.push`, `push_layer`, `pull`, `pull_layer`):
 /// `wait`, `done`, `cancel`. Until they have finished, the request's blocks belong to the
-/// engine (prefill's are read, decode's written).
+/// agent (prefill's are read, decode's written).
 #[pyclass(module = "xfer.kv", name = "Transfers", frozen)]
 pub struct PyTransfers {
     id: Vec<u8>,
@@ -884,13 +884,13 @@ fn parse_info(b: &[u8]) -> PyResult<KvRankInfo> {
 }
 
 /// The info bytes a rank of `side` with `layout` over `registrations` (by the layout's
-/// region index, of `engine`) gives the other side, before its `Rank` exists (a rank that
+/// region index, of `agent`) gives the other side, before its `Rank` exists (a rank that
 /// learns the other side's layouts from their infos is made later, over the same
 /// registrations).
 #[pyfunction]
 fn rank_info<'py>(
     py: Python<'py>,
-    engine: &Engine,
+    agent: &Engine,
     side: &str,
     rank: u32,
     layout: &PyLayout,
@@ -899,10 +899,10 @@ fn rank_info<'py>(
     let side = side_of(side)?;
     let mut regions: Vec<RegionDescriptor> = Vec::with_capacity(registrations.len());
     for r in &registrations {
-        engine.check_registration(py, r.get())?;
+        agent.check_registration(py, r.get())?;
         regions.push(r.get().region().descriptor().clone());
     }
-    let agent: AgentInfo = engine.agent_handle()?.info().clone();
+    let agent: AgentInfo = agent.agent_handle()?.info().clone();
     let info = KvRankInfo {
         side,
         rank,
@@ -921,12 +921,12 @@ fn read_info(info: &[u8]) -> PyResult<(&'static str, u32, PyLayout)> {
     Ok((side_name(i.side), i.rank, PyLayout { layout: i.layout }))
 }
 
-/// One rank's end of KV transfers over an Engine.
+/// One rank's end of KV transfers over an Agent.
 ///
-/// engine: its Engine; side: "prefill" or "decode"; rank: its rank on that side; memory:
+/// agent: its Agent; side: "prefill" or "decode"; rank: its rank on that side; memory:
 /// the objects holding its cache by the layout's region index (numpy arrays, torch tensors
-/// on the engine's GPU: each registered here through `Engine.register`, readable by peers
-/// on a prefill rank, writable on a decode rank), or Registrations of this engine made so;
+/// on the agent's GPU: each registered here through `Agent.register`, readable by peers
+/// on a prefill rank, writable on a decode rank), or Regions of this agent made so;
 /// prefill, decode: every rank's Layout of both sides (rank i at position i).
 ///
 /// Attach the other side's ranks (`attach(their info)`), plan a request (`plan`), then on
@@ -934,7 +934,7 @@ fn read_info(info: &[u8]) -> PyResult<(&'static str, u32, PyLayout)> {
 /// decode `wait`/`wait_layer`/`poll` for what landed; or pull: decode `pull`/`pull_layer`,
 /// prefill `wait`/`poll` to learn that every reader is done. Pushes, pulls and waits raise
 /// RegionInvalidated if a registered torch tensor's storage was resized since it was
-/// registered (see Engine.register).
+/// registered (see Agent.register).
 #[pyclass(module = "xfer.kv", name = "Rank", frozen)]
 pub struct PyRank {
     rank: Arc<KvRank>,
@@ -1035,7 +1035,7 @@ impl PyRank {
     #[new]
     fn new(
         py: Python<'_>,
-        engine: Py<Engine>,
+        agent: Py<Engine>,
         side: &str,
         rank: u32,
         memory: Vec<Bound<'_, PyAny>>,
@@ -1043,7 +1043,7 @@ impl PyRank {
         decode: Vec<PyRef<'_, PyLayout>>,
     ) -> PyResult<PyRank> {
         let side = side_of(side)?;
-        let e = engine.get();
+        let e = agent.get();
         let mut registrations = Vec::with_capacity(memory.len());
         for obj in &memory {
             let reg = if let Ok(r) = obj.cast::<Registration>() {
@@ -1082,7 +1082,7 @@ impl PyRank {
         })
     }
 
-    /// What the other side's ranks attach this one with (bytes: its engine's address, its
+    /// What the other side's ranks attach this one with (bytes: its agent's info, its
     /// layout and its regions' descriptors).
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
         Ok(PyBytes::new(py, &info_bytes(&self.rank.info())?))
@@ -1107,7 +1107,7 @@ impl PyRank {
     /// decode rank the plan sends this rank's share to: one strided transfer per (decode
     /// rank, region pair), each telling its decode rank once its bytes are placed. GPU
     /// memory: the transfers start after the work queued so far on `stream` (default:
-    /// torch's current stream for a torch tensor, as Engine.write), so call it right after
+    /// torch's current stream for a torch tensor, as Agent.write), so call it right after
     /// launching the layer's kernels. Returns its Transfers.
     #[pyo3(signature = (request_id, plan, layer, stream=None))]
     fn push_layer(
@@ -1239,7 +1239,7 @@ impl PyRank {
         Ok(())
     }
 
-    /// Notifications of the engine that were not KV notes, taken meanwhile (a list of
+    /// Notifications of the agent that were not KV notes, taken meanwhile (a list of
     /// xfer.Notification).
     fn other_notifications(&self) -> Vec<crate::engine::Notification> {
         self.rank

@@ -1,17 +1,20 @@
 //! # xfer-py
 //!
 //! The `xfer` Python package: the transfer engine for numpy, torch and cupy memory, built
-//! with PyO3 (stable ABI, `abi3-py311`) by maturin. A thin layer over the [`xfer`] crate:
-//! `xfer.Engine` is one [`xfer::Agent`] (built by the library from the keyword arguments,
-//! [`options`]), and `Registration`, `Peer` and `Handle` are the library's region, peer and
-//! transfer handle. What this crate adds is what Python needs: the GIL released around
-//! every call that waits, buffers taken without copies through the buffer protocol,
-//! `__cuda_array_interface__` or DLPack ([`memory`]), CUDA stream order for GPU memory
-//! (`stream`), errors as a class hierarchy under `xfer.Error` ([`errors`]), and
-//! `xfer.Directory`, `xfer.weights` ([`weights`]): layouts, plans and the weight sync, and
-//! `xfer.kv` ([`kv`]): KV cache layouts, request plans and ranks between prefill and decode.
-//! Addresses and descriptors are the library's metadata as bytes
-//! (`AgentInfo::to_bytes`, `RegionDescriptor::to_bytes`).
+//! with PyO3 (stable ABI, `abi3-py311`) by maturin. A thin layer over the [`xfer`] crate,
+//! whose names it uses: `xfer.Agent` is one [`xfer::Agent`] (built by the library from the
+//! keyword arguments, [`options`]), and `Region`, `Peer`, `Handle` and `Notification` are
+//! the library's [`xfer::Region`], [`xfer::Peer`], [`xfer::Handle`] and
+//! [`xfer::Notification`] (`xfer.Engine`, `xfer.Registration` and `xfer.EngineClosed` are
+//! deprecated aliases kept by the package's `__init__.py`). What this crate adds is what
+//! Python needs: the GIL released around every call that waits, buffers taken without
+//! copies through the buffer protocol, `__cuda_array_interface__` or DLPack ([`memory`]),
+//! CUDA stream order for GPU memory (`stream`), errors as a class hierarchy under
+//! `xfer.Error` ([`errors`]), and `xfer.Directory`, `xfer.weights` ([`weights`]): layouts,
+//! plans and the weight sync, and `xfer.kv` ([`kv`]): KV cache layouts, request plans and
+//! ranks between prefill and decode. An agent's info (`Agent.info`) and a region's
+//! descriptor are the library's metadata as bytes (`AgentInfo::to_bytes`,
+//! `RegionDescriptor::to_bytes`).
 //!
 //! ```
 //! // The byte forms are the library's, usable without Python:
@@ -20,13 +23,13 @@
 //!     transport: TransportChoice::Only(TransportKind::Mem),
 //!     ..AgentOptions::default()
 //! }).unwrap();
-//! let bytes = a.info().to_bytes().unwrap(); // what `Engine.address` returns
+//! let bytes = a.info().to_bytes().unwrap(); // what `Agent.info` returns
 //! assert_eq!(&AgentInfo::from_bytes(&bytes).unwrap(), a.info());
 //! assert!(AgentInfo::from_bytes(&bytes[..5]).is_err());
 //! ```
 //!
 //! Transports: those of the library (tcp, cuda-ipc, efa, mem); efa loads libfabric at run
-//! time, so the wheel imports on machines without it, and `Engine(transport="efa")` there
+//! time, so the wheel imports on machines without it, and `Agent(transport="efa")` there
 //! fails with the loader's message.
 //!
 //! Dependencies: `pyo3` (the binding; `abi3-py311` because the buffer protocol is in the

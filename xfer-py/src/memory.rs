@@ -50,7 +50,7 @@ unsafe impl Sync for PyHostRegion {}
 // SAFETY: ptr and len come from a buffer-protocol view of a C-contiguous buffer, or from
 // the DLPack capsule of a contiguous CPU tensor (both checked in `take`). The view (or the
 // capsule, which holds the tensor) is the `Held` that `take` returns with the region, and
-// the engine registers the two together (`Agent::register_kept`), which drops the `Held`
+// the agent registers the two together (`Agent::register_kept`), which drops the `Held`
 // only once the region's Arc is the last one (no transport holds the region), so for as
 // long as any transport can reach this value the exporter keeps the bytes where they are
 // (numpy refuses to resize an array with exported views).
@@ -229,14 +229,14 @@ pub struct Taken {
     pub storage: Option<StorageGuard>,
 }
 
-/// What an engine accepts.
+/// What an agent accepts.
 #[derive(Clone, Copy, Debug)]
 pub struct Accept {
-    /// The engine's GPU (CUDA memory must be there).
+    /// The agent's GPU (CUDA memory must be there).
     pub gpu: u32,
-    /// The engine offers cuda-ipc only (transport="cuda-ipc"): it moves GPU memory only.
+    /// The agent offers cuda-ipc only (transport="cuda-ipc"): it moves GPU memory only.
     pub device_only: bool,
-    /// The engine offers the in-process mem transport: it moves host memory only.
+    /// The agent offers the in-process mem transport: it moves host memory only.
     pub host_only: bool,
 }
 
@@ -271,8 +271,8 @@ fn take_memory(
     let type_name = obj.get_type().name()?.to_string();
     if accept.device_only && !dlpack_on_cuda(obj)? {
         return Err(invalid(format!(
-            "this engine (transport=\"cuda-ipc\") moves GPU memory only, and {type_name} is \
-             host memory: register a CUDA tensor (tensor.cuda()), or make the engine with \
+            "this agent (transport=\"cuda-ipc\") moves GPU memory only, and {type_name} is \
+             host memory: register a CUDA tensor (tensor.cuda()), or make the agent with \
              transport=\"auto\" (cuda-ipc for GPU memory, tcp for host memory)"
         )));
     }
@@ -395,7 +395,7 @@ fn cuda_region(
     cuda_held(obj, obj.clone().unbind(), ptr, len, accept)
 }
 
-/// Checks with the driver that `ptr..ptr+len` is device memory of the engine's GPU.
+/// Checks with the driver that `ptr..ptr+len` is device memory of the agent's GPU.
 fn on_engine_gpu(obj: &Bound<'_, PyAny>, ptr: u64, len: usize, accept: Accept) -> PyResult<()> {
     let type_name = obj.get_type().name()?.to_string();
     let cuda = gpu_mem::Cuda::probe()
@@ -407,7 +407,7 @@ fn on_engine_gpu(obj: &Bound<'_, PyAny>, ptr: u64, len: usize, accept: Accept) -
         })?;
     let device = cuda.device(accept.gpu).map_err(|e| {
         invalid(format!(
-            "the engine's gpu={} cannot be used: {e}",
+            "the agent's gpu={} cannot be used: {e}",
             accept.gpu
         ))
     })?;
@@ -417,8 +417,8 @@ fn on_engine_gpu(obj: &Bound<'_, PyAny>, ptr: u64, len: usize, accept: Accept) -
         .map_err(|e| crate::errors::TransportFailed::new_err(e.to_string()))?;
     if !on_ours {
         return Err(invalid(format!(
-            "the {type_name} is not memory of the engine's GPU (gpu={g}): move it with \
-             tensor.to(\"cuda:{g}\"), or make the engine with the tensor's gpu",
+            "the {type_name} is not memory of the agent's GPU (gpu={g}): move it with \
+             tensor.to(\"cuda:{g}\"), or make the agent with the tensor's gpu",
             g = accept.gpu
         )));
     }
@@ -437,7 +437,7 @@ fn cuda_held(
     if accept.host_only {
         return Err(invalid(format!(
             "transport=\"mem\" moves host memory only, and this {type_name} is CUDA memory: \
-             make the engine with transport=\"cuda-ipc\" or \"tcp\" and memory=\"cuda\""
+             make the agent with transport=\"cuda-ipc\" or \"tcp\" and memory=\"cuda\""
         )));
     }
     on_engine_gpu(obj, ptr, len, accept)?;
@@ -658,7 +658,7 @@ unsafe fn describe(t: &DlTensor) -> PyResult<DlView> {
     })
 }
 
-/// A tensor's memory through DLPack: host memory (CPU, CUDA-pinned) or the engine's GPU.
+/// A tensor's memory through DLPack: host memory (CPU, CUDA-pinned) or the agent's GPU.
 /// The capsule is kept (unconsumed, so its own destructor frees the tensor's reference
 /// when the registration lets go of it). A DLPack 1.x producer's read-only flag refuses
 /// `remote_write`.
@@ -694,8 +694,8 @@ fn dlpack_region(
         DL_CUDA => {
             if u32::try_from(v.device.device_id).ok() != Some(accept.gpu) {
                 return Err(invalid(format!(
-                    "the {type_name} is on cuda:{} and the engine's GPU is gpu={g}: move it with \
-                     tensor.to(\"cuda:{g}\"), or make the engine with gpu={}",
+                    "the {type_name} is on cuda:{} and the agent's GPU is gpu={g}: move it with \
+                     tensor.to(\"cuda:{g}\"), or make the agent with gpu={}",
                     v.device.device_id,
                     v.device.device_id,
                     g = accept.gpu
@@ -706,9 +706,9 @@ fn dlpack_region(
         DL_CPU | DL_CUDA_HOST => {
             if accept.device_only {
                 return Err(invalid(format!(
-                    "this engine (transport=\"cuda-ipc\") moves GPU memory only, and this \
+                    "this agent (transport=\"cuda-ipc\") moves GPU memory only, and this \
                      {type_name} is a CPU tensor: move it with tensor.cuda() (cuda:{}), or make \
-                     the engine with transport=\"auto\" (tcp for host memory)",
+                     the agent with transport=\"auto\" (tcp for host memory)",
                     accept.gpu
                 )));
             }

@@ -1,4 +1,4 @@
-//! `xfer.Engine(...)`'s keyword arguments as the library's [`AgentOptions`]: conversions
+//! `xfer.Agent(...)`'s keyword arguments as the library's [`AgentOptions`]: conversions
 //! only. What the options mean, which transports `auto` offers and how they are built is
 //! the `xfer` crate's (`Agent::new`); what cannot be converted is an `InvalidArgument` naming
 //! the argument, and what the library refuses is mapped by [`crate::errors::agent_error`].
@@ -10,13 +10,13 @@ use pyo3::types::PyString;
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::time::Duration;
-use xfer::nics::Nics;
-use xfer::placement::PinMode;
+use xfer::Nics;
+use xfer::PinMode;
 use xfer::{AgentOptions, Congestion, MemoryKind, TransportChoice};
 
-/// The keyword arguments of `xfer.Engine(...)`, as Python gave them.
+/// The keyword arguments of `xfer.Agent(...)`, as Python gave them.
 pub struct EngineArgs<'a, 'py> {
-    /// The engine's name (peers' notifications and the directory show it; None: one made
+    /// The agent's name (peers' notifications and the directory show it; None: one made
     /// of the process id and a counter).
     pub name: Option<String>,
     /// "auto", "tcp", "cuda-ipc", "efa" or "mem".
@@ -33,7 +33,7 @@ pub struct EngineArgs<'a, 'py> {
     pub gpu: i64,
     /// The tcp transport's shared secret.
     pub auth_token: Option<String>,
-    /// A file holding the shared secret (read once, when the engine starts).
+    /// A file holding the shared secret (read once, when the agent starts).
     pub auth_token_file: Option<PathBuf>,
     /// Refuse to start without a token when a tcp rail listens beyond loopback.
     pub require_auth: bool,
@@ -43,7 +43,7 @@ pub struct EngineArgs<'a, 'py> {
     pub listen: &'a str,
     /// How long a wait spins before it sleeps, in microseconds.
     pub wait_spin_us: Option<u64>,
-    /// "off" (Python's default, see `Engine`'s docs) or "auto".
+    /// "off" (Python's default, see `Agent`'s docs) or "auto".
     pub pin: &'a str,
     /// The tcp connections' congestion control: "auto", "system" or an algorithm's name.
     pub tcp_congestion: &'a str,

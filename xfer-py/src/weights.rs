@@ -1,8 +1,8 @@
 //! `xfer.weights`: the weight sync of [`xfer::weights`] from Python. `Layout` says what a
 //! rank holds of each tensor and where (each region a registered tensor or array), `Plan`
 //! is the static schedule between source and destination layouts, `Source` pushes a rank's
-//! share (`SourceSync`), `Destination` waits for a pushed version or pulls its share
-//! (`DestinationSync`). Every blocking call runs with the GIL released (a push takes it
+//! share and `Destination` waits for a pushed version or pulls its share (the library's
+//! `weights::Source` and `weights::Destination`). Every blocking call runs with the GIL released (a push takes it
 //! back only to call the prepare hook); failures are the package's exception classes
 //! ([`crate::errors::sync_error`]), and a push reports each destination on its own.
 //!
@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use xfer::RegionDescriptor;
 use xfer::weights::SyncError;
-use xfer::weights::exec::{Changes, DestinationSync, SourceInfo, SourceSync, SyncOptions};
+use xfer::weights::exec::{Changes, Destination, Source, SourceInfo, SyncOptions};
 use xfer::weights::{Holding, Layout, Piece, Plan, RegionSpec, TensorSpec, check};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -300,7 +300,7 @@ impl PyPlan {
     }
 }
 
-/// Registrations as the library's regions, checked against the engine.
+/// Regions (Python's `Region`s) as the library's, checked against the agent.
 fn regions_of(
     py: Python<'_>,
     engine: &Engine,
@@ -429,12 +429,12 @@ fn version_of(v: i64) -> PyResult<u32> {
 
 /// A source rank of a sync: pushes its share of the plan to the destinations attached.
 ///
-/// engine: its Engine; plan: the Plan; rank: its rank in it; layout: its Layout;
-/// registrations: one Registration per region of the layout, in order (with
+/// agent: its Agent; plan: the Plan; rank: its rank in it; layout: its Layout;
+/// registrations: one Region per region of the layout, in order (with
 /// remote_read=True if destinations are to pull; kept open while the source lives). chunk_bytes, max_inflight_bytes,
 /// max_inflight_transfers: how pushes are cut and how much may be in flight; timeout: each
 /// transfer's limit, in seconds. A push raises RegionInvalidated if a registered torch
-/// tensor's storage was resized since it was registered (see Engine.register), and a
+/// tensor's storage was resized since it was registered (see Agent.register), and a
 /// piece whose storage its prepare hook moved fails the destinations that need it.
 #[pyclass(module = "xfer.weights", name = "Source", frozen)]
 pub struct PySource {
@@ -442,7 +442,7 @@ pub struct PySource {
     /// The registrations, kept open while the source lives (a dropped one deregisters),
     /// and checked before each push (a torch tensor's storage must not have moved).
     registrations: Vec<Py<Registration>>,
-    sync: Mutex<SourceSync>,
+    sync: Mutex<Source>,
     /// The registered objects (for stream order), and their CUDA device.
     objs: Vec<(Py<PyAny>, Option<u32>)>,
 }
@@ -450,11 +450,11 @@ pub struct PySource {
 #[pymethods]
 impl PySource {
     #[new]
-    #[pyo3(signature = (engine, plan, rank, layout, registrations, chunk_bytes=None, max_inflight_bytes=None, max_inflight_transfers=None, timeout=None))]
+    #[pyo3(signature = (agent, plan, rank, layout, registrations, chunk_bytes=None, max_inflight_bytes=None, max_inflight_transfers=None, timeout=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
-        engine: Py<Engine>,
+        agent: Py<Engine>,
         plan: &PyPlan,
         rank: u32,
         layout: PyRef<'_, PyLayout>,
@@ -464,6 +464,7 @@ impl PySource {
         max_inflight_transfers: Option<usize>,
         timeout: Option<f64>,
     ) -> PyResult<PySource> {
+        let engine = agent;
         let agent = engine.get().agent_handle()?;
         let regions = regions_of(py, engine.get(), &registrations)?;
         let objs = registrations
@@ -479,7 +480,7 @@ impl PySource {
         )?;
         let plan = lock(&plan.plan).clone();
         let sync = py
-            .detach(|| SourceSync::new(&agent, &plan, rank, l, regions))
+            .detach(|| Source::new(&agent, &plan, rank, l, regions))
             .map_err(|e| sync_error(&e))?
             .with_options(o);
         Ok(PySource {
@@ -490,7 +491,7 @@ impl PySource {
         })
     }
 
-    /// Attaches destination `rank`: pushes go to `peer` (a Peer of this source's engine),
+    /// Attaches destination `rank`: pushes go to `peer` (a Peer of this source's agent),
     /// into `descriptors` (its registrations' descriptors, one per region of its layout, in
     /// order).
     fn attach(&self, rank: u32, peer: &Peer, descriptors: Vec<Vec<u8>>) -> PyResult<()> {
@@ -630,7 +631,7 @@ impl PySource {
     }
 
     /// Offers the layout's regions under their names and the record (for the directory:
-    /// publish the engine after).
+    /// publish the agent after).
     fn offer(&self) -> PyResult<()> {
         lock(&self.sync).offer().map_err(|e| agent_error(&e))
     }
@@ -701,29 +702,29 @@ impl PySource {
 
 /// A destination rank of a sync: waits for pushed versions, or pulls its share.
 ///
-/// engine: its Engine; layout: its Layout; registrations: one Registration per region of
+/// agent: its Agent; layout: its Layout; registrations: one Region per region of
 /// the layout, in order (writable; kept open while the destination lives); sources: how many sources the sync has; rank: its rank
 /// in the plan (None for a destination that joins later). chunk_bytes,
 /// max_inflight_bytes, max_inflight_transfers, timeout: as Source's, for pulls. Waits and
 /// pulls raise RegionInvalidated if a registered torch tensor's storage was resized since
-/// it was registered (see Engine.register).
+/// it was registered (see Agent.register).
 #[pyclass(module = "xfer.weights", name = "Destination", frozen)]
 pub struct PyDestination {
     engine: Py<Engine>,
     /// The registrations, kept open while the destination lives, and checked before each
     /// wait and pull (a torch tensor's storage must not have moved).
     registrations: Vec<Py<Registration>>,
-    sync: Mutex<DestinationSync>,
+    sync: Mutex<Destination>,
 }
 
 #[pymethods]
 impl PyDestination {
     #[new]
-    #[pyo3(signature = (engine, layout, registrations, sources, rank=None, chunk_bytes=None, max_inflight_bytes=None, max_inflight_transfers=None, timeout=None))]
+    #[pyo3(signature = (agent, layout, registrations, sources, rank=None, chunk_bytes=None, max_inflight_bytes=None, max_inflight_transfers=None, timeout=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
-        engine: Py<Engine>,
+        agent: Py<Engine>,
         layout: PyRef<'_, PyLayout>,
         registrations: Vec<Py<Registration>>,
         sources: u32,
@@ -733,6 +734,7 @@ impl PyDestination {
         max_inflight_transfers: Option<usize>,
         timeout: Option<f64>,
     ) -> PyResult<PyDestination> {
+        let engine = agent;
         let agent = engine.get().agent_handle()?;
         let regions = regions_of(py, engine.get(), &registrations)?;
         let l = layout.layout();
@@ -743,7 +745,7 @@ impl PyDestination {
             timeout,
         )?;
         let sync = py
-            .detach(|| DestinationSync::new(&agent, l, regions, sources, rank))
+            .detach(|| Destination::new(&agent, l, regions, sources, rank))
             .map_err(|e| sync_error(&e))?
             .with_options(o);
         Ok(PyDestination {
@@ -789,7 +791,7 @@ impl PyDestination {
         }
     }
 
-    /// Attaches source `rank` for pulls: `peer` (a Peer of this engine), its `layout`, its
+    /// Attaches source `rank` for pulls: `peer` (a Peer of this agent), its `layout`, its
     /// registrations' `descriptors` (one per region of its layout) and its `record`
     /// (Source.record).
     fn attach_source(

@@ -42,11 +42,11 @@ def pattern(n, seed):
 
 @pytest.fixture(params=["mem", "tcp"])
 def pair(request):
-    """Two engines of one process on the same transport, the first with the second as
+    """Two agents of one process on the same transport, the first with the second as
     its peer: (a, b, peer)."""
-    a = xfer.Engine(transport=request.param, timeout=5.0)
-    b = xfer.Engine(transport=request.param, timeout=5.0)
-    p = a.add_peer(b.address)
+    a = xfer.Agent(transport=request.param, timeout=5.0)
+    b = xfer.Agent(transport=request.param, timeout=5.0)
+    p = a.connect(b.info)
     yield a, b, p
     a.close()
     b.close()

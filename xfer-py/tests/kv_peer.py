@@ -1,5 +1,5 @@
 """The other process of test_kv.py's tests over tcp: every rank of one side of a case of
-kvcases.py, each with an Engine of its own. Prints {"infos": [hex, ...]} (its ranks'
+kvcases.py, each with an Agent of its own. Prints {"infos": [hex, ...]} (its ranks'
 Rank.info), then follows commands read from stdin, one JSON line each, answering
 {"ok": true} or {"ok": false, "why": ...}:
 
@@ -33,10 +33,10 @@ def main():
     pre, dec = kvcases.layouts(args.case, "prefill"), kvcases.layouts(args.case, "decode")
     caches = kvcases.side_caches(args.case, args.side, args.device)
     extra = {"memory": "cuda"} if args.device != "cpu" else {}
-    engines, ranks = [], []
+    agents, ranks = [], []
     for r, c in enumerate(caches):
-        e = xfer.Engine(transport=args.transport, timeout=3.0, name=f"{args.side}-{r}", **extra)
-        engines.append(e)
+        e = xfer.Agent(transport=args.transport, timeout=3.0, name=f"{args.side}-{r}", **extra)
+        agents.append(e)
         ranks.append(kv.Rank(e, args.side, r, c.cache().regions, pre, dec))
     print(json.dumps({"infos": [r.info().hex() for r in ranks]}), flush=True)
     for line in sys.stdin:
@@ -48,7 +48,7 @@ def main():
         except xfer.Error as e:
             why = f"{type(e).__name__}: {e}"
         print(json.dumps({"ok": why is None, "why": why}), flush=True)
-    for e in engines:
+    for e in agents:
         e.close()
 
 

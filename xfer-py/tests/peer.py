@@ -1,6 +1,6 @@
-"""The other process of the two-process tests: registers a buffer, prints its engine's
-address and the buffer's descriptor as one JSON line, then follows commands read from
-stdin, one JSON line each:
+"""The other process of the two-process tests: registers a buffer, prints its agent's
+info and the buffer's descriptor as one JSON line, then follows commands read from stdin,
+one JSON line each:
 
   {"expect": {"imm": I, "count": N, "pages": [...], "page_size": S, "seed": K}}
       waits for N transfers with immediate I, checks that page pages[i] of the buffer
@@ -32,22 +32,22 @@ def main():
         import torch  # noqa: PLC0415
 
         buf = torch.zeros(args.bytes, dtype=torch.uint8, device="cuda:0")
-        engine = xfer.Engine(transport=args.transport, memory="cuda", gpu=0, timeout=5.0, **extra)
+        agent = xfer.Agent(transport=args.transport, memory="cuda", gpu=0, timeout=5.0, **extra)
     else:
         buf = np.zeros(args.bytes, dtype=np.uint8)
-        engine = xfer.Engine(transport=args.transport, timeout=5.0, **extra)
-    reg = engine.register(buf)
-    print(json.dumps({"address": engine.address.hex(), "descriptor": reg.descriptor.hex()}), flush=True)
+        agent = xfer.Agent(transport=args.transport, timeout=5.0, **extra)
+    reg = agent.register(buf)
+    print(json.dumps({"info": agent.info.hex(), "descriptor": reg.descriptor.hex()}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd.get("exit"):
             break
         if "filled" in cmd:
-            print(json.dumps({"filled": filled(engine, buf, **cmd["filled"])}), flush=True)
+            print(json.dumps({"filled": filled(agent, buf, **cmd["filled"])}), flush=True)
             continue
         e = cmd["expect"]
         try:
-            engine.wait_imm(e["imm"], count=e["count"], timeout=30)
+            agent.wait_imm(e["imm"], count=e["count"], timeout=30)
         except xfer.Error as err:
             print(json.dumps({"ok": False, "why": f"{type(err).__name__}: {err}"}), flush=True)
             continue
@@ -61,15 +61,15 @@ def main():
         ]
         print(json.dumps({"ok": not bad, "why": f"pages differ: {bad[:8]}"}), flush=True)
     reg.close()
-    engine.close()
+    agent.close()
 
 
-def filled(engine, buf, imm, value):
+def filled(agent, buf, imm, value):
     """Bytes of `buf` (a CUDA tensor) holding `value`, read on a stream of this process's
     own right after the transfer with immediate `imm` was reported."""
     import torch  # noqa: PLC0415
 
-    engine.wait_imm(imm, timeout=30)
+    agent.wait_imm(imm, timeout=30)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         count = int((buf == value).sum().item())

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.cuda
 
 def test_gpu_pages_over_tcp_in_one_process():
     torch = cuda_or_skip()
-    with xfer.Engine(transport="tcp", memory="cuda") as a, xfer.Engine(transport="tcp", memory="cuda") as b:
-        p = a.add_peer(b.address)
+    with xfer.Agent(transport="tcp", memory="cuda") as a, xfer.Agent(transport="tcp", memory="cuda") as b:
+        p = a.connect(b.info)
         src = torch.from_numpy(pattern(64 * PAGE, seed=11)).cuda()
         dst = torch.zeros(64 * PAGE, dtype=torch.uint8, device="cuda:0")
         rs, rd = a.register(src, remote_write=False), b.register(dst)
@@ -34,12 +34,12 @@ def test_gpu_pages_over_tcp_in_one_process():
         assert not d[untouched].any()
 
 
-def test_one_engine_moves_host_and_gpu_memory():
-    # Engines of GPU memory (auto: cuda-ipc and tcp) take numpy arrays too; each write goes
+def test_one_agent_moves_host_and_gpu_memory():
+    # Agents of GPU memory (auto: cuda-ipc and tcp) take numpy arrays too; each write goes
     # over the first transport both its buffers are registered on.
     torch = cuda_or_skip()
-    with xfer.Engine(memory="cuda", name="a") as a, xfer.Engine(memory="cuda", name="b") as b:
-        p = a.add_peer(b.address)
+    with xfer.Agent(memory="cuda", name="a") as a, xfer.Agent(memory="cuda", name="b") as b:
+        p = a.connect(b.info)
         assert p.transport == "cuda-ipc"
         host_src = pattern(4 * PAGE, seed=5)
         gpu_src = torch.from_numpy(pattern(4 * PAGE, seed=6)).cuda()
@@ -63,8 +63,8 @@ def test_gpu_to_gpu_between_two_processes(transport):
     torch = cuda_or_skip()
     proc, addr, desc = spawn_peer("--transport", transport, "--device", "cuda", "--bytes", str(256 * PAGE))
     try:
-        with xfer.Engine(transport=transport, memory="cuda", timeout=10.0) as e:
-            p = e.add_peer(addr)
+        with xfer.Agent(transport=transport, memory="cuda", timeout=10.0) as e:
+            p = e.connect(addr)
             src = torch.from_numpy(pattern(64 * PAGE, seed=12)).cuda()
             rs = e.register(src, remote_write=False)
             dst_pages = [int(x) for x in np.random.default_rng(6).permutation(256)[:64]]
@@ -82,11 +82,11 @@ def test_gpu_to_gpu_between_two_processes(transport):
 
 def test_bad_gpu_memory_is_refused_with_the_fix_named():
     torch = cuda_or_skip()
-    with xfer.Engine(transport="cuda-ipc", memory="cuda") as e:
+    with xfer.Agent(transport="cuda-ipc", memory="cuda") as e:
         with pytest.raises(xfer.InvalidArgument, match=r"contiguous\(\)"):
             e.register(torch.zeros(64, 64, device="cuda:0")[:, ::2])
         with pytest.raises(xfer.InvalidArgument, match=r"tensor\.cuda\(\)"):
-            e.register(torch.zeros(64))  # a CPU tensor on an engine of GPU memory
+            e.register(torch.zeros(64))  # a CPU tensor on an agent of GPU memory
         with pytest.raises(xfer.InvalidArgument, match="host memory"):
             e.register(np.zeros(64, dtype=np.uint8))
 
@@ -101,21 +101,21 @@ def test_bad_gpu_memory_is_refused_with_the_fix_named():
                     "version": 3,
                 }
 
-        with pytest.raises(xfer.InvalidArgument, match="not memory of the engine's GPU"):
+        with pytest.raises(xfer.InvalidArgument, match="not memory of the agent's GPU"):
             e.register(FakeCuda())
     if torch.cuda.device_count() < 2:
         if os.environ.get("XFER_REQUIRE_GPUS") == "2":
             pytest.fail("XFER_REQUIRE_GPUS=2 but torch sees one GPU")
         pytest.skip("the other-GPU case needs two GPUs")
-    with xfer.Engine(transport="tcp", memory="cuda", gpu=0) as e:
+    with xfer.Agent(transport="tcp", memory="cuda", gpu=0) as e:
         with pytest.raises(xfer.InvalidArgument, match=r'to\("cuda:0"\)'):
             e.register(torch.zeros(64, device="cuda:1"))
 
 
 def test_a_cuda_registration_keeps_its_tensor_alive():
     torch = cuda_or_skip()
-    with xfer.Engine(transport="tcp", memory="cuda") as a, xfer.Engine(transport="tcp", memory="cuda") as b:
-        p = a.add_peer(b.address)
+    with xfer.Agent(transport="tcp", memory="cuda") as a, xfer.Agent(transport="tcp", memory="cuda") as b:
+        p = a.connect(b.info)
         dst = torch.zeros(16 * PAGE, dtype=torch.uint8, device="cuda:0")
         alive = weakref.ref(dst)
         rd = b.register(dst)
@@ -138,8 +138,8 @@ def test_a_cuda_tensor_set_elsewhere_keeps_its_storage_and_a_resize_is_refused()
     would hand it out again otherwise); resize_() beyond the storage moves it, and the next
     write (and close) raises RegionInvalidated."""
     torch = cuda_or_skip()
-    with xfer.Engine(transport="tcp", memory="cuda") as a, xfer.Engine(transport="tcp", memory="cuda") as b:
-        p = a.add_peer(b.address)
+    with xfer.Agent(transport="tcp", memory="cuda") as a, xfer.Agent(transport="tcp", memory="cuda") as b:
+        p = a.connect(b.info)
         data = pattern(4 * PAGE, seed=14)
         t = torch.from_numpy(data).cuda()
         rs = a.register(t, remote_write=False)
@@ -189,8 +189,8 @@ def late_fill(torch, t, value, stream=None):
 @pytest.mark.parametrize("where", ["current", "side"])
 def test_a_write_waits_for_the_kernel_that_computes_its_source(transport, where):
     torch = cuda_or_skip()
-    with xfer.Engine(transport=transport, memory="cuda") as a, xfer.Engine(transport=transport, memory="cuda") as b:
-        p = a.add_peer(b.address)
+    with xfer.Agent(transport=transport, memory="cuda") as a, xfer.Agent(transport=transport, memory="cuda") as b:
+        p = a.connect(b.info)
         src = torch.zeros(ORDER_BYTES, dtype=torch.uint8, device="cuda:0")
         dst = torch.zeros(ORDER_BYTES, dtype=torch.uint8, device="cuda:0")
         rs, rd = a.register(src, remote_write=False), b.register(dst)
@@ -211,7 +211,7 @@ def hmem_libfabric_or_skip(torch):
     """Skips when the libfabric xfer loads cannot register CUDA memory (Debian's is built
     without CUDA; XFER_LIBFABRIC names one that is), or fails under XFER_REQUIRE_HMEM=1."""
     try:
-        with xfer.Engine(transport="efa", provider="shm", memory="cuda") as e:
+        with xfer.Agent(transport="efa", provider="shm", memory="cuda") as e:
             e.register(torch.zeros(4096, dtype=torch.uint8, device="cuda:0"))
     except (xfer.Unsupported, xfer.TransportFailed) as err:
         if os.environ.get("XFER_REQUIRE_HMEM") == "1":
@@ -226,8 +226,8 @@ def test_a_write_over_efa_shm_between_processes_waits_for_the_kernel():
         "--transport", "efa", "--provider", "shm", "--device", "cuda", "--bytes", str(ORDER_BYTES)
     )
     try:
-        with xfer.Engine(transport="efa", provider="shm", memory="cuda", timeout=10.0) as e:
-            p = e.add_peer(addr)
+        with xfer.Agent(transport="efa", provider="shm", memory="cuda", timeout=10.0) as e:
+            p = e.connect(addr)
             src = torch.zeros(ORDER_BYTES, dtype=torch.uint8, device="cuda:0")
             rs = e.register(src, remote_write=False)
             torch.cuda.synchronize()
@@ -245,20 +245,20 @@ def test_a_write_over_efa_shm_between_processes_waits_for_the_kernel():
 
 def test_a_stream_argument_on_host_memory_is_refused():
     torch = cuda_or_skip()
-    with xfer.Engine(transport="tcp") as a, xfer.Engine(transport="tcp") as b:
-        p = a.add_peer(b.address)
+    with xfer.Agent(transport="tcp") as a, xfer.Agent(transport="tcp") as b:
+        p = a.connect(b.info)
         rs, rd = a.register(np.zeros(4096, dtype=np.uint8), remote_write=False), b.register(np.zeros(4096, dtype=np.uint8))
         with pytest.raises(xfer.InvalidArgument, match="host memory"):
             a.write(p, rs, rd.descriptor, [(0, 0, 4096)], stream=torch.cuda.current_stream())
 
 
-def test_auto_engines_of_two_gpu_processes_of_one_host_use_cuda_ipc():
+def test_auto_agents_of_two_gpu_processes_of_one_host_use_cuda_ipc():
     torch = cuda_or_skip()
     proc, addr, desc = spawn_peer("--transport", "auto", "--device", "cuda", "--bytes", str(64 * PAGE))
     try:
-        with xfer.Engine(memory="cuda", timeout=10.0) as e:  # transport="auto"
+        with xfer.Agent(memory="cuda", timeout=10.0) as e:  # transport="auto"
             assert e.transport == "auto" and e.transports[0] == "cuda-ipc" and "tcp" in e.transports
-            p = e.add_peer(addr)
+            p = e.connect(addr)
             assert p.transport == "cuda-ipc"
             src = torch.from_numpy(pattern(8 * PAGE, seed=14)).cuda()
             rs = e.register(src, remote_write=False)

@@ -1,4 +1,4 @@
-"""xfer.Directory: engines publish themselves and their regions, peers find them by name
+"""xfer.Directory: agents publish themselves and their regions, peers find them by name
 and write to them; watches report joins and leaves. Runs against a directory file, and
 against a real etcd when Debian's etcd is on PATH (required under XFER_REQUIRE_ETCD=1)."""
 
@@ -21,7 +21,7 @@ def url(request, tmp_path):
 
 def test_members_find_each_other_by_name_and_write(url):
     d = xfer.Directory(url, cluster="kv")
-    with xfer.Engine(transport="tcp") as a, xfer.Engine(transport="tcp") as b:
+    with xfer.Agent(transport="tcp") as a, xfer.Agent(transport="tcp") as b:
         dst = np.zeros(1 << 20, dtype=np.uint8)
         rd = b.register(dst)
         w = d.watch()
@@ -34,7 +34,7 @@ def test_members_find_each_other_by_name_and_write(url):
         assert d.lookup("nobody") is None
         src = pattern(1 << 20, 3)
         rs = a.register(src, remote_write=False)
-        p = a.add_peer(found["address"])
+        p = a.connect(found["address"])
         a.write_pages(p, rs, found["regions"]["kv"], [0, 1], [1, 0], 512 << 10).wait(10)
         assert (dst[: 512 << 10] == src[512 << 10:]).all()
         pub.withdraw()

@@ -1,4 +1,4 @@
-"""The xfer package on host memory: two engines of one process (mem and tcp), two
+"""The xfer package on host memory: two agents of one process (mem and tcp), two
 processes (tcp), bad inputs, a peer killed mid-transfer, and registration lifetime."""
 
 import asyncio
@@ -131,10 +131,10 @@ def test_immediate_data_is_counted_per_value(pair):
 
 @pytest.mark.parametrize("transport", ["mem", "tcp"])
 def test_a_receiver_that_looks_late_loses_no_notification(transport):
-    # 70 000 one-page writes of 7 values while the receiver does not look: an engine used
+    # 70 000 one-page writes of 7 values while the receiver does not look: an agent used
     # to keep 65 536 events and drop the rest.
-    with xfer.Engine(transport=transport) as a, xfer.Engine(transport=transport) as b:
-        p = a.add_peer(b.address)
+    with xfer.Agent(transport=transport) as a, xfer.Agent(transport=transport) as b:
+        p = a.connect(b.info)
         src, dst = np.ones(PAGE, dtype=np.uint8), np.zeros(64 * PAGE, dtype=np.uint8)
         rs, rd = a.register(src), b.register(dst)
         n, pending = 70_000, []
@@ -153,10 +153,10 @@ def test_a_receiver_that_looks_late_loses_no_notification(transport):
 
 def test_notifications_name_their_sender_and_mix_with_wait_imm(pair):
     _, b, p = pair
-    c = xfer.Engine(transport=p.transport, name="named-sender")
+    c = xfer.Agent(transport=p.transport, name="named-sender")
     try:
-        b.know(c.address)
-        pc = c.add_peer(b.address)
+        b.know(c.info)
+        pc = c.connect(b.info)
         src, dst = np.ones(PAGE, dtype=np.uint8), np.zeros(4 * PAGE, dtype=np.uint8)
         rc, rd = c.register(src), b.register(dst)
         for i in range(4):
@@ -164,10 +164,10 @@ def test_notifications_name_their_sender_and_mix_with_wait_imm(pair):
         # Values 3, 4, 3, 4 from one sender: the first taken is the first that arrived,
         # wait_imm takes both 4s, and the one 3 left is all there is.
         first = b.next_notification(timeout=10)
-        assert (first.sender, first.value, first.count) == ("named-sender", 3, 1)
+        assert (first.sender, first.imm, first.count) == ("named-sender", 3, 1)
         b.wait_imm(4, count=2, timeout=10)
         last = b.next_notification(timeout=10)
-        assert (last.sender, last.value, last.count) == ("named-sender", 3, 1)
+        assert (last.sender, last.imm, last.count) == ("named-sender", 3, 1)
         assert b.notifications() == []
         with pytest.raises(xfer.TimedOut):
             b.next_notification(timeout=0.05)
@@ -177,14 +177,14 @@ def test_notifications_name_their_sender_and_mix_with_wait_imm(pair):
 
         c.write_pages(pc, rc, rd.descriptor, [0], [1], PAGE, imm=11).wait(timeout=10)
         n = asyncio.run(later())
-        assert (n.sender, n.value, n.count) == ("named-sender", 11, 1)
+        assert (n.sender, n.imm, n.count) == ("named-sender", 11, 1)
     finally:
         c.close()
 
 
 def test_a_message_names_its_request_and_follows_the_bytes(pair):
     a, b, p = pair
-    b.know(a.address)
+    b.know(a.info)
     src, dst = np.full(8 * PAGE, 7, dtype=np.uint8), np.zeros(8 * PAGE, dtype=np.uint8)
     rs, rd = a.register(src), b.register(dst)
     for r in range(20):
@@ -192,7 +192,7 @@ def test_a_message_names_its_request_and_follows_the_bytes(pair):
                       imm=r % 3, message=b"request %d" % r).wait(timeout=10)
     for r in range(20):
         n = b.next_notification(timeout=10)
-        assert (n.value, n.message, n.count) == (r % 3, b"request %d" % r, 1)
+        assert (n.imm, n.message, n.count) == (r % 3, b"request %d" % r, 1)
         assert n.sender == a.name
     assert dst.all()
     assert b.notifications() == []
@@ -200,16 +200,16 @@ def test_a_message_names_its_request_and_follows_the_bytes(pair):
         a.write(p, rs, rd.descriptor, [(0, 0, PAGE)], message=bytes(4097))
 
 
-def test_another_engines_peer_or_registration_is_refused():
-    with xfer.Engine(transport="mem") as a, xfer.Engine(transport="mem") as b:
-        t = xfer.Engine(transport="mem")
+def test_another_agents_peer_or_registration_is_refused():
+    with xfer.Agent(transport="mem") as a, xfer.Agent(transport="mem") as b:
+        t = xfer.Agent(transport="mem")
         try:
             src, dst = np.ones(PAGE, dtype=np.uint8), np.zeros(PAGE, dtype=np.uint8)
             ra, rb, rt = a.register(src), b.register(src), t.register(dst)
-            pa, pb = a.add_peer(t.address), b.add_peer(t.address)
-            with pytest.raises(xfer.ForeignHandle, match="peer belongs to another engine"):
+            pa, pb = a.connect(t.info), b.connect(t.info)
+            with pytest.raises(xfer.ForeignHandle, match="peer belongs to another agent"):
                 a.write(pb, ra, rt.descriptor, [(0, 0, PAGE)])
-            with pytest.raises(xfer.ForeignHandle, match="registration belongs"):
+            with pytest.raises(xfer.ForeignHandle, match="region belongs"):
                 a.write(pa, rb, rt.descriptor, [(0, 0, PAGE)])
             with pytest.raises(xfer.InvalidArgument):  # ForeignHandle is one
                 a.remove_peer(pb)
@@ -223,7 +223,7 @@ def test_another_engines_peer_or_registration_is_refused():
             t.close()
 
 
-def test_metrics_are_the_prometheus_exposition_of_the_engines_figures(pair):
+def test_metrics_are_the_prometheus_exposition_of_the_agents_figures(pair):
     a, b, p = pair
     src, dst = np.ones(PAGE, dtype=np.uint8), np.zeros(PAGE, dtype=np.uint8)
     rs, rd = a.register(src), b.register(dst)
@@ -322,7 +322,7 @@ def test_the_target_refuses_writes_it_did_not_allow(pair):
 
 
 def test_bad_memory_is_refused_with_the_fix_named():
-    with xfer.Engine(transport="mem") as e:
+    with xfer.Agent(transport="mem") as e:
         with pytest.raises(xfer.InvalidArgument, match="ascontiguousarray"):
             e.register(np.zeros((8, 8))[:, ::2])
         with pytest.raises(xfer.InvalidArgument, match="read-only"):
@@ -357,7 +357,7 @@ def test_bad_memory_is_refused_with_the_fix_named():
 
         with pytest.raises(xfer.InvalidArgument, match="host memory only"):
             e.register(FakeCuda())  # the mem transport moves host memory only
-    with xfer.Engine(transport="tcp") as t:
+    with xfer.Agent(transport="tcp") as t:
         # Without CUDA there is no driver to ask; with it, the driver says it is not ours.
         with pytest.raises((xfer.InvalidArgument, xfer.Unsupported)):
             t.register(FakeCuda())
@@ -367,8 +367,8 @@ def test_bad_arguments_are_invalid_argument(pair):
     a, b, p = pair
     rs, rd = a.register(np.ones(PAGE, dtype=np.uint8)), b.register(np.zeros(PAGE, dtype=np.uint8))
     bad = [
-        lambda: a.add_peer(b"not an address"),
-        lambda: a.add_peer(b.address[:-1]),
+        lambda: a.connect(b"not an address"),
+        lambda: a.connect(b.info[:-1]),
         lambda: a.write(p, rs, b"junk", [(0, 0, 1)]),
         lambda: a.write(p, rs, rd.descriptor[:10], [(0, 0, 1)]),
         lambda: a.write(p, rs, rd.descriptor + b"x", [(0, 0, 1)]),
@@ -386,11 +386,11 @@ def test_bad_arguments_are_invalid_argument(pair):
         lambda: b.write(p, rd, rs.descriptor, [(0, 0, 1)]),  # a's peer used on b
         lambda: a.write(p, rd, rd.descriptor, [(0, 0, 1)]),  # b's registration used on a
         lambda: b.wait_imm(1, count=-1),
-        lambda: xfer.Engine(transport="carrier-pigeon"),
-        lambda: xfer.Engine(transport="mem", rails=0),
-        lambda: xfer.Engine(transport="mem", auth_token="secret"),
-        lambda: xfer.Engine(transport="tcp", listen="localhost:1"),
-        lambda: xfer.Engine(transport="cuda-ipc"),  # needs memory="cuda"
+        lambda: xfer.Agent(transport="carrier-pigeon"),
+        lambda: xfer.Agent(transport="mem", rails=0),
+        lambda: xfer.Agent(transport="mem", auth_token="secret"),
+        lambda: xfer.Agent(transport="tcp", listen="localhost:1"),
+        lambda: xfer.Agent(transport="cuda-ipc"),  # needs memory="cuda"
     ]
     for i, call in enumerate(bad):
         with pytest.raises(xfer.InvalidArgument):
@@ -401,28 +401,28 @@ def test_bad_arguments_are_invalid_argument(pair):
 
 
 def test_rails_on_named_nics():
-    with xfer.Engine(transport="tcp", rails=2, nics=["lo"]) as a, xfer.Engine(transport="tcp") as b:
+    with xfer.Agent(transport="tcp", rails=2, nics=["lo"]) as a, xfer.Agent(transport="tcp") as b:
         assert a.rails == 2
-        p = a.add_peer(b.address)
+        p = a.connect(b.info)
         src, dst = pattern(32 * PAGE, seed=8), np.zeros(32 * PAGE, dtype=np.uint8)
         rs, rd = a.register(src), b.register(dst)
         a.write(p, rs, rd.descriptor, [(0, 0, 32 * PAGE)], imm=1).wait(timeout=10)
         b.wait_imm(1, timeout=10)
         assert np.array_equal(dst, src)
     with pytest.raises(xfer.InvalidArgument, match="no-such-nic0"):
-        xfer.Engine(transport="tcp", nics=["no-such-nic0"])
+        xfer.Agent(transport="tcp", nics=["no-such-nic0"])
 
 
 @pytest.mark.parametrize("provider", ["tcp", "sockets"])
 def test_the_efa_transport_on_a_libfabric_provider(provider):
     try:
-        a = xfer.Engine(transport="efa", provider=provider)
+        a = xfer.Agent(transport="efa", provider=provider)
     except (xfer.Unsupported, xfer.TransportFailed) as e:
         if os.environ.get("XFER_REQUIRE_LIBFABRIC") == "1":
             raise
         pytest.skip(f"libfabric's {provider} provider cannot be opened here: {e}")
-    with a, xfer.Engine(transport="efa", provider=provider) as b:
-        p = a.add_peer(b.address)
+    with a, xfer.Agent(transport="efa", provider=provider) as b:
+        p = a.connect(b.info)
         src, dst = pattern(16 * PAGE, seed=31), np.zeros(16 * PAGE, dtype=np.uint8)
         rs, rd = a.register(src), b.register(dst)
         a.write_pages(p, rs, rd.descriptor, [15, 0, 7], [1, 2, 3], PAGE, imm=12).wait(timeout=20)
@@ -430,13 +430,13 @@ def test_the_efa_transport_on_a_libfabric_provider(provider):
         for s, d in ((15, 1), (0, 2), (7, 3)):
             assert np.array_equal(dst[d * PAGE : (d + 1) * PAGE], src[s * PAGE : (s + 1) * PAGE])
     with pytest.raises(xfer.Error, match="no-such-provider"):
-        xfer.Engine(transport="efa", provider="no-such-provider")
+        xfer.Agent(transport="efa", provider="no-such-provider")
 
 
 def test_mixing_transports_is_refused():
-    with xfer.Engine(transport="mem") as m, xfer.Engine(transport="tcp") as t:
+    with xfer.Agent(transport="mem") as m, xfer.Agent(transport="tcp") as t:
         with pytest.raises(xfer.InvalidArgument, match="same transport"):
-            m.add_peer(t.address)
+            m.connect(t.info)
 
 
 def test_closed_things_say_so(pair):
@@ -452,15 +452,15 @@ def test_closed_things_say_so(pair):
         a.write(p, rs2, rd.descriptor, [(0, 0, 1)])
     a.close()
     assert a.closed
-    with pytest.raises(xfer.EngineClosed):
+    with pytest.raises(xfer.AgentClosed):
         a.register(np.ones(PAGE, dtype=np.uint8))
-    with pytest.raises(xfer.EngineClosed):
-        _ = a.address
+    with pytest.raises(xfer.AgentClosed):
+        _ = a.info
 
 
 def test_a_registration_keeps_its_memory_alive_until_closed():
-    with xfer.Engine(transport="tcp") as a, xfer.Engine(transport="tcp") as b:
-        p = a.add_peer(b.address)
+    with xfer.Agent(transport="tcp") as a, xfer.Agent(transport="tcp") as b:
+        p = a.connect(b.info)
         dst = np.zeros(16 * PAGE, dtype=np.uint8)
         alive = weakref.ref(dst)
         rd = b.register(dst)
@@ -476,7 +476,7 @@ def test_a_registration_keeps_its_memory_alive_until_closed():
         assert rd.obj is None
         gc.collect()
         assert alive() is None, "closing gave the array back"
-        # Registrations dropped without close, and an engine closed with some open.
+        # Registrations dropped without close, and an agent closed with some open.
         dst2 = np.zeros(PAGE, dtype=np.uint8)
         alive2 = weakref.ref(dst2)
         r2 = b.register(dst2)
@@ -484,7 +484,7 @@ def test_a_registration_keeps_its_memory_alive_until_closed():
         b.close()
         del r2
         gc.collect()
-        assert alive2() is None, "the engine's close gave the array back"
+        assert alive2() is None, "the agent's close gave the array back"
 
 
 @pytest.mark.parametrize("rails", [1, 2])
@@ -499,8 +499,8 @@ def test_a_registration_in_use_cannot_be_closed_and_loses_nothing(rails):
     half = size // 2
     proc, addr, desc = spawn_peer("--transport", "tcp", "--bytes", str(size))
     try:
-        with xfer.Engine(transport="tcp", rails=rails, timeout=30.0) as e:
-            p = e.add_peer(addr)
+        with xfer.Agent(transport="tcp", rails=rails, timeout=30.0) as e:
+            p = e.connect(addr)
             src = pattern(size, seed=12)
             rs = e.register(src, remote_write=False)
             stop(proc)
@@ -558,14 +558,14 @@ def spawn_peer(*args):
         text=True,
     )
     hello = json.loads(proc.stdout.readline())
-    return proc, bytes.fromhex(hello["address"]), bytes.fromhex(hello["descriptor"])
+    return proc, bytes.fromhex(hello["info"]), bytes.fromhex(hello["descriptor"])
 
 
 def test_two_processes_over_tcp():
     proc, addr, desc = spawn_peer("--transport", "tcp", "--bytes", str(256 * PAGE))
     try:
-        with xfer.Engine(transport="tcp", timeout=5.0) as e:
-            p = e.add_peer(addr)
+        with xfer.Agent(transport="tcp", timeout=5.0) as e:
+            p = e.connect(addr)
             src = pattern(64 * PAGE, seed=9)
             rs = e.register(src, remote_write=False)
             dst_pages = list(np.random.default_rng(5).permutation(256)[:64])
@@ -587,8 +587,8 @@ def test_a_peer_killed_mid_transfer_is_unreachable_within_the_timeout():
     size = 64 << 20
     proc, addr, desc = spawn_peer("--transport", "tcp", "--bytes", str(size))
     timeout = 2.0
-    with xfer.Engine(transport="tcp", timeout=timeout) as e:
-        p = e.add_peer(addr)
+    with xfer.Agent(transport="tcp", timeout=timeout) as e:
+        p = e.connect(addr)
         rs = e.register(np.ones(size, dtype=np.uint8))
         e.write(p, rs, desc, [(0, 0, size)]).wait(timeout=30)  # connected and moving
         handles = [e.write(p, rs, desc, [(0, 0, size)]) for _ in range(4)]
@@ -612,9 +612,9 @@ def test_a_peer_killed_mid_transfer_is_unreachable_within_the_timeout():
         took = time.monotonic() - killed
         assert isinstance(err, xfer.PeerUnreachable), f"{type(err).__name__}: {err}"
         assert took < 4 * timeout + 5, f"reported after {took:.1f}s"
-        # The engine is still usable for other peers.
-        with xfer.Engine(transport="tcp") as other:
-            q = e.add_peer(other.address)
+        # The agent is still usable for other peers.
+        with xfer.Agent(transport="tcp") as other:
+            q = e.connect(other.info)
             ro = other.register(np.zeros(PAGE, dtype=np.uint8))
             assert e.write(q, rs, ro.descriptor, [(0, 0, PAGE)]).wait(timeout=10) == PAGE
 
@@ -623,8 +623,8 @@ def test_a_stopped_peer_is_stalled_not_dead_and_the_transfer_goes_on():
     size = 64 << 20
     proc, addr, desc = spawn_peer("--transport", "tcp", "--bytes", str(size))
     try:
-        with xfer.Engine(transport="tcp", stall_timeout=0.3) as e:
-            p = e.add_peer(addr)
+        with xfer.Agent(transport="tcp", stall_timeout=0.3) as e:
+            p = e.connect(addr)
             rs = e.register(pattern(size, seed=4), remote_write=False)
             os.kill(proc.pid, signal.SIGSTOP)
             try:
@@ -659,12 +659,12 @@ def test_a_peer_stopped_beyond_the_liveness_timeout_is_dead():
     declared dead: the write fails with PeerUnreachable (not a stall, not a hang). A bad
     value is refused."""
     with pytest.raises(xfer.InvalidArgument, match="liveness_timeout"):
-        xfer.Engine(transport="tcp", liveness_timeout=-1.0)
+        xfer.Agent(transport="tcp", liveness_timeout=-1.0)
     size = 64 * PAGE
     proc, addr, desc = spawn_peer("--transport", "tcp", "--bytes", str(size))
     try:
-        with xfer.Engine(transport="tcp", liveness_timeout=1.0) as e:
-            p = e.add_peer(addr)
+        with xfer.Agent(transport="tcp", liveness_timeout=1.0) as e:
+            p = e.connect(addr)
             rs = e.register(pattern(size, seed=6), remote_write=False)
             stop(proc)
             try:
@@ -679,11 +679,11 @@ def test_a_peer_stopped_beyond_the_liveness_timeout_is_dead():
 
 
 def test_help_reads_well():
-    doc = xfer.Engine.__doc__
+    doc = xfer.Agent.__doc__
     for word in ("transport", "rails", "nics", "memory", "gpu", "auth_token", "timeout"):
         assert word in doc, word
-    for name in ("register", "add_peer", "remove_peer", "write", "write_pages", "wait_imm", "close"):
-        assert getattr(xfer.Engine, name).__doc__, name
+    for name in ("register", "connect", "remove_peer", "write", "write_pages", "wait_imm", "close"):
+        assert getattr(xfer.Agent, name).__doc__, name
     for name in ("wait", "done", "exception"):
         assert getattr(xfer.Handle, name).__doc__, name
     assert issubclass(xfer.PeerUnreachable, xfer.Error) and issubclass(xfer.Error, Exception)
@@ -692,9 +692,9 @@ def test_help_reads_well():
 def test_the_mem_transport_refuses_another_process(tmp_path):
     proc, addr, _ = spawn_peer("--transport", "mem", "--bytes", str(PAGE))
     try:
-        with xfer.Engine(transport="mem") as e:
+        with xfer.Agent(transport="mem") as e:
             with pytest.raises(xfer.InvalidArgument, match="one process"):
-                e.add_peer(addr)
+                e.connect(addr)
     finally:
         proc.kill()
         proc.wait(timeout=10)
@@ -727,11 +727,11 @@ def test_dlpack_host_tensors_are_registered_without_copies(pair):
         a.register(DlpackOnly(np.zeros((8, 8), dtype=np.float32)[:, ::2]))
 
 
-def test_auto_engines_of_one_process_over_host_memory_reach_each_other_over_tcp():
-    with xfer.Engine() as a, xfer.Engine() as b:  # the defaults: transport="auto", nics="auto"
+def test_auto_agents_of_one_process_over_host_memory_reach_each_other_over_tcp():
+    with xfer.Agent() as a, xfer.Agent() as b:  # the defaults: transport="auto", nics="auto"
         assert "tcp" in a.transports and "cuda-ipc" not in a.transports  # host memory
         assert a.transport == ("tcp" if a.transports == ["tcp"] else "auto")
-        p = a.add_peer(b.address)
+        p = a.connect(b.info)
         assert p.transport == "tcp" and p.name in repr(p)
         src, dst = pattern(8 * PAGE, seed=41), np.zeros(8 * PAGE, dtype=np.uint8)
         rs, rd = a.register(src, remote_write=False), b.register(dst)
@@ -742,7 +742,7 @@ def test_auto_engines_of_one_process_over_host_memory_reach_each_other_over_tcp(
         assert a.counters()["transfers"] >= 1
 
 
-def test_peer_transport_is_the_one_both_engines_offer(pair):
+def test_peer_transport_is_the_one_both_agents_offer(pair):
     a, b, p = pair
     assert p.transport == a.transport == b.transport
     assert a.transports == [a.transport]
@@ -751,8 +751,8 @@ def test_peer_transport_is_the_one_both_engines_offer(pair):
 def test_an_auto_address_from_another_process_is_accepted():
     proc, addr, desc = spawn_peer("--transport", "auto", "--bytes", str(16 * PAGE))
     try:
-        with xfer.Engine(timeout=5.0) as e:
-            p = e.add_peer(addr)
+        with xfer.Agent(timeout=5.0) as e:
+            p = e.connect(addr)
             assert p.transport == "tcp"
             src = pattern(4 * PAGE, seed=42)
             rs = e.register(src, remote_write=False)
@@ -774,48 +774,48 @@ def test_bytes_that_are_not_an_address_name_the_metadata_error(pair):
     cases = [
         (b"garbage bytes", "not an xfer agent"),
         (rd.descriptor, "not an xfer agent"),  # a region's descriptor is not an address
-        (b.address[:-3], "malformed agent"),
-        (b"XFAG" + bytes([3]) + b.address[5:], "metadata version 3"),
-        (b.address + b"\0", "after the agent"),
+        (b.info[:-3], "malformed agent"),
+        (b"XFAG" + bytes([3]) + b.info[5:], "metadata version 3"),
+        (b.info + b"\0", "after the agent"),
     ]
     for bad, why in cases:
-        with pytest.raises(xfer.InvalidArgument, match=f"address: .*{why}"):
-            a.add_peer(bad)
+        with pytest.raises(xfer.InvalidArgument, match=f"info: .*{why}"):
+            a.connect(bad)
     with pytest.raises(xfer.InvalidArgument, match="remote_descriptor: not an xfer region"):
-        a.write(p, a.register(np.ones(PAGE, dtype=np.uint8)), b.address, [(0, 0, 1)])
+        a.write(p, a.register(np.ones(PAGE, dtype=np.uint8)), b.info, [(0, 0, 1)])
 
 
 def test_the_library_options_are_keyword_arguments():
-    with xfer.Engine(transport="tcp", pin="auto", nics="auto", rails=2, tcp_congestion="reno") as e:
+    with xfer.Agent(transport="tcp", pin="auto", nics="auto", rails=2, tcp_congestion="reno") as e:
         assert e.rails == 2
-        with xfer.Engine(pin="off") as f:
-            p = e.add_peer(f.address)
+        with xfer.Agent(pin="off") as f:
+            p = e.connect(f.info)
             rd = f.register(np.zeros(PAGE, dtype=np.uint8))
             rs = e.register(np.ones(PAGE, dtype=np.uint8))
             assert e.write(p, rs, rd.descriptor, [(0, 0, PAGE)]).wait(timeout=10) == PAGE
     for bad in (
-        lambda: xfer.Engine(pin="sometimes"),
-        lambda: xfer.Engine(nics="lo"),  # a name is a list: nics=["lo"]
-        lambda: xfer.Engine(nics=[""]),
-        lambda: xfer.Engine(transport="tcp", provider="tcp"),  # efa only
-        lambda: xfer.Engine(transport="mem", nics=["lo"]),  # mem runs on no NIC
-        lambda: xfer.Engine(timeout=0),
-        lambda: xfer.Engine(tcp_congestion="cu bic"),
+        lambda: xfer.Agent(pin="sometimes"),
+        lambda: xfer.Agent(nics="lo"),  # a name is a list: nics=["lo"]
+        lambda: xfer.Agent(nics=[""]),
+        lambda: xfer.Agent(transport="tcp", provider="tcp"),  # efa only
+        lambda: xfer.Agent(transport="mem", nics=["lo"]),  # mem runs on no NIC
+        lambda: xfer.Agent(timeout=0),
+        lambda: xfer.Agent(tcp_congestion="cu bic"),
     ):
         with pytest.raises(xfer.InvalidArgument):
             bad()
-    # An algorithm the kernel does not have stops the engine, named.
+    # An algorithm the kernel does not have stops the agent, named.
     with pytest.raises(xfer.Error, match="no_such_algo"):
-        xfer.Engine(transport="tcp", tcp_congestion="no_such_algo")
-    assert "pin" in xfer.Engine.__doc__ and "auto" in xfer.Engine.__doc__
+        xfer.Agent(transport="tcp", tcp_congestion="no_such_algo")
+    assert "pin" in xfer.Agent.__doc__ and "auto" in xfer.Agent.__doc__
     assert xfer.Peer.transport.__doc__
 
 
 def _write_page(src, dst):
-    """Writes a page from engine `src` into a region of engine `dst`; the bytes landed."""
+    """Writes a page from agent `src` into a region of agent `dst`; the bytes landed."""
     rd = dst.register(np.zeros(PAGE, dtype=np.uint8))
     rs = src.register(pattern(PAGE, 11))
-    p = src.add_peer(dst.address)
+    p = src.connect(dst.info)
     got = src.write(p, rs, rd.descriptor, [(0, 0, PAGE)]).wait(timeout=10)
     return got == PAGE and np.array_equal(rd.obj, rs.obj)
 
@@ -824,13 +824,13 @@ def _write_page(src, dst):
 def test_a_token_from_a_file_lets_its_holders_in_and_no_one_else(tmp_path, contents):
     path = tmp_path / "token"
     path.write_bytes(contents)
-    with xfer.Engine(transport="tcp", auth_token_file=path, timeout=2.0) as guarded:
-        with xfer.Engine(transport="tcp", auth_token_file=str(path)) as holder:
+    with xfer.Agent(transport="tcp", auth_token_file=path, timeout=2.0) as guarded:
+        with xfer.Agent(transport="tcp", auth_token_file=str(path)) as holder:
             assert _write_page(holder, guarded)
-        with xfer.Engine(transport="tcp", auth_token="s3cret") as same:
+        with xfer.Agent(transport="tcp", auth_token="s3cret") as same:
             assert _write_page(same, guarded)
         for other in ({}, {"auth_token": "wrong"}):
-            with xfer.Engine(transport="tcp", timeout=2.0, **other) as outsider:
+            with xfer.Agent(transport="tcp", timeout=2.0, **other) as outsider:
                 with pytest.raises(xfer.Error):
                     _write_page(outsider, guarded)
                     pytest.fail(f"a peer with {other or 'no token'} got in")
@@ -840,42 +840,42 @@ def test_token_files_that_cannot_serve_are_invalid_arguments_naming_the_file(tmp
     both = tmp_path / "both"
     both.write_text("s3cret")
     with pytest.raises(xfer.InvalidArgument, match="both given"):
-        xfer.Engine(transport="tcp", auth_token="s3cret", auth_token_file=both)
+        xfer.Agent(transport="tcp", auth_token="s3cret", auth_token_file=both)
     missing = tmp_path / "missing"
     with pytest.raises(xfer.InvalidArgument, match=f"cannot read .*{missing.name}"):
-        xfer.Engine(transport="tcp", auth_token_file=missing)
+        xfer.Agent(transport="tcp", auth_token_file=missing)
     empty = tmp_path / "empty"
     empty.write_text("\n")
     with pytest.raises(xfer.InvalidArgument, match="empty"):
-        xfer.Engine(transport="tcp", auth_token_file=empty)
+        xfer.Agent(transport="tcp", auth_token_file=empty)
 
 
-def test_require_auth_refuses_an_engine_beyond_loopback_without_a_token(tmp_path):
+def test_require_auth_refuses_an_agent_beyond_loopback_without_a_token(tmp_path):
     with pytest.raises(xfer.InvalidArgument, match="no auth token.*not loopback"):
-        xfer.Engine(transport="tcp", listen="0.0.0.0", require_auth=True)
+        xfer.Agent(transport="tcp", listen="0.0.0.0", require_auth=True)
     path = tmp_path / "token"
     path.write_text("s3cret\n")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        xfer.Engine(transport="tcp", listen="0.0.0.0", require_auth=True, auth_token_file=path).close()
-        xfer.Engine(transport="tcp", listen="0.0.0.0", require_auth=True, auth_token="s3cret").close()
-        xfer.Engine(transport="tcp", require_auth=True).close()  # loopback
+        xfer.Agent(transport="tcp", listen="0.0.0.0", require_auth=True, auth_token_file=path).close()
+        xfer.Agent(transport="tcp", listen="0.0.0.0", require_auth=True, auth_token="s3cret").close()
+        xfer.Agent(transport="tcp", require_auth=True).close()  # loopback
 
 
-def test_an_engine_beyond_loopback_without_a_token_warns():
+def test_an_agent_beyond_loopback_without_a_token_warns():
     with pytest.warns(UserWarning, match=r"no auth token.*tcp rails listen beyond loopback \(.*:\d+\)") as said:
-        e = xfer.Engine(transport="tcp", listen="0.0.0.0")
+        e = xfer.Agent(transport="tcp", listen="0.0.0.0")
     e.close()
     assert len(said) == 1
     assert "auth_token_file" in str(said[0].message) and said[0].filename == __file__
     # On loopback, with a token, or with no tcp rail: nothing said.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        xfer.Engine(transport="tcp").close()
-        xfer.Engine(transport="tcp", listen="0.0.0.0", auth_token="s3cret").close()
-        xfer.Engine(transport="mem", listen="0.0.0.0").close()
-    # Warnings turned into errors stop the engine from being made.
+        xfer.Agent(transport="tcp").close()
+        xfer.Agent(transport="tcp", listen="0.0.0.0", auth_token="s3cret").close()
+        xfer.Agent(transport="mem", listen="0.0.0.0").close()
+    # Warnings turned into errors stop the agent from being made.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with pytest.raises(UserWarning):
-            xfer.Engine(transport="tcp", listen="0.0.0.0")
+            xfer.Agent(transport="tcp", listen="0.0.0.0")

@@ -1,4 +1,4 @@
-"""A Python engine and a Rust agent (the `xfer` crate's `peer` example) in two processes
+"""A Python agent and a Rust agent (the `xfer` crate's `peer` example) in two processes
 meet by name through a real etcd, and through the direct rendezvous without one; each
 writes its pattern into the other's region named "inbox" with immediate data 1, and each
 checks what landed in its own.
@@ -61,19 +61,19 @@ def finish(rust):
     assert (line, code) == ("ok", 0), f"the Rust peer said {line!r}, exit {code}: {err}"
 
 
-def exchange(engine, peer, theirs_inbox, inbox):
+def exchange(agent, peer, theirs_inbox, inbox):
     """Writes our pattern (seed 2) into the peer's inbox with imm 1, waits for its imm 1,
     and checks that ours holds its pattern (seed 1)."""
     src = pattern(2)
-    rs = engine.register(src, remote_write=False)
-    engine.write(peer, rs, theirs_inbox, [(0, 0, LEN)], imm=1).wait(T)
-    engine.wait_imm(1, timeout=T)
+    rs = agent.register(src, remote_write=False)
+    agent.write(peer, rs, theirs_inbox, [(0, 0, LEN)], imm=1).wait(T)
+    agent.wait_imm(1, timeout=T)
     assert (inbox == pattern(1)).all(), "the Rust peer's bytes in our inbox"
 
 
 def test_python_and_rust_meet_through_etcd_and_write_both_ways(peer_bin, etcd_url):
     d = xfer.Directory(etcd_url, cluster="interop")
-    with xfer.Engine(timeout=10.0) as e:
+    with xfer.Agent(timeout=10.0) as e:
         inbox = np.zeros(LEN, dtype=np.uint8)
         reg = e.register(inbox)
         pub = d.publish("py-0", e, regions={"inbox": reg}, ttl=10)
@@ -86,7 +86,7 @@ def test_python_and_rust_meet_through_etcd_and_write_both_ways(peer_bin, etcd_ur
                 assert ev is not None, "the Rust peer never joined: " + why(rust)
                 if ev[0] == "joined" and ev[1]["name"] == "rust-0":
                     found = ev[1]
-            peer = e.add_peer(found["address"])
+            peer = e.connect(found["address"])
             assert peer.transport == "tcp"
             exchange(e, peer, found["regions"]["inbox"], inbox)
             finish(rust)
@@ -96,7 +96,7 @@ def test_python_and_rust_meet_through_etcd_and_write_both_ways(peer_bin, etcd_ur
 
 
 def test_python_and_rust_meet_through_the_rendezvous_and_write_both_ways(peer_bin):
-    with xfer.Engine(timeout=10.0) as e:
+    with xfer.Agent(timeout=10.0) as e:
         inbox = np.zeros(LEN, dtype=np.uint8)
         reg = e.register(inbox)  # offered while it is open
         e.offer("inbox", reg)

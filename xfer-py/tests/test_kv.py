@@ -32,21 +32,21 @@ def test_the_module_example_runs():
 
 
 class Sides:
-    """Both sides of a case in this process: a Rank per rank, each on its own engine."""
+    """Both sides of a case in this process: a Rank per rank, each on its own agent."""
 
-    def __init__(self, case, transport="mem", device="cpu", **engine):
+    def __init__(self, case, transport="mem", device="cpu", **agent):
         self.case = case
         self.pre_c = kvcases.side_caches(case, "prefill", device)
         self.dec_c = kvcases.side_caches(case, "decode", device)
         pre = [c.cache().layout for c in self.pre_c]
         dec = [c.cache().layout for c in self.dec_c]
-        self.engines = []
+        self.agents = []
 
         def make(side, caches):
             out = []
             for r, c in enumerate(caches):
-                e = xfer.Engine(transport=transport, name=f"{case}-{side}-{r}", **engine)
-                self.engines.append(e)
+                e = xfer.Agent(transport=transport, name=f"{case}-{side}-{r}", **agent)
+                self.agents.append(e)
                 out.append(kv.Rank(e, side, r, c.cache().regions, pre, dec))
             return out
 
@@ -76,7 +76,7 @@ class Sides:
             c.upload()
 
     def close(self):
-        for e in self.engines:
+        for e in self.agents:
             e.close()
 
 
@@ -171,8 +171,8 @@ def test_push_and_pull_between_processes_over_tcp(case):
     try:
         dec_c = kvcases.side_caches(case, "decode")
         pre, dec = kvcases.layouts(case, "prefill"), kvcases.layouts(case, "decode")
-        engines = [xfer.Engine(transport="tcp", timeout=5.0) for _ in dec_c]
-        ranks = [kv.Rank(e, "decode", r, c.cache().regions, pre, dec) for r, (e, c) in enumerate(zip(engines, dec_c, strict=True))]
+        agents = [xfer.Agent(transport="tcp", timeout=5.0) for _ in dec_c]
+        ranks = [kv.Rank(e, "decode", r, c.cache().regions, pre, dec) for r, (e, c) in enumerate(zip(agents, dec_c, strict=True))]
         for r in ranks:
             for i in infos:
                 r.attach(i)
@@ -198,7 +198,7 @@ def test_push_and_pull_between_processes_over_tcp(case):
         assert got["ok"], got
         tell(proc, exit=True)
         assert proc.wait(timeout=60) == 0
-        for e in engines:
+        for e in agents:
             e.close()
     finally:
         proc.kill()
@@ -209,9 +209,9 @@ def test_a_decode_process_killed_fails_the_request_by_name():
     proc, infos = spawn(case, "decode")
     pre_c = kvcases.side_caches(case, "prefill")
     pre, dec = kvcases.layouts(case, "prefill"), kvcases.layouts(case, "decode")
-    engines = [xfer.Engine(transport="tcp", timeout=2.0) for _ in pre_c]
+    agents = [xfer.Agent(transport="tcp", timeout=2.0) for _ in pre_c]
     try:
-        ranks = [kv.Rank(e, "prefill", r, c.cache().regions, pre, dec) for r, (e, c) in enumerate(zip(engines, pre_c, strict=True))]
+        ranks = [kv.Rank(e, "prefill", r, c.cache().regions, pre, dec) for r, (e, c) in enumerate(zip(agents, pre_c, strict=True))]
         for r in ranks:
             for i in infos:
                 r.attach(i)
@@ -234,7 +234,7 @@ def test_a_decode_process_killed_fails_the_request_by_name():
         assert not isinstance(err.value, xfer.InvalidArgument), err.value
     finally:
         proc.kill()
-        for e in engines:
+        for e in agents:
             e.close()
 
 
@@ -304,7 +304,7 @@ def test_bad_layouts_and_calls_are_refused_with_what_is_wrong():
         kv.plan([lay], [lay], kv.Request(8, [0, 0], [1, 2]))
     with pytest.raises(xfer.InvalidArgument, match="block table"):
         kv.Request(8, "blocks", [1])
-    with xfer.Engine(transport="mem") as e, xfer.Engine(transport="mem") as e2:
+    with xfer.Agent(transport="mem") as e, xfer.Agent(transport="mem") as e2:
         small = [np.zeros(100, np.uint8), np.zeros(100, np.uint8)]
         with pytest.raises(xfer.InvalidArgument, match="needs .* bytes of region"):
             kv.Rank(e, "prefill", 0, small, [lay], [lay])
@@ -331,12 +331,12 @@ def test_bad_layouts_and_calls_are_refused_with_what_is_wrong():
             p.push_layer("r", plan, 0, stream=0)
 
 
-def _vllm_workers(case, side, engines):
+def _vllm_workers(case, side, agents):
     caches = kvcases.side_caches(case, side)
     workers = []
     for r, c in enumerate(caches):
-        e = xfer.Engine(transport="mem", name=f"w-{side}-{r}")
-        engines.append(e)
+        e = xfer.Agent(transport="mem", name=f"w-{side}-{r}")
+        agents.append(e)
         w = kv.KvWorker(e, side, r, c.tp, c.total_heads, backend=c.backend, kv_layout=c.kv_layout, timeout=30)
         w.register_kv_caches(c.kv_caches())
         workers.append(w)
@@ -358,10 +358,10 @@ def _finished(workers, which, rid):
 @pytest.mark.parametrize("mode", ["push", "pull"])
 @pytest.mark.parametrize("case", ["tp2-nhd-to-tp4-hnd-replicated", "tp4-hnd-to-tp1-nhd", "mla-tp2-to-tp4"])
 def test_the_vllm_shaped_worker_moves_a_request(case, mode):
-    engines = []
+    agents = []
     try:
-        pre_c, pre = _vllm_workers(case, "prefill", engines)
-        dec_c, dec = _vllm_workers(case, "decode", engines)
+        pre_c, pre = _vllm_workers(case, "prefill", agents)
+        dec_c, dec = _vllm_workers(case, "decode", agents)
         n, pt, dt = kvcases.request(case, 5)
         logical = kvcases.logical_cache(case, n, 5)
         rid = f"cmpl-{mode}"
@@ -395,14 +395,14 @@ def test_the_vllm_shaped_worker_moves_a_request(case, mode):
         for i, c in enumerate(dec_c):
             assert kvcases.decode_matches(c, dt, n, logical) is None, f"decode rank {i}"
     finally:
-        for e in engines:
+        for e in agents:
             e.close()
 
 
 def test_the_sglang_shaped_sender_and_receiver_move_a_request():
     heads, layers, dim, page = 4, 2, 8, 4
     boot = kv.LocalBootstrap()
-    engines, mgrs = [], {"prefill": [], "decode": []}
+    agents, mgrs = [], {"prefill": [], "decode": []}
     bufs = {}
     for side, tp, pages in (("prefill", 2, 12), ("decode", 4, 10)):
         for r in range(tp):
@@ -410,8 +410,8 @@ def test_the_sglang_shaped_sender_and_receiver_move_a_request():
             k = [np.zeros((pages * page, h[1] - h[0], dim), np.float16) for _ in range(layers)]
             v = [np.zeros_like(x) for x in k]
             bufs[side, r] = (k, v)
-            e = xfer.Engine(transport="mem", name=f"sg-{side}-{r}")
-            engines.append(e)
+            e = xfer.Agent(transport="mem", name=f"sg-{side}-{r}")
+            agents.append(e)
             cache = kv.cache_from_sglang(k, v, page, heads, tp, r)
             mgrs[side].append(kv.KvManager(e, side, r, tp, cache, bootstrap=boot, timeout=30))
     try:
@@ -460,7 +460,7 @@ def test_the_sglang_shaped_sender_and_receiver_move_a_request():
         assert lost.poll() == kv.KVPoll.Failed
         assert isinstance(lost.failure_exception(), xfer.TimedOut) and "lost" in str(lost.failure_exception())
     finally:
-        for e in engines:
+        for e in agents:
             e.close()
 
 
@@ -516,8 +516,8 @@ def test_gpu_caches_between_processes(transport):
     try:
         dec_c = kvcases.side_caches(case, "decode", "cuda:0")
         pre, dec = kvcases.layouts(case, "prefill"), kvcases.layouts(case, "decode")
-        engines = [xfer.Engine(transport=transport, memory="cuda", timeout=10.0) for _ in dec_c]
-        ranks = [kv.Rank(e, "decode", r, c.cache().regions, pre, dec) for r, (e, c) in enumerate(zip(engines, dec_c, strict=True))]
+        agents = [xfer.Agent(transport=transport, memory="cuda", timeout=10.0) for _ in dec_c]
+        ranks = [kv.Rank(e, "decode", r, c.cache().regions, pre, dec) for r, (e, c) in enumerate(zip(agents, dec_c, strict=True))]
         for r in ranks:
             for i in infos:
                 r.attach(i)
@@ -532,7 +532,7 @@ def test_gpu_caches_between_processes(transport):
             assert kvcases.decode_matches(c, dt, n, logical) is None, f"decode rank {i}"
         tell(proc, exit=True)
         assert proc.wait(timeout=60) == 0
-        for e in engines:
+        for e in agents:
             e.close()
     finally:
         proc.kill()

@@ -189,8 +189,8 @@ def test_read_only_memory_is_a_source_never_a_target(transport):
     """Read-only memory in each form xfer takes: refused with remote_write=True (the
     default), taken as a source and for peers' reads. DLPack is new here (its read-only
     flag was ignored); the buffer protocol's was checked before."""
-    with xfer.Engine(transport=transport, timeout=5.0) as a, xfer.Engine(transport=transport, timeout=5.0) as b:
-        p, q = a.add_peer(b.address), b.add_peer(a.address)
+    with xfer.Agent(transport=transport, timeout=5.0) as a, xfer.Agent(transport=transport, timeout=5.0) as b:
+        p, q = a.connect(b.info), b.connect(a.info)
         data = bytes(pattern(PAGE, seed=75))
         kinds = {
             "bytes": lambda: data,
@@ -234,8 +234,8 @@ def test_a_weight_push_refuses_a_resized_tensor_and_one_prepare_reallocated():
     sb.add("w", w, [("w", (64,), whole((64,)))])
     db.add("w", out, [("w", (64,), whole((64,)))])
     plan = Plan([sb.layout], [db.layout])
-    sender = WeightSender(xfer.Engine(transport="mem"), plan, 0, sb)
-    receiver = WeightReceiver(xfer.Engine(transport="mem"), db, sources=1, rank=0)
+    sender = WeightSender(xfer.Agent(transport="mem"), plan, 0, sb)
+    receiver = WeightReceiver(xfer.Agent(transport="mem"), db, sources=1, rank=0)
     sender.attach(receiver.info())
     assert sender.send_weights(1) == {}
     receiver.destination.wait(1, timeout=10)

@@ -89,8 +89,8 @@ def sources_and_destinations(transport):
     """The senders and receivers of :func:`layouts`, every sender attached to every
     receiver."""
     full, bias, src_b, dst_b, outs, plan = layouts()
-    senders = [WeightSender(xfer.Engine(transport=transport), plan, i, b) for i, b in enumerate(src_b)]
-    receivers = [WeightReceiver(xfer.Engine(transport=transport), b, sources=2, rank=i) for i, b in enumerate(dst_b)]
+    senders = [WeightSender(xfer.Agent(transport=transport), plan, i, b) for i, b in enumerate(src_b)]
+    receivers = [WeightReceiver(xfer.Agent(transport=transport), b, sources=2, rank=i) for i, b in enumerate(dst_b)]
     for s in senders:
         for r in receivers:
             s.attach(r.info())
@@ -132,12 +132,12 @@ def test_a_failed_destination_fails_alone_with_its_exception_and_is_redone():
     with pytest.raises(xfer.TimedOut, match=r"sources \[0, 1\]"):
         receivers[1].destination.wait(5, timeout=0.05)
     # It comes back with its memory registered again; both sources redo it alone.
-    again = [receivers[1].engine.register(o) for o in (outs[1][0], outs[1][1])]
+    again = [receivers[1].agent.register(o) for o in (outs[1][0], outs[1][1])]
     for s in senders:
-        s.source.attach(1, s.engine.add_peer(good["address"]), [r.descriptor for r in again])
+        s.source.attach(1, s.agent.connect(good["address"]), [r.descriptor for r in again])
         report = s.source.push(5, destinations=[1])
         assert list(report) == [1] and isinstance(report[1], dict), report
-    fresh = Destination(receivers[1].engine, receivers[1].layout, again, sources=2, rank=1)
+    fresh = Destination(receivers[1].agent, receivers[1].layout, again, sources=2, rank=1)
     fresh.wait(5, timeout=10)
     assert landed(full, bias, outs, 1)
 
@@ -146,13 +146,13 @@ def test_a_joiner_pulls_the_current_version_and_the_sources_do_nothing():
     full, bias, senders, receivers, outs = sources_and_destinations("tcp")
     with pytest.raises(xfer.TimedOut):
         # Nothing pushed yet: no version at rest to pull.
-        j0 = WeightReceiver(xfer.Engine(transport="tcp"), whole_builder()[0], sources=2)
+        j0 = WeightReceiver(xfer.Agent(transport="tcp"), whole_builder()[0], sources=2)
         j0.init_transfer_engine({"sources": [s.info() for s in senders]})
         j0.update_weights({"mode": "pull", "timeout": 0.2})
     for s in senders:
         assert s.send_weights(3) == {}
     b, (out, ob) = whole_builder()
-    j = WeightReceiver(xfer.Engine(transport="tcp"), b, sources=2)
+    j = WeightReceiver(xfer.Agent(transport="tcp"), b, sources=2)
     j.init_transfer_engine({"sources": [s.info() for s in senders]})
     j.start_weight_update()
     j.update_weights({"mode": "pull", "timeout": 10})
@@ -212,26 +212,26 @@ def test_the_prepare_hook_sees_each_piece_once_before_it_goes():
 
 def test_members_meet_by_name_through_the_directory_and_a_joiner_is_planned_in(tmp_path):
     """Sources and destinations find each other through a file:// directory: each offers its
-    record and regions and joins under its engine's name; the sources attach the planned
+    record and regions and joins under its agent's name; the sources attach the planned
     destinations from their records and push; a replica that joins later (no rank) is
     planned in by the sources' refresh and gets the next push, and attaches the sources
     for pulls by its own refresh."""
     directory = xfer.Directory(f"file://{tmp_path}/members.json", cluster="weights")
     full, bias, src_b, dst_b, outs, plan = layouts()
-    senders = [WeightSender(xfer.Engine(transport="tcp"), plan, i, b) for i, b in enumerate(src_b)]
-    receivers = [WeightReceiver(xfer.Engine(transport="tcp"), b, sources=2, rank=i) for i, b in enumerate(dst_b)]
+    senders = [WeightSender(xfer.Agent(transport="tcp"), plan, i, b) for i, b in enumerate(src_b)]
+    receivers = [WeightReceiver(xfer.Agent(transport="tcp"), b, sources=2, rank=i) for i, b in enumerate(dst_b)]
     joined = []
     for s in senders:
         s.source.offer()
-        joined.append(directory.join(s.engine))
+        joined.append(directory.join(s.agent))
     for r in receivers:
         r.destination.offer()
-        joined.append(directory.join(r.engine))
-    follows = [directory.follow(s.engine) for s in senders]
+        joined.append(directory.join(r.agent))
+    follows = [directory.follow(s.agent) for s in senders]
     for s, f in zip(senders, follows):
         changes = s.source.wait_attached(f, 2, timeout=30)
-        assert sorted(changes["attached"]) == sorted((i, r.engine.name) for i, r in enumerate(receivers))
-        assert {r.engine.name for r in receivers} <= set(f.peers())
+        assert sorted(changes["attached"]) == sorted((i, r.agent.name) for i, r in enumerate(receivers))
+        assert {r.agent.name for r in receivers} <= set(f.peers())
     for s in senders:
         assert s.send_weights(1) == {}
     for i, r in enumerate(receivers):
@@ -239,25 +239,25 @@ def test_members_meet_by_name_through_the_directory_and_a_joiner_is_planned_in(t
         assert landed(full, bias, outs, i)
     # A replica of the whole model joins.
     b, (out, ob) = whole_builder()
-    j = WeightReceiver(xfer.Engine(transport="tcp"), b, sources=2)
+    j = WeightReceiver(xfer.Agent(transport="tcp"), b, sources=2)
     j.destination.offer()
-    joined.append(directory.join(j.engine))
+    joined.append(directory.join(j.agent))
     for s, f in zip(senders, follows):
         changes = s.source.wait_attached(f, 3, timeout=30)
-        assert [name for _, name in changes["attached"]] == [j.engine.name]
+        assert [name for _, name in changes["attached"]] == [j.agent.name]
         assert sorted(s.source.attached) == [0, 1, 2]
     for s in senders:
         assert s.send_weights(2) == {}
     j.destination.wait(2, timeout=10)
     assert np.array_equal(out, full) and np.array_equal(ob, bias)
-    jf = directory.follow(j.engine)
+    jf = directory.follow(j.agent)
     changes = j.destination.wait_sources(jf, timeout=30)
-    assert sorted(changes["attached"]) == sorted((i, s.engine.name) for i, s in enumerate(senders))
+    assert sorted(changes["attached"]) == sorted((i, s.agent.name) for i, s in enumerate(senders))
     # A destination that finds no sources in its cluster times out, naming what it waits for.
     alone = xfer.Directory(f"file://{tmp_path}/members.json", cluster="empty")
-    lonely = WeightReceiver(xfer.Engine(transport="tcp"), whole_builder()[0], sources=2)
+    lonely = WeightReceiver(xfer.Agent(transport="tcp"), whole_builder()[0], sources=2)
     with pytest.raises(xfer.TimedOut, match="source"):
-        lonely.destination.wait_sources(alone.follow(lonely.engine), timeout=0.2)
+        lonely.destination.wait_sources(alone.follow(lonely.agent), timeout=0.2)
     for p in joined:
         p.withdraw()
     for f in follows + [jf]:

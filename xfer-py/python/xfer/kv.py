@@ -4,7 +4,7 @@ shapes, layer by layer, pushed by prefill or pulled by decode.
 The pieces, from the bottom up:
 
 - :class:`Layout` (made from a :class:`Model` by the constructors of vLLM's and SGLang's
-  caches, or from the engine's tensors by :func:`layout_from_vllm`,
+  caches, or from the inference engine's tensors by :func:`layout_from_vllm`,
   :func:`layout_from_sglang` and :func:`layout_from_sglang_mla`) says how one rank's
   paged cache lies in memory and which KV heads it holds (:func:`heads_for_rank`: a TP
   split, a replica when KV heads < TP, MLA's latent held by all).
@@ -12,7 +12,7 @@ The pieces, from the bottom up:
   :meth:`Rank.plan`) gives its :class:`Plan`, a handful of strided runs per rank pair,
   the same for every layer (``Plan.stats()`` counts them against a per-block path);
   :func:`check` proves a plan.
-- :class:`Rank`: one rank's end over an :class:`xfer.Engine`. Prefill
+- :class:`Rank`: one rank's end over an :class:`xfer.Agent`. Prefill
   ``push_layer(request_id, plan, layer, stream=)`` as each layer is saved (the transfers
   wait for the stream's work: a layer's kernels, not the whole model), decode
   ``wait``/``wait_layer``/``poll`` from notifications that carry the request; or decode
@@ -46,6 +46,7 @@ import dataclasses
 import enum
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -101,7 +102,7 @@ __all__ = [
 
 
 class Cache(NamedTuple):
-    """A rank's cache as found in an engine's tensors: its :class:`Layout`, the objects
+    """A rank's cache as found in an inference engine's tensors: its :class:`Layout`, the objects
     holding its regions (by region index, each a contiguous view in memory order, what
     :class:`Rank` registers) and the layers' names (in layer order)."""
 
@@ -322,25 +323,32 @@ def layout_from_sglang_mla(kv_buffers: Sequence[Any], page_size: int) -> Layout:
 
 def side_layouts(layout: Layout, tp_size: int) -> list[Layout]:
     """Every rank's layout of a TP group of ``tp_size`` whose ranks' caches are alike
-    (as an engine allocates them), from one rank's: the same geometry, each rank's heads."""
+    (as an inference engine allocates them), from one rank's: the same geometry, each
+    rank's heads."""
     return [layout.with_heads(heads_for_rank(layout.total_heads, tp_size, r)) for r in range(tp_size)]
 
 
-def _register(engine: Any, side: str, objs: Sequence[Any]) -> list[Any]:
-    """Registrations of a rank's cache with the access its side needs."""
+def _register(agent: Any, side: str, objs: Sequence[Any]) -> list[Any]:
+    """Regions of a rank's cache, registered with the access its side needs."""
     if side not in ("prefill", "decode"):
         raise InvalidArgument(f"side={side!r}: expected 'prefill' or 'decode'")
     if side == "prefill":
-        return [engine.register(o, remote_write=False, remote_read=True) for o in objs]
-    return [engine.register(o, remote_write=True) for o in objs]
+        return [agent.register(o, remote_write=False, remote_read=True) for o in objs]
+    return [agent.register(o, remote_write=True) for o in objs]
+
+
+def _warn_engine(owner: str) -> None:
+    """The DeprecationWarning of ``owner.engine``, the old name of ``owner.agent``, at the
+    line that read it."""
+    warnings.warn(f"{owner}.engine is deprecated: use {owner}.agent (an xfer.Agent)", DeprecationWarning, stacklevel=3)
 
 
 class _Attached:
     """A rank's :class:`Rank`, made once the other side's layouts are known (from their
     infos), and the infos attached so far."""
 
-    def __init__(self, engine: Any, side: str, rank: int, layout: Layout, tp_size: int, registrations: list[Any]) -> None:
-        self.engine, self.side, self.rank_index = engine, side, rank
+    def __init__(self, agent: Any, side: str, rank: int, layout: Layout, tp_size: int, registrations: list[Any]) -> None:
+        self.agent, self.side, self.rank_index = agent, side, rank
         self.own = side_layouts(layout, tp_size)
         self.registrations = registrations
         self.rank: Rank | None = None
@@ -349,7 +357,7 @@ class _Attached:
         self.lock = threading.Lock()
 
     def info(self) -> bytes:
-        return rank_info(self.engine, self.side, self.rank_index, self.own[self.rank_index], self.registrations)
+        return rank_info(self.agent, self.side, self.rank_index, self.own[self.rank_index], self.registrations)
 
     def connect(self, peers: Sequence[bytes]) -> Rank:
         """The rank, attached to every info of ``peers`` (the other side's ranks, all of
@@ -368,7 +376,7 @@ class _Attached:
                 other = [found[r] for r in range(len(found))]
                 self.other = other
                 pre, dec = (self.own, other) if self.side == "prefill" else (other, self.own)
-                self.rank = Rank(self.engine, self.side, self.rank_index, self.registrations, pre, dec)
+                self.rank = Rank(self.agent, self.side, self.rank_index, self.registrations, pre, dec)
             for p in peers:
                 p = bytes(p)
                 if p not in self.attached:
@@ -428,7 +436,7 @@ class _Job:
 class KvWorker:
     """The worker side of a KV connector in the calls of vLLM's ``KVConnectorBase_V1``.
 
-    engine: this worker's xfer.Engine (one per GPU worker); side: "prefill" (vLLM's
+    agent: this worker's xfer.Agent (one per GPU worker); side: "prefill" (vLLM's
     kv_producer) or "decode" (kv_consumer); tp_rank, tp_size: its place in its TP group;
     num_kv_heads: the model's; backend, kv_layout: of its cache (see
     :func:`cache_from_vllm`); timeout: seconds a layer wait may take; layerwise: whether
@@ -447,7 +455,7 @@ class KvWorker:
 
     def __init__(
         self,
-        engine: Any,
+        agent: Any,
         side: str,
         tp_rank: int,
         tp_size: int,
@@ -459,7 +467,7 @@ class KvWorker:
     ) -> None:
         if side not in ("prefill", "decode"):
             raise InvalidArgument(f"side={side!r}: expected 'prefill' or 'decode'")
-        self.engine, self.side = engine, side
+        self.agent, self.side = agent, side
         self.tp_rank, self.tp_size, self.num_kv_heads = tp_rank, tp_size, num_kv_heads
         self.backend, self.kv_layout = backend, kv_layout
         self.timeout, self.layerwise = timeout, layerwise
@@ -472,16 +480,22 @@ class KvWorker:
         self.failures: dict[bytes, BaseException] = {}
         self._load_errors: set[int] = set()
 
+    @property
+    def engine(self) -> Any:
+        """Deprecated: the old name of :attr:`agent`."""
+        _warn_engine("KvWorker")
+        return self.agent
+
     @staticmethod
     def _key(request_id: str | bytes) -> bytes:
         return request_id.encode() if isinstance(request_id, str) else bytes(request_id)
 
     def register_kv_caches(self, kv_caches: Any) -> None:
-        """Takes the engine's per-layer caches (registered with the engine here)."""
+        """Takes the inference engine's per-layer caches (registered with the agent here)."""
         self.cache = cache_from_vllm(kv_caches, self.num_kv_heads, self.tp_size, self.tp_rank, self.backend, self.kv_layout)
         self.layer_index = {n: i for i, n in enumerate(self.cache.layer_names)}
-        regs = _register(self.engine, self.side, self.cache.regions)
-        self._ends = _Attached(self.engine, self.side, self.tp_rank, self.cache.layout, self.tp_size, regs)
+        regs = _register(self.agent, self.side, self.cache.regions)
+        self._ends = _Attached(self.agent, self.side, self.tp_rank, self.cache.layout, self.tp_size, regs)
 
     def _need(self) -> _Attached:
         if self._ends is None:
@@ -675,20 +689,26 @@ class LocalBootstrap:
 class KvManager:
     """One rank's KV end for SGLang-shaped senders and receivers (SGLang's ``KVManager``).
 
-    engine: its xfer.Engine; side: "prefill" or "decode"; rank, tp_size: its TP place;
+    agent: its xfer.Agent; side: "prefill" or "decode"; rank, tp_size: its TP place;
     cache: its :class:`Cache` (:func:`cache_from_sglang` or :func:`cache_from_sglang_mla`);
     bootstrap: where receivers leave pages for senders (:class:`LocalBootstrap` by
     default); timeout: seconds a request may take before it fails. ``info()`` goes to the
     other side, whose ``connect([infos])`` attaches it.
     """
 
-    def __init__(self, engine: Any, side: str, rank: int, tp_size: int, cache: Cache, bootstrap: Any = None, timeout: float = 60.0) -> None:
-        self.engine, self.side, self.rank_index = engine, side, rank
+    def __init__(self, agent: Any, side: str, rank: int, tp_size: int, cache: Cache, bootstrap: Any = None, timeout: float = 60.0) -> None:
+        self.agent, self.side, self.rank_index = agent, side, rank
         self.cache, self.timeout = cache, timeout
         self.bootstrap = bootstrap if bootstrap is not None else LocalBootstrap()
-        self._ends = _Attached(engine, side, rank, cache.layout, tp_size, _register(engine, side, cache.regions))
+        self._ends = _Attached(agent, side, rank, cache.layout, tp_size, _register(agent, side, cache.regions))
         self._whole: set[bytes] = set()
         self._lock = threading.Lock()
+
+    @property
+    def engine(self) -> Any:
+        """Deprecated: the old name of :attr:`agent`."""
+        _warn_engine("KvManager")
+        return self.agent
 
     def info(self) -> bytes:
         """This rank's info, for the other side's ``connect``."""

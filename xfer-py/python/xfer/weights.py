@@ -1,8 +1,8 @@
 """Weight sync: a model's weights from M source ranks (trainers) to N destination ranks
-(inference servers), each laid out its own way, over xfer engines.
+(inference servers), each laid out its own way, over xfer agents.
 
 A :class:`Layout` says what a rank holds of each tensor and where: every local tensor
-(numpy array or torch tensor, registered with its engine) is a region, holding one or more
+(numpy array or torch tensor, registered with its agent) is a region, holding one or more
 pieces of the model's tensors, each a box of the global index space (a tensor-parallel
 split) or a flat range of its row-major order (an FSDP shard), packed in order (vLLM's
 fused ``qkv_proj`` holds parts of ``q_proj``, ``k_proj`` and ``v_proj``).
@@ -27,7 +27,7 @@ each worker by ``info()`` and calls ``send_weights(version)``)::
 
     class XferWeightTransferEngine(WeightTransferEngine):
         def init_transfer_engine(self, init_info):
-            self.r = WeightReceiver(xfer.Engine(memory="cuda"), builder_for(self.model), **init_info["sync"])
+            self.r = WeightReceiver(xfer.Agent(memory="cuda"), builder_for(self.model), **init_info["sync"])
             self.r.init_transfer_engine(init_info)
         def start_weight_update(self): self.r.start_weight_update()
         def update_weights(self, update_info): self.r.update_weights(update_info)
@@ -45,12 +45,12 @@ each worker by ``info()`` and calls ``send_weights(version)``)::
 >>> out = np.zeros((4, 6), dtype=np.uint16)                      # 1 destination: all of it
 >>> src, dst = [rows(0), rows(1)], whole_w(out)
 >>> plan = Plan([s.layout for s in src], [dst.layout])
->>> e = xfer.Engine(transport="mem")
+>>> e = xfer.Agent(transport="mem")
 >>> d = Destination(e, dst.layout, [e.register(a) for a in dst.objects], sources=2, rank=0)
 >>> for i, s in enumerate(src):
-...     se = xfer.Engine(transport="mem")
+...     se = xfer.Agent(transport="mem")
 ...     source = Source(se, plan, i, s.layout, [se.register(a, remote_write=False) for a in s.objects])
-...     source.attach(0, se.add_peer(e.address), d.descriptors)
+...     source.attach(0, se.connect(e.info), d.descriptors)
 ...     assert source.push(1)[0]["bytes"] > 0
 >>> d.wait(1, timeout=10); bool((out == w).all())
 True
@@ -58,6 +58,7 @@ True
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -174,29 +175,41 @@ class LayoutBuilder:
         return self
 
 
+def _warn_engine(owner: str) -> None:
+    """The DeprecationWarning of ``owner.engine``, the old name of ``owner.agent``, at the
+    line that read it."""
+    warnings.warn(f"{owner}.engine is deprecated: use {owner}.agent (an xfer.Agent)", DeprecationWarning, stacklevel=3)
+
+
 class WeightSender:
     """A trainer rank's side of a weight sync: a :class:`Source` with the info receivers
     need and a ``send_weights`` call.
 
-    engine: its xfer.Engine; plan: the :class:`Plan`; rank: its source rank; builder: its
+    agent: its xfer.Agent; plan: the :class:`Plan`; rank: its source rank; builder: its
     :class:`LayoutBuilder` (its objects are registered here, readable by pulling
     receivers); options: those of :class:`Source` (chunk_bytes, max_inflight_bytes,
     max_inflight_transfers, timeout).
     """
 
-    def __init__(self, engine: Any, plan: Plan, rank: int, builder: LayoutBuilder, **options: Any) -> None:
-        self.engine = engine
+    def __init__(self, agent: Any, plan: Plan, rank: int, builder: LayoutBuilder, **options: Any) -> None:
+        self.agent = agent
         self.rank = rank
         self.layout = builder.layout
-        self.registrations = [engine.register(o, remote_write=False, remote_read=True) for o in builder.objects]
-        self.source = Source(engine, plan, rank, self.layout, self.registrations, **options)
+        self.registrations = [agent.register(o, remote_write=False, remote_read=True) for o in builder.objects]
+        self.source = Source(agent, plan, rank, self.layout, self.registrations, **options)
+
+    @property
+    def engine(self) -> Any:
+        """Deprecated: the old name of :attr:`agent`."""
+        _warn_engine("WeightSender")
+        return self.agent
 
     def info(self) -> dict[str, Any]:
         """What a receiver needs to pull from this rank (``init_transfer_engine``'s
         ``{"sources": [...]}``)."""
         return {
             "rank": self.rank,
-            "address": self.engine.address,
+            "address": self.agent.info,
             "layout": self.layout.to_json(),
             "descriptors": [r.descriptor for r in self.registrations],
             "record": self.source.record,
@@ -205,7 +218,7 @@ class WeightSender:
     def attach(self, receiver: dict[str, Any]) -> None:
         """Attaches a receiver by its :meth:`WeightReceiver.info` (a joiner gets its rank
         from ``add_destination`` first)."""
-        peer = self.engine.add_peer(receiver["address"])
+        peer = self.agent.connect(receiver["address"])
         self.source.attach(receiver["rank"], peer, receiver["descriptors"])
 
     def begin_update(self) -> None:
@@ -224,7 +237,7 @@ class WeightReceiver:
     ``init_transfer_engine(init_info)`` once, then per update ``start_weight_update()``,
     ``update_weights(update_info)``, ``finish_weight_update()``; ``shutdown()`` at the end.
 
-    engine, builder: as :class:`WeightSender`'s (objects registered writable here);
+    agent, builder: as :class:`WeightSender`'s (objects registered writable here);
     sources: the number of trainer ranks; rank: its rank in the plan (None for a replica
     that joins later: senders plan it in with ``add_destination``, or it pulls).
     ``update_info``: ``{"version": V}`` waits until every source has pushed V;
@@ -232,22 +245,28 @@ class WeightReceiver:
     init (``{"sources": [WeightSender.info(), ...]}``); ``"timeout"`` in seconds.
     """
 
-    def __init__(self, engine: Any, builder: LayoutBuilder, sources: int, rank: int | None = None, **options: Any) -> None:
-        self.engine = engine
+    def __init__(self, agent: Any, builder: LayoutBuilder, sources: int, rank: int | None = None, **options: Any) -> None:
+        self.agent = agent
         self.rank = rank
         self.layout = builder.layout
-        self.registrations = [engine.register(o, remote_write=True) for o in builder.objects]
-        self.destination = Destination(engine, self.layout, self.registrations, sources, rank, **options)
+        self.registrations = [agent.register(o, remote_write=True) for o in builder.objects]
+        self.destination = Destination(agent, self.layout, self.registrations, sources, rank, **options)
         self.version: int | None = None
         self._pending = False
 
+    @property
+    def engine(self) -> Any:
+        """Deprecated: the old name of :attr:`agent`."""
+        _warn_engine("WeightReceiver")
+        return self.agent
+
     def info(self) -> dict[str, Any]:
         """What senders attach this rank with."""
-        return {"rank": self.rank, "address": self.engine.address, "descriptors": self.destination.descriptors, "layout": self.layout.to_json()}
+        return {"rank": self.rank, "address": self.agent.info, "descriptors": self.destination.descriptors, "layout": self.layout.to_json()}
 
     def init_transfer_engine(self, init_info: dict[str, Any]) -> None:
         for s in init_info.get("sources", []):
-            peer = self.engine.add_peer(s["address"])
+            peer = self.agent.connect(s["address"])
             layout = Layout.from_json(s["layout"])
             self.destination.attach_source(s["rank"], peer, layout, s["descriptors"], s["record"])
 

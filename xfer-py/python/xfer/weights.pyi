@@ -3,7 +3,7 @@
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from . import Engine, Following, Peer, Registration
+from . import Agent, Following, Peer, Region
 
 Box = list[tuple[int, int]]
 
@@ -64,11 +64,11 @@ class Source:
 
     def __init__(
         self,
-        engine: Engine,
+        agent: Agent,
         plan: Plan,
         rank: int,
         layout: Layout,
-        registrations: Sequence[Registration],
+        registrations: Sequence[Region],
         chunk_bytes: int | None = None,
         max_inflight_bytes: int | None = None,
         max_inflight_transfers: int | None = None,
@@ -107,9 +107,9 @@ class Destination:
 
     def __init__(
         self,
-        engine: Engine,
+        agent: Agent,
         layout: Layout,
-        registrations: Sequence[Registration],
+        registrations: Sequence[Region],
         sources: int,
         rank: int | None = None,
         chunk_bytes: int | None = None,
@@ -144,12 +144,15 @@ class LayoutBuilder:
 class WeightSender:
     """A trainer rank's side: a Source with send_weights."""
 
-    engine: Engine
+    agent: Agent
     rank: int
     layout: Layout
-    registrations: list[Registration]
+    registrations: list[Region]
     source: Source
-    def __init__(self, engine: Engine, plan: Plan, rank: int, builder: LayoutBuilder, **options: Any) -> None: ...
+    def __init__(self, agent: Agent, plan: Plan, rank: int, builder: LayoutBuilder, **options: Any) -> None: ...
+    @property
+    def engine(self) -> Agent:
+        """Deprecated: the old name of agent (warns DeprecationWarning)."""
     def info(self) -> dict[str, Any]: ...
     def attach(self, receiver: dict[str, Any]) -> None: ...
     def begin_update(self) -> None: ...
@@ -160,15 +163,18 @@ class WeightSender:
 class WeightReceiver:
     """An inference rank's side, in the call order of vLLM's weight-transfer engine."""
 
-    engine: Engine
+    agent: Agent
     rank: int | None
     layout: Layout
-    registrations: list[Registration]
+    registrations: list[Region]
     destination: Destination
     version: int | None
     def __init__(
-        self, engine: Engine, builder: LayoutBuilder, sources: int, rank: int | None = None, **options: Any
+        self, agent: Agent, builder: LayoutBuilder, sources: int, rank: int | None = None, **options: Any
     ) -> None: ...
+    @property
+    def engine(self) -> Agent:
+        """Deprecated: the old name of agent (warns DeprecationWarning)."""
     def info(self) -> dict[str, Any]: ...
     def init_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
     def start_weight_update(self) -> None: ...
