@@ -76,9 +76,9 @@ def xfer_target(args, conn):
 
     page = args.page_kib << 10
     buf = np.zeros(args.region_pages * page, dtype=np.uint8)
-    with xfer.Engine(transport="tcp", rails=args.rails) as e:
+    with xfer.Agent(transport="tcp", rails=args.rails) as e:
         reg = e.register(buf)
-        conn.send((e.address, reg.descriptor))
+        conn.send((e.info, reg.descriptor))
         while True:
             cmd = conn.recv()
             if cmd == "stop":
@@ -97,8 +97,8 @@ def xfer_initiator(args, conn, rounds_out):
     src_pages, dst_pages = pages_of(args)
     buf = np.random.default_rng(3).integers(0, 256, args.region_pages * page, dtype=np.uint8)
     address, desc = conn.recv()
-    with xfer.Engine(transport="tcp", rails=args.rails) as e:
-        peer = e.add_peer(address)
+    with xfer.Agent(transport="tcp", rails=args.rails) as e:
+        peer = e.connect(address)
         reg = e.register(buf, remote_write=False)
         # Warm up: connections, the first pages.
         for _ in range(args.depth):

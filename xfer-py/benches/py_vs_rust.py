@@ -1,12 +1,12 @@
 """Python against Rust, on the same transfers in the same run (a benchmark, not a test).
 
-1. Throughput: `write_pages` of 1000 random pages of 64 KiB between two tcp engines of
+1. Throughput: `write_pages` of 1000 random pages of 64 KiB between two tcp agents of
    this process (regions of 256 MiB), 4 transfers in flight, against `xfer demo` with the
    same workload (`--transport tcp --pages 1000 --page-size 64KiB --depth 4`).
 2. Per-call overhead: one-page writes (4 KiB), one at a time, each timed from the Python
    call to its completion (`write(...).wait()`), against the same loop through the Rust
    API (`examples/one_page_rust.rs`: `Agent::submit` + `wait` on agents built from the same
-   options as the Python engines), over tcp and over the in-process mem transport (no
+   options as the Python agents), over tcp and over the in-process mem transport (no
    network: the engine's and the binding's own cost). Every side runs its workers unpinned
    (`xfer demo --pin off`, `pin="off"`), so that they compare like for like. `xfer demo --latency` is not the reference here:
    its transfers carry immediate data and it times the target's event too.
@@ -59,12 +59,12 @@ def find(obj, key):
 
 
 class Pair:
-    """Two tcp engines of this process and a region on each."""
+    """Two tcp agents of this process and a region on each."""
 
     def __init__(self, region, transport="tcp", rails=1):
-        self.a = xfer.Engine(transport=transport, rails=rails, pin="off")
-        self.b = xfer.Engine(transport=transport, rails=rails, pin="off")
-        self.peer = self.a.add_peer(self.b.address)
+        self.a = xfer.Agent(transport=transport, rails=rails, pin="off")
+        self.b = xfer.Agent(transport=transport, rails=rails, pin="off")
+        self.peer = self.a.connect(self.b.info)
         self.src = np.random.default_rng(1).integers(0, 256, region, dtype=np.uint8)
         self.dst = np.zeros(region, dtype=np.uint8)
         self.rs = self.a.register(self.src, remote_write=False)

@@ -107,16 +107,16 @@ class Cache:
         return layer * self.args.num_blocks + block
 
 
-def engine(args, gpu):
+def make_agent(args, gpu):
     memory = "cuda" if args.device == "cuda" else "host"
-    return xfer.Engine(transport=args.transport, rails=args.rails, memory=memory, gpu=gpu, timeout=args.timeout)
+    return xfer.Agent(transport=args.transport, rails=args.rails, memory=memory, gpu=gpu, timeout=args.timeout)
 
 
 def decode(args, conn, gpu):
     cache = Cache(args, gpu)
-    with engine(args, gpu) as e:
+    with make_agent(args, gpu) as e:
         reg = e.register(cache.kv)
-        conn.send((e.address, reg.descriptor))
+        conn.send((e.info, reg.descriptor))
         rng = np.random.default_rng(1)
         lat, failures = [], 0
         for r in range(args.requests):
@@ -146,10 +146,10 @@ def decode(args, conn, gpu):
 
 def prefill(args, conn, gpu):
     cache = Cache(args, gpu)
-    with engine(args, gpu) as e:
+    with make_agent(args, gpu) as e:
         reg = e.register(cache.kv, remote_write=False)
-        address, descriptor = conn.recv()
-        peer = e.add_peer(address)
+        info, descriptor = conn.recv()
+        peer = e.connect(info)
         rng = np.random.default_rng(2)
         moved, busy = 0, 0.0
         while (msg := conn.recv()) is not None:

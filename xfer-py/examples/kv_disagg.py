@@ -12,7 +12,7 @@ Shapes (``--shape``):
   planner spreads each request over the prefill ranks that hold it.
 
 For each TP pair (``--tp 2:4,4:1``: prefill TP 2 -> decode TP 4, then 4 -> 1) the script
-starts one process per rank ("spawn"), each with its own ``xfer.Engine`` and its vLLM-shaped
+starts one process per rank ("spawn"), each with its own ``xfer.Agent`` and its vLLM-shaped
 per-layer caches, registered through ``kv.cache_from_vllm`` and ``kv.Rank``. The ranks
 exchange their ``Rank.info()`` (here through the parent process, in a server through the
 scheduler's metadata) and attach to the other side's. Then, per request:
@@ -283,7 +283,7 @@ def layouts(shape, tp, num_blocks):
 
 
 def rank_main(cfg, side, rank, commands, results, barrier):
-    """One rank: its engine, its caches, its kv.Rank; then the parent's requests."""
+    """One rank: its agent, its caches, its kv.Rank; then the parent's requests."""
     try:
         RankProcess(cfg, side, rank, barrier).serve(commands, results)
     except BaseException:
@@ -312,12 +312,12 @@ class RankProcess:
         assert cache.layout == (pre if side == "prefill" else dec)[rank], "the tensors' layout is the side's"
         if cfg.device == "cuda":
             # transport "auto": cuda-ipc between GPU processes of one host, tcp beyond.
-            self.engine = xfer.Engine(transport="auto", memory="cuda", gpu=0, name=f"{side}-{rank}", timeout=cfg.timeout)
+            self.agent = xfer.Agent(transport="auto", memory="cuda", gpu=0, name=f"{side}-{rank}", timeout=cfg.timeout)
             self.cycles = self.a.sleep_cycles(cfg.layer_ms) if side == "prefill" else 0
         else:
-            self.engine = xfer.Engine(transport="tcp", name=f"{side}-{rank}", timeout=cfg.timeout)
+            self.agent = xfer.Agent(transport="tcp", name=f"{side}-{rank}", timeout=cfg.timeout)
         # Registers the caches: readable by peers on prefill, writable on decode.
-        self.rank = kv.Rank(self.engine, side, rank, cache.regions, pre, dec)
+        self.rank = kv.Rank(self.agent, side, rank, cache.regions, pre, dec)
 
     def serve(self, commands, results):
         results.put((self.side, self.r, "info", self.rank.info()))
@@ -327,7 +327,7 @@ class RankProcess:
         while (req := commands.get()) is not None:
             run = self.prefill if self.side == "prefill" else self.decode
             results.put((self.side, self.r, "done", run(*req)))
-        self.engine.close()
+        self.agent.close()
 
     def prefill(self, rid, seed, num_tokens, prefill_table, decode_table):
         cfg, a, shape = self.cfg, self.a, self.shape

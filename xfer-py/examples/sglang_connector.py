@@ -34,11 +34,11 @@ class XferKVReceiver(KVReceiver, BaseKVReceiver):  # type: ignore[misc,valid-typ
         KVReceiver.__init__(self, mgr, bootstrap_addr, bootstrap_room, prefill_dp_rank)
 
 
-def make_manager(engine: Any, side: str, tp_rank: int, tp_size: int, pool: Any, num_kv_heads: int, bootstrap: Any) -> KvManager:
+def make_manager(agent: Any, side: str, tp_rank: int, tp_size: int, pool: Any, num_kv_heads: int, bootstrap: Any) -> KvManager:
     """A KvManager over SGLang's MHA token pool ``pool`` (its ``k_buffer``/``v_buffer``
     lists and ``page_size``)."""
     cache = cache_from_sglang(pool.k_buffer, pool.v_buffer, pool.page_size, num_kv_heads, tp_size, tp_rank)
-    return KvManager(engine, side, tp_rank, tp_size, cache, bootstrap=bootstrap)
+    return KvManager(agent, side, tp_rank, tp_size, cache, bootstrap=bootstrap)
 
 
 __all__ = ["XferKVSender", "XferKVReceiver", "make_manager", "KVPoll"]

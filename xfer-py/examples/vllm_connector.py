@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from xfer import Engine
+from xfer import Agent
 from xfer.kv import ConnectorMetadata, KvWorker, ReqMeta
 
 try:  # vLLM's base class, where installed
@@ -54,9 +54,9 @@ class XferConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             pc, mc = vllm_config.parallel_config, vllm_config.model_config
             from vllm.distributed import get_tensor_model_parallel_rank  # type: ignore[import-not-found]  # noqa: PLC0415
 
-            engine = Engine(memory="cuda", gpu=0, listen=tc.get_from_extra_config("listen", "127.0.0.1"))
+            agent = Agent(memory="cuda", gpu=0, listen=tc.get_from_extra_config("listen", "127.0.0.1"))
             self.worker = XferConnectorWorker(
-                engine,
+                agent,
                 self.side,
                 get_tensor_model_parallel_rank(),
                 pc.tensor_parallel_size,

@@ -6,7 +6,7 @@ Qwen2.5-7B; nothing is downloaded), in BF16. Trainers hold Hugging Face's tensor
 Megatron way (q, k, v, gate, up and the vocabulary along rows, o and down along columns,
 norms whole). Inference ranks hold vLLM's parameters: each layer's ``qkv_proj`` packs its
 part of q, k and v (and ``gate_up_proj`` its part of gate and up) in one tensor, exactly as
-vLLM loads them. Every rank runs in a process of its own, with its own engine; the
+vLLM loads them. Every rank runs in a process of its own, with its own agent; the
 receivers are driven in the call order of vLLM's weight-transfer engine
 (``init_transfer_engine``, ``start_weight_update``, ``update_weights``,
 ``finish_weight_update``). Every receiver checks every byte of every version it gets
@@ -237,9 +237,9 @@ class Layout0(Memory):
         return np.lib.stride_tricks.as_strided(np.zeros(1, dtype=np.uint16), shape=(n,), strides=(0,))
 
 
-def engine(args, gpu):
+def make_agent(args, gpu):
     memory = "cuda" if args.device == "cuda" else "host"
-    return xfer.Engine(transport=args.transport, memory=memory, gpu=gpu, rails=args.rails, timeout=30.0)
+    return xfer.Agent(transport=args.transport, memory=memory, gpu=gpu, rails=args.rails, timeout=30.0)
 
 
 def trainer(args, conn, rank):
@@ -248,7 +248,7 @@ def trainer(args, conn, rank):
     src, dst = layouts(cfg)
     b, bufs = build(mem, trainer_parts(cfg, rank))
     plan = Plan(src, dst)
-    e = engine(args, 0)
+    e = make_agent(args, 0)
     sender = WeightSender(e, plan, rank, b)
     conn.send(("info", sender.info()))
     while True:
@@ -266,7 +266,7 @@ def trainer(args, conn, rank):
             s = time.monotonic() - t
             redone = {}
             if failed:
-                # Each failed alone; redo them alone (the engine connects again by itself
+                # Each failed alone; redo them alone (the agent connects again by itself
                 # where a connection broke; a receiver that restarted would be attached
                 # again with its new info instead).
                 again = sender.send_weights(arg, destinations=sorted(failed))
@@ -281,7 +281,7 @@ def receiver(args, conn, tp, rank, plan_rank):
     cfg = config(args)
     mem = Memory(args.device)
     b, bufs = build(mem, vllm_parts(cfg, tp, rank))
-    e = engine(args, 0)
+    e = make_agent(args, 0)
     r = WeightReceiver(e, b, sources=TRAIN_TP, rank=plan_rank)
     conn.send(("info", r.info()))
     while True:
