@@ -7,7 +7,7 @@
 //! `cargo run --release -p xfer-py --example one_page_rust -- tcp 20000 [imm]`
 
 use std::time::{Duration, Instant};
-use xfer::placement::PinMode;
+use xfer::PinMode;
 use xfer::{Access, Agent, AgentOptions, HostBuffer, Transfer, TransportChoice};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -149,21 +149,21 @@ impl Directory {
         )
     }
 
-    /// Publishes `engine` (an Agent) as member `name`, with `regions` (name -> Region) that
+    /// Publishes `agent` as member `name`, with `regions` (name -> Region) that
     /// peers may use, for `ttl` seconds past this process's last renewal.
-    #[pyo3(signature = (name, engine, regions=None, ttl=10.0))]
+    #[pyo3(signature = (name, agent, regions=None, ttl=10.0))]
     fn publish(
         &self,
         py: Python<'_>,
         name: &str,
-        engine: &Engine,
+        agent: &Engine,
         regions: Option<HashMap<String, PyRef<'_, Registration>>>,
         ttl: f64,
     ) -> PyResult<Publication> {
         let ttl = ttl_of(ttl)?;
-        let mut agent = engine.info(py)?;
-        agent.name = name.to_owned();
-        let mut r = Record::new(&self.cluster, agent);
+        let mut info = agent.info(py)?;
+        info.name = name.to_owned();
+        let mut r = Record::new(&self.cluster, info);
         for (n, reg) in regions.unwrap_or_default() {
             r.regions.insert(n, reg.region_descriptor().clone());
         }
@@ -176,15 +176,15 @@ impl Directory {
         })
     }
 
-    /// Publishes `engine` (an Agent) under its own name (`Agent.name`) with every region it
+    /// Publishes `agent` under its own name (`Agent.name`) with every region it
     /// offers now (`Agent.offer`, and the weight sync's `Source.offer` and
     /// `Destination.offer`), for `ttl` seconds past this process's last renewal: how a
     /// weight-sync member makes itself known to the others. Offer more later, then call
     /// `Publication.update()`.
-    #[pyo3(signature = (engine, ttl=10.0))]
-    fn join(&self, py: Python<'_>, engine: &Engine, ttl: f64) -> PyResult<Publication> {
+    #[pyo3(signature = (agent, ttl=10.0))]
+    fn join(&self, py: Python<'_>, agent: &Engine, ttl: f64) -> PyResult<Publication> {
         let ttl = ttl_of(ttl)?;
-        let agent = engine.agent_handle()?;
+        let agent = agent.agent_handle()?;
         let p = py
             .detach(|| agent.publish(&*self.dir, &self.cluster, ttl))
             .map_err(|e| agent_error(&e))?;
@@ -193,11 +193,11 @@ impl Directory {
         })
     }
 
-    /// Follows the cluster with `engine` (an Agent): every member but the agent itself (by
+    /// Follows the cluster with `agent`: every member but the agent itself (by
     /// name) is connected as it joins (the members there now first) and disconnected as it
     /// leaves.
-    fn follow(&self, py: Python<'_>, engine: &Engine) -> PyResult<Following> {
-        let agent = engine.agent_handle()?;
+    fn follow(&self, py: Python<'_>, agent: &Engine) -> PyResult<Following> {
+        let agent = agent.agent_handle()?;
         let f = py
             .detach(|| agent.follow(&*self.dir, &self.cluster))
             .map_err(|e| agent_error(&e))?;

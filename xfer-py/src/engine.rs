@@ -13,7 +13,6 @@
 //! (Ctrl-C), and a transfer's completion is decided on the transfer engine's workers, never
 //! in Python.
 
-use xfer::layers::AgentLayers;
 use crate::args::{imm_value, pages, positive, seconds, triples, wait_sliced};
 use crate::errors::{AgentClosed, agent_error, invalid, metadata_error};
 use crate::handle::Handle;
@@ -30,6 +29,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
+use xfer::layers::AgentLayers;
 use xfer::{Agent, AgentInfo, RegionDescriptor, Transfer, TransportKind};
 
 /// What an agent, its regions and its peers share.

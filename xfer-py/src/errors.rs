@@ -184,9 +184,10 @@ pub fn agent_error(e: &xfer::Error) -> PyErr {
         // A token file unreadable, empty or given with a token, or require_auth without a
         // token beyond loopback: the arguments' fault (the chain names the file's OS error).
         X::AuthToken(_) => InvalidArgument::new_err(report(e)),
-        X::Nics(n @ (xfer::layers::nics::NicError::Domains(_) | xfer::layers::nics::NicError::Interfaces(_))) => {
-            TransportFailed::new_err(report(n))
-        }
+        X::Nics(
+            n @ (xfer::layers::nics::NicError::Domains(_)
+            | xfer::layers::nics::NicError::Interfaces(_)),
+        ) => TransportFailed::new_err(report(n)),
         X::Nics(n) => InvalidArgument::new_err(format!("nics: {}", report(n))),
         X::Unavailable { .. } => Unsupported::new_err(report(e)),
         X::Cuda(c) => Unsupported::new_err(format!("CUDA: {}", report(c))),

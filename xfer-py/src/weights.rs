@@ -2,8 +2,8 @@
 //! rank holds of each tensor and where (each region a registered tensor or array), `Plan`
 //! is the static schedule between source and destination layouts, `Source` pushes a rank's
 //! share and `Destination` waits for a pushed version or pulls its share (the library's
-//! `weights::Source` and `weights::Destination`). Every blocking call runs with the GIL released (a push takes it
-//! back only to call the prepare hook); failures are the package's exception classes
+//! `weights::Source` and `weights::Destination`). Every blocking call runs with the GIL
+//! released (a push takes it back only to call the prepare hook); failures are the package's exception classes
 //! ([`crate::errors::sync_error`]), and a push reports each destination on its own.
 //!
 //! For GPU memory the push of a `Source` follows the caller's CUDA stream: its transfers

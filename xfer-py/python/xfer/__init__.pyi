@@ -384,14 +384,14 @@ class Directory:
     def publish(
         self,
         name: str,
-        engine: Agent,
+        agent: Agent,
         regions: dict[str, Region] | None = None,
         ttl: float = 10.0,
     ) -> Publication: ...
-    def join(self, engine: Agent, ttl: float = 10.0) -> Publication:
-        """Publishes `engine` (an Agent) under its own name with every region it offers now."""
-    def follow(self, engine: Agent) -> Following:
-        """Connects `engine` (an Agent) to every other member as it joins (the members now
+    def join(self, agent: Agent, ttl: float = 10.0) -> Publication:
+        """Publishes `agent` under its own name with every region it offers now."""
+    def follow(self, agent: Agent) -> Following:
+        """Connects `agent` to every other member as it joins (the members now
         first)."""
     def lookup(self, name: str) -> dict[str, Any] | None: ...
     def members(self) -> list[dict[str, Any]]: ...
