@@ -119,5 +119,5 @@ pub use transport_tcp::{Congestion, CongestionError};
 pub use fabric_core::engine::TransferStats;
 pub use fabric_core::metadata::{AgentInfo, RegionDescriptor, TransportInfo, TransportKind};
 pub use fabric_core::plan::StridedRun;
-pub use fabric_core::{Access, Fence, HostBuffer, MemoryLocation, MemoryRegion};
+pub use fabric_core::{Access, Fence, HostBuffer, MemoryError, MemoryLocation, MemoryRegion};
 pub use handle::Handle;
