@@ -70,11 +70,13 @@
 //! is planned once ([`Agent::prepare`]) and posted many times ([`Agent::post`]).
 //! GPU memory comes from [`cuda`]; `docs/api.md` lists the whole surface.
 //!
-//! Many small transfers: each transfer's plan is allocated by the thread that submits it
-//! and freed by a rail's worker, a hand-off between threads that glibc's malloc pays for
-//! (a quarter of the rate of 16-page transfers on the H200). A program that submits many
-//! should run on an allocator built for it; the `xfer` command and the Python package use
-//! `mimalloc`:
+//! Many small transfers: the same pages moved again and again (a KV block table, a weight
+//! shard, every step) are best [prepared](Agent::prepare) once and [posted](Agent::post):
+//! a post plans nothing and allocates no plan. Each [`submit`](Agent::submit) plans anew,
+//! and its plan is allocated by the thread that submits and freed by a rail's worker, a
+//! hand-off between threads that glibc's malloc pays for (a quarter of the rate of 16-page
+//! transfers on the H200). A program that submits many distinct transfers should run on an
+//! allocator built for it; the `xfer` command and the Python package use `mimalloc`:
 //!
 //! ```text
 //! #[global_allocator]
