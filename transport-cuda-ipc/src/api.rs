@@ -6,9 +6,9 @@ use crate::{
     TargetRegion, WriteOp,
 };
 use fabric_core::{
-    Access, Completion, Error, LocalKey, LocalSlice, MemoryRegion, OpError, PeerId, PostOutcome,
-    Registration, RemoteKey, RemoteRegion, RemoteSlice, Result, Rows, Transport, TransportLimits,
-    WorkRequestId,
+    Access, Completion, Error, LocalKey, LocalSlice, MemoryLocation, MemoryRegion, OpError, PeerId,
+    PostOutcome, Registration, RemoteKey, RemoteRegion, RemoteSlice, Result, Rows, Transport,
+    TransportLimits, WorkRequestId,
 };
 use std::collections::VecDeque;
 use std::os::fd::AsRawFd;
@@ -118,6 +118,19 @@ impl<L: Link> Transport for CudaIpcTransport<L> {
     }
 
     fn register(&mut self, mem: Arc<dyn MemoryRegion>, access: Access) -> Result<Registration> {
+        // The link copies on its own device, from or into that device's memory: another
+        // device's memory is not this transport's to hold (an agent then carries it over
+        // another transport, such as tcp, which copies each region on its own device).
+        if let MemoryLocation::Cuda { device } = mem.location()
+            && device != self.link.device()
+        {
+            return Err(Error::Unsupported(format!(
+                "the cuda-ipc transport of CUDA device {} holds that device's memory (and \
+                 host memory it copies from), not device {device}'s: use a cuda-ipc \
+                 transport of device {device}, or the tcp transport",
+                self.link.device()
+            )));
+        }
         let export =
             if access.contains(Access::REMOTE_WRITE) || access.contains(Access::REMOTE_READ) {
                 Some(self.link.export(&mem)?)

@@ -175,3 +175,34 @@ fn two_gpus_and_host_memory_through_one_pair_of_tcp_agents() {
     let h = host_dst.to_vec(0, t).unwrap();
     assert!(h.iter().all(|&x| x == 0x10), "GPU 0 -> host");
 }
+
+/// An agent of GPU 0 (cuda-ipc and tcp) registers GPU 1's memory too: cuda-ipc (whose rails
+/// copy on GPU 0) leaves it out, tcp holds it, and its transfers go over tcp.
+#[test]
+#[ignore = "needs 2 CUDA GPUs (--include-ignored runs it; scripts/gpu-proof.sh)"]
+fn two_gpus_in_an_agent_of_gpu_0_the_other_gpus_memory_goes_over_tcp() {
+    let cuda = gpu_mem::testing::require_gpus(2);
+    let g1 = cuda.device(1).unwrap();
+    let (a, b) = (gpu_agent("a"), gpu_agent("b"));
+    let peer = a.connect(b.info()).unwrap();
+    let src: Arc<dyn MemoryRegion> = Arc::new(g1.alloc_zeroed(LEN).unwrap());
+    src.write_from_host(0, &vec![0x61; LEN]).unwrap();
+    let dst: Arc<dyn MemoryRegion> = Arc::new(g1.alloc_zeroed(LEN).unwrap());
+    let s = a.register(src, Access::NONE).unwrap();
+    let d = b.register(dst.clone(), Access::REMOTE_WRITE).unwrap();
+    assert!(d.descriptor().on(TransportKind::CudaIpc).is_none());
+    assert!(d.descriptor().on(TransportKind::Tcp).is_some());
+    a.submit(
+        &peer,
+        &s,
+        d.descriptor(),
+        Transfer::segments(vec![(0, 0, LEN as u64)]).imm(9),
+    )
+    .unwrap()
+    .wait(T)
+    .unwrap();
+    b.wait_imm(9, 1, T).unwrap();
+    let mut got = vec![0u8; LEN];
+    dst.read_to_host(0, &mut got).unwrap();
+    assert!(got.iter().all(|&x| x == 0x61), "GPU 1 -> GPU 1 over tcp");
+}
