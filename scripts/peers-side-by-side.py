@@ -1,24 +1,37 @@
 #!/usr/bin/env python3
-"""xfer and NIXL side by side: the same paged WRITEs between two processes of one host,
-host memory, over TCP (NIXL's UCX backend restricted to its tcp transport, xfer's tcp
+"""xfer, NIXL and Mooncake's Transfer Engine side by side: the same paged WRITEs between
+two processes of one host, host memory, over TCP (NIXL's UCX backend restricted to its tcp
+transport, Mooncake's tcp transport with its metadata by P2P handshake, xfer's tcp
 transport), interleaved round by round; the median of the rounds.
 
 Each transfer writes `--pages` pages of `--page-kib` KiB from random pages of the
 initiator's region to random pages of the target's (a fixed permutation), the way a KV
 cache moves; `--transfers` of them are timed per round, one in flight at a time (`--depth`
-for more). The target's pages are checked against the source's after each engine's rounds.
+for more). Every engine posts one transfer as one call: xfer's `write_pages`, NIXL's
+prepared transfer, Mooncake's `batch_transfer_async_write` (one batch of `--pages`
+requests, waited for with `get_batch_transfer_status`). The target's pages are checked
+against the source's after each engine's rounds.
 
 Setup (any Python 3.10+; a venv of its own, NIXL brings UCX):
 
-    python3 -m venv /tmp/nixl-venv
-    /tmp/nixl-venv/bin/pip install nixl numpy target/wheels/xfer-*.whl
-    /tmp/nixl-venv/bin/python scripts/nixl-side-by-side.py --page-kib 64 --rails 1
+    python3 -m venv /tmp/peers-venv
+    /tmp/peers-venv/bin/pip install numpy target/wheels/xfer-*.whl mooncake-transfer-engine-non-cuda
+    /tmp/peers-venv/bin/pip install nixl   # or, without torch: --no-deps nixl nixl-cu12
+    /tmp/peers-venv/bin/python scripts/peers-side-by-side.py --page-kib 64 --rails 1
 
-NIXL picks its CUDA flavour (nixl-cu12 or nixl-cu13) from what it finds; on a machine
-without a GPU either works for host memory. UCX_TLS is set to tcp unless given: UCX would
-otherwise use shared memory between processes of one host, which is not the link being
-compared. Prints one JSON line per engine and round and a summary: the rate, and the CPU
-time each process (initiator, target; all threads) spent per GB moved in the timed rounds.
+`--engines` picks a subset (e.g. `xfer,mooncake` without NIXL). No system packages beyond
+Debian 12's base are needed. NIXL picks its CUDA flavour (nixl-cu12 or nixl-cu13) from
+what it finds; on a machine without a GPU either works for host memory (its Python API
+runs without torch for host memory). Mooncake's default wheel (`mooncake-transfer-engine`)
+links libcuda.so.1 and libcudart.so.12, which a machine without a GPU driver lacks; the
+`-non-cuda` build of the same version is the same engine without CUDA. Mooncake runs with its defaults but one: its queue of requests per peer is
+raised to its maximum (`MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER=65535` unless given; at the
+default 1024, four batches of 1024 pages in flight fail), and its per-batch INFO log is
+quietened (`GLOG_minloglevel=1` unless given). UCX_TLS is set to tcp unless
+given: UCX would otherwise use shared memory between processes of one host, which is not
+the link being compared. Prints one JSON line per engine and round and a summary: the
+rate, and the CPU time each process (initiator, target; all threads) spent per GB moved
+in the timed rounds.
 """
 
 import argparse
@@ -26,6 +39,7 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import sys
 import time
@@ -201,9 +215,91 @@ def nixl_initiator(args, conn, rounds_out):
     return ok
 
 
+# ---- Mooncake ------------------------------------------------------------------------
+
+
+def mooncake_engine():
+    """A Mooncake Transfer Engine on its tcp transport, its metadata by P2P handshake (no
+    etcd); its session id, `host:port` of its RPC listener, names it to a peer."""
+    from mooncake.engine import TransferEngine
+
+    te = TransferEngine()
+    if te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        raise RuntimeError("Mooncake: initialize failed")
+    return te, f"127.0.0.1:{te.get_rpc_port()}"
+
+
+def mooncake_target(args, conn):
+    page = args.page_kib << 10
+    buf = np.zeros(args.region_pages * page, dtype=np.uint8)
+    te, session = mooncake_engine()
+    if te.register_memory(buf.ctypes.data, buf.nbytes) != 0:
+        raise RuntimeError("Mooncake: register_memory failed")
+    conn.send((session, buf.ctypes.data))
+    # Mooncake's tcp transport receives on its own threads: the target only waits.
+    while True:
+        cmd = conn.recv()
+        if cmd == "stop":
+            break
+        if cmd == "cpu":
+            conn.send(cpu_seconds())
+            continue
+        conn.send(digest(buf, cmd, page))
+        buf[:] = 0
+    te.unregister_memory(buf.ctypes.data)
+
+
+def mooncake_initiator(args, conn, rounds_out):
+    page = args.page_kib << 10
+    src_pages, dst_pages = pages_of(args)
+    buf = np.random.default_rng(3).integers(0, 256, args.region_pages * page, dtype=np.uint8)
+    session, base = conn.recv()
+    te, _ = mooncake_engine()
+    if te.register_memory(buf.ctypes.data, buf.nbytes) != 0:
+        raise RuntimeError("Mooncake: register_memory failed")
+    # The address lists are built once; each transfer is one batch of `--pages` requests.
+    srcs = [buf.ctypes.data + int(p) * page for p in src_pages]
+    dsts = [base + int(p) * page for p in dst_pages]
+    lengths = [page] * len(srcs)
+
+    def post():
+        batch = te.batch_transfer_async_write(session, srcs, dsts, lengths)
+        if batch <= 0:
+            raise RuntimeError("Mooncake transfer failed to post")
+        return batch
+
+    def wait(batch):
+        # Waits for the batch (polling its status) and frees it.
+        if te.get_batch_transfer_status([batch]) != 0:
+            raise RuntimeError("Mooncake transfer failed")
+
+    for _ in range(args.depth):
+        wait(post())
+    for _ in range(args.rounds):
+        cpu = cpu_pair(conn)
+        t = time.perf_counter()
+        inflight = []
+        for _ in range(args.transfers):
+            if len(inflight) == args.depth:
+                wait(inflight.pop(0))
+            inflight.append(post())
+        for h in inflight:
+            wait(h)
+        rounds_out.append((time.perf_counter() - t, cpu_spent(conn, cpu)))
+    conn.send(dst_pages.tolist())
+    ok = conn.recv() == digest(buf, src_pages, page)
+    conn.send("stop")
+    te.unregister_memory(buf.ctypes.data)
+    return ok
+
+
 # ---- driver --------------------------------------------------------------------------
 
-ENGINES = {"xfer": (xfer_target, xfer_initiator), "nixl": (nixl_target, nixl_initiator)}
+ENGINES = {
+    "xfer": (xfer_target, xfer_initiator),
+    "nixl": (nixl_target, nixl_initiator),
+    "mooncake": (mooncake_target, mooncake_initiator),
+}
 
 
 def initiator_proc(name, args, conn, out):
@@ -221,7 +317,17 @@ def one_round(name, args):
     i = ctx.Process(target=initiator_proc, args=(name, args, a, out))
     t.start()
     i.start()
-    rounds, ok = out.get(timeout=600)
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            rounds, ok = out.get(timeout=1)
+            break
+        except queue.Empty:
+            if not i.is_alive() or time.monotonic() > deadline:
+                i.kill()
+                t.kill()
+                print(f"{name}: the initiator failed (exit code {i.exitcode})", file=sys.stderr)
+                sys.exit(4)
     i.join(60)
     t.join(60)
     return rounds, ok
@@ -237,10 +343,14 @@ def main():
     ap.add_argument("--pairs", type=int, default=3, help="process pairs per engine, interleaved")
     ap.add_argument("--depth", type=int, default=1, help="transfers in flight")
     ap.add_argument("--rails", type=int, default=1, help="xfer's tcp rails")
-    ap.add_argument("--engines", default="xfer,nixl")
+    ap.add_argument("--engines", default="xfer,nixl,mooncake")
     ap.add_argument("--nixl-target", choices=["idle", "busy"], default="idle", help="whether the NIXL target process only waits, leaving progress to NIXL's own thread (idle, its faster mode here), or polls its agent (busy)")
     args = ap.parse_args()
     os.environ.setdefault("UCX_TLS", "tcp")
+    os.environ.setdefault("GLOG_minloglevel", "1")
+    # Mooncake's tcp transport queues at most 1024 requests per peer by default and fails
+    # the rest: four batches of 1024 pages in flight need more.
+    os.environ.setdefault("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "65535")
     bytes_per_round = args.transfers * args.pages * (args.page_kib << 10)
     rates, cpus = {}, {}
     gb = bytes_per_round / 1e9
@@ -262,8 +372,9 @@ def main():
             "initiator": round(statistics.median(x[0] for x in c), 3),
             "target": round(statistics.median(x[1] for x in c), 3),
         }
-    if "xfer" in summary and "nixl" in summary:
-        summary["xfer/nixl"] = round(summary["xfer"] / summary["nixl"], 3)
+    for peer in ("nixl", "mooncake"):
+        if "xfer" in summary and peer in summary:
+            summary[f"xfer/{peer}"] = round(summary["xfer"] / summary[peer], 3)
     summary.update(page_kib=args.page_kib, pages=args.pages, depth=args.depth, rails=args.rails, ucx_tls=os.environ["UCX_TLS"])
     print(json.dumps({"median_gbps": summary}), flush=True)
 
