@@ -113,9 +113,6 @@ pub use options::{
     AgentOptions, AuthTokenError, BalanceOptions, CudaIpcOptions, DEFAULT_MESSAGES, EfaOptions,
     MAX_RAILS, MemoryKind, Role, TcpOptions, TransportChoice, WorkerOptions, read_token_file,
 };
-
-// The layers under their old crate paths, for this crate's own modules.
-pub(crate) use layers::{lanes, nics, placement};
 pub use transport_tcp::{Congestion, CongestionError};
 
 pub use fabric_core::engine::TransferStats;
@@ -123,3 +120,6 @@ pub use fabric_core::metadata::{AgentInfo, RegionDescriptor, TransportInfo, Tran
 pub use fabric_core::plan::StridedRun;
 pub use fabric_core::{Access, Fence, HostBuffer, MemoryError, MemoryLocation, MemoryRegion};
 pub use handle::Handle;
+
+// Short paths to the layers, for this crate's own modules.
+pub(crate) use layers::{lanes, nics, placement};
