@@ -82,6 +82,52 @@ def cpu_spent(conn, before):
     return now[0] - before[0], now[1] - before[1]
 
 
+def serve(conn, buf, page, busy=False, between=None):
+    """The target's side of the driver's protocol, until "stop": "cpu" is answered with
+    this process's CPU seconds, a list of pages with the digest of those pages of `buf`
+    (which is then zeroed for the next round). `busy` polls the pipe instead of blocking
+    on it; `between` (if given) runs after every message, and between polls."""
+    while True:
+        if not busy or conn.poll():
+            cmd = conn.recv()
+            if cmd == "stop":
+                break
+            if cmd == "cpu":
+                conn.send(cpu_seconds())
+            else:
+                conn.send(digest(buf, cmd, page))
+                buf[:] = 0
+        if between is not None:
+            between()
+
+
+def drive(args, conn, rounds_out, post, wait, buf, pages):
+    """The initiator's side: `args.depth` warm-up transfers (connections, first pages),
+    then `args.rounds` timed rounds of `args.transfers` transfers with at most `args.depth`
+    in flight (`post()` starts one and returns what `wait` waits for), each round's
+    seconds and CPU seconds (this process, the target's) appended to `rounds_out`; then the
+    target's pages are checked against ours. `pages` is (source pages, destination
+    pages). Returns whether they matched."""
+    src_pages, dst_pages = pages
+    for _ in range(args.depth):
+        wait(post())
+    for _ in range(args.rounds):
+        cpu = cpu_pair(conn)
+        t = time.perf_counter()
+        inflight = []
+        for _ in range(args.transfers):
+            if len(inflight) == args.depth:
+                wait(inflight.pop(0))
+            inflight.append(post())
+        for h in inflight:
+            wait(h)
+        rounds_out.append((time.perf_counter() - t, cpu_spent(conn, cpu)))
+    conn.send(dst_pages.tolist())
+    ok = conn.recv() == digest(buf, src_pages, args.page_kib << 10)
+    conn.send("stop")
+    return ok
+
+
 # ---- xfer ----------------------------------------------------------------------------
 
 
@@ -93,15 +139,7 @@ def xfer_target(args, conn):
     with xfer.Agent(transport="tcp", rails=args.rails) as e:
         reg = e.register(buf)
         conn.send((e.info, reg.descriptor))
-        while True:
-            cmd = conn.recv()
-            if cmd == "stop":
-                break
-            if cmd == "cpu":
-                conn.send(cpu_seconds())
-                continue
-            conn.send(digest(buf, cmd, page))
-            buf[:] = 0
+        serve(conn, buf, page)
 
 
 def xfer_initiator(args, conn, rounds_out):
@@ -114,24 +152,15 @@ def xfer_initiator(args, conn, rounds_out):
     with xfer.Agent(transport="tcp", rails=args.rails) as e:
         peer = e.connect(address)
         reg = e.register(buf, remote_write=False)
-        # Warm up: connections, the first pages.
-        for _ in range(args.depth):
-            e.write_pages(peer, reg, desc, src_pages, dst_pages, page).wait(timeout=60)
-        for _ in range(args.rounds):
-            cpu = cpu_pair(conn)
-            t = time.perf_counter()
-            inflight = []
-            for _ in range(args.transfers):
-                if len(inflight) == args.depth:
-                    inflight.pop(0).wait(timeout=60)
-                inflight.append(e.write_pages(peer, reg, desc, src_pages, dst_pages, page))
-            for h in inflight:
-                h.wait(timeout=60)
-            rounds_out.append((time.perf_counter() - t, cpu_spent(conn, cpu)))
-        conn.send(dst_pages.tolist())
-        ok = conn.recv() == digest(buf, src_pages, page)
-        conn.send("stop")
-    return ok
+        return drive(
+            args,
+            conn,
+            rounds_out,
+            lambda: e.write_pages(peer, reg, desc, src_pages, dst_pages, page),
+            lambda h: h.wait(timeout=60),
+            buf,
+            (src_pages, dst_pages),
+        )
 
 
 # ---- NIXL ----------------------------------------------------------------------------
@@ -148,17 +177,7 @@ def nixl_target(args, conn):
     # UCX's tcp transport moves a PUT through the target's worker. With --nixl-target idle
     # (the default) NIXL's own progress thread does it (2.5x the busy mode's rate on two
     # cores); busy polls the agent here too, as a serving engine's loop might.
-    while True:
-        if args.nixl_target == "idle" or conn.poll():
-            cmd = conn.recv()
-            if cmd == "stop":
-                break
-            if cmd == "cpu":
-                conn.send(cpu_seconds())
-                continue
-            conn.send(digest(buf, cmd, page))
-            buf[:] = 0
-        agent.get_new_notifs()
+    serve(conn, buf, page, busy=args.nixl_target != "idle", between=agent.get_new_notifs)
 
 
 def nixl_initiator(args, conn, rounds_out):
@@ -196,23 +215,7 @@ def nixl_initiator(args, conn, rounds_out):
             if state == "ERR":
                 raise RuntimeError("NIXL transfer failed")
 
-    for _ in range(args.depth):
-        wait(post())
-    for _ in range(args.rounds):
-        cpu = cpu_pair(conn)
-        t = time.perf_counter()
-        inflight = []
-        for _ in range(args.transfers):
-            if len(inflight) == args.depth:
-                wait(inflight.pop(0))
-            inflight.append(post())
-        for h in inflight:
-            wait(h)
-        rounds_out.append((time.perf_counter() - t, cpu_spent(conn, cpu)))
-    conn.send(dst_pages.tolist())
-    ok = conn.recv() == digest(buf, src_pages, page)
-    conn.send("stop")
-    return ok
+    return drive(args, conn, rounds_out, post, wait, buf, (src_pages, dst_pages))
 
 
 # ---- Mooncake ------------------------------------------------------------------------
@@ -237,15 +240,7 @@ def mooncake_target(args, conn):
         raise RuntimeError("Mooncake: register_memory failed")
     conn.send((session, buf.ctypes.data))
     # Mooncake's tcp transport receives on its own threads: the target only waits.
-    while True:
-        cmd = conn.recv()
-        if cmd == "stop":
-            break
-        if cmd == "cpu":
-            conn.send(cpu_seconds())
-            continue
-        conn.send(digest(buf, cmd, page))
-        buf[:] = 0
+    serve(conn, buf, page)
     te.unregister_memory(buf.ctypes.data)
 
 
@@ -273,22 +268,7 @@ def mooncake_initiator(args, conn, rounds_out):
         if te.get_batch_transfer_status([batch]) != 0:
             raise RuntimeError("Mooncake transfer failed")
 
-    for _ in range(args.depth):
-        wait(post())
-    for _ in range(args.rounds):
-        cpu = cpu_pair(conn)
-        t = time.perf_counter()
-        inflight = []
-        for _ in range(args.transfers):
-            if len(inflight) == args.depth:
-                wait(inflight.pop(0))
-            inflight.append(post())
-        for h in inflight:
-            wait(h)
-        rounds_out.append((time.perf_counter() - t, cpu_spent(conn, cpu)))
-    conn.send(dst_pages.tolist())
-    ok = conn.recv() == digest(buf, src_pages, page)
-    conn.send("stop")
+    ok = drive(args, conn, rounds_out, post, wait, buf, (src_pages, dst_pages))
     te.unregister_memory(buf.ctypes.data)
     return ok
 
