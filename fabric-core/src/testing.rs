@@ -142,6 +142,68 @@ impl Canaried {
     }
 }
 
+/// Host bytes that claim to be device `device`'s memory, as GPU memory does: no host
+/// pointer, every access through the copy methods (counted in `copies`), so that a
+/// transport or an agent must take the path it takes for device memory. For tests of that
+/// path on machines without a GPU.
+pub struct ClaimedDevice {
+    pub device: u32,
+    pub bytes: HostBuffer,
+    pub copies: std::sync::atomic::AtomicUsize,
+}
+
+impl ClaimedDevice {
+    /// `len` zeroed bytes that claim to be device `device`'s.
+    pub fn new(device: u32, len: usize) -> Arc<ClaimedDevice> {
+        Arc::new(ClaimedDevice {
+            device,
+            bytes: HostBuffer::new(len).expect("host memory for a claimed device region"),
+            copies: std::sync::atomic::AtomicUsize::new(0),
+        })
+    }
+
+    /// Whether its `len` bytes at `at` are all `byte` (read without counting a copy).
+    pub fn all(&self, at: u64, len: usize, byte: u8) -> bool {
+        self.bytes
+            .to_vec(at, len)
+            .unwrap()
+            .iter()
+            .all(|&x| x == byte)
+    }
+
+    fn counted(&self) {
+        self.copies
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+// SAFETY: no host pointer is offered; every access goes through the copy methods, which
+// bound-check against the inner buffer.
+unsafe impl MemoryRegion for ClaimedDevice {
+    fn len(&self) -> usize {
+        self.bytes.len()
+    }
+    fn location(&self) -> crate::MemoryLocation {
+        crate::MemoryLocation::Cuda {
+            device: self.device,
+        }
+    }
+    fn host_ptr(&self) -> Option<std::ptr::NonNull<u8>> {
+        None
+    }
+    fn device_addr(&self) -> u64 {
+        0x7000_0000_0000 + (u64::from(self.device) << 32)
+    }
+    fn read_to_host(&self, offset: u64, dst: &mut [u8]) -> Result<(), crate::MemoryError> {
+        self.counted();
+        self.bytes.read(offset, dst)
+    }
+    fn write_from_host(&self, offset: u64, src: &[u8]) -> Result<(), crate::MemoryError> {
+        self.counted();
+        self.bytes.write(offset, src)
+    }
+}
+
 /// A deterministic byte pattern.
 pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;

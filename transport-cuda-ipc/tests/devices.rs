@@ -3,48 +3,13 @@
 //! it over another transport instead of failing its registration. Run on the loopback link
 //! (device 0), with regions that claim a device the way GPU memory does.
 
-use fabric_core::{
-    Access, Error, HostBuffer, MemoryError, MemoryLocation, MemoryRegion, Transport,
-};
-use std::ptr::NonNull;
+use fabric_core::testing::ClaimedDevice;
+use fabric_core::{Access, Error, HostBuffer, MemoryRegion, Transport};
 use std::sync::Arc;
 use transport_cuda_ipc::{CudaIpcConfig, CudaIpcTransport, LoopbackLink};
 
-/// Host bytes that claim to be device `device`'s memory.
-struct OnDevice {
-    device: u32,
-    bytes: HostBuffer,
-}
-
-// SAFETY: no host pointer is offered; the copy methods bound-check against the buffer.
-unsafe impl MemoryRegion for OnDevice {
-    fn len(&self) -> usize {
-        self.bytes.len()
-    }
-    fn location(&self) -> MemoryLocation {
-        MemoryLocation::Cuda {
-            device: self.device,
-        }
-    }
-    fn host_ptr(&self) -> Option<NonNull<u8>> {
-        None
-    }
-    fn device_addr(&self) -> u64 {
-        0x7000_0000_0000
-    }
-    fn read_to_host(&self, offset: u64, dst: &mut [u8]) -> Result<(), MemoryError> {
-        self.bytes.read(offset, dst)
-    }
-    fn write_from_host(&self, offset: u64, src: &[u8]) -> Result<(), MemoryError> {
-        self.bytes.write(offset, src)
-    }
-}
-
 fn on(device: u32) -> Arc<dyn MemoryRegion> {
-    Arc::new(OnDevice {
-        device,
-        bytes: HostBuffer::new(4096).unwrap(),
-    })
+    ClaimedDevice::new(device, 4096)
 }
 
 #[test]

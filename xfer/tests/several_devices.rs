@@ -6,61 +6,16 @@
 //! must reach every byte through the region's copy methods. The same transfers with two
 //! real GPUs need a machine that has them (`gpu_one_agent.rs` covers host and one GPU).
 
-use std::ptr::NonNull;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use fabric_core::testing::ClaimedDevice;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 use xfer::{
-    Access, Agent, AgentOptions, HostBuffer, MemoryLocation, MemoryRegion, Region, Transfer,
-    TransportChoice, TransportKind,
+    Access, Agent, AgentOptions, HostBuffer, MemoryLocation, Region, Transfer, TransportChoice,
+    TransportKind,
 };
 
 const T: Duration = Duration::from_secs(30);
 const LEN: usize = 1 << 20;
-
-/// Host bytes that claim to be device `device`'s memory; counts the copies asked of it.
-struct Device {
-    device: u32,
-    bytes: HostBuffer,
-    copies: AtomicUsize,
-}
-
-impl Device {
-    fn new(device: u32) -> Arc<Device> {
-        Arc::new(Device {
-            device,
-            bytes: HostBuffer::new(LEN).unwrap(),
-            copies: AtomicUsize::new(0),
-        })
-    }
-}
-
-// SAFETY: no host pointer is offered; every access goes through the copy methods below,
-// which bound-check against the inner buffer.
-unsafe impl MemoryRegion for Device {
-    fn len(&self) -> usize {
-        self.bytes.len()
-    }
-    fn location(&self) -> MemoryLocation {
-        MemoryLocation::Cuda {
-            device: self.device,
-        }
-    }
-    fn host_ptr(&self) -> Option<NonNull<u8>> {
-        None
-    }
-    fn device_addr(&self) -> u64 {
-        0x7000_0000_0000 + (u64::from(self.device) << 32)
-    }
-    fn read_to_host(&self, offset: u64, dst: &mut [u8]) -> Result<(), xfer::MemoryError> {
-        self.copies.fetch_add(1, Ordering::Relaxed);
-        self.bytes.read(offset, dst)
-    }
-    fn write_from_host(&self, offset: u64, src: &[u8]) -> Result<(), xfer::MemoryError> {
-        self.copies.fetch_add(1, Ordering::Relaxed);
-        self.bytes.write(offset, src)
-    }
-}
 
 /// Whether `len` bytes of `b` from `at` are all `byte`.
 fn all(b: &HostBuffer, at: usize, len: usize, byte: u8) -> bool {
@@ -101,7 +56,7 @@ fn one_agent_moves_host_memory_and_two_devices_memory_between_any_two() {
     // a: host memory and both devices' memory, each a different byte.
     let host = HostBuffer::new_shared(LEN).unwrap();
     host.fill(0, LEN as u64, 0x11).unwrap();
-    let (d0, d1) = (Device::new(0), Device::new(1));
+    let (d0, d1) = (ClaimedDevice::new(0, LEN), ClaimedDevice::new(1, LEN));
     d0.bytes.fill(0, LEN as u64, 0x22).unwrap();
     d1.bytes.fill(0, LEN as u64, 0x33).unwrap();
     let sh = a.register(host, Access::NONE).unwrap();
@@ -110,7 +65,7 @@ fn one_agent_moves_host_memory_and_two_devices_memory_between_any_two() {
     assert_eq!(s1.descriptor().memory, MemoryLocation::Cuda { device: 1 });
 
     // b: the same three kinds, written by a.
-    let (t0, t1) = (Device::new(0), Device::new(1));
+    let (t0, t1) = (ClaimedDevice::new(0, LEN), ClaimedDevice::new(1, LEN));
     let host_dst = HostBuffer::new_shared(LEN).unwrap();
     let w = Access::REMOTE_WRITE | Access::REMOTE_READ;
     let th = b.register(host_dst.clone(), w).unwrap();
@@ -133,13 +88,13 @@ fn one_agent_moves_host_memory_and_two_devices_memory_between_any_two() {
     assert!(got[..q].iter().all(|&x| x == 0x11), "host -> device 1");
     assert!(got[q..2 * q].iter().all(|&x| x == 0x22), "device 0 -> 1");
     assert!(got[2 * q..].iter().all(|&x| x == 0x33), "device 1 -> 1");
-    assert!(all(&t0.bytes, 0, q, 0x33), "device 1 -> 0");
+    assert!(t0.all(0, q, 0x33), "device 1 -> 0");
     assert!(all(&host_dst, 0, q, 0x22), "device 0 -> host");
     // Nothing else was written.
-    assert!(all(&t1.bytes, 3 * q, q, 0), "past what was written");
+    assert!(t1.all(3 * q as u64, q, 0), "past what was written");
 
     // And back by READ: a pulls b's device 1 bytes into its device 0 memory.
-    let pulled = Device::new(0);
+    let pulled = ClaimedDevice::new(0, LEN);
     let local = a.register(pulled.clone(), Access::LOCAL_WRITE).unwrap();
     a.submit(
         &peer,
@@ -150,10 +105,7 @@ fn one_agent_moves_host_memory_and_two_devices_memory_between_any_two() {
     .unwrap()
     .wait(T)
     .unwrap();
-    assert!(
-        all(&pulled.bytes, 0, q, 0x22),
-        "read from device 1 into device 0"
-    );
+    assert!(pulled.all(0, q, 0x22), "read from device 1 into device 0");
 
     // Every device byte went through its region's copies, never a host pointer.
     for d in [&d0, &d1, &t0, &t1, &pulled] {
