@@ -55,22 +55,10 @@ fn byte(round: u8) -> u8 {
 /// `check N` with `ok` when its region holds round N's byte everywhere (round 0: zeros).
 fn peer() {
     let b = agent("efa-restarting-peer").expect("the peer's agent");
-    let mem = HostBuffer::new_shared(LEN).expect("memory");
-    let r = b
-        .register(mem.clone(), Access::REMOTE_WRITE)
-        .expect("a region");
-    child::announce(b.info(), r.descriptor());
-    child::serve(|line| {
-        let round: u8 = line.trim_start_matches("check ").parse().expect("check N");
+    child::serve_region(&b, LEN, |mem, round| {
         let want = if round == 0 { 0 } else { byte(round) };
-        let same = mem.to_vec(0, LEN).unwrap() == vec![want; LEN];
-        if same { "ok" } else { "bad" }.into()
+        mem.to_vec(0, LEN).unwrap() == vec![want; LEN]
     });
-}
-
-/// Whether the peer's region holds round `round`'s byte everywhere.
-fn holds(p: &mut Child, round: u8) -> bool {
-    p.ask(&format!("check {round}")) == "ok"
 }
 
 fn main() {
@@ -103,7 +91,7 @@ fn main() {
         )
     };
     write(&desc, 1).unwrap().wait(T).expect("a first write");
-    assert!(holds(&mut p, 1));
+    assert!(p.holds(1));
 
     // The peer killed and started again: a new address, a new incarnation.
     p.kill();
@@ -120,7 +108,7 @@ fn main() {
     // removes the old address from the address vector, and the provider then fails what
     // was pending: it ends typed, promptly.
     let pending = write(&desc, 2);
-    assert!(holds(&mut p, 0), "nothing reached the new process");
+    assert!(p.holds(0), "nothing reached the new process");
     let began = Instant::now();
     a.update_peer(&peer, &info2).expect("the new incarnation");
     let e = match pending {
@@ -145,15 +133,12 @@ fn main() {
             if descriptor_instance == info.instance && peer_instance == info2.instance),
         "{e:?}"
     );
-    assert!(
-        holds(&mut p, 0),
-        "nothing of the new process's memory changed"
-    );
+    assert!(p.holds(0), "nothing of the new process's memory changed");
     write(&desc2, 5)
         .unwrap()
         .wait(T)
         .expect("a write through the new process's descriptor");
-    assert!(holds(&mut p, 5), "it landed in the new process");
+    assert!(p.holds(5), "it landed in the new process");
     println!(
         "efa restart: the dead peer's writes failed typed, the old descriptor refused \
          (StaleDescriptor), the new process reached at its new address"

@@ -13,7 +13,7 @@
 
 mod common;
 
-use common::child::{self, Child};
+use common::child::{self, Child, pattern};
 use fabric_core::MemoryLocation;
 use fabric_core::engine::{EngineConfig, RailGroup};
 use std::net::SocketAddr;
@@ -65,14 +65,6 @@ fn agent(name: &str, port: u16) -> Agent {
     .expect("an agent")
 }
 
-fn pattern(round: u8) -> impl Fn(u64, &mut [u8]) {
-    move |at, chunk| {
-        for (i, b) in chunk.iter_mut().enumerate() {
-            *b = ((at + i as u64) % 251) as u8 ^ round;
-        }
-    }
-}
-
 /// The peer: announces its agent's and region's metadata, then answers each line
 /// `check N` with `ok` when its region holds round N's pattern (round 0: all zero), `bad`
 /// otherwise.
@@ -86,19 +78,12 @@ fn peer() {
     } else {
         agent("restarting-peer", port)
     };
-    let mem = HostBuffer::new_shared(LEN).expect("memory");
-    let r = b
-        .register(mem.clone(), Access::REMOTE_WRITE)
-        .expect("a region");
-    child::announce(b.info(), r.descriptor());
-    child::serve(|line| {
-        let round: u8 = line.trim_start_matches("check ").parse().expect("check N");
-        let want = HostBuffer::new_shared(LEN).unwrap();
-        if round != 0 {
-            want.fill_with(pattern(round));
+    child::serve_region(&b, LEN, |mem, round| {
+        if round == 0 {
+            mem.to_vec(0, LEN).unwrap() == vec![0; LEN]
+        } else {
+            child::holds_pattern(mem, round)
         }
-        let same = mem.to_vec(0, LEN).unwrap() == want.to_vec(0, LEN).unwrap();
-        if same { "ok" } else { "bad" }.into()
     });
 }
 
@@ -111,11 +96,6 @@ fn start_peer(port: u16, announce: bool) -> (Child, AgentInfo, RegionDescriptor)
         cmd.env("XFER_RECONNECT_ANNOUNCE", "1");
     }
     Child::spawn(cmd)
-}
-
-/// Whether the peer's region holds round `round`'s pattern (round 0: all zero).
-fn holds(p: &mut Child, round: u8) -> bool {
-    p.ask(&format!("check {round}")) == "ok"
 }
 
 /// The port of the peer's tcp rail (`tcp://127.0.0.1:PORT`).
@@ -172,11 +152,11 @@ fn main() {
         .unwrap()
         .wait(T)
         .expect("a first write");
-    assert!(holds(&mut p, 1));
+    assert!(p.holds(1));
     let prepared = a.prepare(&peer, &src, &desc, whole()).unwrap();
     mem.fill_with(pattern(2));
     a.post(&prepared).unwrap().wait(T).expect("a post");
-    assert!(holds(&mut p, 2));
+    assert!(p.holds(2));
     assert_eq!(reconnects(&a), 0);
 
     // 1. The connection killed under both processes (ss -K on ours).
@@ -191,7 +171,7 @@ fn main() {
         .expect("reconnected")
         .wait(T)
         .expect("the write after the reconnect");
-    assert!(holds(&mut p, 4), "every byte landed");
+    assert!(p.holds(4), "every byte landed");
     assert_eq!(reconnects(&a), 1);
     assert_eq!(peer.reconnects(), 1, "every clone of the peer sees it");
     // A plan of the old connection is refused, and works prepared again.
@@ -213,7 +193,7 @@ fn main() {
     let prepared = a.prepare(&peer, &src, &desc, whole()).unwrap();
     mem.fill_with(pattern(5));
     a.post(&prepared).unwrap().wait(T).expect("prepared again");
-    assert!(holds(&mut p, 5));
+    assert!(p.holds(5));
 
     // 2. The peer process killed and started again on the same address. The transfer that
     // meets the dead connection fails; the next one reconnects. Until the agent learns the
@@ -250,15 +230,12 @@ fn main() {
         .prepare(&peer, &src, &desc, whole())
         .expect_err("prepared through it neither");
     assert!(matches!(e, Error::StaleDescriptor { .. }), "{e:?}");
-    assert!(
-        holds(&mut p, 0),
-        "nothing of the new process's memory changed"
-    );
+    assert!(p.holds(0), "nothing of the new process's memory changed");
     write(&peer, &desc2, 9)
         .expect("the new process's descriptor")
         .wait(T)
         .expect("the write after the restart");
-    assert!(holds(&mut p, 9), "every byte landed in the new process");
+    assert!(p.holds(9), "every byte landed in the new process");
     let e = a
         .post(&prepared)
         .expect_err("planned on the old process's connection");
@@ -304,15 +281,12 @@ fn main() {
         info2.instance,
         "learned by the reconnect"
     );
-    assert!(
-        holds(&mut p, 0),
-        "nothing of the new process's memory changed"
-    );
+    assert!(p.holds(0), "nothing of the new process's memory changed");
     write(&desc2, 13)
         .expect("the new process's descriptor, with no call of the application")
         .wait(T)
         .expect("the write after the restart");
-    assert!(holds(&mut p, 13), "every byte landed in the new process");
+    assert!(p.holds(13), "every byte landed in the new process");
 
     println!(
         "reconnect: a killed connection and a restarted peer reconnected; stale descriptors \

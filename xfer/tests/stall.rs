@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::child::{self, Child};
+use common::child::{self, Child, pattern};
 use std::time::{Duration, Instant};
 use xfer::{Access, Agent, AgentOptions, ErrorKind, HostBuffer, TransportChoice, TransportKind};
 
@@ -25,35 +25,11 @@ fn options(name: &str) -> AgentOptions {
     }
 }
 
-fn pattern(round: u8) -> impl Fn(u64, &mut [u8]) {
-    move |at, chunk| {
-        for (i, b) in chunk.iter_mut().enumerate() {
-            *b = ((at + i as u64) % 251) as u8 ^ round;
-        }
-    }
-}
-
 /// The peer: announces its agent's and region's metadata, then answers each line
 /// `check N` with `ok` when its region holds round N's pattern, `bad` otherwise.
 fn peer() {
     let b = Agent::new(options("stopped-peer")).expect("the peer's agent");
-    let mem = HostBuffer::new_shared(LEN).expect("memory");
-    let r = b
-        .register(mem.clone(), Access::REMOTE_WRITE)
-        .expect("a region");
-    child::announce(b.info(), r.descriptor());
-    child::serve(|line| {
-        let round: u8 = line.trim_start_matches("check ").parse().expect("check N");
-        let want = HostBuffer::new_shared(LEN).unwrap();
-        want.fill_with(pattern(round));
-        let same = mem.to_vec(0, LEN).unwrap() == want.to_vec(0, LEN).unwrap();
-        if same { "ok" } else { "bad" }.into()
-    });
-}
-
-/// Whether the peer's region holds round `round`'s pattern.
-fn holds(p: &mut Child, round: u8) -> bool {
-    p.ask(&format!("check {round}")) == "ok"
+    child::serve_region(&b, LEN, child::holds_pattern);
 }
 
 fn main() {
@@ -96,7 +72,7 @@ fn main() {
             Err(e) => panic!("the transfer goes on once the peer does: {e}"),
         }
     }
-    assert!(holds(&mut p, 1), "every byte landed");
+    assert!(p.holds(1), "every byte landed");
 
     // A stall timeout longer than the stop: the wait only runs out; the transfer completes.
     mem.fill_with(pattern(2));
@@ -115,6 +91,6 @@ fn main() {
     assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
     p.signal(libc::SIGCONT);
     h.wait(T).expect("completes after SIGCONT");
-    assert!(holds(&mut p, 2), "every byte landed");
+    assert!(p.holds(2), "every byte landed");
     println!("stall: 2 cases passed (PeerStalled after {took:?} with a 300 ms stall timeout)");
 }

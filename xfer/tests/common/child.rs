@@ -5,7 +5,7 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{ChildStdin, ChildStdout, Command, Stdio};
-use xfer::{AgentInfo, RegionDescriptor};
+use xfer::{Access, Agent, AgentInfo, HostBuffer, MemoryRegion, RegionDescriptor};
 
 /// Prints an agent's and a region's metadata (hex), one line each, for the parent.
 pub fn announce(info: &AgentInfo, desc: &RegionDescriptor) {
@@ -23,6 +23,38 @@ pub fn serve(mut answer: impl FnMut(&str) -> String) {
         writeln!(out, "{}", answer(&line)).unwrap();
         out.flush().unwrap();
     }
+}
+
+/// The usual peer: registers `len` bytes of host memory on `agent` for peers to write,
+/// announces the agent and the region, then answers each line `check N` with `ok` when
+/// `holds(region, N)`, `bad` otherwise, until stdin closes ([`Child::holds`] asks).
+pub fn serve_region(agent: &Agent, len: usize, holds: impl Fn(&HostBuffer, u8) -> bool) {
+    let mem = HostBuffer::new_shared(len).expect("memory");
+    let r = agent
+        .register(mem.clone(), Access::REMOTE_WRITE)
+        .expect("a region");
+    announce(agent.info(), r.descriptor());
+    serve(|line| {
+        let round: u8 = line.trim_start_matches("check ").parse().expect("check N");
+        if holds(&mem, round) { "ok" } else { "bad" }.into()
+    });
+}
+
+/// Round `round`'s bytes, for [`HostBuffer::fill_with`]: the offset modulo 251 xored with
+/// the round, so that rounds and places differ.
+pub fn pattern(round: u8) -> impl Fn(u64, &mut [u8]) {
+    move |at, chunk| {
+        for (i, b) in chunk.iter_mut().enumerate() {
+            *b = ((at + i as u64) % 251) as u8 ^ round;
+        }
+    }
+}
+
+/// Whether `mem` holds round `round`'s [`pattern`] everywhere.
+pub fn holds_pattern(mem: &HostBuffer, round: u8) -> bool {
+    let want = HostBuffer::new(mem.len()).unwrap();
+    want.fill_with(pattern(round));
+    mem.to_vec(0, mem.len()).unwrap() == want.to_vec(0, mem.len()).unwrap()
 }
 
 /// The peer process; killed (after a SIGCONT, should it be stopped) when dropped.
@@ -72,6 +104,12 @@ impl Child {
         let mut l = String::new();
         self.stdout.read_line(&mut l).unwrap();
         l.trim().to_string()
+    }
+
+    /// Whether the peer's region holds round `round`'s bytes (its answer to `check N`, see
+    /// [`serve_region`]).
+    pub fn holds(&mut self, round: u8) -> bool {
+        self.ask(&format!("check {round}")) == "ok"
     }
 
     /// Sends the process signal `sig`.
