@@ -463,6 +463,15 @@ pub struct Notification {
     pub message: Option<Vec<u8>>,
 }
 
+/// The incarnation a peer's handshake announced at its addresses (tcp's CHALLENGE), where
+/// it is not `known`: the peer restarted there since `known` was learned.
+fn other_incarnation(links: &[(TransportKind, GroupPeer)], known: u64) -> Option<u64> {
+    links
+        .iter()
+        .find_map(|(_, g)| g.announced)
+        .filter(|&i| i != known)
+}
+
 /// A transfer's stall timeout and its peer's name.
 type Stall = Option<(Duration, String)>;
 
@@ -987,9 +996,7 @@ impl Agent {
         // Another incarnation than `peer` says answered at its addresses (it restarted
         // since `peer` was taken): that one is the peer, and descriptors of the one `peer`
         // describes are refused.
-        if let Some(i) = links.iter().find_map(|(_, g)| g.announced)
-            && i != info.instance
-        {
+        if let Some(i) = other_incarnation(&links, info.instance) {
             tracing::warn!(
                 peer = %info.name,
                 described_instance = format_args!("{:016x}", info.instance),
@@ -1091,9 +1098,11 @@ impl Agent {
                 // The peer's handshake says which incarnation answered at its addresses: one
                 // other than we knew restarted there. Its descriptors of before are refused
                 // from now on (`StaleDescriptor`), its new ones taken.
-                let announced = links.iter().find_map(|(_, g)| g.announced);
-                let restarted = info.is_none() && announced.is_some_and(|i| i != target.instance);
-                if let (true, Some(i)) = (restarted, announced) {
+                let restarted = info
+                    .is_none()
+                    .then(|| other_incarnation(&links, target.instance))
+                    .flatten();
+                if let Some(i) = restarted {
                     tracing::warn!(
                         peer = %cell.name,
                         previous_instance = format_args!("{:016x}", target.instance),
@@ -1106,7 +1115,7 @@ impl Agent {
                 now.links = links.clone();
                 now.removed = false;
                 let old = std::mem::replace(&mut now.info, target);
-                if renew || restarted {
+                if renew || restarted.is_some() {
                     self.know(&now.info);
                 }
                 let next = generation + 1;
