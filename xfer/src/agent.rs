@@ -5,6 +5,7 @@
 use crate::error::{Error, OptionName, Result};
 use crate::handle::Handle;
 use crate::lanes::{self, Lane};
+use crate::layers::AgentLayers;
 use crate::nics::{self, NicChoice};
 use crate::options::{AgentOptions, MemoryKind, Role, TransportChoice};
 use crate::placement::{CorePin, WorkerPins};
@@ -616,128 +617,7 @@ impl Agent {
     /// [`TransportChoice::Auto`]), each with its rails on the chosen NICs and its workers
     /// pinned.
     pub fn new(o: AgentOptions) -> Result<Agent> {
-        Agent::build(o, None)
-    }
-
-    /// [`Agent::new`] with each rail's core given or not
-    /// ([`AgentLayers::with_pins`](crate::layers::AgentLayers::with_pins)).
-    pub(crate) fn build(o: AgentOptions, pins: Option<Vec<Option<CorePin>>>) -> Result<Agent> {
-        // The token, read once (from its file, if given): every lane below sees it.
-        let mut o = o;
-        o.auth_token = o.token()?;
-        o.auth_token_file = None;
-        if let Some(r) = o.rails {
-            lanes::check_rails(r)?;
-        }
-        let kinds = kinds_for(&o)?;
-        let slot = crate::placement::plan_slot(o.memory == MemoryKind::Cuda, o.gpu, o.worker);
-        let worker_pins = WorkerPins::for_slot(o.pin, slot);
-        // Rails placed by the caller (an agent per GPU) have their home where the first
-        // one runs, on its GPU's node; else the role's core of the plan.
-        let home = match &pins {
-            Some(p) => p.first().copied().flatten(),
-            None => match o.role {
-                Role::Initiator => worker_pins.initiator,
-                Role::Target => worker_pins.target.or(worker_pins.initiator),
-            },
-        };
-        let id = AGENTS.fetch_add(1, Ordering::Relaxed);
-        let name = o
-            .name
-            .clone()
-            .unwrap_or_else(|| format!("xfer-{}-{id}", std::process::id()));
-        let mut lanes_built = Vec::new();
-        let instance = fabric_core::random_u64();
-        for kind in kinds {
-            let choice = lanes::nic_choice(&o, kind)?;
-            let rails = o.rails.unwrap_or(choice.default_rails(1));
-            lanes::check_rails(rails)?;
-            let rail_nics = choice.per_rail(rails);
-            let rail_pins = match &pins {
-                Some(p) => (0..rails).map(|i| p.get(i).copied().flatten()).collect(),
-                None => match o.role {
-                    Role::Initiator => worker_pins.rail_pins(worker_pins.initiator, rails, 0),
-                    Role::Target => worker_pins.serve_pins(rails),
-                },
-            };
-            let group = lanes::spawn(
-                kind,
-                &o,
-                rails,
-                &rail_nics,
-                rail_pins,
-                &format!("xfer-{}-{}", kind.name(), o.worker),
-                instance,
-            )?;
-            lanes_built.push(Lane {
-                kind,
-                group: Arc::new(group),
-                nics: choice,
-            });
-        }
-        lanes::check_exposure(&o, &lanes_built, &name)?;
-        let memory = match o.memory {
-            MemoryKind::Host => MemoryLocation::Host,
-            MemoryKind::Cuda => MemoryLocation::Cuda { device: o.gpu },
-        };
-        let boot_id = transport_cuda_ipc::boot_id().unwrap_or_default();
-        let mut info = AgentInfo::new(&name, &boot_id, memory);
-        // The incarnation the tcp rails announced in their handshakes.
-        info.instance = instance;
-        info.hostname = hostname();
-        info.net_namespace = net_namespace();
-        info.control = o.control.clone();
-        info.transports = lanes_built
-            .iter()
-            .map(|l| TransportInfo {
-                kind: l.kind,
-                provider: (l.kind == TransportKind::Efa)
-                    .then(|| o.efa.provider.clone())
-                    .flatten(),
-                rails: l.group.addresses(),
-                nics: if l.nics.nics.is_empty() {
-                    Vec::new()
-                } else {
-                    l.group
-                        .rail_nics()
-                        .iter()
-                        .map(|n| n.clone().unwrap_or_default())
-                        .collect()
-                },
-            })
-            .collect();
-        let mut a = Agent::assemble(info, lanes_built, home);
-        if let Some(inner) = Arc::get_mut(&mut a.inner) {
-            inner.stall = o.workers.stall_timeout;
-        }
-        Ok(a)
-    }
-
-    /// An agent over rail groups made elsewhere
-    /// ([`AgentLayers::from_groups`](crate::layers::AgentLayers::from_groups)).
-    pub(crate) fn over_groups(
-        name: &str,
-        memory: MemoryLocation,
-        groups: Vec<(TransportKind, RailGroup)>,
-    ) -> Result<Agent> {
-        let lanes: Vec<Lane> = groups
-            .into_iter()
-            .map(|(kind, g)| Lane {
-                kind,
-                group: Arc::new(g),
-                nics: NicChoice::unbound("made by the caller"),
-            })
-            .collect();
-        let boot_id = transport_cuda_ipc::boot_id().unwrap_or_default();
-        let mut info = AgentInfo::new(name, &boot_id, memory);
-        info.hostname = hostname();
-        info.net_namespace = net_namespace();
-        info.transports = lanes
-            .iter()
-            .map(|l| TransportInfo::new(l.kind, l.group.addresses()))
-            .collect();
-        info.check()?;
-        Ok(Agent::assemble(info, lanes, None))
+        <Agent as AgentLayers>::with_pins(o, None)
     }
 
     /// The agent of `info` over `lanes`.
@@ -799,16 +679,6 @@ impl Agent {
     /// The transports it offers, in the order they are tried.
     pub fn transports(&self) -> Vec<TransportKind> {
         self.inner.lanes.iter().map(|l| l.kind).collect()
-    }
-
-    /// Transport `kind`'s lane, if the agent offers it.
-    pub(crate) fn lane_of(&self, kind: TransportKind) -> Option<&Lane> {
-        self.lane(kind).ok()
-    }
-
-    /// The core its workers run near, if placed.
-    pub(crate) fn home_core(&self) -> Option<CorePin> {
-        self.inner.home
     }
 
     fn lane(&self, kind: TransportKind) -> Result<&Lane> {
@@ -1503,6 +1373,138 @@ impl Agent {
                 .map(|l| (l.kind, l.group.stats()))
                 .collect(),
         }
+    }
+}
+
+/// The layers' calls ([`AgentLayers`]): here, beside the agent's fields.
+impl AgentLayers for Agent {
+    fn with_pins(o: AgentOptions, pins: Option<Vec<Option<CorePin>>>) -> Result<Agent> {
+        // The token, read once (from its file, if given): every lane below sees it.
+        let mut o = o;
+        o.auth_token = o.token()?;
+        o.auth_token_file = None;
+        if let Some(r) = o.rails {
+            lanes::check_rails(r)?;
+        }
+        let kinds = kinds_for(&o)?;
+        let slot = crate::placement::plan_slot(o.memory == MemoryKind::Cuda, o.gpu, o.worker);
+        let worker_pins = WorkerPins::for_slot(o.pin, slot);
+        // Rails placed by the caller (an agent per GPU) have their home where the first
+        // one runs, on its GPU's node; else the role's core of the plan.
+        let home = match &pins {
+            Some(p) => p.first().copied().flatten(),
+            None => match o.role {
+                Role::Initiator => worker_pins.initiator,
+                Role::Target => worker_pins.target.or(worker_pins.initiator),
+            },
+        };
+        let id = AGENTS.fetch_add(1, Ordering::Relaxed);
+        let name = o
+            .name
+            .clone()
+            .unwrap_or_else(|| format!("xfer-{}-{id}", std::process::id()));
+        let mut lanes_built = Vec::new();
+        let instance = fabric_core::random_u64();
+        for kind in kinds {
+            let choice = lanes::nic_choice(&o, kind)?;
+            let rails = o.rails.unwrap_or(choice.default_rails(1));
+            lanes::check_rails(rails)?;
+            let rail_nics = choice.per_rail(rails);
+            let rail_pins = match &pins {
+                Some(p) => (0..rails).map(|i| p.get(i).copied().flatten()).collect(),
+                None => match o.role {
+                    Role::Initiator => worker_pins.rail_pins(worker_pins.initiator, rails, 0),
+                    Role::Target => worker_pins.serve_pins(rails),
+                },
+            };
+            let group = lanes::spawn(
+                kind,
+                &o,
+                rails,
+                &rail_nics,
+                rail_pins,
+                &format!("xfer-{}-{}", kind.name(), o.worker),
+                instance,
+            )?;
+            lanes_built.push(Lane {
+                kind,
+                group: Arc::new(group),
+                nics: choice,
+            });
+        }
+        lanes::check_exposure(&o, &lanes_built, &name)?;
+        let memory = match o.memory {
+            MemoryKind::Host => MemoryLocation::Host,
+            MemoryKind::Cuda => MemoryLocation::Cuda { device: o.gpu },
+        };
+        let boot_id = transport_cuda_ipc::boot_id().unwrap_or_default();
+        let mut info = AgentInfo::new(&name, &boot_id, memory);
+        // The incarnation the tcp rails announced in their handshakes.
+        info.instance = instance;
+        info.hostname = hostname();
+        info.net_namespace = net_namespace();
+        info.control = o.control.clone();
+        info.transports = lanes_built
+            .iter()
+            .map(|l| TransportInfo {
+                kind: l.kind,
+                provider: (l.kind == TransportKind::Efa)
+                    .then(|| o.efa.provider.clone())
+                    .flatten(),
+                rails: l.group.addresses(),
+                nics: if l.nics.nics.is_empty() {
+                    Vec::new()
+                } else {
+                    l.group
+                        .rail_nics()
+                        .iter()
+                        .map(|n| n.clone().unwrap_or_default())
+                        .collect()
+                },
+            })
+            .collect();
+        let mut a = Agent::assemble(info, lanes_built, home);
+        if let Some(inner) = Arc::get_mut(&mut a.inner) {
+            inner.stall = o.workers.stall_timeout;
+        }
+        Ok(a)
+    }
+
+    fn from_groups(
+        name: &str,
+        memory: MemoryLocation,
+        groups: Vec<(TransportKind, RailGroup)>,
+    ) -> Result<Agent> {
+        let lanes: Vec<Lane> = groups
+            .into_iter()
+            .map(|(kind, g)| Lane {
+                kind,
+                group: Arc::new(g),
+                nics: NicChoice::unbound("made by the caller"),
+            })
+            .collect();
+        let boot_id = transport_cuda_ipc::boot_id().unwrap_or_default();
+        let mut info = AgentInfo::new(name, &boot_id, memory);
+        info.hostname = hostname();
+        info.net_namespace = net_namespace();
+        info.transports = lanes
+            .iter()
+            .map(|l| TransportInfo::new(l.kind, l.group.addresses()))
+            .collect();
+        info.check()?;
+        Ok(Agent::assemble(info, lanes, None))
+    }
+
+    fn group(&self, kind: TransportKind) -> Option<&Arc<RailGroup>> {
+        self.lane(kind).ok().map(|l| &l.group)
+    }
+
+    fn nics(&self, kind: TransportKind) -> Option<&NicChoice> {
+        self.lane(kind).ok().map(|l| &l.nics)
+    }
+
+    fn home(&self) -> Option<CorePin> {
+        self.inner.home
     }
 }
 

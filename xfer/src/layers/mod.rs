@@ -1,8 +1,8 @@
-//! The layers under the [`Agent`]: reachable, not needed by most programs.
+//! The layers under the [`Agent`](crate::Agent): reachable, not needed by most programs.
 //!
-//! A program holds an [`Agent`] and the types at the crate root. What is here is how an
-//! agent is built, for tools that report on it or build agents of their own (the `xfer`
-//! command uses every part of it):
+//! A program holds an [`Agent`](crate::Agent) and the types at the crate root. What is
+//! here is how an agent is built, for tools that report on it or build agents of their own
+//! (the `xfer` command uses every part of it):
 //!
 //! - [`lanes`]: one transport of an agent as a rail group of that backend, built from
 //!   [`AgentOptions`] (the one place where backends are made);
@@ -17,7 +17,7 @@
 //! (`transport-tcp`, `transport-efa`, `transport-cuda-ipc`, `fabric_core::mem`) and
 //! `directory` (the cluster directory's backends and records).
 
-use crate::{Agent, AgentOptions, Result};
+use crate::{AgentOptions, Result};
 use fabric_core::MemoryLocation;
 use fabric_core::engine::RailGroup;
 use fabric_core::metadata::TransportKind;
@@ -28,10 +28,12 @@ pub mod nics;
 pub mod placement;
 pub mod raw_auth;
 
-/// An [`Agent`]'s layers: import the trait (`use xfer::layers::AgentLayers`) to reach them.
+/// An [`Agent`](crate::Agent)'s layers: import the trait (`use xfer::layers::AgentLayers`)
+/// to reach them.
 pub trait AgentLayers: Sized {
-    /// As [`Agent::new`], with each rail's core given (`pins[i]` for rail `i`; several
-    /// agents of one process placed together, one per GPU, take distinct cores). Its
+    /// As [`Agent::new`](crate::Agent::new), with each rail's core given (`pins[i]` for
+    /// rail `i`; several agents of one process placed together, one per GPU, take distinct
+    /// cores). Its
     /// [`home`](AgentLayers::home) is then the first rail's core.
     fn with_pins(o: AgentOptions, pins: Option<Vec<Option<placement::CorePin>>>) -> Result<Self>;
 
@@ -54,32 +56,6 @@ pub trait AgentLayers: Sized {
     fn nics(&self, kind: TransportKind) -> Option<&nics::NicChoice>;
 
     /// The core whose NUMA node this agent's workers run on: allocate its memory from a
-    /// thread that prefers it ([`CorePin::prefer_memory_here`](placement::CorePin::prefer_memory_here)).
+    /// thread that prefers it ([`prefer_memory_here`](placement::CorePin::prefer_memory_here)).
     fn home(&self) -> Option<placement::CorePin>;
-}
-
-impl AgentLayers for Agent {
-    fn with_pins(o: AgentOptions, pins: Option<Vec<Option<placement::CorePin>>>) -> Result<Agent> {
-        Agent::build(o, pins)
-    }
-
-    fn from_groups(
-        name: &str,
-        memory: MemoryLocation,
-        groups: Vec<(TransportKind, RailGroup)>,
-    ) -> Result<Agent> {
-        Agent::over_groups(name, memory, groups)
-    }
-
-    fn group(&self, kind: TransportKind) -> Option<&Arc<RailGroup>> {
-        self.lane_of(kind).map(|l| &l.group)
-    }
-
-    fn nics(&self, kind: TransportKind) -> Option<&nics::NicChoice> {
-        self.lane_of(kind).map(|l| &l.nics)
-    }
-
-    fn home(&self) -> Option<placement::CorePin> {
-        self.home_core()
-    }
 }

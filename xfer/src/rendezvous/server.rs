@@ -3,6 +3,7 @@
 
 use super::door::{self, Door, DoorLimits};
 use super::{AUTH_CONTEXT, Envelope, FULL_RETRY, Greeting, MAX_HELLO, PROOF_CONTEXT, VERSION};
+use crate::layers::AgentLayers;
 use crate::{Agent, resolve};
 use fabric_core::metadata::{AgentInfo, RegionDescriptor, TransportKind};
 use serde::{Deserialize, Serialize};
@@ -633,7 +634,7 @@ fn run_door<S: Service>(
                 .name("xfer-rendezvous".into())
                 .spawn(move || {
                     let agent = &agents[hello.worker.unwrap_or(0) as usize];
-                    if let Some(p) = agent.home_core() {
+                    if let Some(p) = agent.home() {
                         p.prefer_memory_here("xfer-rendezvous");
                     }
                     let c = Conn {
